@@ -1,0 +1,118 @@
+"""The environment protocol every LEAFE environment implements, and rollback on top of it.
+
+An environment is a synchronous step function with a task catalogue. Rollback returns it to the state
+before step tau of some branch: with ``snapshot()``/``restore()`` where the state copies cheaply, else by
+deterministic replay (``reset`` + re-executing the action prefix). :func:`rollback_to` hides the choice
+and reports what it cost. Environments never raise on a bad action: they answer with feedback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import msgspec
+
+__all__ = ["Env", "EnvError", "Reset", "RollbackResult", "Transition", "rollback_to"]
+
+
+class EnvError(RuntimeError):
+    """The environment itself failed (crashed backend, unknown task id); not a bad action."""
+
+
+class Reset(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``reset`` returns."""
+
+    task: str
+    """Task text q shown to the agent."""
+    observation: str
+    """Initial observation o_0."""
+
+
+class Transition(msgspec.Struct, frozen=True, kw_only=True):
+    """The environment's answer to one action."""
+
+    observation: str
+    """Observation after the action."""
+    reward: float = 0.0
+    """Reward of this transition."""
+    done: bool = False
+    """The episode is over (success, irreversible failure or the env's own limit)."""
+    success: bool = False
+    """The task is solved."""
+    feedback: str = ""
+    """Short text for the agent (invalid action, bumped a wall, test failure...)."""
+    valid: bool = True
+    """False when the action was not understood or not allowed (nothing changed)."""
+    score: float = 0.0
+    """Task score so far (env-specific scale; ScienceWorld points, tests passed...)."""
+
+
+class RollbackResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What a rollback did."""
+
+    observation: str
+    """Observation of the restored state (o_tau)."""
+    method: Literal["snapshot", "replay"]
+    """How the state was restored."""
+    replay_steps: int
+    """Environment steps spent replaying (0 for a snapshot)."""
+
+
+@runtime_checkable
+class Env(Protocol):
+    """A LEAFE environment. One instance plays one episode at a time; not thread-safe."""
+
+    name: str
+    """Registry name (``sokoban``, ``scienceworld``, ``textworld-cooking``, ``humaneval``)."""
+    instructions: str
+    """System prompt for the agent: rules and the exact action format."""
+    supports_snapshot: bool
+    """True when ``snapshot``/``restore`` are cheap and exact."""
+
+    def tasks(self, split: str) -> list[str]:
+        """Task ids of a split (``train`` or ``test``); seeded, stable and disjoint across splits."""
+        ...
+
+    def reset(self, task_id: str) -> Reset:
+        """Start ``task_id`` from its initial state."""
+        ...
+
+    def step(self, action: str) -> Transition:
+        """Apply one action (free text; invalid actions yield feedback, never an exception)."""
+        ...
+
+    def valid_actions(self) -> list[str] | None:
+        """Currently valid actions where the environment knows them, else ``None``."""
+        ...
+
+    def snapshot(self) -> Any:
+        """Opaque copy of the current state (only when ``supports_snapshot``)."""
+        ...
+
+    def restore(self, snapshot: Any) -> str:
+        """Restore a ``snapshot``; returns the observation of that state."""
+        ...
+
+    def close(self) -> None:
+        """Release processes, files and other resources."""
+        ...
+
+
+def rollback_to(
+    env: Env,
+    task_id: str,
+    prefix_actions: Sequence[str],
+    snapshot: Any | None = None,
+) -> RollbackResult:
+    """Put ``env`` in the state reached from ``task_id``'s start after ``prefix_actions``.
+
+    Uses ``snapshot`` (taken in that state) when given and supported, else resets and replays the
+    prefix; ``replay_steps`` reports the env steps that cost.
+    """
+    if snapshot is not None and env.supports_snapshot:
+        return RollbackResult(observation=env.restore(snapshot), method="snapshot", replay_steps=0)
+    obs = env.reset(task_id).observation
+    for action in prefix_actions:
+        obs = env.step(action).observation
+    return RollbackResult(observation=obs, method="replay", replay_steps=len(prefix_actions))

@@ -1,0 +1,266 @@
+"""Typed events of the LEAFE log (the `LEAFE_EVENTS` and `LEAFE_WEIGHTS` streams).
+
+Every event is a frozen, kw_only msgspec Struct tagged by ``kind``. Episode events share
+:class:`EpisodeEventBase`; ``WeightsPublished`` lives on its own stream. Rules that keep old logs
+readable: fields are only ever *added*, and always with a default.
+
+Where each event is produced and consumed:
+
+| event            | produced by                    | consumed by                               |
+|------------------|--------------------------------|-------------------------------------------|
+| EpisodeStarted   | actors/explorer, actors/rollout| learner/materializers, leafe log inspect  |
+| Step             | actors/explorer, actors/rollout| learner/materializers (history + targets) |
+| Reflection       | actors/explorer                | learner/materializers (Branch provenance) |
+| Rollback         | actors/explorer                | reports (replay cost)                     |
+| Branch           | actors/explorer                | learner/materializers (counterfactuals)   |
+| Outcome          | actors/explorer, actors/rollout| learner/materializers (emit samples)      |
+| EpisodeFinished  | actors/explorer, actors/rollout| learner/materializers (close the episode) |
+| WeightsPublished | services/learner               | services/weight_sync, services/actor      |
+
+Branch geometry: the root branch is ``"b0"``. A branch ``b`` with parent ``p`` and rollback point
+``tau`` shares ``p``'s steps ``0..tau-1``; its own steps start at ``t = tau``. ``h_t`` of any branch is
+rebuilt from the log alone (see ``protocol.prompt``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+__all__ = [
+    "ROOT_BRANCH",
+    "Branch",
+    "EpisodeEvent",
+    "EpisodeEventBase",
+    "EpisodeFinished",
+    "EpisodeStarted",
+    "Mode",
+    "Outcome",
+    "OutcomeReason",
+    "Reflection",
+    "ReflectionTrigger",
+    "Rollback",
+    "RollbackMethod",
+    "Step",
+    "WeightsPublished",
+    "event_id_for",
+]
+
+ROOT_BRANCH = "b0"
+"""Id of the first branch of every episode."""
+
+Mode = Literal["explore", "rollout", "eval"]
+ReflectionTrigger = Literal["periodic", "failure", "horizon"]
+RollbackMethod = Literal["snapshot", "replay"]
+OutcomeReason = Literal["success", "env_done", "horizon", "budget", "error"]
+
+
+def event_id_for(episode_id: str, seq: int) -> str:
+    """Deterministic event id: a retried publish of the same event carries the same id (NATS dedupe)."""
+    return f"{episode_id}.{seq:06d}"
+
+
+class EpisodeEventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    """Fields every episode event carries."""
+
+    event_id: str
+    """Deterministic id, ``<episode_id>.<seq:06d>``; used as ``Nats-Msg-Id``."""
+    run_id: str
+    """Run this event belongs to (also the second token of the subject)."""
+    episode_id: str
+    """Episode id, unique per (task assignment, delivery attempt): a redelivered task gets a new one."""
+    actor_id: str
+    """Actor process that produced the event."""
+    seq: int
+    """0-based position of this event within its episode (EpisodeStarted is 0)."""
+    policy_version: str = "default"
+    """Weight version of the engine that produced the event (SGLang's ``weight_version``)."""
+    ts: float = 0.0
+    """Wall-clock time of production, seconds since the Unix epoch. Never used for ordering."""
+
+
+class EpisodeStarted(EpisodeEventBase, frozen=True, kw_only=True, tag="episode_started"):
+    """An actor began an episode (explore tree, plain rollout or evaluation sample)."""
+
+    task_key: str
+    """Id of the task assignment message (``TaskAssignment.task_key``) this episode serves."""
+    env: str
+    """Environment registry name, e.g. ``sokoban``."""
+    task_id: str
+    """Environment-level task id (stable across runs), e.g. ``sokoban/train/00017``."""
+    split: str
+    """``train`` or ``test``."""
+    seed: int
+    """Sampling seed of the episode."""
+    mode: Mode
+    """``explore`` (LEAFE tree), ``rollout`` (plain sample for GRPO/RFT) or ``eval``."""
+    task: str
+    """Task text q shown to the agent."""
+    observation: str
+    """Initial observation o_0."""
+    instructions: str
+    """System prompt (action format, rules) the agent was given; part of every prompt."""
+    prompt_format: str = "leafe-chat-v1"
+    """Version of ``protocol.prompt`` used to render prompts for this episode."""
+    history_window: int = 0
+    """How many past (action, observation) pairs are shown in a prompt; 0 = all."""
+    group_id: str | None = None
+    """Groups plain rollouts of one task for GRPO; ``None`` outside a group."""
+    group_size: int = 1
+    """Number of episodes in ``group_id``."""
+    config_digest: str = ""
+    """sha256 of the actor's resolved configuration (for provenance)."""
+    attempt: int = 1
+    """Delivery attempt of the task assignment (2+ means an earlier attempt was abandoned)."""
+
+
+class Step(EpisodeEventBase, frozen=True, kw_only=True, tag="step"):
+    """One policy action a_t on a branch and the environment's answer."""
+
+    branch_id: str
+    """Branch the step belongs to."""
+    t: int
+    """Step index within the branch's full history (inherited prefix included)."""
+    action: str | None
+    """Parsed, canonical action; ``None`` when the completion could not be parsed."""
+    raw_text: str
+    """The completion text as the engine returned it."""
+    token_ids: list[int]
+    """Exact completion token ids (SGLang ``output_ids``); the training target."""
+    logprobs: list[float] | None = None
+    """Behaviour log-probabilities of ``token_ids`` when the engine returned them."""
+    observation: str
+    """Observation o_{t+1} after the action."""
+    reward: float = 0.0
+    """Reward of this transition."""
+    done: bool = False
+    """The environment ended the episode on this step."""
+    success: bool = False
+    """The task is solved after this step."""
+    feedback: str = ""
+    """Environment feedback for the agent (e.g. "invalid action: ..."); empty when none."""
+    parse_ok: bool = True
+    """False when no valid action was found in ``raw_text`` (the step is an invalid action)."""
+    experience_in_context: bool = False
+    """Whether the branch's experience e was in the prompt of this step."""
+    prompt_tokens: int = 0
+    """Length of the prompt in tokens."""
+    prompt_sha256: str = ""
+    """sha256 of the prompt token ids sent to the engine (lets replay verify it rebuilt the prompt)."""
+    finish_reason: str = ""
+    """Engine finish reason: ``stop``, ``length`` or ``abort``."""
+
+
+class Reflection(EpisodeEventBase, frozen=True, kw_only=True, tag="reflection"):
+    """The policy reflected on a branch and named the faulty step tau and an experience e."""
+
+    branch_id: str
+    """Branch reflected upon."""
+    at_t: int
+    """Length of the branch's history when reflecting (number of steps taken)."""
+    trigger: ReflectionTrigger
+    """Why: every K steps, on failure, or at the horizon."""
+    tau: int
+    """Step whose action was the mistake, after clamping to ``0..at_t-1``."""
+    experience: str
+    """Short diagnosis-and-fix instruction e (empty when it could not be parsed)."""
+    raw_text: str
+    """The reflection completion as the engine returned it."""
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    """Exact completion token ids of the reflection."""
+    parse_ok: bool = True
+    """False when the tagged answer could not be fully parsed (see ``flags``)."""
+    flags: list[str] = msgspec.field(default_factory=list)
+    """Parse notes: ``tau_missing``, ``tau_clamped``, ``experience_missing``..."""
+
+
+class Rollback(EpisodeEventBase, frozen=True, kw_only=True, tag="rollback"):
+    """The environment was returned to the state before step tau of ``from_branch``."""
+
+    from_branch: str
+    """Branch whose prefix was restored."""
+    tau: int
+    """Restored state is the one before action a_tau (after tau actions)."""
+    method: RollbackMethod
+    """``snapshot`` (state copy) or ``replay`` (reset + re-executing a_0..a_{tau-1})."""
+    replay_steps: int = 0
+    """Environment steps spent replaying (0 for snapshots)."""
+
+
+class Branch(EpisodeEventBase, frozen=True, kw_only=True, tag="branch"):
+    """A new branch opened at tau of its parent, with the reflection's experience in context."""
+
+    branch_id: str
+    """New branch id."""
+    parent_branch_id: str
+    """Branch whose steps ``0..tau-1`` the new one shares."""
+    tau: int
+    """First step index that belongs to the new branch."""
+    reflection_event_id: str
+    """Event id of the Reflection that produced e."""
+    experience: str
+    """The experience e put in context (copied from the Reflection for self-contained replay)."""
+    depth: int
+    """Depth in the exploration tree (root = 0)."""
+
+
+class Outcome(EpisodeEventBase, frozen=True, kw_only=True, tag="outcome"):
+    """A branch ended. Exactly one per branch."""
+
+    branch_id: str
+    """Branch that ended."""
+    success: bool
+    """The task was solved on this branch."""
+    score: float = 0.0
+    """Environment score (e.g. ScienceWorld points, fraction of tests passed)."""
+    steps: int = 0
+    """Length of the branch's full history (inherited prefix included)."""
+    reason: OutcomeReason = "env_done"
+    """Why the branch ended."""
+    error: str = ""
+    """Error text when ``reason == "error"``."""
+
+
+class EpisodeFinished(EpisodeEventBase, frozen=True, kw_only=True, tag="episode_finished"):
+    """The episode is complete: every branch has its Outcome. Its absence marks an abandoned episode."""
+
+    success: bool
+    """Any branch succeeded."""
+    branches: int = 1
+    """Number of branches in the tree."""
+    actions: int = 0
+    """Policy actions taken (the interaction budget spent), reflections excluded."""
+    reflections: int = 0
+    """Reflection calls made."""
+    replay_steps: int = 0
+    """Environment steps spent replaying prefixes for rollbacks."""
+    parse_failures: int = 0
+    """Completions that contained no valid action."""
+
+
+EpisodeEvent = EpisodeStarted | Step | Reflection | Rollback | Branch | Outcome | EpisodeFinished
+"""Everything on the events stream."""
+
+
+class WeightsPublished(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="weights_published"):
+    """The learner exported a new weight version (on the ``LEAFE_WEIGHTS`` stream)."""
+
+    event_id: str
+    """Deterministic id ``weights.<version>``."""
+    run_id: str
+    """Run id."""
+    version: str
+    """New weight version, e.g. ``v000012``; engines report it as ``weight_version``."""
+    uri: str
+    """Directory (local path or mounted volume) of the HF safetensors export."""
+    manifest_sha256: str
+    """sha256 of the export's ``manifest.json`` (which lists every file's sha256)."""
+    learner_step: int
+    """Optimizer step that produced the weights."""
+    base_model: str
+    """Model the run started from."""
+    samples_seq: int = 0
+    """Last samples-stream sequence trained on before the export."""
+    ts: float = 0.0
+    """Wall-clock time of the export."""

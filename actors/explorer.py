@@ -1,0 +1,393 @@
+"""LEAFE Stage 1: one episode's exploration tree with reflection, rollback and branching.
+
+```
+ root b0 ──a0──a1──a2──a3──a4── ... ──(done / horizon)            every K own steps, and when a branch
+             │         └─ Reflection(tau=2, e) ─► queue            fails or hits the horizon, the same
+             └─ Reflection(tau=1, e') ─► queue                     policy names (tau, e); the request waits
+ queue (BFS): pop ─► Rollback(env to tau: snapshot | replay) ─► Branch(b_n, parent, tau, e) ─► steps ...
+```
+
+A branch with parent p and rollback point tau shares p's path steps ``0..tau-1``; its own steps start at
+``t = tau`` and e is in its prompts (only a'_tau's with ``experience_scope = "first_step"``). Requests are
+served breadth-first until the queue is empty, the attempt budget (``max_branches``), the interaction
+budget (``max_actions``) or, optionally, the first success stops the episode. ``max_depth`` bounds the
+tree: a branch at that depth does not reflect. Every branch ends with exactly one Outcome and the episode
+with EpisodeFinished; a Reflection comes before its branch's Outcome, a Branch after its Reflection and
+Rollback and before its first Step.
+
+The prompt of step t is ``render_messages`` of the path's first t steps and o_t (the recorded observation
+of step t-1, or o_0), tokenized by the injected ``ChatTokenizer``; ``Step.prompt_sha256`` lets the replayer
+prove it rebuilt it. An unparseable completion is a policy action with no env step (``action=None``,
+feedback says why); rollback replay skips those. An ``EnvError`` ends the episode with an ``error``
+Outcome; an ``EngineError`` propagates (the episode stays unfinished, i.e. abandoned, and is retried).
+
+Run one in-process: ``await Explorer(engine=..., tokenizer=..., env=..., config=ExplorerConfig.for_env(
+"sokoban"), sink=ListSink(), spec=EpisodeSpec(...)).run()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+import structlog
+
+from actors.config import ExplorerConfig
+from actors.engine import Completion, Engine, EngineError, SamplingParams
+from actors.episode import EpisodeRecorder, EpisodeSpec, EpisodeSummary, EventSink
+from actors.parsing import invalid_action_feedback, parse_action, parse_reflection
+from actors.prompts import render_reflection_messages
+from envs.base import Env, EnvError, Transition, rollback_to
+from protocol.events import (
+    ROOT_BRANCH,
+    Branch,
+    EpisodeFinished,
+    EpisodeStarted,
+    Outcome,
+    OutcomeReason,
+    Reflection,
+    ReflectionTrigger,
+    Rollback,
+    Step,
+)
+from protocol.prompt import PROMPT_FORMAT, ChatTokenizer, HistoryEntry, prompt_sha256, render_messages
+
+__all__ = ["Explorer", "PathStep"]
+
+log = structlog.get_logger(__name__)
+R = TypeVar("R")
+
+
+@dataclass(slots=True, frozen=True)
+class PathStep:
+    """One step on a branch's path, as the agent's history shows it plus its outcome."""
+
+    entry: HistoryEntry
+    score: float
+    done: bool
+    success: bool
+
+
+@dataclass(slots=True)
+class _Branch:
+    branch_id: str
+    depth: int
+    tau: int
+    experience: str | None
+    path: list[PathStep]
+    snapshots: list[Any]
+    """``snapshots[t]``: env state after t actions of ``path`` (empty when snapshots are unsupported)."""
+
+
+@dataclass(slots=True, frozen=True)
+class _Request:
+    parent: _Branch
+    tau: int
+    experience: str
+    reflection_event_id: str
+
+
+@dataclass(slots=True)
+class _Counters:
+    actions: int = 0
+    reflections: int = 0
+    replay_steps: int = 0
+    parse_failures: int = 0
+    branches: int = 0
+    calls: int = 0
+    diverged: int = 0
+    success: bool = False
+    stopped: bool = False
+    error: str = ""
+    queue: deque[_Request] = field(default_factory=deque)
+
+
+class Explorer:
+    """Runs one episode's LEAFE tree (or, with ``ExplorerConfig.from_rollout``, one plain rollout)."""
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        tokenizer: ChatTokenizer,
+        env: Env,
+        config: ExplorerConfig,
+        sink: EventSink,
+        spec: EpisodeSpec,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.env = env
+        self.cfg = config
+        self.spec = spec
+        kwargs = {"clock": clock} if clock is not None else {}
+        self.rec = EpisodeRecorder(
+            sink, run_id=spec.run_id, episode_id=spec.episode_id, actor_id=spec.actor_id, **kwargs
+        )
+        self.n = _Counters()
+        self.task = ""
+        self.o0 = ""
+        self.log = log.bind(episode_id=spec.episode_id, task_id=spec.task_id, mode=spec.mode)
+
+    async def run(self) -> EpisodeSummary:
+        """Play the whole tree; returns the figures that ``EpisodeFinished`` records."""
+        root = await self._start()
+        await self._run_branch(root)
+        while self.n.queue and not self.n.stopped:
+            if self.n.actions >= self.cfg.max_actions:
+                break
+            branch = await self._open(self.n.queue.popleft())
+            if branch is not None:
+                await self._run_branch(branch)
+        if self.n.queue:
+            self.log.debug("actor.episode.dropped_requests", dropped=len(self.n.queue))
+        return await self._finish()
+
+    async def _env(self, fn: Callable[..., R], *args: Any) -> R:
+        if self.cfg.env_in_thread:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
+    async def _start(self) -> _Branch:
+        reset = await self._env(self.env.reset, self.spec.task_id)
+        self.task, self.o0 = reset.task, reset.observation
+        self.rec.policy_version = await self.engine.weight_version()
+        s = self.spec
+        await self.rec.emit(
+            EpisodeStarted,
+            task_key=s.task_key,
+            env=s.env,
+            task_id=s.task_id,
+            split=s.split,
+            seed=s.seed,
+            mode=s.mode,
+            task=self.task,
+            observation=self.o0,
+            instructions=self.env.instructions,
+            prompt_format=PROMPT_FORMAT,
+            history_window=self.cfg.history_window,
+            group_id=s.group_id,
+            group_size=s.group_size,
+            config_digest=s.config_digest,
+            attempt=s.attempt,
+        )
+        snaps = [await self._env(self.env.snapshot)] if self.env.supports_snapshot else []
+        self.n.branches = 1
+        return _Branch(ROOT_BRANCH, depth=0, tau=0, experience=None, path=[], snapshots=snaps)
+
+    async def _generate(self, ids: list[int], params: SamplingParams, logprob: bool) -> Completion:
+        completions = await self.engine.generate(ids, params, n=1, return_logprob=logprob)
+        if len(completions) != 1:
+            raise EngineError(f"engine returned {len(completions)} completions for n=1")
+        self.rec.policy_version = completions[0].weight_version
+        return completions[0]
+
+    def _params(self, *, reflect: bool) -> SamplingParams:
+        self.n.calls += 1
+        seed = (self.spec.seed * 1_000_003 + self.n.calls) % (2**31) if self.cfg.seeded_sampling else None
+        return self.cfg.reflection_params(seed) if reflect else self.cfg.action_params(seed)
+
+    async def _run_branch(self, b: _Branch) -> None:
+        reason: OutcomeReason | None = None
+        while reason is None:
+            if self.n.actions >= self.cfg.max_actions:
+                reason = "budget"
+                break
+            try:
+                step = await self._act(b)
+            except EnvError as e:
+                self.n.error = f"{type(e).__name__}: {e}"
+                self.n.stopped = True
+                reason = "error"
+                break
+            if step.success:
+                reason = "success"
+            elif step.done:
+                reason = "env_done"
+            elif len(b.path) >= self.cfg.horizon:
+                reason = "horizon"
+            elif self.cfg.k and (len(b.path) - b.tau) % self.cfg.k == 0:
+                await self._reflect(b, "periodic")
+        if reason in ("env_done", "horizon"):
+            await self._reflect(b, "failure" if reason == "env_done" else "horizon")
+        await self._outcome(b, reason)
+
+    async def _outcome(self, b: _Branch, reason: OutcomeReason) -> None:
+        last = b.path[-1] if b.path else None
+        success = reason == "success"
+        if success:
+            self.n.success = True
+            self.n.stopped = self.n.stopped or self.cfg.stop_on_first_success
+        await self.rec.emit(
+            Outcome,
+            branch_id=b.branch_id,
+            success=success,
+            score=last.score if last else 0.0,
+            steps=len(b.path),
+            reason=reason,
+            error=self.n.error if reason == "error" else "",
+        )
+        self.log.debug("actor.branch.ended", branch_id=b.branch_id, reason=reason, steps=len(b.path))
+
+    def _prompt_ids(self, b: _Branch) -> tuple[list[int], bool]:
+        t = len(b.path)
+        in_ctx = bool(b.experience) and (self.cfg.experience_scope == "branch" or t == b.tau)
+        messages = render_messages(
+            instructions=self.env.instructions,
+            task=self.task,
+            history=[s.entry for s in b.path],
+            observation=b.path[-1].entry.observation if b.path else self.o0,
+            experience=b.experience if in_ctx else None,
+            history_window=self.cfg.history_window,
+        )
+        return self.tokenizer.encode_chat(messages), in_ctx
+
+    async def _act(self, b: _Branch) -> PathStep:
+        ids, in_ctx = self._prompt_ids(b)
+        completion = await self._generate(ids, self._params(reflect=False), self.cfg.return_logprob)
+        valid = await self._env(self.env.valid_actions)
+        parsed = parse_action(completion.text, valid)
+        current = b.path[-1].entry.observation if b.path else self.o0
+        if parsed.action is None:
+            self.n.parse_failures += 1
+            feedback = invalid_action_feedback(parsed, valid)
+            tr = Transition(observation=current, feedback=feedback, score=b.path[-1].score if b.path else 0.0)
+        else:
+            tr = await self._env(self.env.step, parsed.action)
+        self.n.actions += 1
+        if self.env.supports_snapshot:
+            snap = b.snapshots[-1] if parsed.action is None else await self._env(self.env.snapshot)
+            b.snapshots.append(snap)
+        entry = HistoryEntry(parsed.action, completion.text, tr.observation, tr.feedback)
+        step = PathStep(entry=entry, score=tr.score, done=tr.done, success=tr.success)
+        await self.rec.emit(
+            Step,
+            branch_id=b.branch_id,
+            t=len(b.path),
+            action=parsed.action,
+            raw_text=completion.text,
+            token_ids=list(completion.output_ids),
+            logprobs=completion.logprobs,
+            observation=tr.observation,
+            reward=tr.reward,
+            done=tr.done,
+            success=tr.success,
+            feedback=tr.feedback,
+            parse_ok=parsed.action is not None,
+            experience_in_context=in_ctx,
+            prompt_tokens=len(ids),
+            prompt_sha256=prompt_sha256(ids),
+            finish_reason=completion.finish_reason,
+        )
+        b.path.append(step)
+        return step
+
+    def _can_branch_from(self, b: _Branch) -> bool:
+        n, c = self.n, self.cfg
+        return (
+            not n.stopped
+            and b.depth < c.max_depth
+            and n.branches + len(n.queue) < c.max_branches
+            and n.actions < c.max_actions
+        )
+
+    async def _reflect(self, b: _Branch, trigger: ReflectionTrigger) -> None:
+        if not b.path or not self._can_branch_from(b):
+            return
+        messages = render_reflection_messages(
+            instructions=self.env.instructions,
+            task=self.task,
+            history=[s.entry for s in b.path],
+            observation=b.path[-1].entry.observation,
+            trigger=trigger,
+            history_window=self.cfg.reflect_history_window,
+        )
+        ids = self.tokenizer.encode_chat(messages)
+        completion = await self._generate(ids, self._params(reflect=True), False)
+        at_t = len(b.path)
+        parsed = parse_reflection(completion.text, at_t, max_experience_chars=self.cfg.max_experience_chars)
+        self.n.reflections += 1
+        event = await self.rec.emit(
+            Reflection,
+            branch_id=b.branch_id,
+            at_t=at_t,
+            trigger=trigger,
+            tau=parsed.tau,
+            experience=parsed.experience,
+            raw_text=completion.text,
+            token_ids=list(completion.output_ids),
+            parse_ok=parsed.parse_ok,
+            flags=list(parsed.flags),
+        )
+        if parsed.experience:
+            self.n.queue.append(_Request(b, parsed.tau, parsed.experience, event.event_id))
+        self.log.debug("actor.reflection", branch_id=b.branch_id, trigger=trigger, tau=parsed.tau)
+
+    async def _open(self, req: _Request) -> _Branch | None:
+        parent, tau = req.parent, req.tau
+        prefix = parent.path[:tau]
+        snap = parent.snapshots[tau] if self.env.supports_snapshot else None
+        actions = [s.entry.action for s in prefix if s.entry.action is not None]
+        try:
+            res = await self._env(rollback_to, self.env, self.spec.task_id, actions, snap)
+        except EnvError as e:
+            self.n.error, self.n.stopped = f"{type(e).__name__}: {e}", True
+            self.log.warning("actor.rollback.failed", from_branch=parent.branch_id, tau=tau, error=str(e))
+            return None
+        self.n.replay_steps += res.replay_steps
+        expected = prefix[-1].entry.observation if prefix else self.o0
+        if res.observation != expected:
+            self.n.diverged += 1
+            self.log.warning("actor.rollback.diverged", from_branch=parent.branch_id, tau=tau, via=res.method)
+        await self.rec.emit(
+            Rollback, from_branch=parent.branch_id, tau=tau, method=res.method, replay_steps=res.replay_steps
+        )
+        branch = _Branch(
+            f"b{self.n.branches}",
+            depth=parent.depth + 1,
+            tau=tau,
+            experience=req.experience,
+            path=list(prefix),
+            snapshots=parent.snapshots[: tau + 1],
+        )
+        self.n.branches += 1
+        await self.rec.emit(
+            Branch,
+            branch_id=branch.branch_id,
+            parent_branch_id=parent.branch_id,
+            tau=tau,
+            reflection_event_id=req.reflection_event_id,
+            experience=req.experience,
+            depth=branch.depth,
+        )
+        return branch
+
+    async def _finish(self) -> EpisodeSummary:
+        n = self.n
+        await self.rec.emit(
+            EpisodeFinished,
+            success=n.success,
+            branches=n.branches,
+            actions=n.actions,
+            reflections=n.reflections,
+            replay_steps=n.replay_steps,
+            parse_failures=n.parse_failures,
+        )
+        summary = EpisodeSummary(
+            episode_id=self.spec.episode_id,
+            success=n.success,
+            branches=n.branches,
+            actions=n.actions,
+            reflections=n.reflections,
+            replay_steps=n.replay_steps,
+            parse_failures=n.parse_failures,
+            events=self.rec.seq,
+            error=n.error,
+        )
+        self.log.info("actor.episode.finished", **msgspec.structs.asdict(summary))
+        return summary

@@ -1,0 +1,251 @@
+"""Actor benchmarks: per-step overhead excluding model time, and events/s of one actor process.
+
+| row                 | what runs                                                                         |
+|---------------------|-----------------------------------------------------------------------------------|
+| overhead_at_100ms   | LEAFE trees on Sokoban, SmolLM2 chat template, events published to nats-server;   |
+|                     | the engine answers after a fixed 100 ms. Overhead per engine call = (wall - time  |
+|                     | inside engine.generate) / calls, against the 100 ms baseline (target < 5%)        |
+| overhead_at_0ms     | the same with an instant engine: the actor's own time per call, measured directly |
+| service_events      | ``ActorService`` pulling Sokoban tasks from the work queue, concurrency 8, instant |
+|                     | engine, real tokenizer; events acked by JetStream per second                      |
+| service_events_byte | the same with a byte tokenizer (the ceiling without chat-template cost)           |
+| raw_publish         | baseline: ``Publisher.publish_event`` of the same events in a loop, same server   |
+
+    .venv/bin/python bench/actor.py            # ~2-3 minutes on 2 cores
+    .venv/bin/python bench/actor.py --quick    # ~40 s
+
+Writes ``bench/results/actor.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from actors.config import ActorServiceConfig, ExplorerConfig
+from actors.episode import EpisodeSpec, ListSink
+from actors.explorer import Explorer
+from actors.fakes import ByteChatTokenizer, ScriptedEngine
+from envs.sokoban import SokobanConfig, SokobanEnv
+from learner.model_io import HFChatTokenizer, tiny_model_dir
+from protocol.events import EpisodeEvent
+from protocol.prompt import ChatTokenizer
+from protocol.subjects import task_subject
+from protocol.tasks import TaskAssignment
+from services.actor import ActorService
+from services.actor_episode import PublisherSink
+from services.bus import Publisher, connect, ensure_streams
+from services.logs import configure_logging
+from services.nats_server import EmbeddedNats
+
+RESULTS = Path(__file__).resolve().parent / "results" / "actor.json"
+MOVES = [
+    "<action>up</action>",
+    "<action>down</action>",
+    "I go left",
+    "right!",
+    "<action>right</action>",
+    "hmm",
+]
+
+
+def policy(seed: int) -> Any:
+    """A scripted policy: random moves (some in prose, some unparseable) and tagged reflections."""
+    rng = random.Random(seed)
+
+    def script(kind: str, prompt: str) -> str:
+        if kind == "reflection":
+            return (
+                f"<step>{rng.randint(0, 4)}</step><experience>push the box from the other side</experience>"
+            )
+        return rng.choice(MOVES)
+
+    return script
+
+
+def sokoban_factory(name: str, **options: Any) -> SokobanEnv:
+    return SokobanEnv(SokobanConfig(**options))
+
+
+async def overhead(url: str, tok: ChatTokenizer, latency: float, episodes: int) -> dict[str, float]:
+    """Sequential LEAFE episodes; returns wall time, engine calls and overhead per call."""
+    nc = await connect(url)
+    js = nc.jetstream()
+    await ensure_streams(js)
+    calls = steps = 0
+    engine_s = 0.0
+    start = time.perf_counter()
+    for i in range(episodes):
+        engine = ScriptedEngine(script=policy(i), latency_s=latency, record=False, tokenizer=tok)
+        counted = CountingEngine(engine)
+        async with Publisher(js) as pub:
+            spec = EpisodeSpec(
+                run_id="benchov", episode_id=f"ov{latency}-{i}.a1", actor_id="bench", task_key=f"ov-{i}",
+                env="sokoban", task_id=f"sokoban/train/{i:05d}",
+            )  # fmt: skip
+            summary = await Explorer(
+                engine=counted, tokenizer=tok, env=SokobanEnv(), config=ExplorerConfig.for_env("sokoban"),
+                sink=PublisherSink(pub), spec=spec,
+            ).run()  # fmt: skip
+        calls += counted.n
+        engine_s += counted.seconds
+        steps += summary.actions
+    wall = time.perf_counter() - start
+    await nc.close()
+    per_call = (wall - engine_s) / calls
+    return {
+        "wall_s": wall,
+        "engine_s": engine_s,
+        "engine_calls": calls,
+        "actions": steps,
+        "overhead_per_call_ms": per_call * 1e3,
+    }
+
+
+class CountingEngine:
+    """Counts generate calls of a wrapped engine and the time spent inside them (the model's time)."""
+
+    def __init__(self, inner: ScriptedEngine) -> None:
+        self.inner, self.n, self.seconds = inner, 0, 0.0
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        self.n += 1
+        t0 = time.perf_counter()
+        try:
+            return await self.inner.generate(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    async def weight_version(self) -> str:
+        return await self.inner.weight_version()
+
+
+async def service_events(url: str, tok: ChatTokenizer, tasks: int, run_id: str) -> dict[str, float]:
+    """An ActorService serving ``tasks`` Sokoban explore tasks; events per second, end to end."""
+    nc = await connect(url)
+    js = nc.jetstream()
+    await ensure_streams(js)
+    async with Publisher(js) as pub:
+        for i in range(tasks):
+            task = TaskAssignment(
+                task_key=f"{run_id}-{i}",
+                run_id=run_id,
+                env="sokoban",
+                task_id=f"sokoban/train/{i:05d}",
+                seed=i,
+            )
+            await pub.publish(task_subject(run_id), task)
+    engine = ScriptedEngine(script=policy(7), record=False, tokenizer=tok)
+    service = ActorService(
+        nc=nc, run_id=run_id, engine=engine, tokenizer=tok, config=ActorServiceConfig(concurrency=8),
+        actor_id="bench", env_factory=sokoban_factory, max_tasks=tasks,
+    )  # fmt: skip
+    start = time.perf_counter()
+    stats = await service.run()
+    wall = time.perf_counter() - start
+    await nc.close()
+    return {
+        "wall_s": wall,
+        "episodes": stats.done,
+        "events": stats.events,
+        "events_per_s": stats.events / wall,
+    }
+
+
+async def raw_publish(url: str, events: list[EpisodeEvent]) -> dict[str, float]:
+    """Baseline: publish the same events with the bus Publisher in a tight loop, then flush."""
+    import msgspec
+
+    nc = await connect(url)
+    js = nc.jetstream()
+    fresh = [msgspec.structs.replace(e, run_id="benchraw", event_id=f"raw-{i}") for i, e in enumerate(events)]
+    start = time.perf_counter()
+    async with Publisher(js) as pub:
+        for e in fresh:
+            await pub.publish_event(e)
+    wall = time.perf_counter() - start
+    await nc.close()
+    return {"wall_s": wall, "events": len(fresh), "events_per_s": len(fresh) / wall}
+
+
+async def sample_events(tok: ChatTokenizer, n_episodes: int) -> list[EpisodeEvent]:
+    sink = ListSink()
+    for i in range(n_episodes):
+        spec = EpisodeSpec(
+            run_id="x",
+            episode_id=f"s{i}.a1",
+            actor_id="b",
+            task_key="s",
+            env="sokoban",
+            task_id=f"sokoban/train/{i:05d}",
+        )
+        await Explorer(
+            engine=ScriptedEngine(script=policy(i), record=False), tokenizer=tok, env=SokobanEnv(),
+            config=ExplorerConfig.for_env("sokoban"), sink=sink, spec=spec,
+        ).run()  # fmt: skip
+    return sink.events
+
+
+async def bench(url: str, quick: bool) -> dict[str, Any]:
+    hf = HFChatTokenizer.from_dir(tiny_model_dir())
+    episodes = 3 if quick else 10
+    out: dict[str, Any] = {}
+    ov100 = await overhead(url, hf, 0.1, episodes)
+    ov0 = await overhead(url, hf, 0.0, episodes * 3)
+    out["overhead_at_100ms"] = {**ov100, "ratio_to_engine_latency": ov100["overhead_per_call_ms"] / 100.0}
+    out["overhead_at_0ms"] = {**ov0, "ratio_to_engine_latency": ov0["overhead_per_call_ms"] / 100.0}
+    tasks = 40 if quick else 200
+    out["service_events"] = await service_events(url, hf, tasks, f"benchsvc{int(time.time())}")
+    out["service_events_byte"] = await service_events(
+        url, ByteChatTokenizer(), tasks, f"benchbyte{int(time.time())}"
+    )
+    events = await sample_events(ByteChatTokenizer(), tasks // 2)
+    out["raw_publish"] = await raw_publish(url, events)
+    for key in ("service_events", "service_events_byte"):
+        out[key]["ratio_to_raw_publish"] = out[key]["events_per_s"] / out["raw_publish"]["events_per_s"]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as store:
+        # As in the service: JSON logs at info (per-episode lines; per-step lines are debug, filtered).
+        configure_logging(json=True, level="info", file=Path(store) / "bench.log")
+        server = EmbeddedNats(Path(store)).start()
+        try:
+            results = asyncio.run(bench(server.url, args.quick))
+        finally:
+            server.stop()
+    results["meta"] = {
+        "quick": args.quick,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True))
+    ov = results["overhead_at_100ms"]
+    print(f"overhead per engine call at 100 ms latency: {ov['overhead_per_call_ms']:.2f} ms "
+          f"= {ov['ratio_to_engine_latency']:.1%} of the engine time (target < 5%)")  # fmt: skip
+    own = results["overhead_at_0ms"]["overhead_per_call_ms"]
+    print(f"actor's own time per call (instant engine): {own:.2f} ms")
+    for key in ("service_events", "service_events_byte", "raw_publish"):
+        r = results[key]
+        ratio = f" ({r['ratio_to_raw_publish']:.2f}x raw publish)" if "ratio_to_raw_publish" in r else ""
+        print(f"{key:>20}: {r['events_per_s']:8.0f} events/s{ratio}")
+    print(f"saved {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

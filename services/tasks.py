@@ -1,0 +1,165 @@
+"""``leafe tasks``: build task assignments and submit them to a run's work queue (``LEAFE_TASKS``).
+
+Every assignment has a deterministic ``task_key`` (its ``Nats-Msg-Id``), so submitting the same batch
+twice queues it once while JetStream remembers the id; :func:`submit` also skips keys whose episode
+already finished (read from the log by the caller), which keeps resumption exact past the dedupe window.
+
+```
+leafe tasks submit --run r1 --env sokoban --split train --count 8 --mode explore
+leafe tasks submit --run r1 --env sokoban --split test --count 16 --samples 16 --mode eval --prefix eval-v0
+leafe tasks pending --run r1
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+from protocol.subjects import TASKS, task_subject, validate_run_id
+from protocol.tasks import TaskAssignment
+
+__all__ = ["main", "make_assignments", "pending", "submit", "task_slug"]
+
+Mode = Literal["explore", "rollout", "eval"]
+
+
+def task_slug(task_id: str) -> str:
+    """A task id as a subject/key-safe token: ``sokoban/train/3`` -> ``sokoban-train-3``."""
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in task_id)
+
+
+def make_assignments(
+    *,
+    run_id: str,
+    env: str,
+    task_ids: Sequence[str],
+    mode: Mode,
+    split: str,
+    samples: int = 1,
+    seed: int = 0,
+    prefix: str = "",
+    env_options: Mapping[str, Any] | None = None,
+) -> list[TaskAssignment]:
+    """``samples`` assignments per task id, keyed ``<run>-<prefix>-<task>-x<sample>``. With ``samples > 1`` the samples of one task form a group
+    (GRPO's n rollouts, or Pass@k's n samples); seeds are ``seed + 1000 * task index + sample``."""
+    validate_run_id(run_id)
+    if samples < 1:
+        raise ValueError(f"samples = {samples}: need at least 1 per task")
+    # Keys carry the run id: runs share the streams, and JetStream dedupes on the id stream-wide.
+    stem = f"{run_id}-{prefix or mode}"
+    out = []
+    for i, task_id in enumerate(task_ids):
+        group = f"{stem}-{task_slug(task_id)}"
+        for s in range(samples):
+            out.append(
+                TaskAssignment(
+                    task_key=f"{group}-x{s}",
+                    run_id=run_id,
+                    env=env,
+                    task_id=task_id,
+                    split=split,
+                    mode=mode,
+                    seed=seed + 1000 * i + s,
+                    group_id=group if samples > 1 else None,
+                    group_size=samples,
+                    env_options=dict(env_options or {}),
+                )
+            )
+    return out
+
+
+async def submit(js: Any, assignments: Iterable[TaskAssignment], *, skip: Iterable[str] = ()) -> int:
+    """Publish assignments (deduplicated by ``task_key``), skipping the keys in ``skip``; returns the
+    number published (JetStream may still drop exact duplicates it remembers)."""
+    from services.bus import Publisher, ensure_streams
+
+    await ensure_streams(js)
+    skipped = set(skip)
+    count = 0
+    async with Publisher(js) as pub:
+        for a in assignments:
+            if a.task_key in skipped:
+                continue
+            await pub.publish(task_subject(a.run_id), a)
+            count += 1
+    return count
+
+
+async def pending(js: Any, run_id: str) -> int:
+    """Assignments of ``run_id`` still in the work queue (not yet acked by an actor)."""
+    info = await js.stream_info(TASKS.name, subjects_filter=task_subject(run_id))
+    return int((info.state.subjects or {}).get(task_subject(run_id), 0))
+
+
+def _env_option(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--env-option {text!r}: expected KEY=VALUE")
+    import tomllib
+
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="leafe tasks", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("submit", help="submit assignments for a slice of an environment's split")
+    s.add_argument("--nats", default=os.environ.get("LEAFE_NATS_URL"), help="NATS URL (env LEAFE_NATS_URL)")
+    s.add_argument("--run", required=True, help="run id")
+    s.add_argument("--env", required=True, help="environment name (sokoban, scienceworld, ...)")
+    s.add_argument("--env-option", action="append", type=_env_option, default=[], help="KEY=VALUE")
+    s.add_argument("--split", default="train", help="train or test")
+    s.add_argument("--offset", type=int, default=0, help="first task index of the split")
+    s.add_argument("--count", type=int, required=True, help="number of tasks")
+    s.add_argument("--mode", choices=["explore", "rollout", "eval"], default="explore")
+    s.add_argument("--samples", type=int, default=1, help="assignments per task (a group when > 1)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--prefix", default="", help="task key prefix (default: the mode)")
+    q = sub.add_parser("pending", help="how many assignments are still queued")
+    q.add_argument("--nats", default=os.environ.get("LEAFE_NATS_URL"), help="NATS URL (env LEAFE_NATS_URL)")
+    q.add_argument("--run", required=True, help="run id")
+    return p
+
+
+async def _main(args: argparse.Namespace) -> int:
+    from services.bus import connect
+
+    nc = await connect(args.nats, creds=os.environ.get("LEAFE_NATS_CREDS"), name="leafe-tasks")
+    try:
+        js = nc.jetstream()
+        if args.cmd == "pending":
+            print(await pending(js, args.run))
+            return 0
+        from envs.registry import make_env
+
+        options = dict(args.env_option)
+        env = make_env(args.env, **options)
+        try:
+            ids = env.tasks(args.split)[args.offset : args.offset + args.count]
+        finally:
+            env.close()
+        batch = make_assignments(
+            run_id=args.run, env=args.env, task_ids=ids, mode=args.mode, split=args.split,
+            samples=args.samples, seed=args.seed, prefix=args.prefix, env_options=options,
+        )  # fmt: skip
+        n = await submit(js, batch)
+        print(f"submitted {n} assignments ({len(ids)} tasks x {args.samples}) to {task_subject(args.run)}")
+        return 0
+    finally:
+        await nc.drain()
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``leafe tasks``."""
+    args = _parser().parse_args(argv)
+    if not args.nats:
+        raise SystemExit("leafe tasks: give --nats or set LEAFE_NATS_URL")
+    return asyncio.run(_main(args))

@@ -1,0 +1,396 @@
+"""The actor service against a real nats-server: tasks in, complete episodes out, crashes recovered.
+
+The fast tests use the scripted engine and the corridor env (real JetStream, real Publisher/Consumer);
+the slow one runs the real stack: CPU inference server with the tiny model, SmolLM2's tokenizer, Sokoban.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from subprocess import DEVNULL
+from typing import Any
+
+import pytest
+
+from actors.config import ActorServiceConfig
+from actors.engine import EngineError
+from actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
+from protocol.codec import CODEC_HEADER, decode_event
+from protocol.events import Branch, EpisodeEvent, EpisodeFinished, EpisodeStarted, Step, WeightsPublished
+from protocol.prompt import ChatTokenizer, prompt_sha256
+from protocol.subjects import EVENTS, TASKS, task_subject, weights_subject
+from protocol.tasks import TaskAssignment
+from services.actor import ActorService, run_actor
+from services.bus import Publisher, connect, ensure_streams, read_stream
+from services.config import load_config
+from tests.unit.actors.event_checks import check_episode, rebuild_step_prompts
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.anyio, pytest.mark.integration]
+
+
+def corridor_factory(name: str, **options: Any) -> CorridorEnv:
+    assert name == "corridor"
+    return CorridorEnv(supports_snapshot=bool(options.get("snapshots", True)))
+
+
+async def submit(js: Any, run_id: str, tasks: list[TaskAssignment]) -> None:
+    async with Publisher(js) as pub:
+        for task in tasks:
+            await pub.publish(task_subject(run_id), task)
+
+
+async def read_events(js: Any, run_id: str) -> dict[str, list[EpisodeEvent]]:
+    by_episode: dict[str, list[EpisodeEvent]] = defaultdict(list)
+    async for msg in read_stream(js, stream=EVENTS.name, filter_subject=f"leafe.{run_id}.events.>"):
+        event = decode_event(msg.data, (msg.headers or {}).get(CODEC_HEADER))
+        by_episode[event.episode_id].append(event)
+    return {k: sorted(v, key=lambda e: e.seq) for k, v in by_episode.items()}
+
+
+async def tasks_left(js: Any, run_id: str) -> int:
+    info = await js.consumer_info(TASKS.name, f"actors-{run_id}")
+    return int(info.num_pending) + int(info.num_ack_pending)
+
+
+async def until(predicate: Callable[[], bool], what: str) -> None:
+    """Poll ``predicate`` until true; fail naming ``what`` after 30 s."""
+    deadline = time.monotonic() + 30.0
+    while True:
+        if predicate():
+            return
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def wait_for_calls(engine: ScriptedEngine, n: int) -> None:
+    """Until the engine has answered ``n`` requests (the actor is mid-episode)."""
+    await until(lambda: len(engine.calls) >= n, f"{n} engine requests")
+
+
+def left_first_then_learn(kind: str, prompt: str) -> str:
+    """Step 0 without a lesson walks into the pit; the reflection says go right; otherwise go right."""
+    if kind == "reflection":
+        return "<step>0</step><experience>go right</experience>"
+    return "<action>left</action>" if "(step 0)" in prompt and "Lesson" not in prompt else "right"
+
+
+def corridor_tasks(run_id: str, n: int, mode: str = "explore") -> list[TaskAssignment]:
+    return [
+        TaskAssignment(
+            task_key=f"{run_id}-corridor-{i}",  # keys are msg ids on a stream all runs share
+            run_id=run_id,
+            env="corridor",
+            task_id=f"corridor/train/{i:05d}",
+            mode=mode,
+            seed=i,
+            env_options={"snapshots": i % 2 == 0},
+        )
+        for i in range(n)
+    ]
+
+
+async def test_actor_serves_tasks_end_to_end(nats_url: str, run_id: str) -> None:
+    """Every task becomes one complete, well-formed episode in the log and leaves the work queue."""
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js)
+    tasks = corridor_tasks(run_id, 4) + corridor_tasks(run_id, 6, "rollout")[4:]
+    await submit(js, run_id, tasks)
+    engine = ScriptedEngine(script=left_first_then_learn)
+    service = ActorService(
+        nc=nc, run_id=run_id, engine=engine, tokenizer=ByteChatTokenizer(),
+        config=ActorServiceConfig(concurrency=3), actor_id="actor-a", env_factory=corridor_factory,
+        max_tasks=len(tasks),
+    )  # fmt: skip
+    stats = await asyncio.wait_for(service.run(), timeout=60)
+    assert (stats.done, stats.failed, stats.abandoned) == (6, 0, 0)
+    episodes = await read_events(js, run_id)
+    assert sorted(episodes) == sorted(f"{t.task_key}.a1" for t in tasks)
+    for events in episodes.values():
+        check_episode(events)
+        start = events[0]
+        assert isinstance(start, EpisodeStarted) and {e.actor_id for e in events} == {"actor-a"}
+        # explore: the pit, a reflection, a branch that succeeds; rollout: just the pit
+        assert events[-1].success == (start.mode == "explore")
+    assert await tasks_left(js, run_id) == 0
+    await nc.close()
+
+
+async def test_crashed_actor_task_is_redelivered_and_completed(nats_url: str, run_id: str) -> None:
+    """An actor dying mid-episode (connection gone, no nak) leaves a partial episode; the task is
+    redelivered after ack_wait and another actor completes it as attempt 2."""
+    config = ActorServiceConfig(concurrency=1, ack_wait_s=2.0, in_progress_interval_s=0.5)
+    js_nc = await connect(nats_url)
+    js = js_nc.jetstream()
+    await ensure_streams(js)
+    task = corridor_tasks(run_id, 1)[0]
+    await submit(js, run_id, [task])
+
+    nc_a = await connect(nats_url)
+    slow = ScriptedEngine(default_action="<action>wait</action>", latency_s=0.2)
+    actor_a = ActorService(
+        nc=nc_a, run_id=run_id, engine=slow, tokenizer=ByteChatTokenizer(), config=config,
+        actor_id="actor-a", env_factory=corridor_factory,
+    )  # fmt: skip
+    running = asyncio.create_task(actor_a.run())
+    await wait_for_calls(slow, 5)
+    await nc_a.close()  # the crash: no more acks, naks or in-progress from A
+    running.cancel()
+    await asyncio.gather(running, return_exceptions=True)
+
+    nc_b = await connect(nats_url)
+    actor_b = ActorService(
+        nc=nc_b, run_id=run_id, engine=ScriptedEngine(), tokenizer=ByteChatTokenizer(), config=config,
+        actor_id="actor-b", env_factory=corridor_factory, max_tasks=1,
+    )  # fmt: skip
+    stats = await asyncio.wait_for(actor_b.run(), timeout=60)
+    assert stats.done == 1
+    episodes = await read_events(js, run_id)
+    partial, complete = episodes[f"{task.task_key}.a1"], episodes[f"{task.task_key}.a2"]
+    assert not any(isinstance(e, EpisodeFinished) for e in partial)
+    assert any(isinstance(e, Step) for e in partial)
+    check_episode(complete)
+    assert complete[0].attempt == 2 and {e.actor_id for e in complete} == {"actor-b"}
+    assert await tasks_left(js, run_id) == 0
+    await nc_b.close()
+    await js_nc.close()
+
+
+async def test_drain_abandons_long_episodes_for_immediate_redelivery(nats_url: str, run_id: str) -> None:
+    """Stopping with a drain timeout: running episodes are cancelled and nak'ed, so a new actor gets the task
+    at once (well before ack_wait) and the abandoned episode lacks EpisodeFinished."""
+    config = ActorServiceConfig(concurrency=2, ack_wait_s=60.0, in_progress_interval_s=5, drain_timeout_s=0.2)
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js)
+    task = corridor_tasks(run_id, 1)[0]
+    await submit(js, run_id, [task])
+    slow = ScriptedEngine(default_action="<action>wait</action>", latency_s=0.2)
+    stop = asyncio.Event()
+    actor = ActorService(
+        nc=nc, run_id=run_id, engine=slow, tokenizer=ByteChatTokenizer(), config=config, actor_id="a",
+        env_factory=corridor_factory,
+    )  # fmt: skip
+    running = asyncio.create_task(actor.run(stop))
+    await wait_for_calls(slow, 1)
+    stop.set()
+    stats = await asyncio.wait_for(running, timeout=30)
+    assert stats.abandoned == 1 and stats.done == 0
+    actor2 = ActorService(
+        nc=nc, run_id=run_id, engine=ScriptedEngine(), tokenizer=ByteChatTokenizer(), config=config,
+        actor_id="b", env_factory=corridor_factory, max_tasks=1,
+    )  # fmt: skip
+    assert (await asyncio.wait_for(actor2.run(), timeout=20)).done == 1
+    episodes = await read_events(js, run_id)
+    assert not any(isinstance(e, EpisodeFinished) for e in episodes[f"{task.task_key}.a1"])
+    check_episode(episodes[f"{task.task_key}.a2"])
+    await nc.close()
+
+
+async def test_run_actor_connects_serves_and_disconnects(nats_url: str, run_id: str) -> None:
+    """The in-process API (what ``leafe run`` starts): its own connection, max_tasks, clean exit."""
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js)
+    await submit(js, run_id, corridor_tasks(run_id, 2))
+    stats = await asyncio.wait_for(
+        run_actor(
+            nats_url=nats_url, run_id=run_id, tokenizer=ByteChatTokenizer(), engine=ScriptedEngine(),
+            actor_id="inproc", max_tasks=2, env_factory=corridor_factory,
+        ),
+        timeout=30,
+    )  # fmt: skip
+    assert stats.done == 2 and stats.succeeded == 2
+    assert len(await read_events(js, run_id)) == 2
+    await nc.close()
+
+
+async def test_engine_failures_are_retried_then_terminated(nats_url: str, run_id: str) -> None:
+    """An engine that keeps failing: the task is nak'ed for a retry, then terminated on its last allowed
+    attempt; each attempt's partial episode lacks EpisodeFinished and the queue is left empty."""
+
+    def down(kind: str, prompt: str) -> str:
+        raise EngineError("every server is down")
+
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js)
+    [task] = corridor_tasks(run_id, 1)
+    await submit(js, run_id, [task])
+    config = ActorServiceConfig(max_attempts=2, retry_delay_s=0.1)
+    service = ActorService(
+        nc=nc, run_id=run_id, engine=ScriptedEngine(script=down), tokenizer=ByteChatTokenizer(),
+        config=config, actor_id="a", env_factory=corridor_factory, max_tasks=2,
+    )  # fmt: skip
+    stats = await asyncio.wait_for(service.run(), timeout=30)
+    assert (stats.retried, stats.failed, stats.done) == (1, 1, 0)
+    episodes = await read_events(js, run_id)
+    assert sorted(episodes) == [f"{task.task_key}.a1", f"{task.task_key}.a2"]
+    assert all(not isinstance(e, EpisodeFinished) for events in episodes.values() for e in events)
+    assert await tasks_left(js, run_id) == 0
+    await nc.close()
+
+
+async def test_actor_follows_weights_announcements(nats_url: str, run_id: str) -> None:
+    """The latest WeightsPublished is read at start and new ones are followed while running."""
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js)
+
+    def weights(version: str) -> WeightsPublished:
+        return WeightsPublished(
+            event_id=f"weights.{run_id}.{version}", run_id=run_id, version=version, uri="/w",
+            manifest_sha256="0" * 64, learner_step=1, base_model="tiny",
+        )  # fmt: skip
+
+    async with Publisher(js) as pub:
+        await pub.publish(weights_subject(run_id), weights("v000001"))
+    stop = asyncio.Event()
+    service = ActorService(
+        nc=nc, run_id=run_id, engine=ScriptedEngine(), tokenizer=ByteChatTokenizer(),
+        config=ActorServiceConfig(), actor_id="a", env_factory=corridor_factory,
+    )  # fmt: skip
+    running = asyncio.create_task(service.run(stop))
+    await until(lambda: service.latest_weights == "v000001", "the last announced version at start")
+    async with Publisher(js) as pub:
+        await pub.publish(weights_subject(run_id), weights("v000002"))
+    await until(lambda: service.latest_weights == "v000002", "a version announced while running")
+    stop.set()
+    await asyncio.wait_for(running, timeout=10)
+    await nc.close()
+
+
+# -- the real stack: CPU inference server (tiny model), SmolLM2's chat template, Sokoban ---------------
+
+SMALL_SOKOBAN = {"horizon": 6, "k": 3, "max_actions": 14, "max_branches": 3, "max_new_tokens": 8,
+                 "reflect_max_new_tokens": 16}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def inference_url() -> Iterator[str]:
+    """A CPU inference server with the tiny random model, in a thread of this process."""
+    from services.inference_local import start_in_thread
+    from services.inference_server import InferenceConfig
+
+    server = start_in_thread(InferenceConfig(model="tiny", port=0, threads=1))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer() -> ChatTokenizer:
+    from learner.model_io import HFChatTokenizer, resolve_model
+
+    return HFChatTokenizer.from_dir(resolve_model("tiny"))
+
+
+def sokoban_tasks(run_id: str, n: int, mode: str = "explore") -> list[TaskAssignment]:
+    return [
+        TaskAssignment(
+            task_key=f"{run_id}-sokoban-{mode}-{i}",
+            run_id=run_id,
+            env="sokoban",
+            task_id=f"sokoban/train/{i:05d}",
+            mode=mode,
+            seed=i,
+        )
+        for i in range(n)
+    ]
+
+
+async def test_real_engine_and_sokoban_episodes_rebuild_exactly(
+    nats_url: str, run_id: str, inference_url: str, hf_tokenizer: ChatTokenizer
+) -> None:
+    """With the real client, server, tokenizer and env, tasks become complete episodes whose every
+    Step prompt is rebuilt from the log to the recorded sha256 (the replayer's contract)."""
+    from actors.client import SGLangClient
+
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js)
+    tasks = sokoban_tasks(run_id, 3) + sokoban_tasks(run_id, 1, "rollout")
+    await submit(js, run_id, tasks)
+    config = ActorServiceConfig(
+        concurrency=2, explorer={"sokoban": SMALL_SOKOBAN}, rollout={"*": {"horizon": 4}}
+    )
+    async with SGLangClient([inference_url]) as engine:
+        service = ActorService(
+            nc=nc, run_id=run_id, engine=engine, tokenizer=hf_tokenizer, config=config, actor_id="real",
+            max_tasks=len(tasks),
+        )  # fmt: skip
+        stats = await asyncio.wait_for(service.run(), timeout=300)
+    assert stats.done == 4 and stats.failed == 0
+    episodes = await read_events(js, run_id)
+    assert len(episodes) == 4
+    for events in episodes.values():
+        check_episode(events)
+        for step, messages in rebuild_step_prompts(events):
+            ids = hf_tokenizer.encode_chat(messages)
+            assert prompt_sha256(ids) == step.prompt_sha256 and len(ids) == step.prompt_tokens
+            assert step.token_ids and step.policy_version == "default"
+    assert any(isinstance(e, Branch) for events in episodes.values() for e in events)
+    assert await tasks_left(js, run_id) == 0
+    await nc.close()
+
+
+@pytest.mark.slow
+async def test_sigkilled_actor_process_task_is_finished_by_another(
+    nats_url: str, run_id: str, inference_url: str, hf_tokenizer: ChatTokenizer, tmp_path: Path
+) -> None:
+    """``leafe actor`` SIGKILLed mid-episode: the task comes back after ack_wait, another actor completes it
+    as attempt 2; the killed attempt's episode has Steps but no EpisodeFinished."""
+    from actors.client import SGLangClient
+
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js)
+    [task] = sokoban_tasks(run_id, 1)
+    await submit(js, run_id, [task])
+    toml = tmp_path / "actor.toml"
+    toml.write_text(
+        "ack_wait_s = 3.0\nin_progress_interval_s = 1.0\n[explorer.sokoban]\n"
+        "horizon = 10\nk = 3\nmax_actions = 40\nmax_new_tokens = 8\nreflect_max_new_tokens = 16\n"
+    )
+    args = ["actor", "--nats", nats_url, "--run", run_id, "--engine", inference_url, "--model", "tiny",
+            "--config", str(toml), "--actor-id", "victim"]  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", *args, cwd=REPO, stdout=DEVNULL, stderr=DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            events = (await read_events(js, run_id)).get(f"{task.task_key}.a1", [])
+            if sum(isinstance(e, Step) for e in events) >= 3:
+                break
+            assert proc.returncode is None and time.monotonic() < deadline, (
+                "the actor process never got going"
+            )
+            await asyncio.sleep(0.2)
+    finally:
+        proc.kill()
+        await proc.wait()
+    config = load_config(toml, ActorServiceConfig)
+    async with SGLangClient([inference_url]) as engine:
+        survivor = ActorService(
+            nc=nc, run_id=run_id, engine=engine, tokenizer=hf_tokenizer, config=config, actor_id="survivor",
+            max_tasks=1,
+        )  # fmt: skip
+        stats = await asyncio.wait_for(survivor.run(), timeout=300)
+    assert stats.done == 1
+    episodes = await read_events(js, run_id)
+    partial = episodes[f"{task.task_key}.a1"]
+    assert {e.actor_id for e in partial} == {"victim"}
+    assert not any(isinstance(e, EpisodeFinished) for e in partial)
+    check_episode(episodes[f"{task.task_key}.a2"])
+    assert episodes[f"{task.task_key}.a2"][0].attempt == 2
+    assert await tasks_left(js, run_id) == 0
+    await nc.close()

@@ -1,0 +1,254 @@
+"""The SGLang client against recorded SGLang response bodies (tests/fixtures/sglang), replayed by a local
+aiohttp server: parsing, error shapes, retries, routing and timeouts. No model, no network beyond loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from actors.client import SGLangClient, error_message, parse_completions
+from actors.engine import EngineError, SamplingParams
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "sglang"
+PARAMS = SamplingParams(max_new_tokens=8, temperature=0.0)
+
+pytestmark = pytest.mark.anyio
+
+
+def fixture(name: str) -> bytes:
+    return (FIXTURES / name).read_bytes()
+
+
+@dataclass
+class Replay:
+    """Answers each route with a fixed status and body; records request bodies."""
+
+    routes: dict[str, tuple[int, bytes]]
+    delay_s: float = 0.0
+    requests: list[tuple[str, Any]] = field(default_factory=list)
+    url: str = ""
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else None
+        self.requests.append((request.path, body))
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        status, payload = self.routes.get(request.path, (404, fixture("not_found.json")))
+        ctype = "application/json" if payload.startswith((b"{", b"[")) else "text/plain"
+        return web.Response(status=status, body=payload, content_type=ctype)
+
+
+@asynccontextmanager
+async def replay(routes: dict[str, tuple[int, bytes]], delay_s: float = 0.0) -> AsyncIterator[Replay]:
+    rep = Replay(routes, delay_s)
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", rep.handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    rep.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        yield rep
+    finally:
+        await runner.cleanup()
+
+
+def dead_url() -> str:
+    """A loopback URL nobody listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def fast_client(urls: list[str], **kw: Any) -> SGLangClient:
+    return SGLangClient(urls, backoff_s=0.01, max_backoff_s=0.02, **kw)
+
+
+async def test_generate_parses_eos_stop_and_ignores_unknown_keys() -> None:
+    """An EOS-stopped answer gives exact output ids (EOS kept), text, version and prompt length; extra
+    meta_info keys are ignored; the request carries input_ids and SGLang sampling_params."""
+    async with replay({"/generate": (200, fixture("generate_stop_eos.json"))}) as rep:
+        async with fast_client([rep.url]) as client:
+            [c] = await client.generate([1, 2, 3], PARAMS)
+    assert c.output_ids == [378, 3575, 282, 4649, 314, 7042, 30, 2]
+    assert c.text == " The capital of France is Paris."
+    assert (c.finish_reason, c.weight_version, c.prompt_tokens, c.logprobs) == ("stop", "default", 31, None)
+    path, body = rep.requests[0]
+    assert path == "/generate" and body["input_ids"] == [1, 2, 3]
+    assert body["sampling_params"] == PARAMS.to_sglang() and body["return_logprob"] is False
+
+
+async def test_generate_reads_output_token_logprobs_and_length_finish() -> None:
+    """``output_token_logprobs`` triples become one float per output id; a length finish, the weight
+    version and cached tokens are read."""
+    async with replay({"/generate": (200, fixture("generate_length_logprob.json"))}) as rep:
+        async with fast_client([rep.url]) as client:
+            [c] = await client.generate([5, 6], PARAMS, return_logprob=True)
+    assert c.logprobs == [-0.5125, -0.0625, -1.25] and len(c.logprobs) == len(c.output_ids)
+    assert (c.finish_reason, c.weight_version, c.cached_tokens) == ("length", "step-40", 8)
+    assert rep.requests[0][1]["return_logprob"] is True
+
+
+async def test_generate_stop_string_and_n2() -> None:
+    """A stop-string finish keeps its tokens in output_ids; n=2 sends ``n`` and returns the list."""
+    routes = {"/generate": (200, fixture("generate_stop_string.json"))}
+    async with replay(routes) as rep, fast_client([rep.url]) as client:
+        [c] = await client.generate([1], PARAMS)
+        assert c.finish_reason == "stop" and c.text == "<action>left" and len(c.output_ids) == 7
+        rep.routes["/generate"] = (200, fixture("generate_n2.json"))
+        two = await client.generate([1], PARAMS, n=2)
+    assert [x.finish_reason for x in two] == ["stop", "length"]
+    assert [x.output_ids for x in two] == [[2423, 2], [1570, 1570]]
+    assert rep.requests[1][1]["sampling_params"]["n"] == 2
+
+
+async def test_n_mismatch_and_garbage_are_engine_errors() -> None:
+    """Asking n=3 and getting 2 results, or a non-SGLang body, raises EngineError saying so."""
+    async with replay({"/generate": (200, fixture("generate_n2.json"))}) as rep, fast_client([rep.url]) as c:
+        with pytest.raises(EngineError, match="n=3"):
+            await c.generate([1], PARAMS, n=3)
+        rep.routes["/generate"] = (200, b'{"hello": 1}')
+        with pytest.raises(EngineError, match="unexpected /generate response"):
+            await c.generate([1], PARAMS)
+
+
+def test_abort_finish_is_returned_as_abort() -> None:
+    """An aborted request parses to finish_reason "abort" with no output."""
+    [c] = parse_completions(fixture("generate_abort.json"))
+    assert c.finish_reason == "abort" and c.output_ids == []
+
+
+def test_finish_reason_variants() -> None:
+    """A plain-string or missing finish_reason and a null logprob are tolerated."""
+    body = {
+        "text": "a",
+        "output_ids": [7],
+        "meta_info": {"finish_reason": "length", "output_token_logprobs": [[None, 7, None]]},
+    }
+    [c] = parse_completions(json.dumps(body).encode())
+    assert c.finish_reason == "length" and c.logprobs is not None and math.isnan(c.logprobs[0])
+    [d] = parse_completions(json.dumps({"output_ids": [1], "meta_info": {"finish_reason": None}}).encode())
+    assert d.finish_reason == "stop" and d.weight_version == "default"
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        (
+            "error_plain.json",
+            "The input (9000 tokens) is longer than the model's context length (8192 tokens).",
+        ),
+        ("error_nested.json", "SamplingParams.__init__() got an unexpected keyword argument 'seed'"),
+        ("error_openai.json", "max_new_tokens must be at least 0, got -1."),
+    ],
+)
+async def test_each_error_shape_surfaces_its_message_without_retry(name: str, message: str) -> None:
+    """All three SGLang 400 bodies raise EngineError carrying the server's message; 400 is not retried."""
+    assert error_message(fixture(name)) == message
+    async with replay({"/generate": (400, fixture(name))}) as rep, fast_client([rep.url], retries=3) as c:
+        with pytest.raises(EngineError) as err:
+            await c.generate([1], PARAMS)
+    assert message in str(err.value) and "HTTP 400" in str(err.value)
+    assert len(rep.requests) == 1
+
+
+async def test_unknown_route_404_detail() -> None:
+    """A 404 surfaces FastAPI's ``detail`` text."""
+    async with replay({}) as rep, fast_client([rep.url]) as c:
+        with pytest.raises(EngineError, match="HTTP 404: Not Found"):
+            await c.model_info()
+
+
+async def test_connection_errors_retry_on_the_live_server() -> None:
+    """A dead server is skipped after its connection error; the request succeeds on the live one."""
+    async with replay({"/generate": (200, fixture("generate_stop_eos.json"))}) as rep:
+        async with fast_client([dead_url(), rep.url]) as c:
+            for _ in range(3):
+                [out] = await c.generate([1], PARAMS)
+                assert out.output_ids[-1] == 2
+    assert len(rep.requests) == 3
+
+
+async def test_all_servers_down_names_every_server() -> None:
+    """When every server refuses connections, EngineError names each URL after the retries."""
+    urls = [dead_url(), dead_url()]
+    async with fast_client(urls, retries=2) as c:
+        with pytest.raises(EngineError) as err:
+            await c.generate([1], PARAMS)
+    text = str(err.value)
+    assert "failed on every inference server after 3 attempts" in text
+    assert all(u in text for u in urls)
+
+
+async def test_503_is_retried_then_reported() -> None:
+    """A 503 (server starting or overloaded) is retried; if it persists the error says HTTP 503."""
+    async with replay({"/generate": (503, b"")}) as rep, fast_client([rep.url], retries=2) as c:
+        with pytest.raises(EngineError, match="HTTP 503"):
+            await c.generate([1], PARAMS)
+    assert len(rep.requests) == 3
+
+
+async def test_least_loaded_routing_spreads_concurrent_requests() -> None:
+    """Concurrent requests go to the server with fewest in flight, so two slow servers share them evenly."""
+    body = (200, fixture("generate_stop_eos.json"))
+    async with replay({"/generate": body}, 0.2) as a, replay({"/generate": body}, 0.2) as b:
+        async with fast_client([a.url, b.url]) as c:
+            await asyncio.gather(*(c.generate([i + 1], PARAMS) for i in range(6)))
+    assert (len(a.requests), len(b.requests)) == (3, 3)
+
+
+async def test_timeout_is_not_retried() -> None:
+    """A request that outlives timeout_s raises EngineError naming the timeout, without a second try."""
+    async with replay({"/generate": (200, fixture("generate_stop_eos.json"))}, 1.0) as rep:
+        async with fast_client([rep.url], timeout_s=0.2) as c:
+            with pytest.raises(EngineError, match=r"timed out after 0\.2 s"):
+                await c.generate([1], PARAMS)
+    assert len(rep.requests) == 1
+
+
+async def test_update_weights_reports_each_server() -> None:
+    """update_weights_from_disk posts model_path and weight_version to every server and returns one
+    result each: success, SGLang's failure message, or unreachable."""
+    ok = {"/update_weights_from_disk": (200, fixture("update_weights_ok.json"))}
+    bad = {"/update_weights_from_disk": (400, fixture("update_weights_failed.json"))}
+    down = dead_url()
+    async with replay(ok) as a, replay(bad) as b, fast_client([a.url, b.url, down]) as c:
+        results = await c.update_weights_from_disk("/weights/step-40", "step-40")
+    by_url = {r.url: r for r in results}
+    assert by_url[a.url].success and "Weight version updated to step-40" in by_url[a.url].message
+    assert not by_url[b.url].success and "repository not found" in by_url[b.url].message
+    assert not by_url[down].success and "unreachable" in by_url[down].message
+    assert a.requests[0][1] == {"model_path": "/weights/step-40", "weight_version": "step-40"}
+
+
+async def test_model_info_weight_version_and_health() -> None:
+    """weight_version comes from /model_info; health is per server (empty 200 body = healthy)."""
+    routes = {"/model_info": (200, fixture("model_info.json")), "/health": (200, b"")}
+    down = dead_url()
+    async with replay(routes) as rep, fast_client([rep.url]) as c:
+        assert await c.weight_version() == "step-40"
+        assert (await c.model_info())["served_model_name"] == "SmolLM2-135M-Instruct"
+    async with replay(routes) as rep, fast_client([rep.url, down]) as c:
+        assert await c.health() == {rep.url: True, down: False}
+
+
+async def test_bad_arguments_fail_before_sending() -> None:
+    """An empty prompt or n < 1 is refused locally."""
+    async with fast_client([dead_url()]) as c:
+        with pytest.raises(EngineError, match="non-empty prompt"):
+            await c.generate([], PARAMS)
+        with pytest.raises(EngineError, match="n must be"):
+            await c.generate([1], PARAMS, n=0)

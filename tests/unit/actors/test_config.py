@@ -1,0 +1,56 @@
+"""Actor configuration: per-environment defaults, overrides, validation that names the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.config import ENV_DEFAULTS, ActorServiceConfig, ExplorerConfig, RolloutConfig
+from services.config import ConfigError, load_config
+
+
+def test_per_env_defaults_apply() -> None:
+    """Each documented environment gets its own horizon/K/budgets; unknown envs get the generic ones."""
+    assert ExplorerConfig.for_env("sokoban").horizon == 15
+    assert ExplorerConfig.for_env("humaneval").k == 0 and ExplorerConfig.for_env("humaneval").horizon == 4
+    assert ExplorerConfig.for_env("scienceworld").env_in_thread
+    assert ExplorerConfig.for_env("whatever") == ExplorerConfig()
+    assert RolloutConfig.for_env("humaneval").action_stop == []
+    for env in ENV_DEFAULTS:
+        assert ExplorerConfig.for_env(env).horizon == RolloutConfig.for_env(env).horizon
+
+
+def test_rollout_as_explorer_never_reflects() -> None:
+    """A rollout is a one-branch tree: no periodic reflection, depth 0, budget = horizon."""
+    cfg = ExplorerConfig.from_rollout(RolloutConfig(horizon=7, temperature=0.5))
+    assert (cfg.k, cfg.max_depth, cfg.max_branches, cfg.max_actions, cfg.horizon) == (0, 0, 1, 7, 7)
+    assert cfg.temperature == 0.5 and cfg.return_logprob
+
+
+def test_toml_overrides_layer_on_env_defaults() -> None:
+    """Service TOML: '*' overrides every env, a named env overrides '*', the rest keep env defaults."""
+    toml = """
+concurrency = 2
+[explorer."*"]
+temperature = 0.5
+[explorer.sokoban]
+k = 3
+[rollout.sokoban]
+horizon = 9
+"""
+    cfg = load_config(toml, ActorServiceConfig)
+    sok = cfg.explorer_config("sokoban")
+    assert (sok.k, sok.temperature, sok.horizon) == (3, 0.5, 15)
+    assert cfg.explorer_config("scienceworld").temperature == 0.5
+    assert cfg.rollout_config("sokoban").horizon == 9
+
+
+def test_bad_values_name_the_field_and_env() -> None:
+    """An out-of-range or unknown field is rejected with its name (and env) in the message."""
+    with pytest.raises(ValueError, match="max_branches = 0"):
+        ExplorerConfig(max_branches=0)
+    with pytest.raises(ValueError, match=r"sokoban.*horizn"):
+        ExplorerConfig.for_env("sokoban", {"horizn": 3})
+    with pytest.raises(ConfigError, match="experience_scope"):
+        load_config('[explorer.sokoban]\nexperience_scope = "always"\n', ActorServiceConfig)
+    with pytest.raises(ConfigError, match="in_progress_interval_s"):
+        load_config({"ack_wait_s": 10.0, "in_progress_interval_s": 20.0}, ActorServiceConfig)

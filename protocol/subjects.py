@@ -40,7 +40,7 @@ class InvalidRunId(ValueError):
 
 def validate_run_id(run_id: str) -> str:
     """Return ``run_id`` if it is 1-64 chars of ``[A-Za-z0-9_-]`` starting alphanumeric, else raise."""
-    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
         raise InvalidRunId(
             f"invalid run id {run_id!r}: use 1-64 characters from [A-Za-z0-9_-], starting with a letter "
             "or digit (dots, spaces and wildcards would break NATS subjects)"
@@ -49,7 +49,7 @@ def validate_run_id(run_id: str) -> str:
 
 
 def _token(kind: str, what: str) -> str:
-    if not _TOKEN.match(kind):
+    if not _TOKEN.fullmatch(kind):
         raise InvalidRunId(f"invalid {what} {kind!r}: use 1-64 characters from [A-Za-z0-9_-]")
     return kind
 

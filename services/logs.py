@@ -16,12 +16,22 @@ import structlog
 __all__ = ["configure_logging"]
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is *now* (pytest and rich swap it), not the one at configure time."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(*, json: bool = True, level: str = "info", file: Path | None = None) -> None:
     """Configure structlog and stdlib logging; ``file`` (JSON lines) is appended to when given."""
     lvl = getattr(logging, level.upper(), None)
     if not isinstance(lvl, int):
         raise ValueError(f"unknown log level {level!r}; use debug, info, warning or error")
-    stream: TextIO = sys.stderr
+    stream: TextIO | _CurrentStderr = _CurrentStderr()
     if file is not None:
         file.parent.mkdir(parents=True, exist_ok=True)
         stream = file.open("a", buffering=1, encoding="utf-8")
@@ -37,7 +47,7 @@ def configure_logging(*, json: bool = True, level: str = "info", file: Path | No
     structlog.configure(
         processors=[*processors, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr, force=True)

@@ -1,0 +1,348 @@
+"""The JetStream bus: connect, create the LEAFE streams, publish typed messages, consume them.
+
+Every service talks to NATS through this module::
+
+    nc = await connect(url)                      # LEAFE_NATS_URL / LEAFE_NATS_CREDS in deployments
+    js = nc.jetstream()
+    await ensure_streams(js)                     # idempotent, from protocol.subjects.STREAMS
+    async with Publisher(js) as pub:             # flushes (awaits every ack) on exit
+        await pub.publish_event(event)           # Nats-Msg-Id = event id, Leafe-Codec = codec version
+    consumer = Consumer(js, stream="LEAFE_EVENTS", durable="replayer", filter_subject=...,
+                        decode=decode_event, dead_letter_subject=dead_letter_subject(run, "LEAFE_EVENTS"))
+    await consumer.start()
+    await consumer.consume(handler)              # acks each message after handler(delivery) returned
+
+Publishing is asynchronous (``publish_async``) with at most ``max_pending`` unacknowledged messages:
+``publish`` returns once the message is queued and blocks while the window is full (backpressure).
+No failure is hidden: a message whose ack is an error or does not arrive within ``ack_timeout_s`` is
+listed in the :class:`PublishError` that ``flush`` raises; a message that could not even be sent raises
+:class:`PublishError` from ``publish`` itself. Republishing a listed message is safe (JetStream stores a
+``Nats-Msg-Id`` once within the stream's duplicate window). That dedupe is per stream, not per run:
+ids must be unique across all runs sharing the server, or a later run's message is dropped as a
+"duplicate" (counted in ``Publisher.duplicates`` and logged as ``bus.publish.duplicates``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import Sequence
+from enum import Enum
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import msgspec
+import nats
+import structlog
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import PubAck, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import NotFoundError
+
+from protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, encode, message_id
+from protocol.events import EpisodeEvent
+from protocol.subjects import STREAMS, StreamSpec, event_subject
+from services.bus_consumer import ERROR_HEADER, Consumer, Delivery
+from services.bus_pull import ConsumerError, read_stream
+
+__all__ = [
+    "ERROR_HEADER",
+    "Consumer",
+    "ConsumerError",
+    "Delivery",
+    "PublishError",
+    "Publisher",
+    "StreamMismatchError",
+    "connect",
+    "ensure_streams",
+    "read_stream",
+    "stream_config",
+]
+
+log = structlog.get_logger(__name__)
+
+
+def _check_creds(creds: str | None) -> None:
+    if creds is not None and not Path(creds).is_file():
+        raise FileNotFoundError(f"NATS credentials file {creds!r} does not exist")
+
+
+async def connect(
+    url: str,
+    *,
+    creds: str | None = None,
+    name: str = "leafe",
+    connect_attempts: int = 3,
+    **options: Any,
+) -> Client:
+    """Connect to ``url`` (comma-separated for a cluster), optionally with a ``.creds`` file.
+
+    The first connection is tried ``connect_attempts`` times, then raises; once connected the client
+    reconnects forever (a restarted server or cluster node is waited for, with events logged).
+    ``options`` go to ``nats.connect`` unchanged.
+    """
+    _check_creds(creds)
+
+    async def on_error(e: Exception) -> None:
+        log.warning("bus.nats.error", url=url, error=f"{type(e).__name__}: {e}")
+
+    client: list[Client] = []
+
+    async def on_disconnect() -> None:
+        if not (client and client[0].is_closed):  # a close() we asked for is not news
+            log.warning("bus.nats.disconnected", url=url)
+
+    async def on_reconnect() -> None:
+        log.info("bus.nats.reconnected", url=url)
+
+    kwargs: dict[str, Any] = {
+        "servers": [u.strip() for u in url.split(",") if u.strip()],
+        "name": name,
+        "user_credentials": creds,
+        "reconnect_time_wait": 0.5,
+        "max_reconnect_attempts": connect_attempts,
+        "error_cb": on_error,
+        "disconnected_cb": on_disconnect,
+        "reconnected_cb": on_reconnect,
+    }
+    kwargs.update(options)
+    nc = await nats.connect(**kwargs)
+    client.append(nc)
+    if "max_reconnect_attempts" not in options:
+        nc.options["max_reconnect_attempts"] = -1  # after the first connection: reconnect forever
+    return nc
+
+
+class StreamMismatchError(RuntimeError):
+    """A stream exists with a configuration that cannot be changed into the spec's."""
+
+
+def stream_config(spec: StreamSpec) -> StreamConfig:
+    """The JetStream configuration of a :class:`StreamSpec`."""
+    window = spec.duplicate_window_s
+    if spec.max_age_s > 0:
+        window = min(window, spec.max_age_s)  # the server rejects a window longer than max_age
+    return StreamConfig(
+        name=spec.name,
+        subjects=list(spec.subjects),
+        retention=RetentionPolicy(spec.retention),
+        storage=StorageType(spec.storage),
+        max_age=spec.max_age_s,
+        duplicate_window=window,
+        num_replicas=spec.replicas,
+    )
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, Enum) else value  # nats-py returns enums as plain strings
+
+
+def _differences(have: StreamConfig, want: StreamConfig) -> dict[str, tuple[Any, Any]]:
+    diffs: dict[str, tuple[Any, Any]] = {}
+    for field in ("subjects", "retention", "storage", "num_replicas"):
+        a, b = _plain(getattr(have, field)), _plain(getattr(want, field))
+        if field == "subjects":
+            a, b = sorted(a or []), sorted(b or [])
+        if a != b:
+            diffs[field] = (a, b)
+    for field in ("max_age", "duplicate_window"):
+        a, b = float(getattr(have, field) or 0.0), float(getattr(want, field) or 0.0)
+        if not math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-6):
+            diffs[field] = (a, b)
+    return diffs
+
+
+async def ensure_streams(js: JetStreamContext, specs: Sequence[StreamSpec] = STREAMS) -> None:
+    """Create each stream, or update an existing one whose changeable settings differ.
+
+    Idempotent. Storage and retention cannot change in place: a stream that differs there raises
+    :class:`StreamMismatchError` naming the stream and both values, and is left untouched.
+    """
+    for spec in specs:
+        want = stream_config(spec)
+        try:
+            info = await js.stream_info(spec.name)
+        except NotFoundError:
+            await js.add_stream(want)
+            log.info("bus.stream.created", stream=spec.name, subjects=spec.subjects)
+            continue
+        diffs = _differences(info.config, want)
+        fixed = {k: v for k, v in diffs.items() if k in ("retention", "storage")}
+        if fixed:
+            raise StreamMismatchError(
+                f"stream {spec.name} exists with "
+                + ", ".join(f"{k}={have!r} (spec wants {w!r})" for k, (have, w) in fixed.items())
+                + "; these cannot be changed in place: delete the stream or change the spec"
+            )
+        if diffs:
+            updated = info.config.evolve(
+                subjects=want.subjects,
+                max_age=want.max_age,
+                duplicate_window=want.duplicate_window,
+                num_replicas=want.num_replicas,
+            )
+            await js.update_stream(updated)
+            log.info("bus.stream.updated", stream=spec.name, changes={k: v[1] for k, v in diffs.items()})
+
+
+class PublishError(RuntimeError):
+    """Messages JetStream did not acknowledge; they may or may not be stored, so republish them."""
+
+    def __init__(self, message: str, unacked: list[str], reasons: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.unacked = unacked
+        """Message ids (``Nats-Msg-Id``) without an ack, in publish order."""
+        self.reasons = reasons or {}
+        """Why, per message id."""
+
+
+def _summary(reasons: dict[str, str]) -> str:
+    first_id, first_reason = next(iter(reasons.items()))
+    return f"{len(reasons)} message(s) not acknowledged by JetStream (first: {first_id}: {first_reason})"
+
+
+class Publisher:
+    """Batched, acknowledged publishing with bounded outstanding acks (see the module docstring).
+
+    When the window of ``max_pending`` unacked messages is full, ``publish`` waits until half of it is
+    acked (refilling one slot at a time would turn batched socket writes into one write per message).
+    Keep ``max_pending`` at most the JetStreamContext's ``publish_async_max_pending`` (4000 by default).
+    """
+
+    def __init__(self, js: JetStreamContext, *, max_pending: int = 2048, ack_timeout_s: float = 30.0) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self._js = js
+        self._max_pending = max_pending
+        self._ack_timeout_s = ack_timeout_s
+        self._pending: deque[tuple[str, asyncio.Future[PubAck], float]] = deque()
+        self._failed: dict[str, str] = {}
+        self._acked_since_flush = 0
+        self._dups_since_flush = 0
+        self._first_dup: str | None = None
+        self._subjects: dict[tuple[str, type], str] = {}
+        self.published = 0
+        """Messages handed to the server so far."""
+        self.acked = 0
+        """Messages acknowledged so far (stored, or recognised as already stored)."""
+        self.duplicates = 0
+        """Acks that said the ``Nats-Msg-Id`` was already stored (a retry, or an id reused by mistake)."""
+
+    @property
+    def pending(self) -> int:
+        """Messages sent whose ack has not been processed yet."""
+        return len(self._pending)
+
+    async def publish(self, subject: str, msg: msgspec.Struct) -> None:
+        """Encode and publish ``msg``; returns once queued, waits while ``max_pending`` acks are pending."""
+        headers = {MSG_ID_HEADER: message_id(msg), CODEC_HEADER: CODEC_VERSION}
+        await self.publish_raw(subject, encode(msg), headers)
+
+    async def publish_event(self, event: EpisodeEvent) -> None:
+        """Publish an episode event on ``leafe.<run>.events.<kind>``."""
+        key = (event.run_id, type(event))
+        subject = self._subjects.get(key)
+        if subject is None:
+            kind = type(event).__struct_config__.tag
+            subject = self._subjects[key] = event_subject(event.run_id, str(kind))
+        await self.publish(subject, event)
+
+    async def publish_raw(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        """Publish already-encoded bytes (log import); ``headers`` must carry ``Nats-Msg-Id``."""
+        msg_id = headers.get(MSG_ID_HEADER)
+        if not msg_id:
+            raise ValueError(f"publish to {subject!r} without a {MSG_ID_HEADER} header: {headers!r}")
+        self._reap()
+        if len(self._pending) >= self._max_pending:
+            await self._make_room()
+        loop = asyncio.get_running_loop()
+        try:
+            future = await self._js.publish_async(subject, data, headers=headers)
+        except Exception as e:
+            reason = f"{type(e).__name__}: {e}"
+            raise PublishError(
+                f"could not send {msg_id} to {subject!r}: {reason}"
+                + (
+                    f"; {len(self._pending)} earlier message(s) await their ack (see flush())"
+                    if self._pending
+                    else ""
+                ),
+                [msg_id],
+                {msg_id: reason},
+            ) from e
+        self._pending.append((msg_id, future, loop.time() + self._ack_timeout_s))
+        self.published += 1
+
+    def _settle(self, msg_id: str, future: asyncio.Future[PubAck]) -> None:
+        if future.cancelled():
+            self._failed[msg_id] = f"no ack within {self._ack_timeout_s}s"
+            return
+        exc = future.exception()
+        if exc is not None:
+            self._failed[msg_id] = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            return
+        self.acked += 1
+        self._acked_since_flush += 1
+        if future.result().duplicate:
+            self.duplicates += 1
+            self._dups_since_flush += 1
+            self._first_dup = self._first_dup or msg_id
+
+    def _reap(self) -> None:
+        pending = self._pending
+        while pending and pending[0][1].done():
+            msg_id, future, _ = pending.popleft()
+            self._settle(msg_id, future)
+
+    async def _make_room(self) -> None:
+        loop = asyncio.get_running_loop()
+        while len(self._pending) > self._max_pending // 2:
+            _, future, deadline = self._pending[0]
+            if not future.done():
+                await asyncio.wait((future,), timeout=max(0.0, deadline - loop.time()))
+                if not future.done():
+                    future.cancel()  # frees nats-py's slot; the message is reported by flush()
+            self._reap()
+
+    async def flush(self) -> int:
+        """Await every outstanding ack; returns how many messages were acked since the last flush.
+
+        Raises :class:`PublishError` listing every message without an ack (error, or none within
+        ``ack_timeout_s`` of its publish) since the last flush.
+        """
+        self._reap()
+        if self._pending:
+            loop = asyncio.get_running_loop()
+            timeout = max(0.0, self._pending[-1][2] - loop.time())
+            await asyncio.wait([f for _, f, _ in self._pending], timeout=timeout)
+            while self._pending:
+                msg_id, future, _ = self._pending.popleft()
+                if not future.done():
+                    future.cancel()
+                self._settle(msg_id, future)
+        acked, self._acked_since_flush = self._acked_since_flush, 0
+        if self._dups_since_flush:
+            # Expected after a retry; otherwise an id was reused (e.g. the same task key in two runs).
+            log.warning("bus.publish.duplicates", count=self._dups_since_flush, first=self._first_dup)
+            self._dups_since_flush, self._first_dup = 0, None
+        if self._failed:
+            failed, self._failed = self._failed, {}
+            log.error("bus.publish.unacked", count=len(failed), first=list(failed.items())[:5])
+            raise PublishError(_summary(failed), list(failed), failed)
+        return acked
+
+    async def __aenter__(self) -> Publisher:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if e is None:
+            await self.flush()
+            return
+        try:
+            await self.flush()
+        except PublishError as pe:
+            e.add_note(f"also: {pe} (ids: {pe.unacked[:20]})")  # the original error propagates

@@ -1,0 +1,296 @@
+"""Durable pull consumers for the LEAFE streams (re-exported by ``services.bus``; import from there).
+
+A :class:`Consumer` binds a durable, explicitly acked pull consumer and turns messages into typed
+:class:`Delivery` objects. Undecodable messages never reach the caller: they are copied to a
+dead-letter subject with the reason in a ``Leafe-Error`` header (and the original subject, stream and
+sequence in ``Leafe-Original-*`` headers), then acked and counted in ``dead_letters``.
+
+Pulling goes through :class:`services.bus_pull.Puller` (batched requests, no per-message task). Acks
+are plain publishes on the message's reply subject: they go into the connection's write buffer and
+are flushed together, never waiting for a reply per message, and :meth:`Consumer.consume` sends each
+one only after the handler returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import APIError, NotFoundError
+
+from protocol.codec import CODEC_HEADER, MSG_ID_HEADER, ProtocolError
+from services.bus_pull import ConsumerError, Puller
+
+__all__ = ["ERROR_HEADER", "Consumer", "Delivery"]
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+ERROR_HEADER = "Leafe-Error"
+"""Header of a dead-lettered message: why it could not be decoded."""
+_ORIGIN_HEADERS = ("Leafe-Original-Subject", "Leafe-Original-Stream", "Leafe-Original-Seq")
+_REASON_CHARS = 512
+
+
+class Delivery(Generic[T]):
+    """One decoded message; ack it only once its effect is durable."""
+
+    __slots__ = ("_msg", "subject", "value")
+
+    def __init__(self, value: T, msg: Msg) -> None:
+        self.value = value
+        """The decoded message."""
+        self.subject = msg.subject
+        """Subject it was published on."""
+        self._msg = msg
+
+    @property
+    def stream_seq(self) -> int:
+        """Sequence of the message in its stream."""
+        return int(self._msg.metadata.sequence.stream)
+
+    @property
+    def num_delivered(self) -> int:
+        """Delivery attempt (2+ means it was redelivered after a nak, a crash or ack_wait)."""
+        return int(self._msg.metadata.num_delivered)
+
+    @property
+    def msg_id(self) -> str | None:
+        """The ``Nats-Msg-Id`` it was published with."""
+        return (self._msg.headers or {}).get(MSG_ID_HEADER)
+
+    async def ack(self) -> None:
+        """Acknowledge: JetStream will not deliver it to this consumer again."""
+        await self._msg.ack()
+
+    async def nak(self, delay: float | None = None) -> None:
+        """Ask for redelivery, after ``delay`` seconds when given."""
+        await self._msg.nak(delay)
+
+    async def in_progress(self) -> None:
+        """Still working on it: restart the ack_wait timer (may be called many times)."""
+        await self._msg.in_progress()
+
+    async def term(self) -> None:
+        """Never deliver it again (without acking its effect)."""
+        await self._msg.term()
+
+    def __repr__(self) -> str:
+        return f"Delivery(subject={self.subject!r}, value={type(self.value).__name__})"
+
+
+class Consumer(Generic[T]):
+    """A durable pull consumer yielding decoded deliveries (see the module docstring)."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        *,
+        stream: str,
+        durable: str,
+        filter_subject: str,
+        decode: Callable[[bytes, str | None], T],
+        dead_letter_subject: str,
+        batch: int = 256,
+        ack_wait_s: float = 30.0,
+        max_ack_pending: int = 4096,
+        deliver_policy: str = "all",
+        max_deliver: int = -1,
+    ) -> None:
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        self._js = js
+        self.stream = stream
+        self.durable = durable
+        self.filter_subject = filter_subject
+        self.batch = batch
+        self.ack_wait_s = ack_wait_s
+        self._decode = decode
+        self._dead_subject = dead_letter_subject
+        self._config = ConsumerConfig(
+            name=durable,
+            durable_name=durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=ack_wait_s,
+            max_ack_pending=max_ack_pending,
+            max_deliver=max_deliver,
+            filter_subject=filter_subject,
+            deliver_policy=DeliverPolicy(deliver_policy),
+        )
+        self._puller: Puller | None = None
+        self.dead_letters = 0
+        """Undecodable messages moved to the dead-letter subject."""
+        self.handler_failures = 0
+        """Handler exceptions in :meth:`consume` (each message was nak'ed for redelivery)."""
+
+    async def start(self) -> None:
+        """Create the durable consumer, or bind to the existing one (idempotent).
+
+        An existing durable keeps its position; changeable settings (ack_wait, max_ack_pending, ...)
+        are updated. A different filter subject or deliver policy raises :class:`ConsumerError`: the
+        durable would carry its old position and pending redeliveries into the new role.
+        """
+        if self._puller is not None:
+            return
+        try:
+            existing = (await self._js.consumer_info(self.stream, self.durable)).config
+        except NotFoundError:
+            existing = None
+        if existing is not None and existing.filter_subject != self.filter_subject:
+            raise ConsumerError(
+                f"durable consumer {self.durable!r} on {self.stream!r} exists with filter "
+                f"{existing.filter_subject!r}, not {self.filter_subject!r}; use another durable name"
+            )
+        try:
+            await self._js.add_consumer(self.stream, self._config)
+        except APIError as e:
+            raise ConsumerError(
+                f"cannot create durable consumer {self.durable!r} on stream {self.stream!r} "
+                f"(filter {self.filter_subject!r}): {e}"
+            ) from e
+        puller = Puller(self._js, self.stream, self.durable)
+        await puller.start()
+        self._puller = puller
+
+    async def close(self) -> None:
+        """Stop pulling and push buffered acks to the server (the durable consumer stays)."""
+        if self._puller is not None:
+            puller, self._puller = self._puller, None
+            await puller.close()
+            await self._js._nc.flush()
+
+    async def __aenter__(self) -> Consumer[T]:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def fetch(self, timeout: float = 1.0, *, max_messages: int | None = None) -> list[Delivery[T]]:  # noqa: ASYNC109
+        """Up to ``batch`` (or ``max_messages``) deliveries in stream order; ``[]`` after ``timeout`` s."""
+        if self._puller is None:
+            raise ConsumerError(f"consumer {self.durable!r} is not started; call start() first")
+        msgs = await self._puller.pull(min(self.batch, max_messages or self.batch), timeout)
+        out: list[Delivery[T]] = []
+        decode = self._decode
+        for i, msg in enumerate(msgs):
+            headers = msg.headers
+            try:
+                value = decode(msg.data, headers.get(CODEC_HEADER) if headers else None)
+            except ProtocolError as e:
+                try:
+                    await self._dead_letter(msg, e.reason)
+                except ConsumerError:
+                    for m in (*(d._msg for d in out), *msgs[i:]):
+                        await m.nak()  # hand the whole batch back at once, not after ack_wait
+                    raise
+                continue
+            out.append(Delivery(value, msg))
+        return out
+
+    async def _dead_letter(self, msg: Msg, reason: str) -> None:
+        meta = msg.metadata
+        clean = " ".join(reason.split()).encode("ascii", "backslashreplace").decode()[:_REASON_CHARS]
+        headers = {
+            ERROR_HEADER: clean or "undecodable",
+            _ORIGIN_HEADERS[0]: msg.subject,
+            _ORIGIN_HEADERS[1]: meta.stream,
+            _ORIGIN_HEADERS[2]: str(meta.sequence.stream),
+            MSG_ID_HEADER: f"dead.{meta.stream}.{meta.sequence.stream}",
+        }
+        if msg.headers and CODEC_HEADER in msg.headers:
+            headers[CODEC_HEADER] = msg.headers[CODEC_HEADER]
+        try:
+            await self._js.publish(self._dead_subject, msg.data, headers=headers)
+        except Exception as e:
+            raise ConsumerError(
+                f"cannot dead-letter {msg.subject} seq {meta.sequence.stream} to {self._dead_subject!r} "
+                f"({reason}): {type(e).__name__}: {e}"
+            ) from e
+        await msg.ack()
+        self.dead_letters += 1
+        log.warning(
+            "bus.dead_letter",
+            consumer=self.durable,
+            subject=msg.subject,
+            stream_seq=meta.sequence.stream,
+            dead_letter_subject=self._dead_subject,
+            reason=clean,
+        )
+
+    async def consume(
+        self,
+        handler: Callable[[Delivery[T]], Awaitable[None]],
+        *,
+        stop: asyncio.Event | None = None,
+        limit: int | None = None,
+        fetch_timeout: float = 1.0,
+        nak_delay_s: float = 1.0,
+        stop_on_error: bool = False,
+    ) -> int:
+        """Call ``handler`` on each delivery in order and ack it after the handler returned.
+
+        A handler exception is logged, counted and the message nak'ed (redelivered after
+        ``nak_delay_s``); with ``stop_on_error`` the rest of the batch is nak'ed too and the exception
+        re-raised, so a handler that needs strict per-subject order never sees a later message first.
+        Deliveries still waiting in a batch get in-progress acks every ``ack_wait_s / 3`` s, so slow
+        handlers do not trigger redelivery. Returns the number handled successfully, once ``stop`` is
+        set or that number reaches ``limit`` (it never goes past it).
+        """
+        handled = 0
+        while (stop is None or not stop.is_set()) and (limit is None or handled < limit):
+            batch = await self.fetch(fetch_timeout, max_messages=None if limit is None else limit - handled)
+            if not batch:
+                continue
+            cursor = [0]
+            keepalive = asyncio.create_task(self._keepalive(batch, cursor))
+            try:
+                for i, delivery in enumerate(batch):
+                    cursor[0] = i
+                    if not await self._handle(handler, delivery, nak_delay_s, batch[i + 1 :], stop_on_error):
+                        continue
+                    handled += 1
+            finally:
+                keepalive.cancel()
+        return handled
+
+    async def _handle(
+        self,
+        handler: Callable[[Delivery[T]], Awaitable[None]],
+        delivery: Delivery[T],
+        nak_delay_s: float,
+        rest: list[Delivery[T]],
+        stop_on_error: bool,
+    ) -> bool:
+        try:
+            await handler(delivery)
+        except Exception as e:
+            self.handler_failures += 1
+            log.warning(
+                "bus.consume.handler_failed",
+                consumer=self.durable,
+                subject=delivery.subject,
+                stream_seq=delivery.stream_seq,
+                msg_id=delivery.msg_id,
+                error=f"{type(e).__name__}: {e}",
+                exc_info=True,
+            )
+            await delivery.nak(nak_delay_s)
+            if stop_on_error:
+                for other in rest:
+                    await other.nak()
+                raise
+            return False
+        await delivery.ack()
+        return True
+
+    async def _keepalive(self, batch: list[Delivery[T]], cursor: list[int]) -> None:
+        while True:
+            await asyncio.sleep(self.ack_wait_s / 3)
+            for delivery in batch[cursor[0] :]:
+                await delivery.in_progress()

@@ -1,0 +1,105 @@
+"""Child service processes for ``leafe run``: start with logs to the run directory, watch, stop, kill.
+
+Each service runs as its own ``leafe <verb>`` process (as in deploy/), in its own session so a terminal
+Ctrl-C reaches only the supervisor, which then drains them in order with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+import structlog
+
+__all__ = ["ServiceError", "ServiceProcess", "wait_http_ok"]
+
+log = structlog.get_logger(__name__)
+
+
+class ServiceError(RuntimeError):
+    """A child service failed to start or died; the message names it and its log file."""
+
+
+class ServiceProcess:
+    """One ``leafe <verb> ...`` child process."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.argv = [sys.executable, "-m", "services.cli", *argv]
+        self.log_path = log_path
+        self.env = {**os.environ, **(env or {})}
+        self.proc: asyncio.subprocess.Process | None = None
+        self.restarts = 0
+
+    @property
+    def alive(self) -> bool:
+        """The process is running."""
+        return self.proc is not None and self.proc.returncode is None
+
+    async def start(self) -> ServiceProcess:
+        """Spawn the process, appending its output to ``log_path``."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as out:
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.argv, stdout=out, stderr=asyncio.subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        log.info("run.service.started", service=self.name, pid=self.proc.pid, log=str(self.log_path))
+        return self
+
+    def check(self) -> None:
+        """Raise :class:`ServiceError` if the process exited."""
+        if self.proc is not None and self.proc.returncode is not None:
+            tail = self.tail()
+            raise ServiceError(
+                f"service {self.name} exited with code {self.proc.returncode}; see {self.log_path}:\n{tail}"
+            )
+
+    def tail(self, lines: int = 15) -> str:
+        """Last lines of the service's log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    async def stop(self, grace_s: float = 30.0) -> int | None:
+        """SIGTERM (the service drains), SIGKILL after ``grace_s``; returns the exit code."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), grace_s)
+            except TimeoutError:
+                log.warning("run.service.kill", service=self.name, after_s=grace_s)
+                proc.kill()
+                await proc.wait()
+        log.info("run.service.stopped", service=self.name, code=proc.returncode)
+        return proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL (crash tests)."""
+        if self.alive and self.proc is not None:
+            self.proc.kill()
+
+
+async def wait_http_ok(url: str, service: ServiceProcess | None, timeout_s: float = 300.0) -> None:
+    """Poll ``url`` until it answers 200; fail early, with the log tail, if ``service`` dies."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while asyncio.get_running_loop().time() < deadline:
+            if service is not None:
+                service.check()
+            try:
+                async with session.get(url) as resp:
+                    if resp.status == 200:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(0.5)
+    raise ServiceError(f"{url} did not answer 200 within {timeout_s:.0f}s")

@@ -1,0 +1,122 @@
+"""Subject builders and stream specs: exact subjects, clear rejections, every subject has one stream."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocol.subjects import (
+    DEAD_LETTERS,
+    EVENTS,
+    SAMPLES,
+    STREAMS,
+    TASKS,
+    WEIGHTS,
+    InvalidRunId,
+    dead_letter_subject,
+    event_subject,
+    sample_subject,
+    task_subject,
+    validate_run_id,
+    weights_subject,
+)
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    """NATS wildcard matching: ``*`` is one token, ``>`` one or more trailing tokens."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def test_subjects_have_the_documented_shape() -> None:
+    """Each builder yields ``leafe.<run>.<area>[.<kind>]`` exactly as DESIGN.md lists it."""
+    assert event_subject("r1", "step") == "leafe.r1.events.step"
+    assert event_subject("r1", "episode_started") == "leafe.r1.events.episode_started"
+    assert task_subject("run-2") == "leafe.run-2.tasks"
+    assert sample_subject("R_3", "cf") == "leafe.R_3.samples.cf"
+    assert weights_subject("r1") == "leafe.r1.weights"
+    assert dead_letter_subject("r1", "LEAFE_EVENTS") == "leafe.r1.dead.leafe_events"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "a.b",
+        "a b",
+        "*",
+        ">",
+        "r1.>",
+        "-lead",
+        "_lead",
+        "x" * 65,
+        "ünï",
+        "tab\t",
+        "new\nline",
+        "a/b",
+        "r1\n",
+        "r1\r\nPUB x 1",
+    ],
+)
+def test_invalid_run_ids_are_rejected_with_the_value_named(bad: str) -> None:
+    """Dots, spaces, wildcards, leading punctuation, >64 chars and non-ASCII are refused, quoting the id."""
+    with pytest.raises(InvalidRunId, match="invalid run id") as info:
+        validate_run_id(bad)
+    assert repr(bad) in str(info.value)
+    with pytest.raises(InvalidRunId):
+        event_subject(bad, "step")
+
+
+def test_non_string_run_id_is_rejected() -> None:
+    """A run id that is not a string (e.g. an int from a config) is an InvalidRunId, not a TypeError."""
+    with pytest.raises(InvalidRunId):
+        validate_run_id(12)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["", "a.b", "*", ">", "with space", "step\n"])
+def test_invalid_kind_tokens_are_rejected(kind: str) -> None:
+    """An event/sample kind that is not a single subject token is refused with the kind named."""
+    with pytest.raises(InvalidRunId, match="kind"):
+        event_subject("r1", kind)
+    with pytest.raises(InvalidRunId, match="kind"):
+        sample_subject("r1", kind)
+
+
+def test_boundary_run_ids_are_accepted() -> None:
+    """One character and exactly 64 characters are both valid run ids."""
+    assert validate_run_id("a") == "a"
+    assert validate_run_id("A" * 64) == "A" * 64
+
+
+def test_every_subject_is_captured_by_exactly_one_stream() -> None:
+    """Streams never overlap (JetStream would refuse) and every builder's subject lands in its stream."""
+    cases = {
+        event_subject("r1", "step"): EVENTS,
+        task_subject("r1"): TASKS,
+        sample_subject("r1", "cf"): SAMPLES,
+        weights_subject("r1"): WEIGHTS,
+        dead_letter_subject("r1", "LEAFE_EVENTS"): DEAD_LETTERS,
+    }
+    for subject, stream in cases.items():
+        owners = [s for s in STREAMS if any(_matches(p, subject) for p in s.subjects)]
+        assert owners == [stream], subject
+
+
+def test_stream_specs_follow_the_design() -> None:
+    """Tasks are a work queue; everything is file-backed, never expires, and dedupes for a long window."""
+    assert TASKS.retention == "workqueue"
+    assert {s.name for s in STREAMS} == {
+        "LEAFE_EVENTS",
+        "LEAFE_TASKS",
+        "LEAFE_SAMPLES",
+        "LEAFE_WEIGHTS",
+        "LEAFE_DEAD",
+    }
+    for spec in STREAMS:
+        assert spec.storage == "file"
+        assert spec.max_age_s == 0.0
+        assert spec.duplicate_window_s >= 3600

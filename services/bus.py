@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 from collections import deque
 from collections.abc import Sequence
 from enum import Enum
@@ -159,7 +160,13 @@ async def ensure_streams(js: JetStreamContext, specs: Sequence[StreamSpec] = STR
 
     Idempotent. Storage and retention cannot change in place: a stream that differs there raises
     :class:`StreamMismatchError` naming the stream and both values, and is left untouched.
+    ``LEAFE_STREAM_REPLICAS`` (set by deploy/ on a clustered NATS) overrides every spec's replica count.
     """
+    replicas = os.environ.get("LEAFE_STREAM_REPLICAS", "").strip()
+    if replicas:
+        if not replicas.isdigit() or not 1 <= int(replicas) <= 5:
+            raise ValueError(f"LEAFE_STREAM_REPLICAS={replicas!r}: expected an integer from 1 to 5")
+        specs = [msgspec.structs.replace(spec, replicas=int(replicas)) for spec in specs]
     for spec in specs:
         want = stream_config(spec)
         try:

@@ -11,6 +11,10 @@ exponential backoff; a server that failed is avoided for a short cooldown. HTTP 
 request that times out after connecting are not retried (a slow generation would be run twice). When
 every attempt fails, :class:`~actors.engine.EngineError` names each server and why. Error bodies are read
 in any of SGLang's three shapes; unknown response keys are ignored (SGLANG_API.md).
+
+In-flight counts are this client's own (share one client among an actor's episodes; across machines,
+put the sglang router in front). The aiohttp session belongs to the event loop that first used it: use
+one client per loop, and close it (``async with``).
 """
 
 from __future__ import annotations
@@ -250,8 +254,10 @@ class SGLangClient:
         *,
         n: int = 1,
         return_logprob: bool = False,
+        timeout_s: float | None = None,
     ) -> list[Completion]:
-        """``n`` completions of ``input_ids`` (raises :class:`EngineError`)."""
+        """``n`` completions of ``input_ids`` (raises :class:`EngineError`); ``timeout_s`` overrides the
+        client's per-request timeout."""
         if not input_ids:
             raise EngineError("generate needs a non-empty prompt (input_ids=[])")
         if n < 1:
@@ -264,7 +270,7 @@ class SGLangClient:
             "sampling_params": sampling,
             "return_logprob": return_logprob,
         }
-        completions = parse_completions(await self.generate_raw(payload))
+        completions = parse_completions(await self.generate_raw(payload, timeout_s=timeout_s))
         if len(completions) != n:
             raise EngineError(f"asked for n={n} completions, the server returned {len(completions)}")
         return completions

@@ -1,0 +1,406 @@
+"""CPU inference server speaking SGLang's native HTTP API (the subset in SGLANG_API.md), so actors use the
+same client against it and against real SGLang servers.
+
+Run it:
+    leafe inference --model tiny|smollm2-135m-instruct|DIR --port 30000 --max-batch 16 --batch-wait-ms 5
+
+In-process (``leafe run``, tests, benchmarks)::
+
+    async with InferenceServer(InferenceConfig(model="tiny", port=0)) as server:
+        url = server.url                      # http://127.0.0.1:<bound port>
+    # or, from synchronous code (tests, benchmarks, notebooks): services/inference_local.py
+    handle = start_in_thread(InferenceConfig(model="tiny", port=0)); handle.url; handle.stop()
+
+Routes: POST /generate, POST /update_weights_from_disk, POST /update_weight_version, GET /model_info
+(+ /get_model_info), GET /get_server_info, GET /health, GET /ready, GET|POST /flush_cache; anything else is
+404 ``{"detail": "Not Found"}``. Generation runs in :class:`services.inference_engine.GenerationEngine`'s
+worker thread with dynamic (continuous) batching; a weight reload is read and checked in another
+thread and swapped in between batches. Prompt prefixes are reused from a small KV cache
+(``services/inference_prefix.py``; ``meta_info.cached_tokens`` says how many). Simplified against SGLang:
+no streaming, no input logprobs, no radix tree (whole recent prompts are cached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from services.inference_api import RequestError, copy_seed, error_body, output_body, parse_generate
+from services.inference_decode import GenSequence, StopChecker
+from services.inference_engine import EngineClosed, GenerationEngine
+from services.inference_prefix import PrefixCache
+from services.inference_weights import WeightLoadError, load_weight_dir
+
+__all__ = ["InferenceConfig", "InferenceServer", "main", "serve"]
+
+log = structlog.get_logger(__name__)
+
+
+class InferenceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Configuration of the CPU inference server."""
+
+    model: str = "smollm2-135m-instruct"
+    """``"smollm2-135m-instruct"``, ``"tiny"`` (random test model) or an HF model directory."""
+    host: str = "127.0.0.1"
+    """Interface to bind."""
+    port: int = 30000
+    """TCP port (SGLang's default); 0 picks a free one (read it from ``InferenceServer.url``)."""
+    max_batch: int = 16
+    """Most sequences decoded together."""
+    batch_wait_ms: float = 5.0
+    """How long an idle server collects requests before starting a batch."""
+    max_prefill_tokens: int = 8192
+    """Padded prompt tokens per prefill forward (longer groups are split)."""
+    threads: int = 0
+    """torch intra-op threads (process-wide; restored on stop); 0 keeps torch's default (one per core).
+    On a CPU shared with other busy processes, 1 avoids OpenMP spin-waiting (10x slower seen at 2)."""
+    served_model_name: str | None = None
+    """Name reported by /model_info (default: the model argument)."""
+    weight_version: str = "default"
+    """Version reported until the first weight update (SGLang starts at "default")."""
+    prefix_cache_tokens: int = 16384
+    """Prompt tokens whose KV is kept for reuse by later prompts with the same prefix (0 = off;
+    SmolLM2 needs ~46 KB per token, so the default holds ~0.75 GB at most)."""
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None)
+        ids.update([value] if isinstance(value, int) else (value or []))
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.json_response(body, status=status, dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+
+@web.middleware
+async def _sglang_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+):
+    """FastAPI-shaped bodies for unknown routes and methods, as SGLang's server answers them."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return _json({"detail": "Not Found"}, status=404)
+    except web.HTTPMethodNotAllowed:
+        return _json({"detail": "Method Not Allowed"}, status=405)
+
+
+class InferenceServer:
+    """The HTTP server and its engine; ``await start()`` returns the URL, ``await stop()`` drains."""
+
+    def __init__(self, config: InferenceConfig) -> None:
+        self.config = config
+        self.engine: GenerationEngine | None = None
+        self.url = ""
+        self.model_path = Path()
+        self.tokenizer_path = Path()
+        self._tokenizer: Any = None
+        self._context_len = 0
+        self._vocab_size = 0
+        self._reload_lock = asyncio.Lock()
+        self._runner: web.AppRunner | None = None
+        self._saved_threads = 0
+
+    async def __aenter__(self) -> InferenceServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _load(self) -> GenerationEngine:
+        import torch
+
+        from learner.model_io import load_model, load_tokenizer, resolve_model
+
+        if self.config.threads > 0:
+            self._saved_threads = torch.get_num_threads()
+            torch.set_num_threads(self.config.threads)
+        path = resolve_model(self.config.model)
+        self.model_path = self.tokenizer_path = path
+        model = load_model(path)
+        self._tokenizer = load_tokenizer(path)
+        self._context_len = int(getattr(model.config, "max_position_embeddings", 2048))
+        self._vocab_size = int(getattr(model.config, "vocab_size", 0) or len(self._tokenizer))
+        pad = self._tokenizer.pad_token_id
+        eos = _eos_ids(model, self._tokenizer)
+        return GenerationEngine(
+            model,
+            StopChecker(self._tokenizer, eos),
+            pad_id=int(pad if pad is not None else min(eos)),
+            max_batch=self.config.max_batch,
+            batch_wait_s=self.config.batch_wait_ms / 1000.0,
+            max_prefill_tokens=self.config.max_prefill_tokens,
+            version=self.config.weight_version,
+            prefix_cache=PrefixCache(self.config.prefix_cache_tokens)
+            if self.config.prefix_cache_tokens
+            else None,
+        )
+
+    def app(self) -> web.Application:
+        """The aiohttp application (routes bound to this server)."""
+        app = web.Application(middlewares=[_sglang_errors], client_max_size=64 << 20)
+        r = app.router
+        r.add_route("POST", "/generate", self._generate)
+        r.add_route("PUT", "/generate", self._generate)
+        r.add_post("/update_weights_from_disk", self._update_weights)
+        r.add_post("/update_weight_version", self._update_weight_version)
+        r.add_get("/model_info", self._model_info)
+        r.add_get("/get_model_info", self._model_info)
+        r.add_get("/get_server_info", self._server_info)
+        r.add_get("/health", self._health)
+        r.add_get("/ready", self._health)
+        r.add_route("GET", "/flush_cache", self._flush_cache)
+        r.add_route("POST", "/flush_cache", self._flush_cache)
+        return app
+
+    async def start(self) -> str:
+        """Load the model, start the engine and bind; returns the server's URL."""
+        t0 = time.perf_counter()
+        self.engine = await asyncio.to_thread(self._load)
+        self.engine.start()
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        port = self._runner.addresses[0][1] if self._runner.addresses else self.config.port
+        self.url = f"http://{self.config.host}:{port}"
+        log.info(
+            "inference.server.started",
+            url=self.url,
+            model=str(self.model_path),
+            config=msgspec.to_builtins(self.config),
+            load_s=round(time.perf_counter() - t0, 2),
+        )
+        return self.url
+
+    async def stop(self) -> None:
+        """Stop accepting requests, then stop the engine (unfinished requests fail)."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)
+        if self._saved_threads:  # the thread count is process-wide: give in-process callers theirs back
+            import torch
+
+            torch.set_num_threads(self._saved_threads)
+            self._saved_threads = 0
+        log.info("inference.server.stopped", url=self.url)
+
+    # ---- handlers ---------------------------------------------------------------------------------
+    def _encode(self, text: str) -> list[int]:
+        return [int(t) for t in self._tokenizer.encode(text)]
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        assert engine is not None
+        try:
+            body = await request.json()
+            jobs, batched = parse_generate(
+                body, encode=self._encode, vocab_size=self._vocab_size, context_len=self._context_len
+            )
+        except (RequestError, json.JSONDecodeError) as e:
+            log.info("inference.request.rejected", reason=str(e))
+            return _json(error_body(str(e)), status=400)
+        seqs: list[list[GenSequence]] = []
+        for job in jobs:
+            copies = [
+                GenSequence(prompt=job.input_ids, spec=replace(job.spec, seed=copy_seed(job.spec.seed, i)))
+                for i in range(job.n)
+            ]
+            seqs.append(copies)
+        to_run = [s for copies in seqs for s in copies if s.spec.max_new_tokens > 0]
+        for s in (s for copies in seqs for s in copies if s.spec.max_new_tokens == 0):
+            s.finish, s.weight_version = {"type": "length", "length": 0}, engine.version
+        if to_run:
+            try:
+                req = engine.submit(to_run)
+            except EngineClosed as e:
+                return _json(error_body(str(e)), status=503)
+            try:
+                await asyncio.wrap_future(req.future)
+            except asyncio.CancelledError:
+                engine.cancel(req)
+                raise
+            except EngineClosed as e:
+                return _json(error_body(str(e)), status=503)
+            except Exception as e:  # a failed forward: report it, the engine keeps serving
+                return _json(error_body(f"Generation failed: {type(e).__name__}: {e}"), status=500)
+        out = [
+            output_body(s, rid=job.rid if job.n == 1 else None, return_logprob=job.return_logprob)
+            for job, copies in zip(jobs, seqs, strict=True)
+            for s in copies
+        ]
+        return _json(out if batched else out[0])
+
+    async def _update_weights(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        assert engine is not None
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as e:
+            return _json({"success": False, "message": f"invalid JSON: {e}", "num_paused_requests": 0}, 400)
+        if not isinstance(body, dict):
+            return _json(
+                {"success": False, "message": "body must be a JSON object", "num_paused_requests": 0}, 400
+            )
+        path, version = body.get("model_path"), body.get("weight_version")
+        fmt = body.get("load_format")
+        if not isinstance(path, str) or not path or fmt not in (None, "auto", "safetensors"):
+            msg = "model_path (a directory) is required" if not path else f"unsupported load_format {fmt!r}"
+            return _json({"success": False, "message": msg, "num_paused_requests": 0}, 400)
+        async with self._reload_lock:
+            t0 = time.perf_counter()
+            try:
+                state = await asyncio.to_thread(load_weight_dir, Path(path), engine.model)
+            except WeightLoadError as e:
+                log.warning("inference.weights.rejected", path=path, reason=str(e), version=engine.version)
+                return _json({"success": False, "message": str(e), "num_paused_requests": 0}, 400)
+            load_s = time.perf_counter() - t0
+            aborted = await asyncio.wrap_future(
+                engine.swap_weights(
+                    state,
+                    None if version is None else str(version),
+                    abort_all=bool(body.get("abort_all_requests", False)),
+                )
+            )
+            self.model_path = Path(path)
+        msg = "Succeeded to update model weights."
+        if version is not None:
+            msg += f" Weight version updated to {version}."
+        log.info(
+            "inference.weights.updated",
+            path=path,
+            version=engine.version,
+            load_s=round(load_s, 3),
+            total_s=round(time.perf_counter() - t0, 3),
+            aborted=aborted,
+        )
+        return _json({"success": True, "message": msg, "num_paused_requests": 0})
+
+    async def _update_weight_version(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        assert engine is not None
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as e:
+            return _json({"success": False, "message": f"invalid JSON: {e}"}, 400)
+        version = body.get("new_version") if isinstance(body, dict) else None
+        if not isinstance(version, str) or not version:
+            return _json(
+                {"success": False, "message": f"new_version must be a non-empty string: {version!r}"}, 400
+            )
+        abort = bool(body.get("abort_all_requests", True))
+        await asyncio.wrap_future(engine.swap_weights(None, version, abort_all=abort))
+        return _json({"success": True, "message": f"Weight version updated to {version}."})
+
+    async def _model_info(self, request: web.Request) -> web.Response:
+        assert self.engine is not None
+        config = self.engine.model.config
+        return _json(
+            {
+                "model_path": str(self.model_path),
+                "tokenizer_path": str(self.tokenizer_path),
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.engine.version,
+                "served_model_name": self.config.served_model_name or self.config.model,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": getattr(config, "model_type", None),
+                "architectures": getattr(config, "architectures", None),
+            }
+        )
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        assert self.engine is not None
+        return _json(
+            {
+                **msgspec.to_builtins(self.config),
+                "context_length": self._context_len,
+                "weight_version": self.engine.version,
+                "internal_states": [self.engine.describe()],
+            }
+        )
+
+    async def _health(self, request: web.Request) -> web.Response:
+        ok = self.engine is not None and self.engine.alive
+        return web.Response(status=200 if ok else 503)
+
+    async def _flush_cache(self, request: web.Request) -> web.Response:
+        assert self.engine is not None
+        held = self.engine.flush_cache()
+        return web.Response(text=f"Cache flushed.\nDropped {held} cached prompt tokens.\n")
+
+
+async def serve(
+    config: InferenceConfig,
+    *,
+    stop: asyncio.Event | None = None,
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
+    """Run a server until ``stop`` is set or SIGTERM/SIGINT arrives (main thread only)."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    async with InferenceServer(config) as server:
+        if on_ready is not None:
+            on_ready(server.url)
+        await stop.wait()
+
+
+def main(argv: list[str]) -> int:
+    """``leafe inference``: serve a model until SIGTERM."""
+    d = InferenceConfig()
+    p = argparse.ArgumentParser(prog="leafe inference", description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--model", default=d.model, help="smollm2-135m-instruct | tiny | HF model directory")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port, help="0 = pick a free port (printed at start)")
+    p.add_argument("--max-batch", type=int, default=d.max_batch)
+    p.add_argument("--batch-wait-ms", type=float, default=d.batch_wait_ms)
+    p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
+    p.add_argument(
+        "--prefix-cache-tokens", type=int, default=d.prefix_cache_tokens, help="0 = no prefix cache"
+    )
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads (0 = one per core)")
+    p.add_argument("--served-model-name", default=d.served_model_name)
+    p.add_argument("--weight-version", default=d.weight_version)
+    p.add_argument("--log-level", default="info")
+    a = p.parse_args(argv)
+    from services.logs import configure_logging
+
+    configure_logging(json=True, level=a.log_level)
+    config = InferenceConfig(
+        model=a.model,
+        host=a.host,
+        port=a.port,
+        max_batch=a.max_batch,
+        batch_wait_ms=a.batch_wait_ms,
+        max_prefill_tokens=a.max_prefill_tokens,
+        prefix_cache_tokens=a.prefix_cache_tokens,
+        threads=a.threads,
+        served_model_name=a.served_model_name,
+        weight_version=a.weight_version,
+    )
+    asyncio.run(serve(config, on_ready=lambda url: print(f"leafe inference: serving on {url}", flush=True)))
+    return 0

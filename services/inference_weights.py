@@ -1,0 +1,101 @@
+"""Loading a weight directory for ``/update_weights_from_disk``: check the sha256 manifest when present
+(in parallel with reading), read every ``*.safetensors`` file into memory, and validate names, shapes and
+dtypes against the serving model, so the swap itself (``load_state_dict(assign=True)`` between batches)
+cannot fail half-way.
+
+Failure messages follow SGLang's wording ("Failed to get weights iterator: ..." when the path cannot be
+read, "Failed to update weights: ... Rolling back to original weights." otherwise); the old weights stay.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from safetensors.torch import load
+
+from learner.model_io import ManifestError, verify_manifest
+
+__all__ = ["WeightLoadError", "load_weight_dir"]
+
+_SHOWN = 3
+
+
+class WeightLoadError(RuntimeError):
+    """A weight directory that cannot be served; the message is SGLang-shaped and names the cause."""
+
+
+def _failed(reason: str) -> WeightLoadError:
+    return WeightLoadError(f"Failed to update weights: {reason}. Rolling back to original weights.")
+
+
+def _read_files(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_dir():
+        raise WeightLoadError(f"Failed to get weights iterator: {path} (repository not found).")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"Failed to get weights iterator: {path} (no *.safetensors files).")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            # Read into memory (not the lazy mmap of load_file): served tensors must not change, or fault,
+            # if the file is later rewritten in place.
+            state.update(load(f.read_bytes()))
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+            raise _failed(f"cannot read {f}: {e}") from e
+    return state
+
+
+def _fill_tied(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    """Tied parameters (lm_head = embeddings) are saved once; give the missing name its twin's tensor."""
+    by_storage: dict[int, list[str]] = {}
+    for name, t in reference.items():
+        by_storage.setdefault(t.data_ptr(), []).append(name)
+    for names in by_storage.values():
+        present = [n for n in names if n in state]
+        if present and len(present) < len(names):
+            for n in names:
+                state.setdefault(n, state[present[0]])
+
+
+def load_weight_dir(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """State dict of ``path`` ready for ``model.load_state_dict(state, strict=True, assign=True)``.
+
+    Raises :class:`WeightLoadError` (path missing, manifest mismatch, unreadable file, missing/unexpected
+    tensor, shape mismatch)."""
+    path = Path(path)
+    # Hash (manifest check) and read in parallel: both release the GIL, and the swap waits for both.
+    # A manifest mismatch explains a failed read better than the read error itself: report it first.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="leafe-manifest") as pool:
+        checked = pool.submit(verify_manifest, path) if path.is_dir() else None
+        try:
+            state, read_error = _read_files(path), None
+        except WeightLoadError as e:
+            state, read_error = {}, e
+        try:
+            if checked is not None:
+                checked.result()
+        except ManifestError as e:
+            raise _failed(str(e)) from e
+    if read_error is not None:
+        raise read_error
+    reference = model.state_dict()
+    _fill_tied(state, reference)
+    missing = sorted(reference.keys() - state.keys())
+    unexpected = sorted(state.keys() - reference.keys())
+    if missing:
+        raise _failed(f"{path} lacks {len(missing)} tensors of the serving model, e.g. {missing[:_SHOWN]}")
+    if unexpected:
+        raise _failed(
+            f"{path} has {len(unexpected)} tensors the serving model lacks, e.g. {unexpected[:_SHOWN]}"
+        )
+    for name, ref in reference.items():
+        t = state[name]
+        if t.shape != ref.shape:
+            raise _failed(
+                f"{name} has shape {tuple(t.shape)} in {path}, the serving model {tuple(ref.shape)}"
+            )
+        if t.dtype != ref.dtype:
+            state[name] = t.to(ref.dtype)
+    return state

@@ -41,6 +41,7 @@ def plot_passk(table: Mapping[str, Mapping[int, float]], out: Path, *, title: st
     ax.set_xscale("log", base=2)
     ax.set_xlabel("k")
     ax.set_ylabel("Pass@k (%)")
+    ax.set_ylim(0, 100)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -171,6 +171,7 @@ class Explorer:
             instructions=self.env.instructions,
             prompt_format=PROMPT_FORMAT,
             history_window=self.cfg.history_window,
+            response_prefix=self.cfg.response_prefix,
             group_id=s.group_id,
             group_size=s.group_size,
             config_digest=s.config_digest,
@@ -245,13 +246,13 @@ class Explorer:
             experience=b.experience if in_ctx else None,
             history_window=self.cfg.history_window,
         )
-        return self.tokenizer.encode_chat(messages), in_ctx
+        return self.tokenizer.encode_chat(messages, self.cfg.response_prefix), in_ctx
 
     async def _act(self, b: _Branch) -> PathStep:
         ids, in_ctx = self._prompt_ids(b)
         completion = await self._generate(ids, self._params(reflect=False), self.cfg.return_logprob)
         valid = await self._env(self.env.valid_actions)
-        parsed = parse_action(completion.text, valid)
+        parsed = parse_action(self.cfg.response_prefix + completion.text, valid)
         current = b.path[-1].entry.observation if b.path else self.o0
         if parsed.action is None:
             self.n.parse_failures += 1

@@ -26,9 +26,9 @@ CallKind = Literal["action", "reflection"]
 class ByteChatTokenizer:
     """A ``ChatTokenizer`` whose ids are the UTF-8 bytes of a simple chat template."""
 
-    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def encode_chat(self, messages: Sequence[ChatMessage], response_prefix: str = "") -> list[int]:
         """Bytes of ``<|role|>content\\n`` per message, then ``<|assistant|>``."""
-        text = "".join(f"<|{m.role}|>{m.content}\n" for m in messages) + "<|assistant|>"
+        text = "".join(f"<|{m.role}|>{m.content}\n" for m in messages) + "<|assistant|>" + response_prefix
         return list(text.encode("utf-8"))
 
     def decode(self, token_ids: Sequence[int]) -> str:

@@ -185,13 +185,16 @@ class HFChatTokenizer:
         """Load the tokenizer of a model directory."""
         return cls(load_tokenizer(path))
 
-    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Token ids with the chat template and generation prompt applied."""
+    def encode_chat(self, messages: Sequence[ChatMessage], response_prefix: str = "") -> list[int]:
+        """Token ids with the chat template and generation prompt applied, then ``response_prefix``'s."""
         chat = [{"role": m.role, "content": m.content} for m in messages]
         out = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
         if isinstance(out, dict) or hasattr(out, "keys"):
             out = out["input_ids"]
-        return [int(t) for t in out]
+        ids = [int(t) for t in out]
+        if response_prefix:
+            ids += [int(t) for t in self.tokenizer.encode(response_prefix, add_special_tokens=False)]
+        return ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids``, special tokens skipped."""

@@ -105,6 +105,8 @@ class EpisodeStarted(EpisodeEventBase, frozen=True, kw_only=True, tag="episode_s
     """Version of ``protocol.prompt`` used to render prompts for this episode."""
     history_window: int = 0
     """How many past (action, observation) pairs are shown in a prompt; 0 = all."""
+    response_prefix: str = ""
+    """Text prefilled at the start of every action answer (its tokens end the prompt; e.g. ``<action>``)."""
     group_id: str | None = None
     """Groups plain rollouts of one task for GRPO; ``None`` outside a group."""
     group_size: int = 1

@@ -3,7 +3,8 @@
 A prompt is ``[system: instructions, user: task + recent history + current observation (+ experience)]``;
 the assistant's completion is the action. The same function renders the prompt an actor sent and the
 counterfactual input a materializer builds (the same history, ``experience=None``), so the only difference
-between them is e. Each ``Step`` records ``prompt_sha256`` of the token ids the actor sent, so a replay
+between them is e. An episode may prefill the start of every answer (``EpisodeStarted.response_prefix``,
+e.g. ``<action>``): its tokens end the prompt and the completion continues it. Each ``Step`` records ``prompt_sha256`` of the token ids the actor sent, so a replay
 can prove it rebuilt exactly that prompt. Changing the rendering needs a new ``PROMPT_FORMAT``.
 """
 
@@ -95,8 +96,9 @@ def prompt_sha256(token_ids: Sequence[int]) -> str:
 class ChatTokenizer(Protocol):
     """How prompts become token ids: the chat template of the served model (``learner.model_io``)."""
 
-    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Token ids of ``messages`` with the chat template and the generation prompt applied."""
+    def encode_chat(self, messages: Sequence[ChatMessage], response_prefix: str = "") -> list[int]:
+        """Token ids of ``messages`` with the chat template and the generation prompt applied, then the
+        tokens of ``response_prefix`` (the start of the assistant's answer, prefilled; no special tokens)."""
         ...
 
     def decode(self, token_ids: Sequence[int]) -> str:

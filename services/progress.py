@@ -1,0 +1,179 @@
+"""Live progress of a run, read from the log itself: episodes, successes, reflections, rollbacks,
+branches, events/s, samples, weight versions, policy lag, and the learner's step and loss.
+
+Counters are fed by ordered (ephemeral) JetStream consumers from the start of the run's subjects, so a
+resumed run shows its whole history; the learner's loss is read from its JSON log lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from rich.table import Table
+
+from protocol import EpisodeFinished, EpisodeStarted, Outcome, Step, decode_event, decode_weights
+from protocol.events import Branch, Reflection, Rollback
+
+__all__ = ["RunProgress"]
+
+
+class RunProgress(msgspec.Struct, kw_only=True):
+    """Counters of one run (mutable; updated by :meth:`follow`)."""
+
+    run_id: str
+    started_at: float = msgspec.field(default_factory=time.time)
+    events: int = 0
+    episodes_started: dict[str, int] = msgspec.field(default_factory=dict)
+    episodes_finished: dict[str, int] = msgspec.field(default_factory=dict)
+    successes: dict[str, int] = msgspec.field(default_factory=dict)
+    finished_keys: set[str] = msgspec.field(default_factory=set)
+    steps: int = 0
+    parse_failures: int = 0
+    reflections: int = 0
+    rollbacks: int = 0
+    replay_steps: int = 0
+    branches: int = 0
+    successful_branches: int = 0
+    samples: dict[str, int] = msgspec.field(default_factory=dict)
+    weights_version: str = "default"
+    learner_step: int = 0
+    learner_loss: float | None = None
+    learner_samples_seq: int = 0
+    policy_version: str = "default"
+    _task_keys: dict[str, str] = msgspec.field(default_factory=dict)
+
+    def on_event(self, data: bytes) -> None:
+        """Count one event (undecodable ones are counted as events only)."""
+        self.events += 1
+        try:
+            ev = decode_event(data)
+        except ValueError:
+            return
+        match ev:
+            case EpisodeStarted():
+                self.episodes_started[ev.mode] = self.episodes_started.get(ev.mode, 0) + 1
+                self._task_keys[ev.episode_id] = f"{ev.mode}:{ev.task_key}"
+            case Step():
+                self.steps += 1
+                self.parse_failures += not ev.parse_ok
+                self.policy_version = ev.policy_version
+            case Reflection():
+                self.reflections += 1
+            case Rollback():
+                self.rollbacks += 1
+                self.replay_steps += ev.replay_steps
+            case Branch():
+                self.branches += 1
+            case Outcome():
+                self.successful_branches += ev.success
+            case EpisodeFinished():
+                mode_key = self._task_keys.pop(ev.episode_id, "?:?")
+                mode, _, key = mode_key.partition(":")
+                self.episodes_finished[mode] = self.episodes_finished.get(mode, 0) + 1
+                self.successes[mode] = self.successes.get(mode, 0) + ev.success
+                self.finished_keys.add(key)
+
+    def on_sample(self, subject: str) -> None:
+        """Count one sample by kind (the subject's last token)."""
+        kind = subject.rsplit(".", 1)[-1]
+        self.samples[kind] = self.samples.get(kind, 0) + 1
+
+    def on_weights(self, data: bytes) -> None:
+        """Track the newest published version."""
+        try:
+            w = decode_weights(data)
+        except ValueError:
+            return
+        self.weights_version, self.learner_step = w.version, max(self.learner_step, w.learner_step)
+
+    def read_learner_log(self, path: Path, offset: int) -> int:
+        """Pick the latest step and loss from the learner's JSON log lines after ``offset``."""
+        try:
+            with path.open("rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+        except OSError:
+            return offset
+        end = chunk.rfind(b"\n") + 1
+        for line in chunk[:end].splitlines():
+            if b'"learner.step"' not in line:
+                continue
+            try:
+                rec: dict[str, Any] = json.loads(line)
+            except ValueError:
+                continue
+            self.learner_step = int(rec.get("step", self.learner_step))
+            self.learner_samples_seq = int(rec.get("samples_seq", self.learner_samples_seq))
+            loss = rec.get("loss")
+            self.learner_loss = float(loss) if isinstance(loss, int | float) else self.learner_loss
+        return offset + end
+
+    def policy_lag(self) -> int | None:
+        """Versions between the newest published weights and the weights of the latest step."""
+
+        def index(v: str) -> int | None:
+            return 0 if v == "default" else (int(v[1:]) if v[:1] == "v" and v[1:].isdigit() else None)
+
+        a, b = index(self.weights_version), index(self.policy_version)
+        return None if a is None or b is None else max(0, a - b)
+
+    def table(self, stage: str) -> Table:
+        """A rich table of the counters."""
+        elapsed = max(1e-6, time.time() - self.started_at)
+        t = Table(title=f"leafe run {self.run_id} — {stage}", show_header=False, min_width=60)
+        t.add_column("what", style="bold")
+        t.add_column("value")
+        for mode in sorted(set(self.episodes_started) | set(self.episodes_finished)):
+            done, ok = self.episodes_finished.get(mode, 0), self.successes.get(mode, 0)
+            rate = f"{100 * ok / done:.0f}%" if done else "-"
+            t.add_row(
+                f"episodes ({mode})", f"{done}/{self.episodes_started.get(mode, 0)} done, success {rate}"
+            )
+        t.add_row("steps", f"{self.steps} ({self.parse_failures} unparseable)")
+        t.add_row(
+            "reflections / rollbacks / branches", f"{self.reflections} / {self.rollbacks} / {self.branches}"
+        )
+        t.add_row("env steps replayed", str(self.replay_steps))
+        t.add_row("events", f"{self.events} ({self.events / elapsed:.1f}/s)")
+        t.add_row("samples", ", ".join(f"{k} {v}" for k, v in sorted(self.samples.items())) or "0")
+        loss = f"{self.learner_loss:.4f}" if self.learner_loss is not None else "-"
+        t.add_row("learner step / loss", f"{self.learner_step} / {loss}")
+        lag = self.policy_lag()
+        t.add_row(
+            "weights published / policy lag", f"{self.weights_version} / {lag if lag is not None else '-'}"
+        )
+        return t
+
+    async def follow(self, js: Any, stop: asyncio.Event) -> None:
+        """Feed the counters from the run's events, samples and weights subjects until ``stop``."""
+        from protocol.subjects import weights_subject
+
+        subs = [
+            await js.subscribe(f"leafe.{self.run_id}.events.>", ordered_consumer=True),
+            await js.subscribe(f"leafe.{self.run_id}.samples.>", ordered_consumer=True),
+            await js.subscribe(weights_subject(self.run_id), ordered_consumer=True),
+        ]
+        handlers = [
+            lambda m: self.on_event(m.data),
+            lambda m: self.on_sample(m.subject),
+            lambda m: self.on_weights(m.data),
+        ]
+
+        async def pump(sub: Any, handle: Any) -> None:
+            while not stop.is_set():
+                try:
+                    msg = await sub.next_msg(timeout=0.5)
+                except TimeoutError:  # nats.errors.TimeoutError is one too
+                    continue
+                handle(msg)
+
+        try:
+            await asyncio.gather(*(pump(s, h) for s, h in zip(subs, handlers, strict=True)))
+        finally:
+            for s in subs:
+                await s.unsubscribe()

@@ -1,0 +1,155 @@
+"""The typed configuration of ``leafe run`` (one TOML file) and its presets.
+
+A run config names the model, the environment, how many tasks to explore and evaluate, the services to
+start, and passes the service sections (``[actor]``, ``[replayer]``, ``[learner]``) through to each
+service's own config type, so one file configures the whole pipeline and each section is validated by
+the service that owns it. Presets: ``default`` (Sokoban, small, SmolLM2; finishes in ~15 min on 2 cores)
+and ``tiny`` (the tiny random model; the end-to-end test).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = ["PRESETS", "EnvSection", "EvalSection", "ExploreSection", "RunConfig", "ServicesSection", "preset"]
+
+
+class EnvSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The environment (``envs.registry``)."""
+
+    name: str = "sokoban"
+    """Registry name."""
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Options of the environment's config type (``python -m envs.registry`` lists them)."""
+
+
+class ExploreSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Training-time episodes submitted to the actors."""
+
+    tasks: int = 12
+    """Train-split tasks (the first N)."""
+    offset: int = 0
+    """First task index."""
+    mode: Literal["explore", "rollout"] = "explore"
+    """``explore``: LEAFE trees; ``rollout``: plain samples (GRPO/RFT baselines)."""
+    samples: int = 1
+    """Assignments per task (a GRPO group when > 1)."""
+    seed: int = 0
+    """Base sampling seed."""
+
+
+class EvalSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Pass@k on held-out tasks, before and after training (plain rollouts, no reflection)."""
+
+    split: str = "test"
+    """Split evaluated."""
+    tasks: int = 8
+    """Tasks (the first N of the split)."""
+    samples: int = 8
+    """Samples per task (n of the Pass@k estimator)."""
+    ks: list[int] = msgspec.field(default_factory=lambda: [1, 2, 4, 8])
+    """k values reported (each <= samples)."""
+    before: bool = True
+    """Evaluate the starting weights."""
+    after: bool = True
+    """Evaluate the final weights."""
+    concurrency: int = 16
+    """Rollouts in flight (the inference server batches them)."""
+    seed: int = 12345
+    """Sampling seed (same for before and after: the comparison is paired)."""
+
+
+class ServicesSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Which services to start and how big."""
+
+    actors: int = 1
+    """Actor processes."""
+    actor_concurrency: int = 8
+    """Episodes per actor at once."""
+    engines: list[str] = msgspec.field(default_factory=list)
+    """External SGLang URLs; empty = start the CPU inference server."""
+    nats_url: str = ""
+    """External NATS URL; empty = embedded nats-server on the run directory (also $LEAFE_NATS_URL)."""
+    inference_max_batch: int = 16
+    """CPU inference server: largest dynamic batch."""
+    inference_threads: int = 0
+    """CPU inference server torch threads (0 = one per core)."""
+    learner: bool = True
+    """Run the continuous learner (and weight sync)."""
+
+
+class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything ``leafe run`` needs."""
+
+    run_id: str = "default"
+    """Run id (subjects, episode ids); rerunning with the same id resumes."""
+    runs_dir: str = "runs"
+    """Parent of the run directory ``<runs_dir>/<run_id>``."""
+    model: str = "smollm2-135m-instruct"
+    """Starting weights: the default model, ``tiny`` or an HF directory."""
+    materializer: str = "leafe"
+    """Replayer materializer: ``leafe`` (cf + reh), ``rft`` or ``grpo``."""
+    budget_minutes: float = 15.0
+    """Wall-clock budget for exploring + learning; the run stops submitting and drains when reached."""
+    env: EnvSection = msgspec.field(default_factory=EnvSection)
+    """Environment."""
+    explore: ExploreSection = msgspec.field(default_factory=ExploreSection)
+    """Training-time episodes."""
+    eval: EvalSection = msgspec.field(default_factory=EvalSection)
+    """Evaluation."""
+    services: ServicesSection = msgspec.field(default_factory=ServicesSection)
+    """Services."""
+    actor: dict[str, Any] = msgspec.field(default_factory=dict)
+    """``actors.config.ActorServiceConfig`` fields (per-env ``[actor.explorer.<env>]`` tables too)."""
+    replayer: dict[str, Any] = msgspec.field(default_factory=dict)
+    """``services.replayer`` config fields."""
+    learner: dict[str, Any] = msgspec.field(default_factory=dict)
+    """``learner.config.LearnerConfig`` fields (``[learner.trainer.optim]`` etc.)."""
+    learner_preset: str = "cpu"
+    """Trainer preset the ``[learner]`` table overrides: ``cpu`` or ``paper``."""
+
+
+_SMALL_SOKOBAN = {"height": 6, "width": 6, "num_boxes": 1, "max_solution_len": 4, "max_steps": 15}
+"""Rooms SmolLM2-135M solves sometimes but not always (FACTS.md's probe: 1-5 of 16 samples)."""
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {
+        "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
+        "explore": {"tasks": 12},
+        "eval": {"tasks": 8, "samples": 8, "ks": [1, 2, 4, 8]},
+        "learner": {"trainer": {"push_every": 4, "checkpoint_every": 4, "batch": {"global_batch": 16}}},
+    },
+    "tiny": {
+        "model": "tiny",
+        "budget_minutes": 4.0,
+        "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
+        "explore": {"tasks": 2},
+        "eval": {"tasks": 2, "samples": 2, "ks": [1, 2], "concurrency": 4},
+        "services": {"actor_concurrency": 2, "inference_max_batch": 4},
+        "actor": {"explorer": {"sokoban": {"max_actions": 12, "max_branches": 3, "horizon": 6}}},
+        "learner": {
+            "max_batch_wait_s": 2.0,
+            "trainer": {"push_every": 1, "checkpoint_every": 1, "batch": {"global_batch": 4}},
+        },
+    },
+}
+"""Named starting points; a ``--config`` TOML file is merged over the chosen preset."""
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merge(out[key], value) if nested else value
+    return out
+
+
+def preset(name: str, override: dict[str, Any] | None = None) -> RunConfig:
+    """The preset ``name`` with ``override`` (e.g. a parsed TOML file) merged over it."""
+    from services.config import ConfigError, load_config
+
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    return load_config(_merge(PRESETS[name], override or {}), RunConfig)

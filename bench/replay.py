@@ -1,0 +1,250 @@
+"""Benchmark: materialization throughput of the replayer's pure fold and of the service end to end.
+
+    .venv/bin/python bench/replay.py            # 1M-event fold, 200k with the real tokenizer, 100k service
+    .venv/bin/python bench/replay.py --quick    # 200k / 20k / 20k
+
+The log is synthetic but shaped like real runs: explore trees from ``tests/property/episode_strategies``
+(breadth-first branches after periodic and failure reflections, experience in context, unparsable
+completions, truncated/abandoned episodes) plus GRPO groups of 8 rollouts, interleaved across episodes in
+windows. It is generated chunk by chunk and only the fold is timed, so memory stays flat.
+
+Figures (each also as a ratio to the baseline, msgpack-decoding the same events in the same process,
+i.e. the unavoidable cost of reading the log):
+- ``fold_fake_tok``: ``leafe`` over every event with a trivial byte tokenizer (prompt rendering, sample
+  ids, validation and digest verification included; tokenization nearly free) -> the fold's own speed;
+- ``fold_fake_tok_noverify``, ``fold_grpo``, ``fold_rft``: the same with verification off / other folds;
+- ``fold_real_tok``: ``leafe`` with SmolLM2's tokenizer (the tiny model's), where tokenization dominates;
+- ``service``: events published to an embedded nats-server, then ``Replayer`` (fake tokenizer) from
+  start until every event is acked -> end-to-end events/s and samples/s including NATS.
+Results go to ``bench/results/replay.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+from learner.materializers import make_materializer  # noqa: E402
+from protocol.codec import decode_event, encode  # noqa: E402
+from protocol.events import EpisodeEvent, EpisodeFinished  # noqa: E402
+from protocol.prompt import ChatTokenizer  # noqa: E402
+from tests.property.episode_strategies import (  # noqa: E402
+    ByteChatTokenizer,
+    ExploreSpec,
+    build_explore_episode,
+    build_rollout_group,
+    interleave,
+)
+
+RUN = "bench"
+
+
+def synthetic_chunks(
+    n_events: int,
+    *,
+    seed: int = 0,
+    tokenizer: ChatTokenizer | None = None,
+    window: int = 48,
+    run_id: str = RUN,
+) -> Iterator[list[EpisodeEvent]]:
+    """Interleaved windows of ``window`` episodes until ``n_events`` events have been produced."""
+    rng = random.Random(seed)
+    made, k = 0, 0
+    while made < n_events:
+        streams: list[list[EpisodeEvent]] = []
+        for _ in range(window):
+            k += 1
+            if rng.random() < 0.1:
+                streams += build_rollout_group(
+                    rng,
+                    run_id=run_id,
+                    group_id=f"g{k}",
+                    n=8,
+                    tokenizer=tokenizer,
+                    p_success=0.12,
+                    horizon=8,
+                    retry=rng.random() < 0.1,
+                )
+                continue
+            spec = ExploreSpec(
+                seed=rng.randrange(1 << 30),
+                max_depth=rng.choice([2, 3]),
+                budget=rng.randint(20, 40),
+                horizon=rng.randint(4, 10),
+                reflect_every=rng.choice([0, 3, 4]),
+                p_success=rng.choice([0.05, 0.1, 0.2]),
+                p_parse_fail=0.15,
+                experience_scope=rng.choice(["all", "first"]),
+                history_window=rng.choice([0, 4]),
+                stop_on_success=rng.random() < 0.5,
+                truncate=0.5 if rng.random() < 0.03 else None,
+            )
+            streams.append(
+                build_explore_episode(spec, run_id=run_id, episode_id=f"e{k}", tokenizer=tokenizer)
+            )
+        chunk = interleave(streams, rng)[: n_events - made]
+        made += len(chunk)
+        yield chunk
+
+
+def time_fold(
+    name: str,
+    chunks: list[list[EpisodeEvent]] | Iterator[list[EpisodeEvent]],
+    tokenizer: ChatTokenizer,
+    **options: Any,
+) -> dict[str, Any]:
+    """Fold every chunk, timing only the fold (and the decode baseline of the same events)."""
+    fold = make_materializer(name, tokenizer, **options)
+    fold_s = decode_s = 0.0
+    events = samples = 0
+    for chunk in chunks:
+        blobs = [encode(e) for e in chunk]
+        t0 = time.perf_counter()
+        for b in blobs:
+            decode_event(b)
+        t1 = time.perf_counter()
+        for e in chunk:
+            samples += len(fold.apply(e))
+        t2 = time.perf_counter()
+        decode_s += t1 - t0
+        fold_s += t2 - t1
+        events += len(chunk)
+    t0 = time.perf_counter()
+    samples += len(fold.close_all())
+    fold_s += time.perf_counter() - t0
+    stats = fold.stats
+    return {
+        "materializer": name,
+        "options": options,
+        "events": events,
+        "samples": samples,
+        "fold_s": round(fold_s, 3),
+        "events_per_s": round(events / fold_s),
+        "samples_per_s": round(samples / fold_s),
+        "baseline_decode_events_per_s": round(events / decode_s),
+        "ratio_to_decode_baseline": round(decode_s / fold_s, 3),
+        "tokenize_calls": fold.prompts.misses,
+        "tokenize_cache_hits": fold.prompts.hits,
+        "prompt_mismatches": stats.prompt_mismatches,
+        "prompts_verified": stats.prompts_verified,
+        "samples_by_kind": dict(stats.samples),
+        "rejected": stats.rejected,
+    }
+
+
+async def time_service(n_events: int, tokenizer: ChatTokenizer) -> dict[str, Any]:
+    """Publish ``n_events`` to an embedded nats-server, then run the replayer until all are acked."""
+    from protocol.subjects import EVENTS
+    from services.bus import Publisher, connect, ensure_streams
+    from services.nats_server import EmbeddedNats
+    from services.replayer import Replayer, ReplayerConfig, durable_name
+
+    events = [e for c in synthetic_chunks(n_events, seed=7, tokenizer=tokenizer) for e in c]
+    unfinished = len(
+        {e.episode_id for e in events} - {e.episode_id for e in events if isinstance(e, EpisodeFinished)}
+    )
+    with tempfile.TemporaryDirectory() as store, EmbeddedNats(Path(store)) as server:
+        nc = await connect(server.url)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        t0 = time.perf_counter()
+        async with Publisher(js) as pub:
+            for e in events:
+                await pub.publish_event(e)
+        publish_s = time.perf_counter() - t0
+        fold = make_materializer("leafe", tokenizer)
+        replayer = Replayer(js, run_id=RUN, fold=fold, config=ReplayerConfig(batch=512, fetch_timeout_s=0.2))
+        stop = asyncio.Event()
+        t0 = time.perf_counter()
+        task = asyncio.create_task(replayer.run(stop))
+        while True:
+            await asyncio.sleep(0.05)
+            try:
+                info = await js.consumer_info(EVENTS.name, durable_name(RUN, "leafe"))
+            except Exception:
+                continue
+            if info.num_pending == 0 and info.num_ack_pending <= unfinished:
+                break
+        run_s = time.perf_counter() - t0
+        stop.set()
+        await task
+        await nc.close()
+    s = replayer.stats
+    return {
+        "events": len(events),
+        "publish_events_per_s": round(len(events) / publish_s),
+        "replayer_s": round(run_s, 3),
+        "events_per_s": round(len(events) / run_s),
+        "samples": s.samples_published,
+        "samples_per_s": round(s.samples_published / run_s),
+        "dead_letters": s.dead_letters,
+        "tokenizer": "byte (fake)",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smaller logs (a minute or two)")
+    args = p.parse_args(argv)
+    from services.logs import configure_logging
+
+    configure_logging(json=False, level="error")
+    n_fold, n_real, n_service = (200_000, 20_000, 20_000) if args.quick else (1_000_000, 200_000, 100_000)
+    fake = ByteChatTokenizer()
+    results: dict[str, Any] = {"quick": args.quick, "log": {"fold_events": n_fold}}
+    t0 = time.perf_counter()
+    chunks = list(synthetic_chunks(n_fold, tokenizer=fake))
+    results["log"]["generate_s"] = round(time.perf_counter() - t0, 1)
+    results["log"]["episodes"] = len({e.episode_id for c in chunks for e in c})
+    print(
+        f"log: {n_fold} events, {results['log']['episodes']} episodes (generated in {results['log']['generate_s']} s)"
+    )
+    runs: dict[str, tuple[str, dict[str, Any]]] = {
+        "fold_fake_tok": ("leafe", {}),
+        "fold_fake_tok_noverify": ("leafe", {"verify_prompts": False}),
+        "fold_grpo": ("grpo", {}),
+        "fold_rft": ("rft", {"modes": ["rollout", "explore"]}),
+    }
+    for key, (name, opts) in runs.items():
+        results[key] = r = time_fold(name, chunks, fake, **opts)
+        print(
+            f"{key:24s} {r['events_per_s']:>9,} events/s  {r['samples_per_s']:>8,} samples/s  "
+            f"x{r['ratio_to_decode_baseline']:.3f} of decode ({r['baseline_decode_events_per_s']:,}/s)  "
+            f"samples={r['samples']} mismatches={r['prompt_mismatches']}"
+        )
+    del chunks
+    from learner.model_io import HFChatTokenizer, tiny_model_dir
+
+    real = HFChatTokenizer.from_dir(tiny_model_dir())
+    results["fold_real_tok"] = r = time_fold("leafe", synthetic_chunks(n_real, seed=3), real)
+    print(
+        f"{'fold_real_tok':24s} {r['events_per_s']:>9,} events/s  {r['samples_per_s']:>8,} samples/s  "
+        f"x{r['ratio_to_decode_baseline']:.3f} of decode  tokenize calls={r['tokenize_calls']} "
+        f"cache hits={r['tokenize_cache_hits']} ({n_real} events)"
+    )
+    results["service"] = s = asyncio.run(time_service(n_service, fake))
+    print(
+        f"{'service (end to end)':24s} {s['events_per_s']:>9,} events/s  {s['samples_per_s']:>8,} samples/s  "
+        f"(publish {s['publish_events_per_s']:,}/s; {s['events']} events)"
+    )
+    out = ROOT / "bench" / "results" / "replay.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    print(f"saved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""LEAFE Stage-2 datasets: counterfactual (D_cf) and rehearsal (D_reh) samples, as a fold over events.
+
+- **D_cf** (kind ``cf``): for each branch ``b`` that ends in success (``cf_only_successful``), the input is
+  the task q plus the *parent's* history up to ``tau``, rendered **without** the experience e (test time
+  has no e), and the target is ``b``'s first action ``a'_tau`` (the step with ``t == tau`` on ``b``) with
+  its exact token ids. This is the paper's core idea: the correction produced with e in context becomes
+  the policy's reflex without it.
+- **D_reh** (kind ``reh``): ``(q + h_t, a_t)`` for the steps of successful paths (inherited prefix plus the
+  branch's own steps; prompts rebuilt without e). A seeded fraction is kept (paper: 20%), decided per
+  target step by hashing ``(seed, step event id)``, so the choice does not depend on event order. A step
+  shared by two successful paths yields one sample.
+
+Samples are emitted at the branch's ``Outcome`` (everything they need is in the log by then), weighted
+``cf_weight`` and ``rehearsal_weight`` (beta in L = L_cf + beta * L_reh).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from learner.materializers.base import CommonOptions, Materializer, path_entries, selected_fraction
+from learner.materializers.tree import BranchNode, EpisodeTree
+from protocol.samples import Sample
+
+__all__ = ["LeafeMaterializer", "LeafeOptions"]
+
+
+class LeafeOptions(CommonOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Options of the ``leafe`` materializer (defaults follow the paper where it says something)."""
+
+    cf_only_successful: bool = True
+    """Only branches whose Outcome is a success yield a counterfactual sample."""
+    rehearsal_fraction: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.2
+    """Fraction of the steps of successful paths kept for D_reh (paper: 20%)."""
+    rehearsal_seed: int = 0
+    """Seed of the rehearsal selection."""
+    cf_weight: float = 1.0
+    """Loss weight of counterfactual samples."""
+    rehearsal_weight: float = 1.0
+    """Loss weight of rehearsal samples (beta; not published in the paper)."""
+
+
+class LeafeMaterializer(Materializer):
+    """Counterfactual + rehearsal samples from explore trees."""
+
+    name = "leafe"
+    version = 1
+    Options = LeafeOptions
+    options: LeafeOptions
+
+    def _on_outcome(self, tree: EpisodeTree, node: BranchNode) -> list[Sample]:
+        assert node.outcome is not None
+        success = node.outcome.success
+        out: list[Sample] = []
+        if node.parent_id is not None and (success or not self.options.cf_only_successful):
+            cf = self._counterfactual(tree, node)
+            if cf is not None:
+                out.append(cf)
+        if success and self.options.rehearsal_fraction > 0:
+            out += self._rehearsal(tree, node)
+        return out
+
+    def _counterfactual(self, tree: EpisodeTree, node: BranchNode) -> Sample | None:
+        if not node.steps:
+            self.stats.skipped_no_target += 1
+            return None
+        path = tree.path(node.branch_id)
+        tau = node.tau
+        sources = [tree.started.event_id, *(s.event_id for s in path[: tau + 1])]
+        sources += [x for x in (node.event_id, node.reflection_event_id) if x is not None]
+        return self.build_sample(
+            tree,
+            kind="cf",
+            path=path,
+            t=tau,
+            entries=path_entries(path[:tau]),
+            source_event_ids=sources,
+            weight=self.options.cf_weight,
+        )
+
+    def _rehearsal(self, tree: EpisodeTree, node: BranchNode) -> list[Sample]:
+        opts = self.options
+        path = tree.path(node.branch_id)
+        chosen = [
+            t
+            for t, s in enumerate(path)
+            if selected_fraction(opts.rehearsal_seed, s.event_id, opts.rehearsal_fraction)
+        ]
+        if not chosen:
+            return []
+        entries = path_entries(path[: chosen[-1]])
+        ids = [tree.started.event_id, *(s.event_id for s in path)]
+        out: list[Sample] = []
+        for t in chosen:
+            sample = self.build_sample(
+                tree,
+                kind="reh",
+                path=path,
+                t=t,
+                entries=entries,
+                source_event_ids=ids[: t + 2],
+                weight=opts.rehearsal_weight,
+            )
+            if sample is not None:
+                out.append(sample)
+        return out

@@ -1,0 +1,158 @@
+"""Episode-tree state of the materializer fold: branches, their own steps, and validation.
+
+An :class:`EpisodeTree` holds one open episode: its ``EpisodeStarted``, every branch (root ``b0`` plus
+one per ``Branch`` event) with the steps it took itself, the reflection ids seen and the event ids
+already applied. Branch geometry (``protocol.events``): a branch ``b`` with parent ``p`` and rollback point
+``tau`` shares ``p``'s path ``0..tau-1``; its own steps start at ``t = tau``. :meth:`EpisodeTree.path`
+rebuilds the full path of any branch from that alone.
+
+:meth:`EpisodeTree.add` validates an event before recording it and raises :class:`ReplayError` (a Step
+for an unknown branch or out of order, a Branch before its Reflection, a second Outcome...), leaving the
+tree unchanged. Pure data, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from protocol.events import (
+    ROOT_BRANCH,
+    Branch,
+    EpisodeEvent,
+    EpisodeFinished,
+    EpisodeStarted,
+    Outcome,
+    Reflection,
+    Rollback,
+    Step,
+)
+from protocol.prompt import HistoryEntry
+
+__all__ = ["BranchNode", "EpisodeTree", "ReplayError", "history_entry"]
+
+
+class ReplayError(ValueError):
+    """An event the fold cannot apply (unknown episode/branch, out of order...); ``reason`` says why."""
+
+    def __init__(self, event: EpisodeEvent, reason: str) -> None:
+        kind = type(event).__name__
+        super().__init__(f"rejected {kind} {event.event_id!r} of episode {event.episode_id!r}: {reason}")
+        self.event = event
+        self.reason = reason
+
+
+def history_entry(step: Step) -> HistoryEntry:
+    """How a past step appears in later prompts."""
+    return HistoryEntry(step.action, step.raw_text, step.observation, step.feedback)
+
+
+@dataclass
+class BranchNode:
+    """One branch of an episode tree: where it forks and the steps it took itself."""
+
+    branch_id: str
+    parent_id: str | None
+    tau: int
+    experience: str
+    event_id: str | None = None
+    reflection_event_id: str | None = None
+    steps: list[Step] = field(default_factory=list)
+    outcome: Outcome | None = None
+
+    @property
+    def next_t(self) -> int:
+        """Index the branch's next step must carry."""
+        return self.tau + len(self.steps)
+
+
+@dataclass
+class EpisodeTree:
+    """Validated state of one open episode."""
+
+    started: EpisodeStarted
+    last_active: float
+    branches: dict[str, BranchNode] = field(default_factory=dict)
+    reflections: set[str] = field(default_factory=set)
+    seen: set[str] = field(default_factory=set)
+    emitted: set[str] = field(default_factory=set)
+    verified: set[str] = field(default_factory=set)
+    finished: EpisodeFinished | None = None
+
+    @classmethod
+    def start(cls, event: EpisodeStarted, now: float) -> EpisodeTree:
+        """A tree with its root branch ``b0``."""
+        tree = cls(started=event, last_active=now)
+        tree.branches[ROOT_BRANCH] = BranchNode(ROOT_BRANCH, None, 0, "")
+        tree.seen.add(event.event_id)
+        return tree
+
+    def path(self, branch_id: str) -> list[Step]:
+        """Every step of the branch's full history: the inherited prefix, then its own steps."""
+        node = self.branches[branch_id]
+        if node.parent_id is None:
+            return list(node.steps)
+        return self.path(node.parent_id)[: node.tau] + node.steps
+
+    def observation(self, path: Sequence[Step], t: int) -> str:
+        """o_t on ``path``: the initial observation, or the observation after step t-1."""
+        return self.started.observation if t == 0 else path[t - 1].observation
+
+    def add(self, event: EpisodeEvent) -> None:
+        """Validate ``event`` against the tree and record it; raises :class:`ReplayError`."""
+        if event.run_id != self.started.run_id:
+            raise ReplayError(event, f"run {event.run_id!r} is not the episode's {self.started.run_id!r}")
+        match event:
+            case Step():
+                self._add_step(event)
+            case Reflection():
+                self._branch(event, event.branch_id)
+                self.reflections.add(event.event_id)
+            case Rollback():
+                self._branch(event, event.from_branch)
+            case Branch():
+                self._add_branch(event)
+            case Outcome():
+                node = self._branch(event, event.branch_id)
+                if node.outcome is not None:
+                    ended = node.outcome.event_id
+                    raise ReplayError(event, f"branch {node.branch_id!r} already ended ({ended})")
+                node.outcome = event
+            case EpisodeFinished():
+                self.finished = event
+            case EpisodeStarted():
+                raise ReplayError(event, f"episode already started by {self.started.event_id!r}")
+        self.seen.add(event.event_id)
+
+    def _branch(self, event: EpisodeEvent, branch_id: str) -> BranchNode:
+        node = self.branches.get(branch_id)
+        if node is None:
+            raise ReplayError(event, f"unknown branch {branch_id!r} (known: {sorted(self.branches)})")
+        return node
+
+    def _add_step(self, step: Step) -> None:
+        node = self._branch(step, step.branch_id)
+        if node.outcome is not None:
+            raise ReplayError(step, f"step after branch {node.branch_id!r} ended ({node.outcome.event_id})")
+        if step.t != node.next_t:
+            want, got = node.next_t, step.t
+            raise ReplayError(step, f"out of order: branch {node.branch_id!r} expects t={want}, got t={got}")
+        node.steps.append(step)
+
+    def _add_branch(self, event: Branch) -> None:
+        if event.branch_id in self.branches:
+            raise ReplayError(event, f"branch {event.branch_id!r} already exists")
+        parent = self._branch(event, event.parent_branch_id)
+        if event.reflection_event_id not in self.reflections:
+            raise ReplayError(event, f"Branch before its Reflection {event.reflection_event_id!r}")
+        available = len(self.path(parent.branch_id))
+        if not 0 <= event.tau <= available:
+            raise ReplayError(event, f"tau={event.tau} outside 0..{available} (parent {parent.branch_id!r})")
+        self.branches[event.branch_id] = BranchNode(
+            event.branch_id,
+            parent.branch_id,
+            event.tau,
+            event.experience,
+            event_id=event.event_id,
+            reflection_event_id=event.reflection_event_id,
+        )

@@ -1,0 +1,343 @@
+"""``leafe replay``: rebuild a dataset (JSONL shards + manifest) from an event log, offline.
+
+    leafe replay --from nats://127.0.0.1:4222 --run RUN --materializer leafe --model tiny --out DIR
+    leafe replay --from runs/r1/events.leafelog --materializer grpo --out DIR [--config replay.toml]
+
+``--from`` is a NATS URL (then ``--run`` is required and ``LEAFE_EVENTS`` is read for that run) or a log
+file written by ``leafe log export`` (``--run`` then filters). Events are folded in log order by the
+same materializer the online replayer runs (``learner.materializers``); at the end of the log every
+still-open episode is closed as abandoned (no samples from branches without an Outcome). Undecodable
+records and events the fold rejects are counted and logged, never fatal. The dataset is written with
+``learner.dataset.write_dataset``: rebuilding the same log gives byte-identical shards.
+
+``--config`` is a TOML file decoded into :class:`ReplayConfig`; flags override it. A rich progress bar
+shows events and samples on a terminal (``--no-progress`` hides it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+
+from learner.dataset import DatasetManifest, write_dataset
+from learner.materializers import Materializer, ReplayError
+from protocol.codec import CODEC_HEADER, ProtocolError, decode_event
+from protocol.events import EpisodeEvent
+from protocol.samples import Sample
+from protocol.subjects import EVENTS, validate_run_id
+
+__all__ = [
+    "FoldResult",
+    "Folder",
+    "ReplayConfig",
+    "file_events",
+    "fold_events",
+    "main",
+    "read_range",
+    "rebuild",
+    "resolve_config",
+    "stream_event_count",
+    "stream_events",
+]
+
+log = structlog.get_logger("services.replay")
+
+
+class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Configuration of ``leafe replay`` (TOML via ``--config``; flags override)."""
+
+    materializer: str = "leafe"
+    """Materializer name (``leafe``, ``grpo``, ``rft``)."""
+    model: str = "default"
+    """Tokenizer source: ``default`` (SmolLM2), ``tiny`` or an HF model directory."""
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Materializer options (see ``learner.materializers``), e.g. ``rehearsal_fraction = 0.2``."""
+    shard_size: int = 10_000
+    """Samples per shard file."""
+
+
+@dataclass
+class FoldResult:
+    """What folding a log produced."""
+
+    samples: list[Sample] = field(default_factory=list)
+    events: int = 0
+    undecodable: int = 0
+    rejected: int = 0
+    other_runs: int = 0
+
+
+class Folder:
+    """Feeds decoded events (or ``None`` for an undecodable record) to a materializer, counting."""
+
+    def __init__(self, fold: Materializer, *, run_id: str | None = None) -> None:
+        self.fold = fold
+        self.run_id = run_id
+        self.result = FoldResult()
+
+    def feed(self, event: EpisodeEvent | None) -> None:
+        """Fold one event; rejections are logged and counted."""
+        r = self.result
+        r.events += 1
+        if event is None:
+            r.undecodable += 1
+            return
+        if self.run_id is not None and event.run_id != self.run_id:
+            r.other_runs += 1
+            return
+        try:
+            r.samples += self.fold.apply(event)
+        except ReplayError as e:
+            r.rejected += 1
+            log.warning("replay.event.rejected", event_id=event.event_id, reason=e.reason)
+
+    def finish(self) -> FoldResult:
+        """Close every open episode (end of the log) and return the result."""
+        self.result.samples += self.fold.close_all()
+        return self.result
+
+
+def _decode(data: bytes, headers: dict[str, str] | None, where: str) -> EpisodeEvent | None:
+    try:
+        return decode_event(data, (headers or {}).get(CODEC_HEADER))
+    except ProtocolError as e:
+        log.warning("replay.event.undecodable", where=where, reason=e.reason)
+        return None
+
+
+def file_events(path: Path) -> Iterator[EpisodeEvent | None]:
+    """Events of a ``leafe log export`` file in log order (``None`` for an undecodable record)."""
+    from services.log_tools import iter_log_file
+
+    for i, (subject, headers, data) in enumerate(iter_log_file(path)):
+        yield _decode(data, headers, f"{path} record {i} ({subject})")
+
+
+async def stream_events(js: Any, run_id: str) -> AsyncIterator[EpisodeEvent | None]:
+    """Events of ``run_id`` on ``LEAFE_EVENTS`` at call time, in stream order (``None`` if undecodable)."""
+    from services.bus import read_stream
+
+    subject = f"leafe.{validate_run_id(run_id)}.events.>"
+    async for msg in read_stream(js, stream=EVENTS.name, filter_subject=subject):
+        yield _decode(msg.data, msg.headers, f"{msg.subject} seq {msg.metadata.sequence.stream}")
+
+
+async def read_range(
+    js: Any, *, filter_subject: str, start_seq: int, end_seq: int, batch: int = 512
+) -> AsyncIterator[Any]:
+    """Messages of ``LEAFE_EVENTS`` matching ``filter_subject`` with ``start_seq <= seq <= end_seq``."""
+    from nats.errors import TimeoutError as NatsTimeout
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    if end_seq < start_seq:
+        return
+    name = f"leafe-recover-{js._nc._nuid.next().decode()}"
+    config = ConsumerConfig(
+        name=name,
+        ack_policy=AckPolicy.NONE,
+        deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+        opt_start_seq=start_seq,
+        filter_subject=filter_subject,
+        inactive_threshold=60.0,
+        mem_storage=True,
+    )
+    await js.add_consumer(EVENTS.name, config)
+    sub = await js.pull_subscribe_bind(consumer=name, stream=EVENTS.name)
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(batch, timeout=2.0)
+            except NatsTimeout:
+                return  # nothing left (the range's last message was deleted by limits)
+            for msg in msgs:
+                seq = int(msg.metadata.sequence.stream)
+                if seq > end_seq:
+                    return
+                yield msg
+                if seq == end_seq:
+                    return
+    finally:
+        await sub.unsubscribe()
+        try:
+            await js.delete_consumer(EVENTS.name, name)
+        except Exception as e:  # reaped by inactive_threshold anyway
+            log.debug("replay.read_range.cleanup", consumer=name, error=str(e))
+
+
+async def stream_event_count(js: Any, run_id: str) -> int:
+    """Events of ``run_id`` stored now (for the progress bar's total)."""
+    info = await js.stream_info(EVENTS.name, subjects_filter=f"leafe.{validate_run_id(run_id)}.events.>")
+    return int(sum((info.state.subjects or {}).values()))
+
+
+def rebuild(
+    result: FoldResult, fold: Materializer, out_dir: Path, *, run_id: str | None, shard_size: int
+) -> DatasetManifest:
+    """Write the folded samples as a dataset; the manifest records the fold's stats and counters."""
+    stats = {
+        **fold.stats.as_dict(),
+        "log_events": result.events,
+        "undecodable": result.undecodable,
+        "other_runs": result.other_runs,
+    }
+    source = {"run_id": run_id} if run_id else {}
+    return write_dataset(
+        result.samples,
+        out_dir,
+        materializer=fold.describe(),
+        shard_size=shard_size,
+        source=source,
+        stats=stats,
+    )
+
+
+class _Progress:
+    """A rich progress bar over events (a no-op when disabled)."""
+
+    def __init__(self, enabled: bool, total: int | None) -> None:
+        self._bar: Any = None
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(
+            TextColumn("replay"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("events  {task.fields[samples]} samples"),
+            TimeElapsedColumn(),
+            transient=False,
+        )
+        self._task = self._bar.add_task("events", total=total, samples=0)
+        self._bar.start()
+
+    def update(self, folder: Folder, *, force: bool = False) -> None:
+        if self._bar is not None and (force or folder.result.events % 2000 == 0):
+            self._bar.update(self._task, completed=folder.result.events, samples=len(folder.result.samples))
+
+    def close(self, folder: Folder) -> None:
+        if self._bar is not None:
+            self.update(folder, force=True)
+            self._bar.stop()
+
+
+def _fold_file(path: Path, folder: Folder, progress: bool) -> FoldResult:
+    bar = _Progress(progress, None)
+    try:
+        for event in file_events(path):
+            folder.feed(event)
+            bar.update(folder)
+    finally:
+        bar.close(folder)
+    return folder.finish()
+
+
+async def _fold_stream(
+    url: str, creds: str | None, run_id: str, folder: Folder, progress: bool
+) -> FoldResult:
+    from services.bus import connect
+
+    nc = await connect(url, creds=creds, name="leafe-replay")
+    try:
+        js = nc.jetstream()
+        bar = _Progress(progress, await stream_event_count(js, run_id))
+        try:
+            async for event in stream_events(js, run_id):
+                folder.feed(event)
+                bar.update(folder)
+        finally:
+            bar.close(folder)
+    finally:
+        await nc.close()
+    return folder.finish()
+
+
+def fold_events(
+    events: Iterable[EpisodeEvent | None], fold: Materializer, *, run_id: str | None = None
+) -> FoldResult:
+    """Fold an in-memory log (tests, benchmarks): every event, then close what is still open."""
+    folder = Folder(fold, run_id=run_id)
+    for event in events:
+        folder.feed(event)
+    return folder.finish()
+
+
+def _parser() -> argparse.ArgumentParser:
+    from services.nats_server import nats_url_from_env
+
+    _, creds = nats_url_from_env()
+    p = argparse.ArgumentParser(
+        prog="leafe replay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--from", dest="source", required=True, help="NATS URL (nats://...) or a leafe log file")
+    p.add_argument("--run", default=None, help="run id (required with a NATS URL; filters a file)")
+    p.add_argument("--materializer", default=None, help="leafe | grpo | rft (default from config: leafe)")
+    p.add_argument("--model", default=None, help="tokenizer: default | tiny | HF model dir")
+    p.add_argument("--out", type=Path, required=True, help="dataset directory to (re)write")
+    p.add_argument("--config", type=Path, default=None, help="TOML file with ReplayConfig fields")
+    p.add_argument("--shard-size", type=int, default=None, help="samples per shard (default 10000)")
+    p.add_argument("--creds", default=creds, help="NATS .creds file (default $LEAFE_NATS_CREDS)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--log-level", default="warning", help="log level (default warning)")
+    return p
+
+
+def _is_url(source: str) -> bool:
+    return "://" in source or source.startswith(("nats:", "tls:"))
+
+
+def resolve_config(args: argparse.Namespace) -> ReplayConfig:
+    """The config file (if any) with flags applied on top."""
+    from services.config import load_config
+
+    config = load_config(args.config, ReplayConfig)
+    overrides = {
+        k: v
+        for k, v in (
+            ("materializer", args.materializer),
+            ("model", args.model),
+            ("shard_size", args.shard_size),
+        )
+        if v is not None
+    }
+    return msgspec.structs.replace(config, **overrides)
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``leafe replay``."""
+    from learner.materializers import make_materializer
+    from learner.model_io import HFChatTokenizer, resolve_model
+    from services.logs import configure_logging
+
+    args = _parser().parse_args(argv)
+    configure_logging(json=False, level=args.log_level)
+    config = resolve_config(args)
+    url = _is_url(args.source)
+    if url and not args.run:
+        print("leafe replay: --run is required when replaying from a NATS URL", file=sys.stderr)
+        return 2
+    fold = make_materializer(
+        config.materializer, HFChatTokenizer.from_dir(resolve_model(config.model)), **config.options
+    )
+    folder = Folder(fold, run_id=args.run)
+    progress = not args.no_progress and sys.stderr.isatty()
+    if url:
+        result = asyncio.run(_fold_stream(args.source, args.creds, args.run, folder, progress))
+    else:
+        result = _fold_file(Path(args.source), folder, progress)
+    manifest = rebuild(result, fold, args.out, run_id=args.run, shard_size=config.shard_size)
+    counts = ", ".join(f"{k}={v}" for k, v in manifest.counts_by_kind.items()) or "none"
+    print(
+        f"replayed {result.events} events -> {manifest.samples} samples ({counts}) in {len(manifest.shards)} "
+        f"shard(s) at {args.out}; rejected {result.rejected}, undecodable {result.undecodable}, "
+        f"prompt mismatches {fold.stats.prompt_mismatches}; content sha256 {manifest.content_sha256}"
+    )
+    return 0

@@ -1,0 +1,394 @@
+"""The replayer service against a real nats-server: crash/restart exactness, dead letters, abandonment.
+
+The headline test kills the replayer mid-stream (its task cancelled at an arbitrary await, or the
+process SIGKILLed) while events keep arriving, restarts it, and checks that the samples stream ends
+with exactly the sample ids an offline ``leafe replay`` of the same log rebuilds: none lost, none twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nats.js.errors import NotFoundError
+
+from learner.dataset import iter_samples
+from learner.materializers import make_materializer
+from learner.model_io import HFChatTokenizer, tiny_model_dir
+from protocol.codec import decode_sample
+from protocol.events import EpisodeEvent, EpisodeFinished, Step
+from protocol.samples import Sample
+from protocol.subjects import EVENTS, SAMPLES, dead_letter_subject
+from services.bus import ERROR_HEADER, Publisher, connect, ensure_streams, read_stream
+from services.replay import fold_events, stream_events
+from services.replayer import Replayer, ReplayerConfig, durable_name
+from tests.property.episode_strategies import (
+    ExploreSpec,
+    build_explore_episode,
+    build_rollout_group,
+    interleave,
+)
+
+pytestmark = [pytest.mark.anyio, pytest.mark.integration]
+
+OPTIONS: dict[str, dict[str, Any]] = {"leafe": {"rehearsal_fraction": 0.5}, "grpo": {}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(cache_dir: Path) -> HFChatTokenizer:
+    """The tiny model's tokenizer (SmolLM2's), shared by the log builder and the folds."""
+    return HFChatTokenizer.from_dir(tiny_model_dir(cache_dir))
+
+
+def make_log(run_id: str, tok: HFChatTokenizer, *, episodes: int = 16, groups: int = 4) -> list[EpisodeEvent]:
+    streams = [
+        build_explore_episode(
+            ExploreSpec(seed=i, max_depth=2, budget=16, horizon=5, p_success=0.3, reflect_every=3 * (i % 2)),
+            run_id=run_id,
+            episode_id=f"{run_id}-ep{i}",  # event ids (Nats-Msg-Id) must be unique across runs
+            tokenizer=tok,
+        )
+        for i in range(episodes)
+    ]
+    rng = random.Random(1)
+    for g in range(groups):
+        streams += build_rollout_group(
+            rng, run_id=run_id, group_id=f"{run_id}-g{g}", n=4, tokenizer=tok, p_success=0.12, retry=g == 0
+        )
+    return interleave(streams, random.Random(2))
+
+
+async def publish(js: Any, events: list[EpisodeEvent]) -> None:
+    async with Publisher(js) as pub:
+        for e in events:
+            await pub.publish_event(e)
+
+
+async def published_samples(js: Any, run_id: str) -> list[Sample]:
+    return [
+        decode_sample(m.data)
+        async for m in read_stream(js, stream=SAMPLES.name, filter_subject=f"leafe.{run_id}.samples.>")
+    ]
+
+
+async def wait_for(
+    cond: Callable[[], Awaitable[bool]], limit_s: float = 60.0, what: str = "condition"
+) -> None:
+    deadline = time.monotonic() + limit_s
+    while not await cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+async def consumer_settled(js: Any, run_id: str, name: str, open_episodes: int = 0) -> bool:
+    """Every event delivered and acked, except the anchors of episodes that never finished."""
+    try:
+        info = await js.consumer_info(EVENTS.name, durable_name(run_id, name))
+    except NotFoundError:
+        return False  # the replayer has not created its durable yet
+    return info.num_pending == 0 and info.num_ack_pending == open_episodes
+
+
+def unfinished(events: list[EpisodeEvent]) -> int:
+    """Episodes in ``events`` without an EpisodeFinished (abandoned attempts)."""
+    return len(
+        {e.episode_id for e in events} - {e.episode_id for e in events if isinstance(e, EpisodeFinished)}
+    )
+
+
+async def offline_samples(js: Any, run_id: str, name: str, tok: HFChatTokenizer) -> dict[str, Sample]:
+    fold = make_materializer(name, tok, **OPTIONS[name])
+    result = fold_events([e async for e in stream_events(js, run_id)], fold)
+    return {s.sample_id: s for s in result.samples}
+
+
+def config(name: str, **kw: Any) -> ReplayerConfig:
+    base: dict[str, Any] = dict(
+        materializer=name,
+        model="tiny",
+        options=OPTIONS[name],
+        batch=16,
+        ack_wait_s=1.5,
+        fetch_timeout_s=0.2,
+        stale_check_s=0.5,
+    )
+    base.update(kw)
+    return ReplayerConfig(**base)
+
+
+class Running:
+    """A replayer on its own connection, run as a task that a test can cancel abruptly."""
+
+    def __init__(self, nats_url: str, run_id: str, name: str, tok: HFChatTokenizer, **kw: Any) -> None:
+        self.args = (nats_url, run_id, name, tok)
+        self.kw = kw
+        self.stop = asyncio.Event()
+
+    async def __aenter__(self) -> Running:
+        url, run_id, name, tok = self.args
+        self.nc = await connect(url)
+        fold = make_materializer(name, tok, **OPTIONS[name])
+        self.replayer = Replayer(
+            self.nc.jetstream(), run_id=run_id, fold=fold, config=config(name, **self.kw)
+        )
+        self.task = asyncio.create_task(self.replayer.run(self.stop))
+        return self
+
+    async def crash_after(self, events: int) -> None:
+        await wait_for(self._seen(events), what=f"{events} events folded")
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+    def _seen(self, n: int) -> Callable[[], Awaitable[bool]]:
+        async def cond() -> bool:
+            if self.task.done():
+                self.task.result()
+            return self.replayer.fold.stats.events >= n
+
+        return cond
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self.task.done():
+            self.stop.set()
+            await self.task
+        await self.nc.close()
+
+
+@pytest.mark.parametrize("name", ["leafe", "grpo"])
+async def test_replayer_killed_and_restarted_matches_offline_rebuild(
+    nats_url: str, run_id: str, name: str, tokenizer: HFChatTokenizer
+) -> None:
+    """Cancelled twice mid-stream while events keep arriving, the replayer still publishes exactly the
+    offline rebuild's samples, each once, and ends with no pending or unacked events."""
+    run_id = f"{run_id}-{name}"[:60]
+    events = make_log(run_id, tokenizer)
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js)
+    third = len(events) // 3
+    try:
+        await publish(js, events[:third])
+        async with Running(nats_url, run_id, name, tokenizer) as r1:
+            await r1.crash_after(third // 2)
+        await publish(js, events[third : 2 * third])
+        async with Running(nats_url, run_id, name, tokenizer) as r2:
+            await r2.crash_after(third // 3)
+        await publish(js, events[2 * third :])
+        async with Running(nats_url, run_id, name, tokenizer) as r3:
+            settled = lambda: consumer_settled(js, run_id, name, unfinished(events))  # noqa: E731
+            await wait_for(settled, what="all events processed and acked")
+            assert r3.replayer.stats.recovered_events > 0
+        online = await published_samples(js, run_id)
+        offline = await offline_samples(js, run_id, name, tokenizer)
+        assert len(offline) > 10
+        assert len(online) == len({s.sample_id for s in online}), "a sample was stored twice"
+        assert {s.sample_id: s for s in online} == offline
+    finally:
+        await nc.close()
+
+
+async def test_bad_events_are_dead_lettered_and_the_replayer_keeps_going(
+    nats_url: str, run_id: str, tokenizer: HFChatTokenizer
+) -> None:
+    """A Step for an unknown branch goes to the dead-letter subject with its reason; other samples flow."""
+    events = make_log(run_id, tokenizer, episodes=3, groups=0)
+    first = events[0]
+    bad = Step(
+        event_id=f"{first.episode_id}.999999",
+        run_id=run_id,
+        episode_id=first.episode_id,
+        actor_id="x",
+        seq=999999,
+        branch_id="b42",
+        t=0,
+        action="up",
+        raw_text="up",
+        token_ids=[1],
+        observation="o",
+    )
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js)
+    try:
+        await publish(js, [*events[:5], bad, *events[5:]])
+        async with Running(nats_url, run_id, "leafe", tokenizer) as r:
+            await wait_for(lambda: consumer_settled(js, run_id, "leafe"), what="all events acked")
+            assert r.replayer.stats.dead_letters == 1
+        dead = [
+            m
+            async for m in read_stream(
+                js, stream="LEAFE_DEAD", filter_subject=dead_letter_subject(run_id, EVENTS.name)
+            )
+        ]
+        assert len(dead) == 1 and "unknown branch 'b42'" in (dead[0].headers or {})[ERROR_HEADER]
+        online = {s.sample_id for s in await published_samples(js, run_id)}
+        assert online == set(await offline_samples(js, run_id, "leafe", tokenizer))
+    finally:
+        await nc.close()
+
+
+async def test_abandoned_episode_is_closed_after_the_timeout(
+    nats_url: str, run_id: str, tokenizer: HFChatTokenizer
+) -> None:
+    """An episode whose actor vanished is closed after stale_timeout_s, its anchor acked, nothing emitted
+    from its unfinished branches."""
+    spec = ExploreSpec(seed=3, max_depth=1, budget=10, horizon=4, p_success=0.0, truncate=0.6)
+    events = build_explore_episode(spec, run_id=run_id, episode_id="lost", tokenizer=tokenizer)
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js)
+    try:
+        await publish(js, events)
+        async with Running(nats_url, run_id, "leafe", tokenizer, stale_timeout_s=1.0) as r:
+            await wait_for(
+                lambda: consumer_settled(js, run_id, "leafe"), what="the abandoned episode's anchor acked"
+            )
+            assert r.replayer.stats.stale_closed == 1 and r.replayer.fold.open_episodes == 0
+        assert await published_samples(js, run_id) == []
+    finally:
+        await nc.close()
+
+
+def _spawn(nats_url: str, run_id: str, model: Path, cfg: Path, log: Path) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "replayer",
+        "--nats",
+        nats_url,
+        "--run",
+        run_id,
+        "--model",
+        str(model),
+        "--config",
+        str(cfg),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env=env)
+
+
+@pytest.mark.slow
+def test_replayer_process_sigkilled_matches_leafe_replay(
+    nats_url: str, run_id: str, tokenizer: HFChatTokenizer, cache_dir: Path, tmp_path: Path
+) -> None:
+    """`leafe replayer` SIGKILLed twice mid-stream and restarted ends with exactly the ids that
+    `leafe replay` writes for the same log; SIGTERM then stops it cleanly (exit 0)."""
+    from services import replay
+
+    model = tiny_model_dir(cache_dir)
+    cfg = tmp_path / "replayer.toml"
+    cfg.write_text(
+        'materializer = "leafe"\nbatch = 8\nack_wait_s = 1.5\n[options]\nrehearsal_fraction = 0.5\n'
+    )
+    events = make_log(run_id, tokenizer, episodes=24, groups=0)
+    parts = [events[k * len(events) // 5 : (k + 1) * len(events) // 5] for k in range(5)]
+    log = tmp_path / "replayer.log"
+
+    async def publish_part(part: list[EpisodeEvent]) -> None:
+        nc = await connect(nats_url)
+        await ensure_streams(nc.jetstream())
+        await publish(nc.jetstream(), part)
+        await nc.close()
+
+    async def settled() -> bool:
+        nc = await connect(nats_url)
+        try:
+            return await consumer_settled(nc.jetstream(), run_id, "leafe", unfinished(events))
+        finally:
+            await nc.close()
+
+    def spawn(n: int) -> subprocess.Popen[bytes]:
+        """Start replayer process number ``n`` and wait until it has recovered and bound its consumer."""
+        proc = _spawn(nats_url, run_id, model, cfg, log)
+        deadline = time.monotonic() + 90
+        while log.read_text().count('"replayer.started"') < n:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        return proc
+
+    # Parts are published while a replayer runs, and it is SIGKILLed right after parts 1 and 3: the
+    # log interleaves episodes, so episodes are open (their later events unpublished) at every kill.
+    proc = spawn(1)
+    for k, part in enumerate(parts):
+        asyncio.run(publish_part(part))
+        if k in (1, 3):
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            proc = spawn(2 if k == 1 else 3)
+    deadline = time.monotonic() + 90
+    while not asyncio.run(settled()):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, log.read_text()[-3000:]
+    assert log.read_text().count('"replayer.recovered"') >= 1
+
+    out = tmp_path / "dataset"
+    replay_cfg = tmp_path / "replay.toml"
+    replay_cfg.write_text('materializer = "leafe"\n[options]\nrehearsal_fraction = 0.5\n')
+    argv = [
+        "--from",
+        nats_url,
+        "--run",
+        run_id,
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+        "--config",
+        str(replay_cfg),
+    ]
+    assert replay.main([*argv, "--no-progress"]) == 0
+
+    async def online() -> list[str]:
+        nc = await connect(nats_url)
+        try:
+            return [s.sample_id for s in await published_samples(nc.jetstream(), run_id)]
+        finally:
+            await nc.close()
+
+    ids = asyncio.run(online())
+    assert len(ids) == len(set(ids))
+    assert set(ids) == {s.sample_id for s in iter_samples(out)} and ids
+
+
+def test_leafe_replay_from_file_equals_replay_from_stream(
+    nats_url: str, run_id: str, tokenizer: HFChatTokenizer, cache_dir: Path, tmp_path: Path
+) -> None:
+    """`leafe replay` of an exported log file and of the stream write byte-identical datasets."""
+    from learner.dataset import read_manifest
+    from services import replay
+    from services.log_tools import export_run
+
+    events = make_log(run_id, tokenizer, episodes=6, groups=1)
+    log_file = tmp_path / "run.leafelog"
+
+    async def prepare() -> None:
+        nc = await connect(nats_url)
+        try:
+            await ensure_streams(nc.jetstream())
+            await publish(nc.jetstream(), events)
+            await export_run(nc.jetstream(), run_id, log_file)
+        finally:
+            await nc.close()
+
+    asyncio.run(prepare())
+    model = str(tiny_model_dir(cache_dir))
+    common = ["--run", run_id, "--model", model, "--no-progress", "--shard-size", "2"]
+    assert replay.main(["--from", nats_url, "--out", str(tmp_path / "a"), *common]) == 0
+    assert replay.main(["--from", str(log_file), "--out", str(tmp_path / "b"), *common]) == 0
+    a, b = read_manifest(tmp_path / "a"), read_manifest(tmp_path / "b")
+    assert a == b and a.samples > 0 and len(a.shards) > 1
+    assert (tmp_path / "a" / "manifest.json").read_bytes() == (tmp_path / "b" / "manifest.json").read_bytes()

@@ -1,0 +1,146 @@
+"""Unit tests of learner/batching.py: left-padded layout, label alignment, micro-batch plans."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from learner.batching import collate, kind_tokens, plan_micro_batches, to_items
+from learner.config import BatchConfig
+from learner.losses import IGNORE, token_logprobs
+from tests.unit.learner.learner_helpers import make_sample, make_samples, one_thread, tiny_dir
+
+__all__ = ["one_thread", "tiny_dir"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PAD = 0
+
+
+def test_labels_are_exactly_the_completion_tokens_at_the_right_edge() -> None:
+    """Every non-IGNORE label is a completion token, in order; prompt tokens never become labels."""
+    samples = [make_sample(1, prompt_len=5, completion_len=3), make_sample(2, prompt_len=9, completion_len=1)]
+    items, _ = to_items(samples, 4096)
+    mb = collate(items, PAD)
+    assert mb.input_ids.shape == (2, 10)
+    assert mb.labels.shape == (2, 3)
+    for row, s in enumerate(samples):
+        got = [int(x) for x in mb.labels[row] if x != IGNORE]
+        assert got == s.completion_ids
+        assert mb.input_ids[row, -len(s.prompt_ids) - len(s.completion_ids) :].tolist() == [
+            *s.prompt_ids,
+            *s.completion_ids,
+        ]
+    assert mb.position_ids[0].tolist() == [0, 0, *range(8)]  # left pad, positions restart at 0
+    assert mb.attention_mask.sum().item() == 8 + 10
+
+
+def test_prompt_content_never_reaches_the_labels() -> None:
+    """Changing any prompt token changes the inputs but not the labels."""
+    a = make_sample(3, prompt_len=7, completion_len=2)
+    b = make_sample(3, prompt_len=7, completion_len=2)
+    b = type(b)(**{**{f: getattr(b, f) for f in b.__struct_fields__}, "prompt_ids": [5] * 7})
+    ma, mb = collate(to_items([a], 4096)[0], PAD), collate(to_items([b], 4096)[0], PAD)
+    assert torch.equal(ma.labels, mb.labels)
+    assert not torch.equal(ma.input_ids, mb.input_ids)
+
+
+def test_too_long_and_empty_samples_are_skipped_with_their_ids() -> None:
+    """Samples longer than max_seq_len or without completion are reported, not truncated."""
+    long = make_sample(4, prompt_len=50, completion_len=2)
+    empty = make_sample(5, prompt_len=3, completion_len=0)
+    ok = make_sample(6, prompt_len=3, completion_len=2)
+    items, skipped = to_items([long, empty, ok], 20)
+    assert [i.sample_id for i in items] == [ok.sample_id]
+    assert skipped == [long.sample_id, empty.sample_id]
+
+
+def test_kind_tokens_counts_target_tokens_per_kind() -> None:
+    """The loss denominators are target-token counts per kind."""
+    s = [make_sample(1, kind="cf", completion_len=3), make_sample(2, kind="reh", completion_len=2)]
+    s.append(make_sample(3, kind="cf", completion_len=4))
+    t = kind_tokens(to_items(s, 4096)[0])
+    assert (t.cf, t.reh, t.rft, t.grpo) == (7.0, 2.0, 0.0, 0.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 40),
+    world=st.integers(1, 4),
+    budget=st.integers(16, 200),
+    mode=st.sampled_from(["length", "none"]),
+)
+def test_plan_deals_every_item_once_and_ranks_run_equal_micro_batches(
+    n: int, world: int, budget: int, mode: str
+) -> None:
+    """Each item lands in exactly one (micro-batch, rank); every rank has the same number of micro-batches;
+    bucketed micro-batches respect the token budget unless a single row exceeds it."""
+    items, _ = to_items(make_samples(n), 4096)
+    cfg = BatchConfig(micro_batch_tokens=budget, micro_batch_size=3, bucketing=mode)  # type: ignore[arg-type]
+    plan = plan_micro_batches(items, world, cfg)
+    seen = sorted(i for mb in plan for share in mb for i in share)
+    assert seen == list(range(n))
+    assert all(len(mb) == world for mb in plan)
+    if mode == "length":
+        for mb in plan:
+            for share in mb:
+                if len(share) > 1:
+                    assert len(share) * max(items[i].length for i in share) <= budget
+
+
+def test_bucketing_pads_less_than_arrival_order() -> None:
+    """On variable-length samples, length bucketing processes fewer padded tokens than fixed batches."""
+    samples = [make_sample(i, prompt_len=5 + (i * 37) % 90, completion_len=1 + i % 5) for i in range(48)]
+    items, _ = to_items(samples, 4096)
+
+    def padded(mode: str) -> int:
+        cfg = BatchConfig(micro_batch_tokens=400, micro_batch_size=4, bucketing=mode)  # type: ignore[arg-type]
+        plan = plan_micro_batches(items, 1, cfg)
+        return sum(collate([items[i] for i in mb[0]], PAD).padded_tokens for mb in plan)
+
+    real = sum(i.length for i in items)
+    assert padded("length") < padded("none")
+    assert padded("length") <= real * 1.15
+
+
+def test_empty_share_is_a_dummy_row_without_loss() -> None:
+    """A rank without rows gets one zero-weight row whose labels are all IGNORE."""
+    mb = collate([], PAD)
+    assert mb.input_ids.shape[0] == 1
+    assert torch.all(mb.labels == IGNORE)
+    assert mb.weights.tolist() == [0.0]
+    assert mb.real_tokens == 0
+
+
+def test_left_padded_batch_scores_like_single_rows(tiny_dir: Path) -> None:
+    """Logprobs of each completion in a left-padded batch equal those of the sample alone (SDPA, fp32)."""
+    from learner.model_io import load_model
+
+    model = load_model(tiny_dir)
+    samples = [make_sample(i, prompt_len=3 + 7 * i, completion_len=1 + i) for i in range(4)]
+    items, _ = to_items(samples, 4096)
+
+    def score(rows: list) -> torch.Tensor:
+        mb = collate(rows, PAD)
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                    logits_to_keep=mb.keep)  # fmt: skip
+        return token_logprobs(out.logits[:, :-1], mb.labels)
+
+    with torch.no_grad():
+        batched = score(items)
+        for row, it in enumerate(items):
+            alone = score([it])[0, -it.completion_len :]
+            assert torch.allclose(batched[row, -it.completion_len :], alone, atol=1e-4)
+            assert torch.all(batched[row, : -it.completion_len] == 0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_plan_is_deterministic(world: int) -> None:
+    """The same batch gives the same plan on every call (ranks compute it independently)."""
+    items, _ = to_items(make_samples(30), 4096)
+    cfg = BatchConfig(micro_batch_tokens=64)
+    assert plan_micro_batches(items, world, cfg) == plan_micro_batches(items, world, cfg)

@@ -1,0 +1,476 @@
+"""Unit tests of the materializer folds on small hand-built episode trees (fake byte tokenizer)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from learner.materializers import (
+    LeafeMaterializer,
+    MaterializerConfigError,
+    ReplayError,
+    make_materializer,
+)
+from protocol.events import (
+    Branch,
+    EpisodeEvent,
+    EpisodeFinished,
+    EpisodeStarted,
+    Outcome,
+    Reflection,
+    Rollback,
+    Step,
+)
+from protocol.prompt import HistoryEntry, prompt_sha256, render_messages
+from protocol.samples import Sample
+from tests.property.episode_strategies import INSTRUCTIONS, ByteChatTokenizer, EventWriter
+
+TOK = ByteChatTokenizer()
+E = "EXPERIENCE#1: push the box left first"
+
+
+class Tree:
+    """Builds one explore episode event by event, with exact prompt digests."""
+
+    def __init__(self, episode_id: str = "ep1", **started: Any) -> None:
+        self.w = EventWriter("r1", episode_id)
+        fields = dict(
+            task_key=f"{episode_id}-task",
+            env="sokoban",
+            task_id="sokoban/train/00001",
+            split="train",
+            seed=0,
+            mode="explore",
+            task="Push the box.",
+            observation="o0",
+            instructions=INSTRUCTIONS,
+        )
+        fields.update(started)
+        self.started = self.w.emit(EpisodeStarted, **fields)
+        self.paths: dict[str, list[Step]] = {"b0": []}
+        self.experience: dict[str, str] = {"b0": ""}
+
+    def step(self, branch: str, action: str | None = "up", *, with_e: bool = False, **kw: Any) -> Step:
+        path = self.paths[branch]
+        t = len(path)
+        e = self.experience[branch] if with_e else None
+        messages = render_messages(
+            instructions=self.started.instructions,
+            task=self.started.task,
+            history=[HistoryEntry(s.action, s.raw_text, s.observation, s.feedback) for s in path],
+            observation=path[-1].observation if path else self.started.observation,
+            experience=e,
+            history_window=self.started.history_window,
+        )
+        fields = dict(
+            branch_id=branch,
+            t=t,
+            action=action,
+            raw_text=f"<action>{action}</action>",
+            token_ids=[100 + t, 200 + len(self.paths)],
+            observation=f"o{t + 1}-{branch}",
+            experience_in_context=with_e,
+            prompt_sha256=prompt_sha256(TOK.encode_chat(messages)),
+            parse_ok=action is not None,
+        )
+        fields.update(kw)
+        s = self.w.emit(Step, **fields)
+        path.append(s)
+        return s
+
+    def branch(self, parent: str, tau: int, new: str, experience: str = E) -> tuple[Reflection, Branch]:
+        refl = self.w.emit(
+            Reflection,
+            branch_id=parent,
+            at_t=len(self.paths[parent]),
+            trigger="failure",
+            tau=tau,
+            experience=experience,
+            raw_text="r",
+        )
+        self.w.emit(Rollback, from_branch=parent, tau=tau, method="snapshot")
+        br = self.w.emit(
+            Branch,
+            branch_id=new,
+            parent_branch_id=parent,
+            tau=tau,
+            reflection_event_id=refl.event_id,
+            experience=experience,
+            depth=1,
+        )
+        self.paths[new] = list(self.paths[parent][:tau])
+        self.experience[new] = experience
+        return refl, br
+
+    def outcome(self, branch: str, success: bool) -> Outcome:
+        return self.w.emit(Outcome, branch_id=branch, success=success, steps=len(self.paths[branch]))
+
+    def finish(self) -> EpisodeFinished:
+        return self.w.emit(EpisodeFinished, success=True)
+
+    @property
+    def events(self) -> list[EpisodeEvent]:
+        return list(self.w.events)
+
+
+def fold(events: list[EpisodeEvent], name: str = "leafe", **options: Any) -> tuple[list[Sample], Any]:
+    m = make_materializer(name, TOK, **options)
+    out: list[Sample] = []
+    for e in events:
+        out += m.apply(e)
+    return out + m.close_all(), m
+
+
+def corrected_tree() -> tuple[Tree, dict[str, Any]]:
+    """b0: 3 failing steps; reflection blames t=1; b1 redoes t=1 with e and succeeds at t=2."""
+    tree = Tree()
+    s0 = tree.step("b0", "up")
+    tree.step("b0", "left")
+    tree.step("b0", "left")
+    tree.outcome("b0", False)
+    refl, br = tree.branch("b0", 1, "b1")
+    a1 = tree.step("b1", "down", with_e=True)
+    a2 = tree.step("b1", "right", with_e=True)
+    tree.outcome("b1", True)
+    tree.finish()
+    return tree, {"s0": s0, "refl": refl, "branch": br, "a1": a1, "a2": a2}
+
+
+def test_counterfactual_input_is_parent_history_without_experience() -> None:
+    """D_cf: q + the parent's history up to tau, rendered without e; target = the branch's first step ids."""
+    tree, ev = corrected_tree()
+    samples, m = fold(tree.events, rehearsal_fraction=0.0)
+    (cf,) = [s for s in samples if s.kind == "cf"]
+    expected = render_messages(
+        instructions=INSTRUCTIONS,
+        task="Push the box.",
+        history=[HistoryEntry("up", "<action>up</action>", "o1-b0", "")],
+        observation="o1-b0",
+    )
+    assert cf.messages[:2] == expected
+    assert cf.messages[2].role == "assistant" and cf.messages[2].content == ev["a1"].raw_text
+    assert cf.target_turn == 2
+    assert cf.completion_ids == ev["a1"].token_ids
+    assert cf.prompt_ids == TOK.encode_chat(expected)
+    assert E not in TOK.decode(cf.prompt_ids) and all(E not in msg.content for msg in cf.messages)
+    assert set(cf.source_event_ids) == {
+        tree.started.event_id,
+        ev["s0"].event_id,
+        ev["a1"].event_id,
+        ev["branch"].event_id,
+        ev["refl"].event_id,
+    }
+    assert cf.source_event_ids == sorted(cf.source_event_ids)
+    assert cf.materializer == "leafe/1" and cf.policy_version == ev["a1"].policy_version and cf.weight == 1.0
+    assert m.stats.prompt_mismatches == 0 and m.stats.prompts_verified == 1
+
+
+def test_rehearsal_covers_the_successful_path_and_is_deduplicated() -> None:
+    """D_reh with fraction 1: one sample per step of the successful path (inherited prefix + own steps)."""
+    tree, ev = corrected_tree()
+    samples, m = fold(tree.events, rehearsal_fraction=1.0, rehearsal_weight=0.5)
+    reh = sorted((s for s in samples if s.kind == "reh"), key=lambda s: len(s.source_event_ids))
+    assert [s.completion_ids for s in reh] == [ev["s0"].token_ids, ev["a1"].token_ids, ev["a2"].token_ids]
+    assert all(s.weight == 0.5 for s in reh)
+    assert all(E not in msg.content for s in reh for msg in s.messages)
+    assert len({s.sample_id for s in samples}) == len(samples) == 4
+    assert m.stats.prompt_mismatches == 0 and m.stats.prompts_verified == 3
+
+
+def test_rehearsal_fraction_is_seeded_and_per_step() -> None:
+    """The kept fraction is decided by hashing (seed, step id): same seed same choice, 0 keeps none."""
+    tree, _ = corrected_tree()
+    ids = lambda s: {x.sample_id for x in s if x.kind == "reh"}  # noqa: E731
+    a, _ = fold(tree.events, rehearsal_fraction=0.5, rehearsal_seed=7)
+    b, _ = fold(tree.events, rehearsal_fraction=0.5, rehearsal_seed=7)
+    assert ids(a) == ids(b)
+    none, _ = fold(tree.events, rehearsal_fraction=0.0)
+    assert ids(none) == set()
+
+
+def test_failed_branch_gives_no_counterfactual_unless_configured() -> None:
+    """By default only successful branches give D_cf; cf_only_successful=False keeps failed ones too."""
+    tree = Tree()
+    tree.step("b0")
+    tree.outcome("b0", False)
+    tree.branch("b0", 0, "b1")
+    tree.step("b1", "down", with_e=True)
+    tree.outcome("b1", False)
+    tree.finish()
+    samples, _ = fold(tree.events)
+    assert samples == []
+    samples, _ = fold(tree.events, cf_only_successful=False)
+    assert [s.kind for s in samples] == ["cf"]
+
+
+def test_unparsed_targets_are_skipped() -> None:
+    """A branch whose first completion has no valid action yields no cf sample (counted)."""
+    tree = Tree()
+    tree.step("b0")
+    tree.outcome("b0", False)
+    tree.branch("b0", 0, "b1")
+    tree.step("b1", None, with_e=True)
+    tree.step("b1", "up", with_e=True, success=True)
+    tree.outcome("b1", True)
+    samples, m = fold(tree.events, rehearsal_fraction=0.0)
+    assert samples == [] and m.stats.skipped_unparsed == 1
+
+
+def test_abandoned_episode_yields_nothing_from_unfinished_branches() -> None:
+    """Without an Outcome, a branch produces nothing, even after close_all/close_stale."""
+    tree, _ = corrected_tree()
+    events = tree.events[:-2]  # drop b1's Outcome and EpisodeFinished
+    samples, m = fold(events, rehearsal_fraction=1.0)
+    assert samples == [] and m.stats.episodes_abandoned == 1 and m.open_episodes == 0
+
+
+def test_close_stale_closes_only_idle_episodes_and_ignores_late_events() -> None:
+    """close_stale(now, timeout) closes episodes idle longer than timeout; their late events are ignored."""
+    m = make_materializer("leafe", TOK)
+    a, b = Tree("a"), Tree("b")
+    m.apply(a.events[0], now=0.0)
+    m.apply(b.events[0], now=50.0)
+    m.close_stale(100.0, 60.0)
+    assert not m.is_open("a") and m.is_open("b") and m.knows("a")
+    assert m.drain_released() == ["a"]
+    assert m.apply(a.step("b0"), now=101.0) == [] and m.stats.after_close == 1
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (
+            lambda t: t.w.emit(
+                Step, branch_id="b9", t=0, action="up", raw_text="", token_ids=[1], observation="o"
+            ),
+            "unknown branch",
+        ),
+        (
+            lambda t: t.w.emit(
+                Branch,
+                branch_id="b1",
+                parent_branch_id="b0",
+                tau=0,
+                reflection_event_id="ep1.999999",
+                experience=E,
+                depth=1,
+            ),
+            "Branch before its Reflection",
+        ),
+        (lambda t: t.w.emit(Outcome, branch_id="b7", success=True), "unknown branch"),
+        (
+            lambda t: t.w.emit(
+                Step, branch_id="b0", t=5, action="up", raw_text="", token_ids=[1], observation="o"
+            ),
+            "out of order",
+        ),
+        (
+            lambda t: t.w.emit(
+                EpisodeStarted,
+                **{
+                    k: getattr(t.started, k)
+                    for k in (
+                        "task_key",
+                        "env",
+                        "task_id",
+                        "split",
+                        "seed",
+                        "mode",
+                        "task",
+                        "observation",
+                        "instructions",
+                    )
+                },
+            ),
+            "already started",
+        ),
+    ],
+)
+def test_bad_events_raise_replay_error_and_leave_state_unchanged(mutate: Any, reason: str) -> None:
+    """Malformed or out-of-order events raise ReplayError naming the reason; the fold keeps going."""
+    m = make_materializer("leafe", TOK, rehearsal_fraction=1.0)
+    tree = Tree()
+    for e in tree.events:
+        m.apply(e)
+    bad = mutate(tree)
+    with pytest.raises(ReplayError, match=reason) as info:
+        m.apply(bad)
+    assert info.value.event is bad and m.stats.rejected == 1
+    tree.w.events.pop()
+    tree.step("b0", success=True)
+    assert len(m.apply(tree.w.events[-1])) == 0
+    assert len(m.apply(tree.outcome("b0", True))) == 1
+
+
+def test_event_of_unknown_episode_and_second_outcome_are_rejected() -> None:
+    """A Step before any EpisodeStarted and a second Outcome for a branch raise ReplayError."""
+    m = make_materializer("leafe", TOK)
+    tree = Tree()
+    step = tree.step("b0")
+    with pytest.raises(ReplayError, match="unknown episode"):
+        m.apply(step)
+    m.apply(tree.events[0])
+    m.apply(step)
+    m.apply(tree.outcome("b0", False))
+    with pytest.raises(ReplayError, match="already ended"):
+        m.apply(tree.outcome("b0", True))
+
+
+def test_duplicate_deliveries_are_ignored() -> None:
+    """Re-applying any event (same event id) changes nothing and yields no samples."""
+    tree, _ = corrected_tree()
+    m = make_materializer("leafe", TOK, rehearsal_fraction=1.0)
+    out: list[Sample] = []
+    for e in tree.events[:-1]:
+        out += m.apply(e)
+        assert m.apply(e) == []
+    out += m.apply(tree.events[-1])
+    assert m.apply(tree.events[-1]) == []  # after EpisodeFinished: remembered as closed
+    assert len(out) == 4 and m.stats.duplicates == len(tree.events) - 1 and m.stats.after_close == 1
+
+
+def test_prompt_mismatch_is_counted_not_fatal() -> None:
+    """A Step whose prompt_sha256 differs from the rebuilt prompt is counted; the sample is still built."""
+    tree = Tree()
+    tree.step("b0", success=True, prompt_sha256="0" * 64)
+    tree.outcome("b0", True)
+    samples, m = fold(tree.events, rehearsal_fraction=1.0)
+    assert len(samples) == 1 and m.stats.prompt_mismatches == 1
+    tree2 = Tree()
+    tree2.step("b0", success=True, prompt_sha256="")
+    tree2.outcome("b0", True)
+    _, m2 = fold(tree2.events, rehearsal_fraction=1.0)
+    assert m2.stats.prompts_unverifiable == 1
+
+
+def test_eval_and_test_split_episodes_produce_nothing() -> None:
+    """Evaluation episodes and test-split tasks are never turned into training samples by default."""
+    for started in ({"mode": "eval"}, {"split": "test"}):
+        tree = Tree(**started)
+        tree.step("b0", success=True)
+        tree.outcome("b0", True)
+        tree.finish()
+        assert fold(tree.events, rehearsal_fraction=1.0)[0] == []
+
+
+def rollout(
+    group: str, i: int, success: bool, *, n: int = 3, attempt: int = 1, logprobs: bool = True
+) -> Tree:
+    tree = Tree(
+        f"{group}-{i}.a{attempt}",
+        mode="rollout",
+        group_id=group,
+        group_size=n,
+        task_key=f"{group}-{i}",
+        attempt=attempt,
+    )
+    tree.step("b0", "up", logprobs=[-0.5, -0.25] if logprobs else None)
+    tree.step("b0", None, success=success)
+    tree.outcome("b0", success)
+    tree.finish()
+    return tree
+
+
+def test_grpo_group_normalised_advantages() -> None:
+    """Once all n rollouts finished: advantage (r - mean)/(std + eps) per trajectory, one sample per step."""
+    events = [e for i, ok in enumerate([True, False, False]) for e in rollout("g1", i, ok).events]
+    m = make_materializer("grpo", TOK)
+    out: list[Sample] = []
+    for e in events[:-1]:
+        out += m.apply(e)
+    assert out == []
+    out += m.apply(events[-1])
+    assert len(out) == 6 and m.stats.groups_emitted == 1
+    adv = {s.episode_id: s.advantage for s in out}
+    assert adv["g1-0.a1"] == pytest.approx(2**0.5, rel=1e-4)
+    assert adv["g1-1.a1"] == pytest.approx(-(2**0.5) / 2, rel=1e-4)
+    assert {s.reward for s in out if s.episode_id == "g1-0.a1"} == {1.0}
+    assert all(s.group_id == "g1" and s.kind == "grpo" for s in out)
+    first = [s for s in out if s.episode_id == "g1-0.a1" and s.behaviour_logprobs is not None]
+    assert first and first[0].behaviour_logprobs == [-0.5, -0.25]
+    assert sorted(m.drain_released()) == ["g1-0.a1", "g1-1.a1", "g1-2.a1"]
+
+
+def test_grpo_zero_variance_group_and_release_timing() -> None:
+    """Equal returns give no samples (counted); members are released only when their group is done."""
+    m = make_materializer("grpo", TOK)
+    trees = [rollout("g2", i, False) for i in range(3)]
+    for e in trees[0].events + trees[1].events:
+        assert m.apply(e) == []
+    assert m.drain_released() == []
+    for e in trees[2].events:
+        assert m.apply(e) == []
+    assert m.stats.groups_zero_variance == 1 and len(m.drain_released()) == 3
+
+
+def test_grpo_retried_task_uses_one_attempt() -> None:
+    """A redelivered task whose two attempts both finish counts once (the smaller episode id wins)."""
+    a1, a2 = rollout("g3", 0, True, n=2, attempt=1), rollout("g3", 0, False, n=2, attempt=2)
+    other = rollout("g3", 1, False, n=2)
+    m = make_materializer("grpo", TOK)
+    out: list[Sample] = []
+    for e in a2.events + a1.events + other.events:
+        out += m.apply(e)
+    assert {s.episode_id for s in out} == {"g3-0.a1", "g3-1.a1"} and m.stats.late_attempts == 1
+
+
+def test_rft_keeps_parsed_steps_of_successful_rollouts() -> None:
+    """RFT: every parsed step of a successful rollout, nothing from failures."""
+    ok, bad = rollout("g4", 0, True), rollout("g4", 1, False)
+    samples, m = fold(ok.events + bad.events, "rft")
+    assert [s.completion_ids for s in samples] == [ok.paths["b0"][0].token_ids]
+    assert samples[0].reward == 1.0 and m.stats.skipped_unparsed == 1
+
+
+def test_registry_rejects_unknown_names_and_options() -> None:
+    """make_materializer names the unknown materializer or option."""
+    with pytest.raises(MaterializerConfigError, match="unknown materializer 'nope'"):
+        make_materializer("nope", TOK)
+    with pytest.raises(MaterializerConfigError, match="rehearsal_fractio"):
+        make_materializer("leafe", TOK, rehearsal_fractio=0.3)
+    assert isinstance(make_materializer("leafe", TOK), LeafeMaterializer)
+
+
+def test_fast_prompt_digest_equals_the_protocol_digest() -> None:
+    """The fold's packed digest is byte-for-byte protocol.prompt.prompt_sha256."""
+    from learner.materializers.base import fast_prompt_sha256
+
+    for ids in ([], [0], [1, 49151, 2**32 - 1], list(range(0, 70000, 7))):
+        assert fast_prompt_sha256(ids) == prompt_sha256(ids)
+
+
+def test_real_tokenizer_rebuilds_every_prompt_the_actor_sent(cache_dir: Any) -> None:
+    """With SmolLM2's chat template (tiny model), every target's rebuilt prompt matches Step.prompt_sha256
+    and cf prompt ids decode to text without the experience."""
+    from learner.model_io import HFChatTokenizer, tiny_model_dir
+    from tests.property.episode_strategies import EXPERIENCE_MARKER, ExploreSpec, build_explore_episode
+
+    tok = HFChatTokenizer.from_dir(tiny_model_dir(cache_dir))
+    events = [
+        e
+        for i in range(12)
+        for e in build_explore_episode(
+            ExploreSpec(
+                seed=i, max_depth=2, p_success=0.2, history_window=2 * (i % 2), stop_on_success=False
+            ),
+            run_id="r1",
+            episode_id=f"ep{i}",
+            tokenizer=tok,
+        )
+    ]
+    m = make_materializer("leafe", tok, rehearsal_fraction=1.0)
+    out = [s for e in events for s in m.apply(e)]
+    assert m.stats.prompts_verified > 5 and m.stats.prompt_mismatches == 0
+    assert any(s.kind == "cf" for s in out)
+    assert all(EXPERIENCE_MARKER not in tok.decode(s.prompt_ids) for s in out)
+
+
+def test_episodes_in_an_unknown_prompt_format_are_not_materialized() -> None:
+    """Prompts of another PROMPT_FORMAT cannot be rebuilt: such episodes are tracked but give no samples."""
+    tree = Tree(prompt_format="some-other-format")
+    tree.step("b0", success=True)
+    tree.outcome("b0", True)
+    tree.finish()
+    samples, m = fold(tree.events, rehearsal_fraction=1.0)
+    assert samples == [] and m.stats.unsupported_prompt_format == 1 and m.stats.rejected == 0

@@ -1,0 +1,88 @@
+"""Unit tests of learner/offline.py and ``leafe train`` (services/train.py) on one rank."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from learner.config import resolve_train_config
+from learner.offline import iter_batches, read_samples, steps_per_epoch
+from tests.unit.learner.learner_helpers import dist_env, make_samples, one_thread, tiny_dir, write_shards
+
+__all__ = ["dist_env", "one_thread", "tiny_dir"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _ids(batches: list) -> list[list[str]]:
+    return [[s.sample_id for s in b.samples] for b in batches]
+
+
+@pytest.mark.parametrize("bare", [False, True])
+def test_shards_round_trip(tmp_path: Path, bare: bool) -> None:
+    """Samples written as a dataset (manifest) or as bare JSONL shards read back identical, in order."""
+    samples = make_samples(10)
+    write_shards(tmp_path / "d", samples, per_shard=4, bare=bare)
+    assert read_samples(tmp_path / "d") == samples
+
+
+def test_a_modified_dataset_shard_is_refused(tmp_path: Path) -> None:
+    """A shard that no longer matches the dataset manifest's sha256 is an error naming the file."""
+    from learner.dataset import DatasetError
+
+    d = write_shards(tmp_path / "d", make_samples(3))
+    with (d / "samples-00000.jsonl").open("a") as f:
+        f.write("\n")
+    with pytest.raises(DatasetError, match=r"samples-00000\.jsonl"):
+        read_samples(d)
+
+
+def test_a_bad_line_is_reported_with_file_and_line(tmp_path: Path) -> None:
+    """A corrupt line of a bare shard raises an error naming the file and line number."""
+    d = write_shards(tmp_path / "d", make_samples(3), bare=True)
+    with (d / "shard-00000.jsonl").open("a") as f:
+        f.write('{"not": "a sample"}\n')
+    with pytest.raises(ValueError, match=r"shard-00000.jsonl:4"):
+        read_samples(d)
+
+
+def test_epochs_reshuffle_and_resume_continues_the_same_order() -> None:
+    """Each epoch is a seeded permutation; resuming from (epoch, position) yields exactly the rest."""
+    samples = make_samples(10)
+    cfg = resolve_train_config("cpu", {"epochs": 2, "trainer": {"batch": {"global_batch": 4}}})
+    full = list(iter_batches(samples, cfg))
+    assert [len(b.samples) for b in full] == [4, 4, 2, 4, 4, 2]
+    assert steps_per_epoch(10, 4, drop_last=False) == 3
+    assert sorted(_ids(full[:3])[0] + _ids(full[:3])[1] + _ids(full[:3])[2]) == sorted(
+        s.sample_id for s in samples
+    )
+    assert _ids(full[:3]) != _ids(full[3:])
+    resumed = list(iter_batches(samples, cfg, start_epoch=full[1].epoch, start_position=full[1].position))
+    assert _ids(resumed) == _ids(full[2:])
+    done_epoch = list(iter_batches(samples, cfg, start_epoch=0, start_position=10))
+    assert _ids(done_epoch) == _ids(full[3:])
+
+
+def test_leafe_train_runs_resumes_and_exports(dist_env, tiny_dir: Path, tmp_path: Path) -> None:
+    """`leafe train` trains every batch of every epoch, writes metrics, checkpoints and a final export; a
+    second invocation on the same --out resumes at the end and trains nothing more."""
+    from learner.model_io import verify_manifest
+    from services.train import train
+
+    data = write_shards(tmp_path / "data", make_samples(12))
+    cfg = resolve_train_config(
+        "cpu",
+        {"epochs": 2, "trainer": {"batch": {"global_batch": 8}, "checkpoint_every": 1, "push_every": 2}},
+    )
+    out = tmp_path / "out"
+    result = train(cfg, data, str(tiny_dir), out, dist_env)
+    assert result.steps == 4
+    assert verify_manifest(out / "final", result.final_sha256) is not None
+    assert sorted(p.name for p in (out / "weights").iterdir()) == ["v000002", "v000004"]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["samples"] for m in metrics] == [8, 4, 8, 4]
+    again = train(cfg, data, str(tiny_dir), out, dist_env)
+    assert again.steps == 4 and again.last_loss is None

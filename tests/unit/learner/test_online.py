@@ -1,0 +1,84 @@
+"""Unit tests of learner/online.py: the ordered sample buffer and the staleness rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from learner.online import SampleBuffer, policy_lag
+from protocol.samples import Sample
+from tests.unit.learner.learner_helpers import make_sample
+
+
+@dataclass
+class FakeDelivery:
+    """Stands in for services.bus.Delivery: only value and stream_seq are read."""
+
+    value: Sample
+    stream_seq: int
+
+
+def _d(seq: int, **kw: object) -> FakeDelivery:
+    return FakeDelivery(make_sample(seq, **kw), seq)  # type: ignore[arg-type]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_policy_lag_counts_versions_behind() -> None:
+    """Lag = learner's version index - sample's; base 'default' is 0; foreign names are unknown."""
+    assert policy_lag("v000003", 5) == 2
+    assert policy_lag("default", 2) == 2
+    assert policy_lag("v000009", 5) == 0
+    assert policy_lag("other", 5) is None
+
+
+def test_take_returns_lowest_sequences_first_and_advances_the_floor() -> None:
+    """Batches are cut in stream order whatever the arrival order; later redeliveries are duplicates."""
+    buf: SampleBuffer[FakeDelivery] = SampleBuffer(kinds=["cf", "reh"], max_policy_lag=None)
+    buf.add([_d(7), _d(3), _d(5), _d(9)])
+    b = buf.take(2, current_index=0)
+    assert [d.stream_seq for d in b.consumed] == [3, 5]
+    assert b.max_seq == 5 and buf.floor == 5
+    buf.add([_d(5), _d(9), _d(11)])
+    assert [d.stream_seq for d in buf.pop_duplicates()] == [5, 9]
+    assert [d.stream_seq for d in buf.take(10, 0).consumed] == [7, 9, 11]
+
+
+def test_stale_and_foreign_kind_samples_are_consumed_but_not_trained() -> None:
+    """Samples too many versions behind, or of an untrained kind, are dropped, counted and still consumed."""
+    buf: SampleBuffer[FakeDelivery] = SampleBuffer(kinds=["cf"], max_policy_lag=2)
+    buf.add([_d(1, policy_version="v000001"), _d(2, policy_version="v000004"), _d(3, kind="grpo"),
+             _d(4, policy_version="odd"), _d(5, policy_version="v000003")])  # fmt: skip
+    b = buf.take(10, current_index=5)
+    assert [s.sample_id for s in b.samples] == [make_sample(2).sample_id, make_sample(4).sample_id,
+                                               make_sample(5).sample_id]  # fmt: skip
+    assert (b.stale, b.ignored, b.unknown_version, b.max_seq) == (1, 1, 1, 5)
+
+
+def test_take_fills_the_batch_past_dropped_samples() -> None:
+    """A batch holds global_batch trainable samples when enough are buffered, skipping stale ones."""
+    buf: SampleBuffer[FakeDelivery] = SampleBuffer(kinds=["cf"], max_policy_lag=0)
+    buf.add(
+        [_d(1, policy_version="default"), _d(2, policy_version="v000001"), _d(3, policy_version="v000001")]
+    )
+    b = buf.take(2, current_index=1)
+    assert len(b.samples) == 2 and b.stale == 1 and b.max_seq == 3
+
+
+def test_ready_on_full_batch_or_after_waiting() -> None:
+    """Train when a global batch is buffered, or a partial one >= min_batch waited max_wait_s."""
+    clock = Clock()
+    buf: SampleBuffer[FakeDelivery] = SampleBuffer(kinds=["cf"], max_policy_lag=None, clock=clock)
+    assert not buf.ready(4, 10.0, 1)
+    buf.add([_d(1), _d(2)])
+    assert not buf.ready(4, 10.0, 1)
+    clock.t = 10.5
+    assert buf.ready(4, 10.0, 1)
+    assert not buf.ready(4, 10.0, 3)
+    buf.add([_d(3), _d(4)])
+    assert buf.ready(4, 100.0, 1)

@@ -1,0 +1,176 @@
+"""Unit tests of the FSDP2 trainer on one plain-python rank (the same code path torchrun ranks run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from learner.checkpoint import Progress, load_latest, save_checkpoint
+from learner.config import BatchConfig, LossConfig, OptimConfig, TrainerConfig
+from learner.model_io import load_model, verify_manifest
+from learner.trainer import Trainer
+from protocol.samples import Sample
+from tests.unit.learner.learner_helpers import (
+    assert_same_weights,
+    dist_env,
+    make_sample,
+    make_samples,
+    one_thread,
+    tiny_dir,
+)
+
+__all__ = ["dist_env", "one_thread", "tiny_dir"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _cfg(**batch: int | str) -> TrainerConfig:
+    return TrainerConfig(
+        optim=OptimConfig(lr=1e-3, warmup_steps=2, schedule="cosine", total_steps=6),
+        batch=BatchConfig(global_batch=8, **batch),  # type: ignore[arg-type]
+        seed=3,
+    )
+
+
+def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.float().clone() for k, v in trainer.export_state().items()}
+
+
+def test_training_lowers_the_loss_on_a_fixed_batch(dist_env, tiny_dir: Path) -> None:
+    """Repeated steps on one batch reduce L (the optimizer, schedule and loss are wired together)."""
+    trainer = Trainer(_cfg(), tiny_dir, dist_env)
+    batch = make_samples(8)
+    losses = [trainer.train_step(batch).loss for _ in range(5)]
+    assert losses[-1] < losses[0] - 0.05
+    assert trainer.step == 5
+
+
+def test_micro_batch_split_does_not_change_the_step(dist_env, tiny_dir: Path) -> None:
+    """Gradient accumulation over many small micro-batches equals one big micro-batch: same loss, same
+    gradient norm, same updated weights (up to AdamW sign flips of ~zero gradients, see the helper)."""
+    batch = make_samples(8, kinds=("cf", "reh", "rft"))
+    one = Trainer(_cfg(micro_batch_tokens=100_000), tiny_dir, dist_env)
+    many = Trainer(_cfg(micro_batch_tokens=24), tiny_dir, dist_env)
+    s1, s2 = one.train_step(batch), many.train_step(batch)
+    assert s1.micro_batches == 1 and s2.micro_batches > 3
+    assert s1.loss == pytest.approx(s2.loss, rel=1e-5)
+    assert s1.grad_norm == pytest.approx(s2.grad_norm, rel=1e-5)
+    assert_same_weights(_params(one), _params(many), max_lr=s1.lr)
+
+
+def test_export_writes_a_loadable_hf_directory_with_the_trained_weights(
+    dist_env, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """The export (fp32 here) loads with transformers into exactly the trainer's weights; the manifest
+    verifies; the tied LM head is not duplicated."""
+    trainer = Trainer(_cfg(), tiny_dir, dist_env)
+    trainer.train_step(make_samples(8))
+    digest = trainer.export(tmp_path / "v000001", version="v000001", dtype="fp32")
+    manifest = verify_manifest(tmp_path / "v000001", digest)
+    assert manifest is not None and manifest["version"] == "v000001"
+    assert "lm_head.weight" not in load_file(str(tmp_path / "v000001" / "model.safetensors"))
+    loaded = load_model(tmp_path / "v000001").state_dict()
+    for k, v in _params(trainer).items():
+        assert torch.equal(loaded[k], v), k
+
+
+def test_bf16_export_is_the_default(dist_env, tiny_dir: Path, tmp_path: Path) -> None:
+    """Exports default to bf16 tensors (half the bytes to ship to the engines)."""
+    trainer = Trainer(_cfg(), tiny_dir, dist_env)
+    trainer.export(tmp_path / "v1", version="v1")
+    tensors = load_file(str(tmp_path / "v1" / "model.safetensors"))
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+
+
+def test_resume_gives_the_same_next_step_as_an_uninterrupted_run(
+    dist_env, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Checkpoint after 2 steps, rebuild from scratch, load: step 3's loss, lr and weights match a run
+    that never stopped (model, AdamW moments, scheduler and progress all restored)."""
+    batches = [make_samples(8, start=8 * i) for i in range(3)]
+    straight = Trainer(_cfg(), tiny_dir, dist_env)
+    expected = [straight.train_step(b) for b in batches]
+    first = Trainer(_cfg(), tiny_dir, dist_env)
+    for b in batches[:2]:
+        first.train_step(b)
+    save_checkpoint(tmp_path / "ckpt", first, Progress(step=first.step, samples_seq=41), keep=1)
+    del first
+    resumed = Trainer(_cfg(), tiny_dir, dist_env)
+    progress = load_latest(tmp_path / "ckpt", resumed)
+    assert progress is not None and (progress.step, progress.samples_seq) == (2, 41)
+    got = resumed.train_step(batches[2])
+    assert got.step == 3
+    assert got.lr == expected[2].lr
+    assert got.loss == pytest.approx(expected[2].loss, abs=1e-6)
+    assert got.grad_norm == pytest.approx(expected[2].grad_norm, rel=1e-6)
+    assert_same_weights(_params(straight), _params(resumed), max_lr=0.0, atol=1e-7)
+
+
+ACTIONS = [314, 1592, 2718, 8281]
+"""The toy's action tokens (think up/down/left/right); the first one is rewarded."""
+
+
+def _policy(trainer: Trainer, prompt: list[int]) -> torch.Tensor:
+    """Full-vocabulary log-probabilities of the next token."""
+    with torch.no_grad():
+        logits = trainer.model(input_ids=torch.tensor([prompt]), logits_to_keep=1).logits[0, -1].float()
+    return torch.log_softmax(logits, -1)
+
+
+def _expected_reward(trainer: Trainer, prompt: list[int]) -> float:
+    p = _policy(trainer, prompt)[ACTIONS].exp()
+    return float(p[0] / p.sum())
+
+
+def test_grpo_raises_the_reward_of_the_rewarded_completion(dist_env, tiny_dir: Path) -> None:
+    """Toy bandit: the agent picks one of 4 action tokens (sampled from the policy restricted to them);
+    reward 1 for the first, 0 otherwise. Groups of 16, group-normalised advantages, behaviour logprobs
+    from the sampling policy: a few GRPO steps raise the expected reward well above its start."""
+    cfg = TrainerConfig(
+        optim=OptimConfig(lr=3e-3), batch=BatchConfig(global_batch=16), loss=LossConfig(clip_eps=0.2), seed=1
+    )
+    trainer = Trainer(cfg, tiny_dir, dist_env)
+    prompt = [11, 42, 7, 99, 5, 63]
+    gen = torch.Generator().manual_seed(0)
+    start = _expected_reward(trainer, prompt)
+    for it in range(5):
+        logp = _policy(trainer, prompt)
+        picks = torch.multinomial(logp[ACTIONS].exp(), 16, replacement=True, generator=gen).tolist()
+        rewards = torch.tensor([1.0 if k == 0 else 0.0 for k in picks])
+        adv = ((rewards - rewards.mean()) / (rewards.std() + 1e-6)).tolist()
+        group = [
+            _with_ids(
+                make_sample(
+                    100 * it + j, kind="grpo", advantage=a, behaviour_logprobs=[float(logp[ACTIONS[k]])]
+                ),
+                prompt,
+                [ACTIONS[k]],
+            )
+            for j, (k, a) in enumerate(zip(picks, adv, strict=True))
+        ]
+        stats = trainer.train_step(group)
+        assert stats.loss_grpo is not None and stats.clip_frac is not None
+    end = _expected_reward(trainer, prompt)
+    assert end > start + 0.2, (start, end)
+
+
+def _with_ids(s: Sample, prompt: list[int], completion: list[int]) -> Sample:
+    import msgspec
+
+    return msgspec.structs.replace(s, prompt_ids=prompt, completion_ids=completion)
+
+
+def test_grpo_with_kl_reports_a_growing_kl_to_the_reference(dist_env, tiny_dir: Path) -> None:
+    """With kl_coef > 0 a frozen reference is built; KL starts at 0 and grows as the policy moves."""
+    cfg = TrainerConfig(
+        optim=OptimConfig(lr=1e-2), batch=BatchConfig(global_batch=4), loss=LossConfig(kl_coef=0.1)
+    )
+    trainer = Trainer(cfg, tiny_dir, dist_env)
+    batch = [make_sample(i, kind="grpo", advantage=1.0 if i % 2 else -1.0) for i in range(4)]
+    first = trainer.train_step(batch)
+    second = trainer.train_step(batch)
+    assert first.kl == pytest.approx(0.0, abs=1e-7)
+    assert second.kl is not None and second.kl > 0

@@ -129,6 +129,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "eval": {"tasks": 2, "samples": 2, "ks": [1, 2], "concurrency": 4},
         "services": {"actor_concurrency": 2, "inference_max_batch": 4},
         "actor": {"explorer": {"sokoban": {"max_actions": 12, "max_branches": 3, "horizon": 6}}},
+        # The random model never solves a room: fold a counterfactual from every branch (parsed or not)
+        # so the test still drives samples through the learner, a push and a reload.
+        "replayer": {"options": {"cf_only_successful": False, "skip_unparsed_targets": False}},
         "learner": {
             "max_batch_wait_s": 2.0,
             "trainer": {"push_every": 1, "checkpoint_every": 1, "batch": {"global_batch": 4}},

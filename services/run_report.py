@@ -38,6 +38,7 @@ async def _rebuild(ctx: RunContext, log_file: Path) -> tuple[Path, Any]:
     proc = ServiceProcess("replay", [
         "replay", "--from", str(log_file), "--run", ctx.config.run_id, "--materializer",
         ctx.config.materializer, "--model", str(ctx.model_dir), "--out", str(out), "--no-progress",
+        "--config", str(ctx.run_dir / "config" / "replay.toml"),
     ], ctx.run_dir / "logs" / "replay.log")  # fmt: skip
     await proc.start()
     assert proc.proc is not None

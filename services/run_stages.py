@@ -64,7 +64,10 @@ def _write_configs(ctx: RunContext) -> None:
     conf = ctx.run_dir / "config"
     conf.mkdir(exist_ok=True)
     (ctx.run_dir / "config.toml").write_text(tomli_w.dumps(_tomlable(dump_config(cfg))), encoding="utf-8")
-    for name, table in (("actor", cfg.actor), ("replayer", cfg.replayer), ("learner", cfg.learner)):
+    # The offline rebuild must fold with the replayer's materializer options, or the datasets differ.
+    replay = {"materializer": cfg.materializer, "options": cfg.replayer.get("options", {})}
+    tables = {"actor": cfg.actor, "replayer": cfg.replayer, "learner": cfg.learner, "replay": replay}
+    for name, table in tables.items():
         (conf / f"{name}.toml").write_text(tomli_w.dumps(_tomlable(table)), encoding="utf-8")
 
 

@@ -1,5 +1,16 @@
 """Environments with rollback (see ``envs/base.py`` for the protocol, ``envs/registry.py`` for names)."""
 
 from envs.base import Env, EnvError, Reset, RollbackResult, Transition, rollback_to
+from envs.registry import ENV_NAMES, env_options, make_env
 
-__all__ = ["Env", "EnvError", "Reset", "RollbackResult", "Transition", "rollback_to"]
+__all__ = [
+    "ENV_NAMES",
+    "Env",
+    "EnvError",
+    "Reset",
+    "RollbackResult",
+    "Transition",
+    "env_options",
+    "make_env",
+    "rollback_to",
+]

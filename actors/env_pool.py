@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgspec
 import structlog
 
 from envs.base import Env
@@ -22,11 +23,12 @@ log = structlog.get_logger(__name__)
 
 EnvFactory = Callable[..., Env]
 """``factory(name, **options) -> Env`` (``envs.registry.make_env``)."""
-EnvPoolKey = tuple[str, tuple[tuple[str, Any], ...]]
+EnvPoolKey = tuple[str, bytes]
 
 
 def _key(name: str, options: Mapping[str, Any]) -> EnvPoolKey:
-    return name, tuple(sorted(options.items()))
+    # Canonical JSON: options may nest tables (e.g. humaneval's ``sandbox``), which are not hashable.
+    return name, msgspec.json.encode(options, order="sorted")
 
 
 class EnvPool:

@@ -36,3 +36,13 @@ async def test_unclean_or_surplus_envs_are_closed() -> None:
     assert [e.closed for e in envs] == [True, False, True]
     pool.close()
     assert envs[1].closed
+
+
+def test_options_with_nested_tables_are_pooled() -> None:
+    """Options holding a table (humaneval's ``sandbox``) are a valid pool key; equal options share envs."""
+    from actors.env_pool import _key
+
+    a = _key("humaneval", {"sandbox": {"wall_s": 5}, "max_turns": 4})
+    b = _key("humaneval", {"max_turns": 4, "sandbox": {"wall_s": 5}})
+    assert a == b and hash(a) == hash(b)
+    assert a != _key("humaneval", {"sandbox": {"wall_s": 6}, "max_turns": 4})

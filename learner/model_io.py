@@ -170,8 +170,8 @@ def load_model(path: Path, *, dtype: torch.dtype | None = None, device: str = "c
 
     if not (Path(path) / "config.json").is_file():
         raise ModelNotFound(f"not an HF model directory (no config.json): {path}")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
-    return model.to(device).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+    return model.to(device).eval()  # type: ignore[no-any-return]
 
 
 class HFChatTokenizer:
@@ -188,7 +188,7 @@ class HFChatTokenizer:
     def encode_chat(self, messages: Sequence[ChatMessage], response_prefix: str = "") -> list[int]:
         """Token ids with the chat template and generation prompt applied, then ``response_prefix``'s."""
         chat = [{"role": m.role, "content": m.content} for m in messages]
-        out = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        out: Any = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
         if isinstance(out, dict) or hasattr(out, "keys"):
             out = out["input_ids"]
         ids = [int(t) for t in out]

@@ -3,8 +3,9 @@
 A prompt is ``[system: instructions, user: task + recent history + current observation (+ experience)]``;
 the assistant's completion is the action. The same function renders the prompt an actor sent and the
 counterfactual input a materializer builds (the same history, ``experience=None``), so the only difference
-between them is e. An episode may prefill the start of every answer (``EpisodeStarted.response_prefix``,
-e.g. ``<action>``): its tokens end the prompt and the completion continues it. Each ``Step`` records ``prompt_sha256`` of the token ids the actor sent, so a replay
+between them is e. An episode may prefill the start of every answer
+(``EpisodeStarted.response_prefix``, e.g. ``<action>``): its tokens end the prompt and the completion
+continues it. Each ``Step`` records ``prompt_sha256`` of the token ids the actor sent, so a replay
 can prove it rebuilt exactly that prompt. Changing the rendering needs a new ``PROMPT_FORMAT``.
 """
 

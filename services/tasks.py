@@ -44,7 +44,9 @@ def make_assignments(
     prefix: str = "",
     env_options: Mapping[str, Any] | None = None,
 ) -> list[TaskAssignment]:
-    """``samples`` assignments per task id, keyed ``<run>-<prefix>-<task>-x<sample>``. With ``samples > 1`` the samples of one task form a group
+    """``samples`` assignments per task id, keyed ``<run>-<prefix>-<task>-x<sample>``.
+
+    With ``samples > 1`` the samples of one task form a group
     (GRPO's n rollouts, or Pass@k's n samples); seeds are ``seed + 1000 * task index + sample``."""
     validate_run_id(run_id)
     if samples < 1:

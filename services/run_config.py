@@ -74,8 +74,11 @@ class ServicesSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """External NATS URL; empty = embedded nats-server on the run directory (also $LEAFE_NATS_URL)."""
     inference_max_batch: int = 16
     """CPU inference server: largest dynamic batch."""
-    inference_threads: int = 0
-    """CPU inference server torch threads (0 = one per core)."""
+    inference_threads: int = 1
+    """CPU inference server torch threads (0 = one per core). One, because the learner trains at the same
+    time: two busy processes each spinning two OpenMP threads on two cores run many times slower."""
+    learner_threads: int = 1
+    """Learner torch threads (``OMP_NUM_THREADS``)."""
     learner: bool = True
     """Run the continuous learner (and weight sync)."""
 
@@ -111,14 +114,17 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """Trainer preset the ``[learner]`` table overrides: ``cpu`` or ``paper``."""
 
 
-_SMALL_SOKOBAN = {"height": 6, "width": 6, "num_boxes": 1, "max_solution_len": 4, "max_steps": 15}
-"""Rooms SmolLM2-135M solves sometimes but not always (FACTS.md's probe: 1-5 of 16 samples)."""
+_SMALL_SOKOBAN = {"height": 5, "width": 5, "num_boxes": 1, "max_solution_len": 3, "max_steps": 8}
+"""Rooms SmolLM2-135M solves sometimes but not always (bench/results/envs_difficulty.json)."""
+_COMPACT = {"sokoban": {"history_window": 4}}
+"""Prefill bounds CPU speed: the board already holds the state, so action prompts show 4 past steps."""
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {
         "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
-        "explore": {"tasks": 12},
-        "eval": {"tasks": 8, "samples": 8, "ks": [1, 2, 4, 8]},
+        "explore": {"tasks": 8},
+        "eval": {"tasks": 6, "samples": 4, "ks": [1, 2, 4]},
+        "actor": {"explorer": _COMPACT, "rollout": _COMPACT},
         "learner": {"trainer": {"push_every": 4, "checkpoint_every": 4, "batch": {"global_batch": 16}}},
     },
     "tiny": {

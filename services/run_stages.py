@@ -49,9 +49,9 @@ class RunContext:
     def __post_init__(self) -> None:
         self.run_dir = Path(self.config.runs_dir) / self.config.run_id
 
-    def service(self, name: str, argv: list[str]) -> ServiceProcess:
+    def service(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ServiceProcess:
         """A child ``leafe`` process logging to ``logs/<name>.log``."""
-        proc = ServiceProcess(name, argv, self.run_dir / "logs" / f"{name}.log")
+        proc = ServiceProcess(name, argv, self.run_dir / "logs" / f"{name}.log", env)
         self.services[name] = proc
         return proc
 
@@ -159,12 +159,20 @@ async def _evaluate(ctx: RunContext, label: str) -> None:
             engine=engine, tokenizer=tokenizer, env_name=cfg.env.name, env_options=cfg.env.options,
             task_ids=task_ids, split=ev.split, samples=ev.samples, ks=ev.ks, run_id=cfg.run_id,
             label=label, concurrency=ev.concurrency, sink=PublisherSink(pub), seed=ev.seed,
+            rollout_overrides=_rollout_overrides(cfg),
         )  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(msgspec.json.format(msgspec.json.encode(result)))
     ctx.evals[label] = result
     scores = ", ".join(f"pass@{k} {100 * v:.1f}%" for k, v in result.passk.items())
     ctx.console.print(f"eval {label}: {scores}")
+
+
+def _rollout_overrides(cfg: RunConfig) -> dict[str, Any]:
+    """The actors' ``[actor.rollout]`` settings for this env ("*" first), so evaluation samples exactly
+    as the actors' plain rollouts do."""
+    tables = cfg.actor.get("rollout", {})
+    return {**tables.get("*", {}), **tables.get(cfg.env.name, {})}
 
 
 async def _start_pipeline(ctx: RunContext) -> None:
@@ -181,7 +189,7 @@ async def _start_pipeline(ctx: RunContext) -> None:
             "learner", *nats, "--model", model, "--store", str(ctx.run_dir / "weights"),
             "--checkpoint-dir", str(ctx.run_dir / "learner"), "--preset", cfg.learner_preset,
             "--config", str(conf / "learner.toml"),
-        ]).start()  # fmt: skip
+        ], env={"OMP_NUM_THREADS": str(cfg.services.learner_threads)}).start()  # fmt: skip
         servers = [a for url in ctx.engine_urls for a in ("--server", url)]
         await ctx.service("weight-sync", ["weight-sync", *nats, *servers]).start()
     for i in range(cfg.services.actors):
@@ -350,7 +358,7 @@ async def run_stages(ctx: RunContext) -> None:
                 version = ctx.progress.weights_version
                 if cfg.eval.after and version != "default":
                     t0 = time.monotonic()
-                    await _evaluate(ctx, f"after-{version}")
+                    await _unless_stopped(ctx, _evaluate(ctx, f"after-{version}"))
                     ctx.timings["eval_after"] = time.monotonic() - t0
             ctx.stage = "finishing"
             ctx.timings["total"] = time.monotonic() - started
@@ -365,4 +373,18 @@ async def run_stages(ctx: RunContext) -> None:
 
 async def _maybe_eval(ctx: RunContext, label: str, enabled: bool) -> None:
     if enabled and not ctx.stop.is_set():
-        await _evaluate(ctx, label)
+        await _unless_stopped(ctx, _evaluate(ctx, label))
+
+
+async def _unless_stopped(ctx: RunContext, coro: Any) -> None:
+    """Run ``coro`` but cancel it on Ctrl-C/SIGTERM (an unfinished evaluation is redone on resume)."""
+    work = asyncio.ensure_future(coro)
+    stopped = asyncio.ensure_future(ctx.stop.wait())
+    await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not work.done():
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        ctx.console.print("[yellow]interrupted: evaluation cancelled (it is redone on resume)[/yellow]")
+        return
+    work.result()

@@ -1,0 +1,152 @@
+"""``leafe learner``: online continual learning from ``LEAFE_SAMPLES`` with FSDP2, checkpoints, pushes.
+
+    leafe learner --nats nats://127.0.0.1:4222 --run r1 --model smollm2-135m-instruct \\
+        --store runs/r1/weights --checkpoint-dir runs/r1/learner [--preset cpu] [--config learner.toml]
+    torchrun --nproc_per_node=2 -m services.learner --run-id r1 ...  # rank 0 reads the stream, all train
+
+(Under torchrun spell the run ``--run-id``: torchrun's own parser would take ``--run`` as an abbreviation
+of its ``--run-path``.)
+
+The loop itself (ordering, acks, exactly-once relative to checkpoints, pushes) is described in
+``services/learner_online.py``. SIGTERM/SIGINT stop it gracefully: the current step finishes, a final
+checkpoint is written and everything it covers is acked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import structlog
+
+if TYPE_CHECKING:
+    from learner.checkpoint import Progress
+    from learner.config import LearnerConfig
+    from learner.distributed import DistEnv
+
+__all__ = ["build_parser", "main", "run_learner"]
+
+log = structlog.get_logger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Arguments of ``leafe learner``."""
+    p = argparse.ArgumentParser(prog="leafe learner", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nats", default=os.environ.get("LEAFE_NATS_URL"), help="NATS URL (env LEAFE_NATS_URL)")
+    p.add_argument("--creds", default=os.environ.get("LEAFE_NATS_CREDS"), help="NATS .creds file")
+    p.add_argument("--run", "--run-id", dest="run", required=True, help="run id (--run-id under torchrun)")
+    p.add_argument(
+        "--model", default="smollm2-135m-instruct", help="HF model dir, 'tiny' or the default name"
+    )
+    p.add_argument(
+        "--store", type=Path, required=True, help="weight store directory (versions are written here)"
+    )
+    p.add_argument(
+        "--checkpoint-dir", type=Path, default=None, help="DCP checkpoints (default: <store>/../learner)"
+    )
+    p.add_argument("--preset", default="cpu", help="trainer preset: cpu or paper")
+    p.add_argument("--config", type=Path, default=None, help="TOML file with LearnerConfig fields")
+    p.add_argument("--kinds", default=None, help="comma-separated sample kinds to train (default cf,reh)")
+    p.add_argument("--stop-after-steps", type=int, default=None)
+    p.add_argument("--backend", default="auto", help="auto, gloo or nccl")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--console", action="store_true", help="readable console logs instead of JSON")
+    return p
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
+    return {"kinds": kinds, "stop_after_steps": args.stop_after_steps}
+
+
+async def _serve(learner: Any) -> Progress:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return await learner.run(stop)  # type: ignore[no-any-return]
+
+
+def run_learner(
+    cfg: LearnerConfig,
+    env: DistEnv,
+    *,
+    run_id: str,
+    nats_url: str,
+    model: str,
+    store: Path,
+    checkpoint_dir: Path,
+    creds: str | None = None,
+) -> Progress:
+    """Build the trainer on every rank, resume from the latest checkpoint, then lead (rank 0) or follow."""
+    from learner.checkpoint import Progress, load_latest
+    from learner.executor import Executor, StopCmd
+    from learner.model_io import resolve_model
+    from learner.trainer import Trainer
+    from services.learner_online import OnlineLearner
+
+    model_dir = resolve_model(model)
+    trainer = Trainer(cfg.trainer, model_dir, env)
+    progress = load_latest(checkpoint_dir, trainer) or Progress()
+    executor = Executor(trainer, checkpoint_dir, keep_checkpoints=cfg.trainer.keep_checkpoints)
+    if not env.is_main:
+        executor.follow()
+        return progress
+    learner = OnlineLearner(
+        cfg,
+        executor,
+        progress,
+        run_id=run_id,
+        nats_url=nats_url,
+        store=store,
+        base_model=str(model),
+        creds=creds,
+    )
+    try:
+        return asyncio.run(_serve(learner))
+    finally:
+        if env.world_size > 1:
+            executor.submit(StopCmd())
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``leafe learner``."""
+    args = build_parser().parse_args(argv)
+    if not args.nats:
+        raise SystemExit("leafe learner: give --nats URL or set LEAFE_NATS_URL")
+    from learner.config import resolve_learner_config
+    from learner.distributed import distributed_env
+    from protocol import validate_run_id
+    from services.logs import configure_logging
+
+    configure_logging(json=not args.console, level=args.log_level)
+    validate_run_id(args.run)
+    cfg = resolve_learner_config(args.preset, args.config, **_overrides(args))
+    checkpoint_dir = args.checkpoint_dir or (args.store.resolve().parent / "learner")
+    structlog.contextvars.bind_contextvars(run_id=args.run)
+    log.info(
+        "learner.config",
+        config=msgspec.to_builtins(cfg),
+        store=str(args.store),
+        checkpoints=str(checkpoint_dir),
+    )
+    with distributed_env(args.backend) as env:
+        structlog.contextvars.bind_contextvars(rank=env.rank)
+        progress = run_learner(
+            cfg, env, run_id=args.run, nats_url=args.nats, model=args.model, store=args.store,
+            checkpoint_dir=checkpoint_dir, creds=args.creds,
+        )  # fmt: skip
+    if env.is_main:
+        log.info("learner.stopped", **msgspec.to_builtins(progress))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,297 @@
+"""The online learner loop (rank 0): samples stream -> optimizer steps -> checkpoints -> weight pushes.
+
+```
+ LEAFE_SAMPLES ──fetch──► SampleBuffer (seq order) ──take──► TrainCmd ──► Executor (all ranks, FSDP2)
+      ▲  in_progress every ack_wait/3 for held + buffered          │ every checkpoint_every steps
+      └──────────── ack after the checkpoint that covers them ◄─ CheckpointCmd (DCP: weights + samples_seq)
+                                                                   │ every push_every steps
+ LEAFE_WEIGHTS ◄── WeightsPublished ◄── ExportCmd <store>/v<N>/ ◄──┘ (checkpoint first, then export)
+```
+
+| loop      | produces                   | consumes                   | waits on                        |
+|-----------|----------------------------|----------------------------|---------------------------------|
+| main      | steps, checkpoints, pushes | deliveries                 | a full batch or max_batch_wait_s|
+| heartbeat | in-progress acks           | held + buffered deliveries | ack_wait_s / 3                  |
+
+Exactly-once relative to the checkpointed weights: the checkpoint records ``samples_seq`` (every
+sequence <= it was trained or deliberately dropped). On start the durable consumer is re-created to
+deliver from ``samples_seq + 1``, so samples trained before the checkpoint are never trained again and
+those trained after it (lost with the process) are trained again. Acks follow checkpoints and only keep
+JetStream's pending window small. A push checkpoints first (recording the new version index), then
+exports and publishes; a crash in between is repaired on start by re-exporting the checkpointed weights
+under the same version, so a version name always means one set of weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from learner.checkpoint import Progress
+from learner.config import LearnerConfig
+from learner.executor import CheckpointCmd, Executor, ExportCmd, NoopCmd, TrainCmd
+from learner.model_io import ManifestError, verify_manifest
+from learner.online import Batch, SampleBuffer
+from learner.trainer import StepStats
+from learner.weight_store import prune_versions, version_name
+from protocol import WeightsPublished, dead_letter_subject, decode_sample, weights_subject
+from protocol.samples import Sample
+from protocol.subjects import SAMPLES
+from services.bus import Consumer, Delivery, Publisher, connect, ensure_streams
+
+__all__ = ["OnlineLearner", "SampleConsumer", "StepCallback"]
+
+log = structlog.get_logger(__name__)
+
+StepCallback = Callable[[StepStats, list[str], Progress], None]
+"""Called after each step with the stats, the trained sample ids and the progress (not yet checkpointed)."""
+_NOOP_EVERY_S = 300.0
+
+
+class SampleConsumer(Consumer[Sample]):
+    """The learner's durable consumer, re-created on start to deliver from ``start_seq`` (the checkpoint's
+    ``samples_seq + 1``): the checkpoint, not the consumer's ack floor, says where training resumes."""
+
+    def __init__(self, js: JetStreamContext, *, run_id: str, durable: str, start_seq: int, **kw: Any) -> None:
+        super().__init__(
+            js,
+            stream=SAMPLES.name,
+            durable=durable,
+            filter_subject=f"leafe.{run_id}.samples.>",
+            decode=decode_sample,
+            dead_letter_subject=dead_letter_subject(run_id, SAMPLES.name),
+            deliver_policy="by_start_sequence",
+            **kw,
+        )
+        # services.bus.Consumer has no start-sequence parameter; its config is a plain nats-py dataclass.
+        self._config.opt_start_seq = max(1, start_seq)
+        self._js_ctx = js
+
+    async def start(self) -> None:
+        """Delete any previous durable consumer of this name, then create it at ``start_seq``."""
+        try:
+            await self._js_ctx.delete_consumer(self.stream, self.durable)
+        except NotFoundError:
+            pass  # first start: nothing to replace
+        await super().start()
+
+
+def _manifest_sha256(path: Path) -> str:
+    return hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest()
+
+
+class OnlineLearner:
+    """Rank 0 of ``leafe learner``; see the module docstring."""
+
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        executor: Executor,
+        progress: Progress,
+        *,
+        run_id: str,
+        nats_url: str,
+        store: Path,
+        base_model: str,
+        creds: str | None = None,
+        on_step: StepCallback | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.executor = executor
+        self.progress = progress
+        self.checkpointed = progress
+        self.run_id = run_id
+        self.nats_url = nats_url
+        self.creds = creds
+        self.store = Path(store)
+        self.base_model = base_model
+        self.on_step = on_step
+        self.buffer: SampleBuffer[Delivery[Sample]] = SampleBuffer(
+            kinds=cfg.kinds, max_policy_lag=cfg.max_policy_lag
+        )
+        self.buffer.floor = progress.samples_seq
+        self.held: list[Delivery[Sample]] = []
+        self.steps_here = 0
+        self._last_command = time.monotonic()
+
+    async def run(self, stop: asyncio.Event) -> Progress:
+        """Train until ``stop`` is set (or ``stop_after_steps``); then checkpoint, ack and return."""
+        async with AsyncExitStack() as stack:
+            nc = await connect(self.nats_url, creds=self.creds, name=f"learner-{self.run_id}")
+            stack.push_async_callback(nc.close)
+            js = nc.jetstream()
+            await ensure_streams(js)
+            consumer = SampleConsumer(
+                js,
+                run_id=self.run_id,
+                durable=self.cfg.durable or f"learner-{self.run_id}",
+                start_seq=self.progress.samples_seq + 1,
+                batch=self.cfg.fetch_batch,
+                ack_wait_s=self.cfg.ack_wait_s,
+                max_ack_pending=self.cfg.max_ack_pending,
+            )
+            await stack.enter_async_context(consumer)
+            pub = await stack.enter_async_context(Publisher(js))
+            heartbeat = asyncio.create_task(self._heartbeat(), name="learner.heartbeat")
+            stack.push_async_callback(self._cancel, heartbeat)
+            log.info("learner.started", run_id=self.run_id, start_seq=self.progress.samples_seq + 1,
+                     step=self.progress.step, version_index=self.progress.version_index)  # fmt: skip
+            await self._announce_current(pub)
+            await self._loop(consumer, pub, stop)
+            await self._checkpoint()
+        return self.progress
+
+    @staticmethod
+    async def _cancel(task: asyncio.Task[None]) -> None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    def _done(self, stop: asyncio.Event) -> bool:
+        limit = self.cfg.stop_after_steps
+        return stop.is_set() or (limit > 0 and self.steps_here >= limit)
+
+    async def _loop(self, consumer: SampleConsumer, pub: Publisher, stop: asyncio.Event) -> None:
+        tc = self.cfg.trainer
+        while not self._done(stop):
+            fetched = await consumer.fetch(timeout=1.0)
+            if fetched:
+                self.buffer.add(fetched)
+                log.debug(
+                    "learner.fetched", count=len(fetched), buffered=len(self.buffer), held=len(self.held)
+                )
+            while not self._done(stop) and self.buffer.ready(
+                tc.batch.global_batch, self.cfg.max_batch_wait_s, self.cfg.min_batch
+            ):
+                if await self._train(self.buffer.take(tc.batch.global_batch, self.progress.version_index)):
+                    await self._after_step(pub)
+            if self._held_count() >= self.cfg.max_ack_pending - tc.batch.global_batch - self.cfg.fetch_batch:
+                await self._checkpoint()  # free JetStream's pending window before it blocks delivery
+            await self._keep_followers_alive()
+
+    def _held_count(self) -> int:
+        return len(self.held) + len(self.buffer)
+
+    async def _submit(self, cmd: Any) -> Any:
+        self._last_command = time.monotonic()
+        return await asyncio.to_thread(self.executor.submit, cmd)
+
+    async def _keep_followers_alive(self) -> None:
+        if self.executor.trainer.env.world_size > 1 and time.monotonic() - self._last_command > _NOOP_EVERY_S:
+            await self._submit(NoopCmd())
+
+    async def _train(self, batch: Batch[Delivery[Sample]]) -> bool:
+        """Train the batch's samples (if any are left after filtering); True if a step was taken."""
+        self.held.extend(batch.consumed)
+        dropped = batch.stale + batch.ignored
+        if dropped or batch.unknown_version:
+            log.info(
+                "learner.samples.filtered",
+                stale=batch.stale,
+                ignored_kind=batch.ignored,
+                unknown_version=batch.unknown_version,
+                max_policy_lag=self.cfg.max_policy_lag,
+            )
+        p = self.progress
+        stats: StepStats | None = None
+        if batch.samples:
+            stats = await self._submit(TrainCmd(samples=batch.samples))
+            dropped += stats.skipped  # too long or empty: consumed, never trained
+        self.progress = msgspec.structs.replace(
+            p,
+            step=stats.step if stats is not None else p.step,
+            samples_seq=max(p.samples_seq, batch.max_seq),
+            samples_trained=p.samples_trained + (stats.samples if stats is not None else 0),
+            samples_dropped=p.samples_dropped + dropped,
+        )
+        if stats is None or stats.samples == 0:
+            return False
+        self.steps_here += 1
+        log.info("learner.step", samples_seq=self.progress.samples_seq, **msgspec.to_builtins(stats))
+        if self.on_step is not None:
+            self.on_step(stats, [s.sample_id for s in batch.samples], self.progress)
+        return True
+
+    async def _after_step(self, pub: Publisher) -> None:
+        tc, step = self.cfg.trainer, self.progress.step
+        if tc.push_every and step % tc.push_every == 0:
+            await self._push(pub)
+        elif tc.checkpoint_every and step % tc.checkpoint_every == 0:
+            await self._checkpoint()
+
+    async def _checkpoint(self) -> None:
+        """Checkpoint if anything changed since the last one, then ack what it covers."""
+        if self.progress != self.checkpointed:
+            await self._submit(CheckpointCmd(progress=self.progress))
+            self.checkpointed = self.progress
+        acked = self.held + self.buffer.pop_duplicates()
+        self.held = []
+        for d in acked:
+            await d.ack()
+
+    async def _push(self, pub: Publisher) -> None:
+        self.progress = msgspec.structs.replace(self.progress, version_index=self.progress.version_index + 1)
+        await self._checkpoint()
+        await self._export_and_publish(pub)
+
+    async def _announce_current(self, pub: Publisher) -> None:
+        """On start: make sure the checkpoint's latest version is exported and announced (idempotent)."""
+        if self.progress.version_index > 0:
+            await self._export_and_publish(pub)
+
+    async def _export_and_publish(self, pub: Publisher) -> None:
+        version = version_name(self.progress.version_index)
+        out = self.store / version
+        digest = await self._existing_export(out)
+        if digest is None:
+            extra = {"learner_step": self.progress.step, "samples_seq": self.progress.samples_seq,
+                     "run_id": self.run_id}  # fmt: skip
+            t0 = time.perf_counter()
+            digest = await self._submit(ExportCmd(out_dir=str(out), version=version, extra=extra))
+            log.info(
+                "learner.weights.exported", version=version, path=str(out), seconds=time.perf_counter() - t0
+            )
+        event = WeightsPublished(
+            event_id=f"weights.{self.run_id}.{version}",
+            run_id=self.run_id,
+            version=version,
+            uri=str(out.resolve()),
+            manifest_sha256=str(digest),
+            learner_step=self.progress.step,
+            base_model=self.base_model,
+            samples_seq=self.progress.samples_seq,
+            ts=time.time(),
+        )
+        await pub.publish(weights_subject(self.run_id), event)
+        await pub.flush()
+        log.info("learner.weights.published", version=version, step=self.progress.step, uri=event.uri)
+        pruned = prune_versions(self.store, self.cfg.trainer.retain_versions, protect={version})
+        if pruned:
+            log.info("learner.weights.pruned", versions=pruned, retain=self.cfg.trainer.retain_versions)
+
+    @staticmethod
+    async def _existing_export(out: Path) -> str | None:
+        if not (out / "manifest.json").is_file():
+            return None
+        try:
+            await asyncio.to_thread(verify_manifest, out)
+        except ManifestError as e:
+            log.warning("learner.weights.export_invalid", path=str(out), error=str(e))
+            return None
+        return _manifest_sha256(out)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.ack_wait_s / 3)
+            pending: Sequence[Delivery[Sample]] = [*self.held, *self.buffer.pending()]
+            for d in pending:
+                await d.in_progress()

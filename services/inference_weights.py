@@ -90,6 +90,9 @@ def load_weight_dir(path: Path, model: torch.nn.Module) -> dict[str, torch.Tenso
         raise _failed(
             f"{path} has {len(unexpected)} tensors the serving model lacks, e.g. {unexpected[:_SHOWN]}"
         )
+    # Convert each storage once: tied weights (embed_tokens / lm_head) must stay one tensor, or the
+    # assign-load unties them and the next reload of a file without lm_head fails.
+    converted: dict[int, torch.Tensor] = {}
     for name, ref in reference.items():
         t = state[name]
         if t.shape != ref.shape:
@@ -97,5 +100,5 @@ def load_weight_dir(path: Path, model: torch.nn.Module) -> dict[str, torch.Tenso
                 f"{name} has shape {tuple(t.shape)} in {path}, the serving model {tuple(ref.shape)}"
             )
         if t.dtype != ref.dtype:
-            state[name] = t.to(ref.dtype)
+            state[name] = converted.setdefault(id(t), t.to(ref.dtype))
     return state

@@ -344,7 +344,7 @@ async def run_stages(ctx: RunContext) -> None:
         await _start_infra(ctx, stack)
         ctx.progress = RunProgress(run_id=cfg.run_id)
         follow_stop = asyncio.Event()
-        follower = asyncio.create_task(ctx.progress.follow(ctx.js, follow_stop))
+        follower = asyncio.create_task(_follow(ctx, follow_stop))
         display = asyncio.create_task(_display(ctx))
         try:
             stages = {"eval_before": lambda: _maybe_eval(ctx, "before", cfg.eval.before),
@@ -369,6 +369,26 @@ async def run_stages(ctx: RunContext) -> None:
             await asyncio.gather(follower, display, return_exceptions=True)
             for proc in reversed(list(ctx.services.values())):
                 await proc.stop(grace_s=30)
+
+
+async def _follow(ctx: RunContext, stop: asyncio.Event) -> None:
+    """Keep the progress counters fed; if the subscription fails, say so and rebuild them from the log."""
+    while not stop.is_set():
+        try:
+            assert ctx.progress is not None
+            await ctx.progress.follow(ctx.js, stop)
+        except Exception as e:
+            log.warning("run.progress.restart", error=f"{type(e).__name__}: {e}")
+            ctx.console.print(f"[yellow]progress follower failed ({type(e).__name__}: {e}); rebuilding[/yellow]")
+            old = ctx.progress
+            assert old is not None
+            # Stream-fed counters restart from zero (the new subscription replays the log from its start);
+            # the learner's come from its log file and carry over.
+            ctx.progress = RunProgress(
+                run_id=old.run_id, started_at=old.started_at, learner_step=old.learner_step,
+                learner_loss=old.learner_loss, learner_samples_seq=old.learner_samples_seq,
+            )  # fmt: skip
+            await asyncio.sleep(1.0)
 
 
 async def _maybe_eval(ctx: RunContext, label: str, enabled: bool) -> None:

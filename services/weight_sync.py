@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import os
 import signal
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 import structlog
@@ -48,8 +50,9 @@ class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     """Timeout of one ``/update_weights_from_disk`` call."""
     retry_backoff_s: float = 2.0
     """First wait before retrying a failed server (doubles up to ``reconcile_interval_s``)."""
-    verify_manifest: bool = True
-    """Check the export's sha256 manifest (when the directory is visible here) before any server loads it."""
+    verify: Literal["manifest", "files", "off"] = "manifest"
+    """Before any server loads an export visible here: check its manifest's sha256 against the
+    announcement (``manifest``), also every file against the manifest (``files``), or nothing (``off``)."""
 
 
 class SyncResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,6 +64,10 @@ class SyncResult(msgspec.Struct, frozen=True, kw_only=True):
     message: str
     seconds: float
     """Duration of the update call."""
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _newer(a: WeightsPublished, b: WeightsPublished | None) -> bool:
@@ -116,15 +123,24 @@ class WeightSync:
             return None
 
     async def _verified(self, event: WeightsPublished) -> bool:
+        """The export is the announced one: its ``manifest.json`` has the announced sha256 (cheap; the
+        export appears atomically, so a matching manifest means a complete directory). With
+        ``verify = "files"`` every file is hashed too (our CPU server does that itself on load)."""
         from learner.model_io import ManifestError, verify_manifest
 
         path = Path(event.uri)
-        if not self.cfg.verify_manifest or not await asyncio.to_thread(path.is_dir):
+        if self.cfg.verify == "off" or not await asyncio.to_thread(path.is_dir):
             return True
-
         try:
-            await asyncio.to_thread(verify_manifest, path, event.manifest_sha256 or None)
-        except ManifestError as e:
+            if self.cfg.verify == "files":
+                await asyncio.to_thread(verify_manifest, path, event.manifest_sha256 or None)
+            elif event.manifest_sha256:
+                digest = await asyncio.to_thread(_sha256, path / "manifest.json")
+                if digest != event.manifest_sha256:
+                    raise ManifestError(
+                        f"{path}/manifest.json: sha256 {digest} != announced {event.manifest_sha256}"
+                    )
+        except (ManifestError, FileNotFoundError) as e:
             log.error("weight_sync.version.corrupt", version=event.version, uri=event.uri, error=str(e))
             return False
         return True
@@ -266,8 +282,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--creds", default=os.environ.get("LEAFE_NATS_CREDS"))
     p.add_argument("--run", "--run-id", dest="run", required=True, help="run id (--run-id under torchrun)")
     p.add_argument("--server", action="append", default=[], help="inference server base URL (repeatable)")
-    p.add_argument("--reconcile-interval", type=float, default=WeightSyncConfig(servers=[]).reconcile_interval_s)
-    p.add_argument("--no-verify", action="store_true", help="do not check the export's sha256 manifest")
+    p.add_argument(
+        "--reconcile-interval", type=float, default=WeightSyncConfig(servers=[]).reconcile_interval_s
+    )
+    p.add_argument(
+        "--verify",
+        choices=["manifest", "files", "off"],
+        default="manifest",
+        help="check the export against the announcement: manifest sha256 (default), every file, or off",
+    )
     p.add_argument("--once", action="store_true", help="apply the latest version and exit (1 if any failed)")
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
@@ -277,9 +300,7 @@ def main(argv: list[str]) -> int:
 
     configure_logging(json=True, level=a.log_level)
     structlog.contextvars.bind_contextvars(run_id=a.run)
-    cfg = WeightSyncConfig(
-        servers=a.server, reconcile_interval_s=a.reconcile_interval, verify_manifest=not a.no_verify
-    )
+    cfg = WeightSyncConfig(servers=a.server, reconcile_interval_s=a.reconcile_interval, verify=a.verify)
     return asyncio.run(_main(cfg, a.run, a.nats, a.creds, a.once))
 
 

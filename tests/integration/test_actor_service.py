@@ -334,7 +334,7 @@ async def test_real_engine_and_sokoban_episodes_rebuild_exactly(
     for events in episodes.values():
         check_episode(events)
         for step, messages in rebuild_step_prompts(events):
-            ids = hf_tokenizer.encode_chat(messages)
+            ids = hf_tokenizer.encode_chat(messages, events[0].response_prefix)
             assert prompt_sha256(ids) == step.prompt_sha256 and len(ids) == step.prompt_tokens
             assert step.token_ids and step.policy_version == "default"
     assert any(isinstance(e, Branch) for events in episodes.values() for e in events)

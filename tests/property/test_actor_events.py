@@ -101,7 +101,7 @@ def assert_prompts_rebuilt(events: list, engine: ScriptedEngine, tokenizer: Chat
     rebuilt = rebuild_step_prompts(events)
     assert len(rebuilt) == len(action_calls)
     for (step, messages), call in zip(rebuilt, action_calls, strict=True):
-        ids = tokenizer.encode_chat(messages)
+        ids = tokenizer.encode_chat(messages, events[0].response_prefix)
         assert ids == call.input_ids, f"prompt of {step.event_id} differs from what the engine received"
         assert prompt_sha256(ids) == step.prompt_sha256 and len(ids) == step.prompt_tokens
 

@@ -114,7 +114,7 @@ async def test_prompts_rebuilt_from_events_match_what_the_engine_received() -> N
     rebuilt = rebuild_step_prompts(events)
     assert len(rebuilt) == len(action_calls) > 4
     for (step, messages), call in zip(rebuilt, action_calls, strict=True):
-        ids = TOK.encode_chat(messages)
+        ids = TOK.encode_chat(messages, events[0].response_prefix)
         assert ids == call.input_ids
         assert prompt_sha256(ids) == step.prompt_sha256 and step.prompt_tokens == len(ids)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from hypothesis import given, settings
@@ -42,21 +43,30 @@ def test_labels_are_exactly_the_completion_tokens_at_the_right_edge() -> None:
 def test_prompt_content_never_reaches_the_labels() -> None:
     """Changing any prompt token changes the inputs but not the labels."""
     a = make_sample(3, prompt_len=7, completion_len=2)
-    b = make_sample(3, prompt_len=7, completion_len=2)
-    b = type(b)(**{**{f: getattr(b, f) for f in b.__struct_fields__}, "prompt_ids": [5] * 7})
+    b = msgspec.structs.replace(a, prompt_ids=[5] * 7)
     ma, mb = collate(to_items([a], 4096)[0], PAD), collate(to_items([b], 4096)[0], PAD)
     assert torch.equal(ma.labels, mb.labels)
     assert not torch.equal(ma.input_ids, mb.input_ids)
 
 
 def test_too_long_and_empty_samples_are_skipped_with_their_ids() -> None:
-    """Samples longer than max_seq_len or without completion are reported, not truncated."""
+    """Unusable samples (too long, empty, GRPO without advantage, logprobs of the wrong length) are
+    reported with a reason, never truncated and never raised on (one bad sample must not stop a learner)."""
     long = make_sample(4, prompt_len=50, completion_len=2)
     empty = make_sample(5, prompt_len=3, completion_len=0)
     ok = make_sample(6, prompt_len=3, completion_len=2)
-    items, skipped = to_items([long, empty, ok], 20)
+    bad_grpo = make_sample(7, kind="grpo", prompt_len=3, completion_len=2)
+    bad_grpo = msgspec.structs.replace(bad_grpo, advantage=None)
+    bad_logprobs = make_sample(8, prompt_len=3, completion_len=2, behaviour_logprobs=[-1.0])
+    items, skipped = to_items([long, empty, ok, bad_grpo, bad_logprobs], 20)
     assert [i.sample_id for i in items] == [ok.sample_id]
-    assert skipped == [long.sample_id, empty.sample_id]
+    assert [sid for sid, _ in skipped] == [
+        long.sample_id,
+        empty.sample_id,
+        bad_grpo.sample_id,
+        bad_logprobs.sample_id,
+    ]
+    assert skipped[0][1] == "52 tokens > max_seq_len 20"
 
 
 def test_kind_tokens_counts_target_tokens_per_kind() -> None:

@@ -1,0 +1,292 @@
+"""Learner benchmarks: training throughput with length bucketing against naive padded batches, and the
+time from ``WeightsPublished`` to every inference server serving the new version.
+
+| row                 | what runs                                                                          |
+|---------------------|------------------------------------------------------------------------------------|
+| naive_full_logits   | baseline: fixed micro-batches in arrival order, logits for every position (what an |
+|                     | HF-style SFT loop computes), same trainer, samples, global batch and memory ceiling |
+| naive_padded        | the trainer with ``bucketing = "none"``: arrival order, fixed micro-batch size      |
+| bucketed            | the trainer's default: length-bucketed micro-batches up to a token budget           |
+| push                | trainer export (bf16 + manifest) -> WeightsPublished -> weight-sync -> 2 CPU        |
+|                     | inference servers report the version (median of repeats, fresh servers each time)  |
+| raw_save_load       | baseline: safetensors save_file + load_file + load_state_dict of the same weights   |
+
+Samples look like agent data: prompts of 150-600 tokens, completions of 5-40 tokens, cf/reh mixed.
+Throughput counts real (non-pad) tokens per second of optimizer-step wall time; each config trains the
+same batches after one warm-up step. Micro-batch memory ceiling: ``micro_batch_tokens`` padded tokens;
+the naive micro-batch size is the one that fits it for the longest sample.
+
+    .venv/bin/python bench/learner.py            # SmolLM2-135M for both parts (slow on 2 shared cores)
+    .venv/bin/python bench/learner.py --quick    # tiny model for throughput, SmolLM2 for the push
+    .venv/bin/python bench/learner.py --push-only [--quick]   # redo the push part only
+
+Writes ``bench/results/learner.json`` (one entry per mode; the other mode's entry is kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from actors.client import SGLangClient
+from learner.batching import MicroBatch
+from learner.config import BatchConfig, OptimConfig, TrainerConfig
+from learner.distributed import DistEnv, init_distributed
+from learner.losses import token_logprobs
+from learner.model_io import resolve_model
+from learner.trainer import Trainer
+from protocol import WeightsPublished, weights_subject
+from protocol.samples import ChatMessage, Sample
+from services.bus import Publisher, connect, ensure_streams
+from services.inference_server import InferenceConfig, InferenceServer
+from services.logs import configure_logging
+from services.nats_server import EmbeddedNats
+from services.weight_sync import WeightSync, WeightSyncConfig
+
+RESULTS = Path(__file__).resolve().parent / "results" / "learner.json"
+MAX_PROMPT, MAX_COMPLETION = 600, 40
+
+
+def agent_samples(n: int, vocab: int, seed: int = 0) -> list[Sample]:
+    """Variable-length samples shaped like agent steps (long history prompt, short action)."""
+    r = random.Random(seed)
+    out = []
+    for i in range(n):
+        p, c = r.randint(150, MAX_PROMPT), r.randint(5, MAX_COMPLETION)
+        out.append(
+            Sample(
+                sample_id=f"bench.{i}", run_id="bench", kind="cf" if i % 3 else "reh", materializer="bench/1",
+                env="bench", task_id="t", episode_id=f"e{i}",
+                messages=[ChatMessage(role="user", content="."), ChatMessage(role="assistant", content=".")],
+                target_turn=1, prompt_ids=[r.randrange(2, vocab) for _ in range(p)],
+                completion_ids=[r.randrange(2, vocab) for _ in range(c)], policy_version="default",
+            )
+        )  # fmt: skip
+    return out
+
+
+class FullLogitsTrainer(Trainer):
+    """The naive baseline's forward: logits for every position, then the same targets and loss."""
+
+    def _logp(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
+        return token_logprobs(out.logits[:, -mb.keep : -1], mb.labels)
+
+
+KINDS = ("naive_full_logits", "naive_padded", "bucketed")
+
+
+@dataclass
+class Acc:
+    """Per-config totals."""
+
+    real: int = 0
+    padded: int = 0
+    step_s: list[float] = field(default_factory=list)
+
+
+def _trainer(kind: str, model_dir: Path, env: DistEnv, global_batch: int, budget: int) -> Trainer:
+    batch = BatchConfig(
+        global_batch=global_batch, micro_batch_tokens=budget,
+        micro_batch_size=max(1, budget // (MAX_PROMPT + MAX_COMPLETION)),
+        bucketing="length" if kind == "bucketed" else "none",
+    )  # fmt: skip
+    cfg = TrainerConfig(optim=OptimConfig(lr=1e-6), batch=batch, precision="fp32")
+    return (FullLogitsTrainer if kind == "naive_full_logits" else Trainer)(cfg, model_dir, env)
+
+
+def _throughput(model_dir: Path, env: DistEnv, batches: list[list[Sample]], budget: int) -> dict[str, dict]:
+    """All three configs train the same batches, interleaved batch by batch so that a noisy neighbour
+    on the shared CPU slows all of them alike; tokens/s = real tokens / summed step time."""
+    trainers = {k: _trainer(k, model_dir, env, len(batches[0]), budget) for k in KINDS}
+    for t in trainers.values():  # warm-up (allocator, first-call overheads)
+        t.train_step(batches[0][:2])
+    acc = {k: Acc() for k in KINDS}
+    for b in batches:
+        for k, t in trainers.items():
+            stats = t.train_step(b)
+            acc[k].real += stats.real_tokens
+            acc[k].padded += stats.padded_tokens
+            acc[k].step_s.append(stats.seconds)
+    rows = {}
+    for k, a in acc.items():
+        speedup = [n / m for n, m in zip(acc["naive_padded"].step_s, a.step_s, strict=True)]
+        rows[k] = {
+            "tokens_per_s": a.real / sum(a.step_s), "seconds": sum(a.step_s), "real_tokens": a.real,
+            "padded_tokens": a.padded, "padding_overhead": a.padded / a.real - 1,
+            "median_step_speedup_vs_naive_padded": statistics.median(speedup),
+        }  # fmt: skip
+        print(f"  {k:<18} {rows[k]['tokens_per_s']:8.1f} tok/s  padding +{rows[k]['padding_overhead']:.0%}  "
+              f"({sum(a.step_s):.1f} s)", flush=True)  # fmt: skip
+    return rows
+
+
+async def _wait_version(urls: list[str], version: str, limit_s: float = 600.0) -> float:
+    t0 = time.perf_counter()
+    clients = [SGLangClient(u) for u in urls]
+    try:
+        while time.perf_counter() - t0 < limit_s:
+            versions = [await c.weight_version() for c in clients]
+            if all(v == version for v in versions):
+                return time.perf_counter()
+            await asyncio.sleep(0.02)
+    finally:
+        for c in clients:
+            await c.close()
+    raise TimeoutError(f"servers did not reach {version} within {limit_s} s")
+
+
+async def _one_push(model_dir: Path, trainer: Trainer, nats_url: str, js: Any, i: int, work: Path) -> dict:
+    """Two fresh servers at ``default``; export v<i>, announce it, wait until both serve it. Each repeat is
+    its own run: weight-sync would otherwise load the previous repeat's version into the fresh servers."""
+    version, run = f"v{i:06d}", f"bench{i}"
+    icfg = InferenceConfig(model=str(model_dir), port=0, threads=1)
+    async with InferenceServer(icfg) as s1, InferenceServer(icfg) as s2, Publisher(js) as pub:
+        urls = [s1.url, s2.url]
+        sync = WeightSync(WeightSyncConfig(servers=urls, reconcile_interval_s=5.0), run_id=run)
+        stop = asyncio.Event()
+        task = asyncio.create_task(sync.run(nats_url, stop))
+        await asyncio.sleep(1.0)  # weight-sync connected and idle
+        t0 = time.perf_counter()
+        digest = await asyncio.to_thread(trainer.export, work / "store" / version, version=version)
+        t1 = time.perf_counter()
+        await pub.publish(weights_subject(run), WeightsPublished(
+            event_id=f"weights.{run}.{version}", run_id=run, version=version,
+            uri=str(work / "store" / version), manifest_sha256=digest, learner_step=i,
+            base_model=str(model_dir), ts=time.time()))  # fmt: skip
+        await pub.flush()
+        t2 = time.perf_counter()
+        t3 = await _wait_version(urls, version)
+        stop.set()
+        await task
+    load = max(r.seconds for r in sync.results.values())  # the slower server's /update_weights_from_disk call
+    print(f"  push {version}: export {t1 - t0:.2f} s, published -> 2 servers serving {t3 - t2:.2f} s "
+          f"(server load {load:.2f} s)", flush=True)  # fmt: skip
+    return {"export_s": t1 - t0, "publish_to_serving_s": t3 - t2, "total_s": t3 - t0, "server_update_s": load,
+            "announce_and_sync_overhead_s": t3 - t2 - load}  # fmt: skip
+
+
+async def _push_bench(model_dir: Path, env: DistEnv, repeats: int, work: Path) -> dict:
+    nats = EmbeddedNats(work / "js").start()
+    trainer = Trainer(TrainerConfig(optim=OptimConfig(lr=1e-6), precision="fp32"), model_dir, env)
+    try:
+        nc = await connect(nats.url)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        rows = [await _one_push(model_dir, trainer, nats.url, js, i, work) for i in range(1, repeats + 1)]
+        await nc.close()
+    finally:
+        nats.stop()
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"repeats": rows}
+
+
+def _raw_save_load(model_dir: Path, work: Path, repeats: int) -> dict:
+    from safetensors.torch import load_file, save_file
+
+    from learner.model_io import load_model
+
+    model = load_model(model_dir)
+    state = {
+        k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"
+    }
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        save_file(state, str(work / f"raw{i}.safetensors"))
+        loaded = load_file(str(work / f"raw{i}.safetensors"))
+        model.load_state_dict({k: v.float() for k, v in loaded.items()}, strict=False)
+        times.append(time.perf_counter() - t0)
+    print(f"  raw safetensors save + load: {statistics.median(times):.2f} s", flush=True)
+    return {"seconds": statistics.median(times), "repeats": times}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny model for the throughput part")
+    p.add_argument(
+        "--samples", type=int, default=None, help="samples per config (default 256 quick, 16 full)"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="push repeats")
+    p.add_argument("--push-only", action="store_true", help="rerun the push part; keep the saved throughput")
+    p.add_argument("--log-level", default="warning", help="info shows each server's load time")
+    a = p.parse_args()
+    configure_logging(json=True, level=a.log_level)
+    torch.set_num_threads(1)  # a shared 2-core CPU: OpenMP spin-waiting makes 2 threads slower
+    env = init_distributed("gloo")
+    smol = resolve_model("smollm2-135m-instruct")
+    throughput_model = resolve_model("tiny") if a.quick else smol
+    n = a.samples or (256 if a.quick else 16)
+    gb = 64 if a.quick else 8
+    budget = 4096 if a.quick else 2048
+    vocab = int(json.loads((throughput_model / "config.json").read_text())["vocab_size"])
+    samples = agent_samples(n, vocab)
+    batches = [samples[i : i + gb] for i in range(0, n, gb)]
+    print(
+        f"throughput: {throughput_model.name}, {n} samples, global batch {gb}, budget {budget} tokens",
+        flush=True,
+    )
+    saved = (
+        json.loads(RESULTS.read_text()).get(mode := "quick" if a.quick else "full")
+        if RESULTS.is_file()
+        else None
+    )
+    if a.push_only and saved is not None:
+        rows = saved["throughput"]
+        print("  (saved results)", flush=True)
+    else:
+        rows = _throughput(throughput_model, env, batches, budget)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        print(f"push latency: {smol.name}, 2 CPU inference servers", flush=True)
+        push = asyncio.run(_push_bench(smol, env, a.repeats, work))
+        raw = _raw_save_load(smol, work, a.repeats)
+    tps = {k: r["tokens_per_s"] for k, r in rows.items()}
+    ratios = {
+        "bucketed_vs_naive_padded": tps["bucketed"] / tps["naive_padded"],
+        "bucketed_vs_naive_full_logits": tps["bucketed"] / tps["naive_full_logits"],
+        "publish_to_serving_vs_raw_save_load": push["publish_to_serving_s"] / raw["seconds"],
+        "export_to_serving_vs_raw_save_load": push["total_s"] / raw["seconds"],
+        "server_update_vs_raw_save_load": push["server_update_s"] / raw["seconds"],
+    }  # fmt: skip
+    result = {
+        "mode": mode,
+        "throughput_model": throughput_model.name,
+        "push_model": smol.name,
+        "samples": n,
+        "global_batch": gb,
+        "micro_batch_tokens": budget,
+        "throughput": rows,
+        "push": push,
+        "raw_save_load": raw,
+        "ratios": ratios,
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "threads": 1,
+            "cpus": __import__("os").cpu_count(),
+        },
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    previous = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    RESULTS.write_text(json.dumps(previous | {mode: result}, indent=1))
+    print(json.dumps(ratios, indent=1))
+    print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,256 @@
+"""Typed configuration of the learner (online service) and the trainer (offline and online), with presets.
+
+A run starts from a preset and overrides fields from TOML:
+
+    cfg = resolve_train_config("paper", "my.toml")          # leafe train --preset paper --config my.toml
+    cfg = resolve_learner_config("cpu", None)               # leafe learner --preset cpu
+
+Presets (functions returning configs, not flag piles):
+- ``paper``: the paper's Stage-2 hyperparameters: lr 1e-6, global batch 128 samples, 2 epochs offline
+  (the paper reports 2-3), bf16 on GPU.
+- ``cpu``: the same losses and cadence at a scale a 2-core CPU can step through with SmolLM2-135M or the
+  tiny test model: global batch 16, lr 1e-5, small micro-batches, frequent pushes.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = [
+    "PRESETS",
+    "BatchConfig",
+    "LearnerConfig",
+    "LossConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "cpu_preset",
+    "paper_preset",
+    "resolve_learner_config",
+    "resolve_train_config",
+]
+
+
+class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """L = L_cf + beta * L_reh + L_rft + L_grpo (each term a token mean over its kind in the global batch)."""
+
+    beta: float = 1.0
+    """Weight of the rehearsal term (the paper does not publish beta; 1.0 = equal weight)."""
+    clip_eps: float = 0.2
+    """GRPO: PPO-style clip range of the importance ratio, [1 - eps, 1 + eps]."""
+    kl_coef: float = 0.0
+    """GRPO: coefficient of the k3 KL estimate to the frozen initial model; 0 disables the reference."""
+
+
+class OptimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """AdamW with warmup then a constant or cosine schedule, and global-norm gradient clipping."""
+
+    lr: float = 1e-6
+    """Peak learning rate (paper: 1e-6)."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to ``lr`` over this many optimizer steps."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """After warmup: keep ``lr`` (online default) or cosine-decay to ``min_lr_ratio * lr`` at
+    ``total_steps``."""
+    min_lr_ratio: float = 0.1
+    """Cosine floor as a fraction of ``lr``."""
+    total_steps: int = 0
+    """Steps of the cosine schedule; 0 = the offline trainer computes it from the data and epochs."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+
+class BatchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How samples become optimizer steps and micro-batches."""
+
+    global_batch: int = 128
+    """Samples per optimizer step, over all ranks (paper: 128); gradients accumulate over micro-batches."""
+    micro_batch_tokens: int = 8192
+    """``bucket`` mode: max padded tokens (rows x longest row) per rank per micro-batch."""
+    micro_batch_size: int = 8
+    """``none`` mode: samples per rank per micro-batch, in arrival order."""
+    bucketing: Literal["length", "none"] = "length"
+    """``length``: sort the global batch by length and fill micro-batches up to the token budget
+    (little padding; the step's math is unchanged since the whole global batch is accumulated);
+    ``none``: fixed-size micro-batches in arrival order (the naive baseline)."""
+    max_seq_len: int = 4096
+    """Samples with more prompt + completion tokens are skipped (logged and counted), never truncated."""
+
+
+class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything the FSDP trainer needs, shared by ``leafe train`` and ``leafe learner``."""
+
+    loss: LossConfig = msgspec.field(default_factory=LossConfig)
+    """Loss coefficients."""
+    optim: OptimConfig = msgspec.field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
+    """Batching."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """``auto``: bf16 mixed precision (fp32 master weights and reductions) on GPU, fp32 on CPU."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after forward (saves memory, re-gathers in backward)."""
+    seed: int = 0
+    """Seed of torch RNG and of the offline shuffle."""
+    checkpoint_every: int = 50
+    """Write a DCP checkpoint every N optimizer steps (and at the end); 0 = only at the end."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept; older ones are deleted after a new one is written."""
+    push_every: int = 50
+    """Export weights and publish ``WeightsPublished`` every N steps; 0 = never (offline: only at the end)."""
+    export_dtype: Literal["bf16", "fp32"] = "bf16"
+    """dtype of exported safetensors (``fp32`` keeps full precision, e.g. for exact comparisons)."""
+    retain_versions: int = 3
+    """Weight versions kept in the store; older ones are pruned (never the newest nor one in use)."""
+
+
+class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The online learner service (``leafe learner``): samples stream -> steps -> checkpoints -> pushes."""
+
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    """Trainer settings."""
+    durable: str = ""
+    """Durable consumer name on ``LEAFE_SAMPLES``; empty = ``learner-<run>`` (durable names are per stream,
+    which all runs share)."""
+    kinds: list[str] = msgspec.field(default_factory=lambda: ["cf", "reh"])
+    """Sample kinds trained (subjects ``leafe.<run>.samples.<kind>``): ``cf``+``reh`` for LEAFE, ``grpo``
+    or ``rft`` for the baselines."""
+    fetch_batch: int = 256
+    """Messages per pull request."""
+    ack_wait_s: float = 60.0
+    """Consumer AckWait; held messages are kept alive with in-progress acks every third of it."""
+    max_ack_pending: int = 4096
+    """Consumer bound on unacknowledged messages; a checkpoint is forced before this is reached."""
+    max_batch_wait_s: float = 30.0
+    """Train on a partial global batch once the oldest buffered sample waited this long."""
+    min_batch: int = 1
+    """Smallest partial batch trained after ``max_batch_wait_s``."""
+    max_policy_lag: int | None = 4
+    """Drop samples whose ``policy_version`` is more than this many versions behind the learner's
+    (counted and logged); None keeps every sample."""
+    stop_after_steps: int = 0
+    """Stop (after a final checkpoint) once this many steps were taken in this process; 0 = run forever."""
+
+
+class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Offline training on dataset shards (``leafe train``)."""
+
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    """Trainer settings."""
+    epochs: int = 2
+    """Passes over the data (paper: 2-3)."""
+    shuffle: bool = True
+    """Shuffle samples each epoch (seeded by ``trainer.seed`` and the epoch: resumable)."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps in total; 0 = run all epochs."""
+    drop_last: bool = False
+    """Drop an epoch's final partial global batch instead of training on it."""
+
+
+def paper_preset() -> TrainConfig:
+    """The paper's Stage-2 settings (lr 1e-6, batch 128, 2 epochs), bf16 on GPU."""
+    return TrainConfig(
+        trainer=TrainerConfig(
+            optim=OptimConfig(lr=1e-6, warmup_steps=10, schedule="cosine"),
+            batch=BatchConfig(global_batch=128),
+        ),
+        epochs=2,
+    )
+
+
+def cpu_preset() -> TrainConfig:
+    """Same losses at CPU scale: batch 16, lr 1e-5, 2048-token micro-batches, push every 10 steps."""
+    return TrainConfig(
+        trainer=TrainerConfig(
+            optim=OptimConfig(lr=1e-5, warmup_steps=2, schedule="constant"),
+            batch=BatchConfig(global_batch=16, micro_batch_tokens=2048, micro_batch_size=4, max_seq_len=2048),
+            precision="fp32",
+            checkpoint_every=10,
+            push_every=10,
+        ),
+        epochs=2,
+    )
+
+
+PRESETS = {"paper": paper_preset, "cpu": cpu_preset}
+"""Preset name -> function returning a :class:`TrainConfig`."""
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _preset(name: str) -> TrainConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown learner preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]()
+
+
+def _read_toml(source: Path | str | dict[str, Any] | None) -> dict[str, Any]:
+    """A TOML file path, TOML text or a dict (``None`` = no overrides)."""
+    if source is None:
+        return {}
+    if isinstance(source, dict):
+        return source
+    path = Path(source)
+    is_path = isinstance(source, Path) or (len(str(source)) < 4096 and path.suffix == ".toml")
+    if is_path and not path.is_file():
+        raise ValueError(f"config file not found: {path}")
+    text = path.read_text(encoding="utf-8") if is_path else str(source)
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"invalid TOML in {source}: {e}") from None
+
+
+def resolve_train_config(
+    preset: str = "paper", source: Path | str | dict[str, Any] | None = None, **overrides: Any
+) -> TrainConfig:
+    """Preset, then TOML/dict fields on top, then ``overrides`` (dotted keys like ``trainer.optim.lr``)."""
+    data = _merge(msgspec.to_builtins(_preset(preset)), _read_toml(source))
+    data = _merge(data, _dotted(overrides))
+    try:
+        return msgspec.convert(data, TrainConfig, strict=False)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"invalid TrainConfig: {e}") from None
+
+
+def resolve_learner_config(
+    preset: str = "cpu", source: Path | str | dict[str, Any] | None = None, **overrides: Any
+) -> LearnerConfig:
+    """Learner config whose ``trainer`` starts from the preset's trainer; TOML and overrides on top."""
+    base = msgspec.to_builtins(LearnerConfig(trainer=_preset(preset).trainer))
+    data = _merge(_merge(base, _read_toml(source)), _dotted(overrides))
+    try:
+        return msgspec.convert(data, LearnerConfig, strict=False)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"invalid LearnerConfig: {e}") from None
+
+
+def _dotted(overrides: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        node = out
+        parts = key.replace("__", ".").split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out

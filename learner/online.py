@@ -1,0 +1,134 @@
+"""Pure bookkeeping of the online learner: the ordered sample buffer and the staleness rule.
+
+The service (``services/learner.py``) feeds stream deliveries in; :meth:`SampleBuffer.take` hands back
+the next global batch in **stream-sequence order**, together with every delivery it consumed (trained,
+stale or of a kind this learner does not train) and the highest sequence consumed. Because batches are
+always cut from the lowest sequences, "every sequence <= ``samples_seq`` was consumed" holds at each
+step, which is what a checkpoint records and where a restart resumes.
+
+Staleness: a sample produced by weight version ``v<k>`` while the learner has pushed ``v<n>`` is
+``n - k`` versions old; it is dropped when that exceeds ``max_policy_lag``. Versions this learner did not
+name (``version_index`` is None) cannot be judged and are kept (and counted).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from learner.weight_store import version_index
+from protocol.samples import Sample
+
+__all__ = ["Batch", "SampleBuffer", "SequencedSample", "policy_lag"]
+
+
+class SequencedSample(Protocol):
+    """What the buffer needs of a delivery (``services.bus.Delivery[Sample]`` fits)."""
+
+    @property
+    def value(self) -> Sample: ...
+
+    @property
+    def stream_seq(self) -> int: ...
+
+
+D = TypeVar("D", bound=SequencedSample)
+
+
+def policy_lag(policy_version: str, current_index: int) -> int | None:
+    """Versions between the sample's producer and the learner's latest push; None if unknown."""
+    k = version_index(policy_version)
+    return None if k is None else max(0, current_index - k)
+
+
+@dataclass
+class Batch(Generic[D]):
+    """What one :meth:`SampleBuffer.take` consumed."""
+
+    samples: list[Sample] = field(default_factory=list)
+    """Samples to train, in sequence order."""
+    consumed: list[D] = field(default_factory=list)
+    """Every delivery taken out of the buffer (ack them once a checkpoint covers ``max_seq``)."""
+    stale: int = 0
+    """Dropped for exceeding the policy lag."""
+    ignored: int = 0
+    """Dropped because their kind is not trained here."""
+    unknown_version: int = 0
+    """Kept although their policy version could not be compared."""
+    max_seq: int = 0
+    """Highest stream sequence consumed (0 if nothing)."""
+
+
+class SampleBuffer(Generic[D]):
+    """Deliveries waiting to be trained, ordered by stream sequence, deduplicated."""
+
+    def __init__(
+        self, *, kinds: Iterable[str], max_policy_lag: int | None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.kinds = frozenset(kinds)
+        self.max_policy_lag = max_policy_lag
+        self._clock = clock
+        self._items: dict[int, D] = {}
+        self._arrived: dict[int, float] = {}
+        self.floor = 0
+        """Every sequence <= floor has been consumed; later deliveries of those are duplicates."""
+        self.duplicates: list[D] = []
+        """Redeliveries of consumed messages, to be acked with the next checkpoint."""
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def pending(self) -> list[D]:
+        """Buffered deliveries (for in-progress acks)."""
+        return list(self._items.values())
+
+    def add(self, deliveries: Iterable[D]) -> None:
+        """Buffer new deliveries; redeliveries of buffered or consumed sequences are set aside."""
+        now = self._clock()
+        for d in deliveries:
+            seq = d.stream_seq
+            if seq <= self.floor or seq in self._items:
+                self.duplicates.append(d)
+                continue
+            self._items[seq] = d
+            self._arrived[seq] = now
+
+    def oldest_wait(self) -> float:
+        """Seconds the oldest buffered delivery has waited (0 when empty)."""
+        return self._clock() - min(self._arrived.values()) if self._arrived else 0.0
+
+    def ready(self, global_batch: int, max_wait_s: float, min_batch: int) -> bool:
+        """A full batch is buffered, or a partial one of >= ``min_batch`` waited ``max_wait_s``."""
+        n = len(self._items)
+        return n >= global_batch or (n >= max(1, min_batch) and self.oldest_wait() >= max_wait_s)
+
+    def take(self, global_batch: int, current_index: int) -> Batch[D]:
+        """Pop deliveries in sequence order until ``global_batch`` trainable samples (or empty)."""
+        out: Batch[D] = Batch()
+        for seq in sorted(self._items):
+            if len(out.samples) >= global_batch:
+                break
+            d = self._items.pop(seq)
+            del self._arrived[seq]
+            out.consumed.append(d)
+            out.max_seq = seq
+            sample = d.value
+            if sample.kind not in self.kinds:
+                out.ignored += 1
+                continue
+            lag = policy_lag(sample.policy_version, current_index)
+            if lag is None:
+                out.unknown_version += 1
+            elif self.max_policy_lag is not None and lag > self.max_policy_lag:
+                out.stale += 1
+                continue
+            out.samples.append(sample)
+        self.floor = max(self.floor, out.max_seq)
+        return out
+
+    def pop_duplicates(self) -> list[D]:
+        """Take the set-aside redeliveries."""
+        dup, self.duplicates = self.duplicates, []
+        return dup

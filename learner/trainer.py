@@ -1,0 +1,239 @@
+"""The FSDP2 trainer: one optimizer step per global batch of samples, on 1..N ranks.
+
+Every rank receives the *same* global batch (offline: same shards and seed; online: rank 0 decides) and
+takes its deterministic share of each micro-batch (:func:`learner.batching.plan_micro_batches`). A
+micro-batch's loss is its share of the global loss (token sums over the global token counts, see
+``learner/losses.py``), multiplied by ``world_size`` because FSDP averages gradients over ranks; so
+1 rank and N ranks compute the same gradient up to float rounding. Gradients are reduce-scattered only
+on the last micro-batch of the step.
+
+    with distributed_env() as env:
+        trainer = Trainer(TrainerConfig(), tiny_model_dir(), env)
+        stats = trainer.train_step(samples)          # StepStats: loss, per-kind losses, tokens, lr ...
+        trainer.export(store / "v000001", version="v000001")
+
+Run multi-rank with ``torchrun --nproc_per_node=2 -m services.train ...``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+import torch
+from torch import Tensor, nn
+
+from learner.batching import MicroBatch, collate, kind_tokens, plan_micro_batches, to_items
+from learner.config import TrainerConfig
+from learner.distributed import DistEnv, all_reduce_sum, barrier
+from learner.fsdp import build_model, full_state_dict
+from learner.losses import KIND_INDEX, KindTokens, token_logprobs, total_loss
+from learner.model_io import export_weights, load_tokenizer
+from learner.optim import build_optimizer
+from protocol.samples import Sample
+
+__all__ = ["StepStats", "Trainer"]
+
+log = structlog.get_logger(__name__)
+
+
+class StepStats(msgspec.Struct, frozen=True, kw_only=True):
+    """What one optimizer step did (identical on every rank)."""
+
+    step: int
+    """Optimizer steps taken so far (this one included)."""
+    loss: float
+    """L for the global batch."""
+    loss_cf: float | None
+    """Token-mean NLL of counterfactual targets (None when the batch had none)."""
+    loss_reh: float | None
+    """Token-mean NLL of rehearsal targets."""
+    loss_rft: float | None
+    """Token-mean NLL of RFT targets."""
+    loss_grpo: float | None
+    """Token-mean clipped policy-gradient term (KL excluded)."""
+    kl: float | None
+    """Token-mean k3 KL to the reference (GRPO with kl_coef > 0)."""
+    clip_frac: float | None
+    """Fraction of GRPO tokens whose ratio was clipped."""
+    samples: int
+    """Samples trained."""
+    skipped: int
+    """Samples skipped as unusable (too long, empty, malformed; see ``learner.batching.unusable``)."""
+    target_tokens: int
+    """Tokens with loss."""
+    real_tokens: int
+    """Non-pad tokens processed."""
+    padded_tokens: int
+    """Tokens processed including padding (rows x row length, summed over micro-batches and ranks)."""
+    micro_batches: int
+    """Micro-batches per rank."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    lr: float
+    """Learning rate used for this step."""
+    seconds: float
+    """Wall time of the step."""
+
+
+def _pad_id(model_dir: Path) -> int:
+    tok = load_tokenizer(model_dir)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if pad is None:
+        raise ValueError(f"tokenizer of {model_dir} has neither a pad nor an eos token")
+    return int(pad)
+
+
+def _mean(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+class Trainer:
+    """FSDP2 model + AdamW + schedule; :meth:`train_step` runs one optimizer step."""
+
+    def __init__(self, config: TrainerConfig, model_dir: Path, env: DistEnv) -> None:
+        self.config = config
+        self.model_dir = Path(model_dir)
+        self.env = env
+        torch.manual_seed(config.seed)
+        self.model = build_model(
+            self.model_dir,
+            env,
+            precision=config.precision,
+            reshard_after_forward=config.reshard_after_forward,
+        )
+        self.reference: nn.Module | None = None
+        if config.loss.kl_coef > 0:
+            self.reference = build_model(self.model_dir, env, precision=config.precision, trainable=False)
+        self.optimizer, self.scheduler = build_optimizer(self.model, config.optim)
+        self.pad_id = _pad_id(self.model_dir)
+        self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        self.step = 0
+
+    def _logp(self, model: nn.Module, mb: MicroBatch) -> Tensor:
+        out = model(
+            input_ids=mb.input_ids,
+            attention_mask=mb.attention_mask,
+            position_ids=mb.position_ids,
+            logits_to_keep=mb.keep,
+            use_cache=False,
+        )
+        return token_logprobs(out.logits[:, :-1], mb.labels)
+
+    def _micro_step(self, mb: MicroBatch, tokens: KindTokens) -> tuple[float, list[float], dict[str, float]]:
+        logp = self._logp(self.model, mb)
+        ref_logp = None
+        if self.reference is not None and bool((mb.kinds == KIND_INDEX["grpo"]).any()):
+            with torch.no_grad():
+                ref_logp = self._logp(self.reference, mb)
+        out = total_loss(
+            logp,
+            mb.labels,
+            mb.kinds,
+            mb.weights,
+            mb.advantages,
+            mb.behaviour_logp,
+            mb.has_behaviour,
+            tokens,
+            beta=self.config.loss.beta,
+            clip_eps=self.config.loss.clip_eps,
+            ref_logp=ref_logp,
+            kl_coef=self.config.loss.kl_coef,
+        )
+        # FSDP averages gradients over ranks; each share is a part of a global *sum*.
+        (out.loss * self.env.world_size).backward()
+        return float(out.loss.detach()), out.nll_sum, out.grpo_stats
+
+    def train_step(self, samples: Sequence[Sample]) -> StepStats:
+        """One optimizer step on ``samples`` (the whole global batch; every rank passes the same list)."""
+        t0 = time.perf_counter()
+        items, skipped = to_items(samples, self.config.batch.max_seq_len)
+        if skipped:
+            log.warning(
+                "learner.samples.skipped", count=len(skipped), first=skipped[0][0], reason=skipped[0][1]
+            )
+
+        tokens = kind_tokens(items)
+        plan = plan_micro_batches(items, self.env.world_size, self.config.batch)
+        lr = float(self.scheduler.get_last_lr()[0])
+        sums = [0.0] * 10  # loss, nll x4, kl, clipped, ratio, real, padded
+        for m, shares in enumerate(plan):
+            mb = collate([items[i] for i in shares[self.env.rank]], self.pad_id, self.env.device)
+            self.model.set_requires_gradient_sync(m == len(plan) - 1)  # type: ignore[operator]
+            loss, nll, grpo = self._micro_step(mb, tokens)
+            extra = [grpo.get("kl", 0.0), grpo.get("clipped", 0.0), grpo.get("ratio", 0.0)]
+            row = [loss, *nll, *extra, float(mb.real_tokens), float(mb.padded_tokens)]
+            sums = [a + b for a, b in zip(sums, row, strict=True)]
+        grad_norm = 0.0
+        if plan:
+            grad_norm = self._clip_and_step()
+        sums = all_reduce_sum(self.env, sums)
+        return self._stats(sums, tokens, items, skipped, len(plan), grad_norm, lr, time.perf_counter() - t0)
+
+    def _clip_and_step(self) -> float:
+        max_norm = self.config.optim.max_grad_norm
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return float(full)
+
+    def _stats(
+        self,
+        sums: list[float],
+        tokens: KindTokens,
+        items: Sequence[Any],
+        skipped: Sequence[tuple[str, str]],
+        micro: int,
+        grad_norm: float,
+        lr: float,
+        seconds: float,
+    ) -> StepStats:
+        loss, n_cf, n_reh, n_rft, n_grpo, kl, clipped, _ratio, real, padded = sums
+        return StepStats(
+            step=self.step,
+            loss=loss,
+            loss_cf=_mean(n_cf, tokens.cf),
+            loss_reh=_mean(n_reh, tokens.reh),
+            loss_rft=_mean(n_rft, tokens.rft),
+            loss_grpo=_mean(n_grpo, tokens.grpo),
+            kl=_mean(kl, tokens.grpo) if self.reference is not None else None,
+            clip_frac=_mean(clipped, tokens.grpo),
+            samples=len(items),
+            skipped=len(skipped),
+            target_tokens=int(sum(tokens.as_list())),
+            real_tokens=int(real),
+            padded_tokens=int(padded),
+            micro_batches=micro,
+            grad_norm=grad_norm,
+            lr=lr,
+            seconds=seconds,
+        )
+
+    def export_state(self) -> dict[str, Tensor]:
+        """Full fp32 weights on CPU on rank 0 (``{}`` on other ranks; every rank must call)."""
+        return full_state_dict(self.model, tied=self.tied)
+
+    def export(
+        self, out_dir: Path, *, version: str, dtype: str | None = None, extra: dict[str, Any] | None = None
+    ) -> str:
+        """Gather the full weights and write an HF export + manifest on rank 0; returns its sha256.
+
+        Every rank must call it; non-zero ranks return ``""`` after the export is on disk.
+        """
+        sd = self.export_state()
+        digest = ""
+        if self.env.is_main:
+            torch_dtype = torch.bfloat16 if (dtype or self.config.export_dtype) == "bf16" else torch.float32
+            digest = export_weights(
+                sd, Path(out_dir), config_dir=self.model_dir, version=version, dtype=torch_dtype, extra=extra
+            )
+        barrier(self.env)
+        return digest

@@ -1,0 +1,81 @@
+"""``leafe weight-sync`` (services/weight_sync.py) against a real nats-server and a real CPU inference
+server: the latest announcement is applied on start, and an export whose manifest does not match the
+announced sha256 is never sent to a server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from actors.client import SGLangClient
+from learner.model_io import export_weights, load_model
+from protocol import WeightsPublished, weights_subject
+from services.bus import Publisher, connect, ensure_streams
+from services.inference_server import InferenceConfig, InferenceServer
+from services.weight_sync import WeightSync, WeightSyncConfig
+from tests.unit.learner.learner_helpers import one_thread, tiny_dir
+
+__all__ = ["one_thread", "tiny_dir"]
+
+pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
+
+
+@pytest.fixture
+async def server(tiny_dir: Path) -> AsyncIterator[str]:
+    """One CPU inference server on the tiny model."""
+    async with InferenceServer(InferenceConfig(model=str(tiny_dir), port=0, threads=1)) as s:
+        yield s.url
+
+
+async def _announce(
+    nats_url: str, run_id: str, tiny_dir: Path, out: Path, version: str, sha: str | None
+) -> None:
+    state = {k: v * 1.01 for k, v in load_model(tiny_dir).state_dict().items()}
+    digest = export_weights(state, out, config_dir=tiny_dir, version=version)
+    event = WeightsPublished(
+        event_id=f"weights.{run_id}.{version}", run_id=run_id, version=version, uri=str(out),
+        manifest_sha256=sha or digest, learner_step=1, base_model="tiny", ts=time.time(),
+    )  # fmt: skip
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js)
+    async with Publisher(js) as pub:
+        await pub.publish(weights_subject(run_id), event)
+    await nc.close()
+
+
+async def _version(url: str) -> str:
+    async with SGLangClient(url) as client:
+        return await client.weight_version()
+
+
+async def test_once_applies_the_latest_announcement(
+    nats_url: str, run_id: str, tiny_dir: Path, tmp_path: Path, server: str
+) -> None:
+    """Announced before weight-sync starts: `--once` still finds it (last message of the subject), loads
+    it into the server, reports success and records the server's version in the store's in-use marks."""
+    await _announce(nats_url, run_id, tiny_dir, tmp_path / "store" / "v000001", "v000001", None)
+    await _announce(nats_url, run_id, tiny_dir, tmp_path / "store" / "v000002", "v000002", None)
+    sync = WeightSync(WeightSyncConfig(servers=[server]), run_id=run_id)
+    assert await asyncio.wait_for(sync.run(nats_url, asyncio.Event(), once=True), 60)
+    assert sync.results[server].success and sync.results[server].version == "v000002"
+    assert await _version(server) == "v000002"
+    from learner.weight_store import in_use_versions
+
+    assert in_use_versions(tmp_path / "store") == {"v000002"}
+
+
+async def test_an_export_not_matching_its_announcement_is_not_loaded(
+    nats_url: str, run_id: str, tiny_dir: Path, tmp_path: Path, server: str
+) -> None:
+    """A manifest whose sha256 differs from the announced one (half-written, tampered) is refused before
+    any server is asked to load it: the server keeps its weights and weight-sync does not converge."""
+    await _announce(nats_url, run_id, tiny_dir, tmp_path / "v000001", "v000001", "0" * 64)
+    sync = WeightSync(WeightSyncConfig(servers=[server]), run_id=run_id)
+    assert not await asyncio.wait_for(sync.run(nats_url, asyncio.Event(), once=True), 60)
+    assert sync.results == {}
+    assert await _version(server) == "default"

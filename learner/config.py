@@ -140,6 +140,9 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     (counted and logged); None keeps every sample."""
     stop_after_steps: int = 0
     """Stop (after a final checkpoint) once this many steps were taken in this process; 0 = run forever."""
+    push_on_stop: bool = True
+    """On a graceful stop, push the weights if steps were taken since the last push (so the final
+    weights are always served and evaluable); False leaves them in the checkpoint only."""
 
 
 class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -122,6 +122,7 @@ class OnlineLearner:
         self.buffer.floor = progress.samples_seq
         self.held: list[Delivery[Sample]] = []
         self.steps_here = 0
+        self._pushed_at_step: int | None = None
         self._last_command = time.monotonic()
 
     async def run(self, stop: asyncio.Event) -> Progress:
@@ -148,7 +149,10 @@ class OnlineLearner:
                      step=self.progress.step, version_index=self.progress.version_index)  # fmt: skip
             await self._announce_current(pub)
             await self._loop(consumer, pub, stop)
-            await self._checkpoint()
+            if self.cfg.push_on_stop and self.steps_here > 0 and self._pushed_at_step != self.progress.step:
+                await self._push(pub)  # checkpoints too
+            else:
+                await self._checkpoint()
         return self.progress
 
     @staticmethod
@@ -239,6 +243,7 @@ class OnlineLearner:
             await d.ack()
 
     async def _push(self, pub: Publisher) -> None:
+        self._pushed_at_step = self.progress.step
         self.progress = msgspec.structs.replace(self.progress, version_index=self.progress.version_index + 1)
         await self._checkpoint()
         await self._export_and_publish(pub)

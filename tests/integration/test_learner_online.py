@@ -56,9 +56,9 @@ async def test_trains_in_order_filters_pushes_and_acks(
     nats_url: str, run_id: str, dist_env, tiny_dir: Path, tmp_path: Path
 ) -> None:
     """Fresh samples are trained once each; stale (lag > 1) and untrained-kind samples are consumed but
-    dropped; a learner resumed at version 3 re-exports v000003 on start, pushes v000004 at step 2 (the
-    announcement's manifest verifies; v000003 is pruned with retain 1); after the final checkpoint
-    nothing is left unacknowledged."""
+    dropped; a learner resumed at version 3 re-exports v000003 on start, pushes v000004 at step 2 and v000005
+    when it stops after step 3 (the announcement's manifest verifies; older versions are pruned with
+    retain 1); after the final checkpoint nothing is left unacknowledged."""
     fresh = [make_sample(i, kind="cf" if i % 2 else "reh", policy_version="v000003", run_id=run_id)
              for i in range(24)]  # fmt: skip
     stale = [make_sample(100 + i, policy_version="v000001", run_id=run_id) for i in range(4)]
@@ -73,7 +73,8 @@ async def test_trains_in_order_filters_pushes_and_acks(
     trained = [i for _, ids in log for i in ids]
     assert sorted(trained) == sorted(s.sample_id for s in fresh)
     assert [s.step for s, _ in log] == [1, 2, 3]
-    assert (progress.step, progress.samples_dropped, progress.version_index) == (3, 6, 4)
+    # v000004 pushed at step 2 (push_every), v000005 at the stop after step 3 (push_on_stop).
+    assert (progress.step, progress.samples_dropped, progress.version_index) == (3, 6, 5)
     ckpt = latest_checkpoint(tmp_path / "ckpt")
     assert ckpt is not None and ckpt.name == "step_00000003"
 
@@ -81,9 +82,9 @@ async def test_trains_in_order_filters_pushes_and_acks(
     js = nc.jetstream()
     raw = await js.get_last_msg(WEIGHTS.name, weights_subject(run_id))
     event = decode_weights(raw.data)
-    assert (event.version, event.learner_step, event.event_id) == ("v000004", 2, f"weights.{run_id}.v000004")
+    assert (event.version, event.learner_step, event.event_id) == ("v000005", 3, f"weights.{run_id}.v000005")
     assert verify_manifest(Path(event.uri), event.manifest_sha256) is not None
-    assert sorted(p.name for p in (tmp_path / "store").iterdir() if p.name.startswith("v")) == ["v000004"]
+    assert sorted(p.name for p in (tmp_path / "store").iterdir() if p.name.startswith("v")) == ["v000005"]
     info = await js.consumer_info(SAMPLES.name, f"learner-{run_id}")
     assert info.num_ack_pending == 0 and info.num_pending == 0
     assert info.ack_floor.stream_seq == progress.samples_seq

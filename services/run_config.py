@@ -114,17 +114,19 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """Trainer preset the ``[learner]`` table overrides: ``cpu`` or ``paper``."""
 
 
-_SMALL_SOKOBAN = {"height": 5, "width": 5, "num_boxes": 1, "max_solution_len": 3, "max_steps": 8}
-"""Rooms SmolLM2-135M solves sometimes but not always (bench/results/envs_difficulty.json)."""
-_COMPACT = {"sokoban": {"history_window": 4}}
-"""Prefill bounds CPU speed: the board already holds the state, so action prompts show 4 past steps."""
+_SMALL_SOKOBAN = {"height": 5, "width": 5, "num_boxes": 1, "max_solution_len": 2, "max_steps": 6}
+"""Rooms SmolLM2-135M solves sometimes but not always (Base Pass@8 25% in bench/results/paper_table.md)."""
+_COMPACT = {"sokoban": {"history_window": 2, "horizon": 8}}
+"""Prefill bounds CPU speed: the board already holds the state, so prompts show 2 past steps, and a
+branch takes at most 8 actions (invalid answers do not advance the env's own 6-step limit)."""
+_EXPLORE = {"sokoban": {**_COMPACT["sokoban"], "max_actions": 32}}
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {
         "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
         "explore": {"tasks": 8},
         "eval": {"tasks": 6, "samples": 4, "ks": [1, 2, 4]},
-        "actor": {"explorer": _COMPACT, "rollout": _COMPACT},
+        "actor": {"explorer": _EXPLORE, "rollout": _COMPACT},
         "learner": {"trainer": {"push_every": 4, "checkpoint_every": 4, "batch": {"global_batch": 16}}},
     },
     "tiny": {

@@ -37,6 +37,7 @@ class RunContext:
     run_dir: Path = field(init=False)
     model_dir: Path | None = None
     nats_url: str = ""
+    nats_server: Any = None
     engine_urls: list[str] = field(default_factory=list)
     js: Any = None
     services: dict[str, ServiceProcess] = field(default_factory=dict)
@@ -91,7 +92,7 @@ async def _start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
     if not ctx.nats_url:
         server = EmbeddedNats(ctx.run_dir / "nats", log_file=ctx.run_dir / "logs" / "nats.log").start()
         stack.callback(server.stop)
-        ctx.nats_url = server.url
+        ctx.nats_server, ctx.nats_url = server, server.url
     ctx.console.print(f"nats: {ctx.nats_url}; resolving model {cfg.model!r}")
     ctx.model_dir = await asyncio.to_thread(resolve_model, cfg.model)
     ctx.engine_urls = list(cfg.services.engines)

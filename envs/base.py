@@ -13,7 +13,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
-__all__ = ["Env", "EnvError", "Reset", "RollbackResult", "Transition", "rollback_to"]
+__all__ = ["Env", "EnvError", "Reset", "RollbackResult", "Transition", "play", "rollback_to"]
 
 
 class EnvError(RuntimeError):
@@ -116,3 +116,21 @@ def rollback_to(
     for action in prefix_actions:
         obs = env.step(action).observation
     return RollbackResult(observation=obs, method="replay", replay_steps=len(prefix_actions))
+
+
+def play(env: Env, task_id: str) -> None:
+    """Play ``task_id`` by hand in a terminal (``python -m envs.sokoban`` etc.); closes the env."""
+    reset = env.reset(task_id)
+    print(env.instructions, "\n\n", reset.task, "\n", reset.observation, sep="")
+    try:
+        done = False
+        while not done:
+            try:
+                action = input("> ")
+            except EOFError:  # end of piped input or Ctrl-D
+                return
+            t = env.step(action)
+            print(t.observation, f"\nreward={t.reward} score={t.score} feedback={t.feedback!r}")
+            done = t.done
+    finally:
+        env.close()

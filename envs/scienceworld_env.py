@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from envs.base import EnvError, Reset, Transition
+from envs.base import EnvError, Reset, Transition, play
 from envs.cache import atomic_write_text, cache_root
 
 __all__ = ["EXCLUDED_TASKS", "JAVA_OPTS", "ScienceWorldConfig", "ScienceWorldEnv"]
@@ -294,17 +294,7 @@ class ScienceWorldEnv:
 
 def _play() -> None:
     env = ScienceWorldEnv(ScienceWorldConfig(task_names=["find-plant"]))
-    task_id = env.tasks("train")[0]
-    reset = env.reset(task_id)
-    print(task_id, "\n", reset.task, "\n", reset.observation, sep="")
-    try:
-        done = False
-        while not done:
-            t = env.step(input("> "))
-            print(t.observation, f"\nreward={t.reward} score={t.score} feedback={t.feedback!r}")
-            done = t.done
-    finally:
-        env.close()
+    play(env, env.tasks("train")[0])
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import functools
 
 import msgspec
 
-from envs.base import EnvError, Reset, Transition
+from envs.base import EnvError, Reset, Transition, play
 from envs.sokoban_gen import GeneratedRoom, RoomSpec, check_spec, generate_room, render_room
 from envs.sokoban_solver import ACTIONS, Room, apply_move, is_frozen_box, push_distances
 
@@ -279,14 +279,7 @@ def _normalize(action: str) -> str | None:
 
 
 def _play() -> None:
-    env = SokobanEnv()
-    reset = env.reset("sokoban/test/0")
-    print(env.instructions, "\n", reset.task, "\n", reset.observation, sep="")
-    done = False
-    while not done:
-        t = env.step(input("> "))
-        print(t.observation, f"\nreward={t.reward} feedback={t.feedback!r}")
-        done = t.done
+    play(SokobanEnv(), "sokoban/test/0")
 
 
 if __name__ == "__main__":

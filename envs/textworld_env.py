@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from envs.base import EnvError, Reset, Transition
+from envs.base import EnvError, Reset, Transition, play
 from envs.textworld_gen import CookingSpec, ensure_game
 
 __all__ = ["TextWorldConfig", "TextWorldEnv", "clean_observation"]
@@ -257,17 +257,7 @@ def _match(action: str, admissible: list[str]) -> str | None:
 
 def _play() -> None:
     env = TextWorldEnv()
-    task_id = env.tasks("test")[0]
-    reset = env.reset(task_id)
-    print(reset.task, "\n", reset.observation, sep="")
-    try:
-        done = False
-        while not done:
-            t = env.step(input("> "))
-            print(t.observation, f"\nreward={t.reward} feedback={t.feedback!r}")
-            done = t.done
-    finally:
-        env.close()
+    play(env, env.tasks("test")[0])
 
 
 if __name__ == "__main__":

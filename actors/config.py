@@ -145,6 +145,9 @@ class ExplorerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """``branch``: e stays in every prompt of its branch; ``first_step``: only in a'_tau's prompt."""
     stop_on_first_success: bool = True
     """End the episode (drop queued branch requests) once any branch succeeds."""
+    restart_from: Literal["tau", "start"] = "tau"
+    """``tau``: LEAFE, roll back to the step the reflection names; ``start``: iterative refinement (the
+    paper's IR baseline), every branch restarts the task from step 0 with e in context."""
     max_experience_chars: int = 400
     """Longer experiences are cut (flag ``experience_truncated``)."""
     return_logprob: bool = False

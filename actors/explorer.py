@@ -326,7 +326,8 @@ class Explorer:
             flags=list(parsed.flags),
         )
         if parsed.experience:
-            self.n.queue.append(_Request(b, parsed.tau, parsed.experience, event.event_id))
+            tau = 0 if self.cfg.restart_from == "start" else parsed.tau  # IR restarts the whole attempt
+            self.n.queue.append(_Request(b, tau, parsed.experience, event.event_id))
         self.log.debug("actor.reflection", branch_id=b.branch_id, trigger=trigger, tau=parsed.tau)
 
     async def _open(self, req: _Request) -> _Branch | None:

@@ -83,11 +83,13 @@ def _check_ids(events: Sequence[EpisodeEvent]) -> None:
     assert sum(isinstance(e, EpisodeStarted | EpisodeFinished) for e in events) == 2
 
 
-def _check_branch(i: int, br: Branch, events: Sequence[EpisodeEvent], length: dict[str, int]) -> None:
+def _check_branch(
+    i: int, br: Branch, events: Sequence[EpisodeEvent], length: dict[str, int], restart: bool
+) -> None:
     by_id = {e.event_id: e for e in events[:i]}
     refl = by_id.get(br.reflection_event_id)
     assert isinstance(refl, Reflection), f"{br.branch_id} names no earlier Reflection"
-    assert refl.branch_id == br.parent_branch_id and refl.tau == br.tau
+    assert refl.branch_id == br.parent_branch_id and br.tau == (0 if restart else refl.tau)
     assert refl.experience == br.experience and br.experience
     assert 0 <= br.tau < refl.at_t <= length[br.parent_branch_id]
     rollback = events[i - 1]
@@ -95,8 +97,9 @@ def _check_branch(i: int, br: Branch, events: Sequence[EpisodeEvent], length: di
     assert rollback.from_branch == br.parent_branch_id and rollback.tau == br.tau
 
 
-def check_episode(events: Sequence[EpisodeEvent]) -> None:
-    """Assert the structural invariants of one finished episode's events."""
+def check_episode(events: Sequence[EpisodeEvent], *, restart: bool = False) -> None:
+    """Assert the structural invariants of one finished episode's events (``restart``: iterative
+    refinement, where every branch opens at step 0 whatever tau the reflection named)."""
     _check_ids(events)
     length: dict[str, int] = {ROOT_BRANCH: 0}
     depth: dict[str, int] = {ROOT_BRANCH: 0}
@@ -104,7 +107,7 @@ def check_episode(events: Sequence[EpisodeEvent]) -> None:
     for i, e in enumerate(events):
         if isinstance(e, Branch):
             assert e.branch_id not in length and e.parent_branch_id in length
-            _check_branch(i, e, events, length)
+            _check_branch(i, e, events, length, restart)
             assert e.depth == depth[e.parent_branch_id] + 1
             length[e.branch_id], depth[e.branch_id] = e.tau, e.depth
         elif isinstance(e, Step):

@@ -35,7 +35,7 @@ async def explore(engine: ScriptedEngine, env: CorridorEnv | None = None, **cfg:
         sink=sink, spec=spec(),
     )  # fmt: skip
     summary = await explorer.run()
-    check_episode(sink.events)
+    check_episode(sink.events, restart=cfg.get("restart_from") == "start")
     return sink.events, summary
 
 
@@ -265,3 +265,19 @@ async def test_sampling_params_follow_the_config_and_seed() -> None:
     assert (refl.temperature, refl.max_new_tokens, refl.stop) == (0.3, 99, ["</experience>"])
     seeds = [c.params.sampling_seed for c in engine.calls]
     assert len(set(seeds)) == len(seeds)
+
+
+async def test_iterative_refinement_restarts_from_step_zero_with_the_experience() -> None:
+    """``restart_from = "start"`` (the IR baseline): the reflection still names tau, but the branch opens
+    at t = 0 with e in its prompt, sharing none of the parent's steps."""
+    engine = ScriptedEngine(
+        actions=[RIGHT, LEFT, LEFT, RIGHT, RIGHT, RIGHT, RIGHT],
+        reflections=["<step>1</step><experience>Never go left.</experience>"],
+    )
+    events, _ = await explore(engine, k=0, max_depth=1, restart_from="start")
+    refl = next(e for e in events if isinstance(e, Reflection))
+    branch = next(e for e in events if isinstance(e, Branch))
+    rollback = next(e for e in events if isinstance(e, Rollback))
+    assert refl.tau == 1 and branch.tau == 0 and rollback.tau == 0
+    first = next(e for e in events if isinstance(e, Step) and e.branch_id == branch.branch_id)
+    assert first.t == 0 and first.experience_in_context

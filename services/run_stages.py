@@ -46,6 +46,7 @@ class RunContext:
     evals: dict[str, Any] = field(default_factory=dict)
     explore_keys: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    learner_log_offset: int = 0
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.config.runs_dir) / self.config.run_id
@@ -127,13 +128,10 @@ async def _display(ctx: RunContext) -> None:
         ctx.console.print(ctx.progress.table(ctx.stage))
 
 
-_learner_offset = {"pos": 0}
-
-
 def _read_learner(ctx: RunContext) -> None:
     if ctx.progress is not None:
         path = ctx.run_dir / "logs" / "learner.log"
-        _learner_offset["pos"] = ctx.progress.read_learner_log(path, _learner_offset["pos"])
+        ctx.learner_log_offset = ctx.progress.read_learner_log(path, ctx.learner_log_offset)
 
 
 async def _evaluate(ctx: RunContext, label: str) -> None:

@@ -19,10 +19,11 @@ import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from hypothesis import strategies as st
 
+from actors.fakes import ByteChatTokenizer  # re-exported: the suites share one fake tokenizer
 from protocol.events import (
     ROOT_BRANCH,
     Branch,
@@ -36,7 +37,6 @@ from protocol.events import (
     event_id_for,
 )
 from protocol.prompt import ChatTokenizer, HistoryEntry, prompt_sha256, render_messages
-from protocol.samples import ChatMessage
 
 __all__ = [
     "EXPERIENCE_MARKER",
@@ -55,28 +55,6 @@ __all__ = [
 EXPERIENCE_MARKER = "EXPERIENCE#"
 INSTRUCTIONS = "You are a Sokoban agent. Answer with <action>up|down|left|right</action>."
 ACTIONS = ("up", "down", "left", "right")
-
-
-class ByteChatTokenizer:
-    """A trivial, reversible :class:`ChatTokenizer`: UTF-8 bytes plus role and end markers."""
-
-    ROLES: ClassVar[dict[str, int]] = {"system": 256, "user": 257, "assistant": 258}
-    END, GEN = 259, 260
-
-    def encode_chat(self, messages: Sequence[ChatMessage], response_prefix: str = "") -> list[int]:
-        """Role marker, content bytes, end marker per message; the generation prompt marker, the prefix."""
-        ids: list[int] = []
-        for m in messages:
-            ids.append(self.ROLES[m.role])
-            ids.extend(m.content.encode())
-            ids.append(self.END)
-        ids.append(self.GEN)
-        ids.extend(response_prefix.encode())
-        return ids
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Content bytes back to text (markers skipped)."""
-        return bytes(t for t in token_ids if t < 256).decode(errors="replace")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ logged with context and counted in :class:`FoldStats`, never fatal.
 Lifecycle: an episode's state is dropped at ``EpisodeFinished``; an abandoned one (no ``EpisodeFinished``)
 is closed by :meth:`Materializer.close_stale` (online, by idle time) or :meth:`Materializer.close_all`
 (end of an offline log), and closing never produces samples from a branch without ``Outcome``. Closed
-episode ids are remembered (bounded) so late duplicates are ignored. :meth:`Materializer.drain_released`
+episode ids are remembered (bounded) with their ``EpisodeFinished`` seq: late duplicates (seq at or below
+it, or anything of an abandoned episode) are ignored, a new event past the end marker is rejected like any
+other malformed event. :meth:`Materializer.drain_released`
 lists the episodes whose events will never be needed again (the replayer acks their anchors then).
 
 Sample ids hash the materializer tag, the kind and the sorted source event ids, so the sample *set* does
@@ -167,7 +169,8 @@ class Materializer:
         self.prompts = PromptCache(tokenizer, self.options.prompt_cache)
         self.stats = FoldStats()
         self._episodes: dict[str, EpisodeTree] = {}
-        self._closed: OrderedDict[str, None] = OrderedDict()
+        self._closed: OrderedDict[str, int | None] = OrderedDict()
+        """Recently closed episodes -> the seq of their EpisodeFinished (None when abandoned)."""
         self._released: list[str] = []
 
     @property
@@ -269,7 +272,11 @@ class Materializer:
     # -- lifecycle -----------------------------------------------------------------------------------
     def _apply_unknown(self, event: EpisodeEvent, now: float) -> list[Sample]:
         if event.episode_id in self._closed:
-            self.stats.after_close += 1
+            last = self._closed[event.episode_id]
+            if last is not None and event.seq > last:
+                self.stats.rejected += 1
+                raise ReplayError(event, f"event after the episode's EpisodeFinished (seq {last})")
+            self.stats.after_close += 1  # a redelivery, or a straggler of an abandoned episode
             return []
         if not isinstance(event, EpisodeStarted):
             self.stats.rejected += 1
@@ -293,7 +300,7 @@ class Materializer:
     def _close(self, tree: EpisodeTree, *, abandoned: bool) -> list[Sample]:
         eid = tree.started.episode_id
         del self._episodes[eid]
-        self._closed[eid] = None
+        self._closed[eid] = tree.finished.seq if tree.finished is not None and not abandoned else None
         while len(self._closed) > self.options.closed_memory:
             self._closed.popitem(last=False)
         return self._on_closed(tree, abandoned)

@@ -25,7 +25,7 @@ from learner.dataset import iter_samples
 from learner.materializers import make_materializer
 from learner.model_io import HFChatTokenizer, tiny_model_dir
 from protocol.codec import decode_sample
-from protocol.events import EpisodeEvent, EpisodeFinished, Step
+from protocol.events import EpisodeEvent, EpisodeFinished, EpisodeStarted, Step, event_id_for
 from protocol.samples import Sample
 from protocol.subjects import EVENTS, SAMPLES, dead_letter_subject
 from services.bus import ERROR_HEADER, Publisher, connect, ensure_streams, read_stream
@@ -200,37 +200,44 @@ async def test_replayer_killed_and_restarted_matches_offline_rebuild(
 async def test_bad_events_are_dead_lettered_and_the_replayer_keeps_going(
     nats_url: str, run_id: str, tokenizer: HFChatTokenizer
 ) -> None:
-    """A Step for an unknown branch goes to the dead-letter subject with its reason; other samples flow."""
+    """A Step for an unknown branch and a Step after its episode's EpisodeFinished go to the dead-letter
+    subject with their reasons; every other sample flows."""
     events = make_log(run_id, tokenizer, episodes=3, groups=0)
     first = events[0]
-    bad = Step(
-        event_id=f"{first.episode_id}.999999",
-        run_id=run_id,
-        episode_id=first.episode_id,
-        actor_id="x",
-        seq=999999,
-        branch_id="b42",
-        t=0,
-        action="up",
-        raw_text="up",
-        token_ids=[1],
-        observation="o",
-    )
+    assert isinstance(first, EpisodeStarted)  # so the first bad Step lands while its episode is open
+
+    def bad_step(seq: int, branch_id: str) -> Step:
+        return Step(
+            event_id=event_id_for(first.episode_id, seq),
+            run_id=run_id,
+            episode_id=first.episode_id,
+            actor_id="x",
+            seq=seq,
+            branch_id=branch_id,
+            t=0,
+            action="up",
+            raw_text="up",
+            token_ids=[1],
+            observation="o",
+        )
+
     nc = await connect(nats_url)
     js = nc.jetstream()
     await ensure_streams(js)
     try:
-        await publish(js, [*events[:5], bad, *events[5:]])
+        await publish(js, [first, bad_step(999998, "b42"), *events[1:], bad_step(999999, "b0")])
         async with Running(nats_url, run_id, "leafe", tokenizer) as r:
             await wait_for(lambda: consumer_settled(js, run_id, "leafe"), what="all events acked")
-            assert r.replayer.stats.dead_letters == 1
+            assert r.replayer.stats.dead_letters == 2
         dead = [
             m
             async for m in read_stream(
                 js, stream="LEAFE_DEAD", filter_subject=dead_letter_subject(run_id, EVENTS.name)
             )
         ]
-        assert len(dead) == 1 and "unknown branch 'b42'" in (dead[0].headers or {})[ERROR_HEADER]
+        reasons = " | ".join((m.headers or {})[ERROR_HEADER] for m in dead)
+        assert len(dead) == 2
+        assert "after the episode's EpisodeFinished" in reasons and "unknown branch 'b42'" in reasons
         online = {s.sample_id for s in await published_samples(js, run_id)}
         assert online == set(await offline_samples(js, run_id, "leafe", tokenizer))
     finally:

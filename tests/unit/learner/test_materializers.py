@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 from learner.materializers import (
@@ -19,6 +20,7 @@ from protocol.events import (
     Reflection,
     Rollback,
     Step,
+    event_id_for,
 )
 from protocol.prompt import HistoryEntry, prompt_sha256, render_messages
 from protocol.samples import Sample
@@ -394,3 +396,18 @@ def test_episodes_in_an_unknown_prompt_format_are_not_materialized() -> None:
     tree.finish()
     samples, m = fold(tree.events, rehearsal_fraction=1.0)
     assert samples == [] and m.stats.unsupported_prompt_format == 1 and m.stats.rejected == 0
+
+
+def test_a_new_event_after_episode_finished_is_rejected_but_a_redelivery_is_ignored() -> None:
+    """Past the end marker only redeliveries are expected: a higher seq is malformed input, not a late copy."""
+    tree, _ = corrected_tree()
+    m = make_materializer("leafe", TOK, rehearsal_fraction=1.0)
+    for e in tree.events:
+        m.apply(e)
+    assert m.apply(tree.events[1]) == [] and m.stats.after_close == 1
+    last = tree.events[-1]
+    seq = last.seq + 1
+    straggler = msgspec.structs.replace(tree.events[1], seq=seq, event_id=event_id_for(last.episode_id, seq))
+    with pytest.raises(ReplayError, match="after the episode's EpisodeFinished"):
+        m.apply(straggler)
+    assert m.stats.rejected == 1

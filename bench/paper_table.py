@@ -12,8 +12,11 @@ Every phase goes through the real services and leaves ``<work>/<phase>/done.json
 finished phases, and each collection phase is its own run in the log (``leafe replay --from <nats url>
 --run <prefix>-explore-base ...`` rebuilds its dataset). Budgets: LEAFE's Stage 1 spends its policy
 actions (``EpisodeFinished.actions``, summed); GRPO and RFT get plain rollout groups sized to the same
-count (``rollout_samples = 0``: g = round(actions / (train tasks x horizon))). Iterative refinement has no
-explorer mode here, so the Table-3 comparison is IS vs tree only.
+count (``rollout_samples = 0``: g = round(actions / (train tasks x horizon))). The Table-3 comparison runs
+Base without training three ways at about that budget: independent sampling (the GRPO rollouts), iterative
+refinement (``explore-ir``: every branch restarts from step 0 with the experience) and the LEAFE tree.
+Phases run in priority order (Base, GRPO, LEAFE from GRPO, RFT, LEAFE from Base, L_reh, IR), so a time
+box (``--max-minutes``) cuts the least important ones.
 
     .venv/bin/python bench/paper_table.py --scale small            # ~1 h on 2 shared cores
     .venv/bin/python bench/paper_table.py --scale full             # 16 test tasks x 16 samples, k <= 16
@@ -87,8 +90,13 @@ class PaperConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Share of successful-path steps kept for D_reh (paper: 20%)."""
     concurrency: int = 16
     """Episodes in flight (the server batches them)."""
+    servers: int = 1
+    """CPU inference servers started side by side (the client sends each request to the least loaded);
+    one per core with ``threads = 1`` uses a small machine fully during collection and evaluation."""
+    dtype: str = "float32"
+    """Serving dtype of the CPU inference servers (``float32`` | ``bfloat16``); training stays float32."""
     threads: int = 1
-    """Torch threads of the CPU inference server. 1: on this shared, oversubscribed machine (load 5 on 2
+    """Torch threads of each CPU inference server. 1: on this shared, oversubscribed machine (load 5 on 2
     cores) 2 OpenMP threads prefilled ~10 tokens/s; 1 thread ~140-230 (load 2-4; the load changed too)."""
     train_threads: int = 2
     """Torch threads of the ``leafe train`` / ``leafe replay`` children."""
@@ -113,7 +121,8 @@ SCALES: dict[str, dict[str, Any]] = {
     },
     "full": {
         "name": "full", "env_options": {**_SMALL_ROOMS, "max_solution_len": 3, "max_steps": 8},
-        "train_tasks": 32, "test_tasks": 16, "eval_samples": 16, "ks": [1, 2, 4, 8, 16], "horizon": 8,
+        "servers": 2, "dtype": "bfloat16", "concurrency": 32, "train_tasks": 24,
+        "test_tasks": 16, "eval_samples": 16, "ks": [1, 2, 4, 8, 16], "horizon": 8,
         "explorer": {"horizon": 8, "k": 4, "max_depth": 3, "max_branches": 6, "max_actions": 40},
         "collect_timeout_s": 7200.0,
     },
@@ -187,12 +196,14 @@ class Runner:
             seed=cfg.eval_seed, rollout_overrides=self._rollout(),
         ))  # fmt: skip
 
-    async def collect(self, name: str, model: Path, version: str, mode: str, samples: int) -> Any:
+    async def collect(
+        self, name: str, model: Path, version: str, mode: str, samples: int, **explorer_kw: Any
+    ) -> Any:
         cfg = self.cfg
 
         async def make() -> dict[str, Any]:
             await lib.load_weights(self.ctx, model, version)
-            explorer = {"history_window": cfg.history_window, **cfg.explorer}
+            explorer = {"history_window": cfg.history_window, **cfg.explorer, **explorer_kw}
             actor = {"explorer": {cfg.env: explorer}, "rollout": {cfg.env: self._rollout()}}
             return await lib.collect(
                 self.ctx, run_id=f"{self.prefix}-{name}", mode=mode, task_ids=self._tasks("train", cfg.train_tasks),
@@ -241,7 +252,7 @@ class Runner:
     async def run(self) -> None:
         cfg, base = self.cfg, self.ctx.base_model
         self.state["trees"] = {}
-        for name in ("explore-base", "explore-grpo"):
+        for name in ("explore-base", "explore-grpo", "explore-ir"):
             if lib.phase_done(self.ctx, name):
                 self.state["trees"][name] = await lib.tree_stats(self.ctx, f"{self.prefix}-{name}")
         await self.evaluate("base", base)
@@ -254,11 +265,7 @@ class Runner:
         grpo = await self.train("train-grpo", "rollout-base", "grpo", base)
         if grpo:
             await self.evaluate("grpo", grpo)
-        # LEAFE from Base spends the same interactions as GRPO (the equal-budget comparison); the paper's
-        # main LEAFE starts from the GRPO checkpoint and adds a second exploration on top.
-        leafe_base = await self.train("train-leafe-base", "explore-base", "leafe", base, beta=cfg.beta)
-        if leafe_base:
-            await self.evaluate("leafe-from-base", leafe_base)
+        # the paper's main LEAFE starts from the GRPO checkpoint and adds a second exploration on top
         if grpo and await self.collect("explore-grpo", grpo, "grpo", "explore", 1) is not None:
             leafe = await self.train("train-leafe-grpo", "explore-grpo", "leafe", grpo, beta=cfg.beta)
             if leafe:
@@ -266,11 +273,15 @@ class Runner:
         rft = await self.train("train-rft", "rollout-base", "rft", base)
         if rft:
             await self.evaluate("rft", rft)
+        # LEAFE from Base spends the same interactions as GRPO (the equal-budget ablation)
+        leafe_base = await self.train("train-leafe-base", "explore-base", "leafe", base, beta=cfg.beta)
+        if leafe_base:
+            await self.evaluate("leafe-from-base", leafe_base)
         if grpo and lib.phase_done(self.ctx, "explore-grpo"):
             reh = await self.train("train-reh-grpo", "explore-grpo", "leafe", grpo, kinds=["reh"])
             if reh:
                 await self.evaluate("reh-only-from-grpo", reh)
-
+        await self.collect("explore-ir", base, "base", "explore", 1, restart_from="start")
 
 def _kind_counts(data: Path) -> dict[str, int]:
     from learner.offline import iter_shard_samples
@@ -298,11 +309,12 @@ async def _run(cfg: PaperConfig, work: Path, results: Path, max_minutes: float) 
         stack.callback(nats.stop)
         base = await asyncio.to_thread(resolve_model, cfg.model)
         urls = list(cfg.engines)
-        if not urls:
+        for _ in range(0 if urls else cfg.servers):
             server_cfg = InferenceConfig(model=str(base), port=0, max_batch=cfg.concurrency, threads=cfg.threads,
-                                         served_model_name="paper-table", weight_version="base")  # fmt: skip
+                                         dtype=cfg.dtype, served_model_name="paper-table",  # type: ignore[arg-type]
+                                         weight_version="base")  # fmt: skip
             server = await stack.enter_async_context(InferenceServer(server_cfg))
-            urls = [server.url]
+            urls.append(server.url)
         engine = await stack.enter_async_context(SGLangClient(urls))
         nc = await connect(nats.url, name="paper-table")
         stack.push_async_callback(nc.drain)

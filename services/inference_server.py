@@ -31,7 +31,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import structlog
@@ -70,6 +70,10 @@ class InferenceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Name reported by /model_info (default: the model argument)."""
     weight_version: str = "default"
     """Version reported until the first weight update (SGLang starts at "default")."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights and activations of the served model (SGLang's ``--dtype``). ``bfloat16`` about doubles CPU
+    prefill where the CPU has AVX512-BF16/AMX (measured 282 -> 599 tokens/s on one Zen 4 core); sampling
+    and logprobs are computed in float32 either way, and weight updates are cast to this dtype."""
     prefix_cache_tokens: int = 16384
     """Prompt tokens whose KV is kept for reuse by later prompts with the same prefix (0 = off;
     SmolLM2 needs ~46 KB per token, so the default holds ~0.75 GB at most)."""
@@ -135,7 +139,7 @@ class InferenceServer:
             torch.set_num_threads(self.config.threads)
         path = resolve_model(self.config.model)
         self.model_path = self.tokenizer_path = path
-        model = load_model(path)
+        model = load_model(path, dtype=getattr(torch, self.config.dtype))
         self._tokenizer = load_tokenizer(path)
         self._context_len = int(getattr(model.config, "max_position_embeddings", 2048))
         self._vocab_size = int(getattr(model.config, "vocab_size", 0) or len(self._tokenizer))
@@ -383,6 +387,7 @@ def main(argv: list[str]) -> int:
         "--prefix-cache-tokens", type=int, default=d.prefix_cache_tokens, help="0 = no prefix cache"
     )
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads (0 = one per core)")
+    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
     p.add_argument("--served-model-name", default=d.served_model_name)
     p.add_argument("--weight-version", default=d.weight_version)
     p.add_argument("--log-level", default="info")
@@ -399,6 +404,7 @@ def main(argv: list[str]) -> int:
         max_prefill_tokens=a.max_prefill_tokens,
         prefix_cache_tokens=a.prefix_cache_tokens,
         threads=a.threads,
+        dtype=a.dtype,
         served_model_name=a.served_model_name,
         weight_version=a.weight_version,
     )

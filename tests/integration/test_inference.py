@@ -332,3 +332,31 @@ async def test_smollm2_chat_reply() -> None:
         handle.stop()
     assert c.text.strip() and chat.decode(c.output_ids).startswith(c.text.strip()[:10])
     assert "Paris" in c.text
+
+
+async def test_bfloat16_server_matches_a_bfloat16_forward_and_casts_reloaded_weights(
+    sharp_dir: Path, tokenizer: Any, tmp_path: Path
+) -> None:
+    """``dtype="bfloat16"``: the served logprobs are those of the bf16 model (float32 softmax), and an fp32
+    export loaded by ``update_weights_from_disk`` is cast to bf16 rather than rejected."""
+    handle = start_in_thread(InferenceConfig(model=str(sharp_dir), port=0, threads=1, dtype="bfloat16"))
+    ids = prompt(tokenizer, "Half precision on the CPU")
+    try:
+        async with SGLangClient(handle.url) as client:
+            [c] = await client.generate(ids, GREEDY, return_logprob=True)
+            v1 = _perturbed_export(tmp_path / "v1", "v1", seed=1)
+            [ok] = await client.update_weights_from_disk(str(v1), "v1")
+            [after] = await client.generate(ids, GREEDY, return_logprob=True)
+    finally:
+        handle.stop()
+    assert ok.success and after.weight_version == "v1"
+    for model_dir, out in ((sharp_dir, c), (v1, after)):
+        model = load_model(model_dir, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([ids + out.output_ids])).logits[0].float()
+        ref = torch.log_softmax(logits, -1)[len(ids) - 1 : -1].gather(1, torch.tensor(out.output_ids)[:, None])
+        assert out.logprobs is not None
+        # KV-cached bf16 decoding rounds differently from one bf16 forward over the whole sequence
+        # (measured: mean 0.01, max 0.09 nats); other weights would be off by whole nats
+        err = (torch.tensor(out.logprobs) - ref[:, 0]).abs()
+        assert err.mean() < 0.03 and err.max() < 0.25, err

@@ -76,6 +76,8 @@ class PaperConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     history_window: int = 2
     """Past steps shown in an action prompt (rollouts, eval and Stage 1; 0 = all). Reflection prompts
     keep the whole history so tau is nameable. Short prompts are what makes CPU prefill affordable."""
+    explore_samples: int = 1
+    """Stage-1 trees per train task (each a separate episode with its own sampling seed)."""
     rollout_samples: int = 0
     """GRPO group size / RFT samples per train task; 0 = match Stage 1's measured action budget."""
     train_preset: str = "cpu"
@@ -121,7 +123,7 @@ SCALES: dict[str, dict[str, Any]] = {
     },
     "full": {
         "name": "full", "env_options": {**_SMALL_ROOMS, "max_solution_len": 3, "max_steps": 8},
-        "servers": 2, "dtype": "bfloat16", "concurrency": 32, "train_tasks": 24,
+        "servers": 2, "dtype": "bfloat16", "concurrency": 32, "train_tasks": 24, "explore_samples": 3,
         "test_tasks": 16, "eval_samples": 16, "ks": [1, 2, 4, 8, 16], "horizon": 8,
         "explorer": {"horizon": 8, "k": 4, "max_depth": 3, "max_branches": 6, "max_actions": 40},
         "collect_timeout_s": 7200.0,
@@ -191,7 +193,7 @@ class Runner:
     async def evaluate(self, label: str, model: Path) -> dict[str, Any] | None:
         cfg = self.cfg
         return await self.phase(f"eval-{label}", lambda: lib.evaluate_model(
-            self.ctx, label=label, model=model, version=label, run_id=f"{self.prefix}-eval",
+            self.ctx, label=label, model=model, version=label, run_id=f"{self.prefix}-eval-{label}",
             task_ids=self._tasks("test", cfg.test_tasks), samples=cfg.eval_samples, ks=cfg.ks,
             seed=cfg.eval_seed, rollout_overrides=self._rollout(),
         ))  # fmt: skip
@@ -256,7 +258,7 @@ class Runner:
             if lib.phase_done(self.ctx, name):
                 self.state["trees"][name] = await lib.tree_stats(self.ctx, f"{self.prefix}-{name}")
         await self.evaluate("base", base)
-        explore = await self.collect("explore-base", base, "base", "explore", 1)
+        explore = await self.collect("explore-base", base, "base", "explore", cfg.explore_samples)
         if explore is None:
             return
         g = cfg.rollout_samples or max(2, round(explore["actions"] / (cfg.train_tasks * cfg.horizon)))
@@ -266,7 +268,10 @@ class Runner:
         if grpo:
             await self.evaluate("grpo", grpo)
         # the paper's main LEAFE starts from the GRPO checkpoint and adds a second exploration on top
-        if grpo and await self.collect("explore-grpo", grpo, "grpo", "explore", 1) is not None:
+        if (
+            grpo
+            and await self.collect("explore-grpo", grpo, "grpo", "explore", cfg.explore_samples) is not None
+        ):
             leafe = await self.train("train-leafe-grpo", "explore-grpo", "leafe", grpo, beta=cfg.beta)
             if leafe:
                 await self.evaluate("leafe-from-grpo", leafe)
@@ -281,7 +286,8 @@ class Runner:
             reh = await self.train("train-reh-grpo", "explore-grpo", "leafe", grpo, kinds=["reh"])
             if reh:
                 await self.evaluate("reh-only-from-grpo", reh)
-        await self.collect("explore-ir", base, "base", "explore", 1, restart_from="start")
+        await self.collect("explore-ir", base, "base", "explore", cfg.explore_samples, restart_from="start")
+
 
 def _kind_counts(data: Path) -> dict[str, int]:
     from learner.offline import iter_shard_samples

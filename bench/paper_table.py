@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import sys
 import time
@@ -193,14 +194,16 @@ class Runner:
     async def evaluate(self, label: str, model: Path) -> dict[str, Any] | None:
         cfg = self.cfg
         return await self.phase(f"eval-{label}", lambda: lib.evaluate_model(
-            self.ctx, label=label, model=model, version=label, run_id=f"{self.prefix}-eval-{label}",
+            self.ctx, label=label, model=model, version=label,
+            run_id=f"{self.prefix}-eval-{label}-{_weights_tag(model)}",
             task_ids=self._tasks("test", cfg.test_tasks), samples=cfg.eval_samples, ks=cfg.ks,
             seed=cfg.eval_seed, rollout_overrides=self._rollout(),
         ))  # fmt: skip
 
     async def collect(
-        self, name: str, model: Path, version: str, mode: str, samples: int, **explorer_kw: Any
+        self, name: str, model: Path, version: str, mode: str, samples: int, run: str = "", **explorer_kw: Any
     ) -> Any:
+        """Collection phase ``name`` in run ``run`` (default ``<prefix>-<name>``)."""
         cfg = self.cfg
 
         async def make() -> dict[str, Any]:
@@ -208,7 +211,8 @@ class Runner:
             explorer = {"history_window": cfg.history_window, **cfg.explorer, **explorer_kw}
             actor = {"explorer": {cfg.env: explorer}, "rollout": {cfg.env: self._rollout()}}
             return await lib.collect(
-                self.ctx, run_id=f"{self.prefix}-{name}", mode=mode, task_ids=self._tasks("train", cfg.train_tasks),
+                self.ctx, run_id=run or f"{self.prefix}-{name}", mode=mode,
+                task_ids=self._tasks("train", cfg.train_tasks),
                 samples=samples, seed=cfg.seed, actor_overrides=actor, timeout_s=cfg.collect_timeout_s,
             )  # fmt: skip
 
@@ -223,7 +227,8 @@ class Runner:
             if materializer == "leafe":
                 options = {"rehearsal_fraction": cfg.rehearsal_fraction, "rehearsal_seed": cfg.seed}
             data = work / "dataset"
-            n = await lib.replay(self.ctx, run_id=f"{self.prefix}-{run}", materializer=materializer,
+            run_id = (lib.phase_done(self.ctx, run) or {}).get("run_id", f"{self.prefix}-{run}")
+            n = await lib.replay(self.ctx, run_id=run_id, materializer=materializer,
                                  out=data, options=options)  # fmt: skip
             kinds = kw.get("kinds")
             if kinds:
@@ -262,7 +267,14 @@ class Runner:
         if explore is None:
             return
         g = cfg.rollout_samples or max(2, round(explore["actions"] / (cfg.train_tasks * cfg.horizon)))
-        if await self.collect("rollout-base", base, "base", "rollout", g) is None:
+        # the group size is part of the run id: groups of another size (an earlier invocation with another
+        # budget) must not mix with these, since a GRPO group is fixed by its first members' group_size
+        if (
+            await self.collect(
+                "rollout-base", base, "base", "rollout", g, run=f"{self.prefix}-rollout-base-g{g}"
+            )
+            is None
+        ):
             return
         grpo = await self.train("train-grpo", "rollout-base", "grpo", base)
         if grpo:
@@ -287,6 +299,13 @@ class Runner:
             if reh:
                 await self.evaluate("reh-only-from-grpo", reh)
         await self.collect("explore-ir", base, "base", "explore", cfg.explore_samples, restart_from="start")
+
+
+def _weights_tag(model: Path) -> str:
+    """8 hex digits of the export's manifest (``base`` for the shipped model): an evaluation's run id names
+    the weights it ran, so re-training a method never mixes two checkpoints' episodes in one run."""
+    manifest = model / "manifest.json"
+    return hashlib.sha256(manifest.read_bytes()).hexdigest()[:8] if manifest.is_file() else "base"
 
 
 def _kind_counts(data: Path) -> dict[str, int]:

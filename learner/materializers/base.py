@@ -96,6 +96,7 @@ class FoldStats:
     groups_zero_variance: int = 0
     groups_dropped: int = 0
     late_attempts: int = 0
+    group_outsiders: int = 0
     unsupported_prompt_format: int = 0
 
     def as_dict(self) -> dict[str, object]:

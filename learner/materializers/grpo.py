@@ -10,7 +10,10 @@ Groups whose returns have zero variance carry no signal and produce nothing (cou
 
 Members are keyed by ``task_key``: when a task was redelivered and two attempts finish, the one with the
 smaller episode id is used. A member's events stay needed (its anchor unreleased) until the group is
-emitted or dropped; a group with no activity for the stale timeout is dropped.
+emitted or dropped; a group with no activity for the stale timeout is dropped. A rollout that cannot join
+its group (the group was already emitted, or it declares another ``group_size``, as when a task batch was
+resubmitted with another n under the same run) gives no samples and is counted (``group_outsiders``) and
+logged with the reason: use a new run id for a new group size.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Literal
 
 import msgspec
 import numpy as np
+import structlog
 
 from learner.materializers.base import CommonOptions, Materializer, path_entries
 from learner.materializers.tree import EpisodeTree
@@ -28,6 +32,8 @@ from protocol.events import ROOT_BRANCH, EpisodeEvent, Step
 from protocol.samples import Sample
 
 __all__ = ["GrpoMaterializer", "GrpoOptions"]
+
+log = structlog.get_logger(__name__)
 
 
 class GrpoOptions(CommonOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -73,7 +79,8 @@ class GrpoMaterializer(Materializer):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._groups: dict[tuple[str, str], _Group] = {}
-        self._emitted_groups: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._emitted_groups: OrderedDict[tuple[str, str], int] = OrderedDict()
+        """Recently emitted (or dropped) groups -> their size."""
         self._clock = 0.0
 
     def _group_key(self, tree: EpisodeTree) -> tuple[str, str] | None:
@@ -84,9 +91,22 @@ class GrpoMaterializer(Materializer):
 
     def _on_started(self, tree: EpisodeTree) -> list[Sample]:
         key = self._group_key(tree)
-        if key is None or key in self._emitted_groups:
+        if key is None:
             return []
-        group = self._groups.setdefault(key, _Group(size=max(1, tree.started.group_size), last_active=0.0))
+        size = max(1, tree.started.group_size)
+        group = self._groups.get(key)
+        if key in self._emitted_groups or (group is not None and group.size != size):
+            why = (
+                "its group was already emitted"
+                if group is None
+                else f"group_size {size} != the group's {group.size}"
+            )
+            self.stats.group_outsiders += 1
+            log.warning(
+                "replay.grpo.group_outsider", episode_id=tree.started.episode_id, group_id=key[1], reason=why
+            )
+            return []
+        group = self._groups.setdefault(key, _Group(size=size, last_active=0.0))
         group.last_active = max(group.last_active, tree.last_active)
         group.episodes.add(tree.started.episode_id)
         group.open.add(tree.started.episode_id)
@@ -95,7 +115,7 @@ class GrpoMaterializer(Materializer):
     def _on_finished(self, tree: EpisodeTree) -> list[Sample]:
         key = self._group_key(tree)
         group = self._groups.get(key) if key is not None else None
-        if key is None or group is None:
+        if key is None or group is None or tree.started.episode_id not in group.episodes:
             return []
         group.last_active = max(group.last_active, tree.last_active)
         root = tree.branches[ROOT_BRANCH]
@@ -182,7 +202,7 @@ class GrpoMaterializer(Materializer):
 
     def _finish_group(self, key: tuple[str, str], group: _Group) -> None:
         del self._groups[key]
-        self._emitted_groups[key] = None
+        self._emitted_groups[key] = group.size
         while len(self._emitted_groups) > self.options.closed_memory:
             self._emitted_groups.popitem(last=False)
         self._released.extend(sorted(group.episodes - group.open))

@@ -74,6 +74,24 @@ def test_grpo_retried_task_uses_one_attempt() -> None:
     assert {s.episode_id for s in out} == {"g3-0.a1", "g3-1.a1"} and m.stats.late_attempts == 1
 
 
+def test_grpo_rollouts_that_cannot_join_their_group_are_counted_not_mixed_in() -> None:
+    """Members past an emitted group, or declaring another group_size (a batch resubmitted with another n
+    under the same run), give no samples and are counted; the group keeps its own members only."""
+    pair = [rollout("g5", i, ok, n=2) for i, ok in enumerate([True, False])]
+    late = [rollout("g5", i, ok, n=4) for i, ok in ((2, True), (3, False))]
+    m = make_materializer("grpo", TOK)
+    out: list[Sample] = []
+    for tree in pair + late:
+        for e in tree.events:
+            out += m.apply(e)
+    assert {s.episode_id for s in out} == {"g5-0.a1", "g5-1.a1"} and m.stats.group_outsiders == 2
+    assert sorted(m.drain_released()) == ["g5-0.a1", "g5-1.a1", "g5-2.a1", "g5-3.a1"]
+    mixed = [rollout("g6", 0, True, n=2), rollout("g6", 1, False, n=3), rollout("g6", 2, False, n=2)]
+    m = make_materializer("grpo", TOK)
+    out = [s for e in [e for t in mixed for e in t.events] for s in m.apply(e)]
+    assert {s.episode_id for s in out} == {"g6-0.a1", "g6-2.a1"} and m.stats.group_outsiders == 1
+
+
 def test_rft_keeps_parsed_steps_of_successful_rollouts() -> None:
     """RFT: every parsed step of a successful rollout, nothing from failures."""
     ok, bad = rollout("g4", 0, True), rollout("g4", 1, False)

@@ -21,6 +21,7 @@ METHODS = {
     "leafe-from-base": ("LEAFE (from Base)", ["explore-base", "train-leafe-base"]),
     "leafe-from-grpo": ("LEAFE (from GRPO)", ["rollout-base", "train-grpo", "explore-grpo", "train-leafe-grpo"]),
     "reh-only-from-grpo": ("L_reh only (from GRPO)", ["rollout-base", "train-grpo", "explore-grpo", "train-reh-grpo"]),
+    "base-reseed": ("Base, other sampling seeds (noise check)", []),
 }  # fmt: skip
 """Eval label -> (name, phases its weights depend on: their wall time is the method's training cost)."""
 
@@ -180,6 +181,61 @@ def _table3(state: dict[str, Any]) -> list[str]:
     ]
 
 
+def _boot_diff(
+    a: dict[str, list[bool]], b: dict[str, list[bool]], k: int, iters: int = 4000, seed: int = 0
+) -> tuple[float, float, float]:
+    """Pass@k(a) - Pass@k(b) on the same tasks, with a 95% two-level bootstrap interval: resample test
+    tasks, then each method's samples within a task (so a task solved once in n is as shaky as it is)."""
+    import numpy as np
+
+    from actors.passk import pass_at_k
+
+    rng = np.random.default_rng(seed)
+    tasks = sorted(set(a) & set(b))
+    sa = [np.array(a[t], dtype=bool) for t in tasks]
+    sb = [np.array(b[t], dtype=bool) for t in tasks]
+
+    def score(xs: list[Any], idx: Any) -> float:
+        return float(np.mean([pass_at_k(len(xs[i]), int(xs[i].sum()), k) for i in idx]))
+
+    point = score(sa, range(len(tasks))) - score(sb, range(len(tasks)))
+    diffs = []
+    for _ in range(iters):
+        idx = rng.integers(0, len(tasks), len(tasks))
+        ra = [x[rng.integers(0, len(x), len(x))] for x in sa]
+        rb = [x[rng.integers(0, len(x), len(x))] for x in sb]
+        diffs.append(score(ra, idx) - score(rb, idx))
+    lo, hi = np.percentile(diffs, [2.5, 97.5])
+    return point, float(lo), float(hi)
+
+
+def _significance(cfg: Any, state: dict[str, Any]) -> list[str]:
+    evals, kmax = _evals(state), max(cfg.ks)
+    pairs = [(lab, "grpo") for lab in ("leafe-from-grpo", "leafe-from-base", "rft", "reh-only-from-grpo")]
+    pairs += [("grpo", "base"), ("leafe-from-grpo", "base"), ("base-reseed", "base")]
+    lines = [
+        f"| comparison | Pass@1 diff [95% CI] | Pass@{kmax} diff [95% CI] |",
+        "|---|---|---|",
+    ]
+    for a, b in pairs:
+        if a in evals and b in evals:
+            cells = []
+            for k in (1, kmax):
+                d, lo, hi = _boot_diff(evals[a]["successes"], evals[b]["successes"], k)
+                mark = " *" if lo > 0 or hi < 0 else ""
+                cells.append(f"{100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]{mark}")
+            lines.append(f"| {METHODS[a][0]} - {METHODS[b][0]} | {cells[0]} | {cells[1]} |")
+    if len(lines) == 2:
+        return ["(needs two evaluations)"]
+    return [
+        *lines,
+        "",
+        "Points of Pass@k; `*` marks an interval that excludes 0. Two-level bootstrap (4,000 draws): test tasks",
+        "with replacement, then each method's n samples within a task with replacement. The Base-vs-Base row",
+        "(same weights, other sampling seeds) shows how large a gap pure sampling noise makes here.",
+    ]
+
+
 def _analysis(cfg: Any, state: dict[str, Any]) -> list[str]:
     evals, kmax = _evals(state), max(cfg.ks)
 
@@ -263,6 +319,10 @@ def write_report(cfg: Any, state: dict[str, Any], results: Path) -> None:
         *_main_table(cfg, state),
         "",
         "Train wall = collection + training phases the weights depend on (shared phases counted in each).",
+        "",
+        "### Paired differences with bootstrap intervals",
+        "",
+        *_significance(cfg, state),
         "",
         "## Interaction budgets (policy actions from `EpisodeFinished.actions`)",
         "",

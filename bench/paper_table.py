@@ -15,8 +15,10 @@ actions (``EpisodeFinished.actions``, summed); GRPO and RFT get plain rollout gr
 count (``rollout_samples = 0``: g = round(actions / (train tasks x horizon))). The Table-3 comparison runs
 Base without training three ways at about that budget: independent sampling (the GRPO rollouts), iterative
 refinement (``explore-ir``: every branch restarts from step 0 with the experience) and the LEAFE tree.
-Phases run in priority order (Base, GRPO, LEAFE from GRPO, RFT, LEAFE from Base, L_reh, IR), so a time
-box (``--max-minutes``) cuts the least important ones.
+Phases run in priority order (Base, GRPO, LEAFE from GRPO, RFT, LEAFE from Base, L_reh, a second Base
+evaluation with other sampling seeds as a noise check, IR), so a time box (``--max-minutes``) cuts the
+least important ones. The report gives two-level bootstrap intervals (test tasks, then samples within a
+task) for the paired Pass@k differences.
 
     .venv/bin/python bench/paper_table.py --scale small            # ~1 h on 2 shared cores
     .venv/bin/python bench/paper_table.py --scale full             # 16 test tasks x 16 samples, k <= 16
@@ -191,13 +193,13 @@ class Runner:
     def _rollout(self) -> dict[str, Any]:
         return {"horizon": self.cfg.horizon, "history_window": self.cfg.history_window}
 
-    async def evaluate(self, label: str, model: Path) -> dict[str, Any] | None:
+    async def evaluate(self, label: str, model: Path, seed_offset: int = 0) -> dict[str, Any] | None:
         cfg = self.cfg
         return await self.phase(f"eval-{label}", lambda: lib.evaluate_model(
             self.ctx, label=label, model=model, version=label,
             run_id=f"{self.prefix}-eval-{label}-{_weights_tag(model)}",
             task_ids=self._tasks("test", cfg.test_tasks), samples=cfg.eval_samples, ks=cfg.ks,
-            seed=cfg.eval_seed, rollout_overrides=self._rollout(),
+            seed=cfg.eval_seed + seed_offset, rollout_overrides=self._rollout(),
         ))  # fmt: skip
 
     async def collect(
@@ -298,6 +300,8 @@ class Runner:
             reh = await self.train("train-reh-grpo", "explore-grpo", "leafe", grpo, kinds=["reh"])
             if reh:
                 await self.evaluate("reh-only-from-grpo", reh)
+        # noise check: the same Base weights under other sampling seeds; any gap to eval-base is pure noise
+        await self.evaluate("base-reseed", base, seed_offset=1)
         await self.collect("explore-ir", base, "base", "explore", cfg.explore_samples, restart_from="start")
 
 

@@ -111,7 +111,7 @@ def _budget_table(state: dict[str, Any]) -> list[str]:
         "| tasks solved | wall s |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for name in ("explore-base", "rollout-base", "explore-grpo"):
+    for name in ("explore-base", "rollout-base", "explore-grpo", "explore-ir"):
         if name in ph:
             r = ph[name]
             lines.append(
@@ -253,7 +253,12 @@ def _analysis(cfg: Any, state: dict[str, Any]) -> list[str]:
             a, b = at(lab, k), at("grpo", k)
             if a is not None and b is not None:
                 verdict = "beats" if a > b else ("ties" if a == b else "does NOT beat")
-                out.append(f"- {METHODS[lab][0]} {verdict} GRPO at Pass@{k}: {_pct(a)} vs {_pct(b)}.")
+                _, lo, hi = _boot_diff(evals[lab]["successes"], evals["grpo"]["successes"], k)
+                sig = "significant" if lo > 0 or hi < 0 else "within noise"
+                out.append(
+                    f"- {METHODS[lab][0]} {verdict} GRPO at Pass@{k}: {_pct(a)} vs {_pct(b)} "
+                    f"(diff 95% CI [{100 * lo:+.1f}, {100 * hi:+.1f}]: {sig})."
+                )
     ph = state["phases"]
     for name, t in (state.get("trees") or {}).items():
         train = {"explore-base": "train-leafe-base", "explore-grpo": "train-leafe-grpo"}.get(name)
@@ -279,6 +284,15 @@ def _analysis(cfg: Any, state: dict[str, Any]) -> list[str]:
             f"solved {t}/{tree['tasks']} train tasks and independent sampling {i}/{ind['tasks']}: the paper's "
             f"tree > IS is {verdict} here ({tree['tasks']} tasks; one task is {100 / max(1, tree['tasks']):.0f} "
             "points)."
+        )
+    ir = ph.get("explore-ir")
+    if ir and "explore-base" in ph:
+        tree = ph["explore-base"]
+        out.append(
+            f"- Iterative refinement solved {ir['tasks_solved']}/{ir['tasks']} train tasks with {ir['actions']} "
+            f"actions vs the tree's {tree['tasks_solved']}/{tree['tasks']} with {tree['actions']}: IR spent "
+            f"{ir['actions'] / max(1, tree['actions']):.2f}x the tree's actions under the same max_actions cap "
+            "(restarting re-samples the whole prefix), so this row is not at equal budget."
         )
     base = at("base", kmax)
     if base is not None:

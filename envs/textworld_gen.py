@@ -6,6 +6,12 @@ with ``textworld.challenges.tw_cooking`` (the code behind ``tw-make tw-cooking``
 to the final one and renames it into place, so concurrent processes never see half a game (the loser
 of a race drops its copy). Train and test draw their game seeds from different streams.
 
+TextWorld's generator is not thread-safe: it parses its logic files and samples the world through
+module-level state, and two threads generating at once fail with errors that look like bad seeds
+(``pop from empty list``, logic-file parse errors, ``'NoneType' object is not iterable``; measured: six
+games at once in threads all failed, each alone succeeds). Envs run in threads (``env_in_thread``), so
+generation holds a process-wide lock; separate processes are independent and race only on the rename.
+
 Run ``python -m envs.textworld_gen`` to generate the first test game and print its walkthrough.
 """
 
@@ -16,6 +22,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import msgspec
@@ -29,6 +36,8 @@ __all__ = ["CookingSpec", "ensure_game", "game_seed", "spec_digest"]
 log = structlog.get_logger(__name__)
 
 GAME_FILE = "game.z8"
+_GENERATOR_LOCK = threading.Lock()
+"""Serializes TextWorld's generator inside a process (it is not thread-safe, see the module doc)."""
 
 
 class CookingSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -97,8 +106,9 @@ def _generate(spec: CookingSpec, seed: int, out_dir: Path) -> None:
     options.file_ext = ".z8"
     options.force_recompile = True
     try:
-        game = cooking.make(settings, options)
-        compile_game(game, options)
+        with _GENERATOR_LOCK:
+            game = cooking.make(settings, options)
+            compile_game(game, options)
     except Exception as e:  # the generator raises many types; name the game and keep the cause
         raise EnvError(f"textworld could not generate a cooking game {spec!r} seed {seed}: {e}") from e
     os.chmod(out_dir, 0o755)

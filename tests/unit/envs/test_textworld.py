@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from envs.base import EnvError
 from envs.cache import publish_dir
 from envs.textworld_env import TextWorldConfig, TextWorldEnv, clean_observation
-from envs.textworld_gen import game_seed
+from envs.textworld_gen import CookingSpec, ensure_game, game_seed
 
 TASK = "textworld-cooking/test/0"
 
@@ -93,6 +94,14 @@ def test_publish_dir_keeps_the_first_copy(tmp_path: Path) -> None:
     assert not publish_dir(tmp_path / ".tmp-b", final)
     assert (final / "game.z8").read_text() == "a"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["game"]
+
+
+def test_threads_generating_different_games_all_succeed(tmp_path: Path) -> None:
+    """TextWorld's generator shares module state; without the process lock, threads generating at once
+    failed with ``pop from empty list`` or logic-file parse errors (envs run in threads)."""
+    with ThreadPoolExecutor(3) as pool:
+        games = list(pool.map(lambda i: ensure_game(CookingSpec(), 0, "train", 20 + i, tmp_path), range(3)))
+    assert len(set(games)) == 3 and all(g.is_file() and g.with_suffix(".json").is_file() for g in games)
 
 
 @pytest.mark.slow

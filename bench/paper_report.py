@@ -28,7 +28,8 @@ METHODS = {
 PAPER = """\
 Paper (Qwen2.5-7B, Sokoban, Pass@1 / Pass@128, %): Base 6.90 / 43.80, GRPO 58.15 / 68.00, LEAFE 64.60 / 78.40
 (EarlyExp 60.15 / 71.60, ACE 61.30 / 70.80). Stage 1 alone at equal budget (CodeContests Pass@128,
-Qwen2.5-72B): IS 48.65, IR 49.52, LEAFE tree 54.30. Ablation (ScienceWorld Pass@128): L_reh alone 59.33,
+Qwen2.5-72B): IS 48.65, IR 49.52, LEAFE tree 54.30. CodeContests (Qwen2.5-72B, Pass@1 / Pass@128): Base
+10.00 / 33.94, GRPO 20.45 / 36.97, LEAFE 17.12 / 47.88. Ablation (ScienceWorld Pass@128): L_reh alone 59.33,
 L_cf + L_reh 62.00. The shape: GRPO may win Pass@1, LEAFE wins Pass@k at large k."""
 
 
@@ -307,7 +308,7 @@ def _analysis(cfg: Any, state: dict[str, Any]) -> list[str]:
 
 
 def write_report(cfg: Any, state: dict[str, Any], results: Path) -> None:
-    """Write ``paper_table.md/.json/.png`` under ``results`` from ``cfg`` and the phase results so far."""
+    """Write ``<cfg.report_name>.md/.json/.png`` under ``results`` from ``cfg`` and the phase results so far."""
     from services.report import plot_passk
 
     results.mkdir(parents=True, exist_ok=True)
@@ -315,7 +316,9 @@ def write_report(cfg: Any, state: dict[str, Any], results: Path) -> None:
     evals = _evals(state)
     curves = {METHODS[lab][0]: {int(k): v for k, v in r["passk"].items()} for lab, r in evals.items()}
     if curves:
-        plot_passk(curves, results / "paper_table.png", title=f"Pass@k, {cfg.env} test ({cfg.name} scale)")
+        plot_passk(
+            curves, results / f"{cfg.report_name}.png", title=f"Pass@k, {cfg.env} test ({cfg.name} scale)"
+        )
     ph = state["phases"]
     md = [
         f"# Paper table at `{cfg.name}` scale: Base vs GRPO vs RFT vs LEAFE ({cfg.env})",
@@ -324,6 +327,11 @@ def write_report(cfg: Any, state: dict[str, Any], results: Path) -> None:
         "in-process actor service, CPU inference server with weight reloads, `leafe replay`, `leafe train`).",
         f"Phases finished: {', '.join(ph) or 'none'}.",
         f"Phases not started (time box `--max-minutes` reached): {', '.join(state['skipped']) or 'none'}.",
+        *(
+            [f"Phases left out by the config (`phases`): {', '.join(state['excluded'])}."]
+            if state.get("excluded")
+            else []
+        ),
         *[f"Phase **{k} failed**: `{v}`" for k, v in state.get("failed", {}).items()],
         *[f"Not evaluated: {k}: {v}." for k, v in state.get("not_evaluated", {}).items()],
         *([f"Run notes: {cfg.notes}"] if cfg.notes else []),
@@ -372,8 +380,8 @@ def write_report(cfg: Any, state: dict[str, Any], results: Path) -> None:
         "```",
         "",
     ]
-    (results / "paper_table.md").write_text("\n".join(md), encoding="utf-8")
+    (results / f"{cfg.report_name}.md").write_text("\n".join(md), encoding="utf-8")
     blob = {"config": config, "paper": PAPER, **state}
-    (results / "paper_table.json").write_text(
+    (results / f"{cfg.report_name}.json").write_text(
         json.dumps(blob, indent=1, default=str) + "\n", encoding="utf-8"
     )

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import paper_lib as lib
 from bench.paper_report import write_report
 
-__all__ = ["SCALES", "PaperConfig", "main", "scale_config"]
+__all__ = ["PHASES", "SCALES", "PaperConfig", "main", "scale_config"]
 
 log = structlog.get_logger(__name__)
 
@@ -109,6 +109,12 @@ class PaperConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """External SGLang URLs (``--scale gpu``); empty = in-process CPU inference server."""
     collect_timeout_s: float = 1800.0
     """Longest a collection phase may run."""
+    phases: list[str] = msgspec.field(default_factory=list)
+    """Phase names to run (empty = all). A second environment needs only Base, GRPO and LEAFE from GRPO:
+    ``eval-base, explore-base, rollout-base, train-grpo, eval-grpo, explore-grpo, train-leafe-grpo,
+    eval-leafe-from-grpo``; the report lists the phases left out."""
+    report_name: str = "paper_table"
+    """File stem of the report under ``--results`` (``<report_name>.md/.json/.png``)."""
     notes: str = ""
     """Free text printed in the report (e.g. what changed between resumed invocations)."""
     seed: int = 0
@@ -116,6 +122,13 @@ class PaperConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     eval_seed: int = 12345
     """Sampling seed of evaluation (same for every method: paired comparison)."""
 
+
+PHASES = (
+    "eval-base", "explore-base", "rollout-base", "train-grpo", "eval-grpo", "explore-grpo", "train-leafe-grpo",
+    "eval-leafe-from-grpo", "train-rft", "eval-rft", "train-leafe-base", "eval-leafe-from-base",
+    "train-reh-grpo", "eval-reh-only-from-grpo", "eval-base-reseed", "explore-ir",
+)  # fmt: skip
+"""Every phase, in the order ``Runner.run`` reaches them (the names ``phases`` may list)."""
 
 _SMALL_ROOMS = {"height": 5, "width": 5, "num_boxes": 1, "max_solution_len": 2, "max_steps": 6}
 SCALES: dict[str, dict[str, Any]] = {
@@ -147,7 +160,11 @@ def scale_config(scale: str, override: dict[str, Any] | None = None) -> PaperCon
     """The preset ``scale`` with ``override`` fields on top (validated; errors name the field)."""
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; known: {', '.join(SCALES)}")
-    return msgspec.convert({**SCALES[scale], **(override or {})}, PaperConfig)
+    cfg = msgspec.convert({**SCALES[scale], **(override or {})}, PaperConfig)
+    unknown = sorted(set(cfg.phases) - set(PHASES))
+    if unknown:
+        raise ValueError(f"unknown phase(s) {', '.join(unknown)} in phases; known: {', '.join(PHASES)}")
+    return cfg
 
 
 def _train_args(cfg: PaperConfig, *, beta: float | None = None) -> list[str]:
@@ -161,11 +178,16 @@ class Runner:
     def __init__(self, cfg: PaperConfig, ctx: lib.Ctx, results: Path, deadline: float) -> None:
         self.cfg, self.ctx, self.results, self.deadline = cfg, ctx, results, deadline
         self.prefix = f"pt-{cfg.name}"
-        self.state: dict[str, Any] = {"phases": {}, "skipped": [], "failed": {}, "not_evaluated": {}}
+        self.state: dict[str, Any] = {
+            "phases": {}, "skipped": [], "excluded": [], "failed": {}, "not_evaluated": {}
+        }  # fmt: skip
 
     async def phase(self, name: str, make: Any) -> dict[str, Any] | None:
         done = lib.phase_done(self.ctx, name)
         if done is None:
+            if self.cfg.phases and name not in self.cfg.phases:
+                self.state["excluded"].append(name)
+                return None
             if time.monotonic() > self.deadline:
                 self.state["skipped"].append(name)
                 return None
@@ -384,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or Path("runs/paper_table") / cfg.name
     configure_logging(json=True, level="info", file=work / "paper_table.jsonl")
     asyncio.run(_run(cfg, work, args.results, args.max_minutes))
-    print(json.dumps({"report": str(args.results / "paper_table.md")}))
+    print(json.dumps({"report": str(args.results / f"{cfg.report_name}.md")}))
     return 0
 
 

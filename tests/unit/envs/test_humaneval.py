@@ -136,6 +136,18 @@ def test_splits_are_disjoint_stable_and_complete() -> None:
         a.reset(f"humaneval/train/{next(iter(test)).split('/')[-1]}")
 
 
+def test_max_solution_lines_keeps_only_short_canonical_solutions() -> None:
+    """The difficulty knob: both splits hold only problems whose canonical solution is short enough; asking
+    for more test problems than remain is an error naming the count."""
+    env = HumanEvalEnv(HumanEvalConfig(max_solution_lines=1, num_test=16))
+    tasks = env.tasks("train") + env.tasks("test")
+    assert len(env.tasks("test")) == 16 and len(tasks) == 37
+    assert all(env.problem(t).solution_lines == 1 for t in tasks)
+    assert env.problem(tasks[0]).canonical_solution.strip().count("\n") == 0
+    with pytest.raises(EnvError, match="only 37 problems"):
+        HumanEvalEnv(HumanEvalConfig(max_solution_lines=1, num_test=38))
+
+
 def test_extract_code_accepts_fences_and_bare_code() -> None:
     """A fenced block defining the function wins; bare code is taken; prose is not code."""
     text = "Sure.\n```\nprint(1)\n```\nBetter:\n```python\ndef f(x):\n    return x\n```\n"

@@ -28,6 +28,7 @@ import random
 import re
 import secrets
 import textwrap
+import warnings
 from functools import cache
 from importlib.resources import files
 from pathlib import Path
@@ -163,7 +164,9 @@ def extract_code(text: str, entry_point: str) -> str | None:
     if not stripped.strip():
         return None
     try:
-        ast.parse(textwrap.dedent(stripped))
+        with warnings.catch_warnings():  # model prose like "1st" would print SyntaxWarnings to stderr
+            warnings.simplefilter("ignore", SyntaxWarning)
+            ast.parse(textwrap.dedent(stripped))
     except SyntaxError:
         return stripped if re.search(r"\b(def|return)\b", stripped) else None
     return stripped

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from envs.base import EnvError
@@ -155,3 +157,7 @@ def test_extract_code_accepts_fences_and_bare_code() -> None:
     assert extract_code("def f(x):\n    return x", "f") == "def f(x):\n    return x"
     assert extract_code("    return x + 1", "f") == "    return x + 1"
     assert extract_code("I do not know how to do this.", "f") is None
+    with warnings.catch_warnings(record=True) as caught:  # code Python warns about: taken, no stderr noise
+        warnings.simplefilter("always")
+        assert extract_code("x = 1if y else 2", "f") == "x = 1if y else 2"
+    assert not caught

@@ -265,7 +265,13 @@ def _analysis(cfg: Any, state: dict[str, Any]) -> list[str]:
         train = {"explore-base": "train-leafe-base", "explore-grpo": "train-leafe-grpo"}.get(name)
         if train is None:
             continue
-        kinds = ph.get(train, {}).get("kinds", {})
+        if train not in ph:
+            out.append(
+                f"- Stage 1 ({name}): {t['branch_successes']} of {t['branch_outcomes']} rolled-back branches solved "
+                f"their task after {t['reflections']} reflections (its Stage 2, {train}, was not run)."
+            )
+            continue
+        kinds = ph[train].get("kinds", {})
         n_cf = int(kinds.get("cf", 0))
         out.append(
             f"- Stage 1 ({name}): {t['branch_successes']} of {t['branch_outcomes']} rolled-back branches solved "

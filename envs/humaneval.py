@@ -164,7 +164,7 @@ def extract_code(text: str, entry_point: str) -> str | None:
     if not stripped.strip():
         return None
     try:
-        with warnings.catch_warnings():  # model prose like "1st" would print SyntaxWarnings to stderr
+        with warnings.catch_warnings():  # text like "x = 1if y else 2" would print SyntaxWarnings
             warnings.simplefilter("ignore", SyntaxWarning)
             ast.parse(textwrap.dedent(stripped))
     except SyntaxError:

@@ -210,19 +210,36 @@ def _boot_diff(
     return point, float(lo), float(hi)
 
 
-def _significance(cfg: Any, state: dict[str, Any]) -> list[str]:
-    evals, kmax = _evals(state), max(cfg.ks)
-    pairs = [(lab, "grpo") for lab in ("leafe-from-grpo", "leafe-from-base", "rft", "reh-only-from-grpo")]
-    pairs += [("grpo", "base"), ("leafe-from-grpo", "base"), ("base-reseed", "base")]
+_PAIRS = [(lab, "grpo") for lab in ("leafe-from-grpo", "leafe-from-base", "rft", "reh-only-from-grpo")] + [
+    ("grpo", "base"), ("leafe-from-grpo", "base"), ("base-reseed", "base")
+]  # fmt: skip
+"""Paired comparisons the report gives intervals for (the first four also carry the verdicts)."""
+
+CIs = dict[tuple[str, str, int], tuple[float, float, float]]
+
+
+def _intervals(cfg: Any, state: dict[str, Any]) -> CIs:
+    """``(a, b, k) -> (diff, lo, hi)`` for every evaluated pair of :data:`_PAIRS` at k = 1 and max k;
+    computed once per report (each is 4,000 bootstrap draws)."""
+    evals, out = _evals(state), {}
+    for a, b in _PAIRS:
+        if a in evals and b in evals:
+            for k in sorted({1, max(cfg.ks)}):
+                out[a, b, k] = _boot_diff(evals[a]["successes"], evals[b]["successes"], k)
+    return out
+
+
+def _significance(cfg: Any, cis: CIs) -> list[str]:
+    kmax = max(cfg.ks)
     lines = [
         f"| comparison | Pass@1 diff [95% CI] | Pass@{kmax} diff [95% CI] |",
         "|---|---|---|",
     ]
-    for a, b in pairs:
-        if a in evals and b in evals:
+    for a, b in _PAIRS:
+        if (a, b, 1) in cis:
             cells = []
             for k in (1, kmax):
-                d, lo, hi = _boot_diff(evals[a]["successes"], evals[b]["successes"], k)
+                d, lo, hi = cis[a, b, k]
                 mark = " *" if lo > 0 or hi < 0 else ""
                 cells.append(f"{100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]{mark}")
             lines.append(f"| {METHODS[a][0]} - {METHODS[b][0]} | {cells[0]} | {cells[1]} |")
@@ -237,7 +254,7 @@ def _significance(cfg: Any, state: dict[str, Any]) -> list[str]:
     ]
 
 
-def _analysis(cfg: Any, state: dict[str, Any]) -> list[str]:
+def _analysis(cfg: Any, state: dict[str, Any], cis: CIs) -> list[str]:
     evals, kmax = _evals(state), max(cfg.ks)
 
     def at(lab: str, k: int) -> float | None:
@@ -254,7 +271,7 @@ def _analysis(cfg: Any, state: dict[str, Any]) -> list[str]:
             a, b = at(lab, k), at("grpo", k)
             if a is not None and b is not None:
                 verdict = "beats" if a > b else ("ties" if a == b else "does NOT beat")
-                _, lo, hi = _boot_diff(evals[lab]["successes"], evals["grpo"]["successes"], k)
+                _, lo, hi = cis[lab, "grpo", k]
                 sig = "significant" if lo > 0 or hi < 0 else "within noise"
                 out.append(
                     f"- {METHODS[lab][0]} {verdict} GRPO at Pass@{k}: {_pct(a)} vs {_pct(b)} "
@@ -325,7 +342,7 @@ def write_report(cfg: Any, state: dict[str, Any], results: Path) -> None:
         plot_passk(
             curves, results / f"{cfg.report_name}.png", title=f"Pass@k, {cfg.env} test ({cfg.name} scale)"
         )
-    ph = state["phases"]
+    ph, cis = state["phases"], _intervals(cfg, state)
     md = [
         f"# Paper table at `{cfg.name}` scale: Base vs GRPO vs RFT vs LEAFE ({cfg.env})",
         "",
@@ -350,7 +367,7 @@ def write_report(cfg: Any, state: dict[str, Any], results: Path) -> None:
         "",
         "### Paired differences with bootstrap intervals",
         "",
-        *_significance(cfg, state),
+        *_significance(cfg, cis),
         "",
         "## Interaction budgets (policy actions from `EpisodeFinished.actions`)",
         "",
@@ -370,7 +387,7 @@ def write_report(cfg: Any, state: dict[str, Any], results: Path) -> None:
         "",
         "## Analysis",
         "",
-        *_analysis(cfg, state),
+        *_analysis(cfg, state, cis),
         "",
         "## What limited the scale",
         "",

@@ -183,6 +183,8 @@ class Runner:
         }  # fmt: skip
 
     async def phase(self, name: str, make: Any) -> dict[str, Any] | None:
+        if name not in PHASES:  # keeps the names ``phases`` may list in step with what runs
+            raise ValueError(f"phase {name!r} is missing from PHASES")
         done = lib.phase_done(self.ctx, name)
         if done is None:
             if self.cfg.phases and name not in self.cfg.phases:

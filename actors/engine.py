@@ -1,7 +1,7 @@
 """What actors need from an inference engine: ``generate`` over token ids, and the engine's version.
 
 ``actors/client.py`` implements :class:`Engine` over SGLang's native HTTP API (a real SGLang server or
-our CPU server, ``services/inference_server.py``); tests use scripted fakes with the same interface.
+our CPU server, ``services/inference/server.py``); tests use scripted fakes with the same interface.
 """
 
 from __future__ import annotations

@@ -45,8 +45,8 @@ from protocol.tasks import TaskAssignment
 from services.actor import ActorService
 from services.actor_episode import PublisherSink
 from services.bus import Publisher, connect, ensure_streams
-from services.logs import configure_logging
-from services.nats_server import EmbeddedNats
+from services.bus.nats_server import EmbeddedNats
+from services.logsetup import configure_logging
 
 RESULTS = Path(__file__).resolve().parent / "results" / "actor.json"
 MOVES = [

@@ -41,7 +41,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from protocol import Step, decode_event, encode
 from protocol.subjects import dead_letter_subject
 from services.bus import Consumer, Publisher, connect, ensure_streams
-from services.nats_server import EmbeddedNats
+from services.bus.nats_server import EmbeddedNats
 
 STREAM = "LEAFE_EVENTS"
 BATCH = 256

@@ -1,4 +1,4 @@
-"""Benchmark of the CPU inference server (services/inference_server.py) against serial HF ``generate``.
+"""Benchmark of the CPU inference server (services/inference/server.py) against serial HF ``generate``.
 
     .venv/bin/python bench/inference.py [--quick] [--model smollm2-135m-instruct] [--threads 0]
 
@@ -35,9 +35,9 @@ from safetensors.torch import load, load_file
 
 from actors.client import SGLangClient, parse_completions
 from learner.model_io import export_weights, load_model, load_tokenizer, resolve_model, verify_manifest
-from services.inference_local import ServerThread, start_in_thread
-from services.inference_server import InferenceConfig
-from services.inference_weights import load_weight_dir
+from services.inference.local import ServerThread, start_in_thread
+from services.inference.server import InferenceConfig
+from services.inference.weights import load_weight_dir
 
 RESULTS = Path(__file__).resolve().parent / "results" / "inference.json"
 WORDS = "the box is left of the target and the player stands below it near a wall".split()

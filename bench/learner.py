@@ -52,9 +52,9 @@ from learner.trainer import Trainer
 from protocol import WeightsPublished, weights_subject
 from protocol.samples import ChatMessage, Sample
 from services.bus import Publisher, connect, ensure_streams
-from services.inference_server import InferenceConfig, InferenceServer
-from services.logs import configure_logging
-from services.nats_server import EmbeddedNats
+from services.bus.nats_server import EmbeddedNats
+from services.inference.server import InferenceConfig, InferenceServer
+from services.logsetup import configure_logging
 from services.weight_sync import WeightSync, WeightSyncConfig
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learner.json"

@@ -90,7 +90,7 @@ async def load_weights(ctx: Ctx, model_dir: Path, version: str) -> None:
 async def _episodes(ctx: Ctx, run_id: str) -> dict[str, dict[str, Any]]:
     """Task key -> {task_id, success, actions, replay_steps} of every finished episode of ``run_id``."""
     from protocol.events import EpisodeFinished, EpisodeStarted
-    from services.log_tools import iter_stream_events
+    from services.eventlog.transfer import iter_stream_events
 
     started: dict[str, EpisodeStarted] = {}
     out: dict[str, dict[str, Any]] = {}
@@ -284,7 +284,7 @@ async def tree_stats(ctx: Ctx, run_id: str, examples: int = 3) -> dict[str, Any]
     """What Stage 1 did in ``run_id``: branches, reflections, how many rolled-back branches succeeded,
     parse failures, and the first few experiences the policy wrote (to show their quality)."""
     from protocol.events import Branch, EpisodeFinished, Outcome
-    from services.log_tools import iter_stream_events
+    from services.eventlog.transfer import iter_stream_events
 
     branched: set[str] = set()
     out: dict[str, Any] = {"episodes": 0, "branches": 0, "reflections": 0, "parse_failures": 0,

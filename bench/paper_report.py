@@ -332,7 +332,7 @@ def _analysis(cfg: Any, state: dict[str, Any], cis: CIs) -> list[str]:
 
 def write_report(cfg: Any, state: dict[str, Any], results: Path) -> None:
     """Write ``<cfg.report_name>.md/.json/.png`` under ``results`` from ``cfg`` and the phase results so far."""
-    from services.report import plot_passk
+    from services.figures import plot_passk
 
     results.mkdir(parents=True, exist_ok=True)
     config = msgspec.to_builtins(cfg)

@@ -351,8 +351,8 @@ async def _run(cfg: PaperConfig, work: Path, results: Path, max_minutes: float) 
     from actors.client import SGLangClient
     from learner.model_io import HFChatTokenizer, resolve_model
     from services.bus import connect, ensure_streams
-    from services.inference_server import InferenceConfig, InferenceServer
-    from services.nats_server import EmbeddedNats
+    from services.bus.nats_server import EmbeddedNats
+    from services.inference.server import InferenceConfig, InferenceServer
 
     deadline = time.monotonic() + 60 * max_minutes
     work.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 (once, before anything runs)
@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: parse flags, run the phases, write the report."""
     import tomllib
 
-    from services.logs import configure_logging
+    from services.logsetup import configure_logging
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--scale", default="small", help="small | full | gpu")

@@ -148,7 +148,7 @@ async def time_service(n_events: int, tokenizer: ChatTokenizer) -> dict[str, Any
     """Publish ``n_events`` to an embedded nats-server, then run the replayer until all are acked."""
     from protocol.subjects import EVENTS
     from services.bus import Publisher, connect, ensure_streams
-    from services.nats_server import EmbeddedNats
+    from services.bus.nats_server import EmbeddedNats
     from services.replayer import Replayer, ReplayerConfig, durable_name
 
     events = [e for c in synthetic_chunks(n_events, seed=7, tokenizer=tokenizer) for e in c]
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller logs (a minute or two)")
     args = p.parse_args(argv)
-    from services.logs import configure_logging
+    from services.logsetup import configure_logging
 
     configure_logging(json=False, level="error")
     n_fold, n_real, n_service = (200_000, 20_000, 20_000) if args.quick else (1_000_000, 200_000, 100_000)

@@ -270,7 +270,9 @@ def verify_manifest(model_dir: Path, expected_sha256: str | None = None) -> dict
     for name, digest in manifest.get("files", {}).items():
         f = model_dir / name
         if not f.is_file():
-            raise ManifestError(f"{model_dir}: {name} listed in manifest.json is missing (half-written export?)")
+            raise ManifestError(
+                f"{model_dir}: {name} listed in manifest.json is missing (half-written export?)"
+            )
         if _sha256_file(f) != digest:
             raise ManifestError(f"{model_dir}: {name} does not match its sha256 in manifest.json")
     return dict(manifest)

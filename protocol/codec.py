@@ -75,7 +75,9 @@ def headers_for(msg: Any) -> dict[str, str]:
 
 def _decode(decoder: msgspec.msgpack.Decoder[Any], data: Any, what: str, codec_version: str | None) -> Any:
     if codec_version is not None and codec_version not in _KNOWN_VERSIONS:
-        raise ProtocolError(what, f"unknown codec version {codec_version!r} (known: {sorted(_KNOWN_VERSIONS)})")
+        raise ProtocolError(
+            what, f"unknown codec version {codec_version!r} (known: {sorted(_KNOWN_VERSIONS)})"
+        )
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ProtocolError(what, f"expected bytes, got {type(data).__name__}")
     try:

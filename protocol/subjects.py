@@ -1,7 +1,7 @@
 """Subjects and stream specifications, as data.
 
 Subjects: ``leafe.<run>.events.<kind>``, ``leafe.<run>.tasks``, ``leafe.<run>.samples.<kind>``,
-``leafe.<run>.weights``, ``leafe.<run>.dead.<stream>``. ``services/bus.py`` turns :data:`STREAMS` into
+``leafe.<run>.weights``, ``leafe.<run>.dead.<stream>``. ``services/bus/`` turns :data:`STREAMS` into
 JetStream streams; nothing here talks to NATS.
 """
 
@@ -80,7 +80,7 @@ def dead_letter_subject(run_id: str, stream: str) -> str:
 
 
 class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """A JetStream stream, as data (``services/bus.py`` creates it idempotently)."""
+    """A JetStream stream, as data (``services/bus/`` creates it idempotently)."""
 
     name: str
     """Stream name."""

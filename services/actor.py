@@ -270,7 +270,7 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     from learner.model_io import HFChatTokenizer, resolve_model
     from services.config import dump_config, load_config
-    from services.logs import configure_logging
+    from services.logsetup import configure_logging
 
     configure_logging(json=True, level=args.log_level)
     if not args.nats:

@@ -12,18 +12,18 @@ import sys
 __all__ = ["VERBS", "main"]
 
 VERBS: dict[str, tuple[str, str]] = {
-    "run": ("services.run", "run the whole pipeline on one machine (the main job)"),
+    "run": ("services.run.main", "run the whole pipeline on one machine (the main job)"),
     "actor": ("services.actor", "actor service: pull tasks, explore/roll out, publish events"),
     "replayer": ("services.replayer", "replayer service: events -> samples, continuously"),
     "learner": ("services.learner", "learner service: samples -> FSDP training -> weight pushes"),
     "weight-sync": ("services.weight_sync", "follow WeightsPublished and reload every inference server"),
-    "inference": ("services.inference_server", "CPU inference server with SGLang's native HTTP API"),
+    "inference": ("services.inference.server", "CPU inference server with SGLang's native HTTP API"),
     "tasks": ("services.tasks", "submit task assignments to a run's work queue"),
     "replay": ("services.replay", "rebuild a dataset from an event log (stream or exported file)"),
     "train": ("services.train", "train offline on rebuilt dataset shards"),
     "eval": ("services.eval", "Pass@k evaluation of one or more models/weight versions"),
-    "log": ("services.log_tools", "export, import or inspect an event log"),
-    "nats": ("services.nats_server", "run an embedded nats-server with JetStream (for local use)"),
+    "log": ("services.eventlog.cli", "export, import or inspect an event log"),
+    "nats": ("services.bus.nats_server", "run an embedded nats-server with JetStream (for local use)"),
 }
 
 

@@ -100,7 +100,7 @@ def _ks(text: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from services.nats_server import nats_url_from_env
+    from services.bus.nats_server import nats_url_from_env
 
     _, creds = nats_url_from_env()
     p = argparse.ArgumentParser(
@@ -171,7 +171,7 @@ async def _engine_for(
     """An engine and the matching tokenizer: a fresh in-process server for a model, else the URLs."""
     from actors.client import SGLangClient
     from learner.model_io import HFChatTokenizer, resolve_model
-    from services.inference_server import InferenceConfig, InferenceServer
+    from services.inference.server import InferenceConfig, InferenceServer
 
     if target.model is None:
         async with SGLangClient(list(target.urls)) as client:
@@ -268,7 +268,7 @@ async def run_eval(args: argparse.Namespace, task_ids: Sequence[str], ks: list[i
 
 def report_markdown(report: EvalReport) -> str:
     """``eval.md``: the Pass@k table and one line per model with its cost figures."""
-    from services.report import passk_markdown
+    from services.figures import passk_markdown
 
     head = (
         f"# Pass@k: {report.env}, split {report.split}\n\n"
@@ -291,7 +291,7 @@ def _cost_line(r: EvalResult) -> str:
 
 def write_report(report: EvalReport, out: Path) -> list[Path]:
     """Write ``eval.json``, ``eval.md`` and ``passk.png`` into ``out``; returns their paths."""
-    from services.report import plot_passk
+    from services.figures import plot_passk
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=1) + b"\n")
@@ -321,7 +321,7 @@ def _task_ids(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str]) -> int:
     """Entry point of ``leafe eval``."""
     from protocol.subjects import validate_run_id
-    from services.logs import configure_logging
+    from services.logsetup import configure_logging
 
     p = _parser()
     args = p.parse_args(argv)

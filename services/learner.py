@@ -122,7 +122,7 @@ def main(argv: list[str]) -> int:
     from learner.config import resolve_learner_config
     from learner.distributed import distributed_env
     from protocol import validate_run_id
-    from services.logs import configure_logging
+    from services.logsetup import configure_logging
 
     configure_logging(json=not args.console, level=args.log_level)
     validate_run_id(args.run)

@@ -41,7 +41,6 @@ __all__ = [
     "file_events",
     "fold_events",
     "main",
-    "read_range",
     "rebuild",
     "resolve_config",
     "stream_event_count",
@@ -115,7 +114,7 @@ def _decode(data: bytes, headers: dict[str, str] | None, where: str) -> EpisodeE
 
 def file_events(path: Path) -> Iterator[EpisodeEvent | None]:
     """Events of a ``leafe log export`` file in log order (``None`` for an undecodable record)."""
-    from services.log_tools import iter_log_file
+    from services.eventlog.fileformat import iter_log_file
 
     for i, (subject, headers, data) in enumerate(iter_log_file(path)):
         yield _decode(data, headers, f"{path} record {i} ({subject})")
@@ -128,48 +127,6 @@ async def stream_events(js: Any, run_id: str) -> AsyncIterator[EpisodeEvent | No
     subject = f"leafe.{validate_run_id(run_id)}.events.>"
     async for msg in read_stream(js, stream=EVENTS.name, filter_subject=subject):
         yield _decode(msg.data, msg.headers, f"{msg.subject} seq {msg.metadata.sequence.stream}")
-
-
-async def read_range(
-    js: Any, *, filter_subject: str, start_seq: int, end_seq: int, batch: int = 512
-) -> AsyncIterator[Any]:
-    """Messages of ``LEAFE_EVENTS`` matching ``filter_subject`` with ``start_seq <= seq <= end_seq``."""
-    from nats.errors import TimeoutError as NatsTimeout
-    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
-    if end_seq < start_seq:
-        return
-    name = f"leafe-recover-{js._nc._nuid.next().decode()}"
-    config = ConsumerConfig(
-        name=name,
-        ack_policy=AckPolicy.NONE,
-        deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-        opt_start_seq=start_seq,
-        filter_subject=filter_subject,
-        inactive_threshold=60.0,
-        mem_storage=True,
-    )
-    await js.add_consumer(EVENTS.name, config)
-    sub = await js.pull_subscribe_bind(consumer=name, stream=EVENTS.name)
-    try:
-        while True:
-            try:
-                msgs = await sub.fetch(batch, timeout=2.0)
-            except NatsTimeout:
-                return  # nothing left (the range's last message was deleted by limits)
-            for msg in msgs:
-                seq = int(msg.metadata.sequence.stream)
-                if seq > end_seq:
-                    return
-                yield msg
-                if seq == end_seq:
-                    return
-    finally:
-        await sub.unsubscribe()
-        try:
-            await js.delete_consumer(EVENTS.name, name)
-        except Exception as e:  # reaped by inactive_threshold anyway
-            log.debug("replay.read_range.cleanup", consumer=name, error=str(e))
 
 
 async def stream_event_count(js: Any, run_id: str) -> int:
@@ -271,7 +228,7 @@ def fold_events(
 
 
 def _parser() -> argparse.ArgumentParser:
-    from services.nats_server import nats_url_from_env
+    from services.bus.nats_server import nats_url_from_env
 
     _, creds = nats_url_from_env()
     p = argparse.ArgumentParser(
@@ -315,7 +272,7 @@ def main(argv: list[str]) -> int:
     """Entry point of ``leafe replay``."""
     from learner.materializers import make_materializer
     from learner.model_io import HFChatTokenizer, resolve_model
-    from services.logs import configure_logging
+    from services.logsetup import configure_logging
 
     args = _parser().parse_args(argv)
     configure_logging(json=False, level=args.log_level)

@@ -167,7 +167,7 @@ class Replayer:
         return int(info.ack_floor.stream_seq or 0), int(info.delivered.stream_seq or 0)
 
     async def _recover(self, start: int, end: int) -> None:
-        from services.replay import read_range
+        from services.bus import read_range
 
         now = time.monotonic()
         samples: list[Sample] = []
@@ -349,7 +349,7 @@ async def serve(
 
 
 def _parser() -> argparse.ArgumentParser:
-    from services.nats_server import nats_url_from_env
+    from services.bus.nats_server import nats_url_from_env
 
     url, creds = nats_url_from_env()
     p = argparse.ArgumentParser(
@@ -368,7 +368,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     """Entry point of ``leafe replayer``."""
     from services.config import dump_config, load_config
-    from services.logs import configure_logging
+    from services.logsetup import configure_logging
 
     args = _parser().parse_args(argv)
     configure_logging(json=True, level=args.log_level)

@@ -164,7 +164,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from learner.config import resolve_train_config
     from learner.distributed import distributed_env
-    from services.logs import configure_logging
+    from services.logsetup import configure_logging
 
     configure_logging(json=not args.console, level=args.log_level)
     cfg = resolve_train_config(args.preset, args.config, **_overrides(args))

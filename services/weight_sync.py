@@ -296,7 +296,7 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if not a.nats:
         raise SystemExit("leafe weight-sync: give --nats URL or set LEAFE_NATS_URL")
-    from services.logs import configure_logging
+    from services.logsetup import configure_logging
 
     configure_logging(json=True, level=a.log_level)
     structlog.contextvars.bind_contextvars(run_id=a.run)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.nats_server import EmbeddedNats
+from services.bus.nats_server import EmbeddedNats
 
 
 @pytest.fixture(scope="session")

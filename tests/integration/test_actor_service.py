@@ -276,8 +276,8 @@ SMALL_SOKOBAN = {"horizon": 6, "k": 3, "max_actions": 14, "max_branches": 3, "ma
 @pytest.fixture(scope="module")
 def inference_url() -> Iterator[str]:
     """A CPU inference server with the tiny random model, in a thread of this process."""
-    from services.inference_local import start_in_thread
-    from services.inference_server import InferenceConfig
+    from services.inference.local import start_in_thread
+    from services.inference.server import InferenceConfig
 
     server = start_in_thread(InferenceConfig(model="tiny", port=0, threads=1))
     try:

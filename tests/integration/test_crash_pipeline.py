@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from services.run_config import preset
-from services.run_report import finish
-from services.run_stages import (
+from services.run.presets import preset
+from services.run.report import finish
+from services.run.stages import (
     RunContext,
     _drain,
     _explore,
@@ -60,7 +60,7 @@ async def test_sigkill_every_service_loses_and_duplicates_nothing(tmp_path: Path
     kills: list[str] = []
     async with AsyncExitStack() as stack:
         await _start_infra(ctx, stack)
-        from services.progress import RunProgress
+        from services.run.progress import RunProgress
 
         ctx.progress = RunProgress(run_id=config.run_id)
         follow_stop = asyncio.Event()
@@ -73,7 +73,7 @@ async def test_sigkill_every_service_loses_and_duplicates_nothing(tmp_path: Path
             await _drain(ctx)
             await finish(ctx)
             from protocol.subjects import SAMPLES
-            from services.run_stages import _consumer_state
+            from services.run.stages import _consumer_state
 
             state = await _consumer_state(ctx, SAMPLES.name, f"learner-{config.run_id}")
         finally:

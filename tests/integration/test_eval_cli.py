@@ -14,8 +14,8 @@ from learner.model_io import export_weights, load_model, tiny_model_dir
 from protocol.events import EpisodeFinished, EpisodeStarted, Step
 from services.cli import main as leafe
 from services.eval import EvalReport
-from services.inference_local import start_in_thread
-from services.inference_server import InferenceConfig
+from services.inference.local import start_in_thread
+from services.inference.server import InferenceConfig
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The SGLang client against the real CPU inference server (``services/inference_server.py``) with the
+"""The SGLang client against the real CPU inference server (``services/inference/server.py``) with the
 tiny random model: generation, stop rules, exact ids and logprobs, seeded sampling inside batches, n>1,
 weight reloads (good and bad), bad requests; and one chat reply from the real SmolLM2 weights.
 """
@@ -26,8 +26,8 @@ from learner.model_io import (
     tiny_model_dir,
 )
 from protocol.samples import ChatMessage
-from services.inference_local import ServerThread, start_in_thread
-from services.inference_server import InferenceConfig
+from services.inference.local import ServerThread, start_in_thread
+from services.inference.server import InferenceConfig
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 
@@ -354,7 +354,9 @@ async def test_bfloat16_server_matches_a_bfloat16_forward_and_casts_reloaded_wei
         model = load_model(model_dir, dtype=torch.bfloat16)
         with torch.inference_mode():
             logits = model(input_ids=torch.tensor([ids + out.output_ids])).logits[0].float()
-        ref = torch.log_softmax(logits, -1)[len(ids) - 1 : -1].gather(1, torch.tensor(out.output_ids)[:, None])
+        ref = torch.log_softmax(logits, -1)[len(ids) - 1 : -1].gather(
+            1, torch.tensor(out.output_ids)[:, None]
+        )
         assert out.logprobs is not None
         # KV-cached bf16 decoding rounds differently from one bf16 forward over the whole sequence
         # (measured: mean 0.01, max 0.09 nats); other weights would be off by whole nats

@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from learner.config import resolve_train_config
-from services.nats_server import free_port
+from services.bus.nats_server import free_port
 from services.train import train
 from tests.unit.learner.learner_helpers import (
     assert_same_weights,

@@ -1,5 +1,5 @@
 """Weight push end to end: the online learner exports and announces a version, ``leafe weight-sync``
-follows ``LEAFE_WEIGHTS`` and reloads two real CPU inference servers (services/inference_server.py);
+follows ``LEAFE_WEIGHTS`` and reloads two real CPU inference servers (services/inference/server.py);
 both then report the new version and generate differently."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from learner.checkpoint import Progress
 from learner.config import BatchConfig, LearnerConfig, OptimConfig, TrainerConfig
 from learner.executor import Executor
 from learner.trainer import Trainer
-from services.inference_server import InferenceConfig, InferenceServer
+from services.inference.server import InferenceConfig, InferenceServer
 from services.learner_online import OnlineLearner
 from services.weight_sync import WeightSync, WeightSyncConfig
 from tests.unit.learner.learner_helpers import dist_env, make_sample, one_thread, publish_samples, tiny_dir

@@ -15,7 +15,7 @@ from actors.client import SGLangClient
 from learner.model_io import export_weights, load_model
 from protocol import WeightsPublished, weights_subject
 from services.bus import Publisher, connect, ensure_streams
-from services.inference_server import InferenceConfig, InferenceServer
+from services.inference.server import InferenceConfig, InferenceServer
 from services.weight_sync import WeightSync, WeightSyncConfig
 from tests.unit.learner.learner_helpers import one_thread, tiny_dir
 

@@ -15,7 +15,9 @@ import structlog
 from protocol.codec import CODEC_HEADER, MSG_ID_HEADER, ProtocolError
 from protocol.events import EpisodeEvent
 from services.bus import Publisher, connect, ensure_streams
-from services.log_file import (
+from services.bus.nats_server import EmbeddedNats
+from services.eventlog.cli import main
+from services.eventlog.fileformat import (
     MAGIC,
     LogFileError,
     LogHeader,
@@ -27,8 +29,7 @@ from services.log_file import (
     read_log_header,
     write_events,
 )
-from services.log_tools import export_run, import_log, iter_stream_records, main, read_stream_events
-from services.nats_server import EmbeddedNats
+from services.eventlog.transfer import export_run, import_log, iter_stream_records, read_stream_events
 from tests.property.strategies import make_episode
 
 anyio = pytest.mark.anyio

@@ -377,7 +377,7 @@ def test_leafe_replay_from_file_equals_replay_from_stream(
     """`leafe replay` of an exported log file and of the stream write byte-identical datasets."""
     from learner.dataset import read_manifest
     from services import replay
-    from services.log_tools import export_run
+    from services.eventlog.transfer import export_run
 
     events = make_log(run_id, tokenizer, episodes=6, groups=1)
     log_file = tmp_path / "run.leafelog"

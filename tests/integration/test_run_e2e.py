@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from protocol.events import EpisodeStarted
-from services.log_tools import read_events
+from services.eventlog.fileformat import read_events
 
 pytestmark = pytest.mark.integration
 

@@ -120,7 +120,7 @@ def test_nats_config_is_accepted_by_nats_server(
     rendered: dict[str, Docs], overlay: str, tmp_path: Path
 ) -> None:
     """The rendered nats.conf, with the auth include at its mount path, passes `nats-server -t`."""
-    from services.nats_server import find_nats_server
+    from services.bus.nats_server import find_nats_server
 
     docs = rendered[overlay]
     mounts = {m["name"]: m["mountPath"] for m in container_named(docs, "nats", "nats").spec["volumeMounts"]}

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from services.inference_api import RequestError, copy_seed, output_body, parse_generate, parse_sampling
-from services.inference_decode import GenSequence, GenSpec, StopChecker
-from services.inference_engine import GenerationEngine
-from services.inference_prefix import PrefixCache
-from services.inference_sampling import choose_tokens
+from services.inference.api import RequestError, copy_seed, output_body, parse_generate, parse_sampling
+from services.inference.decode import GenSequence, GenSpec, StopChecker
+from services.inference.engine import GenerationEngine
+from services.inference.prefix import PrefixCache
+from services.inference.sampling import choose_tokens
 
 EOS = 0
 

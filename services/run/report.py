@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
-from services.report import passk_markdown, plot_passk, plot_tree
-
-if TYPE_CHECKING:
-    from services.run_stages import RunContext
+from services.figures import passk_markdown, plot_passk, plot_tree
+from services.run.context import RunContext
 
 __all__ = ["finish"]
 
@@ -32,7 +30,7 @@ async def _stream_sample_ids(js: Any, run_id: str) -> set[str]:
 
 async def _rebuild(ctx: RunContext, log_file: Path) -> tuple[Path, Any]:
     from learner.dataset import iter_samples, read_manifest
-    from services.supervisor import ServiceProcess
+    from services.run.supervisor import ServiceProcess
 
     out = ctx.run_dir / "dataset"
     proc = ServiceProcess("replay", [
@@ -52,7 +50,7 @@ async def _rebuild(ctx: RunContext, log_file: Path) -> tuple[Path, Any]:
 def _pick_tree(log_file: Path) -> list[Any]:
     """Events of the most instructive explore episode: most branches, a success preferred."""
     from protocol.events import Branch, EpisodeFinished, EpisodeStarted
-    from services.log_tools import read_events
+    from services.eventlog.fileformat import read_events
 
     by_episode: dict[str, list[Any]] = {}
     explore: set[str] = set()
@@ -106,7 +104,7 @@ def _report(ctx: RunContext, dataset: Path, manifest: Any, same: bool, n_stream:
 
 async def finish(ctx: RunContext) -> None:
     """Export, rebuild, compare, plot and write ``report.md`` into the run directory."""
-    from services.log_tools import export_run
+    from services.eventlog.transfer import export_run
 
     run_dir = ctx.run_dir
     log_file = run_dir / "events.leafelog"
@@ -116,10 +114,14 @@ async def finish(ctx: RunContext) -> None:
     stream_ids = await _stream_sample_ids(ctx.js, ctx.config.run_id)
     same = ids == stream_ids
     if not same:
-        log.error("run.dataset.mismatch", offline_only=len(ids - stream_ids), stream_only=len(stream_ids - ids))
+        log.error(
+            "run.dataset.mismatch", offline_only=len(ids - stream_ids), stream_only=len(stream_ids - ids)
+        )
     if ctx.evals:
         plot_passk({k: r.passk for k, r in ctx.evals.items()}, run_dir / "passk.png")
     tree = await asyncio.to_thread(_pick_tree, log_file)
     if tree:
         await asyncio.to_thread(plot_tree, tree, run_dir / "tree.png")
-    (run_dir / "report.md").write_text(_report(ctx, dataset, manifest, same, len(stream_ids)), encoding="utf-8")
+    (run_dir / "report.md").write_text(
+        _report(ctx, dataset, manifest, same, len(stream_ids)), encoding="utf-8"
+    )

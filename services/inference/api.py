@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from services.inference_decode import GenSequence, GenSpec
+from services.inference.decode import GenSequence, GenSpec
 
 __all__ = [
     "PromptJob",

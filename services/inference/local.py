@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from services.inference_server import InferenceConfig, InferenceServer
+from services.inference.server import InferenceConfig, InferenceServer
 
 __all__ = ["ServerThread", "start_in_thread"]
 

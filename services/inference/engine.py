@@ -26,7 +26,7 @@ from typing import Any
 import structlog
 import torch
 
-from services.inference_decode import (
+from services.inference.decode import (
     DecodeBatch,
     GenSequence,
     StopChecker,
@@ -35,8 +35,8 @@ from services.inference_decode import (
     prefill_cached,
     prompt_kv,
 )
-from services.inference_prefix import PrefixCache
-from services.inference_sampling import choose_tokens
+from services.inference.prefix import PrefixCache
+from services.inference.sampling import choose_tokens
 
 __all__ = ["EngineClosed", "EngineStats", "GenRequest", "GenerationEngine"]
 

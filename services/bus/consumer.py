@@ -5,7 +5,7 @@ A :class:`Consumer` binds a durable, explicitly acked pull consumer and turns me
 dead-letter subject with the reason in a ``Leafe-Error`` header (and the original subject, stream and
 sequence in ``Leafe-Original-*`` headers), then acked and counted in ``dead_letters``.
 
-Pulling goes through :class:`services.bus_pull.Puller` (batched requests, no per-message task). Acks
+Pulling goes through :class:`services.bus.pull.Puller` (batched requests, no per-message task). Acks
 are plain publishes on the message's reply subject: they go into the connection's write buffer and
 are flushed together, never waiting for a reply per message, and :meth:`Consumer.consume` sends each
 one only after the handler returned.
@@ -24,7 +24,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
 
 from protocol.codec import CODEC_HEADER, MSG_ID_HEADER, ProtocolError
-from services.bus_pull import ConsumerError, Puller
+from services.bus.pull import ConsumerError, Puller
 
 __all__ = ["ERROR_HEADER", "Consumer", "Delivery"]
 

@@ -1,16 +1,4 @@
-"""The JetStream bus: connect, create the LEAFE streams, publish typed messages, consume them.
-
-Every service talks to NATS through this module::
-
-    nc = await connect(url)                      # LEAFE_NATS_URL / LEAFE_NATS_CREDS in deployments
-    js = nc.jetstream()
-    await ensure_streams(js)                     # idempotent, from protocol.subjects.STREAMS
-    async with Publisher(js) as pub:             # flushes (awaits every ack) on exit
-        await pub.publish_event(event)           # Nats-Msg-Id = event id, Leafe-Codec = codec version
-    consumer = Consumer(js, stream="LEAFE_EVENTS", durable="replayer", filter_subject=...,
-                        decode=decode_event, dead_letter_subject=dead_letter_subject(run, "LEAFE_EVENTS"))
-    await consumer.start()
-    await consumer.consume(handler)              # acks each message after handler(delivery) returned
+"""Batched, acknowledged JetStream publishing with bounded outstanding acks.
 
 Publishing is asynchronous (``publish_async``) with at most ``max_pending`` unacknowledged messages:
 ``publish`` returns once the message is queued and blocks while the window is full (backpressure).
@@ -25,173 +13,21 @@ ids must be unique across all runs sharing the server, or a later run's message 
 from __future__ import annotations
 
 import asyncio
-import math
-import os
 from collections import deque
-from collections.abc import Sequence
-from enum import Enum
-from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import msgspec
-import nats
 import structlog
-from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.api import PubAck, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.api import PubAck
 
 from protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, encode, message_id
 from protocol.events import EpisodeEvent
-from protocol.subjects import STREAMS, StreamSpec, event_subject
-from services.bus_consumer import ERROR_HEADER, Consumer, Delivery
-from services.bus_pull import ConsumerError, read_stream
+from protocol.subjects import event_subject
 
-__all__ = [
-    "ERROR_HEADER",
-    "Consumer",
-    "ConsumerError",
-    "Delivery",
-    "PublishError",
-    "Publisher",
-    "StreamMismatchError",
-    "connect",
-    "ensure_streams",
-    "read_stream",
-    "stream_config",
-]
+__all__ = ["PublishError", "Publisher"]
 
 log = structlog.get_logger(__name__)
-
-
-def _check_creds(creds: str | None) -> None:
-    if creds is not None and not Path(creds).is_file():
-        raise FileNotFoundError(f"NATS credentials file {creds!r} does not exist")
-
-
-async def connect(
-    url: str,
-    *,
-    creds: str | None = None,
-    name: str = "leafe",
-    connect_attempts: int = 3,
-    **options: Any,
-) -> Client:
-    """Connect to ``url`` (comma-separated for a cluster), optionally with a ``.creds`` file.
-
-    The first connection is tried ``connect_attempts`` times, then raises; once connected the client
-    reconnects forever (a restarted server or cluster node is waited for, with events logged).
-    ``options`` go to ``nats.connect`` unchanged.
-    """
-    _check_creds(creds)
-
-    async def on_error(e: Exception) -> None:
-        log.warning("bus.nats.error", url=url, error=f"{type(e).__name__}: {e}")
-
-    client: list[Client] = []
-
-    async def on_disconnect() -> None:
-        if not (client and client[0].is_closed):  # a close() we asked for is not news
-            log.warning("bus.nats.disconnected", url=url)
-
-    async def on_reconnect() -> None:
-        log.info("bus.nats.reconnected", url=url)
-
-    kwargs: dict[str, Any] = {
-        "servers": [u.strip() for u in url.split(",") if u.strip()],
-        "name": name,
-        "user_credentials": creds,
-        "reconnect_time_wait": 0.5,
-        "max_reconnect_attempts": connect_attempts,
-        "error_cb": on_error,
-        "disconnected_cb": on_disconnect,
-        "reconnected_cb": on_reconnect,
-    }
-    kwargs.update(options)
-    nc = await nats.connect(**kwargs)
-    client.append(nc)
-    if "max_reconnect_attempts" not in options:
-        nc.options["max_reconnect_attempts"] = -1  # after the first connection: reconnect forever
-    return nc
-
-
-class StreamMismatchError(RuntimeError):
-    """A stream exists with a configuration that cannot be changed into the spec's."""
-
-
-def stream_config(spec: StreamSpec) -> StreamConfig:
-    """The JetStream configuration of a :class:`StreamSpec`."""
-    window = spec.duplicate_window_s
-    if spec.max_age_s > 0:
-        window = min(window, spec.max_age_s)  # the server rejects a window longer than max_age
-    return StreamConfig(
-        name=spec.name,
-        subjects=list(spec.subjects),
-        retention=RetentionPolicy(spec.retention),
-        storage=StorageType(spec.storage),
-        max_age=spec.max_age_s,
-        duplicate_window=window,
-        num_replicas=spec.replicas,
-    )
-
-
-def _plain(value: Any) -> Any:
-    return value.value if isinstance(value, Enum) else value  # nats-py returns enums as plain strings
-
-
-def _differences(have: StreamConfig, want: StreamConfig) -> dict[str, tuple[Any, Any]]:
-    diffs: dict[str, tuple[Any, Any]] = {}
-    for field in ("subjects", "retention", "storage", "num_replicas"):
-        a, b = _plain(getattr(have, field)), _plain(getattr(want, field))
-        if field == "subjects":
-            a, b = sorted(a or []), sorted(b or [])
-        if a != b:
-            diffs[field] = (a, b)
-    for field in ("max_age", "duplicate_window"):
-        a, b = float(getattr(have, field) or 0.0), float(getattr(want, field) or 0.0)
-        if not math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-6):
-            diffs[field] = (a, b)
-    return diffs
-
-
-async def ensure_streams(js: JetStreamContext, specs: Sequence[StreamSpec] = STREAMS) -> None:
-    """Create each stream, or update an existing one whose changeable settings differ.
-
-    Idempotent. Storage and retention cannot change in place: a stream that differs there raises
-    :class:`StreamMismatchError` naming the stream and both values, and is left untouched.
-    ``LEAFE_STREAM_REPLICAS`` (set by deploy/ on a clustered NATS) overrides every spec's replica count.
-    """
-    replicas = os.environ.get("LEAFE_STREAM_REPLICAS", "").strip()
-    if replicas:
-        if not replicas.isdigit() or not 1 <= int(replicas) <= 5:
-            raise ValueError(f"LEAFE_STREAM_REPLICAS={replicas!r}: expected an integer from 1 to 5")
-        specs = [msgspec.structs.replace(spec, replicas=int(replicas)) for spec in specs]
-    for spec in specs:
-        want = stream_config(spec)
-        try:
-            info = await js.stream_info(spec.name)
-        except NotFoundError:
-            await js.add_stream(want)
-            log.info("bus.stream.created", stream=spec.name, subjects=spec.subjects)
-            continue
-        diffs = _differences(info.config, want)
-        fixed = {k: v for k, v in diffs.items() if k in ("retention", "storage")}
-        if fixed:
-            raise StreamMismatchError(
-                f"stream {spec.name} exists with "
-                + ", ".join(f"{k}={have!r} (spec wants {w!r})" for k, (have, w) in fixed.items())
-                + "; these cannot be changed in place: delete the stream or change the spec"
-            )
-        if diffs:
-            updated = info.config.evolve(
-                subjects=want.subjects,
-                max_age=want.max_age,
-                duplicate_window=want.duplicate_window,
-                num_replicas=want.num_replicas,
-            )
-            await js.update_stream(updated)
-            log.info("bus.stream.updated", stream=spec.name, changes={k: v[1] for k, v in diffs.items()})
 
 
 class PublishError(RuntimeError):

@@ -8,15 +8,15 @@ In-process (``leafe run``, tests, benchmarks)::
 
     async with InferenceServer(InferenceConfig(model="tiny", port=0)) as server:
         url = server.url                      # http://127.0.0.1:<bound port>
-    # or, from synchronous code (tests, benchmarks, notebooks): services/inference_local.py
+    # or, from synchronous code (tests, benchmarks, notebooks): services/inference/local.py
     handle = start_in_thread(InferenceConfig(model="tiny", port=0)); handle.url; handle.stop()
 
 Routes: POST /generate, POST /update_weights_from_disk, POST /update_weight_version, GET /model_info
 (+ /get_model_info), GET /get_server_info, GET /health, GET /ready, GET|POST /flush_cache; anything else is
-404 ``{"detail": "Not Found"}``. Generation runs in :class:`services.inference_engine.GenerationEngine`'s
+404 ``{"detail": "Not Found"}``. Generation runs in :class:`services.inference.engine.GenerationEngine`'s
 worker thread with dynamic (continuous) batching; a weight reload is read and checked in another
 thread and swapped in between batches. Prompt prefixes are reused from a small KV cache
-(``services/inference_prefix.py``; ``meta_info.cached_tokens`` says how many). Simplified against SGLang:
+(``services/inference/prefix.py``; ``meta_info.cached_tokens`` says how many). Simplified against SGLang:
 no streaming, no input logprobs, no radix tree (whole recent prompts are cached).
 """
 
@@ -37,11 +37,11 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from services.inference_api import RequestError, copy_seed, error_body, output_body, parse_generate
-from services.inference_decode import GenSequence, StopChecker
-from services.inference_engine import EngineClosed, GenerationEngine
-from services.inference_prefix import PrefixCache
-from services.inference_weights import WeightLoadError, load_weight_dir
+from services.inference.api import RequestError, copy_seed, error_body, output_body, parse_generate
+from services.inference.decode import GenSequence, StopChecker
+from services.inference.engine import EngineClosed, GenerationEngine
+from services.inference.prefix import PrefixCache
+from services.inference.weights import WeightLoadError, load_weight_dir
 
 __all__ = ["InferenceConfig", "InferenceServer", "main", "serve"]
 
@@ -392,7 +392,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--weight-version", default=d.weight_version)
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
-    from services.logs import configure_logging
+    from services.logsetup import configure_logging
 
     configure_logging(json=True, level=a.log_level)
     config = InferenceConfig(

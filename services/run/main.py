@@ -36,8 +36,8 @@ from typing import Any
 import structlog
 from rich.console import Console
 
-from services.run_config import RunConfig, preset
-from services.run_stages import RunContext, run_stages
+from services.run.presets import RunConfig, preset
+from services.run.stages import RunContext, run_stages
 
 __all__ = ["main", "run"]
 
@@ -88,7 +88,7 @@ async def run(config: RunConfig, *, live: bool = True, console: Console | None =
 def main(argv: list[str]) -> int:
     """Entry point of ``leafe run``."""
     from services.config import ConfigError
-    from services.supervisor import ServiceError
+    from services.run.supervisor import ServiceError
 
     args = _parser().parse_args(argv)
     console = Console(stderr=True)

@@ -1,7 +1,7 @@
 """``leafe log inspect``: counts per kind and per episode, sequence range, and a readable episode dump.
 
-A fold over :class:`services.log_tools.LogRecord` (from a file or the stream), rendered with rich
-(plain text when not on a terminal) or as JSON (``--json``). See ``services/log_tools.py`` for the CLI.
+A fold over :class:`services.eventlog.fileformat.LogRecord` (from a file or the stream), rendered with rich
+(plain text when not on a terminal) or as JSON (``--json``). See ``services/eventlog/cli.py`` for the CLI.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import AsyncIterator, Iterable
-from typing import TYPE_CHECKING
 
 import msgspec
 from rich.console import Console
@@ -26,9 +25,7 @@ from protocol.events import (
     Rollback,
     Step,
 )
-
-if TYPE_CHECKING:
-    from services.log_tools import LogRecord
+from services.eventlog.fileformat import LogRecord
 
 __all__ = [
     "EpisodeSummary",
@@ -131,7 +128,7 @@ def summarize(
 async def summarize_stream(
     records: AsyncIterator[LogRecord], episode: str | None = None
 ) -> tuple[LogSummary, list[tuple[int, EpisodeEvent]]]:
-    """:func:`summarize` over an async iterator (``log_tools.iter_stream_records``)."""
+    """:func:`summarize` over an async iterator (``transfer.iter_stream_records``)."""
     folder = Summarizer(episode)
     async for record in records:
         folder.add(record)

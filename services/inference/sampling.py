@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.inference_decode import GenSequence, GenSpec
+from services.inference.decode import GenSequence, GenSpec
 
 __all__ = ["choose_tokens"]
 

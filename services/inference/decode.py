@@ -1,6 +1,6 @@
 """Batched decoding with a KV cache for the CPU inference server: prefill (also from a cached prompt
 prefix), decode steps, merging and trimming of the running batch, and SGLang's stop rules. Pure torch, no
-I/O and no threads (``services/inference_engine.py`` runs it).
+I/O and no threads (``services/inference/engine.py`` runs it).
 
 A :class:`DecodeBatch` holds the running sequences right-aligned: every row's real tokens end at the
 last cache column and padding sits on the left, masked out. New sequences are prefilled in their own
@@ -8,7 +8,7 @@ left-padded batch and merged in between decode steps (continuous batching); fini
 and all-padding columns trimmed. Positions are tracked per row, so a row's keys are exactly those of the
 same prompt run alone (RoPE is applied before caching; padding only adds masked columns).
 
-Token choice (greedy, seeded sampling, top-p/top-k) is in ``services/inference_sampling.py``.
+Token choice (greedy, seeded sampling, top-p/top-k) is in ``services/inference/sampling.py``.
 """
 
 from __future__ import annotations

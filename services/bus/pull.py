@@ -10,23 +10,20 @@ the timeout, then sweep up the burst behind it with another ``no_wait`` request.
 before ``pull`` returns, so no message sits unseen in a buffer while its ack_wait runs, except the rare
 straggler of a request the server answered after our deadline; it is returned by the next pull.
 
-:func:`read_stream` uses the same machinery to read a subject range once, in order (log export).
+:mod:`services.bus.reader` uses the same machinery to read a subject range once, in order (log export).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
 
-__all__ = ["ConsumerError", "Puller", "read_stream"]
+__all__ = ["ConsumerError", "Puller"]
 
 log = structlog.get_logger(__name__)
 
@@ -151,48 +148,3 @@ class Puller:
             except TimeoutError:
                 if req.received:
                     return
-
-
-async def read_stream(
-    js: JetStreamContext,
-    *,
-    stream: str,
-    filter_subject: str,
-    batch: int = 1024,
-    timeout: float = 10.0,  # noqa: ASYNC109
-) -> AsyncIterator[Msg]:
-    """Every message of ``stream`` matching ``filter_subject`` at call time, in stream order.
-
-    Uses an ephemeral, unacked consumer that is deleted afterwards; the stream is not modified.
-    Raises :class:`ConsumerError` if the server stops delivering before the end.
-    """
-    name = f"leafe-read-{js._nc._nuid.next().decode()}"
-    config = ConsumerConfig(
-        name=name,
-        ack_policy=AckPolicy.NONE,
-        deliver_policy=DeliverPolicy.ALL,
-        filter_subject=filter_subject,
-        inactive_threshold=60.0,
-        mem_storage=True,
-    )
-    info = await js.add_consumer(stream, config)
-    total = int(info.num_pending or 0)
-    puller = Puller(js, stream, name)
-    await puller.start()
-    try:
-        got = 0
-        while got < total:
-            msgs = await puller.pull(min(batch, total - got), timeout)
-            if not msgs:
-                raise ConsumerError(
-                    f"stream {stream} stopped delivering {filter_subject!r} after {got} of {total} messages"
-                )
-            for msg in msgs:
-                yield msg
-            got += len(msgs)
-    finally:
-        await puller.close()
-        try:
-            await js.delete_consumer(stream, name)
-        except NotFoundError:
-            pass  # already reaped by inactive_threshold

@@ -1,4 +1,4 @@
-"""The stages of ``leafe run`` (see ``services/run.py`` for the picture): start, evaluate, explore,
+"""The stages of ``leafe run`` (see ``services/run/main.py`` for the picture): start, evaluate, explore,
 drain, evaluate, finish. Each stage is a short coroutine over a shared :class:`RunContext`."""
 
 from __future__ import annotations
@@ -6,56 +6,22 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import structlog
 import tomli_w
-from rich.console import Console
 from rich.live import Live
 
-from services.progress import RunProgress
-from services.run_config import RunConfig
-from services.supervisor import ServiceProcess, wait_http_ok
+from services.run.context import RunContext
+from services.run.presets import RunConfig
+from services.run.progress import RunProgress
+from services.run.supervisor import wait_http_ok
 
-__all__ = ["RunContext", "run_stages"]
+__all__ = ["run_stages"]
 
 log = structlog.get_logger(__name__)
 MAX_RESTARTS = 3
-
-
-@dataclass
-class RunContext:
-    """What the stages share."""
-
-    config: RunConfig
-    console: Console
-    stop: asyncio.Event
-    live: bool = True
-    run_dir: Path = field(init=False)
-    model_dir: Path | None = None
-    nats_url: str = ""
-    nats_server: Any = None
-    engine_urls: list[str] = field(default_factory=list)
-    js: Any = None
-    services: dict[str, ServiceProcess] = field(default_factory=dict)
-    progress: RunProgress | None = None
-    stage: str = "starting"
-    evals: dict[str, Any] = field(default_factory=dict)
-    explore_keys: list[str] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
-    learner_log_offset: int = 0
-
-    def __post_init__(self) -> None:
-        self.run_dir = Path(self.config.runs_dir) / self.config.run_id
-
-    def service(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ServiceProcess:
-        """A child ``leafe`` process logging to ``logs/<name>.log``."""
-        proc = ServiceProcess(name, argv, self.run_dir / "logs" / f"{name}.log", env)
-        self.services[name] = proc
-        return proc
 
 
 def _write_configs(ctx: RunContext) -> None:
@@ -86,7 +52,7 @@ async def _start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
 
     from learner.model_io import resolve_model
     from services.bus import connect, ensure_streams
-    from services.nats_server import EmbeddedNats, free_port
+    from services.bus.nats_server import EmbeddedNats, free_port
 
     cfg = ctx.config
     ctx.nats_url = cfg.services.nats_url or os.environ.get("LEAFE_NATS_URL", "")
@@ -201,7 +167,7 @@ async def _start_pipeline(ctx: RunContext) -> None:
 
 async def _finished_task_keys(ctx: RunContext) -> set[str]:
     from protocol.events import EpisodeFinished, EpisodeStarted
-    from services.log_tools import iter_stream_events
+    from services.eventlog.transfer import iter_stream_events
 
     keys: dict[str, str] = {}
     done: set[str] = set()
@@ -331,8 +297,8 @@ async def _wait_weights_served(ctx: RunContext) -> None:
 
 async def run_stages(ctx: RunContext) -> None:
     """All stages, with every child process stopped on the way out (also on Ctrl-C and errors)."""
-    from services.logs import configure_logging
-    from services.run_report import finish
+    from services.logsetup import configure_logging
+    from services.run.report import finish
 
     cfg = ctx.config
     _write_configs(ctx)
@@ -378,7 +344,9 @@ async def _follow(ctx: RunContext, stop: asyncio.Event) -> None:
             await ctx.progress.follow(ctx.js, stop)
         except Exception as e:
             log.warning("run.progress.restart", error=f"{type(e).__name__}: {e}")
-            ctx.console.print(f"[yellow]progress follower failed ({type(e).__name__}: {e}); rebuilding[/yellow]")
+            ctx.console.print(
+                f"[yellow]progress follower failed ({type(e).__name__}: {e}); rebuilding[/yellow]"
+            )
             old = ctx.progress
             assert old is not None
             # Stream-fed counters restart from zero (the new subscription replays the log from its start);

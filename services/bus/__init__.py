@@ -1,0 +1,46 @@
+"""The JetStream bus: connect, create the LEAFE streams, publish typed messages, consume them.
+
+Every service talks to NATS through this package::
+
+    nc = await connect(url)                      # LEAFE_NATS_URL / LEAFE_NATS_CREDS in deployments
+    js = nc.jetstream()
+    await ensure_streams(js)                     # idempotent, from protocol.subjects.STREAMS
+    async with Publisher(js) as pub:             # flushes (awaits every ack) on exit
+        await pub.publish_event(event)           # Nats-Msg-Id = event id, Leafe-Codec = codec version
+    consumer = Consumer(js, stream="LEAFE_EVENTS", durable="replayer", filter_subject=...,
+                        decode=decode_event, dead_letter_subject=dead_letter_subject(run, "LEAFE_EVENTS"))
+    await consumer.start()
+    await consumer.consume(handler)              # acks each message after handler(delivery) returned
+
+| module          | what                                                                  |
+|-----------------|-----------------------------------------------------------------------|
+| `connection`    | `connect`: URL + credentials -> a client that reconnects forever       |
+| `streams`       | `ensure_streams`: the LEAFE streams from `protocol.subjects.STREAMS`   |
+| `publisher`     | `Publisher`: batched publishing, every ack awaited, `PublishError`     |
+| `consumer`      | `Consumer`/`Delivery`: durable pull consumers with dead letters        |
+| `pull`          | `Puller`: the pull protocol spoken directly (the fast path)            |
+| `reader`        | `read_stream`, `read_range`: read a subject range once, in order       |
+| `nats_server`   | `EmbeddedNats`: a real nats-server child process (`leafe nats`)        |
+"""
+
+from services.bus.connection import connect
+from services.bus.consumer import ERROR_HEADER, Consumer, Delivery
+from services.bus.publisher import Publisher, PublishError
+from services.bus.pull import ConsumerError
+from services.bus.reader import read_range, read_stream
+from services.bus.streams import StreamMismatchError, ensure_streams, stream_config
+
+__all__ = [
+    "ERROR_HEADER",
+    "Consumer",
+    "ConsumerError",
+    "Delivery",
+    "PublishError",
+    "Publisher",
+    "StreamMismatchError",
+    "connect",
+    "ensure_streams",
+    "read_range",
+    "read_stream",
+    "stream_config",
+]

@@ -1,0 +1,101 @@
+"""``leafe log export|import|inspect``: move a run's event log between JetStream and a file, and look at it.
+
+    leafe log export  --nats URL --run RUN --out run.leafelog     # LEAFE_EVENTS of RUN -> file
+    leafe log import  --nats URL --in run.leafelog [--run NEWRUN] # file -> LEAFE_EVENTS (idempotent)
+    leafe log inspect --file run.leafelog [--episode ID] [--json] # or --nats URL --run RUN
+
+``--nats`` defaults to ``$LEAFE_NATS_URL`` (credentials: ``--creds`` or ``$LEAFE_NATS_CREDS``).
+The file format is ``services/eventlog/fileformat.py``; export and import ``services/eventlog/transfer.py``;
+the summary ``services/eventlog/inspect.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+from nats.js import JetStreamContext
+
+from services.bus import connect
+from services.eventlog.fileformat import iter_log_records
+from services.eventlog.inspect import render, summarize, summarize_stream
+from services.eventlog.transfer import export_run, import_log, iter_stream_records
+from services.logsetup import configure_logging
+
+__all__ = ["main"]
+
+R = TypeVar("R")
+
+
+async def _with_js(args: argparse.Namespace, work: Callable[[JetStreamContext], Awaitable[R]]) -> R:
+    if not args.nats:
+        raise SystemExit("leafe log: no NATS URL: pass --nats URL or set LEAFE_NATS_URL")
+    nc = await connect(args.nats, creds=args.creds, name="leafe-log")
+    try:
+        return await work(nc.jetstream())
+    finally:
+        await nc.close()
+
+
+def _parser() -> argparse.ArgumentParser:
+    from services.bus.nats_server import nats_url_from_env
+
+    url, creds = nats_url_from_env()
+    parser = argparse.ArgumentParser(
+        prog="leafe log", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_ in (
+        ("export", "stream -> file"),
+        ("import", "file -> stream"),
+        ("inspect", "summarize a log"),
+    ):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--nats", default=url, help="NATS URL (default $LEAFE_NATS_URL)")
+        p.add_argument("--creds", default=creds, help="NATS .creds file (default $LEAFE_NATS_CREDS)")
+        p.add_argument("--log-level", default="warning", help="log level (default warning)")
+    exp, imp, ins = (sub.choices[n] for n in ("export", "import", "inspect"))
+    exp.add_argument("--run", required=True, help="run id to export")
+    exp.add_argument("--out", type=Path, required=True, help="output file (.gz to compress)")
+    imp.add_argument("--in", dest="inp", type=Path, required=True, help="log file to import")
+    imp.add_argument("--run", default=None, help="import under this run id instead of the original")
+    src = ins.add_mutually_exclusive_group(required=True)
+    src.add_argument("--file", type=Path, help="log file to inspect")
+    src.add_argument("--run", help="run id to inspect on the server (needs --nats)")
+    ins.add_argument("--episode", default=None, help="dump this episode's events")
+    ins.add_argument("--json", action="store_true", help="print the summary as JSON")
+    ins.add_argument("--limit", type=int, default=50, help="episodes listed (default 50)")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``leafe log``."""
+    args = _parser().parse_args(argv)
+    configure_logging(json=False, level=args.log_level)
+    if args.command == "export":
+        n = asyncio.run(_with_js(args, lambda js: export_run(js, args.run, args.out)))
+        print(f"exported {n} events of run {args.run} to {args.out}")
+        return 0
+    if args.command == "import":
+        stats = asyncio.run(_with_js(args, lambda js: import_log(js, args.inp, run_id=args.run)))
+        print(f"imported {stats.records} records from {args.inp}: ", end="")
+        print(f"{stats.stored} stored, {stats.duplicates} already there")
+        return 0
+    if args.file is not None:
+        result = summarize(iter_log_records(args.file), episode=args.episode)
+    else:
+        result = asyncio.run(
+            _with_js(
+                args, lambda js: summarize_stream(iter_stream_records(js, args.run), episode=args.episode)
+            )
+        )
+    summary, dump = result
+    render(summary, dump, as_json=args.json, limit=args.limit)
+    if args.episode is not None and not dump:
+        print(f"leafe log inspect: episode {args.episode!r} is not in the log", file=sys.stderr)
+        return 1
+    return 0

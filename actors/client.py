@@ -10,7 +10,7 @@ Each request goes to the server with the fewest requests in flight from this cli
 exponential backoff; a server that failed is avoided for a short cooldown. HTTP 400 (bad request) and a
 request that times out after connecting are not retried (a slow generation would be run twice). When
 every attempt fails, :class:`~actors.engine.EngineError` names each server and why. Error bodies are read
-in any of SGLang's three shapes; unknown response keys are ignored (SGLANG_API.md).
+in any of SGLang's three shapes; unknown response keys are ignored (docs/sglang-api.md).
 
 In-flight counts are this client's own (share one client among an actor's episodes; across machines,
 put the sglang router in front). The aiohttp session belongs to the event loop that first used it: use

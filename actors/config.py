@@ -45,6 +45,7 @@ from typing import Any, Literal
 import msgspec
 
 from actors.engine import SamplingParams
+from protocol.config import convert_config, merge_tables
 
 __all__ = [
     "ENV_DEFAULTS",
@@ -104,7 +105,7 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 
 class ExplorerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The LEAFE exploration tree (PAPER.md Stage 1) of one episode."""
+    """The LEAFE exploration tree (Stage 1 of docs/method.md) of one episode."""
 
     k: int = 5
     """Reflect every ``k`` own steps of a branch (the branch goes on); 0 = only on failure/horizon."""
@@ -270,12 +271,8 @@ ENV_DEFAULTS: dict[str, Override] = {
 
 def _resolve(type_: type[Any], env: str, overrides: Override | None) -> Any:
     fields = set(type_.__struct_fields__)
-    data = {k: v for k, v in ENV_DEFAULTS.get(env, {}).items() if k in fields}
-    data.update(overrides or {})
-    try:
-        return msgspec.convert(data, type_)
-    except msgspec.ValidationError as e:
-        raise ValueError(f"invalid {type_.__name__} for env {env!r}: {e}") from None
+    defaults = {k: v for k, v in ENV_DEFAULTS.get(env, {}).items() if k in fields}
+    return convert_config(merge_tables(defaults, overrides or {}), type_, where=f"env {env!r}")
 
 
 class ActorServiceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -11,9 +11,9 @@ task i (``task_ids[i]``) is task key ``<run>-<label>-<task slug>-x<s>``, episode
 group ``<run>-<label>-<task slug>`` of size n, seed ``seed + 1000 * i + s``.
 
 ```python
-result = await evaluate(engine=client, tokenizer=tok, env_name="sokoban", env_options={},
-                        task_ids=["sokoban/test/0", "sokoban/test/1"], split="test", samples=16,
-                        ks=[1, 4, 16], run_id="r1", label="v0", concurrency=16, sink=None)
+request = EvalRequest(env="sokoban", task_ids=["sokoban/test/0", "sokoban/test/1"], samples=16,
+                      ks=[1, 4, 16], run_id="r1", label="v0")
+result = await evaluate(request, engine=client, tokenizer=tok)
 result.passk[4], result.successes["sokoban/test/0"]
 ```
 ``leafe eval`` (``services/eval.py``) wraps this with servers, files and a table.
@@ -22,9 +22,8 @@ result.passk[4], result.successes["sokoban/test/0"]
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -36,17 +35,56 @@ from actors.env_pool import EnvFactory, EnvPool
 from actors.episode import EpisodeSpec, EpisodeSummary, EventSink
 from actors.passk import pass_at_k_table
 from actors.rollout import run_rollout
+from envs.registry import make_env
+from protocol.config import config_digest
 from protocol.events import EpisodeEvent, Step
 from protocol.prompt import ChatTokenizer
-from protocol.tasks import episode_id_for
+from protocol.tasks import episode_id_for, task_slug
 
-__all__ = ["EVAL_ROLLOUT_DEFAULTS", "EvalResult", "EvalSample", "eval_samples", "evaluate", "task_slug"]
+__all__ = ["EVAL_ROLLOUT_DEFAULTS", "EvalRequest", "EvalResult", "EvalSample", "eval_samples", "evaluate"]
 
 log = structlog.get_logger(__name__)
 
 EVAL_ROLLOUT_DEFAULTS: Override = {"return_logprob": False}
 """Rollout overrides every evaluation starts from (Pass@k needs no behaviour logprobs); the caller's
 ``rollout_overrides`` win over these, the per-env defaults of ``actors.config`` lose to both."""
+
+
+class EvalRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One evaluation: which tasks, how many samples each, how they are identified and sampled."""
+
+    env: str
+    """Environment registry name."""
+    task_ids: list[str]
+    """Tasks evaluated, in order (their index seeds the samples)."""
+    env_options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Environment constructor options."""
+    split: str = "test"
+    """Split the tasks come from (recorded in the events)."""
+    samples: int = 16
+    """n: rollouts per task."""
+    ks: list[int] = msgspec.field(default_factory=lambda: [1, 2, 4, 8, 16])
+    """k values scored (each <= ``samples``)."""
+    run_id: str = "eval"
+    """Run the eval episodes belong to."""
+    label: str = "eval"
+    """Names the evaluated weights in episode ids and reports (key-safe)."""
+    concurrency: int = 16
+    """Rollouts in flight at once, over all tasks."""
+    seed: int = 0
+    """Base sampling seed: sample s of task i uses ``seed + 1000 * i + s``."""
+    rollout_overrides: dict[str, Any] = msgspec.field(default_factory=dict)
+    """``RolloutConfig`` fields over the env's defaults (e.g. the actors' ``[actor.rollout]`` table)."""
+    actor_id: str = "eval"
+    """Actor id stamped on the events."""
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency = {self.concurrency}: must be >= 1")
+        if not self.ks or min(self.ks) < 1:
+            raise ValueError(f"ks = {list(self.ks)}: need at least one k, all >= 1")
+        if min(self.ks) > self.samples:
+            raise ValueError(f"ks = {list(self.ks)}: every k exceeds samples = {self.samples}")
 
 
 class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -99,19 +137,6 @@ class EvalSample(msgspec.Struct, frozen=True, kw_only=True):
     """The episode's identity and seed."""
 
 
-def task_slug(task_id: str) -> str:
-    """A task id as a key-safe token: ``sokoban/test/3`` -> ``sokoban-test-3``.
-
-    The same as ``services.tasks.task_slug``, kept here because actors must not import services (a unit
-    test pins that both agree)."""
-    return "".join(c if c.isalnum() or c in "-_" else "-" for c in task_id)
-
-
-def _digest(config: RolloutConfig) -> str:
-    # Same formula as services.config.config_digest (actors must not import services).
-    return hashlib.sha256(msgspec.json.encode(msgspec.to_builtins(config), order="sorted")).hexdigest()
-
-
 def eval_samples(
     *,
     run_id: str,
@@ -139,10 +164,19 @@ def eval_samples(
         for s in range(samples):
             key = f"{group}-x{s}"
             spec = EpisodeSpec(
-                run_id=run_id, episode_id=episode_id_for(key, 1), actor_id=actor_id, task_key=key,
-                env=env_name, task_id=task_id, split=split, seed=seed + 1000 * i + s, mode="eval",
-                group_id=group, group_size=samples, config_digest=config_digest,
-            )  # fmt: skip
+                run_id=run_id,
+                episode_id=episode_id_for(key, 1),
+                actor_id=actor_id,
+                task_key=key,
+                env=env_name,
+                task_id=task_id,
+                split=split,
+                seed=seed + 1000 * i + s,
+                mode="eval",
+                group_id=group,
+                group_size=samples,
+                config_digest=config_digest,
+            )
             out.append(EvalSample(task_index=i, sample=s, spec=spec))
     return out
 
@@ -166,56 +200,51 @@ class _Tally:
 
 
 async def evaluate(
+    request: EvalRequest,
     *,
     engine: Engine,
     tokenizer: ChatTokenizer,
-    env_name: str,
-    env_options: Mapping[str, Any],
-    task_ids: Sequence[str],
-    split: str,
-    samples: int,
-    ks: Sequence[int],
-    run_id: str,
-    label: str,
-    concurrency: int,
-    sink: EventSink | None,
-    seed: int = 0,
-    rollout_overrides: Override | None = None,
+    sink: EventSink | None = None,
     env_factory: EnvFactory | None = None,
     on_episode: Callable[[EvalSample, EpisodeSummary], None] | None = None,
-    actor_id: str = "eval",
 ) -> EvalResult:
-    """Run ``samples`` eval rollouts of every task, at most ``concurrency`` at once, and score Pass@k.
+    """Run ``request.samples`` eval rollouts of every task, at most ``request.concurrency`` at once, and
+    score Pass@k.
 
     ``sink`` receives every event (``None``: discarded); ``env_factory(name, **options)`` defaults to
     ``envs.registry.make_env``; ``on_episode`` is called after each rollout (progress displays). An
     ``EngineError`` (or any non-env failure) cancels the remaining rollouts and propagates.
     """
-    if concurrency < 1:
-        raise ValueError(f"concurrency = {concurrency}: must be >= 1")
-    config = RolloutConfig.for_env(env_name, {**EVAL_ROLLOUT_DEFAULTS, **(rollout_overrides or {})})
+    r = request
+    config = RolloutConfig.for_env(r.env, {**EVAL_ROLLOUT_DEFAULTS, **r.rollout_overrides})
     plan = eval_samples(
-        run_id=run_id, label=label, env_name=env_name, task_ids=task_ids, split=split, samples=samples,
-        seed=seed, actor_id=actor_id, config_digest=_digest(config),
-    )  # fmt: skip
-    if not ks or min(ks) < 1:
-        raise ValueError(f"ks = {list(ks)}: need at least one k, all >= 1")
-    if min(ks) > samples:
-        raise ValueError(f"ks = {list(ks)}: every k exceeds samples = {samples}, so no Pass@k is defined")
-    if env_factory is None:
-        from envs.registry import make_env
-
-        env_factory = make_env
-    pool = EnvPool(env_factory, max_idle=concurrency)
-    tally, gate = _Tally(sink), asyncio.Semaphore(concurrency)
-    options = dict(env_options)
+        run_id=r.run_id,
+        label=r.label,
+        env_name=r.env,
+        task_ids=r.task_ids,
+        split=r.split,
+        samples=r.samples,
+        seed=r.seed,
+        actor_id=r.actor_id,
+        config_digest=config_digest(config),
+    )
+    pool = EnvPool(env_factory or make_env, max_idle=r.concurrency)
+    tally, gate = _Tally(sink), asyncio.Semaphore(r.concurrency)
+    options = dict(r.env_options)
     version = await engine.weight_version()
-    log.info("actor.eval.started", label=label, env=env_name, tasks=len(task_ids), samples=samples,
-             concurrency=concurrency, weight_version=version)  # fmt: skip
+    log.info(
+        "actor.eval.started",
+        label=r.label,
+        env=r.env,
+        tasks=len(r.task_ids),
+        samples=r.samples,
+        concurrency=r.concurrency,
+        weight_version=version,
+    )
 
     async def one(item: EvalSample) -> EpisodeSummary:
         async with gate:
-            env = await pool.acquire(env_name, options, in_thread=config.env_in_thread)
+            env = await pool.acquire(r.env, options, in_thread=config.env_in_thread)
             reusable = False
             try:
                 summary = await run_rollout(
@@ -223,7 +252,7 @@ async def evaluate(
                 )
                 reusable = not summary.error
             finally:
-                pool.release(env, env_name, options, reusable=reusable)
+                pool.release(env, r.env, options, reusable=reusable)
         if on_episode is not None:
             on_episode(item, summary)
         return summary
@@ -237,9 +266,15 @@ async def evaluate(
     finally:
         pool.close()
     wall = time.perf_counter() - t0
-    result = _score(plan, [t.result() for t in tasks], tally, ks, wall_s=wall, version=version, label=label)
-    log.info("actor.eval.finished", label=label, passk=result.passk, success_rate=result.success_rate,
-             wall_s=round(wall, 2))  # fmt: skip
+    summaries = [t.result() for t in tasks]
+    result = _score(plan, summaries, tally, r.ks, wall_s=wall, version=version, label=r.label)
+    log.info(
+        "actor.eval.finished",
+        label=r.label,
+        passk=result.passk,
+        success_rate=result.success_rate,
+        wall_s=round(wall, 2),
+    )
     return result
 
 

@@ -1,6 +1,6 @@
 """Parsing the policy's completions: actions (lenient, but exact about what was accepted) and reflections.
 
-Small models rarely follow a format (FACTS.md: SmolLM2 mostly answers in prose that names a move), so
+Small models rarely follow a format (measured: SmolLM2-135M mostly answers in prose that names a move), so
 an action is looked for in this order, and :class:`ParsedAction` says which rule found it:
 
 1. ``tag``: the content of the first ``<action>...</action>`` (a missing closing tag is fine: it is a

@@ -42,8 +42,7 @@ from protocol.events import EpisodeEvent
 from protocol.prompt import ChatTokenizer
 from protocol.subjects import task_subject
 from protocol.tasks import TaskAssignment
-from services.actor import ActorService
-from services.actor_episode import PublisherSink
+from services.actor_service import ActorService, PublisherSink
 from services.bus import Publisher, connect, ensure_streams
 from services.bus.nats_server import EmbeddedNats
 from services.logsetup import configure_logging
@@ -90,13 +89,21 @@ async def overhead(url: str, tok: ChatTokenizer, latency: float, episodes: int) 
         counted = CountingEngine(engine)
         async with Publisher(js) as pub:
             spec = EpisodeSpec(
-                run_id="benchov", episode_id=f"ov{latency}-{i}.a1", actor_id="bench", task_key=f"ov-{i}",
-                env="sokoban", task_id=f"sokoban/train/{i:05d}",
-            )  # fmt: skip
+                run_id="benchov",
+                episode_id=f"ov{latency}-{i}.a1",
+                actor_id="bench",
+                task_key=f"ov-{i}",
+                env="sokoban",
+                task_id=f"sokoban/train/{i:05d}",
+            )
             summary = await Explorer(
-                engine=counted, tokenizer=tok, env=SokobanEnv(), config=ExplorerConfig.for_env("sokoban"),
-                sink=PublisherSink(pub), spec=spec,
-            ).run()  # fmt: skip
+                engine=counted,
+                tokenizer=tok,
+                env=SokobanEnv(),
+                config=ExplorerConfig.for_env("sokoban"),
+                sink=PublisherSink(pub),
+                spec=spec,
+            ).run()
         calls += counted.n
         engine_s += counted.seconds
         steps += summary.actions
@@ -147,9 +154,15 @@ async def service_events(url: str, tok: ChatTokenizer, tasks: int, run_id: str) 
             await pub.publish(task_subject(run_id), task)
     engine = ScriptedEngine(script=policy(7), record=False, tokenizer=tok)
     service = ActorService(
-        nc=nc, run_id=run_id, engine=engine, tokenizer=tok, config=ActorServiceConfig(concurrency=8),
-        actor_id="bench", env_factory=sokoban_factory, max_tasks=tasks,
-    )  # fmt: skip
+        nc=nc,
+        run_id=run_id,
+        engine=engine,
+        tokenizer=tok,
+        config=ActorServiceConfig(concurrency=8),
+        actor_id="bench",
+        env_factory=sokoban_factory,
+        max_tasks=tasks,
+    )
     start = time.perf_counter()
     stats = await service.run()
     wall = time.perf_counter() - start
@@ -190,9 +203,13 @@ async def sample_events(tok: ChatTokenizer, n_episodes: int) -> list[EpisodeEven
             task_id=f"sokoban/train/{i:05d}",
         )
         await Explorer(
-            engine=ScriptedEngine(script=policy(i), record=False), tokenizer=tok, env=SokobanEnv(),
-            config=ExplorerConfig.for_env("sokoban"), sink=sink, spec=spec,
-        ).run()  # fmt: skip
+            engine=ScriptedEngine(script=policy(i), record=False),
+            tokenizer=tok,
+            env=SokobanEnv(),
+            config=ExplorerConfig.for_env("sokoban"),
+            sink=sink,
+            spec=spec,
+        ).run()
     return sink.events
 
 
@@ -236,8 +253,10 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True))
     ov = results["overhead_at_100ms"]
-    print(f"overhead per engine call at 100 ms latency: {ov['overhead_per_call_ms']:.2f} ms "
-          f"= {ov['ratio_to_engine_latency']:.1%} of the engine time (target < 5%)")  # fmt: skip
+    print(
+        f"overhead per engine call at 100 ms latency: {ov['overhead_per_call_ms']:.2f} ms "
+        f"= {ov['ratio_to_engine_latency']:.1%} of the engine time (target < 5%)"
+    )
     own = results["overhead_at_0ms"]["overhead_per_call_ms"]
     print(f"actor's own time per call (instant engine): {own:.2f} ms")
     for key in ("service_events", "service_events_byte", "raw_publish"):

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from protocol import Step, decode_event, encode
-from protocol.subjects import dead_letter_subject
+from protocol.subjects import dead_letter_subject, events_filter
 from services.bus import Consumer, Publisher, connect, ensure_streams
 from services.bus.nats_server import EmbeddedNats
 
@@ -133,7 +133,7 @@ async def typed_consume(consumer: Consumer, n: int) -> float:
 
 async def raw_subscription(js, run_id: str, durable: str):
     config = ConsumerConfig(
-        durable_name=durable, ack_policy=AckPolicy.EXPLICIT, filter_subject=f"leafe.{run_id}.events.>"
+        durable_name=durable, ack_policy=AckPolicy.EXPLICIT, filter_subject=events_filter(run_id)
     )
     await js.add_consumer(STREAM, config)
     return await js.pull_subscribe_bind(durable=durable, stream=STREAM)
@@ -158,9 +158,14 @@ async def bench(n: int, chunk: int) -> dict:
             secs["typed_publish"] += await typed_publish(js, events[i : i + chunk])
         sub = await raw_subscription(js, "raw", "raw")
         consumer = Consumer(
-            js, stream=STREAM, durable="typed", filter_subject="leafe.typed.events.>", decode=decode_event,
-            dead_letter_subject=dead_letter_subject("typed", STREAM), batch=BATCH,
-        )  # fmt: skip
+            js,
+            stream=STREAM,
+            durable="typed",
+            filter_subject="leafe.typed.events.>",
+            decode=decode_event,
+            dead_letter_subject=dead_letter_subject("typed", STREAM),
+            batch=BATCH,
+        )
         await consumer.start()
         for i in range(0, n, chunk):
             secs["raw_consume_naive"] += await raw_consume(sub, min(chunk, n - i), sync_ack=False)

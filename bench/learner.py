@@ -55,7 +55,7 @@ from services.bus import Publisher, connect, ensure_streams
 from services.bus.nats_server import EmbeddedNats
 from services.inference.server import InferenceConfig, InferenceServer
 from services.logsetup import configure_logging
-from services.weight_sync import WeightSync, WeightSyncConfig
+from services.weight_sync_service import WeightSync, WeightSyncConfig
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learner.json"
 MAX_PROMPT, MAX_COMPLETION = 600, 40
@@ -69,13 +69,20 @@ def agent_samples(n: int, vocab: int, seed: int = 0) -> list[Sample]:
         p, c = r.randint(150, MAX_PROMPT), r.randint(5, MAX_COMPLETION)
         out.append(
             Sample(
-                sample_id=f"bench.{i}", run_id="bench", kind="cf" if i % 3 else "reh", materializer="bench/1",
-                env="bench", task_id="t", episode_id=f"e{i}",
+                sample_id=f"bench.{i}",
+                run_id="bench",
+                kind="cf" if i % 3 else "reh",
+                materializer="bench/1",
+                env="bench",
+                task_id="t",
+                episode_id=f"e{i}",
                 messages=[ChatMessage(role="user", content="."), ChatMessage(role="assistant", content=".")],
-                target_turn=1, prompt_ids=[r.randrange(2, vocab) for _ in range(p)],
-                completion_ids=[r.randrange(2, vocab) for _ in range(c)], policy_version="default",
+                target_turn=1,
+                prompt_ids=[r.randrange(2, vocab) for _ in range(p)],
+                completion_ids=[r.randrange(2, vocab) for _ in range(c)],
+                policy_version="default",
             )
-        )  # fmt: skip
+        )
     return out
 
 
@@ -101,10 +108,11 @@ class Acc:
 
 def _trainer(kind: str, model_dir: Path, env: DistEnv, global_batch: int, budget: int) -> Trainer:
     batch = BatchConfig(
-        global_batch=global_batch, micro_batch_tokens=budget,
+        global_batch=global_batch,
+        micro_batch_tokens=budget,
         micro_batch_size=max(1, budget // (MAX_PROMPT + MAX_COMPLETION)),
         bucketing="length" if kind == "bucketed" else "none",
-    )  # fmt: skip
+    )
     cfg = TrainerConfig(optim=OptimConfig(lr=1e-6), batch=batch, precision="fp32")
     return (FullLogitsTrainer if kind == "naive_full_logits" else Trainer)(cfg, model_dir, env)
 
@@ -126,12 +134,18 @@ def _throughput(model_dir: Path, env: DistEnv, batches: list[list[Sample]], budg
     for k, a in acc.items():
         speedup = [n / m for n, m in zip(acc["naive_padded"].step_s, a.step_s, strict=True)]
         rows[k] = {
-            "tokens_per_s": a.real / sum(a.step_s), "seconds": sum(a.step_s), "real_tokens": a.real,
-            "padded_tokens": a.padded, "padding_overhead": a.padded / a.real - 1,
+            "tokens_per_s": a.real / sum(a.step_s),
+            "seconds": sum(a.step_s),
+            "real_tokens": a.real,
+            "padded_tokens": a.padded,
+            "padding_overhead": a.padded / a.real - 1,
             "median_step_speedup_vs_naive_padded": statistics.median(speedup),
-        }  # fmt: skip
-        print(f"  {k:<18} {rows[k]['tokens_per_s']:8.1f} tok/s  padding +{rows[k]['padding_overhead']:.0%}  "
-              f"({sum(a.step_s):.1f} s)", flush=True)  # fmt: skip
+        }
+        print(
+            f"  {k:<18} {rows[k]['tokens_per_s']:8.1f} tok/s  padding +{rows[k]['padding_overhead']:.0%}  "
+            f"({sum(a.step_s):.1f} s)",
+            flush=True,
+        )
     return rows
 
 
@@ -164,20 +178,37 @@ async def _one_push(model_dir: Path, trainer: Trainer, nats_url: str, js: Any, i
         t0 = time.perf_counter()
         digest = await asyncio.to_thread(trainer.export, work / "store" / version, version=version)
         t1 = time.perf_counter()
-        await pub.publish(weights_subject(run), WeightsPublished(
-            event_id=f"weights.{run}.{version}", run_id=run, version=version,
-            uri=str(work / "store" / version), manifest_sha256=digest, learner_step=i,
-            base_model=str(model_dir), ts=time.time()))  # fmt: skip
+        await pub.publish(
+            weights_subject(run),
+            WeightsPublished(
+                event_id=f"weights.{run}.{version}",
+                run_id=run,
+                version=version,
+                uri=str(work / "store" / version),
+                manifest_sha256=digest,
+                learner_step=i,
+                base_model=str(model_dir),
+                ts=time.time(),
+            ),
+        )
         await pub.flush()
         t2 = time.perf_counter()
         t3 = await _wait_version(urls, version)
         stop.set()
         await task
     load = max(r.seconds for r in sync.results.values())  # the slower server's /update_weights_from_disk call
-    print(f"  push {version}: export {t1 - t0:.2f} s, published -> 2 servers serving {t3 - t2:.2f} s "
-          f"(server load {load:.2f} s)", flush=True)  # fmt: skip
-    return {"export_s": t1 - t0, "publish_to_serving_s": t3 - t2, "total_s": t3 - t0, "server_update_s": load,
-            "announce_and_sync_overhead_s": t3 - t2 - load}  # fmt: skip
+    print(
+        f"  push {version}: export {t1 - t0:.2f} s, published -> 2 servers serving {t3 - t2:.2f} s "
+        f"(server load {load:.2f} s)",
+        flush=True,
+    )
+    return {
+        "export_s": t1 - t0,
+        "publish_to_serving_s": t3 - t2,
+        "total_s": t3 - t0,
+        "server_update_s": load,
+        "announce_and_sync_overhead_s": t3 - t2 - load,
+    }
 
 
 async def _push_bench(model_dir: Path, env: DistEnv, repeats: int, work: Path) -> dict:
@@ -261,7 +292,7 @@ def main() -> int:
         "publish_to_serving_vs_raw_save_load": push["publish_to_serving_s"] / raw["seconds"],
         "export_to_serving_vs_raw_save_load": push["total_s"] / raw["seconds"],
         "server_update_vs_raw_save_load": push["server_update_s"] / raw["seconds"],
-    }  # fmt: skip
+    }
     result = {
         "mode": mode,
         "throughput_model": throughput_model.name,

@@ -100,9 +100,11 @@ async def _episodes(ctx: Ctx, run_id: str) -> dict[str, dict[str, Any]]:
         elif isinstance(ev, EpisodeFinished) and ev.episode_id in started:
             st = started[ev.episode_id]
             out[st.task_key] = {
-                "task_id": st.task_id, "success": bool(ev.success), "actions": int(ev.actions),
+                "task_id": st.task_id,
+                "success": bool(ev.success),
+                "actions": int(ev.actions),
                 "replay_steps": int(ev.replay_steps),
-            }  # fmt: skip
+            }
     return out
 
 
@@ -124,9 +126,15 @@ async def collect(
     from services.tasks import make_assignments, submit
 
     batch = make_assignments(
-        run_id=run_id, env=ctx.env, task_ids=task_ids, mode=mode, split="train",  # type: ignore[arg-type]
-        samples=samples, seed=seed, env_options=ctx.env_options,
-    )  # fmt: skip
+        run_id=run_id,
+        env=ctx.env,
+        task_ids=task_ids,
+        mode=mode,
+        split="train",  # type: ignore[arg-type]
+        samples=samples,
+        seed=seed,
+        env_options=ctx.env_options,
+    )
     keys = {a.task_key for a in batch}
     done = await _episodes(ctx, run_id)
     n = await submit(ctx.js, batch, skip=set(done))
@@ -138,9 +146,15 @@ async def collect(
         timer = loop.call_later(timeout_s, stop.set)
         try:
             await run_actor(
-                nats_url=ctx.nats_url, run_id=run_id, tokenizer=ctx.tokenizer, engine=ctx.engine,
-                config=config, actor_id=f"{run_id}-actor", stop=stop, max_tasks=n,
-            )  # fmt: skip
+                nats=ctx.nats_url,
+                run_id=run_id,
+                tokenizer=ctx.tokenizer,
+                engine=ctx.engine,
+                config=config,
+                actor_id=f"{run_id}-actor",
+                stop=stop,
+                max_tasks=n,
+            )
         finally:
             timer.cancel()
     eps = {k: v for k, v in (await _episodes(ctx, run_id)).items() if k in keys}
@@ -148,14 +162,19 @@ async def collect(
     for v in eps.values():
         per_task.setdefault(v["task_id"], []).append(v["success"])
     return {
-        "run_id": run_id, "mode": mode, "tasks": len(task_ids), "samples_per_task": samples,
-        "episodes": len(eps), "episodes_expected": len(keys),
+        "run_id": run_id,
+        "mode": mode,
+        "tasks": len(task_ids),
+        "samples_per_task": samples,
+        "episodes": len(eps),
+        "episodes_expected": len(keys),
         "actions": sum(v["actions"] for v in eps.values()),
         "replay_steps": sum(v["replay_steps"] for v in eps.values()),
         "successful_episodes": sum(v["success"] for v in eps.values()),
         "tasks_solved": sum(any(s) for s in per_task.values()),
-        "per_task": per_task, "wall_s": time.monotonic() - t0,
-    }  # fmt: skip
+        "per_task": per_task,
+        "wall_s": time.monotonic() - t0,
+    }
 
 
 def _leafe(args: Sequence[str], log_file: Path) -> None:
@@ -190,8 +209,22 @@ async def replay(ctx: Ctx, *, run_id: str, materializer: str, out: Path, options
     out.parent.mkdir(parents=True, exist_ok=True)
     conf = out.parent / f"{out.name}.replay.toml"
     conf.write_text(tomli_w.dumps({"options": dict(options)}), encoding="utf-8")
-    args = ["replay", "--from", ctx.nats_url, "--run", run_id, "--materializer", materializer,
-            "--model", str(ctx.base_model), "--out", str(out), "--config", str(conf), "--no-progress"]  # fmt: skip
+    args = [
+        "replay",
+        "--from",
+        ctx.nats_url,
+        "--run",
+        run_id,
+        "--materializer",
+        materializer,
+        "--model",
+        str(ctx.base_model),
+        "--out",
+        str(out),
+        "--config",
+        str(conf),
+        "--no-progress",
+    ]
     await asyncio.to_thread(_leafe, args, out.parent / f"{out.name}.replay.log")
     return await asyncio.to_thread(_count_lines, out)
 
@@ -224,8 +257,20 @@ async def train(
 ) -> dict[str, Any]:
     """``leafe train --preset <preset>`` of ``model`` on ``data`` into ``out``; returns its result + wall."""
     t0 = time.monotonic()
-    args = ["train", "--data", str(data), "--model", str(model), "--out", str(out), "--preset", preset,
-            "--push-every", "0", *train_args]  # fmt: skip
+    args = [
+        "train",
+        "--data",
+        str(data),
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+        "--preset",
+        preset,
+        "--push-every",
+        "0",
+        *train_args,
+    ]
     await asyncio.to_thread(_leafe, args, out.parent / f"{out.name}.train.log")
     metrics = out / "metrics.jsonl"  # written by the finished child process
     losses = [json.loads(x)["loss"] for x in metrics.read_text().splitlines()] if metrics.is_file() else []
@@ -251,18 +296,26 @@ async def evaluate_model(
     rollout_overrides: Mapping[str, Any],
 ) -> dict[str, Any]:
     """Pass@k of ``model`` on the test tasks through the server; episodes go to ``run_id``'s log."""
-    from actors.evaluate import evaluate
-    from services.actor_episode import PublisherSink
+    from actors.evaluate import EvalRequest, evaluate
+    from services.actor_service import PublisherSink
     from services.bus import Publisher
 
     await load_weights(ctx, model, version)
+    request = EvalRequest(
+        env=ctx.env,
+        env_options=dict(ctx.env_options),
+        task_ids=list(task_ids),
+        split="test",
+        samples=samples,
+        ks=list(ks),
+        run_id=run_id,
+        label=label,
+        concurrency=ctx.concurrency,
+        seed=seed,
+        rollout_overrides=dict(rollout_overrides),
+    )
     async with Publisher(ctx.js) as pub:
-        result = await evaluate(
-            engine=ctx.engine, tokenizer=ctx.tokenizer, env_name=ctx.env, env_options=ctx.env_options,
-            task_ids=task_ids, split="test", samples=samples, ks=ks, run_id=run_id, label=label,
-            concurrency=ctx.concurrency, sink=PublisherSink(pub), seed=seed,
-            rollout_overrides=dict(rollout_overrides),
-        )  # fmt: skip
+        result = await evaluate(request, engine=ctx.engine, tokenizer=ctx.tokenizer, sink=PublisherSink(pub))
         await pub.flush()
     return msgspec.to_builtins(result)
 
@@ -287,8 +340,15 @@ async def tree_stats(ctx: Ctx, run_id: str, examples: int = 3) -> dict[str, Any]
     from services.eventlog.transfer import iter_stream_events
 
     branched: set[str] = set()
-    out: dict[str, Any] = {"episodes": 0, "branches": 0, "reflections": 0, "parse_failures": 0,
-                           "branch_outcomes": 0, "branch_successes": 0, "experiences": []}  # fmt: skip
+    out: dict[str, Any] = {
+        "episodes": 0,
+        "branches": 0,
+        "reflections": 0,
+        "parse_failures": 0,
+        "branch_outcomes": 0,
+        "branch_successes": 0,
+        "experiences": [],
+    }
     async for ev in iter_stream_events(ctx.js, run_id):
         if isinstance(ev, Branch):
             branched.add(ev.branch_id)

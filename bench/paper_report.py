@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 
+from actors.passk import paired_difference
+
 __all__ = ["METHODS", "write_report"]
 
 METHODS = {
@@ -19,10 +21,16 @@ METHODS = {
     "grpo": ("GRPO", ["rollout-base", "train-grpo"]),
     "rft": ("RFT", ["rollout-base", "train-rft"]),
     "leafe-from-base": ("LEAFE (from Base)", ["explore-base", "train-leafe-base"]),
-    "leafe-from-grpo": ("LEAFE (from GRPO)", ["rollout-base", "train-grpo", "explore-grpo", "train-leafe-grpo"]),
-    "reh-only-from-grpo": ("L_reh only (from GRPO)", ["rollout-base", "train-grpo", "explore-grpo", "train-reh-grpo"]),
+    "leafe-from-grpo": (
+        "LEAFE (from GRPO)",
+        ["rollout-base", "train-grpo", "explore-grpo", "train-leafe-grpo"],
+    ),
+    "reh-only-from-grpo": (
+        "L_reh only (from GRPO)",
+        ["rollout-base", "train-grpo", "explore-grpo", "train-reh-grpo"],
+    ),
     "base-reseed": ("Base, other sampling seeds (noise check)", []),
-}  # fmt: skip
+}
 """Eval label -> (name, phases its weights depend on: their wall time is the method's training cost)."""
 
 PAPER = """\
@@ -55,9 +63,10 @@ def _limits(cfg: Any, state: dict[str, Any]) -> list[str]:
             f"moves) took {min(walls) / 60:.1f}-{max(walls) / 60:.1f} min for {max(eps)} episodes "
             f"({cfg.servers} server(s), {cfg.dtype}, {cfg.concurrency} episodes in flight)."
         )
-    for kind, names in (("collection", ("explore-base", "rollout-base", "explore-grpo", "explore-ir")),
-                        ("training", ("train-grpo", "train-rft", "train-leafe-base", "train-leafe-grpo",
-                                      "train-reh-grpo"))):  # fmt: skip
+    for kind, names in (
+        ("collection", ("explore-base", "rollout-base", "explore-grpo", "explore-ir")),
+        ("training", ("train-grpo", "train-rft", "train-leafe-base", "train-leafe-grpo", "train-reh-grpo")),
+    ):
         done = [f"{n} {float(ph[n].get('wall_s', 0)) / 60:.1f} min" for n in names if n in ph]
         if done:
             out.append(f"- {kind.capitalize()} phases: {', '.join(done)}.")
@@ -98,10 +107,11 @@ def _main_table(cfg: Any, state: dict[str, Any]) -> list[str]:
         passk = {int(k): v for k, v in r["passk"].items()}
         train = sum(float(ph[d].get("wall_s", 0)) for d in deps if d in ph)
         lines.append(
-            f"| {name} | " + " | ".join(_pct(passk.get(k)) for k in ks)
+            f"| {name} | "
+            + " | ".join(_pct(passk.get(k)) for k in ks)
             + f" | {_pct(r['success_rate'])} | {_pct(r['parse_failure_rate'])} | {r['mean_prompt_tokens']:.0f}"
             + f" | {train:.0f} | {r['wall_s']:.0f} |"
-        )  # fmt: skip
+        )
     return lines
 
 
@@ -127,8 +137,11 @@ def _tree_lines(state: dict[str, Any]) -> list[str]:
     trees = state.get("trees") or {}
     if not trees:
         return ["(filled in when the report is regenerated after the explore phases)"]
-    lines = ["| run | trees | branches | reflections | rolled-back branches finished | of them solved "
-             "| parse failures |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| run | trees | branches | reflections | rolled-back branches finished | of them solved "
+        "| parse failures |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, t in trees.items():
         lines.append(
             f"| {name} | {t['episodes']} | {t['branches']} | {t['reflections']} | {t['branch_outcomes']} "
@@ -143,8 +156,10 @@ def _tree_lines(state: dict[str, Any]) -> list[str]:
 
 def _train_table(state: dict[str, Any]) -> list[str]:
     ph = state["phases"]
-    lines = ["| phase | samples (by kind) | optimizer steps | first loss | last loss | wall s |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| phase | samples (by kind) | optimizer steps | first loss | last loss | wall s |",
+        "|---|---|---|---|---|---|",
+    ]
     for name in ("train-grpo", "train-rft", "train-leafe-base", "train-leafe-grpo", "train-reh-grpo"):
         if name in ph:
             r = ph[name]
@@ -185,34 +200,17 @@ def _table3(state: dict[str, Any]) -> list[str]:
 def _boot_diff(
     a: dict[str, list[bool]], b: dict[str, list[bool]], k: int, iters: int = 4000, seed: int = 0
 ) -> tuple[float, float, float]:
-    """Pass@k(a) - Pass@k(b) on the same tasks, with a 95% two-level bootstrap interval: resample test
-    tasks, then each method's samples within a task (so a task solved once in n is as shaky as it is)."""
-    import numpy as np
-
-    from actors.passk import pass_at_k
-
-    rng = np.random.default_rng(seed)
-    tasks = sorted(set(a) & set(b))
-    sa = [np.array(a[t], dtype=bool) for t in tasks]
-    sb = [np.array(b[t], dtype=bool) for t in tasks]
-
-    def score(xs: list[Any], idx: Any) -> float:
-        return float(np.mean([pass_at_k(len(xs[i]), int(xs[i].sum()), k) for i in idx]))
-
-    point = score(sa, range(len(tasks))) - score(sb, range(len(tasks)))
-    diffs = []
-    for _ in range(iters):
-        idx = rng.integers(0, len(tasks), len(tasks))
-        ra = [x[rng.integers(0, len(x), len(x))] for x in sa]
-        rb = [x[rng.integers(0, len(x), len(x))] for x in sb]
-        diffs.append(score(ra, idx) - score(rb, idx))
-    lo, hi = np.percentile(diffs, [2.5, 97.5])
-    return point, float(lo), float(hi)
+    """Pass@k(a) - Pass@k(b) on the same tasks with its 95% two-level bootstrap interval
+    (``actors.passk.paired_difference``)."""
+    d = paired_difference(a, b, k, draws=iters, seed=seed)
+    return d.diff, d.lo, d.hi
 
 
 _PAIRS = [(lab, "grpo") for lab in ("leafe-from-grpo", "leafe-from-base", "rft", "reh-only-from-grpo")] + [
-    ("grpo", "base"), ("leafe-from-grpo", "base"), ("base-reseed", "base")
-]  # fmt: skip
+    ("grpo", "base"),
+    ("leafe-from-grpo", "base"),
+    ("base-reseed", "base"),
+]
 """Paired comparisons the report gives intervals for (the first four also carry the verdicts)."""
 
 CIs = dict[tuple[str, str, int], tuple[float, float, float]]

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import paper_lib as lib
 from bench.paper_report import write_report
+from services.config import load_config
 
 __all__ = ["PHASES", "SCALES", "PaperConfig", "main", "scale_config"]
 
@@ -124,33 +125,68 @@ class PaperConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 PHASES = (
-    "eval-base", "explore-base", "rollout-base", "train-grpo", "eval-grpo", "explore-grpo", "train-leafe-grpo",
-    "eval-leafe-from-grpo", "train-rft", "eval-rft", "train-leafe-base", "eval-leafe-from-base",
-    "train-reh-grpo", "eval-reh-only-from-grpo", "eval-base-reseed", "explore-ir",
-)  # fmt: skip
+    "eval-base",
+    "explore-base",
+    "rollout-base",
+    "train-grpo",
+    "eval-grpo",
+    "explore-grpo",
+    "train-leafe-grpo",
+    "eval-leafe-from-grpo",
+    "train-rft",
+    "eval-rft",
+    "train-leafe-base",
+    "eval-leafe-from-base",
+    "train-reh-grpo",
+    "eval-reh-only-from-grpo",
+    "eval-base-reseed",
+    "explore-ir",
+)
 """Every phase, in the order ``Runner.run`` reaches them (the names ``phases`` may list)."""
 
 _SMALL_ROOMS = {"height": 5, "width": 5, "num_boxes": 1, "max_solution_len": 2, "max_steps": 6}
 SCALES: dict[str, dict[str, Any]] = {
     "small": {
-        "name": "small", "env_options": _SMALL_ROOMS, "train_tasks": 10, "test_tasks": 8, "eval_samples": 8,
-        "ks": [1, 2, 4, 8], "horizon": 6,
+        "name": "small",
+        "env_options": _SMALL_ROOMS,
+        "train_tasks": 10,
+        "test_tasks": 8,
+        "eval_samples": 8,
+        "ks": [1, 2, 4, 8],
+        "horizon": 6,
         "explorer": {"horizon": 6, "k": 3, "max_depth": 2, "max_branches": 4, "max_actions": 18},
     },
     "full": {
-        "name": "full", "env_options": {**_SMALL_ROOMS, "max_solution_len": 3, "max_steps": 8},
-        "servers": 2, "dtype": "bfloat16", "concurrency": 32, "train_tasks": 24, "explore_samples": 3,
-        "test_tasks": 16, "eval_samples": 16, "ks": [1, 2, 4, 8, 16], "horizon": 8,
+        "name": "full",
+        "env_options": {**_SMALL_ROOMS, "max_solution_len": 3, "max_steps": 8},
+        "servers": 2,
+        "dtype": "bfloat16",
+        "concurrency": 32,
+        "train_tasks": 24,
+        "explore_samples": 3,
+        "test_tasks": 16,
+        "eval_samples": 16,
+        "ks": [1, 2, 4, 8, 16],
+        "horizon": 8,
         "explorer": {"horizon": 8, "k": 4, "max_depth": 3, "max_branches": 6, "max_actions": 40},
         "collect_timeout_s": 7200.0,
     },
     "gpu": {
-        "name": "gpu", "env_options": {"height": 7, "width": 7, "num_boxes": 1, "max_steps": 15},
-        "train_tasks": 512, "test_tasks": 64, "eval_samples": 128, "ks": [1, 2, 4, 8, 16, 32, 64, 128],
-        "horizon": 15, "explorer": {"horizon": 15, "k": 5, "max_depth": 3, "max_branches": 8, "max_actions": 60},
-        "train_preset": "paper", "lr": 1e-6, "epochs": 2, "concurrency": 256, "collect_timeout_s": 36000.0,
+        "name": "gpu",
+        "env_options": {"height": 7, "width": 7, "num_boxes": 1, "max_steps": 15},
+        "train_tasks": 512,
+        "test_tasks": 64,
+        "eval_samples": 128,
+        "ks": [1, 2, 4, 8, 16, 32, 64, 128],
+        "horizon": 15,
+        "explorer": {"horizon": 15, "k": 5, "max_depth": 3, "max_branches": 8, "max_actions": 60},
+        "train_preset": "paper",
+        "lr": 1e-6,
+        "epochs": 2,
+        "concurrency": 256,
+        "collect_timeout_s": 36000.0,
     },
-}  # fmt: skip
+}
 """Presets: ``small`` (8 test tasks x 8 samples, k <= 8) fits ~1 h on 2 shared cores; ``full`` is the
 issue's minimum (16 x 16, k <= 16);
 ``gpu`` is the paper-size setting for a cluster with SGLang engines (``--engine``)."""
@@ -160,7 +196,7 @@ def scale_config(scale: str, override: dict[str, Any] | None = None) -> PaperCon
     """The preset ``scale`` with ``override`` fields on top (validated; errors name the field)."""
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; known: {', '.join(SCALES)}")
-    cfg = msgspec.convert({**SCALES[scale], **(override or {})}, PaperConfig)
+    cfg = load_config(PaperConfig, preset=SCALES[scale], overrides=override)
     unknown = sorted(set(cfg.phases) - set(PHASES))
     if unknown:
         raise ValueError(f"unknown phase(s) {', '.join(unknown)} in phases; known: {', '.join(PHASES)}")
@@ -179,8 +215,12 @@ class Runner:
         self.cfg, self.ctx, self.results, self.deadline = cfg, ctx, results, deadline
         self.prefix = f"pt-{cfg.name}"
         self.state: dict[str, Any] = {
-            "phases": {}, "skipped": [], "excluded": [], "failed": {}, "not_evaluated": {}
-        }  # fmt: skip
+            "phases": {},
+            "skipped": [],
+            "excluded": [],
+            "failed": {},
+            "not_evaluated": {},
+        }
 
     async def phase(self, name: str, make: Any) -> dict[str, Any] | None:
         if name not in PHASES:  # keeps the names ``phases`` may list in step with what runs
@@ -219,12 +259,21 @@ class Runner:
 
     async def evaluate(self, label: str, model: Path, seed_offset: int = 0) -> dict[str, Any] | None:
         cfg = self.cfg
-        return await self.phase(f"eval-{label}", lambda: lib.evaluate_model(
-            self.ctx, label=label, model=model, version=label,
-            run_id=f"{self.prefix}-eval-{label}-{_weights_tag(model)}",
-            task_ids=self._tasks("test", cfg.test_tasks), samples=cfg.eval_samples, ks=cfg.ks,
-            seed=cfg.eval_seed + seed_offset, rollout_overrides=self._rollout(),
-        ))  # fmt: skip
+        return await self.phase(
+            f"eval-{label}",
+            lambda: lib.evaluate_model(
+                self.ctx,
+                label=label,
+                model=model,
+                version=label,
+                run_id=f"{self.prefix}-eval-{label}-{_weights_tag(model)}",
+                task_ids=self._tasks("test", cfg.test_tasks),
+                samples=cfg.eval_samples,
+                ks=cfg.ks,
+                seed=cfg.eval_seed + seed_offset,
+                rollout_overrides=self._rollout(),
+            ),
+        )
 
     async def collect(
         self, name: str, model: Path, version: str, mode: str, samples: int, run: str = "", **explorer_kw: Any
@@ -237,10 +286,15 @@ class Runner:
             explorer = {"history_window": cfg.history_window, **cfg.explorer, **explorer_kw}
             actor = {"explorer": {cfg.env: explorer}, "rollout": {cfg.env: self._rollout()}}
             return await lib.collect(
-                self.ctx, run_id=run or f"{self.prefix}-{name}", mode=mode,
+                self.ctx,
+                run_id=run or f"{self.prefix}-{name}",
+                mode=mode,
                 task_ids=self._tasks("train", cfg.train_tasks),
-                samples=samples, seed=cfg.seed, actor_overrides=actor, timeout_s=cfg.collect_timeout_s,
-            )  # fmt: skip
+                samples=samples,
+                seed=cfg.seed,
+                actor_overrides=actor,
+                timeout_s=cfg.collect_timeout_s,
+            )
 
         return await self.phase(name, make)
 
@@ -254,8 +308,9 @@ class Runner:
                 options = {"rehearsal_fraction": cfg.rehearsal_fraction, "rehearsal_seed": cfg.seed}
             data = work / "dataset"
             run_id = (lib.phase_done(self.ctx, run) or {}).get("run_id", f"{self.prefix}-{run}")
-            n = await lib.replay(self.ctx, run_id=run_id, materializer=materializer,
-                                 out=data, options=options)  # fmt: skip
+            n = await lib.replay(
+                self.ctx, run_id=run_id, materializer=materializer, out=data, options=options
+            )
             kinds = kw.get("kinds")
             if kinds:
                 n = lib.filter_kind(data, work / "dataset-filtered", kinds)
@@ -363,9 +418,15 @@ async def _run(cfg: PaperConfig, work: Path, results: Path, max_minutes: float) 
         base = await asyncio.to_thread(resolve_model, cfg.model)
         urls = list(cfg.engines)
         for _ in range(0 if urls else cfg.servers):
-            server_cfg = InferenceConfig(model=str(base), port=0, max_batch=cfg.concurrency, threads=cfg.threads,
-                                         dtype=cfg.dtype, served_model_name="paper-table",  # type: ignore[arg-type]
-                                         weight_version="base")  # fmt: skip
+            server_cfg = InferenceConfig(
+                model=str(base),
+                port=0,
+                max_batch=cfg.concurrency,
+                threads=cfg.threads,
+                dtype=cfg.dtype,
+                served_model_name="paper-table",  # type: ignore[arg-type]
+                weight_version="base",
+            )
             server = await stack.enter_async_context(InferenceServer(server_cfg))
             urls.append(server.url)
         engine = await stack.enter_async_context(SGLangClient(urls))
@@ -373,9 +434,18 @@ async def _run(cfg: PaperConfig, work: Path, results: Path, max_minutes: float) 
         stack.push_async_callback(nc.drain)
         js = nc.jetstream()
         await ensure_streams(js)
-        ctx = lib.Ctx(work=work, nats_url=nats.url, js=js, engine=engine, tokenizer=HFChatTokenizer.from_dir(base),
-                      base_model=base, env=cfg.env, env_options=dict(cfg.env_options), concurrency=cfg.concurrency,
-                      threads=cfg.threads)  # fmt: skip
+        ctx = lib.Ctx(
+            work=work,
+            nats_url=nats.url,
+            js=js,
+            engine=engine,
+            tokenizer=HFChatTokenizer.from_dir(base),
+            base_model=base,
+            env=cfg.env,
+            env_options=dict(cfg.env_options),
+            concurrency=cfg.concurrency,
+            threads=cfg.threads,
+        )
         runner = Runner(cfg, ctx, results, deadline)
         t0 = time.monotonic()
         try:
@@ -388,8 +458,7 @@ async def _run(cfg: PaperConfig, work: Path, results: Path, max_minutes: float) 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: parse flags, run the phases, write the report."""
-    import tomllib
-
+    from services.config import read_toml
     from services.logsetup import configure_logging
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -400,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=Path, default=Path("bench/results"), help="where paper_table.* go")
     p.add_argument("--max-minutes", type=float, default=1e9, help="start no new phase after this")
     args = p.parse_args(argv)
-    override = tomllib.loads(args.config.read_text()) if args.config else {}
+    override = read_toml(args.config) if args.config else {}
     if args.engine:
         override["engines"] = [u for u in args.engine.split(",") if u]
     cfg = scale_config(args.scale, override)

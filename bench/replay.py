@@ -25,28 +25,18 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-
-from learner.materializers import make_materializer  # noqa: E402
-from protocol.codec import decode_event, encode  # noqa: E402
-from protocol.events import EpisodeEvent, EpisodeFinished  # noqa: E402
-from protocol.prompt import ChatTokenizer  # noqa: E402
-from tests.property.episode_strategies import (  # noqa: E402
-    ByteChatTokenizer,
-    ExploreSpec,
-    build_explore_episode,
-    build_rollout_group,
-    interleave,
-)
+from actors.fake_episodes import ExploreSpec, build_explore_episode, build_rollout_group, interleave
+from actors.fakes import ByteChatTokenizer
+from learner.materializers import make_materializer
+from protocol.codec import decode_event, encode
+from protocol.events import EpisodeEvent, EpisodeFinished
+from protocol.prompt import ChatTokenizer
 
 RUN = "bench"
 
@@ -147,9 +137,10 @@ def time_fold(
 async def time_service(n_events: int, tokenizer: ChatTokenizer) -> dict[str, Any]:
     """Publish ``n_events`` to an embedded nats-server, then run the replayer until all are acked."""
     from protocol.subjects import EVENTS
+    from protocol.subjects import replayer_durable as durable_name
     from services.bus import Publisher, connect, ensure_streams
     from services.bus.nats_server import EmbeddedNats
-    from services.replayer import Replayer, ReplayerConfig, durable_name
+    from services.replayer_service import Replayer, ReplayerConfig
 
     events = [e for c in synthetic_chunks(n_events, seed=7, tokenizer=tokenizer) for e in c]
     unfinished = len(
@@ -239,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'service (end to end)':24s} {s['events_per_s']:>9,} events/s  {s['samples_per_s']:>8,} samples/s  "
         f"(publish {s['publish_events_per_s']:,}/s; {s['events']} events)"
     )
-    out = ROOT / "bench" / "results" / "replay.json"
+    out = Path(__file__).resolve().parent / "results" / "replay.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     print(f"saved {out}")

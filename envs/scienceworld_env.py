@@ -26,7 +26,8 @@ import msgspec
 import structlog
 
 from envs.base import EnvError, Reset, Transition, play
-from envs.cache import atomic_write_text, cache_root
+from envs.cache import atomic_write_text
+from protocol.paths import cache_root
 
 __all__ = ["EXCLUDED_TASKS", "JAVA_OPTS", "ScienceWorldConfig", "ScienceWorldEnv"]
 

@@ -29,7 +29,7 @@ import msgspec
 import structlog
 
 from envs.base import EnvError
-from envs.cache import cache_root, publish_dir
+from protocol.paths import cache_root, publish_dir
 
 __all__ = ["CookingSpec", "ensure_game", "game_seed", "spec_digest"]
 

@@ -1,9 +1,9 @@
 """Typed configuration of the learner (online service) and the trainer (offline and online), with presets.
 
-A run starts from a preset and overrides fields from TOML:
+A run starts from a preset and overrides fields from TOML (``services.config.load_config``)::
 
-    cfg = resolve_train_config("paper", "my.toml")          # leafe train --preset paper --config my.toml
-    cfg = resolve_learner_config("cpu", None)               # leafe learner --preset cpu
+    load_config(TrainConfig, preset=train_preset("paper"), files=["my.toml"])   # leafe train --preset paper
+    load_config(LearnerConfig, preset=learner_preset("cpu"))                    # leafe learner --preset cpu
 
 Presets (functions returning configs, not flag piles):
 - ``paper``: the paper's Stage-2 hyperparameters: lr 1e-6, global batch 128 samples, 2 epochs offline
@@ -14,11 +14,11 @@ Presets (functions returning configs, not flag piles):
 
 from __future__ import annotations
 
-import tomllib
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
+
+from protocol.config import ConfigError
 
 __all__ = [
     "PRESETS",
@@ -29,9 +29,9 @@ __all__ = [
     "TrainConfig",
     "TrainerConfig",
     "cpu_preset",
+    "learner_preset",
     "paper_preset",
-    "resolve_learner_config",
-    "resolve_train_config",
+    "train_preset",
 ]
 
 
@@ -189,71 +189,13 @@ PRESETS = {"paper": paper_preset, "cpu": cpu_preset}
 """Preset name -> function returning a :class:`TrainConfig`."""
 
 
-def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def _preset(name: str) -> TrainConfig:
+def train_preset(name: str) -> TrainConfig:
+    """The named offline preset; an unknown name is a :class:`ConfigError` listing the known ones."""
     if name not in PRESETS:
-        raise ValueError(f"unknown learner preset {name!r}; choose one of {sorted(PRESETS)}")
+        raise ConfigError(f"unknown trainer preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name]()
 
 
-def _read_toml(source: Path | str | dict[str, Any] | None) -> dict[str, Any]:
-    """A TOML file path, TOML text or a dict (``None`` = no overrides)."""
-    if source is None:
-        return {}
-    if isinstance(source, dict):
-        return source
-    path = Path(source)
-    is_path = isinstance(source, Path) or (len(str(source)) < 4096 and path.suffix == ".toml")
-    if is_path and not path.is_file():
-        raise ValueError(f"config file not found: {path}")
-    text = path.read_text(encoding="utf-8") if is_path else str(source)
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"invalid TOML in {source}: {e}") from None
-
-
-def resolve_train_config(
-    preset: str = "paper", source: Path | str | dict[str, Any] | None = None, **overrides: Any
-) -> TrainConfig:
-    """Preset, then TOML/dict fields on top, then ``overrides`` (dotted keys like ``trainer.optim.lr``)."""
-    data = _merge(msgspec.to_builtins(_preset(preset)), _read_toml(source))
-    data = _merge(data, _dotted(overrides))
-    try:
-        return msgspec.convert(data, TrainConfig, strict=False)
-    except msgspec.ValidationError as e:
-        raise ValueError(f"invalid TrainConfig: {e}") from None
-
-
-def resolve_learner_config(
-    preset: str = "cpu", source: Path | str | dict[str, Any] | None = None, **overrides: Any
-) -> LearnerConfig:
-    """Learner config whose ``trainer`` starts from the preset's trainer; TOML and overrides on top."""
-    base = msgspec.to_builtins(LearnerConfig(trainer=_preset(preset).trainer))
-    data = _merge(_merge(base, _read_toml(source)), _dotted(overrides))
-    try:
-        return msgspec.convert(data, LearnerConfig, strict=False)
-    except msgspec.ValidationError as e:
-        raise ValueError(f"invalid LearnerConfig: {e}") from None
-
-
-def _dotted(overrides: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in overrides.items():
-        if value is None:
-            continue
-        node = out
-        parts = key.replace("__", ".").split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = value
-    return out
+def learner_preset(name: str) -> LearnerConfig:
+    """The online learner's defaults with the named preset's trainer settings."""
+    return LearnerConfig(trainer=train_preset(name).trainer)

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from protocol.paths import cache_root, publish_dir
 
 if TYPE_CHECKING:
     import torch
@@ -30,7 +31,6 @@ __all__ = [
     "HFChatTokenizer",
     "ManifestError",
     "ModelNotFound",
-    "cache_root",
     "default_model_dir",
     "export_weights",
     "load_model",
@@ -54,11 +54,6 @@ class ManifestError(ValueError):
     """A weight export whose files do not match its sha256 manifest (half-written or corrupted)."""
 
 
-def cache_root() -> Path:
-    """``$LEAFE_CACHE`` or ``~/.cache/leafe``."""
-    return Path(os.environ.get("LEAFE_CACHE") or Path.home() / ".cache" / "leafe")
-
-
 def _gguf_path() -> Path:
     from importlib import metadata
 
@@ -77,13 +72,6 @@ def _gguf_path() -> Path:
 def _atomic_dir(final: Path) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-
-
-def _publish_dir(tmp: Path, final: Path) -> None:
-    try:
-        tmp.rename(final)
-    except OSError:  # another process finished first: keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def default_model_dir(cache: Path | None = None) -> Path:
@@ -107,7 +95,7 @@ def default_model_dir(cache: Path | None = None) -> Path:
     tmp = _atomic_dir(final)
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
-    _publish_dir(tmp, final)
+    publish_dir(tmp, final)
     return final
 
 
@@ -138,7 +126,7 @@ def tiny_model_dir(cache: Path | None = None, *, seed: int = 0) -> Path:
     tmp = _atomic_dir(final)
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
-    _publish_dir(tmp, final)
+    publish_dir(tmp, final)
     return final
 
 

@@ -1,4 +1,4 @@
-"""Offline data for ``leafe train``: read dataset shards, and a resumable epoch/position batch order.
+"""Offline Stage-2 training (``leafe train``): dataset shards, a resumable batch order, and the loop.
 
 Every rank reads the same shards and computes the same order (a permutation seeded by ``seed`` and the
 epoch), so ranks agree on each global batch without communicating. A checkpoint's ``(epoch, position)``
@@ -7,18 +7,33 @@ says how many samples of that epoch's order were trained; resuming continues wit
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
+import structlog
 
+from learner.checkpoint import Progress, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.config import TrainConfig
 from learner.dataset import MANIFEST, iter_samples
+from learner.distributed import DistEnv
+from learner.model_io import resolve_model
+from learner.trainer import Trainer
+from learner.weight_store import prune_versions, version_name
 from protocol.samples import Sample
 
-__all__ = ["OfflineBatch", "iter_batches", "iter_shard_samples", "read_samples", "steps_per_epoch"]
+__all__ = [
+    "OfflineBatch",
+    "TrainResult",
+    "iter_batches",
+    "iter_shard_samples",
+    "read_samples",
+    "steps_per_epoch",
+    "train",
+]
 
 
 def iter_shard_samples(data_dir: Path) -> Iterator[Sample]:
@@ -92,3 +107,95 @@ def iter_batches(
                 break
             pos += len(idx)
             yield OfflineBatch(epoch, pos, [samples[i] for i in idx])
+
+
+log = structlog.get_logger(__name__)
+
+
+class TrainResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What an offline run produced."""
+
+    steps: int
+    """Optimizer steps taken in total (resumed ones included)."""
+    final_dir: str
+    """HF export of the final weights."""
+    final_sha256: str
+    """sha256 of the final export's manifest (rank 0; empty on other ranks)."""
+    last_loss: float | None
+    """Loss of the last step of this process (None if it took none)."""
+
+
+def _with_schedule_length(cfg: TrainConfig, n_samples: int) -> TrainConfig:
+    total = cfg.epochs * steps_per_epoch(n_samples, cfg.trainer.batch.global_batch, cfg.drop_last)
+    if cfg.max_steps:
+        total = min(total, cfg.max_steps)
+    if cfg.trainer.optim.total_steps:
+        return cfg
+    optim = msgspec.structs.replace(cfg.trainer.optim, total_steps=total)
+    return msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, optim=optim))
+
+
+def _after_step(trainer: Trainer, cfg: TrainConfig, out: Path, progress: Progress) -> None:
+    tc = cfg.trainer
+    if tc.checkpoint_every and trainer.step % tc.checkpoint_every == 0:
+        save_checkpoint(out / "checkpoints", trainer, progress, keep=tc.keep_checkpoints)
+    if tc.push_every and trainer.step % tc.push_every == 0:
+        version = version_name(trainer.step)
+        trainer.export(out / "weights" / version, version=version, extra={"learner_step": trainer.step})
+        if trainer.env.is_main:
+            prune_versions(out / "weights", tc.retain_versions)
+
+
+def train(
+    cfg: TrainConfig, data_dir: Path, model: str, out: Path, env: DistEnv, *, resume: bool = True
+) -> TrainResult:
+    """Train on every sample under ``data_dir``; resumable from ``out/checkpoints``. All ranks call it."""
+    samples = read_samples(data_dir)
+    cfg = _with_schedule_length(cfg, len(samples))
+    model_dir = resolve_model(model)
+    out = Path(out)
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_bytes(msgspec.json.format(msgspec.json.encode(cfg), indent=1))
+    log.info(
+        "train.start",
+        samples=len(samples),
+        model=str(model_dir),
+        world_size=env.world_size,
+        config=msgspec.to_builtins(cfg),
+    )
+    trainer = Trainer(cfg.trainer, model_dir, env)
+    ckpt = latest_checkpoint(out / "checkpoints") if resume else None
+    progress = load_checkpoint(ckpt, trainer) if ckpt is not None else Progress()
+    last_loss: float | None = None
+    metrics = (out / "metrics.jsonl").open("a", encoding="utf-8") if env.is_main else None
+    try:
+        for batch in iter_batches(samples, cfg, start_epoch=progress.epoch, start_position=progress.position):
+            if cfg.max_steps and trainer.step >= cfg.max_steps:
+                break
+            stats = trainer.train_step(batch.samples)
+            last_loss = stats.loss
+            progress = Progress(
+                step=trainer.step,
+                epoch=batch.epoch,
+                position=batch.position,
+                samples_trained=progress.samples_trained + stats.samples,
+            )
+            if metrics is not None:
+                metrics.write(json.dumps({"epoch": batch.epoch, **msgspec.to_builtins(stats)}) + "\n")
+                metrics.flush()
+            log.info("train.step", epoch=batch.epoch, **msgspec.to_builtins(stats))
+            _after_step(trainer, cfg, out, progress)
+    finally:
+        if metrics is not None:
+            metrics.close()
+    latest = latest_checkpoint(out / "checkpoints")
+    if latest is None or latest.name != f"step_{trainer.step:08d}":
+        save_checkpoint(out / "checkpoints", trainer, progress, keep=cfg.trainer.keep_checkpoints)
+    digest = trainer.export(
+        out / "final", version=f"final-step{trainer.step}", extra={"learner_step": trainer.step}
+    )
+    log.info("train.finished", steps=trainer.step, final=str(out / "final"), sha256=digest)
+    return TrainResult(
+        steps=trainer.step, final_dir=str(out / "final"), final_sha256=digest, last_loss=last_loss
+    )

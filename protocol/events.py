@@ -15,7 +15,7 @@ Where each event is produced and consumed:
 | Branch           | actors/explorer                | learner/materializers (counterfactuals)   |
 | Outcome          | actors/explorer, actors/rollout| learner/materializers (emit samples)      |
 | EpisodeFinished  | actors/explorer, actors/rollout| learner/materializers (close the episode) |
-| WeightsPublished | services/learner               | services/weight_sync, services/actor      |
+| WeightsPublished | services/learner_service       | services/weight_sync_service, actor_service|
 
 Branch geometry: the root branch is ``"b0"``. A branch ``b`` with parent ``p`` and rollback point
 ``tau`` shares ``p``'s steps ``0..tau-1``; its own steps start at ``t = tau``. ``h_t`` of any branch is

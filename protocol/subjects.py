@@ -21,9 +21,14 @@ __all__ = [
     "WEIGHTS",
     "InvalidRunId",
     "StreamSpec",
+    "actors_durable",
     "dead_letter_subject",
     "event_subject",
+    "events_filter",
+    "learner_durable",
+    "replayer_durable",
     "sample_subject",
+    "samples_filter",
     "task_subject",
     "validate_run_id",
     "weights_subject",
@@ -77,6 +82,32 @@ def weights_subject(run_id: str) -> str:
 def dead_letter_subject(run_id: str, stream: str) -> str:
     """Subject where undecodable or rejected messages of ``stream`` are parked with a reason header."""
     return f"leafe.{validate_run_id(run_id)}.dead.{_token(stream.lower(), 'stream')}"
+
+
+def events_filter(run_id: str) -> str:
+    """Subject filter of every event of a run: ``leafe.<run>.events.>``."""
+    return f"leafe.{validate_run_id(run_id)}.events.>"
+
+
+def samples_filter(run_id: str) -> str:
+    """Subject filter of every sample of a run: ``leafe.<run>.samples.>``."""
+    return f"leafe.{validate_run_id(run_id)}.samples.>"
+
+
+# Durable consumer names are per stream, and every run shares the streams: each name carries the run id.
+def actors_durable(run_id: str, prefix: str = "actors") -> str:
+    """The actors' shared durable on ``LEAFE_TASKS`` (one per run, so JetStream spreads the queue)."""
+    return f"{_token(prefix, 'durable prefix')}-{validate_run_id(run_id)}"
+
+
+def replayer_durable(run_id: str, materializer: str) -> str:
+    """A run's replayer durable on ``LEAFE_EVENTS``, one per materializer."""
+    return f"replayer-{validate_run_id(run_id)}-{_token(materializer, 'materializer name')}"
+
+
+def learner_durable(run_id: str, name: str = "") -> str:
+    """The learner's durable on ``LEAFE_SAMPLES``: ``name`` when configured, else ``learner-<run>``."""
+    return _token(name, "durable name") if name else f"learner-{validate_run_id(run_id)}"
 
 
 class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):

@@ -11,7 +11,7 @@ from typing import Literal
 
 import msgspec
 
-__all__ = ["TaskAssignment", "episode_id_for"]
+__all__ = ["TaskAssignment", "episode_id_for", "task_slug"]
 
 
 class TaskAssignment(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="task"):
@@ -42,3 +42,8 @@ class TaskAssignment(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"
 def episode_id_for(task_key: str, attempt: int) -> str:
     """Episode id for a delivery attempt of an assignment: redelivery yields a fresh episode id."""
     return f"{task_key}.a{attempt}"
+
+
+def task_slug(task_id: str) -> str:
+    """A task id (or a label) as a subject/key-safe token: ``sokoban/train/3`` -> ``sokoban-train-3``."""
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in task_id)

@@ -17,7 +17,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "replayer": ("services.replayer", "replayer service: events -> samples, continuously"),
     "learner": ("services.learner", "learner service: samples -> FSDP training -> weight pushes"),
     "weight-sync": ("services.weight_sync", "follow WeightsPublished and reload every inference server"),
-    "inference": ("services.inference.server", "CPU inference server with SGLang's native HTTP API"),
+    "inference": ("services.inference.main", "CPU inference server with SGLang's native HTTP API"),
     "tasks": ("services.tasks", "submit task assignments to a run's work queue"),
     "replay": ("services.replay", "rebuild a dataset from an event log (stream or exported file)"),
     "train": ("services.train", "train offline on rebuilt dataset shards"),

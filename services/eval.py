@@ -25,19 +25,24 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import structlog
 
+from actors.client import SGLangClient
 from actors.engine import Engine, EngineError
 from actors.episode import EpisodeSummary, EventSink
-from actors.evaluate import EvalResult, EvalSample, evaluate, task_slug
+from actors.evaluate import EvalRequest, EvalResult, EvalSample, evaluate
 from envs.base import EnvError
+from envs.registry import make_env
 from protocol.prompt import ChatTokenizer
-
-if TYPE_CHECKING:
-    from services.bus import Publisher
+from protocol.subjects import validate_run_id
+from protocol.tasks import task_slug
+from services.actor_service import PublisherSink
+from services.bus import Publisher, add_nats_arguments, connect, ensure_streams, nats_options
+from services.config import parse_key_value
+from services.logsetup import configure_logging
 
 __all__ = ["EvalReport", "Target", "main", "report_markdown", "run_eval", "write_report"]
 
@@ -76,19 +81,6 @@ class Target:
     urls: tuple[str, ...] = ()
 
 
-def _key_value(text: str) -> tuple[str, Any]:
-    """``K=V`` with V read as a TOML value when it parses (numbers, booleans), else as a string."""
-    import tomllib
-
-    key, sep, raw = text.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE")
-    try:
-        return key.strip(), tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return key.strip(), raw
-
-
 def _ks(text: str) -> list[int]:
     try:
         ks = sorted({int(k) for k in text.split(",") if k.strip()})
@@ -100,9 +92,6 @@ def _ks(text: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from services.bus.nats_server import nats_url_from_env
-
-    _, creds = nats_url_from_env()
     p = argparse.ArgumentParser(
         prog="leafe eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -112,8 +101,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--label", action="append", default=[], help="name per --model / for --engine, in order")
     p.add_argument("--tokenizer", default=None, help="with --engine: model name or dir of the tokenizer")
     p.add_argument("--env", default="sokoban", help="environment name (default sokoban)")
-    p.add_argument("--env-option", action="append", type=_key_value, default=[], help="KEY=VALUE")
-    p.add_argument("--rollout-option", action="append", type=_key_value, default=[], help="RolloutConfig K=V")
+    p.add_argument("--env-option", action="append", type=parse_key_value, default=[], help="KEY=VALUE")
+    p.add_argument(
+        "--rollout-option", action="append", type=parse_key_value, default=[], help="RolloutConfig K=V"
+    )
     p.add_argument("--split", default="test", help="task split (default test)")
     p.add_argument("--tasks", type=int, default=16, help="number of tasks (default 16)")
     p.add_argument("--task-offset", type=int, default=0, help="first task index of the split")
@@ -124,11 +115,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="directory for eval.json, eval.md, passk.png")
     p.add_argument("--max-batch", type=int, default=0, help="in-process server batch (0 = --concurrency)")
     p.add_argument("--threads", type=int, default=0, help="in-process server torch threads (0 = default)")
-    p.add_argument("--nats", default=None, help="NATS URL: also publish the eval events (needs --run)")
     p.add_argument("--run", default=None, help="run id of the episodes (default eval)")
-    p.add_argument("--creds", default=creds, help="NATS .creds file (default $LEAFE_NATS_CREDS)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--log-level", default="warning", help="log level (default warning)")
+    add_nats_arguments(p)
+    p.set_defaults(nats="")  # publishing is opt-in: $LEAFE_NATS_URL alone does not turn it on
     return p
 
 
@@ -169,7 +160,6 @@ async def _engine_for(
     target: Target, args: argparse.Namespace
 ) -> AsyncIterator[tuple[Engine, ChatTokenizer]]:
     """An engine and the matching tokenizer: a fresh in-process server for a model, else the URLs."""
-    from actors.client import SGLangClient
     from learner.model_io import HFChatTokenizer, resolve_model
     from services.inference.server import InferenceConfig, InferenceServer
 
@@ -184,9 +174,13 @@ async def _engine_for(
         return
     path = resolve_model(target.model)
     config = InferenceConfig(
-        model=str(path), port=0, max_batch=args.max_batch or args.concurrency, threads=args.threads,
-        served_model_name=target.label, weight_version=_manifest_version(path),
-    )  # fmt: skip
+        model=str(path),
+        port=0,
+        max_batch=args.max_batch or args.concurrency,
+        threads=args.threads,
+        served_model_name=target.label,
+        weight_version=_manifest_version(path),
+    )
     async with InferenceServer(config) as server, SGLangClient(server.url) as client:
         yield client, HFChatTokenizer.from_dir(path)
 
@@ -201,10 +195,13 @@ class _Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self.bar = Progress(
-                TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("rollouts  {task.fields[solved]} solved"), TimeElapsedColumn(),
+                TextColumn("{task.description:<16}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("rollouts  {task.fields[solved]} solved"),
+                TimeElapsedColumn(),
                 console=Console(stderr=True),
-            )  # fmt: skip
+            )
             self.bar.start()
 
     def track(self, label: str, total: int) -> Callable[[EvalSample, EpisodeSummary], None]:
@@ -228,19 +225,16 @@ async def _open_publisher(stack: AsyncExitStack, args: argparse.Namespace) -> Pu
     """A publisher on the run's log when ``--nats`` is given, else ``None`` (events are dropped)."""
     if not args.nats:
         return None
-    from services.bus import Publisher, connect, ensure_streams
-
-    nc = await connect(args.nats, creds=args.creds, name="leafe-eval")
+    nats = nats_options(args)
+    nc = await connect(nats, name="leafe-eval")
     stack.push_async_callback(nc.close)
     js = nc.jetstream()
-    await ensure_streams(js)
+    await ensure_streams(js, replicas=nats.stream_replicas)
     return await stack.enter_async_context(Publisher(js))
 
 
 async def run_eval(args: argparse.Namespace, task_ids: Sequence[str], ks: list[int]) -> list[EvalResult]:
     """Evaluate every target in turn (one in-process server at a time)."""
-    from services.actor_episode import PublisherSink
-
     targets = targets_from_args(args)
     env_options, overrides = dict(args.env_option), dict(args.rollout_option)
     results: list[EvalResult] = []
@@ -251,13 +245,26 @@ async def run_eval(args: argparse.Namespace, task_ids: Sequence[str], ks: list[i
             sink: EventSink | None = None if publisher is None else PublisherSink(publisher)
             for target in targets:
                 async with _engine_for(target, args) as (engine, tokenizer):
+                    request = EvalRequest(
+                        env=args.env,
+                        env_options=env_options,
+                        task_ids=list(task_ids),
+                        split=args.split,
+                        samples=args.samples,
+                        ks=ks,
+                        run_id=args.run or "eval",
+                        label=target.label,
+                        concurrency=args.concurrency,
+                        seed=args.seed,
+                        rollout_overrides=overrides,
+                    )
                     result = await evaluate(
-                        engine=engine, tokenizer=tokenizer, env_name=args.env, env_options=env_options,
-                        task_ids=task_ids, split=args.split, samples=args.samples, ks=ks,
-                        run_id=args.run or "eval", label=target.label, concurrency=args.concurrency,
-                        sink=sink, seed=args.seed, rollout_overrides=overrides,
+                        request,
+                        engine=engine,
+                        tokenizer=tokenizer,
+                        sink=sink,
                         on_episode=progress.track(target.label, len(task_ids) * args.samples),
-                    )  # fmt: skip
+                    )
                 if publisher is not None:
                     await publisher.flush()
                 results.append(result)
@@ -302,8 +309,6 @@ def write_report(report: EvalReport, out: Path) -> list[Path]:
 
 
 def _task_ids(args: argparse.Namespace) -> list[str]:
-    from envs.registry import make_env
-
     env = make_env(args.env, **dict(args.env_option))
     try:
         catalogue = env.tasks(args.split)
@@ -320,9 +325,6 @@ def _task_ids(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``leafe eval``."""
-    from protocol.subjects import validate_run_id
-    from services.logsetup import configure_logging
-
     p = _parser()
     args = p.parse_args(argv)
     configure_logging(json=False, level=args.log_level)
@@ -345,10 +347,16 @@ def main(argv: list[str]) -> int:
         print(f"leafe eval: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     report = EvalReport(
-        env=args.env, env_options=dict(args.env_option), split=args.split, run_id=args.run or "eval",
-        samples=args.samples, ks=ks, task_ids=task_ids, rollout_overrides=dict(args.rollout_option),
+        env=args.env,
+        env_options=dict(args.env_option),
+        split=args.split,
+        run_id=args.run or "eval",
+        samples=args.samples,
+        ks=ks,
+        task_ids=task_ids,
+        rollout_overrides=dict(args.rollout_option),
         results=results,
-    )  # fmt: skip
+    )
     write_report(report, args.out)
     print(report_markdown(report))
     print(f"wrote {args.out / 'eval.json'}, {args.out / 'eval.md'}, {args.out / 'passk.png'}")

@@ -8,7 +8,7 @@
 of its ``--run-path``.)
 
 The loop itself (ordering, acks, exactly-once relative to checkpoints, pushes) is described in
-``services/learner_online.py``. SIGTERM/SIGINT stop it gracefully: the current step finishes, a final
+``services/learner_service.py``. SIGTERM/SIGINT stop it gracefully: the current step finishes, a final
 checkpoint is written and everything it covers is acked.
 """
 
@@ -16,17 +16,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import structlog
+
+from learner.config import LearnerConfig, learner_preset
+from protocol.subjects import validate_run_id
+from services.bus import NatsOptions, add_nats_arguments, nats_options
+from services.config import dump_config, load_config
+from services.logsetup import configure_logging
 
 if TYPE_CHECKING:
     from learner.checkpoint import Progress
-    from learner.config import LearnerConfig
     from learner.distributed import DistEnv
 
 __all__ = ["build_parser", "main", "run_learner"]
@@ -37,8 +40,7 @@ log = structlog.get_logger(__name__)
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of ``leafe learner``."""
     p = argparse.ArgumentParser(prog="leafe learner", description=__doc__.split("\n\n")[0])
-    p.add_argument("--nats", default=os.environ.get("LEAFE_NATS_URL"), help="NATS URL (env LEAFE_NATS_URL)")
-    p.add_argument("--creds", default=os.environ.get("LEAFE_NATS_CREDS"), help="NATS .creds file")
+    add_nats_arguments(p)
     p.add_argument("--run", "--run-id", dest="run", required=True, help="run id (--run-id under torchrun)")
     p.add_argument(
         "--model", default="smollm2-135m-instruct", help="HF model dir, 'tiny' or the default name"
@@ -64,6 +66,13 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {"kinds": kinds, "stop_after_steps": args.stop_after_steps}
 
 
+def resolve(args: argparse.Namespace) -> LearnerConfig:
+    """Preset, then ``--config``, then flags (``services.config.load_config``)."""
+    return load_config(
+        LearnerConfig, preset=learner_preset(args.preset), files=[args.config], overrides=_overrides(args)
+    )
+
+
 async def _serve(learner: Any) -> Progress:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -77,18 +86,17 @@ def run_learner(
     env: DistEnv,
     *,
     run_id: str,
-    nats_url: str,
+    nats: NatsOptions,
     model: str,
     store: Path,
     checkpoint_dir: Path,
-    creds: str | None = None,
 ) -> Progress:
     """Build the trainer on every rank, resume from the latest checkpoint, then lead (rank 0) or follow."""
     from learner.checkpoint import Progress, load_latest
     from learner.executor import Executor, StopCmd
     from learner.model_io import resolve_model
     from learner.trainer import Trainer
-    from services.learner_online import OnlineLearner
+    from services.learner_service import OnlineLearner
 
     model_dir = resolve_model(model)
     trainer = Trainer(cfg.trainer, model_dir, env)
@@ -102,10 +110,9 @@ def run_learner(
         executor,
         progress,
         run_id=run_id,
-        nats_url=nats_url,
+        nats=nats,
         store=store,
         base_model=str(model),
-        creds=creds,
     )
     try:
         return asyncio.run(_serve(learner))
@@ -116,33 +123,37 @@ def run_learner(
 
 def main(argv: list[str]) -> int:
     """Entry point of ``leafe learner``."""
-    args = build_parser().parse_args(argv)
-    if not args.nats:
-        raise SystemExit("leafe learner: give --nats URL or set LEAFE_NATS_URL")
-    from learner.config import resolve_learner_config
-    from learner.distributed import distributed_env
-    from protocol import validate_run_id
-    from services.logsetup import configure_logging
-
+    p = build_parser()
+    args = p.parse_args(argv)
     configure_logging(json=not args.console, level=args.log_level)
-    validate_run_id(args.run)
-    cfg = resolve_learner_config(args.preset, args.config, **_overrides(args))
+    try:
+        nats = nats_options(args)
+        validate_run_id(args.run)
+        cfg = resolve(args)
+    except ValueError as e:
+        p.error(str(e))
+    if not nats.url:
+        p.error("give --nats URL or set LEAFE_NATS_URL")
+    from learner.distributed import distributed_env  # torch: only once the flags are good
+
     checkpoint_dir = args.checkpoint_dir or (args.store.resolve().parent / "learner")
     structlog.contextvars.bind_contextvars(run_id=args.run)
     log.info(
-        "learner.config",
-        config=msgspec.to_builtins(cfg),
-        store=str(args.store),
-        checkpoints=str(checkpoint_dir),
+        "learner.config", config=dump_config(cfg), store=str(args.store), checkpoints=str(checkpoint_dir)
     )
     with distributed_env(args.backend) as env:
         structlog.contextvars.bind_contextvars(rank=env.rank)
         progress = run_learner(
-            cfg, env, run_id=args.run, nats_url=args.nats, model=args.model, store=args.store,
-            checkpoint_dir=checkpoint_dir, creds=args.creds,
-        )  # fmt: skip
+            cfg,
+            env,
+            run_id=args.run,
+            nats=nats,
+            model=args.model,
+            store=args.store,
+            checkpoint_dir=checkpoint_dir,
+        )
     if env.is_main:
-        log.info("learner.stopped", **msgspec.to_builtins(progress))
+        log.info("learner.stopped", **dump_config(progress))
     return 0
 
 

@@ -19,35 +19,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import AsyncIterator, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import structlog
 
-from learner.dataset import DatasetManifest, write_dataset
-from learner.materializers import Materializer, ReplayError
+from learner.materializers import Folder, FoldResult, make_materializer, write_folded
 from protocol.codec import CODEC_HEADER, ProtocolError, decode_event
 from protocol.events import EpisodeEvent
-from protocol.samples import Sample
-from protocol.subjects import EVENTS, validate_run_id
+from protocol.subjects import EVENTS, events_filter
+from services.bus import NatsOptions, add_nats_arguments, connect, nats_options, read_stream
+from services.config import load_config
+from services.eventlog.fileformat import iter_log_file
+from services.logsetup import configure_logging
 
-__all__ = [
-    "FoldResult",
-    "Folder",
-    "ReplayConfig",
-    "file_events",
-    "fold_events",
-    "main",
-    "rebuild",
-    "resolve_config",
-    "stream_event_count",
-    "stream_events",
-]
+__all__ = ["ReplayConfig", "file_events", "main", "resolve_config", "stream_event_count", "stream_events"]
 
-log = structlog.get_logger("services.replay")
+log = structlog.get_logger(__name__)
 
 
 class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -63,47 +53,6 @@ class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Samples per shard file."""
 
 
-@dataclass
-class FoldResult:
-    """What folding a log produced."""
-
-    samples: list[Sample] = field(default_factory=list)
-    events: int = 0
-    undecodable: int = 0
-    rejected: int = 0
-    other_runs: int = 0
-
-
-class Folder:
-    """Feeds decoded events (or ``None`` for an undecodable record) to a materializer, counting."""
-
-    def __init__(self, fold: Materializer, *, run_id: str | None = None) -> None:
-        self.fold = fold
-        self.run_id = run_id
-        self.result = FoldResult()
-
-    def feed(self, event: EpisodeEvent | None) -> None:
-        """Fold one event; rejections are logged and counted."""
-        r = self.result
-        r.events += 1
-        if event is None:
-            r.undecodable += 1
-            return
-        if self.run_id is not None and event.run_id != self.run_id:
-            r.other_runs += 1
-            return
-        try:
-            r.samples += self.fold.apply(event)
-        except ReplayError as e:
-            r.rejected += 1
-            log.warning("replay.event.rejected", event_id=event.event_id, reason=e.reason)
-
-    def finish(self) -> FoldResult:
-        """Close every open episode (end of the log) and return the result."""
-        self.result.samples += self.fold.close_all()
-        return self.result
-
-
 def _decode(data: bytes, headers: dict[str, str] | None, where: str) -> EpisodeEvent | None:
     try:
         return decode_event(data, (headers or {}).get(CODEC_HEADER))
@@ -114,46 +63,20 @@ def _decode(data: bytes, headers: dict[str, str] | None, where: str) -> EpisodeE
 
 def file_events(path: Path) -> Iterator[EpisodeEvent | None]:
     """Events of a ``leafe log export`` file in log order (``None`` for an undecodable record)."""
-    from services.eventlog.fileformat import iter_log_file
-
     for i, (subject, headers, data) in enumerate(iter_log_file(path)):
         yield _decode(data, headers, f"{path} record {i} ({subject})")
 
 
 async def stream_events(js: Any, run_id: str) -> AsyncIterator[EpisodeEvent | None]:
     """Events of ``run_id`` on ``LEAFE_EVENTS`` at call time, in stream order (``None`` if undecodable)."""
-    from services.bus import read_stream
-
-    subject = f"leafe.{validate_run_id(run_id)}.events.>"
-    async for msg in read_stream(js, stream=EVENTS.name, filter_subject=subject):
+    async for msg in read_stream(js, stream=EVENTS.name, filter_subject=events_filter(run_id)):
         yield _decode(msg.data, msg.headers, f"{msg.subject} seq {msg.metadata.sequence.stream}")
 
 
 async def stream_event_count(js: Any, run_id: str) -> int:
     """Events of ``run_id`` stored now (for the progress bar's total)."""
-    info = await js.stream_info(EVENTS.name, subjects_filter=f"leafe.{validate_run_id(run_id)}.events.>")
+    info = await js.stream_info(EVENTS.name, subjects_filter=events_filter(run_id))
     return int(sum((info.state.subjects or {}).values()))
-
-
-def rebuild(
-    result: FoldResult, fold: Materializer, out_dir: Path, *, run_id: str | None, shard_size: int
-) -> DatasetManifest:
-    """Write the folded samples as a dataset; the manifest records the fold's stats and counters."""
-    stats = {
-        **fold.stats.as_dict(),
-        "log_events": result.events,
-        "undecodable": result.undecodable,
-        "other_runs": result.other_runs,
-    }
-    source = {"run_id": run_id} if run_id else {}
-    return write_dataset(
-        result.samples,
-        out_dir,
-        materializer=fold.describe(),
-        shard_size=shard_size,
-        source=source,
-        stats=stats,
-    )
 
 
 class _Progress:
@@ -197,12 +120,8 @@ def _fold_file(path: Path, folder: Folder, progress: bool) -> FoldResult:
     return folder.finish()
 
 
-async def _fold_stream(
-    url: str, creds: str | None, run_id: str, folder: Folder, progress: bool
-) -> FoldResult:
-    from services.bus import connect
-
-    nc = await connect(url, creds=creds, name="leafe-replay")
+async def _fold_stream(nats: NatsOptions, run_id: str, folder: Folder, progress: bool) -> FoldResult:
+    nc = await connect(nats, name="leafe-replay")
     try:
         js = nc.jetstream()
         bar = _Progress(progress, await stream_event_count(js, run_id))
@@ -217,20 +136,7 @@ async def _fold_stream(
     return folder.finish()
 
 
-def fold_events(
-    events: Iterable[EpisodeEvent | None], fold: Materializer, *, run_id: str | None = None
-) -> FoldResult:
-    """Fold an in-memory log (tests, benchmarks): every event, then close what is still open."""
-    folder = Folder(fold, run_id=run_id)
-    for event in events:
-        folder.feed(event)
-    return folder.finish()
-
-
 def _parser() -> argparse.ArgumentParser:
-    from services.bus.nats_server import nats_url_from_env
-
-    _, creds = nats_url_from_env()
     p = argparse.ArgumentParser(
         prog="leafe replay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -241,9 +147,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="dataset directory to (re)write")
     p.add_argument("--config", type=Path, default=None, help="TOML file with ReplayConfig fields")
     p.add_argument("--shard-size", type=int, default=None, help="samples per shard (default 10000)")
-    p.add_argument("--creds", default=creds, help="NATS .creds file (default $LEAFE_NATS_CREDS)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--log-level", default="warning", help="log level (default warning)")
+    add_nats_arguments(p)
     return p
 
 
@@ -253,44 +159,36 @@ def _is_url(source: str) -> bool:
 
 def resolve_config(args: argparse.Namespace) -> ReplayConfig:
     """The config file (if any) with flags applied on top."""
-    from services.config import load_config
-
-    config = load_config(args.config, ReplayConfig)
-    overrides = {
-        k: v
-        for k, v in (
-            ("materializer", args.materializer),
-            ("model", args.model),
-            ("shard_size", args.shard_size),
-        )
-        if v is not None
-    }
-    return msgspec.structs.replace(config, **overrides)
+    overrides = {"materializer": args.materializer, "model": args.model, "shard_size": args.shard_size}
+    return load_config(ReplayConfig, files=[args.config], overrides=overrides)
 
 
 def main(argv: list[str]) -> int:
     """Entry point of ``leafe replay``."""
-    from learner.materializers import make_materializer
-    from learner.model_io import HFChatTokenizer, resolve_model
-    from services.logsetup import configure_logging
-
-    args = _parser().parse_args(argv)
+    p = _parser()
+    args = p.parse_args(argv)
     configure_logging(json=False, level=args.log_level)
-    config = resolve_config(args)
+    try:
+        config = resolve_config(args)
+        nats = nats_options(args)
+    except ValueError as e:
+        p.error(str(e))
     url = _is_url(args.source)
     if url and not args.run:
-        print("leafe replay: --run is required when replaying from a NATS URL", file=sys.stderr)
-        return 2
+        p.error("--run is required when replaying from a NATS URL")
+    from learner.model_io import HFChatTokenizer, resolve_model  # transformers: only once the flags are good
+
     fold = make_materializer(
         config.materializer, HFChatTokenizer.from_dir(resolve_model(config.model)), **config.options
     )
     folder = Folder(fold, run_id=args.run)
     progress = not args.no_progress and sys.stderr.isatty()
     if url:
-        result = asyncio.run(_fold_stream(args.source, args.creds, args.run, folder, progress))
+        nats = msgspec.structs.replace(nats, url=args.source)
+        result = asyncio.run(_fold_stream(nats, args.run, folder, progress))
     else:
         result = _fold_file(Path(args.source), folder, progress)
-    manifest = rebuild(result, fold, args.out, run_id=args.run, shard_size=config.shard_size)
+    manifest = write_folded(result, fold, args.out, run_id=args.run, shard_size=config.shard_size)
     counts = ", ".join(f"{k}={v}" for k, v in manifest.counts_by_kind.items()) or "none"
     print(
         f"replayed {result.events} events -> {manifest.samples} samples ({counts}) in {len(manifest.shards)} "

@@ -2,33 +2,9 @@
 
     leafe replayer --nats URL --run RUN --materializer leafe [--model DIR] [--config replayer.toml]
 
-::
-
-    LEAFE_EVENTS leafe.<run>.events.>  ──durable pull──►  fold (learner.materializers)  ──►  Publisher
-        ▲  plain events: acked once the samples they produced are acked        leafe.<run>.samples.<kind>
-        └─ anchors (each episode's EpisodeStarted): held with in-progress acks until the fold releases
-           the episode (finished or abandoned, and for GRPO its group emitted), then acked
-
-Restart at any moment. The fold's per-episode state lives in memory, so a restarted replayer must see
-every event of every episode that was still open. Acking every event after its samples are stored would
-lose that state; holding every event until its episode ends would make ``max_ack_pending`` a limit on
-(open episodes x events per episode) and redeliver in a scrambled order. Instead only each episode's
-first event, its *anchor*, is held. JetStream's ack floor F (every seq <= F acked) then stays below the
-anchor of every episode not yet released, so all their events lie after F. On start the replayer reads
-its durable's F and D (last seq delivered to the previous process), re-folds the range (F, D] with an
-ephemeral reader (``services.replay.read_range``; republishing its samples: same ids, dropped by
-JetStream's duplicate window, one day by default), then resumes the durable, which delivers seqs > D and
-redelivers the previous process's unacked messages (held anchors become this process's anchors; the rest
-are duplicates the fold ignores). During recovery, and for redelivered seqs <= D, an event of an unknown
-episode belonged to an episode released before the crash and is skipped. Ordering inside a batch: fold
--> publish samples -> flush (retry what was not acked) -> dead-letter rejects -> ack released anchors ->
-ack the rest; a crash between any two steps is repaired by the next start. Run exactly one replayer per
-(run, materializer): the durable consumer is its identity.
-
-Bad input: an event the fold rejects (``ReplayError``: unknown branch, Branch before its Reflection...)
-is copied to ``leafe.<run>.dead.leafe_events`` with the reason in ``Leafe-Error``, counted and acked;
-undecodable messages are dead-lettered by ``services.bus.Consumer``. Episodes without activity for
-``stale_timeout_s`` are closed as abandoned. SIGTERM/SIGINT: finish the batch in hand, then exit.
+The ack protocol that makes it restartable at any moment is described in ``services/replayer_service.py``.
+Run exactly one replayer per (run, materializer): its durable consumer is its identity. SIGTERM/SIGINT:
+finish the batch in hand, then exit.
 """
 
 from __future__ import annotations
@@ -36,327 +12,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-import sys
-import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
 
-import msgspec
 import structlog
 
-from learner.materializers import Materializer, ReplayError
-from protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, ProtocolError, decode_event, encode
-from protocol.events import EpisodeStarted
-from protocol.samples import Sample
-from protocol.subjects import EVENTS, dead_letter_subject, sample_subject, validate_run_id
+from services.bus import add_nats_arguments, nats_options
+from services.config import dump_config, load_config
+from services.logsetup import configure_logging
+from services.replayer_service import ReplayerConfig, serve
 
-__all__ = ["Replayer", "ReplayerConfig", "ReplayerError", "ReplayerStats", "durable_name", "main", "serve"]
+__all__ = ["main"]
 
-log = structlog.get_logger("services.replayer")
-
-
-class ReplayerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Configuration of ``leafe replayer`` (TOML via ``--config``; flags override)."""
-
-    materializer: str = "leafe"
-    """Materializer name (``leafe``, ``grpo``, ``rft``)."""
-    model: str = "default"
-    """Tokenizer source: ``default`` (SmolLM2), ``tiny`` or an HF model directory (must match the actors')."""
-    options: dict[str, Any] = msgspec.field(default_factory=dict)
-    """Materializer options, e.g. ``rehearsal_fraction = 0.2``."""
-    batch: int = 256
-    """Events fetched per pull."""
-    ack_wait_s: float = 30.0
-    """JetStream AckWait: crash-detection time (held anchors get in-progress acks every third of it)."""
-    max_ack_pending: int = 20_000
-    """Unacked messages the durable may hold: one anchor per open episode plus a batch in flight."""
-    stale_timeout_s: float = 3600.0
-    """An episode with no event for this long is closed as abandoned (its actor crashed)."""
-    stale_check_s: float = 30.0
-    """How often abandoned episodes are looked for."""
-    fetch_timeout_s: float = 1.0
-    """Longest wait for new events before housekeeping runs."""
-    publish_attempts: int = 5
-    """Attempts to get every sample of a batch acknowledged before the replayer gives up (and exits)."""
-    publish_max_pending: int = 2048
-    """Outstanding sample publishes before ``publish`` waits (backpressure)."""
-
-
-class ReplayerError(RuntimeError):
-    """The replayer cannot continue (samples could not be stored); a restart recovers."""
-
-
-@dataclass
-class ReplayerStats:
-    """Counters of one replayer process."""
-
-    events: int = 0
-    samples_published: int = 0
-    dead_letters: int = 0
-    recovered_events: int = 0
-    recovery_skipped: int = 0
-    recovery_rejected: int = 0
-    anchors_held: int = 0
-    stale_closed: int = 0
-    batches: int = 0
-
-
-def durable_name(run_id: str, materializer: str) -> str:
-    """Durable consumer name of a run's replayer for one materializer."""
-    return f"replayer-{validate_run_id(run_id)}-{materializer}"
-
-
-class Replayer:
-    """A materializer wired to the events stream (see the module docstring for the ack protocol)."""
-
-    def __init__(self, js: Any, *, run_id: str, fold: Materializer, config: ReplayerConfig) -> None:
-        from services.bus import Publisher
-
-        self.js = js
-        self.run_id = validate_run_id(run_id)
-        self.fold = fold
-        self.config = config
-        self.filter_subject = f"leafe.{run_id}.events.>"
-        self.durable = durable_name(run_id, fold.name)
-        self.dead_subject = dead_letter_subject(run_id, EVENTS.name)
-        self.publisher = Publisher(js, max_pending=config.publish_max_pending)
-        self.consumer: Any = None
-        self.anchors: dict[str, Any] = {}
-        self.unreleased: set[str] = set()
-        self.recovery_until = 0
-        self.stats = ReplayerStats()
-        self._last_keepalive = time.monotonic()
-        self._last_stale = time.monotonic()
-
-    async def start(self) -> None:
-        """Recover the state of unreleased episodes, then bind the durable consumer."""
-        from services.bus import Consumer
-
-        floor, delivered = await self._position()
-        self.consumer = Consumer(
-            self.js,
-            stream=EVENTS.name,
-            durable=self.durable,
-            filter_subject=self.filter_subject,
-            decode=decode_event,
-            dead_letter_subject=self.dead_subject,
-            batch=self.config.batch,
-            ack_wait_s=self.config.ack_wait_s,
-            max_ack_pending=self.config.max_ack_pending,
-        )
-        if delivered > floor:
-            await self._recover(floor + 1, delivered)
-        self.recovery_until = delivered
-        await self.consumer.start()
-        log.info(
-            "replayer.started",
-            durable=self.durable,
-            ack_floor=floor,
-            delivered=delivered,
-            **asdict(self.stats),
-        )
-
-    async def _position(self) -> tuple[int, int]:
-        from nats.js.errors import NotFoundError
-
-        try:
-            info = await self.js.consumer_info(EVENTS.name, self.durable)
-        except NotFoundError:
-            return 0, 0
-        return int(info.ack_floor.stream_seq or 0), int(info.delivered.stream_seq or 0)
-
-    async def _recover(self, start: int, end: int) -> None:
-        from services.bus import read_range
-
-        now = time.monotonic()
-        samples: list[Sample] = []
-        async for msg in read_range(
-            self.js, filter_subject=self.filter_subject, start_seq=start, end_seq=end
-        ):
-            try:
-                event = decode_event(msg.data, (msg.headers or {}).get(CODEC_HEADER))
-            except ProtocolError:
-                continue  # dead-lettered by the previous process's consumer
-            if event.run_id != self.run_id:
-                continue  # dead-lettered by the previous process
-            try:
-                samples += self.fold.apply(event, now=now)
-            except ReplayError:
-                if self.fold.knows(event.episode_id):
-                    self.stats.recovery_rejected += 1
-                else:
-                    self.stats.recovery_skipped += 1
-                continue
-            self.stats.recovered_events += 1
-            if isinstance(event, EpisodeStarted) and self.fold.is_open(event.episode_id):
-                self.unreleased.add(event.episode_id)
-            if len(samples) >= 512:
-                await self._publish(samples)
-                samples = []
-        await self._publish(samples)
-        await self._release()
-        log.info("replayer.recovered", start_seq=start, end_seq=end, open_episodes=self.fold.open_episodes)
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """Fetch, fold, publish and ack until ``stop`` is set; the batch in hand is always finished."""
-        if self.consumer is None:
-            await self.start()
-        while not stop.is_set():
-            deliveries = await self.consumer.fetch(timeout=self.config.fetch_timeout_s)
-            if deliveries:
-                await self.process(deliveries)
-            await self._housekeeping()
-        await self.consumer.close()
-        log.info("replayer.stopped", open_episodes=self.fold.open_episodes, **asdict(self.stats))
-
-    async def process(self, deliveries: Sequence[Any]) -> None:
-        """Fold a batch, store its samples, then settle every delivery (see the ordering above)."""
-        now = time.monotonic()
-        samples: list[Sample] = []
-        to_ack: list[Any] = []
-        rejected: list[tuple[Any, str]] = []
-        for d in deliveries:
-            event = d.value
-            if event.run_id != self.run_id:
-                rejected.append((d, f"run_id {event.run_id!r} published on run {self.run_id!r}'s subject"))
-                continue
-            try:
-                samples += self.fold.apply(event, now=now)
-            except ReplayError as e:
-                if d.stream_seq <= self.recovery_until and not self.fold.knows(event.episode_id):
-                    self.stats.recovery_skipped += 1
-                    to_ack.append(d)
-                else:
-                    rejected.append((d, e.reason))
-                continue
-            if isinstance(event, EpisodeStarted):
-                if self.fold.is_open(event.episode_id):
-                    self.unreleased.add(event.episode_id)
-                if event.episode_id in self.unreleased:
-                    self.anchors[event.episode_id] = d  # a redelivered anchor replaces the older delivery
-                    continue
-            to_ack.append(d)
-        self.stats.events += len(deliveries)
-        self.stats.batches += 1
-        await self._publish(samples)
-        for d, reason in rejected:
-            await self._dead_letter(d, reason)
-            to_ack.append(d)
-        await self._release()
-        for d in to_ack:
-            await d.ack()
-        self.stats.anchors_held = len(self.anchors)
-
-    async def _publish(self, samples: list[Sample]) -> None:
-        from services.bus import PublishError
-
-        pending = {s.sample_id: s for s in samples}
-        for attempt in range(1, self.config.publish_attempts + 1):
-            if not pending:
-                return
-            try:
-                for s in pending.values():
-                    await self.publisher.publish(sample_subject(self.run_id, s.kind), s)
-                await self.publisher.flush()
-                self.stats.samples_published += len(pending)
-                return
-            except PublishError as e:
-                log.warning("replayer.publish.retry", attempt=attempt, unacked=len(e.unacked), error=str(e))
-                try:
-                    await self.publisher.flush()  # settle what is in flight; all of `pending` is retried
-                except PublishError:
-                    pass  # already being retried as part of `pending`
-                await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
-        raise ReplayerError(
-            f"{len(pending)} samples not acknowledged after {self.config.publish_attempts} attempts"
-        )
-
-    async def _dead_letter(self, d: Any, reason: str) -> None:
-        from services.bus import ERROR_HEADER
-
-        clean = " ".join(reason.split()).encode("ascii", "backslashreplace").decode()[:512]
-        headers = {
-            ERROR_HEADER: clean,
-            "Leafe-Original-Subject": d.subject,
-            "Leafe-Original-Stream": EVENTS.name,
-            "Leafe-Original-Seq": str(d.stream_seq),
-            MSG_ID_HEADER: f"dead.{EVENTS.name}.{d.stream_seq}",
-            CODEC_HEADER: CODEC_VERSION,
-        }
-        await self.js.publish(self.dead_subject, encode(d.value), headers=headers)
-        self.stats.dead_letters += 1
-        log.warning(
-            "replayer.event.dead_letter", event_id=d.value.event_id, stream_seq=d.stream_seq, reason=clean
-        )
-
-    async def _release(self) -> None:
-        for eid in self.fold.drain_released():
-            self.unreleased.discard(eid)
-            anchor = self.anchors.pop(eid, None)
-            if anchor is not None:
-                await anchor.ack()
-
-    async def _housekeeping(self) -> None:
-        now = time.monotonic()
-        if now - self._last_keepalive >= self.config.ack_wait_s / 3:
-            self._last_keepalive = now
-            for anchor in list(self.anchors.values()):
-                await anchor.in_progress()
-            if len(self.anchors) > 0.8 * self.config.max_ack_pending:
-                log.warning(
-                    "replayer.anchors.high",
-                    anchors=len(self.anchors),
-                    max_ack_pending=self.config.max_ack_pending,
-                )
-        if now - self._last_stale >= self.config.stale_check_s:
-            self._last_stale = now
-            before = self.fold.stats.episodes_abandoned
-            await self._publish(self.fold.close_stale(now, self.config.stale_timeout_s))
-            await self._release()
-            self.stats.stale_closed += self.fold.stats.episodes_abandoned - before
-            fold = self.fold.stats
-            log.info(
-                "replayer.progress",
-                open_episodes=self.fold.open_episodes,
-                samples_by_kind=dict(fold.samples),
-                rejected=fold.rejected,
-                prompt_mismatches=fold.prompt_mismatches,
-                **asdict(self.stats),
-            )
-
-
-async def serve(
-    config: ReplayerConfig, *, url: str, run_id: str, stop: asyncio.Event, creds: str | None = None
-) -> ReplayerStats:
-    """Connect, build the materializer, run the replayer until ``stop``; returns its counters."""
-    from learner.materializers import make_materializer
-    from learner.model_io import HFChatTokenizer, resolve_model
-    from services.bus import connect, ensure_streams
-
-    tokenizer = HFChatTokenizer.from_dir(resolve_model(config.model))
-    fold = make_materializer(config.materializer, tokenizer, **config.options)
-    nc = await connect(url, creds=creds, name=f"leafe-replayer-{run_id}")
-    try:
-        js = nc.jetstream()
-        await ensure_streams(js)
-        replayer = Replayer(js, run_id=run_id, fold=fold, config=config)
-        await replayer.start()
-        await replayer.run(stop)
-        return replayer.stats
-    finally:
-        await nc.close()
+log = structlog.get_logger(__name__)
 
 
 def _parser() -> argparse.ArgumentParser:
-    from services.bus.nats_server import nats_url_from_env
-
-    url, creds = nats_url_from_env()
     p = argparse.ArgumentParser(
         prog="leafe replayer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--nats", default=url, help="NATS URL (default $LEAFE_NATS_URL)")
-    p.add_argument("--creds", default=creds, help="NATS .creds file (default $LEAFE_NATS_CREDS)")
+    add_nats_arguments(p)
     p.add_argument("--run", required=True, help="run id whose events are materialized")
     p.add_argument("--materializer", default=None, help="leafe | grpo | rft (default from config: leafe)")
     p.add_argument("--model", default=None, help="tokenizer: default | tiny | HF model dir")
@@ -367,19 +40,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``leafe replayer``."""
-    from services.config import dump_config, load_config
-    from services.logsetup import configure_logging
-
-    args = _parser().parse_args(argv)
+    p = _parser()
+    args = p.parse_args(argv)
     configure_logging(json=True, level=args.log_level)
-    if not args.nats:
-        print("leafe replayer: no NATS URL: pass --nats URL or set LEAFE_NATS_URL", file=sys.stderr)
-        return 2
-    config = load_config(args.config, ReplayerConfig)
-    overrides = {
-        k: v for k, v in (("materializer", args.materializer), ("model", args.model)) if v is not None
-    }
-    config = msgspec.structs.replace(config, **overrides)
+    try:
+        nats = nats_options(args)
+        overrides = {"materializer": args.materializer, "model": args.model}
+        config = load_config(ReplayerConfig, files=[args.config], overrides=overrides)
+    except ValueError as e:
+        p.error(str(e))
+    if not nats.url:
+        p.error("no NATS URL: pass --nats URL or set LEAFE_NATS_URL")
     structlog.contextvars.bind_contextvars(run_id=args.run, service="replayer")
     log.info("replayer.config", config=dump_config(config))
 
@@ -388,7 +59,7 @@ def main(argv: list[str]) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(config, url=args.nats, run_id=args.run, stop=stop, creds=args.creds)
+        await serve(config, nats=nats, run_id=args.run, stop=stop)
 
     asyncio.run(_main())
     return 0

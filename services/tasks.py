@@ -15,21 +15,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
+from envs.registry import make_env
 from protocol.subjects import TASKS, task_subject, validate_run_id
-from protocol.tasks import TaskAssignment
+from protocol.tasks import TaskAssignment, task_slug
+from services.bus import NatsOptions, Publisher, add_nats_arguments, connect, ensure_streams, nats_options
+from services.config import parse_key_value
 
-__all__ = ["main", "make_assignments", "pending", "submit", "task_slug"]
+__all__ = ["main", "make_assignments", "pending", "submit"]
 
 Mode = Literal["explore", "rollout", "eval"]
-
-
-def task_slug(task_id: str) -> str:
-    """A task id as a subject/key-safe token: ``sokoban/train/3`` -> ``sokoban-train-3``."""
-    return "".join(c if c.isalnum() or c in "-_" else "-" for c in task_id)
 
 
 def make_assignments(
@@ -74,12 +71,12 @@ def make_assignments(
     return out
 
 
-async def submit(js: Any, assignments: Iterable[TaskAssignment], *, skip: Iterable[str] = ()) -> int:
+async def submit(
+    js: Any, assignments: Iterable[TaskAssignment], *, skip: Iterable[str] = (), replicas: int | None = None
+) -> int:
     """Publish assignments (deduplicated by ``task_key``), skipping the keys in ``skip``; returns the
     number published (JetStream may still drop exact duplicates it remembers)."""
-    from services.bus import Publisher, ensure_streams
-
-    await ensure_streams(js)
+    await ensure_streams(js, replicas=replicas)
     skipped = set(skip)
     count = 0
     async with Publisher(js) as pub:
@@ -97,27 +94,14 @@ async def pending(js: Any, run_id: str) -> int:
     return int((info.state.subjects or {}).get(task_subject(run_id), 0))
 
 
-def _env_option(text: str) -> tuple[str, Any]:
-    key, sep, raw = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"--env-option {text!r}: expected KEY=VALUE")
-    import tomllib
-
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return key.strip(), value
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="leafe tasks", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("submit", help="submit assignments for a slice of an environment's split")
-    s.add_argument("--nats", default=os.environ.get("LEAFE_NATS_URL"), help="NATS URL (env LEAFE_NATS_URL)")
+    add_nats_arguments(s)
     s.add_argument("--run", required=True, help="run id")
     s.add_argument("--env", required=True, help="environment name (sokoban, scienceworld, ...)")
-    s.add_argument("--env-option", action="append", type=_env_option, default=[], help="KEY=VALUE")
+    s.add_argument("--env-option", action="append", type=parse_key_value, default=[], help="KEY=VALUE")
     s.add_argument("--split", default="train", help="train or test")
     s.add_argument("--offset", type=int, default=0, help="first task index of the split")
     s.add_argument("--count", type=int, required=True, help="number of tasks")
@@ -126,22 +110,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--prefix", default="", help="task key prefix (default: the mode)")
     q = sub.add_parser("pending", help="how many assignments are still queued")
-    q.add_argument("--nats", default=os.environ.get("LEAFE_NATS_URL"), help="NATS URL (env LEAFE_NATS_URL)")
+    add_nats_arguments(q)
     q.add_argument("--run", required=True, help="run id")
     return p
 
 
-async def _main(args: argparse.Namespace) -> int:
-    from services.bus import connect
-
-    nc = await connect(args.nats, creds=os.environ.get("LEAFE_NATS_CREDS"), name="leafe-tasks")
+async def _main(args: argparse.Namespace, nats: NatsOptions) -> int:
+    nc = await connect(nats, name="leafe-tasks")
     try:
         js = nc.jetstream()
         if args.cmd == "pending":
             print(await pending(js, args.run))
             return 0
-        from envs.registry import make_env
-
         options = dict(args.env_option)
         env = make_env(args.env, **options)
         try:
@@ -149,10 +129,17 @@ async def _main(args: argparse.Namespace) -> int:
         finally:
             env.close()
         batch = make_assignments(
-            run_id=args.run, env=args.env, task_ids=ids, mode=args.mode, split=args.split,
-            samples=args.samples, seed=args.seed, prefix=args.prefix, env_options=options,
-        )  # fmt: skip
-        n = await submit(js, batch)
+            run_id=args.run,
+            env=args.env,
+            task_ids=ids,
+            mode=args.mode,
+            split=args.split,
+            samples=args.samples,
+            seed=args.seed,
+            prefix=args.prefix,
+            env_options=options,
+        )
+        n = await submit(js, batch, replicas=nats.stream_replicas)
         print(f"submitted {n} assignments ({len(ids)} tasks x {args.samples}) to {task_subject(args.run)}")
         return 0
     finally:
@@ -161,7 +148,12 @@ async def _main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``leafe tasks``."""
-    args = _parser().parse_args(argv)
-    if not args.nats:
-        raise SystemExit("leafe tasks: give --nats or set LEAFE_NATS_URL")
-    return asyncio.run(_main(args))
+    p = _parser()
+    args = p.parse_args(argv)
+    try:
+        nats = nats_options(args)
+    except ValueError as e:
+        p.error(str(e))
+    if not nats.url:
+        p.error("give --nats or set LEAFE_NATS_URL")
+    return asyncio.run(_main(args, nats))

@@ -11,35 +11,19 @@ Writes under ``--out``: ``checkpoints/`` (DCP; a rerun resumes from the latest u
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import structlog
 
-if TYPE_CHECKING:
-    from learner.checkpoint import Progress
-    from learner.config import TrainConfig
-    from learner.distributed import DistEnv
-    from learner.trainer import Trainer
+from learner.config import TrainConfig, train_preset
+from services.config import load_config
+from services.logsetup import configure_logging
 
-__all__ = ["TrainResult", "build_parser", "main", "train"]
+__all__ = ["build_parser", "main"]
 
 log = structlog.get_logger(__name__)
-
-
-class TrainResult(msgspec.Struct, frozen=True, kw_only=True):
-    """What an offline run produced."""
-
-    steps: int
-    """Optimizer steps taken in total (resumed ones included)."""
-    final_dir: str
-    """HF export of the final weights."""
-    final_sha256: str
-    """sha256 of the final export's manifest (rank 0; empty on other ranks)."""
-    last_loss: float | None
-    """Loss of the last step of this process (None if it took none)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,92 +66,25 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _with_schedule_length(cfg: TrainConfig, n_samples: int) -> TrainConfig:
-    from learner.offline import steps_per_epoch
-
-    total = cfg.epochs * steps_per_epoch(n_samples, cfg.trainer.batch.global_batch, cfg.drop_last)
-    if cfg.max_steps:
-        total = min(total, cfg.max_steps)
-    if cfg.trainer.optim.total_steps:
-        return cfg
-    optim = msgspec.structs.replace(cfg.trainer.optim, total_steps=total)
-    return msgspec.structs.replace(cfg, trainer=msgspec.structs.replace(cfg.trainer, optim=optim))
-
-
-def _after_step(trainer: Trainer, cfg: TrainConfig, out: Path, progress: Progress) -> None:
-    from learner.checkpoint import save_checkpoint
-    from learner.weight_store import prune_versions, version_name
-
-    tc = cfg.trainer
-    if tc.checkpoint_every and trainer.step % tc.checkpoint_every == 0:
-        save_checkpoint(out / "checkpoints", trainer, progress, keep=tc.keep_checkpoints)
-    if tc.push_every and trainer.step % tc.push_every == 0:
-        version = version_name(trainer.step)
-        trainer.export(out / "weights" / version, version=version, extra={"learner_step": trainer.step})
-        if trainer.env.is_main:
-            prune_versions(out / "weights", tc.retain_versions)
-
-
-def train(
-    cfg: TrainConfig, data_dir: Path, model: str, out: Path, env: DistEnv, *, resume: bool = True
-) -> TrainResult:
-    """Train on every sample under ``data_dir``; resumable from ``out/checkpoints``. All ranks call it."""
-    from learner.checkpoint import Progress, latest_checkpoint, load_checkpoint, save_checkpoint
-    from learner.model_io import resolve_model
-    from learner.offline import iter_batches, read_samples
-    from learner.trainer import Trainer
-
-    samples = read_samples(data_dir)
-    cfg = _with_schedule_length(cfg, len(samples))
-    model_dir = resolve_model(model)
-    out = Path(out)
-    if env.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_bytes(msgspec.json.format(msgspec.json.encode(cfg), indent=1))
-    log.info("train.start", samples=len(samples), model=str(model_dir), world_size=env.world_size,
-             config=msgspec.to_builtins(cfg))  # fmt: skip
-    trainer = Trainer(cfg.trainer, model_dir, env)
-    ckpt = latest_checkpoint(out / "checkpoints") if resume else None
-    progress = load_checkpoint(ckpt, trainer) if ckpt is not None else Progress()
-    last_loss: float | None = None
-    metrics = (out / "metrics.jsonl").open("a", encoding="utf-8") if env.is_main else None
-    try:
-        for batch in iter_batches(samples, cfg, start_epoch=progress.epoch, start_position=progress.position):
-            if cfg.max_steps and trainer.step >= cfg.max_steps:
-                break
-            stats = trainer.train_step(batch.samples)
-            last_loss = stats.loss
-            progress = Progress(step=trainer.step, epoch=batch.epoch, position=batch.position,
-                                samples_trained=progress.samples_trained + stats.samples)  # fmt: skip
-            if metrics is not None:
-                metrics.write(json.dumps({"epoch": batch.epoch, **msgspec.to_builtins(stats)}) + "\n")
-                metrics.flush()
-            log.info("train.step", epoch=batch.epoch, **msgspec.to_builtins(stats))
-            _after_step(trainer, cfg, out, progress)
-    finally:
-        if metrics is not None:
-            metrics.close()
-    latest = latest_checkpoint(out / "checkpoints")
-    if latest is None or latest.name != f"step_{trainer.step:08d}":
-        save_checkpoint(out / "checkpoints", trainer, progress, keep=cfg.trainer.keep_checkpoints)
-    digest = trainer.export(
-        out / "final", version=f"final-step{trainer.step}", extra={"learner_step": trainer.step}
-    )
-    log.info("train.finished", steps=trainer.step, final=str(out / "final"), sha256=digest)
-    return TrainResult(
-        steps=trainer.step, final_dir=str(out / "final"), final_sha256=digest, last_loss=last_loss
+def resolve(args: argparse.Namespace) -> TrainConfig:
+    """Preset, then ``--config``, then flags (``services.config.load_config``)."""
+    return load_config(
+        TrainConfig, preset=train_preset(args.preset), files=[args.config], overrides=_overrides(args)
     )
 
 
 def main(argv: list[str]) -> int:
     """Entry point of ``leafe train``."""
-    args = build_parser().parse_args(argv)
-    from learner.config import resolve_train_config
-    from learner.distributed import distributed_env
-    from services.logsetup import configure_logging
-
+    p = build_parser()
+    args = p.parse_args(argv)
     configure_logging(json=not args.console, level=args.log_level)
-    cfg = resolve_train_config(args.preset, args.config, **_overrides(args))
+    try:
+        cfg = resolve(args)
+    except ValueError as e:
+        p.error(str(e))
+    from learner.distributed import distributed_env  # torch: only once the flags are good
+    from learner.offline import train
+
     with distributed_env(args.backend) as env:
         structlog.contextvars.bind_contextvars(rank=env.rank)
         result = train(cfg, args.data, args.model, args.out, env, resume=not args.no_resume)

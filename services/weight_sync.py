@@ -2,312 +2,71 @@
 
     leafe weight-sync --nats URL --run r1 --server http://127.0.0.1:30000 --server http://gpu-2:30000
     leafe weight-sync ... --once         # apply the latest version, report, exit 1 if any server failed
+    leafe weight-sync ... --config weight-sync.toml     # WeightSyncConfig fields; flags override
 
-A reconciler, not a relay: the desired state is the newest ``WeightsPublished`` on
-``leafe.<run>.weights`` (read with ``get_last_msg`` on start, then pushed by a subscription); each
-server's actual state is its ``/model_info`` ``weight_version``. Whenever they differ the server gets
-``POST /update_weights_from_disk {"model_path": uri, "weight_version": version}`` (actors/client.py's
-``SGLangClient``), with backoff on failure. Servers are re-checked every ``reconcile_interval_s``, so a
-restarted server (back at ``default``) is brought up to date without a new push. Versions arriving
-faster than servers load are coalesced: only the newest is applied. Per-server results are logged
-(``weight_sync.server.updated`` / ``weight_sync.server.failed``) and returned by :meth:`WeightSync.sync`.
-When the export directory is visible here, its manifest is verified against the announced sha256 first
-and each server's version is recorded in ``<store>/.in_use/`` so the learner never prunes it.
+How it reconciles is described in ``services/weight_sync_service.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
-import os
 import signal
-import time
-from contextlib import AsyncExitStack
-from pathlib import Path
-from typing import Literal
 
-import msgspec
 import structlog
 
-from protocol import WeightsPublished, decode_weights, weights_subject
-from protocol.codec import CODEC_HEADER, ProtocolError
-from protocol.subjects import WEIGHTS
+from services.bus import NatsOptions, add_nats_arguments, nats_options
+from services.config import dump_config, load_config
+from services.logsetup import configure_logging
+from services.weight_sync_service import WeightSync, WeightSyncConfig
 
-__all__ = ["SyncResult", "WeightSync", "WeightSyncConfig", "main"]
+__all__ = ["main"]
 
 log = structlog.get_logger(__name__)
 
 
-class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Settings of the weight-sync loop."""
-
-    servers: list[str]
-    """Base URLs of the inference servers (SGLang or ``leafe inference``)."""
-    reconcile_interval_s: float = 10.0
-    """Re-read every server's ``weight_version`` this often (catches restarted servers)."""
-    update_timeout_s: float = 600.0
-    """Timeout of one ``/update_weights_from_disk`` call."""
-    retry_backoff_s: float = 2.0
-    """First wait before retrying a failed server (doubles up to ``reconcile_interval_s``)."""
-    verify: Literal["manifest", "files", "off"] = "manifest"
-    """Before any server loads an export visible here: check its manifest's sha256 against the
-    announcement (``manifest``), also every file against the manifest (``files``), or nothing (``off``)."""
-
-
-class SyncResult(msgspec.Struct, frozen=True, kw_only=True):
-    """One server's outcome for one version."""
-
-    url: str
-    version: str
-    success: bool
-    message: str
-    seconds: float
-    """Duration of the update call."""
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _newer(a: WeightsPublished, b: WeightsPublished | None) -> bool:
-    from learner.weight_store import version_index
-
-    if b is None:
-        return True
-    ia, ib = version_index(a.version), version_index(b.version)
-    if ia is None or ib is None:
-        return a.ts > b.ts
-    return ia > ib
-
-
-class WeightSync:
-    """Reconciles servers to the newest announced version (see the module docstring)."""
-
-    def __init__(self, cfg: WeightSyncConfig, *, run_id: str) -> None:
-        from actors.client import SGLangClient
-
-        if not cfg.servers:
-            raise ValueError("weight-sync needs at least one --server URL")
-        self.cfg = cfg
-        self.run_id = run_id
-        self.clients = {u.rstrip("/"): SGLangClient([u], retries=1) for u in cfg.servers}
-        self.desired: WeightsPublished | None = None
-        self.served: dict[str, str] = {}
-        self.retry_at: dict[str, float] = {}
-        self.failures: dict[str, int] = {}
-        self.results: dict[str, SyncResult] = {}
-        self._wake = asyncio.Event()
-
-    def offer(self, event: WeightsPublished) -> None:
-        """A new announcement: becomes the desired state if it is newer."""
-        if _newer(event, self.desired):
-            self.desired = event
-            self._wake.set()
-            log.info(
-                "weight_sync.version.announced", version=event.version, uri=event.uri, step=event.learner_step
-            )
-
-    async def close(self) -> None:
-        """Close the HTTP sessions."""
-        for c in self.clients.values():
-            await c.close()
-
-    async def _actual(self, url: str) -> str | None:
-        from actors.engine import EngineError
-
-        try:
-            return await self.clients[url].weight_version()
-        except EngineError as e:
-            log.warning("weight_sync.server.unreachable", url=url, error=str(e))
-            return None
-
-    async def _verified(self, event: WeightsPublished) -> bool:
-        """The export is the announced one: its ``manifest.json`` has the announced sha256 (cheap; the
-        export appears atomically, so a matching manifest means a complete directory). With
-        ``verify = "files"`` every file is hashed too (our CPU server does that itself on load)."""
-        from learner.model_io import ManifestError, verify_manifest
-
-        path = Path(event.uri)
-        if self.cfg.verify == "off" or not await asyncio.to_thread(path.is_dir):
-            return True
-        try:
-            if self.cfg.verify == "files":
-                await asyncio.to_thread(verify_manifest, path, event.manifest_sha256 or None)
-            elif event.manifest_sha256:
-                digest = await asyncio.to_thread(_sha256, path / "manifest.json")
-                if digest != event.manifest_sha256:
-                    raise ManifestError(
-                        f"{path}/manifest.json: sha256 {digest} != announced {event.manifest_sha256}"
-                    )
-        except (ManifestError, FileNotFoundError) as e:
-            log.error("weight_sync.version.corrupt", version=event.version, uri=event.uri, error=str(e))
-            return False
-        return True
-
-    async def _update(self, url: str, event: WeightsPublished) -> SyncResult:
-        t0 = time.perf_counter()
-        [r] = await self.clients[url].update_weights_from_disk(
-            event.uri, event.version, timeout_s=self.cfg.update_timeout_s
-        )
-        res = SyncResult(url=url, version=event.version, success=r.success, message=r.message,
-                         seconds=time.perf_counter() - t0)  # fmt: skip
-        self.results[url] = res
-        if res.success:
-            self.served[url] = event.version
-            self.retry_at.pop(url, None)
-            self.failures.pop(url, None)
-            self._mark_in_use(url, event)
-            since = round(time.time() - event.ts, 3) if event.ts else None
-            log.info("weight_sync.server.updated", url=url, version=event.version,
-                     seconds=round(res.seconds, 3), since_publish_s=since)  # fmt: skip
-        else:
-            n = self.failures[url] = self.failures.get(url, 0) + 1
-            backoff = min(self.cfg.reconcile_interval_s, self.cfg.retry_backoff_s * 2 ** min(n - 1, 10))
-            self.retry_at[url] = time.monotonic() + backoff
-            log.warning("weight_sync.server.failed", url=url, version=event.version, message=r.message,
-                        retry_in_s=backoff)  # fmt: skip
-        return res
-
-    def _mark_in_use(self, url: str, event: WeightsPublished) -> None:
-        from learner.weight_store import mark_in_use
-
-        store = Path(event.uri).parent
-        if store.is_dir() and os.access(store, os.W_OK):
-            mark_in_use(store, url, event.version)
-
-    async def sync(self, *, refresh: bool = False) -> dict[str, SyncResult]:
-        """Bring every server to the desired version now; returns this round's per-server results."""
-        event = self.desired
-        if event is None or not await self._verified(event):
-            return {}
-
-        async def one(url: str) -> SyncResult | None:
-            if time.monotonic() < self.retry_at.get(url, 0.0):
-                return None
-            if refresh or url not in self.served:
-                actual = await self._actual(url)
-                if actual is None:
-                    return None
-                self.served[url] = actual
-            if self.served[url] == event.version:
-                return None
-            return await self._update(url, event)
-
-        done = await asyncio.gather(*(one(u) for u in self.clients))
-        return {r.url: r for r in done if r is not None}
-
-    def report(self) -> dict[str, str]:
-        """Each server's known version (``unknown``: never answered), logged as ``weight_sync.report``."""
-        state = {u: self.served.get(u, "unknown") for u in self.clients}
-        desired = self.desired.version if self.desired else None
-        log.info("weight_sync.report", desired=desired, servers=state, converged=self.converged())
-        return state
-
-    def converged(self) -> bool:
-        """Every server is known to serve the desired version."""
-        d = self.desired
-        return d is not None and all(self.served.get(u) == d.version for u in self.clients)
-
-    async def run(
-        self, nats_url: str, stop: asyncio.Event, *, creds: str | None = None, once: bool = False
-    ) -> bool:
-        """Follow announcements until ``stop``; with ``once``, one round for the latest version.
-
-        Returns True when every server serves the desired version at exit.
-        """
-        from services.bus import connect, ensure_streams
-
-        async with AsyncExitStack() as stack:
-            nc = await connect(nats_url, creds=creds, name=f"weight-sync-{self.run_id}")
-            stack.push_async_callback(nc.close)
-            stack.push_async_callback(self.close)
-            js = nc.jetstream()
-            await ensure_streams(js)
-            latest = await _latest(js, self.run_id)
-            if latest is not None:
-                self.offer(latest)
-            if once:
-                await self.sync(refresh=True)
-                self.report()
-                return self.converged()
-            sub = await nc.subscribe(weights_subject(self.run_id), cb=self._on_msg)
-            stack.push_async_callback(sub.unsubscribe)
-            last_refresh = time.monotonic()
-            while not stop.is_set():
-                refresh = time.monotonic() - last_refresh >= self.cfg.reconcile_interval_s
-                if refresh:
-                    last_refresh = time.monotonic()
-                await self.sync(refresh=refresh)
-                self._wake.clear()
-                waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stop.wait())]
-                await asyncio.wait(waits, timeout=self._next_wait(), return_when=asyncio.FIRST_COMPLETED)
-                for w in waits:
-                    w.cancel()
-        return self.converged()
-
-    def _next_wait(self) -> float:
-        now = time.monotonic()
-        pending = [t - now for t in self.retry_at.values()]
-        return max(0.05, min([self.cfg.reconcile_interval_s, *pending]))
-
-    async def _on_msg(self, msg: object) -> None:
-        data = getattr(msg, "data", b"")
-        headers = getattr(msg, "headers", None) or {}
-        try:
-            self.offer(decode_weights(data, headers.get(CODEC_HEADER)))
-        except ProtocolError as e:
-            log.warning("weight_sync.announcement.undecodable", error=str(e))
-
-
-async def _latest(js: object, run_id: str) -> WeightsPublished | None:
-    from nats.js.errors import NotFoundError
-
-    try:
-        raw = await js.get_last_msg(WEIGHTS.name, weights_subject(run_id))  # type: ignore[attr-defined]
-    except NotFoundError:
-        return None
-    headers = raw.headers or {}
-    try:
-        return decode_weights(raw.data, headers.get(CODEC_HEADER))
-    except ProtocolError as e:
-        log.warning("weight_sync.announcement.undecodable", error=str(e))
-        return None
-
-
-def main(argv: list[str]) -> int:
-    """Entry point of ``leafe weight-sync``."""
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="leafe weight-sync", description=__doc__.split("\n\n")[0])
-    p.add_argument("--nats", default=os.environ.get("LEAFE_NATS_URL"), help="NATS URL (env LEAFE_NATS_URL)")
-    p.add_argument("--creds", default=os.environ.get("LEAFE_NATS_CREDS"))
+    add_nats_arguments(p)
     p.add_argument("--run", "--run-id", dest="run", required=True, help="run id (--run-id under torchrun)")
-    p.add_argument("--server", action="append", default=[], help="inference server base URL (repeatable)")
-    p.add_argument(
-        "--reconcile-interval", type=float, default=WeightSyncConfig(servers=[]).reconcile_interval_s
-    )
+    p.add_argument("--server", action="append", default=None, help="inference server base URL (repeatable)")
+    p.add_argument("--config", default=None, help="TOML file with WeightSyncConfig fields")
+    p.add_argument("--reconcile-interval", type=float, default=None, help="seconds between server checks")
     p.add_argument(
         "--verify",
         choices=["manifest", "files", "off"],
-        default="manifest",
+        default=None,
         help="check the export against the announcement: manifest sha256 (default), every file, or off",
     )
     p.add_argument("--once", action="store_true", help="apply the latest version and exit (1 if any failed)")
     p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``leafe weight-sync``."""
+    p = _parser()
     a = p.parse_args(argv)
-    if not a.nats:
-        raise SystemExit("leafe weight-sync: give --nats URL or set LEAFE_NATS_URL")
-    from services.logsetup import configure_logging
-
     configure_logging(json=True, level=a.log_level)
+    overrides = {"servers": a.server, "reconcile_interval_s": a.reconcile_interval, "verify": a.verify}
+    try:
+        nats = nats_options(a)
+        cfg = load_config(WeightSyncConfig, files=[a.config], overrides=overrides)
+    except ValueError as e:
+        p.error(str(e))
+    if not nats.url:
+        p.error("give --nats URL or set LEAFE_NATS_URL")
+    if not cfg.servers:
+        p.error("no inference server: give --server URL (or `servers` in --config)")
     structlog.contextvars.bind_contextvars(run_id=a.run)
-    cfg = WeightSyncConfig(servers=a.server, reconcile_interval_s=a.reconcile_interval, verify=a.verify)
-    return asyncio.run(_main(cfg, a.run, a.nats, a.creds, a.once))
+    log.info("weight_sync.config", config=dump_config(cfg))
+    return asyncio.run(_main(cfg, a.run, nats, a.once))
 
 
-async def _main(cfg: WeightSyncConfig, run_id: str, url: str, creds: str | None, once: bool) -> int:
+async def _main(cfg: WeightSyncConfig, run_id: str, nats: NatsOptions, once: bool) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    ok = await WeightSync(cfg, run_id=run_id).run(url, stop, creds=creds, once=once)
+    ok = await WeightSync(cfg, run_id=run_id).run(nats, stop, once=once)
     return 0 if ok else 1

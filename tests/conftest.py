@@ -1,4 +1,5 @@
-"""Shared fixtures: a real nats-server per test session, fresh JetStream streams per test."""
+"""Shared fixtures: a real nats-server per test session, fresh JetStream streams per test, and a cache
+that never touches the user's home (``$LEAFE_CACHE`` when set, as ``make test`` does, else a temp dir)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,15 @@ from pathlib import Path
 import pytest
 
 from services.bus.nats_server import EmbeddedNats
+from tests.support.naming import run_id_for
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own tmpdir plugin has set up its factory
+def pytest_configure(config: pytest.Config) -> None:
+    """Point ``$LEAFE_CACHE`` at a per-session temp dir when it is unset, before any test or subprocess
+    reads it (models and generated games then never land in ``~/.cache/leafe``)."""
+    if not os.environ.get("LEAFE_CACHE"):
+        os.environ["LEAFE_CACHE"] = str(config._tmp_path_factory.mktemp("leafe-cache"))  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="session")
@@ -36,13 +46,40 @@ def nats_url(nats_server: EmbeddedNats) -> str:
 
 @pytest.fixture
 def run_id(request: pytest.FixtureRequest) -> str:
-    """A run id unique to the test, so tests sharing the server never see each other's messages."""
-    name = "".join(c if c.isalnum() else "-" for c in request.node.name)[:40].strip("-")
-    return f"t{os.getpid() % 10000}-{name}"
+    """A run id unique to the test (see :func:`run_id_for`)."""
+    return run_id_for(request.node.nodeid, os.getpid())
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The LEAFE cache (models, generated games): the user's cache if set, else a session temp dir."""
-    env = os.environ.get("LEAFE_CACHE")
-    return Path(env) if env else tmp_path_factory.mktemp("leafe-cache")
+def cache_dir() -> Path:
+    """The LEAFE cache (models, generated games): ``$LEAFE_CACHE``, set for the session above."""
+    return Path(os.environ["LEAFE_CACHE"])
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(cache_dir: Path) -> Path:
+    """The tiny random Llama (2 layers, hidden 64, SmolLM2 tokenizer)."""
+    from learner.model_io import tiny_model_dir
+
+    return tiny_model_dir(cache_dir)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch on one intra-op thread for the test (on a shared 2-core CPU, 2 threads spin-wait: ~2x slower)."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="session")
+def dist_env() -> Iterator[object]:
+    """A one-rank gloo process group for the whole session (the plain-python path of the trainer)."""
+    from learner.distributed import init_distributed, shutdown
+
+    env = init_distributed("gloo")
+    yield env
+    shutdown(env)

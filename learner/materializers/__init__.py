@@ -14,20 +14,23 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
 from learner.materializers.base import CommonOptions, FoldStats, Materializer, sample_id_for
+from learner.materializers.folding import Folder, FoldResult, fold_events, write_folded
 from learner.materializers.grpo import GrpoMaterializer, GrpoOptions
 from learner.materializers.leafe import LeafeMaterializer, LeafeOptions
 from learner.materializers.rft import RftMaterializer, RftOptions
 from learner.materializers.tree import EpisodeTree, ReplayError
+from protocol.config import ConfigError, convert_config
 from protocol.prompt import ChatTokenizer
 
 __all__ = [
     "MATERIALIZERS",
+    "SAMPLE_KINDS",
     "CommonOptions",
     "EpisodeTree",
+    "FoldResult",
     "FoldStats",
+    "Folder",
     "GrpoMaterializer",
     "GrpoOptions",
     "LeafeMaterializer",
@@ -37,8 +40,10 @@ __all__ = [
     "ReplayError",
     "RftMaterializer",
     "RftOptions",
+    "fold_events",
     "make_materializer",
     "sample_id_for",
+    "write_folded",
 ]
 
 MATERIALIZERS: dict[str, type[Materializer]] = {
@@ -48,8 +53,11 @@ MATERIALIZERS: dict[str, type[Materializer]] = {
 }
 """Registry: name -> materializer class."""
 
+SAMPLE_KINDS: dict[str, tuple[str, ...]] = {"leafe": ("cf", "reh"), "grpo": ("grpo",), "rft": ("rft",)}
+"""The sample kinds (``Sample.kind``, subject token) each materializer emits."""
 
-class MaterializerConfigError(ValueError):
+
+class MaterializerConfigError(ConfigError):
     """An unknown materializer name or an invalid option; the message names it."""
 
 
@@ -59,7 +67,7 @@ def make_materializer(name: str, tokenizer: ChatTokenizer, **options: Any) -> Ma
     if cls is None:
         raise MaterializerConfigError(f"unknown materializer {name!r}; known: {sorted(MATERIALIZERS)}")
     try:
-        opts = msgspec.convert(options, cls.Options, strict=False)
-    except msgspec.ValidationError as e:
-        raise MaterializerConfigError(f"invalid options for materializer {name!r}: {e}") from None
+        opts = convert_config(options, cls.Options, where=f"materializer {name!r}")
+    except ConfigError as e:
+        raise MaterializerConfigError(str(e)) from None
     return cls(tokenizer, opts)

@@ -2,7 +2,7 @@
 
 Every service talks to NATS through this package::
 
-    nc = await connect(url)                      # LEAFE_NATS_URL / LEAFE_NATS_CREDS in deployments
+    nc = await connect(nats_options(args))       # or connect(url); flags in services/bus/connection.py
     js = nc.jetstream()
     await ensure_streams(js)                     # idempotent, from protocol.subjects.STREAMS
     async with Publisher(js) as pub:             # flushes (awaits every ack) on exit
@@ -14,7 +14,7 @@ Every service talks to NATS through this package::
 
 | module          | what                                                                  |
 |-----------------|-----------------------------------------------------------------------|
-| `connection`    | `connect`: URL + credentials -> a client that reconnects forever       |
+| `connection`    | `NatsOptions`, `connect`: the shared flags -> a reconnecting client   |
 | `streams`       | `ensure_streams`: the LEAFE streams from `protocol.subjects.STREAMS`   |
 | `publisher`     | `Publisher`: batched publishing, every ack awaited, `PublishError`     |
 | `consumer`      | `Consumer`/`Delivery`: durable pull consumers with dead letters        |
@@ -23,7 +23,7 @@ Every service talks to NATS through this package::
 | `nats_server`   | `EmbeddedNats`: a real nats-server child process (`leafe nats`)        |
 """
 
-from services.bus.connection import connect
+from services.bus.connection import NatsOptions, add_nats_arguments, connect, nats_options, redact
 from services.bus.consumer import ERROR_HEADER, Consumer, Delivery
 from services.bus.publisher import Publisher, PublishError
 from services.bus.pull import ConsumerError
@@ -35,12 +35,16 @@ __all__ = [
     "Consumer",
     "ConsumerError",
     "Delivery",
+    "NatsOptions",
     "PublishError",
     "Publisher",
     "StreamMismatchError",
+    "add_nats_arguments",
     "connect",
     "ensure_streams",
+    "nats_options",
     "read_range",
     "read_stream",
+    "redact",
     "stream_config",
 ]

@@ -7,7 +7,6 @@ Run one by hand with ``leafe nats --store DIR [--port N]``.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import signal
 import socket
@@ -17,7 +16,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["EmbeddedNats", "NatsServerError", "find_nats_server", "free_port", "main", "nats_url_from_env"]
+__all__ = ["EmbeddedNats", "NatsServerError", "find_nats_server", "free_port", "main"]
 
 
 class NatsServerError(RuntimeError):
@@ -43,11 +42,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def nats_url_from_env() -> tuple[str | None, str | None]:
-    """``(LEAFE_NATS_URL, LEAFE_NATS_CREDS)`` from the environment (either may be ``None``)."""
-    return os.environ.get("LEAFE_NATS_URL") or None, os.environ.get("LEAFE_NATS_CREDS") or None
 
 
 class EmbeddedNats:

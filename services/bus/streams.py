@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from enum import Enum
 from typing import Any
@@ -60,18 +59,19 @@ def _differences(have: StreamConfig, want: StreamConfig) -> dict[str, tuple[Any,
     return diffs
 
 
-async def ensure_streams(js: JetStreamContext, specs: Sequence[StreamSpec] = STREAMS) -> None:
+async def ensure_streams(
+    js: JetStreamContext, specs: Sequence[StreamSpec] = STREAMS, *, replicas: int | None = None
+) -> None:
     """Create each stream, or update an existing one whose changeable settings differ.
 
     Idempotent. Storage and retention cannot change in place: a stream that differs there raises
     :class:`StreamMismatchError` naming the stream and both values, and is left untouched.
-    ``LEAFE_STREAM_REPLICAS`` (set by deploy/ on a clustered NATS) overrides every spec's replica count.
+    ``replicas`` (``NatsOptions.stream_replicas``; 3 on a clustered JetStream) overrides every spec's.
     """
-    replicas = os.environ.get("LEAFE_STREAM_REPLICAS", "").strip()
-    if replicas:
-        if not replicas.isdigit() or not 1 <= int(replicas) <= 5:
-            raise ValueError(f"LEAFE_STREAM_REPLICAS={replicas!r}: expected an integer from 1 to 5")
-        specs = [msgspec.structs.replace(spec, replicas=int(replicas)) for spec in specs]
+    if replicas is not None:
+        if not 1 <= replicas <= 5:
+            raise ValueError(f"stream replicas = {replicas}: expected an integer from 1 to 5")
+        specs = [msgspec.structs.replace(spec, replicas=replicas) for spec in specs]
     for spec in specs:
         want = stream_config(spec)
         try:

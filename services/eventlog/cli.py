@@ -20,7 +20,7 @@ from typing import TypeVar
 
 from nats.js import JetStreamContext
 
-from services.bus import connect
+from services.bus import add_nats_arguments, connect, nats_options
 from services.eventlog.fileformat import iter_log_records
 from services.eventlog.inspect import render, summarize, summarize_stream
 from services.eventlog.transfer import export_run, import_log, iter_stream_records
@@ -32,9 +32,10 @@ R = TypeVar("R")
 
 
 async def _with_js(args: argparse.Namespace, work: Callable[[JetStreamContext], Awaitable[R]]) -> R:
-    if not args.nats:
+    nats = nats_options(args)
+    if not nats.url:
         raise SystemExit("leafe log: no NATS URL: pass --nats URL or set LEAFE_NATS_URL")
-    nc = await connect(args.nats, creds=args.creds, name="leafe-log")
+    nc = await connect(nats, name="leafe-log")
     try:
         return await work(nc.jetstream())
     finally:
@@ -42,9 +43,6 @@ async def _with_js(args: argparse.Namespace, work: Callable[[JetStreamContext], 
 
 
 def _parser() -> argparse.ArgumentParser:
-    from services.bus.nats_server import nats_url_from_env
-
-    url, creds = nats_url_from_env()
     parser = argparse.ArgumentParser(
         prog="leafe log", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -55,9 +53,8 @@ def _parser() -> argparse.ArgumentParser:
         ("inspect", "summarize a log"),
     ):
         p = sub.add_parser(name, help=help_)
-        p.add_argument("--nats", default=url, help="NATS URL (default $LEAFE_NATS_URL)")
-        p.add_argument("--creds", default=creds, help="NATS .creds file (default $LEAFE_NATS_CREDS)")
         p.add_argument("--log-level", default="warning", help="log level (default warning)")
+        add_nats_arguments(p)
     exp, imp, ins = (sub.choices[n] for n in ("export", "import", "inspect"))
     exp.add_argument("--run", required=True, help="run id to export")
     exp.add_argument("--out", type=Path, required=True, help="output file (.gz to compress)")

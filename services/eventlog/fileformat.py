@@ -27,7 +27,7 @@ import msgspec
 
 from protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, ProtocolError, decode_event, encode
 from protocol.events import EpisodeEvent
-from protocol.subjects import EVENTS, event_subject, validate_run_id
+from protocol.subjects import EVENTS, event_subject, events_filter
 
 __all__ = [
     "FORMAT_VERSION",
@@ -185,7 +185,7 @@ def read_events(path: Path, *, strict: bool = True) -> Iterator[EpisodeEvent]:
 
 def run_filter(run_id: str) -> str:
     """Subject filter of a run's events (validates the run id)."""
-    return f"leafe.{validate_run_id(run_id)}.events.>"
+    return events_filter(run_id)
 
 
 class LogWriter:

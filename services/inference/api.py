@@ -1,4 +1,4 @@
-"""Request parsing and response shaping of SGLang's ``/generate`` (the subset in SGLANG_API.md), shared by
+"""Request parsing and response shaping of SGLang's ``/generate`` (the subset in docs/sglang-api.md), shared by
 the CPU inference server's handlers. Pure functions: JSON in, validated jobs out; finished sequences in,
 SGLang response bodies out. Every rejection is a :class:`RequestError` whose message names the value.
 """

@@ -1,4 +1,4 @@
-"""CPU inference server speaking SGLang's native HTTP API (the subset in SGLANG_API.md), so actors use the
+"""CPU inference server speaking SGLang's native HTTP API (the subset in docs/sglang-api.md), so actors use the
 same client against it and against real SGLang servers.
 
 Run it:
@@ -22,7 +22,6 @@ no streaming, no input logprobs, no radix tree (whole recent prompts are cached)
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import signal
@@ -31,52 +30,22 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import structlog
 from aiohttp import web
 
 from services.inference.api import RequestError, copy_seed, error_body, output_body, parse_generate
+from services.inference.config import InferenceConfig
 from services.inference.decode import GenSequence, StopChecker
 from services.inference.engine import EngineClosed, GenerationEngine
 from services.inference.prefix import PrefixCache
 from services.inference.weights import WeightLoadError, load_weight_dir
 
-__all__ = ["InferenceConfig", "InferenceServer", "main", "serve"]
+__all__ = ["InferenceConfig", "InferenceServer", "serve"]
 
 log = structlog.get_logger(__name__)
-
-
-class InferenceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Configuration of the CPU inference server."""
-
-    model: str = "smollm2-135m-instruct"
-    """``"smollm2-135m-instruct"``, ``"tiny"`` (random test model) or an HF model directory."""
-    host: str = "127.0.0.1"
-    """Interface to bind."""
-    port: int = 30000
-    """TCP port (SGLang's default); 0 picks a free one (read it from ``InferenceServer.url``)."""
-    max_batch: int = 16
-    """Most sequences decoded together."""
-    batch_wait_ms: float = 5.0
-    """How long an idle server collects requests before starting a batch."""
-    max_prefill_tokens: int = 8192
-    """Padded prompt tokens per prefill forward (longer groups are split)."""
-    threads: int = 0
-    """torch intra-op threads (process-wide; restored on stop); 0 keeps torch's default (one per core).
-    On a CPU shared with other busy processes, 1 avoids OpenMP spin-waiting (10x slower seen at 2)."""
-    served_model_name: str | None = None
-    """Name reported by /model_info (default: the model argument)."""
-    weight_version: str = "default"
-    """Version reported until the first weight update (SGLang starts at "default")."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Weights and activations of the served model (SGLang's ``--dtype``). ``bfloat16`` about doubles CPU
-    prefill where the CPU has AVX512-BF16/AMX (measured 282 -> 599 tokens/s on one Zen 4 core); sampling
-    and logprobs are computed in float32 either way, and weight updates are cast to this dtype."""
-    prefix_cache_tokens: int = 16384
-    """Prompt tokens whose KV is kept for reuse by later prompts with the same prefix (0 = off;
-    SmolLM2 needs ~46 KB per token, so the default holds ~0.75 GB at most)."""
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
@@ -371,42 +340,3 @@ async def serve(
         if on_ready is not None:
             on_ready(server.url)
         await stop.wait()
-
-
-def main(argv: list[str]) -> int:
-    """``leafe inference``: serve a model until SIGTERM."""
-    d = InferenceConfig()
-    p = argparse.ArgumentParser(prog="leafe inference", description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--model", default=d.model, help="smollm2-135m-instruct | tiny | HF model directory")
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port, help="0 = pick a free port (printed at start)")
-    p.add_argument("--max-batch", type=int, default=d.max_batch)
-    p.add_argument("--batch-wait-ms", type=float, default=d.batch_wait_ms)
-    p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
-    p.add_argument(
-        "--prefix-cache-tokens", type=int, default=d.prefix_cache_tokens, help="0 = no prefix cache"
-    )
-    p.add_argument("--threads", type=int, default=d.threads, help="torch threads (0 = one per core)")
-    p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
-    p.add_argument("--served-model-name", default=d.served_model_name)
-    p.add_argument("--weight-version", default=d.weight_version)
-    p.add_argument("--log-level", default="info")
-    a = p.parse_args(argv)
-    from services.logsetup import configure_logging
-
-    configure_logging(json=True, level=a.log_level)
-    config = InferenceConfig(
-        model=a.model,
-        host=a.host,
-        port=a.port,
-        max_batch=a.max_batch,
-        batch_wait_ms=a.batch_wait_ms,
-        max_prefill_tokens=a.max_prefill_tokens,
-        prefix_cache_tokens=a.prefix_cache_tokens,
-        threads=a.threads,
-        dtype=a.dtype,
-        served_model_name=a.served_model_name,
-        weight_version=a.weight_version,
-    )
-    asyncio.run(serve(config, on_ready=lambda url: print(f"leafe inference: serving on {url}", flush=True)))
-    return 0

@@ -21,23 +21,27 @@ finished evaluations live in the run directory; finished tasks are not resubmitt
     leafe run                       # default preset: Sokoban, SmolLM2-135M-Instruct, ~15 min on 2 cores
     leafe run --preset tiny         # tiny random model, a couple of tasks (the end-to-end test)
     leafe run --config my.toml --run-id exp1
+    leafe run --fresh               # start the preset's run over instead of resuming it
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import structlog
 from rich.console import Console
 
-from services.run.presets import RunConfig, preset
-from services.run.stages import RunContext, run_stages
+from protocol.config import ConfigError
+from services.run.context import RunContext
+from services.run.presets import PRESETS, RunConfig, resolve_run_config
+from services.run.stages import run_stages
+from services.run.supervisor import ServiceError
 
 __all__ = ["main", "run"]
 
@@ -45,31 +49,31 @@ log = structlog.get_logger(__name__)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="leafe run", description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="default", help="default | tiny")
+    p = argparse.ArgumentParser(prog="leafe run", description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--preset", default="default", help=f"one of {', '.join(PRESETS)}")
     p.add_argument("--config", type=Path, default=None, help="TOML file merged over the preset")
-    p.add_argument("--run-id", default=None, help="run id (same id = resume)")
+    p.add_argument("--run-id", default=None, help="run id (default: the preset's name; same id = resume)")
     p.add_argument("--runs-dir", default=None, help="parent of run directories (default runs/)")
     p.add_argument("--budget-minutes", type=float, default=None, help="explore + learn budget")
+    p.add_argument("--fresh", action="store_true", help="delete this run's directory first (no resume)")
     p.add_argument("--no-live", action="store_true", help="no live table (log lines instead)")
     return p
 
 
 def resolve(args: argparse.Namespace) -> RunConfig:
-    """Preset + TOML file + flags -> the run's config."""
-    import tomllib
-
-    override: dict[str, Any] = {}
-    if args.config is not None:
-        override = tomllib.loads(args.config.read_text(encoding="utf-8"))
-    flags = {"run_id": args.run_id, "runs_dir": args.runs_dir, "budget_minutes": args.budget_minutes}
-    for key, value in flags.items():
-        if value is not None:
-            override[key] = value
-    return preset(args.preset, override)
+    """Preset + TOML file + flags -> the run's config (validated before anything starts)."""
+    flags = {
+        "run_id": args.run_id,
+        "runs_dir": args.runs_dir,
+        "budget_minutes": args.budget_minutes,
+        "services.nats_url": os.environ.get("LEAFE_NATS_URL") or None,
+    }
+    return resolve_run_config(args.preset, files=[args.config], overrides=flags)
 
 
-async def run(config: RunConfig, *, live: bool = True, console: Console | None = None) -> Path:
+async def run(
+    config: RunConfig, *, live: bool = True, console: Console | None = None, fresh: bool = False
+) -> Path:
     """Run the pipeline; returns the run directory (with ``report.md``)."""
     console = console or Console(stderr=True)
     stop = asyncio.Event()
@@ -78,7 +82,7 @@ async def run(config: RunConfig, *, live: bool = True, console: Console | None =
         loop.add_signal_handler(sig, stop.set)
     ctx = RunContext(config=config, console=console, stop=stop, live=live and console.is_terminal)
     try:
-        await run_stages(ctx)
+        await run_stages(ctx, fresh=fresh)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
@@ -87,9 +91,6 @@ async def run(config: RunConfig, *, live: bool = True, console: Console | None =
 
 def main(argv: list[str]) -> int:
     """Entry point of ``leafe run``."""
-    from services.config import ConfigError
-    from services.run.supervisor import ServiceError
-
     args = _parser().parse_args(argv)
     console = Console(stderr=True)
     try:
@@ -99,7 +100,10 @@ def main(argv: list[str]) -> int:
         return 2
     started = time.time()
     try:
-        run_dir = asyncio.run(run(config, live=not args.no_live, console=console))
+        run_dir = asyncio.run(run(config, live=not args.no_live, console=console, fresh=args.fresh))
+    except ConfigError as e:  # e.g. the run directory belongs to another run
+        console.print(f"[red]leafe run: {e}[/red]")
+        return 2
     except ServiceError as e:
         console.print(f"[red]leafe run failed: {e}[/red]")
         return 1

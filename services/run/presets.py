@@ -1,19 +1,39 @@
 """The typed configuration of ``leafe run`` (one TOML file) and its presets.
 
 A run config names the model, the environment, how many tasks to explore and evaluate, the services to
-start, and passes the service sections (``[actor]``, ``[replayer]``, ``[learner]``) through to each
-service's own config type, so one file configures the whole pipeline and each section is validated by
-the service that owns it. Presets: ``default`` (Sokoban, small, SmolLM2; finishes in ~15 min on 2 cores)
-and ``tiny`` (the tiny random model; the end-to-end test).
+start, and carries each service's own config as a typed section (``[actor]`` is
+``actors.config.ActorServiceConfig``, ``[replayer]`` ``ReplayerConfig``, ``[learner]``
+``learner.config.LearnerConfig``), so one file configures the whole pipeline and every field is
+validated before anything starts. Presets: ``default`` (Sokoban, small, SmolLM2; ~15 min on 2 cores)
+and ``tiny`` (the tiny random model; the end-to-end test). Each preset's run id is its own name, so
+two presets never share a run directory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["PRESETS", "EnvSection", "EvalSection", "ExploreSection", "RunConfig", "ServicesSection", "preset"]
+from actors.config import ActorServiceConfig
+from learner.config import LearnerConfig, learner_preset
+from learner.materializers import SAMPLE_KINDS
+from protocol.config import ConfigError, convert_config, dotted, dump_config, merge_tables
+from protocol.subjects import validate_run_id
+from services.config import read_toml
+from services.replayer_service import ReplayerConfig
+
+__all__ = [
+    "PRESETS",
+    "EnvSection",
+    "EvalSection",
+    "ExploreSection",
+    "RunConfig",
+    "ServicesSection",
+    "resolve_run_config",
+]
 
 
 class EnvSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -87,7 +107,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """Everything ``leafe run`` needs."""
 
     run_id: str = "default"
-    """Run id (subjects, episode ids); rerunning with the same id resumes."""
+    """Run id (subjects, episode ids); rerunning with the same id resumes. Defaults to the preset's name."""
     runs_dir: str = "runs"
     """Parent of the run directory ``<runs_dir>/<run_id>``."""
     model: str = "smollm2-135m-instruct"
@@ -104,14 +124,34 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """Evaluation."""
     services: ServicesSection = msgspec.field(default_factory=ServicesSection)
     """Services."""
-    actor: dict[str, Any] = msgspec.field(default_factory=dict)
-    """``actors.config.ActorServiceConfig`` fields (per-env ``[actor.explorer.<env>]`` tables too)."""
-    replayer: dict[str, Any] = msgspec.field(default_factory=dict)
-    """``services.replayer`` config fields."""
-    learner: dict[str, Any] = msgspec.field(default_factory=dict)
-    """``learner.config.LearnerConfig`` fields (``[learner.trainer.optim]`` etc.)."""
+    actor: ActorServiceConfig = msgspec.field(default_factory=ActorServiceConfig)
+    """The actors' config (per-env ``[actor.explorer.<env>]`` and ``[actor.rollout.<env>]`` tables too)."""
+    replayer: ReplayerConfig = msgspec.field(default_factory=ReplayerConfig)
+    """The replayer's config; its ``materializer`` and ``model`` follow the run's."""
+    learner: LearnerConfig = msgspec.field(default_factory=lambda: learner_preset("cpu"))
+    """The learner's config; its defaults are the ``learner_preset``'s (``[learner.trainer.optim]`` etc.)."""
     learner_preset: str = "cpu"
-    """Trainer preset the ``[learner]`` table overrides: ``cpu`` or ``paper``."""
+    """Trainer preset the ``[learner]`` table starts from: ``cpu`` or ``paper``."""
+
+    def __post_init__(self) -> None:
+        validate_run_id(self.run_id)
+        kinds = SAMPLE_KINDS.get(self.materializer)
+        if kinds is None:
+            raise ValueError(f"materializer = {self.materializer!r}: known are {sorted(SAMPLE_KINDS)}")
+        if self.services.learner and not set(self.learner.kinds) & set(kinds):
+            raise ValueError(
+                f"learner.kinds = {self.learner.kinds} trains none of the samples materializer "
+                f"{self.materializer!r} makes ({', '.join(kinds)}): set [learner] kinds"
+            )
+
+    def identity(self) -> dict[str, Any]:
+        """What a run directory is bound to: resuming with any of it changed would mix two runs."""
+        return {
+            "model": self.model,
+            "env": dump_config(self.env),
+            "materializer": self.materializer,
+            "replayer_options": self.replayer.options,
+        }
 
 
 _SMALL_SOKOBAN = {"height": 5, "width": 5, "num_boxes": 1, "max_solution_len": 2, "max_steps": 6}
@@ -149,18 +189,29 @@ PRESETS: dict[str, dict[str, Any]] = {
 """Named starting points; a ``--config`` TOML file is merged over the chosen preset."""
 
 
-def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in override.items():
-        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
-        out[key] = _merge(out[key], value) if nested else value
-    return out
-
-
-def preset(name: str, override: dict[str, Any] | None = None) -> RunConfig:
-    """The preset ``name`` with ``override`` (e.g. a parsed TOML file) merged over it."""
-    from services.config import ConfigError, load_config
-
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
-    return load_config(_merge(PRESETS[name], override or {}), RunConfig)
+def resolve_run_config(
+    preset: str, *, files: Sequence[Path | str | None] = (), overrides: Mapping[str, Any] | None = None
+) -> RunConfig:
+    """The preset, then each TOML file, then dotted ``overrides`` (``services.config.load_config``'s
+    layering), with two run-specific rules: the ``[learner]`` table starts from ``learner_preset``'s
+    settings, and the replayer follows the run's ``materializer`` and ``model``."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    table: dict[str, Any] = merge_tables({"run_id": preset}, PRESETS[preset])
+    sources = [str(f) for f in files if f is not None]
+    for path in sources:
+        table = merge_tables(table, read_toml(path))
+    table = merge_tables(table, dotted(overrides or {}))
+    base = dump_config(learner_preset(str(table.get("learner_preset", "cpu"))))
+    table["learner"] = merge_tables(base, table.get("learner", {}))
+    replayer = dict(table.get("replayer", {}))
+    for key, default in (("materializer", "leafe"), ("model", "smollm2-135m-instruct")):
+        run_value = table.get(key, default)
+        if replayer.get(key, run_value) != run_value:
+            raise ConfigError(
+                f"replayer.{key} = {replayer[key]!r} differs from the run's {key} = {run_value!r}: "
+                f"set only the top-level {key}"
+            )
+        replayer[key] = run_value
+    table["replayer"] = replayer
+    return convert_config(table, RunConfig, where=", ".join(sources) or f"preset {preset!r}")

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from protocol import EpisodeFinished, EpisodeStarted, Outcome, Step, decode_event, decode_weights
 from protocol.events import Branch, Reflection, Rollback
+from protocol.subjects import events_filter, samples_filter
 
 __all__ = ["RunProgress"]
 
@@ -154,8 +155,8 @@ class RunProgress(msgspec.Struct, kw_only=True):
         from protocol.subjects import weights_subject
 
         subs = [
-            await js.subscribe(f"leafe.{self.run_id}.events.>", ordered_consumer=True),
-            await js.subscribe(f"leafe.{self.run_id}.samples.>", ordered_consumer=True),
+            await js.subscribe(events_filter(self.run_id), ordered_consumer=True),
+            await js.subscribe(samples_filter(self.run_id), ordered_consumer=True),
             await js.subscribe(weights_subject(self.run_id), ordered_consumer=True),
         ]
         handlers = [

@@ -10,13 +10,13 @@ import asyncio
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import aiohttp
 import structlog
 
-__all__ = ["ServiceError", "ServiceProcess", "wait_http_ok"]
+__all__ = ["ServiceError", "ServiceProcess", "restart_crashed", "wait_http_ok"]
 
 log = structlog.get_logger(__name__)
 
@@ -35,15 +35,23 @@ class ServiceProcess:
         self.env = {**os.environ, **(env or {})}
         self.proc: asyncio.subprocess.Process | None = None
         self.restarts = 0
+        self.wanted = False
+        """True from ``start`` until ``stop``: a process that exits while wanted has crashed."""
 
     @property
     def alive(self) -> bool:
         """The process is running."""
         return self.proc is not None and self.proc.returncode is None
 
+    @property
+    def crashed(self) -> bool:
+        """It exited although nobody asked it to stop."""
+        return self.wanted and self.proc is not None and self.proc.returncode is not None
+
     async def start(self) -> ServiceProcess:
         """Spawn the process, appending its output to ``log_path``."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.wanted = True
         with self.log_path.open("ab") as out:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.argv, stdout=out, stderr=asyncio.subprocess.STDOUT, env=self.env, start_new_session=True
@@ -68,6 +76,7 @@ class ServiceProcess:
 
     async def stop(self, grace_s: float = 30.0) -> int | None:
         """SIGTERM (the service drains), SIGKILL after ``grace_s``; returns the exit code."""
+        self.wanted = False
         proc = self.proc
         if proc is None:
             return None
@@ -83,7 +92,7 @@ class ServiceProcess:
         return proc.returncode
 
     def kill(self) -> None:
-        """SIGKILL (crash tests)."""
+        """SIGKILL (crash tests): the process stays wanted, so a watcher restarts it."""
         if self.alive and self.proc is not None:
             self.proc.kill()
 
@@ -103,3 +112,21 @@ async def wait_http_ok(url: str, service: ServiceProcess | None, timeout_s: floa
                 pass
             await asyncio.sleep(0.5)
     raise ServiceError(f"{url} did not answer 200 within {timeout_s:.0f}s")
+
+
+async def restart_crashed(services: Iterable[ServiceProcess], *, max_restarts: int) -> list[str]:
+    """Restart every service that crashed (exited while wanted), up to ``max_restarts`` times each;
+    one that crashes again after that raises :class:`ServiceError` with its log tail. A service stopped
+    on purpose is left alone. Returns the names restarted."""
+    restarted = []
+    for proc in services:
+        if not proc.crashed:
+            continue
+        if proc.restarts >= max_restarts:
+            proc.check()
+        proc.restarts += 1
+        code = proc.proc.returncode if proc.proc else None
+        log.warning("run.service.restart", service=proc.name, code=code, restarts=proc.restarts)
+        await proc.start()
+        restarted.append(proc.name)
+    return restarted

@@ -25,10 +25,11 @@ from protocol.events import Branch, EpisodeEvent, EpisodeFinished, EpisodeStarte
 from protocol.prompt import ChatTokenizer, prompt_sha256
 from protocol.subjects import EVENTS, TASKS, task_subject, weights_subject
 from protocol.tasks import TaskAssignment
-from services.actor import ActorService, run_actor
+from services.actor import run_actor
+from services.actor_service import ActorService
 from services.bus import Publisher, connect, ensure_streams, read_stream
 from services.config import load_config
-from tests.unit.actors.event_checks import check_episode, rebuild_step_prompts
+from tests.support.event_checks import check_episode, rebuild_step_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -105,10 +106,15 @@ async def test_actor_serves_tasks_end_to_end(nats_url: str, run_id: str) -> None
     await submit(js, run_id, tasks)
     engine = ScriptedEngine(script=left_first_then_learn)
     service = ActorService(
-        nc=nc, run_id=run_id, engine=engine, tokenizer=ByteChatTokenizer(),
-        config=ActorServiceConfig(concurrency=3), actor_id="actor-a", env_factory=corridor_factory,
+        nc=nc,
+        run_id=run_id,
+        engine=engine,
+        tokenizer=ByteChatTokenizer(),
+        config=ActorServiceConfig(concurrency=3),
+        actor_id="actor-a",
+        env_factory=corridor_factory,
         max_tasks=len(tasks),
-    )  # fmt: skip
+    )
     stats = await asyncio.wait_for(service.run(), timeout=60)
     assert (stats.done, stats.failed, stats.abandoned) == (6, 0, 0)
     episodes = await read_events(js, run_id)
@@ -136,9 +142,14 @@ async def test_crashed_actor_task_is_redelivered_and_completed(nats_url: str, ru
     nc_a = await connect(nats_url)
     slow = ScriptedEngine(default_action="<action>wait</action>", latency_s=0.2)
     actor_a = ActorService(
-        nc=nc_a, run_id=run_id, engine=slow, tokenizer=ByteChatTokenizer(), config=config,
-        actor_id="actor-a", env_factory=corridor_factory,
-    )  # fmt: skip
+        nc=nc_a,
+        run_id=run_id,
+        engine=slow,
+        tokenizer=ByteChatTokenizer(),
+        config=config,
+        actor_id="actor-a",
+        env_factory=corridor_factory,
+    )
     running = asyncio.create_task(actor_a.run())
     await wait_for_calls(slow, 5)
     await nc_a.close()  # the crash: no more acks, naks or in-progress from A
@@ -147,9 +158,15 @@ async def test_crashed_actor_task_is_redelivered_and_completed(nats_url: str, ru
 
     nc_b = await connect(nats_url)
     actor_b = ActorService(
-        nc=nc_b, run_id=run_id, engine=ScriptedEngine(), tokenizer=ByteChatTokenizer(), config=config,
-        actor_id="actor-b", env_factory=corridor_factory, max_tasks=1,
-    )  # fmt: skip
+        nc=nc_b,
+        run_id=run_id,
+        engine=ScriptedEngine(),
+        tokenizer=ByteChatTokenizer(),
+        config=config,
+        actor_id="actor-b",
+        env_factory=corridor_factory,
+        max_tasks=1,
+    )
     stats = await asyncio.wait_for(actor_b.run(), timeout=60)
     assert stats.done == 1
     episodes = await read_events(js, run_id)
@@ -175,18 +192,29 @@ async def test_drain_abandons_long_episodes_for_immediate_redelivery(nats_url: s
     slow = ScriptedEngine(default_action="<action>wait</action>", latency_s=0.2)
     stop = asyncio.Event()
     actor = ActorService(
-        nc=nc, run_id=run_id, engine=slow, tokenizer=ByteChatTokenizer(), config=config, actor_id="a",
+        nc=nc,
+        run_id=run_id,
+        engine=slow,
+        tokenizer=ByteChatTokenizer(),
+        config=config,
+        actor_id="a",
         env_factory=corridor_factory,
-    )  # fmt: skip
+    )
     running = asyncio.create_task(actor.run(stop))
     await wait_for_calls(slow, 1)
     stop.set()
     stats = await asyncio.wait_for(running, timeout=30)
     assert stats.abandoned == 1 and stats.done == 0
     actor2 = ActorService(
-        nc=nc, run_id=run_id, engine=ScriptedEngine(), tokenizer=ByteChatTokenizer(), config=config,
-        actor_id="b", env_factory=corridor_factory, max_tasks=1,
-    )  # fmt: skip
+        nc=nc,
+        run_id=run_id,
+        engine=ScriptedEngine(),
+        tokenizer=ByteChatTokenizer(),
+        config=config,
+        actor_id="b",
+        env_factory=corridor_factory,
+        max_tasks=1,
+    )
     assert (await asyncio.wait_for(actor2.run(), timeout=20)).done == 1
     episodes = await read_events(js, run_id)
     assert not any(isinstance(e, EpisodeFinished) for e in episodes[f"{task.task_key}.a1"])
@@ -202,11 +230,16 @@ async def test_run_actor_connects_serves_and_disconnects(nats_url: str, run_id: 
     await submit(js, run_id, corridor_tasks(run_id, 2))
     stats = await asyncio.wait_for(
         run_actor(
-            nats_url=nats_url, run_id=run_id, tokenizer=ByteChatTokenizer(), engine=ScriptedEngine(),
-            actor_id="inproc", max_tasks=2, env_factory=corridor_factory,
+            nats=nats_url,
+            run_id=run_id,
+            tokenizer=ByteChatTokenizer(),
+            engine=ScriptedEngine(),
+            actor_id="inproc",
+            max_tasks=2,
+            env_factory=corridor_factory,
         ),
         timeout=30,
-    )  # fmt: skip
+    )
     assert stats.done == 2 and stats.succeeded == 2
     assert len(await read_events(js, run_id)) == 2
     await nc.close()
@@ -226,9 +259,15 @@ async def test_engine_failures_are_retried_then_terminated(nats_url: str, run_id
     await submit(js, run_id, [task])
     config = ActorServiceConfig(max_attempts=2, retry_delay_s=0.1)
     service = ActorService(
-        nc=nc, run_id=run_id, engine=ScriptedEngine(script=down), tokenizer=ByteChatTokenizer(),
-        config=config, actor_id="a", env_factory=corridor_factory, max_tasks=2,
-    )  # fmt: skip
+        nc=nc,
+        run_id=run_id,
+        engine=ScriptedEngine(script=down),
+        tokenizer=ByteChatTokenizer(),
+        config=config,
+        actor_id="a",
+        env_factory=corridor_factory,
+        max_tasks=2,
+    )
     stats = await asyncio.wait_for(service.run(), timeout=30)
     assert (stats.retried, stats.failed, stats.done) == (1, 1, 0)
     episodes = await read_events(js, run_id)
@@ -246,17 +285,27 @@ async def test_actor_follows_weights_announcements(nats_url: str, run_id: str) -
 
     def weights(version: str) -> WeightsPublished:
         return WeightsPublished(
-            event_id=f"weights.{run_id}.{version}", run_id=run_id, version=version, uri="/w",
-            manifest_sha256="0" * 64, learner_step=1, base_model="tiny",
-        )  # fmt: skip
+            event_id=f"weights.{run_id}.{version}",
+            run_id=run_id,
+            version=version,
+            uri="/w",
+            manifest_sha256="0" * 64,
+            learner_step=1,
+            base_model="tiny",
+        )
 
     async with Publisher(js) as pub:
         await pub.publish(weights_subject(run_id), weights("v000001"))
     stop = asyncio.Event()
     service = ActorService(
-        nc=nc, run_id=run_id, engine=ScriptedEngine(), tokenizer=ByteChatTokenizer(),
-        config=ActorServiceConfig(), actor_id="a", env_factory=corridor_factory,
-    )  # fmt: skip
+        nc=nc,
+        run_id=run_id,
+        engine=ScriptedEngine(),
+        tokenizer=ByteChatTokenizer(),
+        config=ActorServiceConfig(),
+        actor_id="a",
+        env_factory=corridor_factory,
+    )
     running = asyncio.create_task(service.run(stop))
     await until(lambda: service.latest_weights == "v000001", "the last announced version at start")
     async with Publisher(js) as pub:
@@ -269,8 +318,14 @@ async def test_actor_follows_weights_announcements(nats_url: str, run_id: str) -
 
 # -- the real stack: CPU inference server (tiny model), SmolLM2's chat template, Sokoban ---------------
 
-SMALL_SOKOBAN = {"horizon": 6, "k": 3, "max_actions": 14, "max_branches": 3, "max_new_tokens": 8,
-                 "reflect_max_new_tokens": 16}  # fmt: skip
+SMALL_SOKOBAN = {
+    "horizon": 6,
+    "k": 3,
+    "max_actions": 14,
+    "max_branches": 3,
+    "max_new_tokens": 8,
+    "reflect_max_new_tokens": 16,
+}
 
 
 @pytest.fixture(scope="module")
@@ -324,9 +379,14 @@ async def test_real_engine_and_sokoban_episodes_rebuild_exactly(
     )
     async with SGLangClient([inference_url]) as engine:
         service = ActorService(
-            nc=nc, run_id=run_id, engine=engine, tokenizer=hf_tokenizer, config=config, actor_id="real",
+            nc=nc,
+            run_id=run_id,
+            engine=engine,
+            tokenizer=hf_tokenizer,
+            config=config,
+            actor_id="real",
             max_tasks=len(tasks),
-        )  # fmt: skip
+        )
         stats = await asyncio.wait_for(service.run(), timeout=300)
     assert stats.done == 4 and stats.failed == 0
     episodes = await read_events(js, run_id)
@@ -360,8 +420,21 @@ async def test_sigkilled_actor_process_task_is_finished_by_another(
         "ack_wait_s = 3.0\nin_progress_interval_s = 1.0\n[explorer.sokoban]\n"
         "horizon = 10\nk = 3\nmax_actions = 40\nmax_new_tokens = 8\nreflect_max_new_tokens = 16\n"
     )
-    args = ["actor", "--nats", nats_url, "--run", run_id, "--engine", inference_url, "--model", "tiny",
-            "--config", str(toml), "--actor-id", "victim"]  # fmt: skip
+    args = [
+        "actor",
+        "--nats",
+        nats_url,
+        "--run",
+        run_id,
+        "--engine",
+        inference_url,
+        "--model",
+        "tiny",
+        "--config",
+        str(toml),
+        "--actor-id",
+        "victim",
+    ]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.cli", *args, cwd=REPO, stdout=DEVNULL, stderr=DEVNULL
     )
@@ -378,12 +451,17 @@ async def test_sigkilled_actor_process_task_is_finished_by_another(
     finally:
         proc.kill()
         await proc.wait()
-    config = load_config(toml, ActorServiceConfig)
+    config = load_config(ActorServiceConfig, files=[toml])
     async with SGLangClient([inference_url]) as engine:
         survivor = ActorService(
-            nc=nc, run_id=run_id, engine=engine, tokenizer=hf_tokenizer, config=config, actor_id="survivor",
+            nc=nc,
+            run_id=run_id,
+            engine=engine,
+            tokenizer=hf_tokenizer,
+            config=config,
+            actor_id="survivor",
             max_tasks=1,
-        )  # fmt: skip
+        )
         stats = await asyncio.wait_for(survivor.run(), timeout=300)
     assert stats.done == 1
     episodes = await read_events(js, run_id)

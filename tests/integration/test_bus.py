@@ -17,6 +17,7 @@ from services.bus import (
     Consumer,
     ConsumerError,
     Delivery,
+    NatsOptions,
     Publisher,
     PublishError,
     StreamMismatchError,
@@ -24,7 +25,7 @@ from services.bus import (
     ensure_streams,
     read_stream,
 )
-from tests.property.strategies import make_episode
+from tests.support.strategies import make_episode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 
@@ -268,9 +269,13 @@ async def test_durable_consumers_resume_and_refuse_conflicting_configs(nc: Clien
     with pytest.raises(ConsumerError, match=rf"'{run_id}'.*deliver"):
         await events_consumer(nc, run_id, deliver_policy="new").start()
     other_filter = Consumer(
-        js, stream="LEAFE_EVENTS", durable=run_id, filter_subject=f"leafe.{run_id}.events.step",
-        decode=decode_event, dead_letter_subject=dead_letter_subject(run_id, "LEAFE_EVENTS"),
-    )  # fmt: skip
+        js,
+        stream="LEAFE_EVENTS",
+        durable=run_id,
+        filter_subject=f"leafe.{run_id}.events.step",
+        decode=decode_event,
+        dead_letter_subject=dead_letter_subject(run_id, "LEAFE_EVENTS"),
+    )
     with pytest.raises(ConsumerError, match=r"exists with filter .*use another durable name"):
         await other_filter.start()
     with pytest.raises(ConsumerError, match="not started"):
@@ -303,4 +308,4 @@ async def test_fetch_waits_for_new_messages_then_returns_the_burst(nc: Client, r
 async def test_connect_names_a_missing_credentials_file(nats_url: str) -> None:
     """A creds path that does not exist fails before connecting, naming the path."""
     with pytest.raises(FileNotFoundError, match=r"no-such\.creds"):
-        await connect(nats_url, creds="/no/such/dir/no-such.creds")
+        await connect(NatsOptions(url=nats_url, creds="/no/such/dir/no-such.creds"))

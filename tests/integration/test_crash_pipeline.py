@@ -7,24 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import random
-from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
-from services.run.presets import preset
-from services.run.report import finish
-from services.run.stages import (
-    RunContext,
-    _drain,
-    _explore,
-    _follow,
-    _start_infra,
-    _start_pipeline,
-    _write_configs,
-)
+from protocol.subjects import SAMPLES, learner_durable
+from services.bus import connect
+from services.bus.nats_server import EmbeddedNats
+from services.run.context import RunContext
+from services.run.presets import resolve_run_config
+from services.run.stages import run_stages
 
 # ~5 min on 2 cores: CI runs the per-service crash tests and the tiny end-to-end run; run this one with
 # `make test-slow` (it passed on 2026-11-30: kills of actor x2, replayer x2, learner x2 and nats-server).
@@ -45,46 +40,44 @@ async def _chaos(ctx: RunContext, rng: random.Random, kills: list[str]) -> None:
         kills.append(victim)
 
 
+async def _started(ctx: RunContext, names: set[str], timeout_s: float = 300) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not (names <= set(ctx.services) and all(ctx.services[n].alive for n in names)):
+        assert loop.time() < deadline, f"services never started: {sorted(set(ctx.services))}"
+        await asyncio.sleep(0.5)
+
+
 async def test_sigkill_every_service_loses_and_duplicates_nothing(tmp_path: Path, cache_dir: Path) -> None:
     """Random SIGKILLs of actor, replayer, learner and nats-server during a tiny run: the stream's sample
-    ids equal the offline rebuild (report says identical) and the learner consumed every sample."""
-    config = preset("tiny", {
-        "runs_dir": str(tmp_path), "run_id": "chaos", "budget_minutes": 6.0,
-        "eval": {"before": False, "after": False}, "explore": {"tasks": 4},
+    ids equal the offline rebuild (report.json says identical) and the learner consumed every sample."""
+    overrides = {
+        "runs_dir": str(tmp_path),
+        "run_id": "chaos",
+        "budget_minutes": 6.0,
+        "eval": {"before": False, "after": False},
+        "explore": {"tasks": 4},
         "actor": {"ack_wait_s": 10.0, "in_progress_interval_s": 3.0},
         "replayer": {"ack_wait_s": 10.0},
         "learner": {"ack_wait_s": 10.0},
-    })  # fmt: skip
+    }
+    config = resolve_run_config("tiny", overrides=overrides)
     ctx = RunContext(config=config, console=Console(file=io.StringIO()), stop=asyncio.Event(), live=False)
-    _write_configs(ctx)
     kills: list[str] = []
-    async with AsyncExitStack() as stack:
-        await _start_infra(ctx, stack)
-        from services.run.progress import RunProgress
-
-        ctx.progress = RunProgress(run_id=config.run_id)
-        follow_stop = asyncio.Event()
-        follower = asyncio.create_task(_follow(ctx, follow_stop))
-        try:
-            await _start_pipeline(ctx)
-            chaos = asyncio.create_task(_chaos(ctx, random.Random(7), kills))
-            await _explore(ctx)
-            await asyncio.gather(chaos)
-            await _drain(ctx)
-            await finish(ctx)
-            from protocol.subjects import SAMPLES
-            from services.run.stages import _consumer_state
-
-            state = await _consumer_state(ctx, SAMPLES.name, f"learner-{config.run_id}")
-        finally:
-            follow_stop.set()
-            await asyncio.gather(follower, return_exceptions=True)
-            for proc in reversed(list(ctx.services.values())):
-                await proc.stop(grace_s=30)
+    run = asyncio.create_task(run_stages(ctx))
+    await _started(ctx, {"actor-0", "replayer", "learner"})
+    await _chaos(ctx, random.Random(7), kills)
+    await run
     assert {"actor-0", "replayer", "learner", "nats"} <= set(kills)
-    report = (ctx.run_dir / "report.md").read_text()
-    assert "is identical to the" in report, report
+    report = json.loads((ctx.run_dir / "report.json").read_text())
+    assert report["dataset"]["identical"], report
     assert ctx.progress is not None and set(ctx.explore_keys) <= ctx.progress.finished_keys, report
     assert ctx.progress.samples, "no samples were produced; the test would prove nothing"
-    assert state is not None and state[0] == 0, f"samples left unconsumed: {state}"
-    assert ctx.progress.learner_samples_seq >= state[2], (ctx.progress.learner_samples_seq, state)
+    with EmbeddedNats(ctx.run_dir / "nats") as server:  # the run's own store, reopened
+        nc = await connect(server.url)
+        info = await nc.jetstream().consumer_info(SAMPLES.name, learner_durable(config.run_id))
+        await nc.close()
+    assert info.num_pending == 0, f"samples left unconsumed: {info}"
+    assert ctx.progress.learner_samples_seq >= int(info.delivered.stream_seq), (
+        ctx.progress.learner_samples_seq
+    )

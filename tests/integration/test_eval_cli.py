@@ -55,11 +55,35 @@ def test_eval_cli_compares_two_models_writes_files_and_publishes(
     )
     out = tmp_path / "eval"
     argv = [
-        "eval", "--model", "tiny", "--model", str(weights), "--env", "sokoban", "--split", "test",
-        "--tasks", "2", "--samples", "2", "--k", "1,2,4", "--concurrency", "4", "--threads", "1",
-        "--rollout-option", "horizon=6", "--out", str(out), "--nats", nats_url, "--run", run_id,
+        "eval",
+        "--model",
+        "tiny",
+        "--model",
+        str(weights),
+        "--env",
+        "sokoban",
+        "--split",
+        "test",
+        "--tasks",
+        "2",
+        "--samples",
+        "2",
+        "--k",
+        "1,2,4",
+        "--concurrency",
+        "4",
+        "--threads",
+        "1",
+        "--rollout-option",
+        "horizon=6",
+        "--out",
+        str(out),
+        "--nats",
+        nats_url,
+        "--run",
+        run_id,
         "--no-progress",
-    ]  # fmt: skip
+    ]
     assert leafe(argv) == 0
     printed = capsys.readouterr()
     assert "k > n=2 left out: [4]" in printed.err
@@ -96,10 +120,25 @@ def test_eval_cli_against_a_running_engine_uses_its_tokenizer(tmp_path: Path) ->
     server = start_in_thread(InferenceConfig(model="tiny", port=0, threads=1, weight_version="w9"))
     try:
         argv = [
-            "eval", "--engine", server.url, "--label", "served", "--env", "sokoban", "--tasks", "1",
-            "--samples", "2", "--k", "1,2", "--rollout-option", "horizon=2", "--out", str(tmp_path),
+            "eval",
+            "--engine",
+            server.url,
+            "--label",
+            "served",
+            "--env",
+            "sokoban",
+            "--tasks",
+            "1",
+            "--samples",
+            "2",
+            "--k",
+            "1,2",
+            "--rollout-option",
+            "horizon=2",
+            "--out",
+            str(tmp_path),
             "--no-progress",
-        ]  # fmt: skip
+        ]
         assert leafe(argv) == 0
     finally:
         server.stop()

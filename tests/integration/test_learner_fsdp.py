@@ -13,19 +13,11 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from learner.config import resolve_train_config
+from learner.config import TrainConfig, train_preset
+from learner.offline import train
 from services.bus.nats_server import free_port
-from services.train import train
-from tests.unit.learner.learner_helpers import (
-    assert_same_weights,
-    dist_env,
-    make_samples,
-    one_thread,
-    tiny_dir,
-    write_shards,
-)
-
-__all__ = ["dist_env", "one_thread", "tiny_dir"]
+from services.config import load_config
+from tests.support.learner import assert_same_weights, make_samples, write_shards
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
@@ -48,10 +40,25 @@ micro_batch_tokens = 40
 
 def _torchrun(data: Path, model: Path, out: Path, cfg_path: Path) -> subprocess.CompletedProcess[str]:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}",
-        "-m", "services.train", "--data", str(data), "--model", str(model), "--out", str(out),
-        "--preset", "cpu", "--config", str(cfg_path), "--no-resume",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master-port={free_port()}",
+        "-m",
+        "services.train",
+        "--data",
+        str(data),
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+        "--preset",
+        "cpu",
+        "--config",
+        str(cfg_path),
+        "--no-resume",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         cmd, cwd=Path(__file__).parents[2], env=env, capture_output=True, text=True, timeout=300, check=False
@@ -67,7 +74,8 @@ def test_two_ranks_match_one_rank(dist_env, tiny_dir: Path, tmp_path: Path) -> N
     proc = _torchrun(data, tiny_dir, tmp_path / "two", cfg_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
-    one = train(resolve_train_config("cpu", cfg_path), data, str(tiny_dir), tmp_path / "one", dist_env)
+    cfg = load_config(TrainConfig, preset=train_preset("cpu"), files=[cfg_path])
+    one = train(cfg, data, str(tiny_dir), tmp_path / "one", dist_env)
     assert one.steps == 3
 
     def metrics(d: Path) -> list[dict]:
@@ -107,17 +115,34 @@ async def test_online_learner_on_two_ranks(
     from protocol import decode_weights, weights_subject
     from protocol.subjects import WEIGHTS
     from services.bus import connect
-    from tests.unit.learner.learner_helpers import make_sample, publish_samples
+    from tests.support.learner import make_sample, publish_samples
 
     await publish_samples(nats_url, [make_sample(i, run_id=run_id) for i in range(16)])
     cfg_path = tmp_path / "learner.toml"
     cfg_path.write_text(ONLINE_CONFIG, encoding="utf-8")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port()}",
-        "-m", "services.learner", "--nats", nats_url, "--run-id", run_id, "--model", str(tiny_dir),
-        "--store", str(tmp_path / "store"), "--checkpoint-dir", str(tmp_path / "ckpt"),
-        "--config", str(cfg_path), "--stop-after-steps", "2",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master-port={free_port()}",
+        "-m",
+        "services.learner",
+        "--nats",
+        nats_url,
+        "--run-id",
+        run_id,
+        "--model",
+        str(tiny_dir),
+        "--store",
+        str(tmp_path / "store"),
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--config",
+        str(cfg_path),
+        "--stop-after-steps",
+        "2",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     pipe, merged = asyncio.subprocess.PIPE, asyncio.subprocess.STDOUT
     proc = await asyncio.create_subprocess_exec(

@@ -9,16 +9,16 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from learner.checkpoint import latest_checkpoint
-from learner.config import resolve_train_config
-from services.train import train
-from tests.unit.learner.learner_helpers import dist_env, make_samples, one_thread, tiny_dir, write_shards
-
-__all__ = ["dist_env", "one_thread", "tiny_dir"]
+from learner.config import TrainConfig, train_preset
+from learner.offline import train
+from services.config import load_config
+from tests.support.learner import make_samples, write_shards
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -45,7 +45,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(dist_env, tiny_dir: Pa
     """Kill -9 after the second checkpoint; the rerun continues from the latest checkpoint (epoch and
     position inside the epoch included) and reproduces the uninterrupted run's losses step for step."""
     data = write_shards(tmp_path / "data", make_samples(24))
-    cfg = resolve_train_config("cpu", CONFIG)
+    cfg = load_config(TrainConfig, preset=train_preset("cpu"), overrides=tomllib.loads(CONFIG))
     straight = tmp_path / "straight"
     train(cfg, data, str(tiny_dir), straight, dist_env)
     expected = _metrics(straight)
@@ -54,11 +54,25 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(dist_env, tiny_dir: Pa
     out = tmp_path / "killed"
     cfg_path = tmp_path / "cfg.toml"
     cfg_path.write_text(CONFIG)
-    cmd = [sys.executable, "-m", "services.train", "--data", str(data), "--model", str(tiny_dir),
-           "--out", str(out), "--preset", "cpu", "--config", str(cfg_path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.train",
+        "--data",
+        str(data),
+        "--model",
+        str(tiny_dir),
+        "--out",
+        str(out),
+        "--preset",
+        "cpu",
+        "--config",
+        str(cfg_path),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).parents[2], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=Path(__file__).parents[2], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None:

@@ -1,4 +1,4 @@
-"""The online learner (services/learner_online.py) against a real nats-server: training from the samples
+"""The online learner (services/learner_service.py) against a real nats-server: training from the samples
 stream in sequence order, staleness and kind filtering, checkpoint-then-ack, pushes with
 ``WeightsPublished``, and a crash + restart that neither loses nor double-trains a sample."""
 
@@ -17,10 +17,8 @@ from learner.trainer import StepStats, Trainer
 from protocol import decode_weights, weights_subject
 from protocol.subjects import SAMPLES, WEIGHTS
 from services.bus import connect
-from services.learner_online import OnlineLearner
-from tests.unit.learner.learner_helpers import dist_env, make_sample, one_thread, publish_samples, tiny_dir
-
-__all__ = ["dist_env", "one_thread", "tiny_dir"]
+from services.learner_service import OnlineLearner
+from tests.support.learner import make_sample, publish_samples
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
@@ -40,16 +38,32 @@ def _cfg(**kw: object) -> LearnerConfig:
     return LearnerConfig(trainer=trainer, ack_wait_s=6.0, max_batch_wait_s=0.5, **kw)  # type: ignore[arg-type]
 
 
-def _learner(cfg: LearnerConfig, trainer: Trainer, progress: Progress, tmp: Path, url: str, run: str,
-             log: list[tuple[StepStats, list[str]]], crash_at: int = 0) -> OnlineLearner:  # fmt: skip
+def _learner(
+    cfg: LearnerConfig,
+    trainer: Trainer,
+    progress: Progress,
+    tmp: Path,
+    url: str,
+    run: str,
+    log: list[tuple[StepStats, list[str]]],
+    crash_at: int = 0,
+) -> OnlineLearner:
     def on_step(stats: StepStats, ids: list[str], _: Progress) -> None:
         log.append((stats, ids))
         if stats.step == crash_at:
             raise Crash(f"simulated crash after step {stats.step}")
 
     executor = Executor(trainer, tmp / "ckpt", keep_checkpoints=2)
-    return OnlineLearner(cfg, executor, progress, run_id=run, nats_url=url, store=tmp / "store",
-                         base_model="tiny", on_step=on_step)  # fmt: skip
+    return OnlineLearner(
+        cfg,
+        executor,
+        progress,
+        run_id=run,
+        nats=url,
+        store=tmp / "store",
+        base_model="tiny",
+        on_step=on_step,
+    )
 
 
 async def test_trains_in_order_filters_pushes_and_acks(
@@ -59,8 +73,10 @@ async def test_trains_in_order_filters_pushes_and_acks(
     dropped; a learner resumed at version 3 re-exports v000003 on start, pushes v000004 at step 2 and v000005
     when it stops after step 3 (the announcement's manifest verifies; older versions are pruned with
     retain 1); after the final checkpoint nothing is left unacknowledged."""
-    fresh = [make_sample(i, kind="cf" if i % 2 else "reh", policy_version="v000003", run_id=run_id)
-             for i in range(24)]  # fmt: skip
+    fresh = [
+        make_sample(i, kind="cf" if i % 2 else "reh", policy_version="v000003", run_id=run_id)
+        for i in range(24)
+    ]
     stale = [make_sample(100 + i, policy_version="v000001", run_id=run_id) for i in range(4)]
     other = [make_sample(200 + i, kind="grpo", run_id=run_id) for i in range(2)]
     await publish_samples(nats_url, fresh[:10] + stale + other + fresh[10:])
@@ -102,8 +118,16 @@ async def test_crash_and_restart_train_every_sample_once_relative_to_the_checkpo
     await publish_samples(nats_url, samples)
     cfg = _cfg(checkpoint_every=2)
     before: list[tuple[StepStats, list[str]]] = []
-    first = _learner(cfg, Trainer(cfg.trainer, tiny_dir, dist_env), Progress(), tmp_path, nats_url, run_id,
-                     before, crash_at=3)  # fmt: skip
+    first = _learner(
+        cfg,
+        Trainer(cfg.trainer, tiny_dir, dist_env),
+        Progress(),
+        tmp_path,
+        nats_url,
+        run_id,
+        before,
+        crash_at=3,
+    )
     with pytest.raises(Crash):
         await asyncio.wait_for(first.run(asyncio.Event()), 240)
 
@@ -111,8 +135,9 @@ async def test_crash_and_restart_train_every_sample_once_relative_to_the_checkpo
     progress = load_latest(tmp_path / "ckpt", trainer)
     assert progress is not None and progress.step == 2
     after: list[tuple[StepStats, list[str]]] = []
-    second = _learner(_cfg(checkpoint_every=2, stop_after_steps=3), trainer, progress, tmp_path, nats_url,
-                      run_id, after)  # fmt: skip
+    second = _learner(
+        _cfg(checkpoint_every=2, stop_after_steps=3), trainer, progress, tmp_path, nats_url, run_id, after
+    )
     await asyncio.wait_for(second.run(asyncio.Event()), 240)
 
     assert [s.step for s, _ in after] == [3, 4, 5]

@@ -19,11 +19,9 @@ from learner.config import BatchConfig, LearnerConfig, OptimConfig, TrainerConfi
 from learner.executor import Executor
 from learner.trainer import Trainer
 from services.inference.server import InferenceConfig, InferenceServer
-from services.learner_online import OnlineLearner
-from services.weight_sync import WeightSync, WeightSyncConfig
-from tests.unit.learner.learner_helpers import dist_env, make_sample, one_thread, publish_samples, tiny_dir
-
-__all__ = ["dist_env", "one_thread", "tiny_dir"]
+from services.learner_service import OnlineLearner
+from services.weight_sync_service import WeightSync, WeightSyncConfig
+from tests.support.learner import make_sample, publish_samples
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
@@ -68,8 +66,9 @@ async def test_pushes_reach_every_inference_server(
     outputs = [await _outputs(urls, base.prompt_ids)]
     assert {v for v, _ in outputs[0]} == {"default"}
 
-    sync = WeightSync(WeightSyncConfig(servers=[*urls, "http://127.0.0.1:9"], reconcile_interval_s=0.5),
-                      run_id=run_id)  # fmt: skip
+    sync = WeightSync(
+        WeightSyncConfig(servers=[*urls, "http://127.0.0.1:9"], reconcile_interval_s=0.5), run_id=run_id
+    )
     stop_sync = asyncio.Event()
     sync_task = asyncio.create_task(sync.run(nats_url, stop_sync))
     cfg = LearnerConfig(
@@ -81,8 +80,15 @@ async def test_pushes_reach_every_inference_server(
     progress = Progress()
     for k, version in enumerate(["v000001", "v000002"]):
         await publish_samples(nats_url, samples[8 * k : 8 * k + 8])
-        learner = OnlineLearner(cfg, Executor(trainer, tmp_path / "ckpt"), progress, run_id=run_id,
-                                nats_url=nats_url, store=tmp_path / "store", base_model="tiny")  # fmt: skip
+        learner = OnlineLearner(
+            cfg,
+            Executor(trainer, tmp_path / "ckpt"),
+            progress,
+            run_id=run_id,
+            nats=nats_url,
+            store=tmp_path / "store",
+            base_model="tiny",
+        )
         progress = await asyncio.wait_for(learner.run(asyncio.Event()), 120)
         assert progress.version_index == k + 1
         await _served(sync, urls, version)

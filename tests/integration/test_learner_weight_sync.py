@@ -16,10 +16,7 @@ from learner.model_io import export_weights, load_model
 from protocol import WeightsPublished, weights_subject
 from services.bus import Publisher, connect, ensure_streams
 from services.inference.server import InferenceConfig, InferenceServer
-from services.weight_sync import WeightSync, WeightSyncConfig
-from tests.unit.learner.learner_helpers import one_thread, tiny_dir
-
-__all__ = ["one_thread", "tiny_dir"]
+from services.weight_sync_service import WeightSync, WeightSyncConfig
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
@@ -37,9 +34,15 @@ async def _announce(
     state = {k: v * 1.01 for k, v in load_model(tiny_dir).state_dict().items()}
     digest = export_weights(state, out, config_dir=tiny_dir, version=version)
     event = WeightsPublished(
-        event_id=f"weights.{run_id}.{version}", run_id=run_id, version=version, uri=str(out),
-        manifest_sha256=sha or digest, learner_step=1, base_model="tiny", ts=time.time(),
-    )  # fmt: skip
+        event_id=f"weights.{run_id}.{version}",
+        run_id=run_id,
+        version=version,
+        uri=str(out),
+        manifest_sha256=sha or digest,
+        learner_step=1,
+        base_model="tiny",
+        ts=time.time(),
+    )
     nc = await connect(nats_url)
     js = nc.jetstream()
     await ensure_streams(js)

@@ -30,7 +30,7 @@ from services.eventlog.fileformat import (
     write_events,
 )
 from services.eventlog.transfer import export_run, import_log, iter_stream_records, read_stream_events
-from tests.property.strategies import make_episode
+from tests.support.strategies import make_episode
 
 anyio = pytest.mark.anyio
 KINDS_PER_EPISODE = dict(

@@ -15,7 +15,7 @@ from protocol.codec import MSG_ID_HEADER
 from protocol.events import EpisodeEvent
 from services.bus import Publisher, PublishError, connect, ensure_streams, read_stream
 from services.bus.nats_server import EmbeddedNats
-from tests.property.strategies import make_episode
+from tests.support.strategies import make_episode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 

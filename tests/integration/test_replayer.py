@@ -21,22 +21,18 @@ from typing import Any
 import pytest
 from nats.js.errors import NotFoundError
 
+from actors.fake_episodes import ExploreSpec, build_explore_episode, build_rollout_group, interleave
 from learner.dataset import iter_samples
-from learner.materializers import make_materializer
+from learner.materializers import fold_events, make_materializer
 from learner.model_io import HFChatTokenizer, tiny_model_dir
 from protocol.codec import decode_sample
 from protocol.events import EpisodeEvent, EpisodeFinished, EpisodeStarted, Step, event_id_for
 from protocol.samples import Sample
 from protocol.subjects import EVENTS, SAMPLES, dead_letter_subject
+from protocol.subjects import replayer_durable as durable_name
 from services.bus import ERROR_HEADER, Publisher, connect, ensure_streams, read_stream
-from services.replay import fold_events, stream_events
-from services.replayer import Replayer, ReplayerConfig, durable_name
-from tests.property.episode_strategies import (
-    ExploreSpec,
-    build_explore_episode,
-    build_rollout_group,
-    interleave,
-)
+from services.replay import stream_events
+from services.replayer_service import Replayer, ReplayerConfig
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 

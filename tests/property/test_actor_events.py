@@ -9,10 +9,9 @@ prompt the engine received (and hashes to the recorded ``prompt_sha256``).
 from __future__ import annotations
 
 import asyncio
-import os
+from pathlib import Path
 from typing import Any
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +21,7 @@ from actors.explorer import Explorer
 from actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
 from protocol.events import Branch, Step
 from protocol.prompt import ChatTokenizer, prompt_sha256
-from tests.unit.actors.event_checks import check_episode, path_of, rebuild_step_prompts
+from tests.support.event_checks import check_episode, path_of, rebuild_step_prompts
 
 ACTION_TEXTS = [
     "<action>left</action>",
@@ -166,19 +165,11 @@ def test_branch_prefix_is_the_parents_path(
         assert path_of(br.branch_id, br.tau, events) == prefix
 
 
-def _hf_tokenizer() -> ChatTokenizer | None:
-    from learner.model_io import HFChatTokenizer, cache_root
-
-    tiny = cache_root() / "models" / "tiny-llama-s0"
-    return HFChatTokenizer.from_dir(tiny) if (tiny / "config.json").is_file() else None
-
-
-@pytest.mark.skipif(not os.environ.get("LEAFE_CACHE"), reason="needs the model cache (LEAFE_CACHE)")
-def test_prompts_rebuild_with_the_real_chat_template() -> None:
+def test_prompts_rebuild_with_the_real_chat_template(tiny_dir: Path) -> None:
     """With SmolLM2's tokenizer and chat template, the rebuilt prompt ids equal the ids sent."""
-    tok = _hf_tokenizer()
-    if tok is None:
-        pytest.skip("tiny model not in the cache")
+    from learner.model_io import HFChatTokenizer
+
+    tok = HFChatTokenizer.from_dir(tiny_dir)
     cfg = {"k": 2, "max_depth": 2, "max_branches": 4, "max_actions": 20, "horizon": 6, "history_window": 2}
     events, engine, _ = run_episode(
         cfg, ACTION_TEXTS, ["<step>1</step><experience>é ✓ go</experience>"], True, tok

@@ -22,7 +22,7 @@ from protocol.subjects import (
     weights_subject,
 )
 from protocol.tasks import TaskAssignment
-from tests.property.strategies import (
+from tests.support.strategies import (
     DECODERS,
     episode_events,
     invalid_run_ids,

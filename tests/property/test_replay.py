@@ -17,12 +17,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from actors.fake_episodes import EXPERIENCE_MARKER, interleave
+from actors.fakes import ByteChatTokenizer
 from learner.dataset import shard_paths, write_dataset
-from learner.materializers import make_materializer
+from learner.materializers import fold_events, make_materializer
 from protocol.events import Branch, EpisodeEvent, EpisodeFinished, EpisodeStarted, Outcome, Step
 from protocol.samples import Sample
-from services.replay import fold_events
-from tests.property.episode_strategies import EXPERIENCE_MARKER, ByteChatTokenizer, event_logs, interleave
+from tests.support.episodes import event_logs
 
 TOK = ByteChatTokenizer()
 MATERIALIZERS = {
@@ -199,9 +200,13 @@ def _expected_advantages(events: list[EpisodeEvent]) -> dict[str, float]:
 @given(streams=event_logs(tokenizer=TOK, max_episodes=2))
 def test_grpo_advantages_match_an_independent_computation(streams: list) -> None:
     """Every grpo sample carries its trajectory's group-normalised advantage and group id; incomplete
-    and zero-variance groups produce nothing."""
+    and zero-variance groups produce nothing; every step of an emitted group is exactly one sample
+    (a materializer that emits nothing fails here)."""
     events = [e for s in streams for e in s]
     samples, _ = materialize(events, "grpo")
     expected = _expected_advantages(events)
     for s in samples.values():
         assert s.group_id is not None and s.advantage == pytest.approx(expected[s.episode_id], abs=1e-9)
+    # GRPO keeps unparsable completions (their negative advantage is how the format is learnt).
+    trainable = [e for e in events if isinstance(e, Step) and e.episode_id in expected and e.token_ids]
+    assert len(samples) == len(trainable), "every step of an emitted group is one sample, no more"

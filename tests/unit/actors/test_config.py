@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tomllib
+
 import pytest
 
 from actors.config import ENV_DEFAULTS, ActorServiceConfig, ExplorerConfig, RolloutConfig
@@ -37,7 +39,7 @@ k = 3
 [rollout.sokoban]
 horizon = 9
 """
-    cfg = load_config(toml, ActorServiceConfig)
+    cfg = load_config(ActorServiceConfig, overrides=tomllib.loads(toml))
     sok = cfg.explorer_config("sokoban")
     assert (sok.k, sok.temperature, sok.horizon) == (3, 0.5, 15)
     assert cfg.explorer_config("scienceworld").temperature == 0.5
@@ -51,6 +53,6 @@ def test_bad_values_name_the_field_and_env() -> None:
     with pytest.raises(ValueError, match=r"sokoban.*horizn"):
         ExplorerConfig.for_env("sokoban", {"horizn": 3})
     with pytest.raises(ConfigError, match="experience_scope"):
-        load_config('[explorer.sokoban]\nexperience_scope = "always"\n', ActorServiceConfig)
+        load_config(ActorServiceConfig, overrides={"explorer": {"sokoban": {"experience_scope": "always"}}})
     with pytest.raises(ConfigError, match="in_progress_interval_s"):
-        load_config({"ack_wait_s": 10.0, "in_progress_interval_s": 20.0}, ActorServiceConfig)
+        load_config(ActorServiceConfig, overrides={"ack_wait_s": 10.0, "in_progress_interval_s": 20.0})

@@ -13,7 +13,7 @@ from actors.explorer import Explorer
 from actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
 from protocol.events import Branch, EpisodeFinished, Outcome, Reflection, Rollback, Step
 from protocol.prompt import prompt_sha256
-from tests.unit.actors.event_checks import check_episode, rebuild_step_prompts
+from tests.support.event_checks import check_episode, rebuild_step_prompts
 
 pytestmark = pytest.mark.anyio
 
@@ -23,17 +23,26 @@ TOK = ByteChatTokenizer()
 
 def spec(task: str = "corridor/train/00001", seed: int = 0) -> EpisodeSpec:
     return EpisodeSpec(
-        run_id="r1", episode_id="task-1.a1", actor_id="actor-0", task_key="task-1",
-        env="corridor", task_id=task, seed=seed,
-    )  # fmt: skip
+        run_id="r1",
+        episode_id="task-1.a1",
+        actor_id="actor-0",
+        task_key="task-1",
+        env="corridor",
+        task_id=task,
+        seed=seed,
+    )
 
 
 async def explore(engine: ScriptedEngine, env: CorridorEnv | None = None, **cfg: Any) -> tuple[list, Any]:
     sink = ListSink()
     explorer = Explorer(
-        engine=engine, tokenizer=TOK, env=env or CorridorEnv(), config=ExplorerConfig(**cfg),
-        sink=sink, spec=spec(),
-    )  # fmt: skip
+        engine=engine,
+        tokenizer=TOK,
+        env=env or CorridorEnv(),
+        config=ExplorerConfig(**cfg),
+        sink=sink,
+        spec=spec(),
+    )
     summary = await explorer.run()
     check_episode(sink.events, restart=cfg.get("restart_from") == "start")
     return sink.events, summary
@@ -51,9 +60,18 @@ async def test_failure_reflection_rollback_branch_success_in_that_order() -> Non
     )
     events, summary = await explore(engine, k=0, max_depth=2)
     assert kinds(events) == [
-        "EpisodeStarted", "Step", "Reflection", "Outcome", "Rollback", "Branch",
-        "Step", "Step", "Step", "Outcome", "EpisodeFinished",
-    ]  # fmt: skip
+        "EpisodeStarted",
+        "Step",
+        "Reflection",
+        "Outcome",
+        "Rollback",
+        "Branch",
+        "Step",
+        "Step",
+        "Step",
+        "Outcome",
+        "EpisodeFinished",
+    ]
     refl, out0, rb, br = events[2], events[3], events[4], events[5]
     assert (refl.trigger, refl.tau, refl.at_t, refl.parse_ok) == ("failure", 0, 1, True)
     assert (out0.reason, out0.success) == ("env_done", False)
@@ -84,10 +102,12 @@ async def test_experience_is_in_the_branch_prompt_and_not_in_the_counterfactual_
     start = events[0]
     parent_steps = [e for e in events if isinstance(e, Step) and e.branch_id == "b0"][:1]
     counterfactual = render_messages(
-        instructions=start.instructions, task=start.task,
+        instructions=start.instructions,
+        task=start.task,
         history=[HistoryEntry(s.action, s.raw_text, s.observation, s.feedback) for s in parent_steps],
-        observation=parent_steps[-1].observation, experience=None,
-    )  # fmt: skip
+        observation=parent_steps[-1].observation,
+        experience=None,
+    )
     assert all(lesson not in m.content for m in counterfactual)
     assert TOK.encode_chat(counterfactual) == action_calls[1].input_ids  # the parent's own prompt at tau
 
@@ -228,9 +248,13 @@ async def test_engine_error_propagates_and_leaves_the_episode_unfinished() -> No
 
     sink = ListSink()
     explorer = Explorer(
-        engine=ScriptedEngine(script=script), tokenizer=TOK, env=CorridorEnv(),
-        config=ExplorerConfig(), sink=sink, spec=spec(),
-    )  # fmt: skip
+        engine=ScriptedEngine(script=script),
+        tokenizer=TOK,
+        env=CorridorEnv(),
+        config=ExplorerConfig(),
+        sink=sink,
+        spec=spec(),
+    )
     with pytest.raises(EngineError, match="all servers down"):
         await explorer.run()
     assert kinds(sink.events) == ["EpisodeStarted"]

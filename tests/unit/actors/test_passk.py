@@ -77,3 +77,19 @@ def test_table_averages_tasks_and_skips_k_above_the_smallest_n() -> None:
     assert table[2] == pytest.approx((0.5 + 0 + 1) / 3)
     with pytest.raises(ValueError, match="no task results"):
         pass_at_k_table({}, [1])
+
+
+def test_paired_difference_separates_a_real_gap_from_noise() -> None:
+    """Same results: difference 0, inside its interval ("within noise"). A gap on every task: the whole
+    interval lies above 0. Deterministic for a seed; a k above n is refused."""
+    from actors.passk import paired_difference
+
+    weak = {f"t{i}": [False] * 7 + [True] for i in range(24)}
+    strong = {f"t{i}": [True] * 6 + [False] * 2 for i in range(24)}
+    same = paired_difference(weak, weak, 1, draws=500)
+    assert same.diff == 0.0 and same.within_noise
+    gap = paired_difference(strong, weak, 1, draws=500)
+    assert gap.diff == pytest.approx(0.75 - 0.125) and gap.lo > 0 and not gap.within_noise
+    assert gap == paired_difference(strong, weak, 1, draws=500)
+    with pytest.raises(ValueError, match="k = 9"):
+        paired_difference(strong, weak, 9)

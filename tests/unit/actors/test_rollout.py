@@ -11,12 +11,18 @@ from actors.prompts import REFLECTION_QUESTION, render_reflection_messages
 from actors.rollout import run_rollout, run_rollouts
 from protocol.events import Outcome, Step
 from protocol.prompt import HistoryEntry, render_messages
-from tests.unit.actors.event_checks import check_episode
+from tests.support.event_checks import check_episode
 
 SPEC = EpisodeSpec(
-    run_id="r1", episode_id="k.a1", actor_id="a", task_key="k", env="corridor",
-    task_id="corridor/test/00002", mode="eval", seed=10,
-)  # fmt: skip
+    run_id="r1",
+    episode_id="k.a1",
+    actor_id="a",
+    task_key="k",
+    env="corridor",
+    task_id="corridor/test/00002",
+    mode="eval",
+    seed=10,
+)
 
 
 @pytest.mark.anyio
@@ -25,9 +31,13 @@ async def test_a_rollout_is_one_branch_without_reflection() -> None:
     sink = ListSink()
     engine = ScriptedEngine(actions=["<action>left</action>"])
     summary = await run_rollout(
-        engine=engine, tokenizer=ByteChatTokenizer(), env=CorridorEnv(), spec=SPEC,
-        config=RolloutConfig(horizon=5), sink=sink,
-    )  # fmt: skip
+        engine=engine,
+        tokenizer=ByteChatTokenizer(),
+        env=CorridorEnv(),
+        spec=SPEC,
+        config=RolloutConfig(horizon=5),
+        sink=sink,
+    )
     check_episode(sink.events)
     assert [type(e).__name__ for e in sink.events] == ["EpisodeStarted", "Step", "Outcome", "EpisodeFinished"]
     assert sink.events[1].logprobs is not None and not summary.success
@@ -44,9 +54,14 @@ async def test_n_rollouts_form_a_group_with_distinct_episodes_and_seeds() -> Non
         return envs[-1]
 
     summaries = await run_rollouts(
-        engine=ScriptedEngine(default_action="<action>wait</action>"), tokenizer=ByteChatTokenizer(),
-        env_factory=factory, spec=SPEC, config=RolloutConfig(horizon=3), sink=sink, n=4,
-    )  # fmt: skip
+        engine=ScriptedEngine(default_action="<action>wait</action>"),
+        tokenizer=ByteChatTokenizer(),
+        env_factory=factory,
+        spec=SPEC,
+        config=RolloutConfig(horizon=3),
+        sink=sink,
+        n=4,
+    )
     assert [s.episode_id for s in summaries] == [f"k.a1.s{i}" for i in range(4)]
     starts = [e for e in sink.events if type(e).__name__ == "EpisodeStarted"]
     assert sorted(e.seed for e in starts) == [10, 11, 12, 13]

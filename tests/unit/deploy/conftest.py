@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.unit.deploy.manifests import DEPLOY, KUSTOMIZATIONS, Doc, render
+from tests.support.manifests import DEPLOY, KUSTOMIZATIONS, Doc, render
 
 
 @pytest.fixture(scope="session")

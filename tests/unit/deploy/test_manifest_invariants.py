@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.deploy.manifests import (
+from tests.support.manifests import (
     KUSTOMIZATIONS,
     NATS_VERBS,
     OVERLAYS,
@@ -212,7 +212,7 @@ def test_weight_store_is_one_rwx_volume_at_the_same_path_everywhere(
 def _config_types() -> dict[str, type]:
     from actors.config import ActorServiceConfig
     from learner.config import LearnerConfig
-    from services.replayer import ReplayerConfig
+    from services.replayer_service import ReplayerConfig
 
     return {"actor.toml": ActorServiceConfig, "replayer.toml": ReplayerConfig, "learner.toml": LearnerConfig}
 
@@ -252,7 +252,7 @@ def test_run_config_files_decode_into_the_service_config_types(rendered: dict[st
 
     data = find(rendered["gpu"], "ConfigMap", "leafe-run-config")["data"]
     configs: dict[str, Any] = {
-        key: load_config(tomllib.loads(data[key]), type_) for key, type_ in _config_types().items()
+        key: load_config(type_, overrides=tomllib.loads(data[key])) for key, type_ in _config_types().items()
     }
     actor_pod = find(rendered["gpu"], "Deployment", "actor")["spec"]["template"]["spec"]
     grace = actor_pod["terminationGracePeriodSeconds"]

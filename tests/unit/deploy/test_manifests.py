@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from services.cli import VERBS
-from tests.unit.deploy.manifests import (
+from tests.support.manifests import (
     K8S_VERSION,
     KUSTOMIZATIONS,
     NATS_VERBS,

@@ -93,7 +93,20 @@ def test_bad_ids_and_excluded_tasks_raise(env: ScienceWorldEnv) -> None:
             env.reset(bad)
     with pytest.raises(EnvError):
         ScienceWorldEnv(ScienceWorldConfig(task_names=["no-such-task"])).task_names()
-    assert isinstance(EXCLUDED_TASKS, dict)
+
+
+def test_excluded_tasks_are_kept_out_and_refused(monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
+    """A task listed in EXCLUDED_TASKS is left out of the catalogue, and asking for it by name is an
+    EnvError that gives the reason (today the list is empty: every task replays exactly)."""
+    monkeypatch.setitem(EXCLUDED_TASKS, "find-plant", "replay diverges (test)")
+    with pytest.raises(EnvError, match=r"replay diverges \(test\)"):
+        ScienceWorldEnv(ScienceWorldConfig(task_names=["find-plant"])).task_names()
+    everything = ScienceWorldEnv(ScienceWorldConfig(cache_dir=str(cache_dir / "scienceworld")))
+    try:
+        names = everything.task_names()
+    finally:
+        everything.close()
+    assert "find-plant" not in names and len(names) == 29
 
 
 def test_close_stops_the_jvm(cache_dir: Path) -> None:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from envs.base import EnvError
-from envs.cache import publish_dir
 from envs.textworld_env import TextWorldConfig, TextWorldEnv, clean_observation
 from envs.textworld_gen import CookingSpec, ensure_game, game_seed
+from protocol.paths import publish_dir
 
 TASK = "textworld-cooking/test/0"
 

@@ -13,9 +13,7 @@ from hypothesis import strategies as st
 from learner.batching import collate, kind_tokens, plan_micro_batches, to_items
 from learner.config import BatchConfig
 from learner.losses import IGNORE, token_logprobs
-from tests.unit.learner.learner_helpers import make_sample, make_samples, one_thread, tiny_dir
-
-__all__ = ["one_thread", "tiny_dir"]
+from tests.support.learner import make_sample, make_samples
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -136,8 +134,12 @@ def test_left_padded_batch_scores_like_single_rows(tiny_dir: Path) -> None:
 
     def score(rows: list) -> torch.Tensor:
         mb = collate(rows, PAD)
-        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                    logits_to_keep=mb.keep)  # fmt: skip
+        out = model(
+            input_ids=mb.input_ids,
+            attention_mask=mb.attention_mask,
+            position_ids=mb.position_ids,
+            logits_to_keep=mb.keep,
+        )
         return token_logprobs(out.logits[:, :-1], mb.labels)
 
     with torch.no_grad():

@@ -89,10 +89,16 @@ def test_micro_batch_shares_sum_to_the_global_loss() -> None:
     k = torch.tensor([KIND_INDEX[x] for x in kinds])
     tokens = KindTokens(cf=3.0, reh=4.0)
     parts = [
-        distill_loss(token_logprobs(logits[i : i + 1], labels[i : i + 1]), labels[i : i + 1], k[i : i + 1],
-                     torch.ones(1), tokens, 1.0).loss
+        distill_loss(
+            token_logprobs(logits[i : i + 1], labels[i : i + 1]),
+            labels[i : i + 1],
+            k[i : i + 1],
+            torch.ones(1),
+            tokens,
+            1.0,
+        ).loss
         for i in range(3)
-    ]  # fmt: skip
+    ]
     assert torch.allclose(whole, sum(parts))
 
 
@@ -166,8 +172,18 @@ def test_total_loss_sums_distill_and_grpo_terms() -> None:
     tokens = KindTokens(cf=3.0, grpo=4.0)
     adv = torch.tensor([0.0, 1.0, 0.0])
     no_behaviour = torch.zeros(3, dtype=torch.bool)
-    out = total_loss(logp, labels, kinds, torch.ones(3), adv, torch.zeros_like(logp), no_behaviour, tokens,
-                     beta=1.0, clip_eps=0.2)  # fmt: skip
+    out = total_loss(
+        logp,
+        labels,
+        kinds,
+        torch.ones(3),
+        adv,
+        torch.zeros_like(logp),
+        no_behaviour,
+        tokens,
+        beta=1.0,
+        clip_eps=0.2,
+    )
     cf = -(logp[0].sum() + logp[2].sum()) / 3
     grpo = -(4 * 1.0) / 4  # ratio 1, A = 1 on 4 tokens
     assert out.loss.item() == pytest.approx((cf + grpo).item(), rel=1e-5)

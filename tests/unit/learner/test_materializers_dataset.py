@@ -9,17 +9,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from actors.fake_episodes import ExploreSpec, build_explore_episode, build_rollout_group, interleave
+from actors.fakes import ByteChatTokenizer
 from learner.dataset import DatasetError, hf_features, iter_samples, read_manifest, shard_paths, write_dataset
-from learner.materializers import Materializer, make_materializer
+from learner.materializers import Materializer, fold_events, make_materializer
 from protocol.samples import Sample
-from services.replay import fold_events
-from tests.property.episode_strategies import (
-    ByteChatTokenizer,
-    ExploreSpec,
-    build_explore_episode,
-    build_rollout_group,
-    interleave,
-)
 
 TOK = ByteChatTokenizer()
 

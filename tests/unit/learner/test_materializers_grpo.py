@@ -10,7 +10,7 @@ from learner.materializers import (
     make_materializer,
 )
 from protocol.samples import Sample
-from tests.unit.learner.test_materializers import TOK, Tree, fold
+from tests.support.materializers import TOK, Tree, fold
 
 
 def rollout(

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from learner.config import resolve_train_config
+from learner.config import TrainConfig, train_preset
 from learner.offline import iter_batches, read_samples, steps_per_epoch
-from tests.unit.learner.learner_helpers import dist_env, make_samples, one_thread, tiny_dir, write_shards
-
-__all__ = ["dist_env", "one_thread", "tiny_dir"]
+from services.config import load_config
+from tests.support.learner import make_samples, write_shards
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,7 +50,9 @@ def test_a_bad_line_is_reported_with_file_and_line(tmp_path: Path) -> None:
 def test_epochs_reshuffle_and_resume_continues_the_same_order() -> None:
     """Each epoch is a seeded permutation; resuming from (epoch, position) yields exactly the rest."""
     samples = make_samples(10)
-    cfg = resolve_train_config("cpu", {"epochs": 2, "trainer": {"batch": {"global_batch": 4}}})
+    cfg = load_config(
+        TrainConfig, preset=train_preset("cpu"), overrides={"epochs": 2, "trainer.batch.global_batch": 4}
+    )
     full = list(iter_batches(samples, cfg))
     assert [len(b.samples) for b in full] == [4, 4, 2, 4, 4, 2]
     assert steps_per_epoch(10, 4, drop_last=False) == 3
@@ -69,13 +70,14 @@ def test_leafe_train_runs_resumes_and_exports(dist_env, tiny_dir: Path, tmp_path
     """`leafe train` trains every batch of every epoch, writes metrics, checkpoints and a final export; a
     second invocation on the same --out resumes at the end and trains nothing more."""
     from learner.model_io import verify_manifest
-    from services.train import train
+    from learner.offline import train
 
     data = write_shards(tmp_path / "data", make_samples(12))
-    cfg = resolve_train_config(
-        "cpu",
-        {"epochs": 2, "trainer": {"batch": {"global_batch": 8}, "checkpoint_every": 1, "push_every": 2}},
-    )
+    overrides = {
+        "epochs": 2,
+        "trainer": {"batch": {"global_batch": 8}, "checkpoint_every": 1, "push_every": 2},
+    }
+    cfg = load_config(TrainConfig, preset=train_preset("cpu"), overrides=overrides)
     out = tmp_path / "out"
     result = train(cfg, data, str(tiny_dir), out, dist_env)
     assert result.steps == 4

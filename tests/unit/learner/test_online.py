@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from learner.online import SampleBuffer, policy_lag
 from protocol.samples import Sample
-from tests.unit.learner.learner_helpers import make_sample
+from tests.support.learner import make_sample
 
 
 @dataclass
@@ -52,11 +52,21 @@ def test_take_returns_lowest_sequences_first_and_advances_the_floor() -> None:
 def test_stale_and_foreign_kind_samples_are_consumed_but_not_trained() -> None:
     """Samples too many versions behind, or of an untrained kind, are dropped, counted and still consumed."""
     buf: SampleBuffer[FakeDelivery] = SampleBuffer(kinds=["cf"], max_policy_lag=2)
-    buf.add([_d(1, policy_version="v000001"), _d(2, policy_version="v000004"), _d(3, kind="grpo"),
-             _d(4, policy_version="odd"), _d(5, policy_version="v000003")])  # fmt: skip
+    buf.add(
+        [
+            _d(1, policy_version="v000001"),
+            _d(2, policy_version="v000004"),
+            _d(3, kind="grpo"),
+            _d(4, policy_version="odd"),
+            _d(5, policy_version="v000003"),
+        ]
+    )
     b = buf.take(10, current_index=5)
-    assert [s.sample_id for s in b.samples] == [make_sample(2).sample_id, make_sample(4).sample_id,
-                                               make_sample(5).sample_id]  # fmt: skip
+    assert [s.sample_id for s in b.samples] == [
+        make_sample(2).sample_id,
+        make_sample(4).sample_id,
+        make_sample(5).sample_id,
+    ]
     assert (b.stale, b.ignored, b.unknown_version, b.max_seq) == (1, 1, 1, 5)
 
 

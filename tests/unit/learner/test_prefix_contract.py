@@ -27,9 +27,14 @@ async def _episode(prefix: str) -> list[Any]:
     )
     sink = ListSink()
     spec = EpisodeSpec(
-        run_id="r1", episode_id="task-1.a1", actor_id="a0", task_key="task-1", env="corridor",
-        task_id="corridor/train/00001", seed=0,
-    )  # fmt: skip
+        run_id="r1",
+        episode_id="task-1.a1",
+        actor_id="a0",
+        task_key="task-1",
+        env="corridor",
+        task_id="corridor/train/00001",
+        seed=0,
+    )
     config = ExplorerConfig(k=0, max_depth=2, response_prefix=prefix)
     await Explorer(engine=engine, tokenizer=TOK, env=CorridorEnv(), config=config, sink=sink, spec=spec).run()
     assert all(bytes(c.input_ids).decode().endswith(prefix) for c in engine.calls if c.kind == "action")

@@ -13,16 +13,7 @@ from learner.config import BatchConfig, LossConfig, OptimConfig, TrainerConfig
 from learner.model_io import load_model, verify_manifest
 from learner.trainer import Trainer
 from protocol.samples import Sample
-from tests.unit.learner.learner_helpers import (
-    assert_same_weights,
-    dist_env,
-    make_sample,
-    make_samples,
-    one_thread,
-    tiny_dir,
-)
-
-__all__ = ["dist_env", "one_thread", "tiny_dir"]
+from tests.support.learner import assert_same_weights, make_sample, make_samples
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -35,8 +35,12 @@ def test_prune_keeps_the_newest_and_in_use_versions(tmp_path: Path) -> None:
     gone = prune_versions(store, keep=2, protect={"v000003"})
     assert gone == ["v000001", "v000004"]
     assert sorted(p.name for p in store.iterdir() if not p.name.startswith(".")) == [
-        "notes", "v000002", "v000003", "v000005", "v000006",
-    ]  # fmt: skip
+        "notes",
+        "v000002",
+        "v000003",
+        "v000005",
+        "v000006",
+    ]
 
 
 def test_prune_never_deletes_the_newest_even_with_keep_zero(tmp_path: Path) -> None:

@@ -21,17 +21,26 @@ from protocol.codec import (
 from protocol.events import Outcome, Step, WeightsPublished
 from protocol.samples import ChatMessage, Sample
 from protocol.tasks import TaskAssignment
-from tests.property.strategies import make_episode
+from tests.support.strategies import make_episode
 
 STEP = make_episode("r1", "ep1")[1]
 TASK = TaskAssignment(
     task_key="sokoban-train-00001-x0", run_id="r1", env="sokoban", task_id="sokoban/train/1"
 )
 SAMPLE = Sample(
-    sample_id="s1", run_id="r1", kind="cf", materializer="leafe/1", env="env", task_id="t", episode_id="e",
-    messages=[ChatMessage(role="user", content="hi")], target_turn=0, prompt_ids=[1], completion_ids=[2],
+    sample_id="s1",
+    run_id="r1",
+    kind="cf",
+    materializer="leafe/1",
+    env="env",
+    task_id="t",
+    episode_id="e",
+    messages=[ChatMessage(role="user", content="hi")],
+    target_turn=0,
+    prompt_ids=[1],
+    completion_ids=[2],
     policy_version="v1",
-)  # fmt: skip
+)
 WEIGHTS = WeightsPublished(
     event_id="weights.v2",
     run_id="r1",
@@ -148,7 +157,13 @@ def test_every_kind_of_make_episode_round_trips() -> None:
     """The shared example episode holds all seven kinds, and each survives the codec."""
     events = make_episode("r1", "ep1")
     assert {type(e).__name__ for e in events} == {
-        "EpisodeStarted", "Step", "Reflection", "Rollback", "Branch", "Outcome", "EpisodeFinished",
-    }  # fmt: skip
+        "EpisodeStarted",
+        "Step",
+        "Reflection",
+        "Rollback",
+        "Branch",
+        "Outcome",
+        "EpisodeFinished",
+    }
     assert [decode_event(encode(e)) for e in events] == events
     assert isinstance(events[-2], Outcome) and events[-2].success

@@ -6,7 +6,7 @@ hold. For *coherent* episodes (branch geometry, prompts) see ``tests/property/ep
 :func:`make_episode` here is a small deterministic episode with one event of every kind, for bus and
 log tests that need realistic traffic without Hypothesis.
 
-    from tests.property.strategies import episode_events, tasks, samples, weights, wire_messages
+    from tests.support.strategies import episode_events, tasks, samples, weights, wire_messages
 """
 
 from __future__ import annotations
@@ -271,21 +271,62 @@ def make_episode(run_id: str, episode_id: str, *, steps: int = 6, obs_chars: int
         events.append(cls(event_id=event_id_for(episode_id, seq), seq=seq, ts=1e9 + seq, **common, **fields))
 
     board = ("#@ $ .#\n" * (obs_chars // 8 + 1))[:obs_chars]
-    emit(EpisodeStarted, task_key=f"{episode_id}-task", env="sokoban", task_id="sokoban/train/00001",
-         split="train", seed=7, mode="explore", task="Push the box onto the target.", observation=board,
-         instructions="Answer with <action>up|down|left|right</action>.")  # fmt: skip
+    emit(
+        EpisodeStarted,
+        task_key=f"{episode_id}-task",
+        env="sokoban",
+        task_id="sokoban/train/00001",
+        split="train",
+        seed=7,
+        mode="explore",
+        task="Push the box onto the target.",
+        observation=board,
+        instructions="Answer with <action>up|down|left|right</action>.",
+    )
     for t in range(steps):
-        emit(Step, branch_id=ROOT_BRANCH, t=t, action="up", raw_text=f"<action>up</action> {t}",
-             token_ids=list(range(t, t + 12)), observation=board, reward=0.0)  # fmt: skip
+        emit(
+            Step,
+            branch_id=ROOT_BRANCH,
+            t=t,
+            action="up",
+            raw_text=f"<action>up</action> {t}",
+            token_ids=list(range(t, t + 12)),
+            observation=board,
+            reward=0.0,
+        )
     emit(Outcome, branch_id=ROOT_BRANCH, success=False, steps=steps, reason="horizon")
-    emit(Reflection, branch_id=ROOT_BRANCH, at_t=steps, trigger="failure", tau=1, experience="Go left first.",
-         raw_text="<tau>1</tau>")  # fmt: skip
+    emit(
+        Reflection,
+        branch_id=ROOT_BRANCH,
+        at_t=steps,
+        trigger="failure",
+        tau=1,
+        experience="Go left first.",
+        raw_text="<tau>1</tau>",
+    )
     refl = events[-1].event_id
     emit(Rollback, from_branch=ROOT_BRANCH, tau=1, method="replay", replay_steps=1)
-    emit(Branch, branch_id="b1", parent_branch_id=ROOT_BRANCH, tau=1, reflection_event_id=refl,
-         experience="Go left first.", depth=1)  # fmt: skip
-    emit(Step, branch_id="b1", t=1, action="left", raw_text="<action>left</action>", token_ids=[5, 6],
-         observation=board, reward=1.0, done=True, success=True)  # fmt: skip
+    emit(
+        Branch,
+        branch_id="b1",
+        parent_branch_id=ROOT_BRANCH,
+        tau=1,
+        reflection_event_id=refl,
+        experience="Go left first.",
+        depth=1,
+    )
+    emit(
+        Step,
+        branch_id="b1",
+        t=1,
+        action="left",
+        raw_text="<action>left</action>",
+        token_ids=[5, 6],
+        observation=board,
+        reward=1.0,
+        done=True,
+        success=True,
+    )
     emit(Outcome, branch_id="b1", success=True, score=1.0, steps=2, reason="success")
     emit(EpisodeFinished, success=True, branches=2, actions=steps + 1, reflections=1, replay_steps=1)
     return events

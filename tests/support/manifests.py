@@ -46,7 +46,7 @@ __all__ = [
     "workload_names",
 ]
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 Doc = dict[str, Any]
 K8S_VERSION = "1.32"

@@ -1,4 +1,4 @@
-"""The online learner loop (rank 0): samples stream -> optimizer steps -> checkpoints -> weight pushes.
+"""The online learner service, rank 0 of ``leafe learner``: samples -> steps -> checkpoints -> pushes.
 
 ```
  LEAFE_SAMPLES ──fetch──► SampleBuffer (seq order) ──take──► TrainCmd ──► Executor (all ranks, FSDP2)
@@ -46,8 +46,8 @@ from learner.trainer import StepStats
 from learner.weight_store import prune_versions, version_name
 from protocol import WeightsPublished, dead_letter_subject, decode_sample, weights_subject
 from protocol.samples import Sample
-from protocol.subjects import SAMPLES
-from services.bus import Consumer, Delivery, Publisher, connect, ensure_streams
+from protocol.subjects import SAMPLES, learner_durable, samples_filter
+from services.bus import Consumer, Delivery, NatsOptions, Publisher, connect, ensure_streams
 
 __all__ = ["OnlineLearner", "SampleConsumer", "StepCallback"]
 
@@ -67,7 +67,7 @@ class SampleConsumer(Consumer[Sample]):
             js,
             stream=SAMPLES.name,
             durable=durable,
-            filter_subject=f"leafe.{run_id}.samples.>",
+            filter_subject=samples_filter(run_id),
             decode=decode_sample,
             dead_letter_subject=dead_letter_subject(run_id, SAMPLES.name),
             deliver_policy="by_start_sequence",
@@ -100,10 +100,9 @@ class OnlineLearner:
         progress: Progress,
         *,
         run_id: str,
-        nats_url: str,
+        nats: NatsOptions | str,
         store: Path,
         base_model: str,
-        creds: str | None = None,
         on_step: StepCallback | None = None,
     ) -> None:
         self.cfg = cfg
@@ -111,8 +110,7 @@ class OnlineLearner:
         self.progress = progress
         self.checkpointed = progress
         self.run_id = run_id
-        self.nats_url = nats_url
-        self.creds = creds
+        self.nats = NatsOptions(url=nats) if isinstance(nats, str) else nats
         self.store = Path(store)
         self.base_model = base_model
         self.on_step = on_step
@@ -128,14 +126,14 @@ class OnlineLearner:
     async def run(self, stop: asyncio.Event) -> Progress:
         """Train until ``stop`` is set (or ``stop_after_steps``); then checkpoint, ack and return."""
         async with AsyncExitStack() as stack:
-            nc = await connect(self.nats_url, creds=self.creds, name=f"learner-{self.run_id}")
+            nc = await connect(self.nats, name=f"learner-{self.run_id}")
             stack.push_async_callback(nc.close)
             js = nc.jetstream()
-            await ensure_streams(js)
+            await ensure_streams(js, replicas=self.nats.stream_replicas)
             consumer = SampleConsumer(
                 js,
                 run_id=self.run_id,
-                durable=self.cfg.durable or f"learner-{self.run_id}",
+                durable=learner_durable(self.run_id, self.cfg.durable),
                 start_seq=self.progress.samples_seq + 1,
                 batch=self.cfg.fetch_batch,
                 ack_wait_s=self.cfg.ack_wait_s,
@@ -145,8 +143,13 @@ class OnlineLearner:
             pub = await stack.enter_async_context(Publisher(js))
             heartbeat = asyncio.create_task(self._heartbeat(), name="learner.heartbeat")
             stack.push_async_callback(self._cancel, heartbeat)
-            log.info("learner.started", run_id=self.run_id, start_seq=self.progress.samples_seq + 1,
-                     step=self.progress.step, version_index=self.progress.version_index)  # fmt: skip
+            log.info(
+                "learner.started",
+                run_id=self.run_id,
+                start_seq=self.progress.samples_seq + 1,
+                step=self.progress.step,
+                version_index=self.progress.version_index,
+            )
             await self._announce_current(pub)
             await self._loop(consumer, pub, stop)
             if self.cfg.push_on_stop and self.steps_here > 0 and self._pushed_at_step != self.progress.step:
@@ -258,8 +261,11 @@ class OnlineLearner:
         out = self.store / version
         digest = await self._existing_export(out)
         if digest is None:
-            extra = {"learner_step": self.progress.step, "samples_seq": self.progress.samples_seq,
-                     "run_id": self.run_id}  # fmt: skip
+            extra = {
+                "learner_step": self.progress.step,
+                "samples_seq": self.progress.samples_seq,
+                "run_id": self.run_id,
+            }
             t0 = time.perf_counter()
             digest = await self._submit(ExportCmd(out_dir=str(out), version=version, extra=extra))
             log.info(

@@ -1,25 +1,22 @@
-"""Shared helpers and fixtures of the learner tests (import the fixtures into a test module to use them)."""
+"""Shared helpers of the learner tests: synthetic samples and shards, publishing, weight comparison
+(the fixtures ``tiny_dir``, ``one_thread`` and ``dist_env`` are in ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import pytest
 
 from protocol.samples import ChatMessage, Sample, SampleKind
 
 __all__ = [
     "assert_same_weights",
-    "dist_env",
     "make_sample",
     "make_samples",
-    "one_thread",
     "publish_samples",
-    "tiny_dir",
     "write_shards",
 ]
 
@@ -98,14 +95,6 @@ def assert_same_weights(a: dict[str, Any], b: dict[str, Any], *, max_lr: float, 
     assert off <= max(1, total // 10_000), f"{off} of {total} weights differ by more than {atol}"
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(cache_dir: Path) -> Path:
-    """The tiny random Llama (2 layers, hidden 64, SmolLM2 tokenizer)."""
-    from learner.model_io import tiny_model_dir
-
-    return tiny_model_dir(cache_dir)
-
-
 async def publish_samples(nats_url: str, samples: Sequence[Sample]) -> None:
     """Publish samples on ``leafe.<run>.samples.<kind>`` and wait for every ack."""
     from protocol import sample_subject
@@ -118,24 +107,3 @@ async def publish_samples(nats_url: str, samples: Sequence[Sample]) -> None:
         for s in samples:
             await pub.publish(sample_subject(s.run_id, s.kind), s)
     await nc.close()
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """torch on one intra-op thread for the test (on a shared 2-core CPU, 2 threads spin-wait: ~2x slower)."""
-    import torch
-
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
-@pytest.fixture(scope="session")
-def dist_env() -> Iterator[object]:
-    """A one-rank gloo process group for the whole session (the plain-python path of the trainer)."""
-    from learner.distributed import init_distributed, shutdown
-
-    env = init_distributed("gloo")
-    yield env
-    shutdown(env)

@@ -1,4 +1,4 @@
-"""Realistic event streams for tests and benchmarks: explore trees (LEAFE) and GRPO rollout groups.
+"""Synthetic event streams for tests and benchmarks: explore trees (LEAFE) and GRPO rollout groups.
 
 The builders simulate what an actor publishes, following the contract in ``protocol.events`` and
 ``protocol.prompt``: a breadth-first tree of branches (reflection -> rollback -> branch -> steps ->
@@ -7,10 +7,10 @@ first step or all of its steps, and each Step's ``prompt_sha256`` computed from 
 actor would have sent (when a tokenizer is given). Every experience text contains the marker
 :data:`EXPERIENCE_MARKER`, which appears nowhere else, so a test can prove it never leaks into inputs.
 
-- plain functions (``build_explore_episode``, ``build_rollout_group``) take a ``random.Random`` and are
-  used by ``bench/replay.py`` to make million-event logs;
-- Hypothesis strategies (``explore_episodes``, ``rollout_groups``, ``event_logs``, ``interleaved``)
-  wrap them for the property suites.
+The builders (``build_explore_episode``, ``build_rollout_group``, ``interleave``) take a
+``random.Random``; ``bench/replay.py`` makes million-event logs with them, and the Hypothesis strategies
+of the property suites (``tests/support/episodes.py``) wrap them. A fake like ``actors/fakes.py``: never
+used by the product itself.
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hypothesis import strategies as st
-
-from actors.fakes import ByteChatTokenizer  # re-exported: the suites share one fake tokenizer
 from protocol.events import (
     ROOT_BRANCH,
     Branch,
@@ -39,17 +36,14 @@ from protocol.events import (
 from protocol.prompt import ChatTokenizer, HistoryEntry, prompt_sha256, render_messages
 
 __all__ = [
+    "ACTIONS",
     "EXPERIENCE_MARKER",
-    "ByteChatTokenizer",
+    "INSTRUCTIONS",
     "EventWriter",
     "ExploreSpec",
     "build_explore_episode",
     "build_rollout_group",
-    "event_logs",
-    "explore_episodes",
     "interleave",
-    "interleaved",
-    "rollout_groups",
 ]
 
 EXPERIENCE_MARKER = "EXPERIENCE#"
@@ -212,7 +206,9 @@ def build_explore_episode(
     spec: ExploreSpec, *, run_id: str, episode_id: str, tokenizer: ChatTokenizer | None = None
 ) -> list[EpisodeEvent]:
     """Events of one explore episode (in seq order), simulated breadth-first like an actor."""
-    rng = random.Random(f"{spec.seed}:{episode_id}")
+    # The content depends on the spec and the episode's name within its run, never on the run id (tests
+    # put the run id, which carries a pid, into episode ids to keep runs apart on a shared server).
+    rng = random.Random(f"{spec.seed}:{episode_id.removeprefix(f'{run_id}-')}")
     w = EventWriter(run_id, episode_id)
     started = w.emit(
         EpisodeStarted,
@@ -316,7 +312,9 @@ def _rollout(
     tokenizer: ChatTokenizer | None,
     attempt: int,
 ) -> list[EpisodeEvent]:
-    rng = random.Random(f"{spec.seed}:{episode_id}")
+    # The content depends on the spec and the episode's name within its run, never on the run id (tests
+    # put the run id, which carries a pid, into episode ids to keep runs apart on a shared server).
+    rng = random.Random(f"{spec.seed}:{episode_id.removeprefix(f'{run_id}-')}")
     w = EventWriter(run_id, episode_id)
     started = w.emit(
         EpisodeStarted,
@@ -352,84 +350,3 @@ def interleave(streams: Sequence[Sequence[EpisodeEvent]], rng: random.Random) ->
         if cursors[i] == len(streams[i]):
             live.pop(k)
     return out
-
-
-# -- Hypothesis strategies ---------------------------------------------------------------------------
-@st.composite
-def explore_specs(draw: st.DrawFn, *, abandoned: bool = True) -> ExploreSpec:
-    """Shapes of explore episodes, from one-step successes to deep failing trees."""
-    return ExploreSpec(
-        seed=draw(st.integers(0, 2**31)),
-        max_depth=draw(st.sampled_from([1, 2, 2, 3, 0])),
-        budget=draw(st.integers(6, 30)),
-        horizon=draw(st.integers(2, 8)),
-        reflect_every=draw(st.sampled_from([0, 0, 2, 3])),
-        p_success=draw(st.sampled_from([0.0, 0.15, 0.35, 0.8])),
-        p_parse_fail=draw(st.sampled_from([0.0, 0.1, 0.4])),
-        experience_scope=draw(st.sampled_from(["all", "first", "none"])),
-        history_window=draw(st.sampled_from([0, 0, 2])),
-        stop_on_success=draw(st.booleans()),
-        truncate=draw(st.sampled_from([None, None, None, 0.3, 0.7])) if abandoned else None,
-        mode=draw(st.sampled_from(["explore"] * 6 + ["eval"])),
-    )
-
-
-def explore_episodes(
-    run_id: str = "r1", *, tokenizer: ChatTokenizer | None = None, abandoned: bool = True, prefix: str = "ep"
-) -> st.SearchStrategy[list[EpisodeEvent]]:
-    """Events of one explore episode (seq order)."""
-    return st.builds(
-        lambda spec, i: build_explore_episode(
-            spec, run_id=run_id, episode_id=f"{prefix}{i}", tokenizer=tokenizer
-        ),
-        explore_specs(abandoned=abandoned),
-        st.integers(0, 10**6),
-    )
-
-
-@st.composite
-def rollout_groups(
-    draw: st.DrawFn,
-    run_id: str = "r1",
-    *,
-    tokenizer: ChatTokenizer | None = None,
-    group_id: str | None = None,
-) -> list[list[EpisodeEvent]]:
-    """The episodes of one GRPO group (2..5 rollouts, sometimes with an abandoned first attempt)."""
-    rng = random.Random(draw(st.integers(0, 2**31)))
-    return build_rollout_group(
-        rng,
-        run_id=run_id,
-        group_id=group_id or f"g{draw(st.integers(0, 10**6))}",
-        n=draw(st.integers(2, 5)),
-        tokenizer=tokenizer,
-        p_success=draw(st.sampled_from([0.0, 0.2, 0.5])),
-        horizon=draw(st.integers(1, 6)),
-        retry=draw(st.booleans()),
-    )
-
-
-@st.composite
-def event_logs(
-    draw: st.DrawFn,
-    run_id: str = "r1",
-    *,
-    tokenizer: ChatTokenizer | None = None,
-    max_episodes: int = 5,
-    groups: bool = True,
-) -> list[list[EpisodeEvent]]:
-    """Per-episode event streams of a small run: explore trees and (optionally) rollout groups."""
-    n = draw(st.integers(1, max_episodes))
-    streams = [
-        build_explore_episode(draw(explore_specs()), run_id=run_id, episode_id=f"ep{i}", tokenizer=tokenizer)
-        for i in range(n)
-    ]
-    if groups:
-        for k in range(draw(st.integers(0, 2))):
-            streams += draw(rollout_groups(run_id, tokenizer=tokenizer, group_id=f"g{k}"))
-    return streams
-
-
-def interleaved(streams: Sequence[Sequence[EpisodeEvent]]) -> st.SearchStrategy[list[EpisodeEvent]]:
-    """Random interleavings of ``streams`` that keep every episode's own order."""
-    return st.randoms(use_true_random=False).map(lambda rng: interleave(streams, rng))

@@ -1,0 +1,97 @@
+"""Draining a run: stop the actors, let the replayer fold every event and the learner train every
+sample, stop the learner (its final step, checkpoint and push), wait until the engines serve that push."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import structlog
+from nats.js.errors import NotFoundError
+
+from actors.client import SGLangClient
+from protocol.subjects import EVENTS, SAMPLES, learner_durable, replayer_durable
+from services.run.context import RunContext
+from services.run.supervisor import restart_crashed
+
+__all__ = ["MAX_RESTARTS", "drain", "watch"]
+
+log = structlog.get_logger(__name__)
+MAX_RESTARTS = 3
+
+
+async def watch(ctx: RunContext) -> None:
+    """Restart services that crashed (never one stopped on purpose); the log makes a restart safe."""
+    for name in await restart_crashed(ctx.services.values(), max_restarts=MAX_RESTARTS):
+        restarts = ctx.services[name].restarts
+        ctx.console.print(f"[yellow]{name} exited; restarting ({restarts}/{MAX_RESTARTS})[/yellow]")
+
+
+async def _consumer_state(ctx: RunContext, stream: str, durable: str) -> tuple[int, int, int] | None:
+    """(pending, ack pending, last delivered seq) of a durable; None before its service created it."""
+    try:
+        info = await ctx.jetstream.consumer_info(stream, durable)
+    except NotFoundError:
+        return None
+    return int(info.num_pending or 0), int(info.num_ack_pending or 0), int(info.delivered.stream_seq or 0)
+
+
+async def _wait_until(
+    ctx: RunContext, what: str, check: Callable[[], Awaitable[bool]], timeout_s: float
+) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not ctx.stop.is_set():
+        await watch(ctx)
+        if await check():
+            return True
+        await asyncio.sleep(1.0)
+    if not ctx.stop.is_set():
+        log.warning("run.drain.timeout", waiting_for=what, timeout_s=timeout_s)
+        ctx.console.print(f"[yellow]gave up waiting for {what} after {timeout_s:.0f}s[/yellow]")
+    return False
+
+
+async def drain(ctx: RunContext, read_learner: Callable[[], None]) -> None:
+    """Stop actors, let the replayer fold everything and the learner train everything, then stop them.
+    ``read_learner`` refreshes the learner's progress (its consumed sample sequence) from its log."""
+    progress, cfg = ctx.progress, ctx.config
+    assert progress is not None
+    ctx.stage = "draining"
+    for name in [n for n in ctx.services if n.startswith("actor")]:
+        await ctx.services[name].stop(grace_s=60)
+    replayer = replayer_durable(cfg.run_id, cfg.materializer)
+
+    async def replayer_done() -> bool:
+        state = await _consumer_state(ctx, EVENTS.name, replayer)
+        return state is not None and state[0] == 0 and state[1] == 0
+
+    await _wait_until(ctx, "the replayer to fold every event", replayer_done, 180)
+    if "learner" in ctx.services:
+        learner = learner_durable(cfg.run_id, cfg.learner.durable)
+
+        async def learner_done() -> bool:
+            read_learner()
+            state = await _consumer_state(ctx, SAMPLES.name, learner)
+            return state is not None and state[0] == 0 and progress.learner_samples_seq >= state[2]
+
+        await _wait_until(ctx, "the learner to train every sample", learner_done, 300)
+        await ctx.services["learner"].stop(grace_s=180)  # final step, checkpoint and push
+        read_learner()
+        await _wait_weights_served(ctx)
+    for name in ("weight-sync", "replayer"):
+        if name in ctx.services:
+            await ctx.services[name].stop(grace_s=60)
+
+
+async def _wait_weights_served(ctx: RunContext) -> None:
+    progress = ctx.progress
+    assert progress is not None
+    await asyncio.sleep(1.0)  # the final WeightsPublished reaches the follower
+    async with SGLangClient(ctx.engine_urls) as engine:
+
+        async def served() -> bool:
+            want = progress.weights_version
+            return want == "default" or await engine.weight_version() == want
+
+        await _wait_until(ctx, f"the inference server to serve {progress.weights_version}", served, 180)

@@ -1,0 +1,136 @@
+"""Starting a run: the run directory (configs, identity), NATS, the inference server, then the services.
+
+A run directory is bound to what produced its log: the model, the environment and the materializer
+(:meth:`RunConfig.identity`, saved in ``identity.json`` on the first start). Resuming it with any of
+them changed would mix two runs in one log and one checkpoint, so it is refused with one line naming
+the difference and the way out (another ``--run-id``, or ``--fresh`` to start this one over).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from contextlib import AsyncExitStack
+from typing import Any
+
+import structlog
+import tomli_w
+
+from learner.model_io import resolve_model
+from protocol.config import ConfigError, dump_config
+from services.bus import NatsOptions, connect, ensure_streams
+from services.bus.nats_server import EmbeddedNats, free_port
+from services.config import tomlable
+from services.run.context import RunContext
+from services.run.supervisor import wait_http_ok
+
+__all__ = ["check_identity", "prepare_run_dir", "start_infra", "start_pipeline"]
+
+log = structlog.get_logger(__name__)
+IDENTITY = "identity.json"
+
+
+def check_identity(ctx: RunContext, *, fresh: bool) -> None:
+    """Refuse to resume a run directory made by another model, environment or materializer; ``fresh``
+    deletes the directory (its embedded log, checkpoints, weights, evaluations) first."""
+    run_dir, want = ctx.run_dir, ctx.config.identity()
+    if fresh and run_dir.exists():
+        ctx.console.print(f"--fresh: deleting {run_dir}")
+        shutil.rmtree(run_dir)
+    path = run_dir / IDENTITY
+    if path.is_file():
+        have = json.loads(path.read_text(encoding="utf-8"))
+        diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
+        if diff:
+            what = "; ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            raise ConfigError(
+                f"run directory {run_dir} belongs to another run ({what}): "
+                "use another --run-id, or --fresh to delete it and start over"
+            )
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(want, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def prepare_run_dir(ctx: RunContext) -> None:
+    """Write ``config.toml`` and each service's own config file under ``config/``."""
+    cfg, conf = ctx.config, ctx.run_dir / "config"
+    (ctx.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    conf.mkdir(exist_ok=True)
+    (ctx.run_dir / "config.toml").write_text(tomli_w.dumps(tomlable(dump_config(cfg))), encoding="utf-8")
+    # The offline rebuild must fold with the replayer's materializer options, or the datasets differ.
+    replay = {"materializer": cfg.materializer, "model": cfg.model, "options": cfg.replayer.options}
+    tables: dict[str, Any] = {
+        "actor": dump_config(cfg.actor),
+        "replayer": dump_config(cfg.replayer),
+        "learner": dump_config(cfg.learner),
+        "replay": replay,
+    }
+    for name, table in tables.items():
+        (conf / f"{name}.toml").write_text(tomli_w.dumps(tomlable(table)), encoding="utf-8")
+
+
+async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
+    """NATS (embedded unless a URL is configured), the model, the inference server, the streams."""
+    cfg = ctx.config
+    ctx.nats = NatsOptions(url=cfg.services.nats_url)
+    if not ctx.nats.url:
+        server = EmbeddedNats(ctx.run_dir / "nats", log_file=ctx.run_dir / "logs" / "nats.log").start()
+        stack.callback(server.stop)
+        ctx.nats_server, ctx.nats = server, NatsOptions(url=server.url)
+    ctx.console.print(f"nats: {ctx.nats_server.url if ctx.nats_server else 'external'}; model {cfg.model!r}")
+    ctx.model_dir = await asyncio.to_thread(resolve_model, cfg.model)
+    ctx.engine_urls = list(cfg.services.engines)
+    if not ctx.engine_urls:
+        port = free_port()
+        inference = ctx.service(
+            "inference",
+            [
+                "inference",
+                *("--model", str(ctx.model_dir), "--port", str(port)),
+                *("--max-batch", str(cfg.services.inference_max_batch)),
+                *("--threads", str(cfg.services.inference_threads)),
+            ],
+        )
+        await inference.start()
+        stack.push_async_callback(inference.stop)
+        ctx.engine_urls = [f"http://127.0.0.1:{port}"]
+        await wait_http_ok(f"{ctx.engine_urls[0]}/health", inference)
+    nc = await connect(ctx.nats, name=f"leafe-run-{cfg.run_id}")
+    stack.push_async_callback(nc.drain)
+    ctx.js = nc.jetstream()
+    await ensure_streams(ctx.js, replicas=ctx.nats.stream_replicas)
+
+
+def _nats_args(ctx: RunContext) -> list[str]:
+    return ["--nats", ctx.nats.url, "--run", ctx.config.run_id]
+
+
+async def start_pipeline(ctx: RunContext) -> None:
+    """The replayer, the learner and weight sync (unless disabled), then the actors."""
+    cfg, conf = ctx.config, ctx.run_dir / "config"
+    model = str(ctx.model_dir)
+    await ctx.service(
+        "replayer", ["replayer", *_nats_args(ctx), "--model", model, "--config", str(conf / "replayer.toml")]
+    ).start()
+    if cfg.services.learner:
+        learner = [
+            "learner",
+            *_nats_args(ctx),
+            *("--model", model, "--store", str(ctx.run_dir / "weights")),
+            *("--checkpoint-dir", str(ctx.run_dir / "learner"), "--preset", cfg.learner_preset),
+            *("--config", str(conf / "learner.toml")),
+        ]
+        threads = {"OMP_NUM_THREADS": str(cfg.services.learner_threads)}
+        await ctx.service("learner", learner, env=threads).start()
+        servers = [a for url in ctx.engine_urls for a in ("--server", url)]
+        await ctx.service("weight-sync", ["weight-sync", *_nats_args(ctx), *servers]).start()
+    for i in range(cfg.services.actors):
+        actor = [
+            "actor",
+            *_nats_args(ctx),
+            *("--engine", ",".join(ctx.engine_urls), "--model", model, "--config", str(conf / "actor.toml")),
+            *("--concurrency", str(cfg.services.actor_concurrency), "--actor-id", f"{cfg.run_id}-actor-{i}"),
+        ]
+        await ctx.service(f"actor-{i}", actor).start()

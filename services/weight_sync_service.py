@@ -1,0 +1,282 @@
+"""Weight sync: make every inference server serve the latest published weight version.
+
+A reconciler, not a relay: the desired state is the newest ``WeightsPublished`` on
+``leafe.<run>.weights`` (read with ``get_last_msg`` on start, then pushed by a subscription); each
+server's actual state is its ``/model_info`` ``weight_version``. Whenever they differ the server gets
+``POST /update_weights_from_disk {"model_path": uri, "weight_version": version}`` (actors/client.py's
+``SGLangClient``), with backoff on failure. Servers are re-checked every ``reconcile_interval_s``, so a
+restarted server (back at ``default``) is brought up to date without a new push. Versions arriving
+faster than servers load are coalesced: only the newest is applied. Per-server results are logged
+(``weight_sync.server.updated`` / ``weight_sync.server.failed``) and returned by :meth:`WeightSync.sync`.
+When the export directory is visible here, its manifest is verified against the announced sha256 first
+and each server's version is recorded in ``<store>/.in_use/`` so the learner never prunes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import structlog
+from nats.js.errors import NotFoundError
+
+from protocol import WeightsPublished, decode_weights, weights_subject
+from protocol.codec import CODEC_HEADER, ProtocolError
+from protocol.subjects import WEIGHTS
+from services.bus import NatsOptions, connect, ensure_streams
+
+__all__ = ["SyncResult", "WeightSync", "WeightSyncConfig"]
+
+log = structlog.get_logger(__name__)
+
+
+class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Settings of the weight-sync loop."""
+
+    servers: list[str] = msgspec.field(default_factory=list)
+    """Base URLs of the inference servers (SGLang or ``leafe inference``)."""
+    reconcile_interval_s: float = 10.0
+    """Re-read every server's ``weight_version`` this often (catches restarted servers)."""
+    update_timeout_s: float = 600.0
+    """Timeout of one ``/update_weights_from_disk`` call."""
+    retry_backoff_s: float = 2.0
+    """First wait before retrying a failed server (doubles up to ``reconcile_interval_s``)."""
+    verify: Literal["manifest", "files", "off"] = "manifest"
+    """Before any server loads an export visible here: check its manifest's sha256 against the
+    announcement (``manifest``), also every file against the manifest (``files``), or nothing (``off``)."""
+
+
+class SyncResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One server's outcome for one version."""
+
+    url: str
+    version: str
+    success: bool
+    message: str
+    seconds: float
+    """Duration of the update call."""
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _newer(a: WeightsPublished, b: WeightsPublished | None) -> bool:
+    from learner.weight_store import version_index
+
+    if b is None:
+        return True
+    ia, ib = version_index(a.version), version_index(b.version)
+    if ia is None or ib is None:
+        return a.ts > b.ts
+    return ia > ib
+
+
+class WeightSync:
+    """Reconciles servers to the newest announced version (see the module docstring)."""
+
+    def __init__(self, cfg: WeightSyncConfig, *, run_id: str) -> None:
+        from actors.client import SGLangClient
+
+        if not cfg.servers:
+            raise ValueError("weight-sync needs at least one --server URL")
+        self.cfg = cfg
+        self.run_id = run_id
+        self.clients = {u.rstrip("/"): SGLangClient([u], retries=1) for u in cfg.servers}
+        self.desired: WeightsPublished | None = None
+        self.served: dict[str, str] = {}
+        self.retry_at: dict[str, float] = {}
+        self.failures: dict[str, int] = {}
+        self.results: dict[str, SyncResult] = {}
+        self._wake = asyncio.Event()
+
+    def offer(self, event: WeightsPublished) -> None:
+        """A new announcement: becomes the desired state if it is newer."""
+        if _newer(event, self.desired):
+            self.desired = event
+            self._wake.set()
+            log.info(
+                "weight_sync.version.announced", version=event.version, uri=event.uri, step=event.learner_step
+            )
+
+    async def close(self) -> None:
+        """Close the HTTP sessions."""
+        for c in self.clients.values():
+            await c.close()
+
+    async def _actual(self, url: str) -> str | None:
+        from actors.engine import EngineError
+
+        try:
+            return await self.clients[url].weight_version()
+        except EngineError as e:
+            log.warning("weight_sync.server.unreachable", url=url, error=str(e))
+            return None
+
+    async def _verified(self, event: WeightsPublished) -> bool:
+        """The export is the announced one: its ``manifest.json`` has the announced sha256 (cheap; the
+        export appears atomically, so a matching manifest means a complete directory). With
+        ``verify = "files"`` every file is hashed too (our CPU server does that itself on load)."""
+        from learner.model_io import ManifestError, verify_manifest
+
+        path = Path(event.uri)
+        if self.cfg.verify == "off" or not await asyncio.to_thread(path.is_dir):
+            return True
+        try:
+            if self.cfg.verify == "files":
+                await asyncio.to_thread(verify_manifest, path, event.manifest_sha256 or None)
+            elif event.manifest_sha256:
+                digest = await asyncio.to_thread(_sha256, path / "manifest.json")
+                if digest != event.manifest_sha256:
+                    raise ManifestError(
+                        f"{path}/manifest.json: sha256 {digest} != announced {event.manifest_sha256}"
+                    )
+        except (ManifestError, FileNotFoundError) as e:
+            log.error("weight_sync.version.corrupt", version=event.version, uri=event.uri, error=str(e))
+            return False
+        return True
+
+    async def _update(self, url: str, event: WeightsPublished) -> SyncResult:
+        t0 = time.perf_counter()
+        [r] = await self.clients[url].update_weights_from_disk(
+            event.uri, event.version, timeout_s=self.cfg.update_timeout_s
+        )
+        res = SyncResult(
+            url=url,
+            version=event.version,
+            success=r.success,
+            message=r.message,
+            seconds=time.perf_counter() - t0,
+        )
+        self.results[url] = res
+        if res.success:
+            self.served[url] = event.version
+            self.retry_at.pop(url, None)
+            self.failures.pop(url, None)
+            self._mark_in_use(url, event)
+            since = round(time.time() - event.ts, 3) if event.ts else None
+            log.info(
+                "weight_sync.server.updated",
+                url=url,
+                version=event.version,
+                seconds=round(res.seconds, 3),
+                since_publish_s=since,
+            )
+        else:
+            n = self.failures[url] = self.failures.get(url, 0) + 1
+            backoff = min(self.cfg.reconcile_interval_s, self.cfg.retry_backoff_s * 2 ** min(n - 1, 10))
+            self.retry_at[url] = time.monotonic() + backoff
+            log.warning(
+                "weight_sync.server.failed",
+                url=url,
+                version=event.version,
+                message=r.message,
+                retry_in_s=backoff,
+            )
+        return res
+
+    def _mark_in_use(self, url: str, event: WeightsPublished) -> None:
+        from learner.weight_store import mark_in_use
+
+        store = Path(event.uri).parent
+        if store.is_dir() and os.access(store, os.W_OK):
+            mark_in_use(store, url, event.version)
+
+    async def sync(self, *, refresh: bool = False) -> dict[str, SyncResult]:
+        """Bring every server to the desired version now; returns this round's per-server results."""
+        event = self.desired
+        if event is None or not await self._verified(event):
+            return {}
+
+        async def one(url: str) -> SyncResult | None:
+            if time.monotonic() < self.retry_at.get(url, 0.0):
+                return None
+            if refresh or url not in self.served:
+                actual = await self._actual(url)
+                if actual is None:
+                    return None
+                self.served[url] = actual
+            if self.served[url] == event.version:
+                return None
+            return await self._update(url, event)
+
+        done = await asyncio.gather(*(one(u) for u in self.clients))
+        return {r.url: r for r in done if r is not None}
+
+    def report(self) -> dict[str, str]:
+        """Each server's known version (``unknown``: never answered), logged as ``weight_sync.report``."""
+        state = {u: self.served.get(u, "unknown") for u in self.clients}
+        desired = self.desired.version if self.desired else None
+        log.info("weight_sync.report", desired=desired, servers=state, converged=self.converged())
+        return state
+
+    def converged(self) -> bool:
+        """Every server is known to serve the desired version."""
+        d = self.desired
+        return d is not None and all(self.served.get(u) == d.version for u in self.clients)
+
+    async def run(self, nats: NatsOptions | str, stop: asyncio.Event, *, once: bool = False) -> bool:
+        """Follow announcements until ``stop``; with ``once``, one round for the latest version.
+
+        Returns True when every server serves the desired version at exit.
+        """
+        opts = NatsOptions(url=nats) if isinstance(nats, str) else nats
+        async with AsyncExitStack() as stack:
+            nc = await connect(opts, name=f"weight-sync-{self.run_id}")
+            stack.push_async_callback(nc.close)
+            stack.push_async_callback(self.close)
+            js = nc.jetstream()
+            await ensure_streams(js, replicas=opts.stream_replicas)
+            latest = await _latest(js, self.run_id)
+            if latest is not None:
+                self.offer(latest)
+            if once:
+                await self.sync(refresh=True)
+                self.report()
+                return self.converged()
+            sub = await nc.subscribe(weights_subject(self.run_id), cb=self._on_msg)
+            stack.push_async_callback(sub.unsubscribe)
+            last_refresh = time.monotonic()
+            while not stop.is_set():
+                refresh = time.monotonic() - last_refresh >= self.cfg.reconcile_interval_s
+                if refresh:
+                    last_refresh = time.monotonic()
+                await self.sync(refresh=refresh)
+                self._wake.clear()
+                waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stop.wait())]
+                await asyncio.wait(waits, timeout=self._next_wait(), return_when=asyncio.FIRST_COMPLETED)
+                for w in waits:
+                    w.cancel()
+        return self.converged()
+
+    def _next_wait(self) -> float:
+        now = time.monotonic()
+        pending = [t - now for t in self.retry_at.values()]
+        return max(0.05, min([self.cfg.reconcile_interval_s, *pending]))
+
+    async def _on_msg(self, msg: object) -> None:
+        data = getattr(msg, "data", b"")
+        headers = getattr(msg, "headers", None) or {}
+        try:
+            self.offer(decode_weights(data, headers.get(CODEC_HEADER)))
+        except ProtocolError as e:
+            log.warning("weight_sync.announcement.undecodable", error=str(e))
+
+
+async def _latest(js: object, run_id: str) -> WeightsPublished | None:
+    try:
+        raw = await js.get_last_msg(WEIGHTS.name, weights_subject(run_id))  # type: ignore[attr-defined]
+    except NotFoundError:
+        return None
+    headers = raw.headers or {}
+    try:
+        return decode_weights(raw.data, headers.get(CODEC_HEADER))
+    except ProtocolError as e:
+        log.warning("weight_sync.announcement.undecodable", error=str(e))
+        return None

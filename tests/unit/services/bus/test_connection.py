@@ -1,0 +1,56 @@
+"""NATS options (services/bus/connection.py): flags default to the environment, bad combinations are
+refused, credentials never reach a log line."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.bus.connection import NatsOptions, add_nats_arguments, nats_options, redact
+
+
+def _parse(argv: list[str]) -> NatsOptions:
+    p = argparse.ArgumentParser()
+    add_nats_arguments(p)
+    return nats_options(p.parse_args(argv))
+
+
+def test_flags_default_to_the_environment_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every option reads its LEAFE_NATS_* variable (paths only); a flag overrides it."""
+    monkeypatch.setenv("LEAFE_NATS_URL", "nats://a:4222")
+    monkeypatch.setenv("LEAFE_NATS_NKEY", "/run/secrets/actor.nk")
+    monkeypatch.setenv("LEAFE_NATS_TLS_CA", "/run/secrets/ca.crt")
+    opts = _parse([])
+    assert (opts.url, opts.nkey, opts.tls_ca) == (
+        "nats://a:4222",
+        "/run/secrets/actor.nk",
+        "/run/secrets/ca.crt",
+    )
+    assert _parse(["--nats", "nats://b:4222", "--stream-replicas", "3"]).url == "nats://b:4222"
+    assert _parse(["--stream-replicas", "3"]).stream_replicas == 3
+
+
+def test_incomplete_pairs_and_bad_replicas_are_refused() -> None:
+    """A cert without its key, a user without a password file, or 0 replicas name the problem."""
+    with pytest.raises(ValueError, match="tls_cert and tls_key"):
+        NatsOptions(url="nats://x", tls_cert="c.pem")
+    with pytest.raises(ValueError, match="user and password_file"):
+        NatsOptions(url="nats://x", user="actor")
+    with pytest.raises(ValueError, match="stream_replicas = 0"):
+        NatsOptions(stream_replicas=0)
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("nats://alice:s3cret@nats-0:4222", "nats://***@nats-0:4222"),
+        ("nats://tok3n@nats-0", "nats://***@nats-0"),
+        ("nats://n1:4222,tls://u:p@n2:4222", "nats://n1:4222,tls://***@n2:4222"),
+        ("nats://127.0.0.1:4222", "nats://127.0.0.1:4222"),
+    ],
+)
+def test_redact_hides_user_info(url: str, shown: str) -> None:
+    """User, password and token never survive redaction; URLs without them are unchanged."""
+    assert redact(url) == shown
+    assert "s3cret" not in redact(url) and "tok3n" not in redact(url)

@@ -1,0 +1,53 @@
+"""``leafe run``'s config (services/run/presets.py): typed sections validated before anything starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from actors.config import ActorServiceConfig
+from learner.config import LearnerConfig
+from services.config import ConfigError
+from services.run.presets import PRESETS, RunConfig, resolve_run_config
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_resolves_and_owns_its_run_id(name: str) -> None:
+    """Each preset is a valid RunConfig whose run id is its own name (presets never share a run dir)."""
+    cfg = resolve_run_config(name)
+    assert isinstance(cfg, RunConfig) and cfg.run_id == name
+    assert isinstance(cfg.actor, ActorServiceConfig) and isinstance(cfg.learner, LearnerConfig)
+    assert cfg.replayer.materializer == cfg.materializer and cfg.replayer.model == cfg.model
+
+
+def test_service_sections_are_typed_and_validated_up_front(tmp_path: Path) -> None:
+    """A typo inside [actor], [replayer] or [learner] is an error naming it, at load time."""
+    for table in ("actor", "replayer", "learner"):
+        path = tmp_path / f"{table}.toml"
+        path.write_text(f"[{table}]\nno_such_field = 1\n")
+        with pytest.raises(ConfigError, match="no_such_field"):
+            resolve_run_config("tiny", files=[path])
+    with pytest.raises(ConfigError, match="in_progress_interval_s"):
+        resolve_run_config("tiny", overrides={"actor.ack_wait_s": 1.0})
+
+
+def test_learner_section_starts_from_its_preset_and_the_durable_is_used() -> None:
+    """[learner] fields override the ``learner_preset``'s trainer settings, the rest stays the preset's."""
+    cfg = resolve_run_config("default", overrides={"learner_preset": "paper", "learner.durable": "lrn-x"})
+    assert cfg.learner.trainer.optim.lr == 1e-6  # paper
+    assert cfg.learner.trainer.batch.global_batch == 16  # the default preset's own override
+    assert cfg.learner.durable == "lrn-x"
+
+
+def test_materializer_and_learner_kinds_must_agree() -> None:
+    """A GRPO run whose learner trains cf/reh would train nothing: refused with the way out; the
+    replayer cannot be given another materializer than the run's."""
+    with pytest.raises(ConfigError, match=r"learner\.kinds.*set \[learner\] kinds"):
+        resolve_run_config("tiny", overrides={"materializer": "grpo"})
+    ok = resolve_run_config("tiny", overrides={"materializer": "grpo", "learner.kinds": ["grpo"]})
+    assert ok.replayer.materializer == "grpo"
+    with pytest.raises(ConfigError, match=r"replayer\.materializer"):
+        resolve_run_config("tiny", overrides={"replayer.materializer": "rft"})
+    with pytest.raises(ConfigError, match="unknown preset 'huge'"):
+        resolve_run_config("huge")

@@ -6,9 +6,10 @@
 
 ``--nats`` defaults to ``$LEAFE_NATS_URL`` (credentials: ``--creds`` or ``$LEAFE_NATS_CREDS``).
 Import verifies the whole file before it publishes anything: a damaged file is refused (exit 1) unless
-``--partial`` is given, which publishes the records before the first damage and says how many. Every
-error is one line on stderr naming the file and, for damage, the byte offset; ``--debug`` raises it
-with its traceback instead.
+``--partial`` is given, which publishes the records before the first damage, says how many and where
+the damage starts (on stderr), and exits 0. Every error is one line on stderr naming the file and, for
+damage, the byte offset; ``--debug`` raises it with its traceback instead.
+
 The file format is ``services/eventlog/fileformat.py``; export and import ``services/eventlog/transfer.py``;
 the summary ``services/eventlog/inspect.py``.
 """
@@ -93,10 +94,11 @@ def _import(args: argparse.Namespace) -> int:
         _with_js(args, lambda js: import_log(js, args.inp, run_id=args.run, partial=args.partial))
     )
     if stats.damage is not None:
+        n = stats.records
+        kept = f"{n} records (frames 1..{n}, the first {stats.bytes} bytes)" if n else "no records"
         print(f"leafe log import: --partial: {stats.damage}", file=sys.stderr)
         print(
-            f"imported the good prefix of {args.inp}: {stats.records} records (frames 1..{stats.records}, "
-            f"bytes 0..{stats.bytes - 1}, stopping at byte {stats.bytes}): ",
+            f"imported the good prefix of {args.inp}, {kept}, before the damage at byte {stats.bytes}: ",
             end="",
         )
     else:

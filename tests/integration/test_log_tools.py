@@ -245,8 +245,10 @@ def damaged_log(path: Path, run_id: str, *, bad_record: int) -> tuple[list[Episo
 
 
 async def stored(url: str, run_id: str) -> list[LogRecord]:
+    """What the stream holds for ``run_id`` (the stream is created if no test made it yet)."""
     nc = await connect(url)
     try:
+        await ensure_streams(nc.jetstream())
         return [r async for r in iter_stream_records(nc.jetstream(), run_id)]
     finally:
         await nc.close()
@@ -298,6 +300,7 @@ def test_import_of_an_intact_file_works_and_a_cut_one_does_not(
     async def go() -> list[LogRecord]:
         nc = await connect(nats_url)
         try:
+            await ensure_streams(nc.jetstream())
             with pytest.raises(LogFileError, match="no trailer"):
                 await import_log(nc.jetstream(), cut_path)
             assert [r async for r in iter_stream_records(nc.jetstream(), run_id)] == []

@@ -2,8 +2,9 @@
 
     .venv/bin/python bench/replay.py            # 1M-event fold, 200k with the real tokenizer, 100k service
     .venv/bin/python bench/replay.py --quick    # 200k / 20k / 20k
+    .venv/bin/python bench/replay.py --only reader [--quick]   # just the log file reader (seconds)
 
-The log is synthetic but shaped like real runs: explore trees from ``tests/property/episode_strategies``
+The log is synthetic but shaped like real runs: explore trees from ``actors/fake_episodes``
 (breadth-first branches after periodic and failure reflections, experience in context, unparsable
 completions, truncated/abandoned episodes) plus GRPO groups of 8 rollouts, interleaved across episodes in
 windows. It is generated chunk by chunk and only the fold is timed, so memory stays flat.
@@ -15,8 +16,11 @@ i.e. the unavoidable cost of reading the log):
 - ``fold_fake_tok_noverify``, ``fold_grpo``, ``fold_rft``: the same with verification off / other folds;
 - ``fold_real_tok``: ``leafe`` with SmolLM2's tokenizer (the tiny model's), where tokenization dominates;
 - ``service``: events published to an embedded nats-server, then ``Replayer`` (fake tokenizer) from
-  start until every event is acked -> end-to-end events/s and samples/s including NATS.
-Results go to ``bench/results/replay.json``.
+  start until every event is acked -> end-to-end events/s and samples/s including NATS;
+- ``reader``: the first 200k events (50k with ``--quick``) written as a ``.leafelog`` file, whose records
+  are then read back with verification (CRC32C per frame, sha256 of the whole file) and without, in
+  alternating rounds over the same file -> MB/s of each and their ratio (the price of verification).
+Results go to ``bench/results/replay.json`` (``--only reader`` updates just its entry).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from learner.materializers import make_materializer
 from protocol.codec import decode_event, encode
 from protocol.events import EpisodeEvent, EpisodeFinished
 from protocol.prompt import ChatTokenizer
+from services.eventlog.fileformat import iter_log_records, write_events
 
 RUN = "bench"
 
@@ -185,13 +190,76 @@ async def time_service(n_events: int, tokenizer: ChatTokenizer) -> dict[str, Any
     }
 
 
+def time_reader(chunks: Iterator[list[EpisodeEvent]], *, rounds: int = 10) -> dict[str, Any]:
+    """Write the events as a log file, then read its records back verified and unverified, alternating.
+
+    Each round reads the whole file once each way (the order alternates, so neither always runs on a warm
+    page cache after the other). On a shared machine the fastest round is the least disturbed one, so
+    rates and the headline ratio come from each side's best round; the ratio of the medians is kept too.
+    """
+    events = [e for chunk in chunks for e in chunk]  # generated first: only the write is timed
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "bench.leafelog"
+        t0 = time.perf_counter()
+        records = write_events(path, events, run_id=RUN)
+        write_s = time.perf_counter() - t0
+        del events
+        size = path.stat().st_size
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for k in range(rounds):
+            for verify in (True, False) if k % 2 == 0 else (False, True):
+                t0 = time.perf_counter()
+                n = sum(1 for _ in iter_log_records(path, verify=verify))
+                times[verify].append(time.perf_counter() - t0)
+                assert n == records, (n, records)
+    mb = size / 1e6
+    verified, unverified = min(times[True]), min(times[False])
+    median = {v: sorted(t)[len(t) // 2] for v, t in times.items()}
+    return {
+        "records": records,
+        "file_mb": round(mb, 1),
+        "bytes_per_record": round(size / records),
+        "write_mb_per_s": round(mb / write_s, 1),
+        "read_verified_mb_per_s": round(mb / verified, 1),
+        "read_unverified_mb_per_s": round(mb / unverified, 1),
+        "read_verified_records_per_s": round(records / verified),
+        "verified_over_unverified": round(unverified / verified, 3),
+        "verified_over_unverified_median": round(median[False] / median[True], 3),
+        "rounds": rounds,
+    }
+
+
+def report_reader(r: dict[str, Any]) -> None:
+    print(
+        f"{'reader (.leafelog)':24s} verified {r['read_verified_mb_per_s']:,} MB/s  unverified "
+        f"{r['read_unverified_mb_per_s']:,} MB/s  x{r['verified_over_unverified']:.3f} "
+        f"(medians x{r['verified_over_unverified_median']:.3f})  "
+        f"({r['records']} records, {r['file_mb']} MB, {r['bytes_per_record']} B/record; "
+        f"write {r['write_mb_per_s']:,} MB/s)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller logs (a minute or two)")
+    p.add_argument("--only", choices=["reader"], default=None, help="run one figure, update its entry")
     args = p.parse_args(argv)
     from services.logsetup import configure_logging
 
     configure_logging(json=False, level="error")
+    n_reader = 50_000 if args.quick else 200_000
+    out = Path(__file__).resolve().parent / "results" / "replay.json"
+    if args.only == "reader":
+        results = json.loads(out.read_text()) if out.exists() else {}
+        results["reader"] = r = time_reader(
+            synthetic_chunks(n_reader, seed=11, tokenizer=ByteChatTokenizer())
+        )
+        r["measured_alone"] = True  # by --only reader: the other entries come from an earlier full run
+        report_reader(r)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+        print(f"saved {out}")
+        return 0
     n_fold, n_real, n_service = (200_000, 20_000, 20_000) if args.quick else (1_000_000, 200_000, 100_000)
     fake = ByteChatTokenizer()
     results: dict[str, Any] = {"quick": args.quick, "log": {"fold_events": n_fold}}
@@ -215,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             f"x{r['ratio_to_decode_baseline']:.3f} of decode ({r['baseline_decode_events_per_s']:,}/s)  "
             f"samples={r['samples']} mismatches={r['prompt_mismatches']}"
         )
+    results["reader"] = r = time_reader(synthetic_chunks(n_reader, seed=11, tokenizer=fake))
+    report_reader(r)
     del chunks
     from learner.model_io import HFChatTokenizer, tiny_model_dir
 

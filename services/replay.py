@@ -8,7 +8,10 @@ file written by ``leafe log export`` (``--run`` then filters). Events are folded
 same materializer the online replayer runs (``learner.materializers``); at the end of the log every
 still-open episode is closed as abandoned (no samples from branches without an Outcome). Undecodable
 records and events the fold rejects are counted and logged, never fatal. The dataset is written with
-``learner.dataset.write_dataset``: rebuilding the same log gives byte-identical shards.
+``learner.dataset.write_dataset``: rebuilding the same log gives byte-identical shards. A damaged or
+truncated log file (``services.eventlog.fileformat.LogFileError``, checked to its trailer) or one that
+cannot be opened fails the command with one line on stderr and no dataset written (``--debug``: the
+traceback); a partial dataset is never written from a damaged file.
 
 ``--config`` is a TOML file decoded into :class:`ReplayConfig`; flags override it. A rich progress bar
 shows events and samples on a terminal (``--no-progress`` hides it).
@@ -32,7 +35,7 @@ from protocol.events import EpisodeEvent
 from protocol.subjects import EVENTS, events_filter
 from services.bus import NatsOptions, add_nats_arguments, connect, nats_options, read_stream
 from services.config import load_config
-from services.eventlog.fileformat import iter_log_file
+from services.eventlog.fileformat import LogFileError, iter_log_file
 from services.logsetup import configure_logging
 
 __all__ = ["ReplayConfig", "file_events", "main", "resolve_config", "stream_event_count", "stream_events"]
@@ -62,7 +65,11 @@ def _decode(data: bytes, headers: dict[str, str] | None, where: str) -> EpisodeE
 
 
 def file_events(path: Path) -> Iterator[EpisodeEvent | None]:
-    """Events of a ``leafe log export`` file in log order (``None`` for an undecodable record)."""
+    """Events of a ``leafe log export`` file in log order (``None`` for an undecodable record).
+
+    Raises ``LogFileError`` (after the records before it) when the file is damaged or truncated, so the
+    iteration ending without an error is what proves the log was whole.
+    """
     for i, (subject, headers, data) in enumerate(iter_log_file(path)):
         yield _decode(data, headers, f"{path} record {i} ({subject})")
 
@@ -150,6 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--log-level", default="warning", help="log level (default warning)")
     add_nats_arguments(p)
+    p.add_argument("--debug", action="store_true", help="on a log file error, raise it with its traceback")
     return p
 
 
@@ -187,7 +195,13 @@ def main(argv: list[str]) -> int:
         nats = msgspec.structs.replace(nats, url=args.source)
         result = asyncio.run(_fold_stream(nats, args.run, folder, progress))
     else:
-        result = _fold_file(Path(args.source), folder, progress)
+        try:
+            result = _fold_file(Path(args.source), folder, progress)
+        except (LogFileError, OSError) as e:
+            if args.debug:
+                raise
+            print(f"leafe replay: {e}", file=sys.stderr)  # nothing written: the dataset would be partial
+            return 1
     manifest = write_folded(result, fold, args.out, run_id=args.run, shard_size=config.shard_size)
     counts = ", ".join(f"{k}={v}" for k, v in manifest.counts_by_kind.items()) or "none"
     print(

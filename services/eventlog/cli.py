@@ -5,6 +5,11 @@
     leafe log inspect --file run.leafelog [--episode ID] [--json] # or --nats URL --run RUN
 
 ``--nats`` defaults to ``$LEAFE_NATS_URL`` (credentials: ``--creds`` or ``$LEAFE_NATS_CREDS``).
+Import verifies the whole file before it publishes anything: a damaged file is refused (exit 1) unless
+``--partial`` is given, which publishes the records before the first damage, says how many and where
+the damage starts (on stderr), and exits 0. Every error is one line on stderr naming the file and, for
+damage, the byte offset; ``--debug`` raises it with its traceback instead.
+
 The file format is ``services/eventlog/fileformat.py``; export and import ``services/eventlog/transfer.py``;
 the summary ``services/eventlog/inspect.py``.
 """
@@ -20,10 +25,11 @@ from typing import TypeVar
 
 from nats.js import JetStreamContext
 
-from services.bus import add_nats_arguments, connect, nats_options
-from services.eventlog.fileformat import iter_log_records
+from protocol.codec import ProtocolError
+from services.bus import PublishError, add_nats_arguments, connect, nats_options
+from services.eventlog.fileformat import LogFileError, iter_log_records
 from services.eventlog.inspect import render, summarize, summarize_stream
-from services.eventlog.transfer import export_run, import_log, iter_stream_records
+from services.eventlog.transfer import ImportStats, export_run, import_log, iter_stream_records
 from services.logsetup import configure_logging
 
 __all__ = ["main"]
@@ -55,11 +61,15 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--log-level", default="warning", help="log level (default warning)")
         add_nats_arguments(p)
+        p.add_argument("--debug", action="store_true", help="on an error, raise it with its traceback")
     exp, imp, ins = (sub.choices[n] for n in ("export", "import", "inspect"))
     exp.add_argument("--run", required=True, help="run id to export")
     exp.add_argument("--out", type=Path, required=True, help="output file (.gz to compress)")
     imp.add_argument("--in", dest="inp", type=Path, required=True, help="log file to import")
     imp.add_argument("--run", default=None, help="import under this run id instead of the original")
+    imp.add_argument(
+        "--partial", action="store_true", help="publish the records before a damaged frame (default: none)"
+    )
     src = ins.add_mutually_exclusive_group(required=True)
     src.add_argument("--file", type=Path, help="log file to inspect")
     src.add_argument("--run", help="run id to inspect on the server (needs --nats)")
@@ -69,19 +79,32 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str]) -> int:
-    """Entry point of ``leafe log``."""
-    args = _parser().parse_args(argv)
-    configure_logging(json=False, level=args.log_level)
-    if args.command == "export":
-        n = asyncio.run(_with_js(args, lambda js: export_run(js, args.run, args.out)))
-        print(f"exported {n} events of run {args.run} to {args.out}")
-        return 0
-    if args.command == "import":
-        stats = asyncio.run(_with_js(args, lambda js: import_log(js, args.inp, run_id=args.run)))
+def _one_line(e: BaseException) -> str:
+    """The error as one line: its message, with the type named when it is not one of ours or the OS's."""
+    ours = (LogFileError, ProtocolError, PublishError, OSError)
+    text = str(e) if isinstance(e, ours) else f"{type(e).__name__}: {e}"
+    return " ".join(text.split())
+
+
+def _import(args: argparse.Namespace) -> int:
+    stats: ImportStats = asyncio.run(
+        _with_js(args, lambda js: import_log(js, args.inp, run_id=args.run, partial=args.partial))
+    )
+    if stats.damage is not None:
+        n = stats.records
+        kept = f"{n} records (frames 1..{n}, the first {stats.bytes} bytes)" if n else "no records"
+        print(f"leafe log import: --partial: {stats.damage}", file=sys.stderr)
+        print(
+            f"imported the good prefix of {args.inp}, {kept}, before the damage at byte {stats.bytes}: ",
+            end="",
+        )
+    else:
         print(f"imported {stats.records} records from {args.inp}: ", end="")
-        print(f"{stats.stored} stored, {stats.duplicates} already there")
-        return 0
+    print(f"{stats.stored} stored, {stats.duplicates} already there")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
     if args.file is not None:
         result = summarize(iter_log_records(args.file), episode=args.episode)
     else:
@@ -96,3 +119,26 @@ def main(argv: list[str]) -> int:
         print(f"leafe log inspect: episode {args.episode!r} is not in the log", file=sys.stderr)
         return 1
     return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "export":
+        n = asyncio.run(_with_js(args, lambda js: export_run(js, args.run, args.out)))
+        print(f"exported {n} events of run {args.run} to {args.out}")
+        return 0
+    if args.command == "import":
+        return _import(args)
+    return _inspect(args)
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``leafe log``; an error is one line on stderr and exit code 1 (``--debug``: raised)."""
+    args = _parser().parse_args(argv)
+    configure_logging(json=False, level=args.log_level)
+    try:
+        return _run(args)
+    except Exception as e:
+        if args.debug:
+            raise
+        print(f"leafe log {args.command}: {_one_line(e)}", file=sys.stderr)
+        return 1

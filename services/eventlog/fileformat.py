@@ -1,40 +1,62 @@
 """The ``.leafelog`` file format: a run's event log as a file (written by ``leafe log export``).
 
-Layout (gzip-compressed when the name ends in ``.gz``): the 8 magic bytes ``LEAFELOG``, then frames of a
-4-byte big-endian length and a msgpack body. The first frame is a :class:`LogHeader` (format and codec
-versions, stream, run); every other frame is a :class:`LogRecord` holding a message exactly as stored:
-subject, headers, payload bytes, stream sequence and time.
+Format 2 (gzip-compressed when the name ends in ``.gz``; offsets are then of the uncompressed stream)::
+
+    "LEAFELOG"                                   8 magic bytes
+    frame: length (4 bytes, big-endian) | body (msgpack) | CRC32C of length+body (4 bytes, big-endian)
+      frame 0      LogHeader   (a msgpack map)    format, codec version, stream, run
+      frames 1..n  LogRecord   (a msgpack array)  one stored message each, exactly as JetStream held it
+      frame n+1    LogTrailer  (a msgpack map)    n, and the sha256 of every byte before this frame
+    end of file
+
+Records are msgpack arrays and the trailer a map, so a reader tells them apart by the body's first
+byte. A reader checks every frame's CRC32C as it goes, then the trailer (record count, whole-file sha256) and
+that nothing follows it. Damage of any kind raises :class:`LogFileError` naming the byte offset and index
+of the first bad frame, so a file cut at a frame boundary, a flipped bit in a token id or appended
+garbage never reads as a shorter or different log. Format 1 (no checksums, no trailer; frames are just
+length and body) is still read, with an ``eventlog.file.unverified`` warning: its damage can go unseen.
 
 Why not JSONL: payloads are msgpack already, so they are kept byte-for-byte instead of base64-inflated by
-a third; the length prefixes let a reader stream a large log and tell a truncated file from a finished
-one; ``leafe log inspect`` is the readable view. Reading needs no server::
+a third; the header keeps format 1's framing so any version can read its ``format`` before knowing the
+frame layout; ``leafe log inspect`` is the readable view. Reading needs no server::
 
     for event in read_events("run.leafelog"): ...          # decoded EpisodeEvents, in stream order
+    check = LogFile("run.leafelog").check()                 # one pass: records verified, first damage
     write_events("fixture.leafelog", events, run_id="r1")  # a log file from events (tests, fixtures)
+
+Streaming readers yield records before the trailer is checked: a caller must not act irreversibly on
+them until the iteration has ended without an error (``leafe log import`` checks the whole file first).
 """
 
 from __future__ import annotations
 
 import gzip
+import io
 import os
-import struct
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 import msgspec
+import structlog
 
 from protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, ProtocolError, decode_event, encode
 from protocol.events import EpisodeEvent
 from protocol.subjects import EVENTS, event_subject, events_filter
+from services.eventlog.framing import MAGIC, FrameReader, FrameWriter, LogFileError, open_log
 
 __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
+    "READABLE_FORMATS",
+    "LogCheck",
+    "LogFile",
     "LogFileError",
     "LogHeader",
     "LogRecord",
+    "LogTrailer",
     "LogWriter",
     "decode_record",
     "iter_log_file",
@@ -46,13 +68,12 @@ __all__ = [
     "write_events",
 ]
 
-MAGIC = b"LEAFELOG"
-FORMAT_VERSION = 1
-_LEN = struct.Struct(">I")
+FORMAT_VERSION = 2
+"""Format written by this code."""
+READABLE_FORMATS = (1, 2)
+"""Formats this code reads (1 without verification)."""
 
-
-class LogFileError(ValueError):
-    """An exported log file that is not one, is truncated, or has an unknown format version."""
+log = structlog.get_logger("services.eventlog")
 
 
 class LogHeader(msgspec.Struct, frozen=True, kw_only=True):
@@ -87,75 +108,174 @@ class LogRecord(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     """Unix time JetStream stored it."""
 
 
+class LogTrailer(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Last frame of a format-2 file: proof that the file ends where its writer ended it."""
+
+    records: int
+    """Record frames between the header and this trailer."""
+    sha256: str
+    """Hex sha256 of every byte before this frame (magic, header, records; uncompressed)."""
+
+
+@dataclass(frozen=True)
+class LogCheck:
+    """What one full verification pass found (:meth:`LogFile.check`)."""
+
+    format: int | None
+    """The header's format, ``None`` when the header itself is unreadable."""
+    records: int
+    """Records before the first damage that passed their checks: the good prefix (all when intact)."""
+    bytes: int
+    """Offset where the good prefix ends: the first bad frame's, or the file's (uncompressed) size."""
+    verified: bool
+    """Whether the file could be verified at all (format 2); format 1 has nothing to check."""
+    error: LogFileError | None
+    """The first damage, ``None`` when the file is intact."""
+
+
 _header_decoder = msgspec.msgpack.Decoder(LogHeader)
 _record_decoder = msgspec.msgpack.Decoder(LogRecord)
+_trailer_decoder = msgspec.msgpack.Decoder(LogTrailer)
 _encoder = msgspec.msgpack.Encoder()
 
 
-_GZIP_MAGIC = b"\x1f\x8b"
+def _is_map(body: memoryview) -> bool:
+    """Whether a msgpack body is a map (a trailer) rather than an array (a record): its first byte."""
+    return bool(body) and (body[0] & 0xF0 == 0x80 or body[0] in (0xDE, 0xDF))
 
 
-def _open_read(path: Path) -> IO[bytes]:
-    """Open for reading, gzip-compressed or not (told by the content, not the name)."""
-    with path.open("rb") as f:
-        gz = f.read(2) == _GZIP_MAGIC
-    return gzip.open(path, "rb") if gz else path.open("rb")  # type: ignore[return-value]
-
-
-def _read_frame(f: IO[bytes], path: Path, index: int) -> bytes | None:
-    prefix = f.read(_LEN.size)
-    if not prefix:
-        return None
-    if len(prefix) < _LEN.size:
-        raise LogFileError(f"{path}: truncated length prefix of frame {index}")
-    (size,) = _LEN.unpack(prefix)
-    body = f.read(size)
-    if len(body) != size:
-        raise LogFileError(f"{path}: frame {index} truncated ({len(body)} of {size} bytes)")
-    return body
-
-
-def _frames(path: Path) -> Iterator[bytes]:
-    with _open_read(Path(path)) as f:
-        if f.read(len(MAGIC)) != MAGIC:
-            raise LogFileError(f"{path}: not a LEAFE log file (missing {MAGIC!r} magic)")
-        index = 0
-        while (body := _read_frame(f, Path(path), index)) is not None:
-            yield body
-            index += 1
-
-
-def read_log_header(path: Path) -> LogHeader:
-    """The header of a log file; raises :class:`LogFileError`."""
-    for body in _frames(path):
-        return _decode_header(path, body)
-    raise LogFileError(f"{path}: no header frame")
-
-
-def _decode_header(path: Path, body: bytes) -> LogHeader:
+def _decode_header(reader: FrameReader, body: memoryview) -> LogHeader:
     try:
         header = _header_decoder.decode(body)
     except msgspec.MsgspecError as e:
-        raise LogFileError(f"{path}: bad header: {e}") from None
-    if header.format != FORMAT_VERSION:
-        raise LogFileError(
-            f"{path}: log format {header.format} is not supported (this code reads {FORMAT_VERSION})"
+        raise reader.error(f"bad header: {e}", frame=0) from None
+    if header.format not in READABLE_FORMATS:
+        raise reader.error(
+            f"log format {header.format} is not supported (this code reads formats 1 and 2)", frame=0
         )
     return header
 
 
-def iter_log_records(path: Path) -> Iterator[LogRecord]:
-    """Every record of a log file, in stream order; raises :class:`LogFileError` on a damaged file."""
-    frames = _frames(path)
-    first = next(frames, None)
-    if first is None:
-        raise LogFileError(f"{path}: no header frame")
-    _decode_header(path, first)
-    for index, body in enumerate(frames, start=1):
+def _check_trailer(reader: FrameReader, trailer: LogTrailer, records: int) -> None:
+    if trailer.records != records:
+        raise reader.error(
+            f"the trailer says {trailer.records} records, the file has {records}", frame=reader.index
+        )
+    if reader.verify and (digest := reader.digest_before()) != trailer.sha256:
+        raise reader.error(
+            f"sha256 of the bytes before the trailer is {digest[:16]}..., the trailer says "
+            f"{trailer.sha256[:16]}... (frames missing, repeated or reordered?)",
+            frame=reader.index,
+        )
+    reader.expect_end()
+
+
+class LogFile:
+    """A log file on disk: its header, its records (verified as they stream), a full check pass.
+
+    Opening reads nothing; each pass reads the file again, so nothing is held in memory. A format-1
+    file logs one ``eventlog.file.unverified`` warning per :class:`LogFile`.
+    """
+
+    def __init__(self, path: Path, *, verify: bool = True) -> None:
+        self.path = Path(path)
+        self.verify = verify
+        """Check checksums and the sha256 (``False`` only for benchmarks and salvage)."""
+        self._warned = False
+
+    def _open(self) -> tuple[io.BufferedIOBase, FrameReader, LogHeader]:
+        f, gz = open_log(self.path)
         try:
-            yield _record_decoder.decode(body)
-        except msgspec.MsgspecError as e:
-            raise LogFileError(f"{path}: bad record in frame {index}: {e}") from None
+            reader = FrameReader(f, self.path, compressed=gz, verify=self.verify)
+            reader.magic()
+            body = reader.next()
+            if body is None:
+                raise reader.error("no header frame (the file ends after the magic)", frame=0)
+            header = _decode_header(reader, body)
+            if header.format >= 2:
+                reader.check_crc()
+                reader.checksums = True
+            elif not self._warned:
+                self._warned = True
+                log.warning(
+                    "eventlog.file.unverified",
+                    path=str(self.path),
+                    format=header.format,
+                    detail=f"format {header.format} has no checksums and no trailer: damage may go unseen",
+                )
+            return f, reader, header
+        except BaseException:
+            f.close()
+            raise
+
+    @property
+    def header(self) -> LogHeader:
+        """The header frame (checked, as every read is)."""
+        f, _, header = self._open()
+        f.close()
+        return header
+
+    def _frames(self, reader: FrameReader, header: LogHeader) -> Iterator[LogRecord]:
+        records = 0
+        while (body := reader.next()) is not None:
+            trailer = _is_map(body) and header.format >= 2
+            try:
+                item = (_trailer_decoder if trailer else _record_decoder).decode(body)
+            except msgspec.MsgspecError as e:
+                what = "trailer" if trailer else "record"
+                raise reader.error(f"undecodable {what}: {e}", frame=reader.index) from None
+            if isinstance(item, LogTrailer):
+                _check_trailer(reader, item, records)
+                return
+            records += 1
+            yield item
+        if header.format >= 2:
+            raise reader.error(
+                f"the file ends after {records} records with no trailer (cut at a frame boundary?)",
+                frame=reader.index,
+            )
+
+    def records(self, *, limit: int | None = None) -> Iterator[LogRecord]:
+        """Every record in order, or the first ``limit``; raises :class:`LogFileError` at the first damage.
+
+        Without ``limit`` the end of the iteration is the proof the file is whole; with it, only the
+        frames read are checked (use it after :meth:`check` to read a verified prefix again).
+        """
+        if limit == 0:
+            return
+        f, reader, header = self._open()
+        with f:
+            for n, record in enumerate(self._frames(reader, header), start=1):
+                yield record
+                if n == limit:
+                    return
+
+    def check(self) -> LogCheck:
+        """Read the whole file once, verifying everything; the first damage is returned, not raised."""
+        records, fmt = 0, None
+        reader: FrameReader | None = None
+        try:
+            f, reader, header = self._open()
+            fmt = header.format
+            with f:
+                for _ in self._frames(reader, header):
+                    records += 1
+        except LogFileError as e:
+            good = e.offset if e.offset is not None else 0
+            return LogCheck(format=fmt, records=records, bytes=good, verified=(fmt or 0) >= 2, error=e)
+        return LogCheck(
+            format=fmt, records=records, bytes=reader.offset, verified=(fmt or 0) >= 2, error=None
+        )
+
+
+def read_log_header(path: Path) -> LogHeader:
+    """The header of a log file; raises :class:`LogFileError`."""
+    return LogFile(path).header
+
+
+def iter_log_records(path: Path, *, verify: bool = True) -> Iterator[LogRecord]:
+    """Every record of a log file, in stream order; raises :class:`LogFileError` on a damaged file."""
+    return LogFile(path, verify=verify).records()
 
 
 def iter_log_file(path: Path) -> Iterator[tuple[str, dict[str, str], bytes]]:
@@ -173,7 +293,8 @@ def read_events(path: Path, *, strict: bool = True) -> Iterator[EpisodeEvent]:
     """Decoded events of a log file, in stream order.
 
     An undecodable record raises :class:`ProtocolError` naming its subject and sequence; with
-    ``strict=False`` it is skipped instead (``inspect`` counts such records).
+    ``strict=False`` it is skipped instead (``inspect`` counts such records). A damaged file raises
+    :class:`LogFileError` either way.
     """
     for record in iter_log_records(path):
         try:
@@ -189,7 +310,11 @@ def run_filter(run_id: str) -> str:
 
 
 class LogWriter:
-    """Write a log file: ``with LogWriter(path, run_id=...) as w: w.write(record)``; atomic on success."""
+    """Write a log file: ``with LogWriter(path, run_id=...) as w: w.write(record)``; atomic on success.
+
+    Writes format 2: the trailer goes in when the ``with`` block ends without an exception, then the
+    temporary ``.part`` file is renamed into place; on an exception the partial file is removed.
+    """
 
     def __init__(self, path: Path, *, run_id: str) -> None:
         self.path = Path(path)
@@ -197,29 +322,31 @@ class LogWriter:
         self.count = 0
         self._tmp = self.path.with_name(self.path.name + ".part")
         self._file: IO[bytes] | None = None
+        self._frames: FrameWriter | None = None
 
     def __enter__(self) -> LogWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         gz = self.path.suffix == ".gz"
         f: IO[bytes] = gzip.open(self._tmp, "wb") if gz else self._tmp.open("wb")  # type: ignore[assignment]
-        f.write(MAGIC)
-        self._file = f
-        self._frame(_encoder.encode(self.header))
+        self._file, self._frames = f, FrameWriter(f)
+        self._frames.magic()
+        self._frames.frame(_encoder.encode(self.header))
         return self
-
-    def _frame(self, body: bytes) -> None:
-        assert self._file is not None, "use LogWriter as a context manager"
-        self._file.write(_LEN.pack(len(body)))
-        self._file.write(body)
 
     def write(self, record: LogRecord) -> None:
         """Append one record."""
-        self._frame(_encoder.encode(record))
+        assert self._frames is not None, "use LogWriter as a context manager"
+        self._frames.frame(_encoder.encode(record))
         self.count += 1
 
     def __exit__(self, et: type[BaseException] | None, *rest: object) -> None:
-        assert self._file is not None
-        self._file.close()
+        assert self._file is not None and self._frames is not None
+        try:
+            if et is None:
+                trailer = LogTrailer(records=self.count, sha256=self._frames.digest())
+                self._frames.frame(_encoder.encode(trailer))
+        finally:
+            self._file.close()
         if et is None:
             os.replace(self._tmp, self.path)
         else:

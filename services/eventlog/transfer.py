@@ -1,10 +1,12 @@
 """Moving a run's event log between JetStream and a ``.leafelog`` file (``leafe log export|import``).
 
-Import republishes every record with its ``Nats-Msg-Id``, so importing a file twice (within the
-stream's duplicate window, a day by default) stores it once. ``run_id=NEWRUN`` rewrites subjects and
-each event's ``run_id``, and publishes under ``<event_id>@<NEWRUN>`` so a copy next to the original run
-on the same server is not mistaken for a duplicate of it. The file format is
-``services/eventlog/fileformat.py``.
+Import first reads the whole file once to verify it (checksums, trailer), then reads it again to
+publish, so a damaged file publishes nothing and a huge one is never held in memory; ``partial=True``
+publishes the records before the first damage instead. Import republishes every record with its
+``Nats-Msg-Id``, so importing a file twice (within the stream's duplicate window, a day by default)
+stores it once. ``run_id=NEWRUN`` rewrites subjects and each event's ``run_id``, and publishes under
+``<event_id>@<NEWRUN>`` so a copy next to the original run on the same server is not mistaken for a
+duplicate of it. The file format is ``services/eventlog/fileformat.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, ProtocolE
 from protocol.events import EpisodeEvent
 from protocol.subjects import EVENTS, event_subject, validate_run_id
 from services.bus import Publisher, ensure_streams, read_stream
-from services.eventlog.fileformat import LogRecord, LogWriter, decode_record, iter_log_records, run_filter
+from services.eventlog.fileformat import LogFile, LogRecord, LogWriter, decode_record, run_filter
 
 __all__ = [
     "ImportStats",
@@ -43,6 +45,10 @@ class ImportStats(msgspec.Struct, frozen=True, kw_only=True):
     """Records newly stored."""
     duplicates: int
     """Records JetStream already had (same ``Nats-Msg-Id`` within the duplicate window)."""
+    bytes: int = 0
+    """Bytes of the file the published records came from (the good prefix's end when ``damage``)."""
+    damage: str | None = None
+    """With ``partial``: the damage that ended the good prefix (``None`` when the file was whole)."""
 
 
 async def iter_stream_records(js: JetStreamContext, run_id: str) -> AsyncIterator[LogRecord]:
@@ -91,21 +97,39 @@ def _renamed(record: LogRecord, run_id: str) -> tuple[str, bytes, dict[str, str]
     return event_subject(run_id, str(kind)), encode(event), headers
 
 
-async def import_log(js: JetStreamContext, path: Path, *, run_id: str | None = None) -> ImportStats:
+async def import_log(
+    js: JetStreamContext, path: Path, *, run_id: str | None = None, partial: bool = False
+) -> ImportStats:
     """Publish every record of ``path`` to ``LEAFE_EVENTS`` (creating streams as needed); idempotent.
 
-    With ``run_id`` the records are moved to that run (subjects, payload ``run_id``, dedupe id).
-    Raises :class:`services.bus.PublishError` if any record was not acknowledged.
+    The file is verified first: a damaged one raises :class:`LogFileError` before anything is
+    published, unless ``partial``, which publishes the records before the damage (``ImportStats.damage``
+    says what ended them). With ``run_id`` the records are moved to that run (subjects, payload
+    ``run_id``, dedupe id). Raises :class:`services.bus.PublishError` if any record was not acknowledged.
     """
     if run_id is not None:
         validate_run_id(run_id)
+    log_file = LogFile(path)
+    check = log_file.check()
+    if check.error is not None and not partial:
+        raise check.error.extended(
+            f"nothing was imported (--partial would publish the {check.records} records before byte "
+            f"{check.bytes})"
+        )
     await ensure_streams(js)
     records = 0
     async with Publisher(js) as pub:
-        for record in iter_log_records(path):
+        # an intact file is verified again as it is published (it could change between the passes)
+        for record in log_file.records(limit=None if check.error is None else check.records):
             if run_id is None:
                 await pub.publish_raw(record.subject, record.data, dict(record.headers))
             else:
                 await pub.publish_raw(*_renamed(record, run_id))
             records += 1
-    return ImportStats(records=records, stored=pub.acked - pub.duplicates, duplicates=pub.duplicates)
+    return ImportStats(
+        records=records,
+        stored=pub.acked - pub.duplicates,
+        duplicates=pub.duplicates,
+        bytes=check.bytes,
+        damage=None if check.error is None else str(check.error),
+    )

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +33,7 @@ from services.eventlog.fileformat import (
     write_events,
 )
 from services.eventlog.transfer import export_run, import_log, iter_stream_records, read_stream_events
+from tests.support.logfiles import cut, flip_bit, frame_spans
 from tests.support.strategies import make_episode
 
 anyio = pytest.mark.anyio
@@ -174,7 +178,7 @@ def test_log_file_round_trip_without_a_server(tmp_path: Path) -> None:
         subjects = [subject for subject, headers, _ in iter_log_file(tmp_path / name)]
         assert subjects[0] == "leafe.r1.events.episode_started"
         header = read_log_header(tmp_path / name)
-        assert (header.run_id, header.stream, header.format) == ("r1", "LEAFE_EVENTS", 1)
+        assert (header.run_id, header.stream, header.format) == ("r1", "LEAFE_EVENTS", 2)
     assert (tmp_path / "a.leafelog.gz").stat().st_size < (tmp_path / "a.leafelog").stat().st_size
 
 
@@ -187,12 +191,12 @@ def test_damaged_log_files_are_reported_with_what_is_wrong(tmp_path: Path) -> No
     with pytest.raises(LogFileError, match="magic"):
         list(iter_log_records(tmp_path / "magic.leafelog"))
     (tmp_path / "cut.leafelog").write_bytes(data[:-5])
-    with pytest.raises(LogFileError, match=r"frame \d+ truncated"):
+    with pytest.raises(LogFileError, match=r"frame \d+ at byte \d+.*truncated"):
         list(iter_log_records(tmp_path / "cut.leafelog"))
-    future = msgspec.msgpack.encode(LogHeader(format=2, run_id="r1", filter_subject="x"))
-    (tmp_path / "v2.leafelog").write_bytes(MAGIC + len(future).to_bytes(4, "big") + future)
-    with pytest.raises(LogFileError, match="format 2"):
-        read_log_header(tmp_path / "v2.leafelog")
+    future = msgspec.msgpack.encode(LogHeader(format=3, run_id="r1", filter_subject="x"))
+    (tmp_path / "v3.leafelog").write_bytes(MAGIC + len(future).to_bytes(4, "big") + future + b"\0" * 4)
+    with pytest.raises(LogFileError, match="format 3"):
+        read_log_header(tmp_path / "v3.leafelog")
 
 
 @pytest.mark.usefixtures("restore_logging")
@@ -229,3 +233,123 @@ def test_a_failed_write_leaves_no_file(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError), LogWriter(path, run_id="r1"):
         raise RuntimeError("export interrupted")
     assert not path.exists() and not list(tmp_path.iterdir())
+
+
+def damaged_log(path: Path, run_id: str, *, bad_record: int) -> tuple[list[EpisodeEvent], int]:
+    """A v2 log of two episodes with one bit flipped in record ``bad_record``; returns events, its offset."""
+    events = episodes(run_id, n=2)
+    write_events(path, events, run_id=run_id)
+    start, _ = frame_spans(path.read_bytes())[bad_record]
+    flip_bit(path, (start + 12) * 8 + 5)
+    return events, start
+
+
+async def stored(url: str, run_id: str) -> list[LogRecord]:
+    """What the stream holds for ``run_id`` (the stream is created if no test made it yet)."""
+    nc = await connect(url)
+    try:
+        await ensure_streams(nc.jetstream())
+        return [r async for r in iter_stream_records(nc.jetstream(), run_id)]
+    finally:
+        await nc.close()
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("restore_logging")
+def test_import_of_a_damaged_file_publishes_nothing_and_says_where_in_one_line(
+    nats_url: str, run_id: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bad record near the end: today the 20 records before it were published; now none are."""
+    path = tmp_path / "bad.leafelog"
+    _, offset = damaged_log(path, run_id, bad_record=21)
+    assert main(["import", "--nats", nats_url, "--in", str(path)]) == 1
+    captured = capsys.readouterr()
+    [line] = captured.err.strip().splitlines()
+    assert f"frame 21 at byte {offset}" in line and "nothing was imported" in line
+    assert "--partial" in line and captured.out == ""
+    assert asyncio.run(stored(nats_url, run_id)) == []
+
+
+@pytest.mark.integration
+@pytest.mark.usefixtures("restore_logging")
+def test_import_partial_publishes_exactly_the_good_prefix_and_says_how_much(
+    nats_url: str, run_id: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--partial`` stores the 20 records before the bad frame, in order, and reports frames and bytes."""
+    path = tmp_path / "bad.leafelog"
+    events, offset = damaged_log(path, run_id, bad_record=21)
+    assert main(["import", "--nats", nats_url, "--in", str(path), "--partial"]) == 0
+    captured = capsys.readouterr()
+    assert "20 records" in captured.out and f"byte {offset}" in captured.out
+    [line] = captured.err.strip().splitlines()
+    assert f"frame 21 at byte {offset}" in line and "checksum" in line
+    records = asyncio.run(stored(nats_url, run_id))
+    assert [r.headers[MSG_ID_HEADER] for r in records] == [e.event_id for e in events[:20]]
+
+
+@pytest.mark.integration
+def test_import_of_an_intact_file_works_and_a_cut_one_does_not(
+    nats_url: str, run_id: str, tmp_path: Path
+) -> None:
+    """import_log publishes a whole valid file; a copy cut at a frame boundary raises before publishing."""
+    events = episodes(run_id, n=1)
+    path, cut_path = tmp_path / "ok.leafelog", tmp_path / "cut.leafelog"
+    write_events(path, events, run_id=run_id)
+    cut_path.write_bytes(path.read_bytes()[: frame_spans(path.read_bytes())[-3][0]])
+
+    async def go() -> list[LogRecord]:
+        nc = await connect(nats_url)
+        try:
+            await ensure_streams(nc.jetstream())
+            with pytest.raises(LogFileError, match="no trailer"):
+                await import_log(nc.jetstream(), cut_path)
+            assert [r async for r in iter_stream_records(nc.jetstream(), run_id)] == []
+            stats = await import_log(nc.jetstream(), path)
+            assert stats.records == stats.stored == len(events)
+            return [r async for r in iter_stream_records(nc.jetstream(), run_id)]
+        finally:
+            await nc.close()
+
+    assert len(asyncio.run(go())) == len(events)
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_leafe_replay_of_a_file_cut_at_a_frame_boundary_fails_in_one_line(
+    tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Today the cut file replays with exit 0 and fewer samples; now: exit 1, one line, no dataset."""
+    from learner.model_io import tiny_model_dir
+    from services import replay
+
+    path = tmp_path / "run.leafelog"
+    write_events(path, episodes("r1", n=3), run_id="r1")
+    common = ["--model", str(tiny_model_dir(cache_dir)), "--no-progress", "--materializer", "grpo"]
+    assert replay.main(["--from", str(path), "--out", str(tmp_path / "whole"), *common]) == 0
+    capsys.readouterr()
+    start, _ = frame_spans(path.read_bytes())[20]
+    cut(path, start)
+    assert replay.main(["--from", str(path), "--out", str(tmp_path / "cut"), *common]) == 1
+    captured = capsys.readouterr()
+    [line] = captured.err.strip().splitlines()
+    assert line.startswith("leafe replay: ") and f"byte {start}" in line and "no trailer" in line
+    assert not (tmp_path / "cut").exists()
+
+
+@pytest.mark.integration
+def test_the_leafe_command_prints_one_line_and_no_traceback(tmp_path: Path) -> None:
+    """As a user sees it (a subprocess): exit code 1, one stderr line naming the offset, no traceback."""
+    path = tmp_path / "run.leafelog"
+    write_events(path, episodes("r1", n=1), run_id="r1")
+    start, _ = frame_spans(path.read_bytes())[3]
+    cut(path, start + 2)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "log", "inspect", "--file", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 1 and proc.stdout == ""
+    [line] = proc.stderr.strip().splitlines()
+    assert f"frame 3 at byte {start}" in line and "Traceback" not in proc.stderr

@@ -1,0 +1,1 @@
+"""Helpers shared by test modules (never import one test module from another)."""

@@ -2,7 +2,7 @@
 
 Field-level strategies draw every field, defaults included, over its whole legal range (any unicode
 text, 64-bit ints, infinities, ``None`` where allowed), so codec round-trips cover what a real log can
-hold. For *coherent* episodes (branch geometry, prompts) see ``tests/property/episode_strategies.py``;
+hold. For *coherent* episodes (branch geometry, prompts) see ``tests/support/episodes.py``;
 :func:`make_episode` here is a small deterministic episode with one event of every kind, for bus and
 log tests that need realistic traffic without Hypothesis.
 

@@ -1,8 +1,8 @@
-"""Helpers for the deploy/ tests: render kustomizations, walk workloads and containers, read CLI help.
+"""Helpers for the deploy/ tests: render kustomizations, walk workloads and containers.
 
-Pure functions over rendered manifests (lists of dicts) plus subprocess wrappers: ``render`` runs
-``kubectl kustomize DIR``, ``render_stack`` renders an overlay with optional components stacked on top (the
-way deploy/README.md tells users to add them) and ``verb_help`` runs ``python -m services.cli <verb> --help``.
+Pure functions over rendered manifests (lists of dicts) plus two subprocess wrappers: ``render`` runs
+``kubectl kustomize DIR`` and ``render_stack`` renders an overlay with optional components stacked on top
+(the way deploy/README.md tells users to add them). Reading ``leafe <verb> --help`` is in clihelp.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +35,6 @@ __all__ = [
     "Container",
     "Doc",
     "Stacks",
-    "VerbHelp",
-    "command_of",
     "config_map_value",
     "container_named",
     "containers",
@@ -48,14 +45,12 @@ __all__ = [
     "flags_of",
     "leafe_invocation",
     "mounted_secret_file",
-    "parse_help",
     "parse_quantity",
     "pod_templates",
     "pods_running",
     "pods_with_label",
     "render",
     "render_stack",
-    "verb_help",
     "weight_mounts",
     "workload_names",
 ]
@@ -234,16 +229,6 @@ def leafe_invocation(argv: list[str]) -> tuple[str, list[str]] | None:
     return None
 
 
-_SUBCOMMAND_VERBS = frozenset({"tasks", "log", "streams"})
-
-
-def command_of(verb: str, args: list[str]) -> tuple[str, list[str]]:
-    """``("tasks submit", rest)`` for verbs with subcommands, else ``(verb, args)``: what --help to read."""
-    if verb in _SUBCOMMAND_VERBS and args and not args[0].startswith("-"):
-        return f"{verb} {args[0]}", args[1:]
-    return verb, args
-
-
 def flags_of(args: list[str]) -> set[str]:
     """The long options in an argument list (``--x`` and ``--x=value`` both give ``--x``)."""
     return {a.split("=", 1)[0] for a in args if a.startswith("--")}
@@ -355,62 +340,3 @@ def parse_quantity(value: object) -> float:
     if not match:
         raise AssertionError(f"unsupported resource quantity {value!r}")
     return float(match.group(1)) * _FACTORS[match.group(2)]
-
-
-@dataclass(frozen=True, kw_only=True)
-class VerbHelp:
-    """What ``leafe <verb> --help`` says: every long option, and which ones the usage line requires."""
-
-    verb: str
-    options: frozenset[str]
-    required: frozenset[str]
-    one_of: tuple[frozenset[str], ...]
-
-
-def _usage_block(text: str) -> str:
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith("usage:")), 0)
-    block: list[str] = []
-    for line in lines[start:]:
-        if block and not line.strip():
-            break
-        block.append(line)
-    return " ".join(block)
-
-
-def _parse_usage(usage: str) -> tuple[frozenset[str], tuple[frozenset[str], ...]]:
-    """Required options and required mutually exclusive groups, from argparse's usage line."""
-    previous = None
-    while previous != usage:  # drop optional parts, innermost brackets first
-        previous, usage = usage, re.sub(r"\[[^\[\]]*\]", "", usage)
-    groups = tuple(frozenset(re.findall(r"--[\w-]+", g)) for g in re.findall(r"\(([^()]*)\)", usage))
-    outside = re.sub(r"\([^()]*\)", "", usage)
-    return frozenset(re.findall(r"--[\w-]+", outside)), groups
-
-
-def verb_help(verb: str) -> VerbHelp:
-    """Run the real ``leafe <verb> --help`` (``verb`` may be ``"tasks submit"``); fails naming the module
-    when the verb cannot start."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", *verb.split(), "--help"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if proc.returncode != 0:
-        from services.cli import VERBS
-
-        module = VERBS.get(verb.split()[0], ("?",))[0]
-        raise AssertionError(
-            f"`leafe {verb} --help` exited with {proc.returncode} (is {module} implemented?):\n"
-            f"{proc.stderr[-2000:]}"
-        )
-    return parse_help(verb, proc.stdout)
-
-
-def parse_help(verb: str, text: str) -> VerbHelp:
-    """Options, required options and required exclusive groups from an argparse ``--help`` text."""
-    options = frozenset(re.findall(r"(?<![\w-])(--[A-Za-z0-9][\w-]*)", text))
-    required, one_of = _parse_usage(_usage_block(text))
-    return VerbHelp(verb=verb, options=options, required=required, one_of=one_of)

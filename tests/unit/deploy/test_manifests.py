@@ -28,6 +28,7 @@ import pytest
 import yaml
 
 from services.cli import VERBS
+from tests.unit.deploy.clihelp import VerbHelp, command_of, parse_help, verb_help
 from tests.unit.deploy.manifests import (
     K8S_VERSION,
     KUSTOMIZATIONS,
@@ -37,8 +38,6 @@ from tests.unit.deploy.manifests import (
     PENDING_CODE,
     SCHEMALESS_KINDS,
     Stacks,
-    VerbHelp,
-    command_of,
     config_map_value,
     container_named,
     containers,
@@ -49,8 +48,6 @@ from tests.unit.deploy.manifests import (
     flags_of,
     leafe_invocation,
     mounted_secret_file,
-    parse_help,
-    verb_help,
     workload_names,
 )
 

@@ -41,3 +41,15 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .cache runs .pytest_cache .mypy_cache .ruff_cache
+
+# The leafe image (deploy/Dockerfile), for deploy/: `make image` builds leafe:dev with CPU torch (the dev
+# overlay; then `kind load docker-image leafe:dev`). For the gpu overlay:
+#   make image IMAGE=registry.example.com/leafe:0.1.0 TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 PUSH=1
+# and set the same name and tag in deploy/overlays/gpu/image/kustomization.yaml.
+IMAGE ?= leafe:dev
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+DOCKER ?= docker
+.PHONY: image
+image:
+	$(DOCKER) build -f deploy/Dockerfile -t $(IMAGE) --build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL) .
+	if [ -n "$(PUSH)" ]; then $(DOCKER) push $(IMAGE); fi

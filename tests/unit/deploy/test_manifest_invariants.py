@@ -1,24 +1,23 @@
 """Invariants of the rendered deploy/ manifests, beyond schema validity (see test_manifests.py for that).
 
-Resources and probes on every container, GPU counts that match torchrun, NATS cluster size vs routes vs
-stream replicas (and `nats-server -t` on the rendered configs), NetworkPolicy labels that match what each
-pod runs, non-root security contexts, one RWX weight volume at one path, and the run config files that
-decode into each service's config type. Run: ``.venv/bin/python -m pytest tests/unit/deploy -q``.
+Resources on every container; probes (no generating health check for startup or readiness); GPU counts
+that match torchrun; NATS cluster size vs routes vs stream replicas, servers spread over nodes; one weight
+volume at one path, with the sidecars' writable in-use markers and dev's single-node placement; images and
+the replay Job following their overlay; the inference tier's replicas and disruption budgets; the streams
+Job as the only NATS admin; and the run config files that decode into each service's config type.
+Run: ``.venv/bin/python -m pytest tests/unit/deploy -q``.
 """
 
 from __future__ import annotations
 
-import base64
-import subprocess
 import tomllib
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.support.manifests import (
     KUSTOMIZATIONS,
-    NATS_VERBS,
+    NAMESPACES,
     OVERLAYS,
     config_map_value,
     container_named,
@@ -29,13 +28,11 @@ from tests.support.manifests import (
     leafe_invocation,
     parse_quantity,
     pod_templates,
-    pods_running,
-    pods_with_label,
+    weight_mounts,
 )
+from tests.support.policies import selects
 
 Docs = list[dict[str, Any]]
-# SGLang writes JIT artefacts in places that cannot all be redirected to a volume.
-WRITABLE_ROOT_ALLOWED = {"sglang"}
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
@@ -55,9 +52,23 @@ def test_every_container_has_resource_requests_and_limits(rendered: dict[str, Do
     assert not problems, "\n".join(problems)
 
 
+_PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+_GENERATING = {"/health", "/health_generate"}
+"""SGLang's generating health checks: a one-token generation, >= 1 s, up to 20 s before it fails."""
+
+
+def _probe_port(probe: dict[str, Any]) -> int | str:
+    action = probe.get("httpGet") or probe.get("tcpSocket")
+    assert action, f"probe {probe} is neither httpGet nor tcpSocket"
+    return action["port"]
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_http_servers_have_readiness_and_liveness_probes(rendered: dict[str, Docs], overlay: str) -> None:
-    """Containers serving HTTP (a port named http or monitor) have httpGet readiness and liveness probes."""
+def test_servers_have_readiness_and_liveness_probes_on_their_own_ports(
+    rendered: dict[str, Docs], overlay: str
+) -> None:
+    """Containers serving HTTP (a port named http or monitor) have readiness and liveness probes on a port
+    they declare; liveness is an HTTP check."""
     servers = set()
     for c in containers(rendered[overlay]):
         ports = {p["name"]: p["containerPort"] for p in c.spec.get("ports") or []}
@@ -65,13 +76,47 @@ def test_http_servers_have_readiness_and_liveness_probes(rendered: dict[str, Doc
             continue
         servers.add(c.spec["name"])
         for probe in ("readinessProbe", "livenessProbe"):
-            http = (c.spec.get(probe) or {}).get("httpGet")
-            assert http, f"{c.where} serves HTTP but has no httpGet {probe}"
-            assert http["port"] in ports or http["port"] in ports.values(), (
-                f"{c.where}: {probe} port {http['port']}"
-            )
+            assert probe in c.spec, f"{c.where} serves HTTP but has no {probe}"
+            port = _probe_port(c.spec[probe])
+            assert port in ports or port in ports.values(), f"{c.where}: {probe} port {port}"
+        assert "httpGet" in c.spec["livenessProbe"], c.where
     expected = {"dev": {"nats", "inference"}, "gpu": {"nats", "sglang", "router"}}[overlay]
     assert servers == expected
+
+
+def test_sglang_startup_and_readiness_never_run_a_generation(rendered: dict[str, Docs]) -> None:
+    """SGLang's startup and readiness probes are TCP checks (its cheap /ready needs the API key); only the
+    liveness probe calls the generating /health, rarely, with a timeout beyond SGLang's own 20 s."""
+    sglang = container_named(rendered["gpu"], "sglang", "sglang").spec
+    for probe in ("startupProbe", "readinessProbe"):
+        assert "tcpSocket" in sglang[probe] and "httpGet" not in sglang[probe], probe
+    liveness = sglang["livenessProbe"]
+    assert liveness["httpGet"]["path"] == "/health"
+    assert liveness["timeoutSeconds"] > 20 and liveness["periodSeconds"] >= 30
+    assert liveness["failureThreshold"] * liveness["periodSeconds"] >= 180  # a busy minute is not a death
+    assert sglang["startupProbe"]["failureThreshold"] * sglang["startupProbe"]["periodSeconds"] >= 1800
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_startup_or_readiness_probe_calls_a_generating_route(
+    rendered: dict[str, Docs], overlay: str
+) -> None:
+    """No startup or readiness probe anywhere calls /health or /health_generate on an inference server; the
+    CPU server's use its cheap /ready."""
+    engines = {"inference", "sglang", "router"}
+    for c in containers(rendered[overlay]):
+        if c.spec["name"] not in engines:
+            continue
+        for probe in ("startupProbe", "readinessProbe"):
+            path = (c.spec.get(probe) or {}).get("httpGet", {}).get("path")
+            assert path not in _GENERATING, f"{c.where}: {probe} calls {path}"
+    if overlay == "dev":
+        server = container_named(rendered["dev"], "inference", "inference").spec
+        assert (
+            server["startupProbe"]["httpGet"]["path"]
+            == server["readinessProbe"]["httpGet"]["path"]
+            == "/ready"
+        )
 
 
 def test_gpus_are_requested_only_in_the_gpu_overlay_and_match_torchrun(rendered: dict[str, Docs]) -> None:
@@ -107,106 +152,55 @@ def test_nats_cluster_size_matches_routes_and_stream_replicas(
     assert int(config_map_value(docs, "leafe-env", "LEAFE_STREAM_REPLICAS")) == servers
 
 
-def _nats_auth_conf(docs: Docs) -> str:
-    secrets = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "nats-auth"]
-    if secrets:  # dev generates it; gpu expects it from the operator (deploy/README.md)
-        return base64.b64decode(secrets[0]["data"]["auth.conf"]).decode()
-    bcrypt = "$2a$11$0123456789012345678901uABCDEFGHIJKLMNOPQRSTUVWXYZ0123"
-    return f'authorization {{ users: [ {{ user: leafe, password: "{bcrypt}" }} ] }}\n'
-
-
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_nats_config_is_accepted_by_nats_server(
-    rendered: dict[str, Docs], overlay: str, tmp_path: Path
-) -> None:
-    """The rendered nats.conf, with the auth include at its mount path, passes `nats-server -t`."""
-    from services.bus.nats_server import find_nats_server
-
-    docs = rendered[overlay]
-    mounts = {m["name"]: m["mountPath"] for m in container_named(docs, "nats", "nats").spec["volumeMounts"]}
-    config_dir = tmp_path / mounts["config"].lstrip("/")
-    auth_dir = tmp_path / mounts["auth"].lstrip("/")
-    config_dir.mkdir(parents=True)
-    auth_dir.mkdir(parents=True)
-    (config_dir / "nats.conf").write_text(
-        config_map_value(docs, "nats-config", "nats.conf"), encoding="utf-8"
-    )
-    (auth_dir / "auth.conf").write_text(_nats_auth_conf(docs), encoding="utf-8")
-    proc = subprocess.run(
-        [str(find_nats_server()), "-c", str(config_dir / "nats.conf"), "-t"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={"POD_NAME": "nats-0"},
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-@pytest.mark.parametrize("name", KUSTOMIZATIONS)
-def test_network_policy_labels_match_what_each_pod_runs(rendered: dict[str, Docs], name: str) -> None:
-    """Exactly the pods running a NATS-using verb reach NATS; actors (and the router) reach the engines."""
-    docs = rendered[name]
-    assert pods_with_label(docs, "leafe.io/nats-client") == pods_running(docs, NATS_VERBS)
-    engine_clients = pods_running(docs, {"actor", "eval"}) | ({"sglang-router"} if name == "gpu" else set())
-    assert pods_with_label(docs, "leafe.io/engine-client") == engine_clients
-
-
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_network_policies_deny_by_default_and_open_only_labelled_paths(
+def test_weight_store_is_one_volume_at_the_same_path_everywhere(
     rendered: dict[str, Docs], overlay: str
 ) -> None:
-    """Ingress is denied by default; NATS clients reach 4222, engine clients reach 30000 on engine pods."""
+    """The learner writes /weights; servers and weight-sync sidecars read that volume there; each sidecar's
+    one writable piece of it is <store>/.in_use, the directory the learner's pruning reads its markers from.
+    gpu's volume is ReadWriteMany, dev's ReadWriteOnce."""
     docs = rendered[overlay]
-    deny = find(docs, "NetworkPolicy", "default-deny-ingress")["spec"]
-    assert deny["podSelector"] == {} and deny["policyTypes"] == ["Ingress"] and "ingress" not in deny
-    nats = find(docs, "NetworkPolicy", "nats")["spec"]
-    client_rule = nats["ingress"][0]
-    assert client_rule["from"] == [{"podSelector": {"matchLabels": {"leafe.io/nats-client": "true"}}}]
-    assert [p["port"] for p in client_rule["ports"]] == [4222]
-    engine = find(docs, "NetworkPolicy", "inference")["spec"]
-    assert engine["podSelector"] == {"matchLabels": {"leafe.io/engine": "true"}}
-    assert engine["ingress"] == [
-        {
-            "from": [{"podSelector": {"matchLabels": {"leafe.io/engine-client": "true"}}}],
-            "ports": [{"port": 30000, "protocol": "TCP"}],
-        }
-    ]
-    engines = {"dev": {"inference"}, "gpu": {"sglang", "sglang-router"}}[overlay]
-    assert pods_with_label(docs, "leafe.io/engine") == engines
-
-
-@pytest.mark.parametrize("name", KUSTOMIZATIONS)
-def test_pods_run_non_root_without_privilege(rendered: dict[str, Docs], name: str) -> None:
-    """Pods run non-root; containers drop all capabilities, never escalate; most have a read-only root."""
-    for _, template in pod_templates(rendered[name]):
-        assert template["spec"]["securityContext"]["runAsNonRoot"] is True
-    for c in containers(rendered[name]):
-        context = c.spec["securityContext"]
-        assert context["allowPrivilegeEscalation"] is False, c.where
-        assert context["capabilities"]["drop"] == ["ALL"], c.where
-        assert context["readOnlyRootFilesystem"] is (c.spec["name"] not in WRITABLE_ROOT_ALLOWED), c.where
-
-
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_weight_store_is_one_rwx_volume_at_the_same_path_everywhere(
-    rendered: dict[str, Docs], overlay: str
-) -> None:
-    """The learner writes /weights; inference servers and weight-sync sidecars read that RWX volume there."""
-    docs = rendered[overlay]
-    assert find(docs, "PersistentVolumeClaim", "leafe-weights")["spec"]["accessModes"] == ["ReadWriteMany"]
+    modes = find(docs, "PersistentVolumeClaim", "leafe-weights")["spec"]["accessModes"]
+    assert modes == {"gpu": ["ReadWriteMany"], "dev": ["ReadWriteOnce"]}[overlay]
+    learner = leafe_invocation(container_named(docs, "learner", "learner").argv)
+    assert learner is not None
+    store = learner[1][learner[1].index("--store") + 1]
     writers: set[str] = set()
     readers: set[str] = set()
     for c in containers(docs):
-        volumes = {v["name"]: v for v in c.pod["spec"].get("volumes") or []}
-        for mount in c.spec.get("volumeMounts") or []:
-            claim = volumes.get(mount["name"], {}).get("persistentVolumeClaim", {}).get("claimName")
-            if claim == "leafe-weights":
-                assert mount["mountPath"] == "/weights", c.where
-                (readers if mount.get("readOnly") else writers).add(c.spec["name"])
+        for mount in weight_mounts(c):
+            if mount.get("subPath"):
+                assert c.spec["name"] == "weight-sync" and not mount.get("readOnly"), c.where
+                assert mount["subPath"] == "store/.in_use" and mount["mountPath"] == f"{store}/.in_use", (
+                    c.where
+                )
+                continue
+            assert mount["mountPath"] == "/weights", c.where
+            (readers if mount.get("readOnly") else writers).add(c.spec["name"])
     assert writers == {"learner"}
-    assert {"weight-sync", "sglang" if overlay == "gpu" else "inference"} <= readers
-    learner = leafe_invocation(container_named(docs, "learner", "learner").argv)
-    assert learner is not None and learner[1][learner[1].index("--store") + 1].startswith("/weights/")
+    assert {"weight-sync", "sglang" if overlay == "gpu" else "inference", "actor", "replayer"} <= readers
+    assert store.startswith("/weights/")
+    sidecars = [c for c in containers(docs) if c.spec["name"] == "weight-sync"]
+    assert sidecars and all(any(m.get("subPath") for m in weight_mounts(c)) for c in sidecars)
+
+
+def test_dev_keeps_every_pod_of_the_weight_volume_on_one_node(rendered: dict[str, Docs]) -> None:
+    """dev's ReadWriteOnce volume attaches to one node: every pod that mounts it (the replay Job's too)
+    carries leafe.io/weights and requires the company of the others on one node."""
+    term = {
+        "topologyKey": "kubernetes.io/hostname",
+        "labelSelector": {"matchLabels": {"leafe.io/weights": "true"}},
+    }
+    mounting = set()
+    for name in ("dev", "dev-replay"):
+        for workload, template in pod_templates(rendered[name]):
+            if not any(weight_mounts(c) for c in containers([workload])):
+                continue
+            mounting.add(workload["metadata"]["name"])
+            assert template["metadata"]["labels"]["leafe.io/weights"] == "true", workload["metadata"]["name"]
+            affinity = template["spec"]["affinity"]["podAffinity"]
+            assert affinity["requiredDuringSchedulingIgnoredDuringExecution"] == [term]
+    assert mounting == {"actor", "replayer", "learner", "inference", "leafe-replay"}
 
 
 def _config_types() -> dict[str, type]:
@@ -258,3 +252,91 @@ def test_run_config_files_decode_into_the_service_config_types(rendered: dict[st
     grace = actor_pod["terminationGracePeriodSeconds"]
     assert configs["actor.toml"].drain_timeout_s < grace  # episodes drain before the kubelet kills the pod
     assert configs["learner.toml"].stop_after_steps == 0  # a StatefulSet service runs until stopped
+
+
+def _leafe_images(docs: Docs) -> set[str]:
+    return {c.spec["image"] for c in containers(docs) if c.spec["image"].rpartition(":")[0].endswith("leafe")}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_images_follow_the_overlay_including_the_one_off_jobs(
+    rendered: dict[str, Docs], overlay: str
+) -> None:
+    """Every leafe container of an overlay, and of its replay and tasks Jobs, runs the one image the overlay
+    names (base's bare `leafe` never survives); SGLang's image is pinned to a version tag."""
+    expected = {"dev": {"leafe:dev"}, "gpu": {"registry.example.com/leafe:0.1.0"}}[overlay]
+    for name in (overlay, f"{overlay}-replay", f"{overlay}-tasks"):
+        assert _leafe_images(rendered[name]) == expected, name
+    for c in containers(rendered[overlay]):
+        image = c.spec["image"]
+        assert ":" in image and not image.endswith(":latest"), f"{c.where}: unpinned image {image}"
+        assert image in expected or image.startswith("lmsysorg/sglang:v"), f"{c.where}: {image}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_replay_and_tasks_jobs_work_on_the_overlays_run_with_its_nats_settings(
+    rendered: dict[str, Docs], overlay: str
+) -> None:
+    """The replay Job of an overlay replays that overlay's run with its tokenizer and the tasks Job submits to
+    that run; both reach NATS exactly as the services do (same ConfigMap, so same URL and TLS settings), in
+    the same namespace."""
+    services, replay = rendered[overlay], rendered[f"{overlay}-replay"]
+    for key in ("LEAFE_RUN_ID", "LEAFE_MODEL"):
+        assert config_map_value(replay, "leafe-replay-env", key) == config_map_value(
+            services, "leafe-env", key
+        )
+    assert find(replay, "ConfigMap", "leafe-nats") == find(services, "ConfigMap", "leafe-nats")
+    assert {d["metadata"].get("namespace") for d in replay} == {NAMESPACES[overlay]}
+    tasks = rendered[f"{overlay}-tasks"]
+    run = config_map_value(services, "leafe-env", "LEAFE_RUN_ID")
+    assert config_map_value(tasks, "leafe-tasks-env", "LEAFE_RUN_ID") == run
+    assert find(tasks, "ConfigMap", "leafe-nats") == find(services, "ConfigMap", "leafe-nats")
+    assert {d["metadata"].get("namespace") for d in tasks} == {NAMESPACES[overlay]}
+
+
+def test_gpu_nats_servers_must_run_on_three_different_nodes(rendered: dict[str, Docs]) -> None:
+    """A node loss never takes two of the three JetStream peers: the anti-affinity across hostnames is
+    required in gpu (preferred only in base, for one-node dev clusters)."""
+    pod = find(rendered["gpu"], "StatefulSet", "nats")["spec"]["template"]["spec"]
+    anti = pod["affinity"]["podAntiAffinity"]
+    assert anti == {
+        "requiredDuringSchedulingIgnoredDuringExecution": [
+            {
+                "topologyKey": "kubernetes.io/hostname",
+                "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "nats"}},
+            }
+        ]
+    }
+    assert find(rendered["gpu"], "PodDisruptionBudget", "nats")["spec"]["maxUnavailable"] == 1
+
+
+def test_inference_tier_survives_one_disruption(rendered: dict[str, Docs]) -> None:
+    """gpu runs at least two routers and two SGLang servers, each behind a PodDisruptionBudget that keeps
+    all but one of them up during drains."""
+    docs = rendered["gpu"]
+    budgets = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    for name in ("sglang-router", "sglang"):
+        deployment = find(docs, "Deployment", name)
+        replicas = deployment["spec"]["replicas"]
+        assert replicas >= 2, name
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        covering = [b for b in budgets if selects(b["spec"]["selector"], labels)]
+        assert len(covering) == 1, name
+        assert 1 <= covering[0]["spec"]["maxUnavailable"] < replicas, name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_the_streams_job_administers_streams(rendered: dict[str, Docs], overlay: str) -> None:
+    """`leafe streams ensure` runs once per apply as the NATS admin with the overlay's stream replicas;
+    no long-running service uses the admin user."""
+    docs = rendered[overlay]
+    job = container_named(docs, "leafe-streams", "streams")
+    assert leafe_invocation(job.argv) == ("streams", ["ensure", "--nats", "$(LEAFE_NATS_URL)"])
+    assert env_value(job, "LEAFE_NATS_USER") == "admin"
+    assert "LEAFE_STREAM_REPLICAS" in find(docs, "ConfigMap", "leafe-env")["data"]
+    spec = find(docs, "Job", "leafe-streams")["spec"]
+    assert spec["ttlSecondsAfterFinished"] > 0 and spec["backoffLimit"] >= 5
+    admins = {
+        c.where for c in containers(docs) if any(e.get("value") == "admin" for e in c.spec.get("env") or [])
+    }
+    assert admins == {job.where}

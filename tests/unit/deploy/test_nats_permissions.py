@@ -1,0 +1,224 @@
+"""NATS least privilege: deploy/base/nats/permissions.json is the one list of per-role subject permissions;
+the server's authorization block (authorization.conf, in the rendered nats-config) must say exactly the same,
+and the rendered configs must pass `nats-server -t` (gpu's with TLS certificates in place).
+
+The semantic tests read permissions.json with NATS's own matching rules (deny wins) and pin the roles:
+only the learner publishes weights, only admin manages streams, actors cannot read samples, and so on.
+Run: ``.venv/bin/python -m pytest tests/unit/deploy -q``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.manifests import (
+    DEPLOY,
+    KUSTOMIZATIONS,
+    NATS_ROLES,
+    OVERLAYS,
+    config_map_value,
+    container_named,
+    containers,
+    find,
+)
+from tests.support.policies import nats_allows, subject_matches
+
+Docs = list[dict[str, Any]]
+PERMISSIONS: dict[str, Any] = json.loads((DEPLOY / "base/nats/permissions.json").read_text(encoding="utf-8"))
+_USER = re.compile(r'\{user: "([^"]+)", password: \$(\w+), permissions: \$(\w+)\}')
+
+
+def _variable(role: str) -> str:
+    return role.upper().replace("-", "_")
+
+
+def _parse_authorization(text: str) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
+    """``({ROLE_PERMISSIONS variable: permissions}, {user: (password variable, permissions variable)})``."""
+    decoder = json.JSONDecoder()
+    variables = {}
+    for match in re.finditer(r"^\s*(\w+_PERMISSIONS) = ", text, re.MULTILINE):
+        variables[match.group(1)], _ = decoder.raw_decode(text, match.end())
+    users = {m.group(1): (m.group(2), m.group(3)) for m in _USER.finditer(text)}
+    return variables, users
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_server_authorization_equals_permissions_json(rendered: dict[str, Docs], overlay: str) -> None:
+    """The rendered authorization.conf defines one user per role of permissions.json, named after it, with a
+    password variable of its own and exactly the role's permissions; nats.conf includes it."""
+    docs = rendered[overlay]
+    variables, users = _parse_authorization(config_map_value(docs, "nats-config", "authorization.conf"))
+    assert set(users) == set(PERMISSIONS)
+    for role, perms in PERMISSIONS.items():
+        password, permissions = users[role]
+        assert (password, permissions) == (f"{_variable(role)}_PASSWORD", f"{_variable(role)}_PERMISSIONS")
+        assert variables[permissions] == perms, role
+    assert re.search(
+        r"^include authorization\.conf$", config_map_value(docs, "nats-config", "nats.conf"), re.M
+    )
+
+
+def test_the_generator_agrees_with_the_committed_authorization_conf() -> None:
+    """`sync_permissions.py --check` (what to run after editing permissions.json) finds nothing to change."""
+    script = DEPLOY / "base/nats/sync_permissions.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_every_user_the_manifests_use_is_a_role(rendered: dict[str, Docs], name: str) -> None:
+    """LEAFE_NATS_USER is always a role of permissions.json; dev generates every role's password on both
+    sides (server env and client Secret)."""
+    docs = rendered[name]
+    for c in containers(docs):
+        for e in c.spec.get("env") or []:
+            if e["name"] == "LEAFE_NATS_USER":
+                assert e["value"] in PERMISSIONS, c.where
+    if name == "dev":
+        server = find(docs, "Secret", "nats-auth")["data"]
+        assert set(server) == {f"{_variable(role)}_PASSWORD" for role in PERMISSIONS}
+        for role in PERMISSIONS:
+            client = find(docs, "Secret", f"leafe-nats-{role}")["data"]["password"]
+            assert client == server[f"{_variable(role)}_PASSWORD"], role
+    assert set(NATS_ROLES.values()) <= set(PERMISSIONS)
+
+
+def test_subject_matching_follows_nats_wildcards() -> None:
+    """`*` is one token, a final `>` one or more; deny wins over allow."""
+    assert subject_matches("leafe.*.events.>", "leafe.r1.events.step")
+    assert not subject_matches("leafe.*.events.>", "leafe.r1.events")
+    assert not subject_matches("leafe.*.weights", "leafe.r1.weights.x")
+    assert subject_matches(
+        "$JS.API.CONSUMER.CREATE.LEAFE_TASKS.>",
+        "$JS.API.CONSUMER.CREATE.LEAFE_TASKS.actors-r1.leafe.r1.tasks",
+    )
+    perms = {"publish": {"allow": ["a.>"], "deny": ["a.b"]}}
+    assert nats_allows(perms, "publish", "a.c") and not nats_allows(perms, "publish", "a.b")
+
+
+def _who(action: str, subject: str) -> set[str]:
+    return {role for role, perms in PERMISSIONS.items() if nats_allows(perms, action, subject)}
+
+
+@pytest.mark.parametrize(
+    ("action", "subject", "roles"),
+    [
+        ("publish", "leafe.r1.events.step", {"actor", "admin"}),
+        ("publish", "leafe.r1.tasks", {"admin"}),
+        ("publish", "leafe.r1.samples.cf", {"replayer", "admin"}),
+        ("publish", "leafe.r1.weights", {"learner", "admin"}),
+        ("publish", "leafe.r1.dead.leafe_events", {"replayer", "admin"}),
+        ("publish", "leafe.r1.dead.leafe_tasks", {"actor", "admin"}),
+        ("publish", "leafe.r1.dead.leafe_samples", {"learner", "admin"}),
+        ("subscribe", "leafe.r1.weights", {"actor", "weight-sync", "admin"}),
+        ("subscribe", "leafe.r1.samples.cf", {"admin"}),
+        ("subscribe", "leafe.r1.events.step", {"admin"}),
+        ("subscribe", "_INBOX.abc.1", set(PERMISSIONS)),
+        ("publish", "$JS.API.STREAM.CREATE.LEAFE_EVENTS", {"admin"}),
+        ("publish", "$JS.API.STREAM.UPDATE.LEAFE_TASKS", {"admin"}),
+        ("publish", "$JS.API.STREAM.DELETE.LEAFE_WEIGHTS", {"admin"}),
+        ("publish", "$JS.API.STREAM.PURGE.LEAFE_SAMPLES", {"admin"}),
+        ("publish", "$JS.API.STREAM.MSG.DELETE.LEAFE_EVENTS", {"admin"}),
+        ("publish", "$JS.API.CONSUMER.CREATE.LEAFE_TASKS.actors-r1.leafe.r1.tasks", {"actor", "admin"}),
+        ("publish", "$JS.API.CONSUMER.MSG.NEXT.LEAFE_TASKS.actors-r1", {"actor", "admin"}),
+        ("publish", "$JS.ACK.LEAFE_TASKS.actors-r1.1.2.3.4.5", {"actor", "admin"}),
+        (
+            "publish",
+            "$JS.API.CONSUMER.CREATE.LEAFE_EVENTS.replayer-r1-leafe.leafe.r1.events.>",
+            {"replayer", "admin"},
+        ),
+        ("publish", "$JS.API.CONSUMER.DELETE.LEAFE_EVENTS.leafe-read-x", {"replayer", "admin"}),
+        ("publish", "$JS.ACK.LEAFE_EVENTS.replayer-r1-leafe.1.2.3.4.5", {"replayer", "admin"}),
+        ("publish", "$JS.API.CONSUMER.DELETE.LEAFE_SAMPLES.learner-r1", {"learner", "admin"}),
+        ("publish", "$JS.API.CONSUMER.MSG.NEXT.LEAFE_SAMPLES.learner-r1", {"learner", "admin"}),
+        ("publish", "$JS.API.STREAM.MSG.GET.LEAFE_WEIGHTS", {"actor", "weight-sync", "admin"}),
+        ("publish", "$JS.API.CONSUMER.CREATE.LEAFE_WEIGHTS.x", {"admin"}),
+    ],
+)
+def test_each_role_may_do_exactly_its_part(action: str, subject: str, roles: set[str]) -> None:
+    """Who may publish or subscribe where (a run id `r1`; the rules hold for every run): events from actors,
+    samples from the replayer, weights from the learner, tasks and stream administration from admin only."""
+    assert _who(action, subject) == roles
+
+
+def _openssl_certificate(directory: Path) -> None:
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not installed: cannot make a test certificate for the TLS config")
+    directory.mkdir(parents=True)
+    subprocess.run(
+        [
+            openssl,
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=nats",
+            "-keyout",
+            str(directory / "tls.key"),
+            "-out",
+            str(directory / "tls.crt"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    shutil.copy(directory / "tls.crt", directory / "ca.crt")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_nats_config_is_accepted_by_nats_server(
+    rendered: dict[str, Docs], overlay: str, tmp_path: Path
+) -> None:
+    """The rendered nats-config (with its includes, TLS files where gpu reads them, every password variable
+    in the environment as nats-auth provides it) passes `nats-server -t`."""
+    from services.bus.nats_server import find_nats_server
+
+    docs = rendered[overlay]
+    nats = container_named(docs, "nats", "nats")
+    mounts = {m["name"]: m["mountPath"] for m in nats.spec["volumeMounts"]}
+    config_dir = tmp_path / mounts["config"].lstrip("/")
+    config_dir.mkdir(parents=True)
+    tls_dir = tmp_path / mounts["tls"].lstrip("/")
+    _openssl_certificate(tls_dir)
+    for key, text in find(docs, "ConfigMap", "nats-config")["data"].items():
+        (config_dir / key).write_text(text.replace(mounts["tls"], str(tls_dir)), encoding="utf-8")
+    secrets = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "nats-auth"]
+    if secrets:  # dev generates it; gpu expects it from the operator (deploy/README.md)
+        env = {k: base64.b64decode(v).decode() for k, v in secrets[0]["data"].items()}
+    else:
+        env = {
+            f"{_variable(role)}_PASSWORD": "$2a$11$0123456789012345678901uABCDEFGHIJKLMNOPQRSTUVWXYZ0123"
+            for role in PERMISSIONS
+        }
+    proc = subprocess.run(
+        [str(find_nats_server()), "-c", str(config_dir / "nats.conf"), "-t"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env | {"POD_NAME": "nats-0"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    missing = subprocess.run(
+        [str(find_nats_server()), "-c", str(config_dir / "nats.conf"), "-t"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"POD_NAME": "nats-0"},
+    )
+    assert missing.returncode != 0 and "ACTOR_PASSWORD" in missing.stdout + missing.stderr

@@ -4,9 +4,13 @@ Version names are ``v<index:06d>`` where the index counts the learner's pushes; 
 ``default`` (index 0, SGLang's initial ``weight_version``). The index is what staleness is measured in:
 a sample produced by ``v000003`` is 2 versions behind a learner that has pushed ``v000005``.
 
-Weight-sync marks what each inference server loaded in ``<store>/.in_use/<server>`` (one line: the
-version), so pruning never deletes a version an engine is still reading. Pruning keeps the newest
-``keep`` versions and every version in use.
+Weight-sync marks what each inference server loaded in ``<store>/.in_use/<marker>`` (one line: the
+version), so pruning never deletes a version an engine is still reading; it rewrites its markers on every
+reconcile, and a marker older than ``MARKER_TTL_S`` belongs to a weight-sync that is gone (a deleted pod)
+and no longer protects anything. The marker name carries the weight-sync's host as well as the server
+URL, because every sidecar of a Deployment calls its own engine ``http://127.0.0.1:30000``. Only
+``.in_use/`` needs to be writable by weight-sync (deploy/ mounts it read-write, the store read-only).
+Pruning keeps the newest ``keep`` versions and every version in use.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ from __future__ import annotations
 import hashlib
 import re
 import shutil
+import time
 from pathlib import Path
 
 __all__ = [
     "BASE_VERSION",
     "IN_USE_DIR",
+    "MARKER_TTL_S",
     "in_use_versions",
     "mark_in_use",
     "prune_versions",
@@ -29,6 +35,9 @@ __all__ = [
 BASE_VERSION = "default"
 """Version of the weights an engine starts with."""
 IN_USE_DIR = ".in_use"
+MARKER_TTL_S = 600.0
+"""A marker not rewritten for this long no longer protects its version (weight-sync rewrites every
+``reconcile_interval_s``, 10 s by default)."""
 _VERSION = re.compile(r"^v(\d{1,12})$")
 
 
@@ -53,7 +62,8 @@ def _slug(server: str) -> str:
 
 
 def mark_in_use(store: Path, server: str, version: str) -> Path:
-    """Record that ``server`` now serves ``version`` (atomic rename); returns the marker path."""
+    """Record that ``server`` (a name unique to the engine: host + URL) serves ``version`` (atomic
+    rename, so the marker's mtime says when it was last confirmed); returns the marker path."""
     d = Path(store) / IN_USE_DIR
     d.mkdir(parents=True, exist_ok=True)
     path = d / _slug(server)
@@ -63,12 +73,22 @@ def mark_in_use(store: Path, server: str, version: str) -> Path:
     return path
 
 
-def in_use_versions(store: Path) -> set[str]:
-    """Versions named by the in-use markers under ``store``."""
+def in_use_versions(store: Path, *, max_age_s: float = MARKER_TTL_S, now: float | None = None) -> set[str]:
+    """Versions named by the in-use markers under ``store`` that were rewritten within ``max_age_s``."""
     d = Path(store) / IN_USE_DIR
     if not d.is_dir():
         return set()
-    return {p.read_text(encoding="utf-8").strip() for p in d.iterdir() if p.is_file() and p.suffix != ".tmp"}
+    now = time.time() if now is None else now
+    out = set()
+    for p in d.iterdir():
+        if not p.is_file() or p.suffix == ".tmp":
+            continue
+        try:
+            if now - p.stat().st_mtime <= max_age_s:
+                out.add(p.read_text(encoding="utf-8").strip())
+        except FileNotFoundError:  # rewritten (renamed over) while we looked: it is fresh anyway
+            continue
+    return out
 
 
 def prune_versions(store: Path, keep: int, protect: set[str] | None = None) -> list[str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
+import socket
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -26,6 +26,10 @@ import msgspec
 import structlog
 from nats.js.errors import NotFoundError
 
+from actors.client import SGLangClient
+from actors.engine import EngineError
+from learner.model_io import ManifestError, verify_manifest
+from learner.weight_store import IN_USE_DIR, mark_in_use, version_index
 from protocol import WeightsPublished, decode_weights, weights_subject
 from protocol.codec import CODEC_HEADER, ProtocolError
 from protocol.subjects import WEIGHTS
@@ -68,8 +72,6 @@ def _sha256(path: Path) -> str:
 
 
 def _newer(a: WeightsPublished, b: WeightsPublished | None) -> bool:
-    from learner.weight_store import version_index
-
     if b is None:
         return True
     ia, ib = version_index(a.version), version_index(b.version)
@@ -82,8 +84,6 @@ class WeightSync:
     """Reconciles servers to the newest announced version (see the module docstring)."""
 
     def __init__(self, cfg: WeightSyncConfig, *, run_id: str) -> None:
-        from actors.client import SGLangClient
-
         if not cfg.servers:
             raise ValueError("weight-sync needs at least one --server URL")
         self.cfg = cfg
@@ -94,10 +94,17 @@ class WeightSync:
         self.retry_at: dict[str, float] = {}
         self.failures: dict[str, int] = {}
         self.results: dict[str, SyncResult] = {}
+        self.host = socket.gethostname()
+        self._marker_warned = False
         self._wake = asyncio.Event()
 
     def offer(self, event: WeightsPublished) -> None:
-        """A new announcement: becomes the desired state if it is newer."""
+        """A new announcement: becomes the desired state if it is newer. One without the manifest's
+        sha256 is refused (nothing could tell its weights from any other files at that path)."""
+        if not event.manifest_sha256 and self.cfg.verify != "off":
+            reason = "announcement carries no manifest sha256"
+            log.error("weight_sync.version.unverifiable", version=event.version, uri=event.uri, reason=reason)
+            return
         if _newer(event, self.desired):
             self.desired = event
             self._wake.set()
@@ -111,8 +118,6 @@ class WeightSync:
             await c.close()
 
     async def _actual(self, url: str) -> str | None:
-        from actors.engine import EngineError
-
         try:
             return await self.clients[url].weight_version()
         except EngineError as e:
@@ -123,8 +128,6 @@ class WeightSync:
         """The export is the announced one: its ``manifest.json`` has the announced sha256 (cheap; the
         export appears atomically, so a matching manifest means a complete directory). With
         ``verify = "files"`` every file is hashed too (our CPU server does that itself on load)."""
-        from learner.model_io import ManifestError, verify_manifest
-
         path = Path(event.uri)
         if self.cfg.verify == "off" or not await asyncio.to_thread(path.is_dir):
             return True
@@ -182,11 +185,22 @@ class WeightSync:
         return res
 
     def _mark_in_use(self, url: str, event: WeightsPublished) -> None:
-        from learner.weight_store import mark_in_use
-
+        """Tell the learner's pruning that ``url`` serves ``event.version`` (refreshed every reconcile).
+        Skipped when the store is not visible here (remote engines); said once when it cannot be written."""
         store = Path(event.uri).parent
-        if store.is_dir() and os.access(store, os.W_OK):
-            mark_in_use(store, url, event.version)
+        if not store.is_dir():
+            return
+        try:
+            mark_in_use(store, f"{self.host}|{url}", event.version)
+        except OSError as e:
+            if not self._marker_warned:
+                self._marker_warned = True
+                log.warning(
+                    "weight_sync.in_use.unwritable",
+                    path=str(store / IN_USE_DIR),
+                    error=f"{type(e).__name__}: {e}",
+                    effect="the learner's pruning cannot see which versions the engines serve",
+                )
 
     async def sync(self, *, refresh: bool = False) -> dict[str, SyncResult]:
         """Bring every server to the desired version now; returns this round's per-server results."""
@@ -203,6 +217,8 @@ class WeightSync:
                     return None
                 self.served[url] = actual
             if self.served[url] == event.version:
+                if refresh:
+                    self._mark_in_use(url, event)  # confirmed again: keep the marker fresh
                 return None
             return await self._update(url, event)
 

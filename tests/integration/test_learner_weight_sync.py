@@ -82,3 +82,42 @@ async def test_an_export_not_matching_its_announcement_is_not_loaded(
     assert not await asyncio.wait_for(sync.run(nats_url, asyncio.Event(), once=True), 60)
     assert sync.results == {}
     assert await _version(server) == "default"
+
+
+async def test_an_announcement_without_a_manifest_hash_is_refused(
+    nats_url: str, run_id: str, tiny_dir: Path, tmp_path: Path, server: str
+) -> None:
+    """An announcement with an empty sha256 cannot be checked against anything: never loaded."""
+    await _announce(nats_url, run_id, tiny_dir, tmp_path / "v000001", "v000001", "")
+    sync = WeightSync(WeightSyncConfig(servers=[server]), run_id=run_id)
+    sync.offer(
+        WeightsPublished(
+            event_id="w",
+            run_id=run_id,
+            version="v000009",
+            uri=str(tmp_path / "v000001"),
+            manifest_sha256="",
+            learner_step=1,
+            base_model="tiny",
+        )
+    )
+    assert sync.desired is None
+    assert await _version(server) == "default"
+
+
+async def test_markers_are_named_by_host_and_url(
+    nats_url: str, run_id: str, tiny_dir: Path, tmp_path: Path, server: str
+) -> None:
+    """The marker is written under ``.in_use/`` and named by weight-sync's host as well as the URL, so the
+    sidecars of one Deployment (each calling its own engine at 127.0.0.1) do not overwrite each other."""
+    import re
+
+    from learner.weight_store import IN_USE_DIR, in_use_versions
+
+    store = tmp_path / "store"
+    await _announce(nats_url, run_id, tiny_dir, store / "v000001", "v000001", None)
+    sync = WeightSync(WeightSyncConfig(servers=[server]), run_id=run_id)
+    assert await asyncio.wait_for(sync.run(nats_url, asyncio.Event(), once=True), 60)
+    markers = list((store / IN_USE_DIR).iterdir())
+    assert in_use_versions(store) == {"v000001"} and len(markers) == 1
+    assert markers[0].name.startswith(re.sub(r"[^A-Za-z0-9_.-]+", "_", sync.host))

@@ -56,3 +56,17 @@ def test_in_use_marker_is_replaced_per_server(tmp_path: Path) -> None:
     mark_in_use(tmp_path, "http://a", "v000004")
     mark_in_use(tmp_path, "http://b", "v000003")
     assert in_use_versions(tmp_path) == {"v000004", "v000003"}
+
+
+def test_a_stale_marker_no_longer_protects_its_version(tmp_path: Path) -> None:
+    """A marker not rewritten within the TTL (its weight-sync is gone) stops protecting its version;
+    a fresh one keeps protecting."""
+    import os
+
+    store = _store(tmp_path, 4)
+    gone = mark_in_use(store, "pod-a|http://127.0.0.1:30000", "v000001")
+    mark_in_use(store, "pod-b|http://127.0.0.1:30000", "v000002")
+    old = gone.stat().st_mtime - 3600
+    os.utime(gone, (old, old))
+    assert in_use_versions(store, max_age_s=600) == {"v000002"}
+    assert prune_versions(store, keep=1) == ["v000001", "v000003"]

@@ -1,0 +1,165 @@
+"""The judge: values cross the process boundary as plain data only; timeouts, crashes and determinism.
+
+The codec tests pin what may reach a comparison in the judge (exact builtin types, bounded depth); the
+judging tests run real submissions of ``HumanEval/53`` (``add``) and ``HumanEval/8`` (``sum_product``,
+which returns a tuple) through the sandbox.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+
+from envs.humaneval import HumanEvalConfig, HumanEvalEnv
+from envs.humaneval_harness import MAX_DEPTH, from_wire, to_wire
+from envs.judge import judge
+from envs.sandbox import SandboxConfig
+
+PLAIN = [
+    None,
+    True,
+    -3,
+    10**40,
+    2.5,
+    "ünï\n",
+    b"\x00\xff",
+    [1, [2, (3, "x")]],
+    (1,),
+    (),
+    {1, 2},
+    frozenset({"a"}),
+    {"k": [1], 2: (3,), (4, 5): None},
+]
+
+
+@pytest.mark.parametrize("value", PLAIN, ids=repr)
+def test_plain_values_round_trip_with_their_exact_types(value: object) -> None:
+    """A tuple stays a tuple, a set a set, bytes bytes: equal value and equal type all the way down."""
+    back = from_wire(to_wire(value))
+    assert back == value and repr(back) == repr(value)
+
+
+def test_nan_and_infinities_survive() -> None:
+    """Floats that JSON has no literal for still cross (the tests compare them with math.isclose and such)."""
+    back = from_wire(to_wire([math.inf, -math.inf, math.nan]))
+    assert back[:2] == [math.inf, -math.inf] and math.isnan(back[2])
+
+
+def test_subclasses_cross_as_their_base_type() -> None:
+    """An int subclass with an always-true __eq__ arrives as a plain int, so it compares honestly."""
+
+    class Liar(int):
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        __hash__ = int.__hash__
+
+    back = from_wire(to_wire(Liar(-1)))
+    assert type(back) is int and back == -1 and back != 5
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        {"object": []},
+        {"tuple": [1], "set": [2]},
+        {"set": [[1]]},  # unhashable member
+        {"dict": [[1]]},
+        {"bytes": 3},
+        {"tuple": "ab"},
+    ],
+    ids=repr,
+)
+def test_anything_but_the_tagged_forms_is_refused(wire: object) -> None:
+    """Unknown tags, several tags, unhashable members, malformed pairs: refused, never rebuilt."""
+    with pytest.raises(ValueError):
+        from_wire(wire)
+
+
+def test_nesting_is_bounded() -> None:
+    """Values nested past MAX_DEPTH are refused on both sides."""
+    deep: list = []
+    for _ in range(MAX_DEPTH + 2):
+        deep = [deep]
+    with pytest.raises(TypeError):
+        to_wire(deep)
+    wire: object = []
+    for _ in range(MAX_DEPTH + 2):
+        wire = [wire]
+    with pytest.raises(ValueError):
+        from_wire(wire)
+
+
+def test_objects_are_not_plain_data() -> None:
+    """Functions, generators and arbitrary objects have no wire form."""
+    for value in (len, (i for i in range(3)), object()):
+        with pytest.raises(TypeError, match="not plain data"):
+            to_wire(value)
+
+
+@pytest.fixture(scope="module")
+def env() -> HumanEvalEnv:
+    return HumanEvalEnv(
+        HumanEvalConfig(num_test=164, unit_timeout_s=0.5, sandbox=SandboxConfig(wall_timeout_s=8))
+    )
+
+
+def test_a_list_is_not_a_tuple(env: HumanEvalEnv) -> None:
+    """sum_product must return a tuple: the same numbers in a list fail, with the list shown."""
+    problem = env.problem("humaneval/test/8")
+    verdict = judge(
+        problem,
+        "def sum_product(numbers):\n    import math\n    return [sum(numbers), math.prod(numbers)]\n",
+        unit_timeout_s=1.0,
+        sandbox=SandboxConfig(),
+    )
+    first = min(i for i, u in enumerate(problem.units) if u["test"])
+    assert not verdict.units[first].ok and verdict.units[first].got == "[0, 1]"
+
+
+def test_the_same_submission_gets_the_same_verdict(env: HumanEvalEnv) -> None:
+    """A submission that draws random numbers is judged identically twice (seeded per unit on both sides)."""
+    code = "import random\ndef add(x, y):\n    return x + y if random.random() < 0.97 else -1\n"
+    observations = []
+    for _ in range(2):
+        env.reset("humaneval/test/53")
+        t = env.step(code)
+        observations.append((t.observation, t.score, t.success))
+    assert observations[0] == observations[1]
+
+
+def test_a_function_that_swallows_its_alarm_is_killed_and_fails(env: HumanEvalEnv) -> None:
+    """Catching the sandbox's own timeout does not help: the judge gives up after the unit's time plus
+    a grace period, kills the process, and the unit fails as timed out."""
+    env.reset("humaneval/test/53")
+    code = (
+        "def add(x, y):\n    while True:\n        try:\n            while True:\n                pass\n"
+        "        except BaseException:\n            pass\n"
+    )
+    t = env.step(code)
+    assert not t.success and t.score == 0.0
+    assert "timed out" in t.observation
+    assert env.last_run is not None and env.last_run.wall_s < 8
+
+
+def test_a_crash_of_the_process_fails_the_unit_with_its_cause(env: HumanEvalEnv) -> None:
+    """A function that kills its own process fails the test, and the feedback says how it ended."""
+    env.reset("humaneval/test/53")
+    t = env.step("def add(x, y):\n    import os, signal\n    os.kill(os.getpid(), signal.SIGKILL)\n")
+    assert not t.success and t.score == 0.0
+    assert "Error: your code's process ended (exit code -9)" in t.observation
+
+
+def test_test_code_that_catches_exceptions_cannot_turn_a_failure_into_a_pass() -> None:
+    """The judge's call failures are not Exceptions: a test's ``except Exception`` cannot swallow them."""
+    problem = HumanEvalEnv(HumanEvalConfig(num_test=164)).problem("humaneval/test/53")
+    lenient = [{"src": "try:\n    candidate(1, 2)\nexcept Exception:\n    pass", "test": True, "left": None}]
+    verdict = judge(
+        msgspec.structs.replace(problem, units=lenient),
+        "def add(x, y):\n    raise ValueError('no')\n",
+        unit_timeout_s=1.0,
+        sandbox=SandboxConfig(),
+    )
+    assert verdict.units[0].ok is False and "ValueError: no" in verdict.units[0].error

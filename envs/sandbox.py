@@ -1,15 +1,17 @@
 """Run untrusted Python in a process that holds no secret, reaches nothing, and cannot outgrow its budget.
 
-Isolation ``namespaces`` (the default, required unless a config opts out) puts the code in new mount, PID
-and network namespaces made by ``unshare`` (util-linux), plus a user namespace when we are not root, and
-``envs/sandbox_boot.py`` sets up the inside before the code runs:
+Isolation ``namespaces`` (the default, required unless a config opts out) puts the code in new mount, PID,
+network, IPC and UTS namespaces made by ``unshare`` (util-linux), plus a user namespace when we are not
+root, and ``envs/sandbox_boot.py`` sets up the inside before the code runs:
 
 - filesystem: a new root with read-only binds of ``/usr``, ``/lib*`` and the interpreter's prefix only;
   ``/tmp`` is a tmpfs of ``disk_mb`` (the working directory, the only writable place; ``RLIMIT_FSIZE``
   caps each file); no ``/etc``, ``/home``, ``/run`` or ``/var``, so no mounted secret or socket file;
 - processes: a fresh ``/proc`` of the new PID namespace, so the parent's ``/proc/<pid>/environ`` does not
-  exist there and no process outside can be signalled; everything dies with the run;
-- network: a new network namespace with only a down loopback (no TCP, no abstract unix sockets);
+  exist there and no process outside can be signalled; an init (PID 1, no capability) reports the
+  code's exit status, and everything dies with it;
+- network and IPC: only a down loopback (no TCP, no abstract unix socket), no SysV/POSIX IPC object or
+  hostname of the host, and a fresh session keyring;
 - privileges: as root, the code runs under a fresh unused uid; in a user namespace, the secure bits and
   an empty capability bounding set leave it no capability; ``no_new_privs`` in both;
 - environment: only ``PATH``, ``LANG``, ``PYTHONHASHSEED`` and ``PYTHONDONTWRITEBYTECODE``, never the
@@ -28,26 +30,36 @@ built) and every run raise :class:`SandboxUnavailable` naming what is missing; n
 ``isolation = "none"`` runs with rlimits, a session and (as root) a fresh uid only; it is for development
 and warns each time an env is built with it.
 
-What a Kubernetes pod must allow for the default isolation (the actor runs non-root there, so the user
-namespace path applies):
+Kubernetes. The actor runs non-root there, so the user-namespace path applies. It needs no capability in
+the pod's ``securityContext`` (``runAsNonRoot``, ``capabilities: drop: [ALL]`` and
+``allowPrivilegeEscalation: false`` are all fine), but these system calls must be allowed to the actor's
+container (checked on this machine as uid 65534; not tried on a cluster):
 
-- creating user namespaces: ``unshare(CLONE_NEWUSER|CLONE_NEWNS|CLONE_NEWPID|CLONE_NEWNET)`` and writing
-  ``/proc/self/{uid_map,gid_map,setgroups}``; the node's ``user.max_user_namespaces`` > 0 (and, on Ubuntu
-  >= 23.10, AppArmor's ``apparmor_restrict_unprivileged_userns`` not applying to the container);
-- then, inside it: ``mount`` (tmpfs, proc, bind), ``mount_setattr`` (kernel >= 5.12; per-mount remount
-  otherwise), ``pivot_root``, ``umount2``, ``prctl`` (``PR_SET_NO_NEW_PRIVS``, ``PR_SET_SECUREBITS``,
-  ``PR_CAPBSET_DROP``, ``PR_CAP_AMBIENT``), ``setrlimit``. No capability is needed outside the user
-  namespace. RuntimeDefault seccomp blocks ``unshare``, ``mount`` and ``pivot_root`` for a container
-  without ``CAP_SYS_ADMIN``, so the container needs a seccomp profile that allows these syscalls
-  (``Localhost``, or ``Unconfined`` for that container only), and ``procMount: Unmasked`` (which needs
-  ``hostUsers: false``): a user namespace may mount a fresh ``/proc`` only where the container's
-  ``/proc`` is not partly masked;
-- or a runtime that provides all of it inside its own kernel, e.g. gVisor (``runtimeClassName: gvisor``),
-  where the default seccomp profile no longer applies to these calls;
-- ``unshare``, ``mount``-capable util-linux and a Python interpreter under ``/usr`` (or a prefix readable
-  by the run's uid) in the image.
+- ``unshare(CLONE_NEWUSER|CLONE_NEWNS|CLONE_NEWPID|CLONE_NEWNET|CLONE_NEWIPC|CLONE_NEWUTS)``, writes to
+  ``/proc/self/{setgroups,uid_map,gid_map}``, ``fork``/``clone``, ``execve``;
+- inside the new user namespace (whose capabilities the boot stage holds, and nothing outside it):
+  ``mount`` (tmpfs, proc, bind, remount), ``mount_setattr`` (kernel >= 5.12; without it, one remount per
+  mount), ``pivot_root``, ``umount2``, ``prctl`` (``PR_SET_NO_NEW_PRIVS``, ``PR_SET_SECUREBITS``,
+  ``PR_CAPBSET_DROP``, ``PR_CAP_AMBIENT``, ``PR_SET_DUMPABLE``), ``capset``, ``setrlimit``, and
+  ``keyctl(KEYCTL_JOIN_SESSION_KEYRING)`` (optional: where it is refused, no keyring can leak either).
 
-As root (this development machine) no user namespace is needed: the mount, PID and network namespaces are
+What refuses them by default: the RuntimeDefault seccomp profile (``unshare``, ``mount``, ``umount2``,
+``pivot_root`` and namespace flags of ``clone`` only with ``CAP_SYS_ADMIN``), the runtime's default
+AppArmor profile (denies ``mount``), the masked ``/proc`` of a container (a user namespace may mount a
+fresh ``/proc`` only where no part of the container's is hidden), and nodes that forbid unprivileged user
+namespaces (``user.max_user_namespaces = 0``, Ubuntu's ``kernel.apparmor_restrict_unprivileged_userns``).
+So either:
+
+- run the actor under gVisor (``runtimeClassName: gvisor``): its own kernel implements the namespaces,
+  mounts and ``pivot_root``, and the host's seccomp and AppArmor never see these calls (``mount_setattr``
+  may be missing there, hence the fallback); or
+- give the container that runs the sandbox (the actor) ``seccompProfile: Localhost`` with a profile that
+  allows the calls above (or ``Unconfined``), ``appArmorProfile: Unconfined`` (or a profile allowing
+  ``mount``, ``umount`` and ``pivot_root``), ``procMount: Unmasked`` (which needs ``hostUsers: false``),
+  on nodes with ``user.max_user_namespaces > 0``.
+
+The image needs util-linux ``unshare`` and a Python interpreter under ``/usr`` (or under a prefix the
+run's uid can read). As root (this development machine) no user namespace is needed: the namespaces are
 made with root's capabilities and the code runs under a fresh uid.
 
 Run ``python -m envs.sandbox`` to print what this machine supports and run a fork bomb safely.

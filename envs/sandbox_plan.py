@@ -87,11 +87,11 @@ def command(
     if config.isolation == "none":
         return boot, "rlimits+session" + ("+uid" if uid is not None else "")
     assert support.unshare is not None, "isolation 'namespaces' needs unshare (probe() checks)"
-    argv = [support.unshare, "--mount", "--net", "--pid", "--fork", "--kill-child", *boot]
+    argv = [support.unshare, "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child", *boot]
     if support.root:
-        return argv, "mountns+pidns+netns+rootfs+uid+rlimits"
+        return argv, "mountns+pidns+netns+ipcns+utsns+rootfs+uid+rlimits"
     argv[1:1] = ["--user", "--map-root-user"]
-    return argv, "userns+mountns+pidns+netns+rootfs+nocaps+rlimits"
+    return argv, "userns+mountns+pidns+netns+ipcns+utsns+rootfs+nocaps+rlimits"
 
 
 def _user_tasks() -> int:

@@ -8,6 +8,8 @@ which returns a tuple) through the sandbox.
 from __future__ import annotations
 
 import math
+import random
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import pytest
@@ -163,3 +165,27 @@ def test_test_code_that_catches_exceptions_cannot_turn_a_failure_into_a_pass() -
         sandbox=SandboxConfig(),
     )
     assert verdict.units[0].ok is False and "ValueError: no" in verdict.units[0].error
+
+
+def test_judging_in_threads_gives_the_sequential_verdicts_and_leaves_global_random_alone() -> None:
+    """Actors judge in worker threads: concurrent judging of random-driven tests (HumanEval/38, 53) gives
+    the same feedback as one at a time, and the process's global ``random`` stream is untouched."""
+    config = HumanEvalConfig(num_test=164)
+    jobs = [
+        ("humaneval/test/53", "def add(x, y):\n    return x + y if x % 7 else 0\n"),
+        ("humaneval/test/38", "def decode_cyclic(s):\n    return s[::-1]\n"),
+    ] * 2
+
+    def run(job: tuple[str, str]) -> str:
+        env = HumanEvalEnv(config)
+        env.reset(job[0])
+        return env.step(job[1]).observation
+
+    random.seed(7)
+    expected_stream = [random.random() for _ in range(3)]
+    random.seed(7)
+    sequential = [run(job) for job in jobs]
+    with ThreadPoolExecutor(4) as pool:
+        concurrent = list(pool.map(run, jobs))
+    assert concurrent == sequential and sequential[0] == sequential[2]
+    assert [random.random() for _ in range(3)] == expected_stream

@@ -12,8 +12,10 @@ this process. The first ``visible_fraction`` of the units are visible: feedback 
 visible test and what went wrong, and the score is the fraction of visible tests passed. Success
 (reward 1) needs every test, hidden ones included. Building the env checks that the sandbox's required
 isolation is available and raises ``SandboxUnavailable`` if not (see ``envs.sandbox``), so an actor
-refuses the task instead of running untrusted code with less isolation. The state is the turn counter and the last
-feedback, so a snapshot is the state itself and rollback returns to a turn.
+refuses the task instead of running untrusted code with less isolation.
+
+The state is the turn counter and the last feedback, so a snapshot is the state itself and rollback
+returns to a turn.
 
 A reply with no code in it is an invalid action; it still uses one of the turns (the horizon is in
 turns, so an episode always ends).

@@ -105,28 +105,28 @@ class Candidate:
             self._stop(_ended(self.proc))
         except (ValueError, RecursionError) as e:  # too long, not JSON, nested too deep
             self._stop(f"your code's process sent an unreadable reply ({type(e).__name__})")
-        return _answer(reply, self)
+        return self._answer(reply)
+
+    def _answer(self, reply: Any) -> Any:
+        """The call's value, or _CallFailed for the function's error or timeout; a malformed reply stops the
+        run (the stream can no longer be trusted to line up with the calls)."""
+        if type(reply) is dict and len(reply) == 1:
+            match reply:
+                case {"value": value}:
+                    try:
+                        return from_wire(value)
+                    except (ValueError, RecursionError) as e:
+                        self._stop(f"your code's process sent a value that is not plain data ({e})")
+                case {"error": str(error)}:
+                    raise _CallFailed(error[:500])
+                case {"timeout": True}:
+                    raise _CallFailed(TIMED_OUT)
+        self._stop("your code's process sent a reply that is not an answer")
 
     def _stop(self, why: str) -> NoReturn:
         self.stopped = why
         self.proc.finish()
         raise _CallFailed(why)
-
-
-def _answer(reply: Any, candidate: Candidate) -> Any:
-    """The call's value, or _CallFailed for the function's error or timeout; a malformed reply stops the run."""
-    if type(reply) is dict and len(reply) == 1:
-        match reply:
-            case {"value": value}:
-                try:
-                    return from_wire(value)
-                except (ValueError, RecursionError) as e:
-                    return candidate._stop(f"your code's process sent a value that is not plain data ({e})")
-            case {"error": str(error)}:
-                raise _CallFailed(error[:500])
-            case {"timeout": True}:
-                raise _CallFailed(TIMED_OUT)
-    return candidate._stop("your code's process sent a reply that is not an answer")
 
 
 def _ended(proc: SandboxProcess) -> str:

@@ -189,3 +189,20 @@ def test_judging_in_threads_gives_the_sequential_verdicts_and_leaves_global_rand
         concurrent = list(pool.map(run, jobs))
     assert concurrent == sequential and sequential[0] == sequential[2]
     assert [random.random() for _ in range(3)] == expected_stream
+
+
+def test_a_forged_reply_that_is_not_plain_data_stops_the_run(env: HumanEvalEnv) -> None:
+    """A function that writes its own reply line, holding something the codec does not know, fails its
+    test and the run stops there (the reply stream no longer lines up with the calls)."""
+    code = """import gc, io
+def add(x, y):
+    for o in gc.get_objects():
+        if isinstance(o, io.TextIOWrapper) and o.mode == "w" and o.fileno() > 2:
+            o.write('{"value": {"object": []}}\\n')
+            o.flush()
+    return x + y
+"""
+    env.reset("humaneval/test/53")
+    t = env.step(code)
+    assert not t.success and t.score == 0.0
+    assert "sent a value that is not plain data" in t.observation

@@ -10,6 +10,7 @@ fake secret in its environment, a sentinel file in the shared temp dir, and must
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,10 +148,14 @@ def env() -> Iterator[HumanEvalEnv]:
 
 
 @pytest.fixture
-def actor_secret(monkeypatch: pytest.MonkeyPatch) -> str:
-    """The pytest process plays the actor and holds a NATS URL with a password in its environment."""
+def actor_secret(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A NATS URL with a password in our environment (what children inherit) and in the start-up
+    environment of a process beside us (what ``/proc/<pid>/environ`` shows)."""
     monkeypatch.setenv("LEAFE_NATS_URL", SECRET)
-    return SECRET
+    bystander = subprocess.Popen(["sleep", "60"], env={"LEAFE_NATS_URL": SECRET})
+    yield SECRET
+    bystander.kill()
+    bystander.wait()
 
 
 def judged(env: HumanEvalEnv, code: str) -> str:

@@ -84,19 +84,25 @@ def test_the_explicit_opt_out_runs_and_warns_on_every_env(without_namespaces: Pa
 
 
 def test_the_parents_environment_and_processes_are_invisible(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The code's environment is the minimal one; /proc shows only the run (init and the code)."""
+    """The code's environment is the minimal one; /proc shows only the run (init and the code), so neither
+    our environment nor the start-up environment of a process beside us can be read."""
     monkeypatch.setenv("LEAFE_NATS_URL", SECRET)
-    code = """import os
+    bystander = subprocess.Popen(["sleep", "60"], env={"LEAFE_NATS_URL": SECRET})
+    code = f"""import os
 pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())
 found = []
-for pid in pids + [os.getppid()]:
+for pid in pids + [os.getppid(), {bystander.pid}, {os.getpid()}]:
     try:
-        found.append(open(f'/proc/{pid}/environ', 'rb').read().decode(errors='replace'))
+        found.append(open(f'/proc/{{pid}}/environ', 'rb').read().decode(errors='replace'))
     except OSError as e:
         found.append(type(e).__name__)
 print(pids, sorted(os.environ), found)
 """
-    r = run_python(code, FAST)
+    try:
+        r = run_python(code, FAST)
+    finally:
+        bystander.kill()
+        bystander.wait()
     assert r.status == "ok" and "hunter2" not in r.stdout + r.stderr
     assert r.stdout.startswith("[1, 2] ")
     assert "['LANG', 'PATH', 'PYTHONDONTWRITEBYTECODE', 'PYTHONHASHSEED']" in r.stdout

@@ -6,11 +6,16 @@ solution has at most that many non-blank lines (a difficulty knob fixed before a
 Sokoban's optimal solution length: 37 of the 164 solve in one line, 57 in at most three).
 
 The agent submits code (a fenced block, bare code, or just the function body) up to ``max_turns``
-times. Each submission runs in ``envs.sandbox`` against the problem's test units (the asserts of
-``check``); the first ``visible_fraction`` of them are visible: feedback names the first failing
+times. Each submission is judged by ``envs.judge``: the code runs in ``envs.sandbox`` and only answers
+calls with values, while the problem's test units (the asserts of ``check``) and the verdict stay in
+this process. The first ``visible_fraction`` of the units are visible: feedback names the first failing
 visible test and what went wrong, and the score is the fraction of visible tests passed. Success
-(reward 1) needs every test, hidden ones included. The state is the turn counter and the last
-feedback, so a snapshot is the state itself and rollback returns to a turn.
+(reward 1) needs every test, hidden ones included. Building the env checks that the sandbox's required
+isolation is available and raises ``SandboxUnavailable`` if not (see ``envs.sandbox``), so an actor
+refuses the task instead of running untrusted code with less isolation.
+
+The state is the turn counter and the last feedback, so a snapshot is the state itself and rollback
+returns to a turn.
 
 A reply with no code in it is an invalid action; it still uses one of the turns (the horizon is in
 turns, so an episode always ends).
@@ -26,17 +31,16 @@ import json
 import math
 import random
 import re
-import secrets
 import textwrap
 import warnings
 from functools import cache
 from importlib.resources import files
-from pathlib import Path
 
 import msgspec
 
 from envs.base import EnvError, Reset, Transition
-from envs.sandbox import SandboxConfig, SandboxResult, run_python
+from envs.judge import Verdict, judge
+from envs.sandbox import SandboxConfig, SandboxResult, check_isolation
 
 __all__ = ["HumanEvalConfig", "HumanEvalEnv", "HumanEvalSnapshot", "Problem", "extract_code", "load_problems"]
 
@@ -68,7 +72,7 @@ class HumanEvalConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     seed: int = 0
     """Seed of the split permutation."""
     unit_timeout_s: float = 3.0
-    """Alarm per test unit inside the sandbox."""
+    """Time per test unit (the calls it makes to the submission included)."""
     sandbox: SandboxConfig = SandboxConfig()
     """Limits of each submission's run."""
 
@@ -187,6 +191,7 @@ class HumanEvalEnv:
 
     def __init__(self, config: HumanEvalConfig | None = None) -> None:
         self.config = config or HumanEvalConfig()
+        check_isolation(self.config.sandbox)  # refuse now, not after mis-scoring an episode
         self.instructions = INSTRUCTIONS.format(turns=self.config.max_turns)
         limit = self.config.max_solution_lines
         self._problems = {p.number: p for p in load_problems() if not limit or p.solution_lines <= limit}
@@ -251,8 +256,14 @@ class HumanEvalEnv:
                 "```python code block"
             )
             return self._finish(state, turn, text, score=state.score, success=False, valid=False)
-        self.last_run = run = self._run(problem, _as_program(code, problem))
-        score, success, text = _judge(problem, run, self.config.visible_fraction)
+        verdict = judge(
+            problem,
+            _as_program(code, problem),
+            unit_timeout_s=self.config.unit_timeout_s,
+            sandbox=self.config.sandbox,
+        )
+        self.last_run = verdict.run
+        score, success, text = _score(problem, verdict, self.config.visible_fraction)
         return self._finish(state, turn, text, score=score, success=success, valid=True)
 
     def _finish(
@@ -273,20 +284,6 @@ class HumanEvalEnv:
             valid=valid,
             score=score,
         )
-
-    def _run(self, problem: Problem, program: str) -> SandboxResult:
-        payload = {
-            "prompt": problem.prompt,
-            "submission": program,
-            "preamble": problem.preamble,
-            "entry_point": problem.entry_point,
-            "units": problem.units,
-            "unit_timeout_s": self.config.unit_timeout_s,
-        }
-        source = _harness_source() + f"\nmain({json.dumps(payload)!r})\n"
-        nonce = secrets.token_hex(16)
-        result = run_python(source, self.config.sandbox, stdin=(nonce + "\n").encode())
-        return msgspec.structs.replace(result, stdout=_results_only(result.stdout, nonce))
 
     def valid_actions(self) -> None:
         """Free-form code: no list."""
@@ -313,27 +310,13 @@ class HumanEvalEnv:
         return self._state
 
 
-@cache
-def _harness_source() -> str:
-    return (Path(__file__).parent / "humaneval_harness.py").read_text(encoding="utf-8")
-
-
-def _results_only(stdout: str, nonce: str) -> str:
-    """Keep the harness's own lines (they carry the nonce the code never saw)."""
-    prefix = nonce + " "
-    return "".join(line[len(prefix) :] + "\n" for line in stdout.splitlines() if line.startswith(prefix))
-
-
-def _judge(problem: Problem, run: SandboxResult, visible_fraction: float) -> tuple[float, bool, str]:
-    """(score over visible tests, all tests passed, feedback text) from the harness's records."""
-    records = [json.loads(line) for line in run.stdout.splitlines()]
-    load = next((r for r in records if r["stage"] == "load"), None)
-    if load is not None:
-        return 0.0, False, f"your code did not run: {load['error']}"
-    results = {r["i"]: r for r in records if r["stage"] == "unit"}
+def _score(problem: Problem, verdict: Verdict, visible_fraction: float) -> tuple[float, bool, str]:
+    """(score over visible tests, all tests passed, feedback text) from the judge's verdict."""
+    if verdict.load_error is not None:
+        return 0.0, False, f"your code did not run: {verdict.load_error}"
     tests = [i for i, u in enumerate(problem.units) if u["test"]]
     visible = tests[: max(1, math.ceil(len(tests) * visible_fraction))]
-    passed = {i for i in tests if results.get(i, {}).get("ok")}
+    passed = {i for i in tests if i in verdict.units and verdict.units[i].ok}
     score = sum(1 for i in visible if i in passed) / len(visible)
     if len(passed) == len(tests):
         return 1.0, True, "All tests passed."
@@ -341,22 +324,23 @@ def _judge(problem: Problem, run: SandboxResult, visible_fraction: float) -> tup
     if failing is None:
         return score, False, f"All {len(visible)} visible tests passed, but some hidden tests failed."
     summary = f"{sum(1 for i in visible if i in passed)} of {len(visible)} visible tests passed."
-    return score, False, summary + "\n" + _describe_failure(problem, results.get(failing), failing, run)
+    return score, False, summary + "\n" + _describe_failure(problem, verdict, failing)
 
 
-def _describe_failure(problem: Problem, record: dict | None, index: int, run: SandboxResult) -> str:
+def _describe_failure(problem: Problem, verdict: Verdict, index: int) -> str:
     lines = [f"Failed test: {problem.units[index]['src'][:300]}"]
-    if record is None:
+    outcome = verdict.units.get(index)
+    if outcome is None:
         why = {
             "timeout": "the run hit its time limit",
             "memory": "the run ran out of memory",
             "output_limit": "the code printed too much output",
-        }.get(run.status, "the run was stopped")
+        }.get(verdict.run.status, "the run was stopped")
         lines.append(f"Error: {why} before this test finished.")
-    elif record.get("error"):
-        lines.append(f"Error: {record['error']}")
-    elif record.get("got") is not None:
-        lines.append(f"Your function returned: {record['got']}")
+    elif outcome.error:
+        lines.append(f"Error: {outcome.error}")
+    elif outcome.got is not None:
+        lines.append(f"Your function returned: {outcome.got}")
     return "\n".join(lines)
 
 

@@ -84,6 +84,11 @@ async def test_leader_sigkill_loses_and_duplicates_nothing(
         info = await js.stream_info(EVENTS.name)
         assert info.config.num_replicas == replicated == 3
         victim = nats_cluster.index_of(await stream_leader(js, EVENTS.name))
+        ours = (
+            "the node this client is connected to"
+            if nc.connected_url and nc.connected_url.port == nats_cluster.nodes[victim].port
+            else "another node than this client's"
+        )
         pub = Publisher(js, max_pending=256, ack_timeout_s=3.0)
         task = asyncio.create_task(_publish_all(pub, events, reported))
         while pub.acked < 500 and not task.done():  # noqa: ASYNC110 (polling a counter the publisher owns)
@@ -97,7 +102,7 @@ async def test_leader_sigkill_loses_and_duplicates_nothing(
         catch_up_s = await asyncio.to_thread(nats_cluster.wait_healthy, victim, 60.0)
         await asyncio.wait_for(task, 120)
         print(
-            f"\nleader n{victim} killed after {published_at_kill} publishes: next acked event after "
+            f"\nleader n{victim} ({ours}) killed after {published_at_kill} publishes: next acked event after "
             f"{recovery_s:.2f}s (new leader {new_leader}); restarted node healthy after {catch_up_s:.2f}s; "
             f"{len(reported)} events reported unacked"
         )

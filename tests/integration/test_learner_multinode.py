@@ -31,7 +31,7 @@ from tests.unit.learner.learner_helpers import (
 
 __all__ = ["dist_env", "one_thread", "tiny_dir"]
 
-# ~1.5 min on 2 cores: five torchrun agents and their workers, each importing torch.
+# 40-100 s on 2 cores: five torchrun agents and their workers, each importing torch.
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 REPO = Path(__file__).parents[2]

@@ -12,6 +12,14 @@ request that times out after connecting are not retried (a slow generation would
 every attempt fails, :class:`~actors.engine.EngineError` names each server and why. Error bodies are read
 in any of SGLang's three shapes; unknown response keys are ignored (docs/sglang-api.md).
 
+An aborted generation (``meta_info.finish_reason.type == "abort"``: a weight update with
+``abort_all_requests``, a scheduler abort) is never returned as a completion, since it would become a
+Step with no action: it is sent again up to ``abort_retries`` times, then raised as an ``EngineError``;
+an abort carrying status 400 (the request itself is bad) is raised at once. ``/model_info`` falls back
+to its deprecated alias ``/get_model_info`` on a 404 (the sglang router shipped with SGLang 0.5.23 may
+serve only the old route). Timeouts, retries and backoff are :class:`SGLangClientConfig` fields, so a
+service config can carry them (``SGLangClient.from_config``).
+
 In-flight counts are this client's own (share one client among an actor's episodes; across machines,
 put the sglang router in front). The aiohttp session belongs to the event loop that first used it: use
 one client per loop, and close it (``async with``).
@@ -20,54 +28,65 @@ one client per loop, and close it (``async with``).
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import aiohttp
 import msgspec
 import structlog
 
 from actors.engine import Completion, EngineError, SamplingParams
+from actors.sglang_wire import (
+    Aborted,
+    decode_outputs,
+    error_message,
+    parse_completions,
+    raise_if_aborted,
+    to_completion,
+)
 
-__all__ = ["SGLangClient", "UpdateResult", "error_message", "parse_completions"]
+__all__ = ["SGLangClient", "SGLangClientConfig", "UpdateResult", "error_message", "parse_completions"]
 
 log = structlog.get_logger(__name__)
 
 _RETRY_STATUS = frozenset({502, 503, 504})
-_MAX_SHOWN_BODY = 500
+_MODEL_INFO_ROUTES = ("/model_info", "/get_model_info")
 
 
-class _FinishReason(msgspec.Struct):
-    type: str = "stop"
-    matched: int | str | None = None
-    length: int | None = None
-    message: str | None = None
+class SGLangClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How the client talks to its servers (a service config can embed it, e.g. as ``[actor.engine]``)."""
+
+    timeout_s: float = 300.0
+    """Whole-request timeout of one ``/generate`` once connected; not retried when exceeded (the
+    generation may still be running). Long CPU generations or big batches on a busy GPU want more."""
+    connect_timeout_s: float = 5.0
+    """TCP connect timeout; a connect timeout is retried on another server."""
+    health_timeout_s: float = 30.0
+    """Timeout of ``/health`` and ``/model_info`` (SGLang's ``/health`` runs a generation: seconds)."""
+    retries: int = 3
+    """Extra attempts after a transient failure (connection error, 502/503/504); at least one attempt
+    per server is always made."""
+    abort_retries: int = 2
+    """Times an aborted generation is sent again before it is raised as an ``EngineError``."""
+    backoff_s: float = 0.2
+    """First wait between attempts; doubles each time."""
+    max_backoff_s: float = 5.0
+    """Longest wait between attempts."""
+    cooldown_s: float = 2.0
+    """How long a server that failed is avoided when another is up."""
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "connect_timeout_s", "health_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("retries", "abort_retries", "backoff_s", "max_backoff_s", "cooldown_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
 
-class _MetaInfo(msgspec.Struct):
-    id: str = ""
-    finish_reason: _FinishReason | str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    weight_version: str = "default"
-    output_token_logprobs: list[list[Any]] | None = None
-
-
-class _Output(msgspec.Struct):
-    output_ids: list[int]
-    meta_info: _MetaInfo
-    text: str = ""
-
-
-_FINISH: dict[str, Literal["stop", "length", "abort"]] = {
-    "stop": "stop",
-    "length": "length",
-    "abort": "abort",
-}
+_DEFAULTS = SGLangClientConfig()
 
 
 class UpdateResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,56 +98,8 @@ class UpdateResult(msgspec.Struct, frozen=True, kw_only=True):
     num_paused_requests: int = 0
 
 
-def error_message(body: bytes | str) -> str:
-    """The error text of an SGLang error body: ``{"error": str}``, ``{"error": {"message": str}}``,
-    ``{"object": "error", "message": str}`` (or FastAPI's ``{"detail": ...}``); raw text otherwise."""
-    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
-    try:
-        data = msgspec.json.decode(text)
-    except msgspec.DecodeError:
-        return text.strip()[:_MAX_SHOWN_BODY] or "(empty body)"
-    if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, dict) and err.get("message") is not None:
-            return str(err["message"])
-        if isinstance(err, str):
-            return err
-        for key in ("message", "detail"):
-            if data.get(key) is not None:
-                return str(data[key])
-    return text.strip()[:_MAX_SHOWN_BODY]
-
-
-def _completion(out: _Output) -> Completion:
-    meta = out.meta_info
-    fr = meta.finish_reason
-    kind = fr.type if isinstance(fr, _FinishReason) else (fr or "stop")
-    logprobs = None
-    if meta.output_token_logprobs is not None:
-        logprobs = [math.nan if e[0] is None else float(e[0]) for e in meta.output_token_logprobs]
-    return Completion(
-        text=out.text,
-        output_ids=out.output_ids,
-        logprobs=logprobs,
-        finish_reason=_FINISH.get(kind, "abort"),
-        weight_version=meta.weight_version,
-        prompt_tokens=meta.prompt_tokens,
-        cached_tokens=meta.cached_tokens,
-    )
-
-
-def parse_completions(body: bytes) -> list[Completion]:
-    """Completions of a ``/generate`` response body (one object, or a list for a batch or ``n > 1``)."""
-    try:
-        data = msgspec.json.decode(body)
-        outs = msgspec.convert(data if isinstance(data, list) else [data], list[_Output])
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise EngineError(f"unexpected /generate response ({e}): {body[:_MAX_SHOWN_BODY]!r}") from None
-    for out in outs:
-        fr = out.meta_info.finish_reason
-        if isinstance(fr, _FinishReason) and fr.type == "abort":
-            log.warning("engine.generate.aborted", message=fr.message, rid=out.meta_info.id)
-    return [_completion(o) for o in outs]
+class _NotFound(EngineError):
+    """HTTP 404: the route does not exist on that server."""
 
 
 @dataclass
@@ -149,27 +120,38 @@ class SGLangClient:
         self,
         urls: str | Sequence[str],
         *,
-        timeout_s: float = 300.0,
-        connect_timeout_s: float = 5.0,
-        health_timeout_s: float = 30.0,
-        retries: int = 3,
-        backoff_s: float = 0.2,
-        max_backoff_s: float = 5.0,
-        cooldown_s: float = 2.0,
+        timeout_s: float = _DEFAULTS.timeout_s,
+        connect_timeout_s: float = _DEFAULTS.connect_timeout_s,
+        health_timeout_s: float = _DEFAULTS.health_timeout_s,
+        retries: int = _DEFAULTS.retries,
+        abort_retries: int = _DEFAULTS.abort_retries,
+        backoff_s: float = _DEFAULTS.backoff_s,
+        max_backoff_s: float = _DEFAULTS.max_backoff_s,
+        cooldown_s: float = _DEFAULTS.cooldown_s,
     ) -> None:
+        """Keyword arguments are :class:`SGLangClientConfig`'s fields (validated the same way)."""
         url_list = [urls] if isinstance(urls, str) else list(urls)
         if not url_list:
             raise ValueError("SGLangClient needs at least one server URL")
+        self.config = SGLangClientConfig(
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            health_timeout_s=health_timeout_s,
+            retries=retries,
+            abort_retries=abort_retries,
+            backoff_s=backoff_s,
+            max_backoff_s=max_backoff_s,
+            cooldown_s=cooldown_s,
+        )
         self.servers = [_Server(u.rstrip("/")) for u in url_list]
-        self.timeout_s = timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self.health_timeout_s = health_timeout_s
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.cooldown_s = cooldown_s
         self._session: aiohttp.ClientSession | None = None
         self._turn = 0
+        self._model_info_route = _MODEL_INFO_ROUTES[0]
+
+    @classmethod
+    def from_config(cls, urls: str | Sequence[str], config: SGLangClientConfig) -> SGLangClient:
+        """A client over ``urls`` with ``config``'s timeouts and retries."""
+        return cls(urls, **msgspec.structs.asdict(config))
 
     async def __aenter__(self) -> SGLangClient:
         return self
@@ -200,7 +182,7 @@ class SGLangClient:
         return min(rotated, key=lambda s: s.in_flight)
 
     async def _once(self, server: _Server, method: str, path: str, payload: Any, timeout_s: float) -> bytes:
-        t = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.connect_timeout_s)
+        t = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.config.connect_timeout_s)
         url = server.url + path
         server.in_flight += 1
         try:
@@ -208,7 +190,7 @@ class SGLangClient:
                 body = await resp.read()
                 status = resp.status
         except aiohttp.ConnectionTimeoutError as e:
-            raise _Transient(f"connect timeout after {self.connect_timeout_s} s ({e})") from e
+            raise _Transient(f"connect timeout after {self.config.connect_timeout_s} s ({e})") from e
         except TimeoutError as e:
             raise EngineError(f"{url} timed out after {timeout_s} s (not retried)") from e
         except aiohttp.ClientError as e:  # refused, reset, disconnected, truncated body
@@ -219,26 +201,28 @@ class SGLangClient:
             return body
         if status in _RETRY_STATUS:
             raise _Transient(f"HTTP {status}: {error_message(body)}")
+        if status == 404:
+            raise _NotFound(f"{url} answered HTTP 404: {error_message(body)}")
         raise EngineError(f"{url} answered HTTP {status}: {error_message(body)}")
 
     async def _request(
         self, method: str, path: str, payload: Any = None, *, timeout_s: float | None = None
     ) -> bytes:
         """Send to the least-loaded server, retrying transient failures on others with backoff."""
-        attempts = max(self.retries + 1, len(self.servers))
+        attempts = max(self.config.retries + 1, len(self.servers))
         failures: list[str] = []
         for attempt in range(attempts):
             server = self._pick()
             try:
-                return await self._once(server, method, path, payload, timeout_s or self.timeout_s)
+                return await self._once(server, method, path, payload, timeout_s or self.config.timeout_s)
             except _Transient as e:
-                server.down_until = time.monotonic() + self.cooldown_s
+                server.down_until = time.monotonic() + self.config.cooldown_s
                 failures.append(f"{server.url} ({e})")
                 log.warning(
                     "engine.request.retry", url=server.url, path=path, attempt=attempt + 1, error=str(e)
                 )
             if attempt + 1 < attempts:
-                await asyncio.sleep(min(self.max_backoff_s, self.backoff_s * 2**attempt))
+                await asyncio.sleep(min(self.config.max_backoff_s, self.config.backoff_s * 2**attempt))
         raise EngineError(
             f"{path} failed on every inference server after {attempts} attempts: " + "; ".join(failures)
         )
@@ -256,8 +240,8 @@ class SGLangClient:
         return_logprob: bool = False,
         timeout_s: float | None = None,
     ) -> list[Completion]:
-        """``n`` completions of ``input_ids`` (raises :class:`EngineError`); ``timeout_s`` overrides the
-        client's per-request timeout."""
+        """``n`` completions of ``input_ids`` (raises :class:`EngineError`, also for a generation the
+        server aborted ``abort_retries + 1`` times); ``timeout_s`` overrides the per-request timeout."""
         if not input_ids:
             raise EngineError("generate needs a non-empty prompt (input_ids=[])")
         if n < 1:
@@ -270,17 +254,38 @@ class SGLangClient:
             "sampling_params": sampling,
             "return_logprob": return_logprob,
         }
-        completions = parse_completions(await self.generate_raw(payload, timeout_s=timeout_s))
+        for attempt in range(self.config.abort_retries + 1):
+            outs = decode_outputs(await self.generate_raw(payload, timeout_s=timeout_s))
+            try:
+                raise_if_aborted(outs)
+                break
+            except Aborted as e:
+                log.warning("engine.generate.aborted", attempt=attempt + 1, error=str(e))
+                if not e.retryable or attempt == self.config.abort_retries:
+                    raise EngineError(f"{e} (after {attempt + 1} attempt(s))") from None
+                await asyncio.sleep(min(self.config.max_backoff_s, self.config.backoff_s * 2**attempt))
+        completions = [to_completion(o) for o in outs]
         if len(completions) != n:
             raise EngineError(f"asked for n={n} completions, the server returned {len(completions)}")
         return completions
 
     async def model_info(self) -> dict[str, Any]:
-        """``/model_info`` of the least-loaded reachable server."""
-        info = msgspec.json.decode(await self._request("GET", "/model_info", timeout_s=self.health_timeout_s))
-        if not isinstance(info, dict):
-            raise EngineError(f"unexpected /model_info response: {info!r}")
-        return info
+        """``/model_info`` of the least-loaded reachable server (``/get_model_info`` where the first is
+        404, as behind the sglang router of SGLang 0.5.23; the route that answered is remembered)."""
+        routes = [self._model_info_route, *(r for r in _MODEL_INFO_ROUTES if r != self._model_info_route)]
+        missing: list[str] = []
+        for route in routes:
+            try:
+                body = await self._request("GET", route, timeout_s=self.config.health_timeout_s)
+            except _NotFound as e:
+                missing.append(str(e))
+                continue
+            self._model_info_route = route
+            info = msgspec.json.decode(body)
+            if not isinstance(info, dict):
+                raise EngineError(f"unexpected {route} response: {info!r}")
+            return info
+        raise EngineError("no model info route: " + "; ".join(missing))
 
     async def weight_version(self) -> str:
         """The weight version a server currently serves (from ``/model_info``)."""
@@ -290,7 +295,7 @@ class SGLangClient:
         self, method: str, path: str, payload: Any, timeout_s: float
     ) -> list[tuple[str, int, bytes]]:
         async def one(server: _Server) -> tuple[str, int, bytes]:
-            t = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.connect_timeout_s)
+            t = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.config.connect_timeout_s)
             try:
                 async with self._http().request(method, server.url + path, json=payload, timeout=t) as resp:
                     return server.url, resp.status, await resp.read()
@@ -330,5 +335,5 @@ class SGLangClient:
 
     async def health(self) -> dict[str, bool]:
         """``GET /health`` on every server (SGLang's can take seconds: ``health_timeout_s``)."""
-        answers = await self._each("GET", "/health", None, self.health_timeout_s)
+        answers = await self._each("GET", "/health", None, self.config.health_timeout_s)
         return {url: status == 200 for url, status, _ in answers}

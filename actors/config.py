@@ -44,6 +44,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from actors.client import SGLangClientConfig
 from actors.engine import SamplingParams
 from protocol.config import convert_config, merge_tables
 
@@ -301,6 +302,8 @@ class ActorServiceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     """Per-env overrides of :class:`ExplorerConfig` fields (key ``"*"`` applies to every env)."""
     rollout: dict[str, Override] = msgspec.field(default_factory=dict)
     """Per-env overrides of :class:`RolloutConfig` fields (key ``"*"`` applies to every env)."""
+    engine: SGLangClientConfig = msgspec.field(default_factory=SGLangClientConfig)
+    """How the actor talks to its inference servers (``[actor.engine]``: request timeout, retries)."""
 
     def __post_init__(self) -> None:
         _check(self.concurrency >= 1, "concurrency", self.concurrency, "must be >= 1")

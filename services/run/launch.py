@@ -74,7 +74,7 @@ def prepare_run_dir(ctx: RunContext) -> None:
 async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
     """NATS (embedded unless a URL is configured), the model, the inference server, the streams."""
     cfg = ctx.config
-    ctx.nats = NatsOptions(url=cfg.services.nats_url)
+    ctx.nats = NatsOptions(url=cfg.services.nats_url, stream_replicas=cfg.services.stream_replicas)
     if not ctx.nats.url:
         server = EmbeddedNats(ctx.run_dir / "nats", log_file=ctx.run_dir / "logs" / "nats.log").start()
         stack.callback(server.stop)
@@ -104,7 +104,14 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
 
 
 def _nats_args(ctx: RunContext) -> list[str]:
-    return ["--nats", ctx.nats.url, "--run", ctx.config.run_id]
+    return [
+        "--nats",
+        ctx.nats.url,
+        "--stream-replicas",
+        str(ctx.nats.stream_replicas),
+        "--run",
+        ctx.config.run_id,
+    ]
 
 
 async def start_pipeline(ctx: RunContext) -> None:

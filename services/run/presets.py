@@ -92,6 +92,8 @@ class ServicesSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """External SGLang URLs; empty = start the CPU inference server."""
     nats_url: str = ""
     """External NATS URL; empty = embedded nats-server on the run directory (also $LEAFE_NATS_URL)."""
+    stream_replicas: int = 1
+    """Replicas of the streams the run creates (3 on a clustered JetStream given by ``nats_url``)."""
     inference_max_batch: int = 16
     """CPU inference server: largest dynamic batch."""
     inference_threads: int = 1

@@ -73,7 +73,8 @@ async def _evaluate(ctx: RunContext, label: str) -> None:
     )
     assert ctx.model_dir is not None
     tokenizer = HFChatTokenizer.from_dir(ctx.model_dir)
-    async with SGLangClient(ctx.engine_urls) as engine, Publisher(ctx.jetstream) as pub:
+    client = SGLangClient.from_config(ctx.engine_urls, cfg.actor.engine)
+    async with client as engine, Publisher(ctx.jetstream) as pub:
         result = await evaluate(request, engine=engine, tokenizer=tokenizer, sink=PublisherSink(pub))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(msgspec.json.format(msgspec.json.encode(result)))

@@ -285,17 +285,18 @@ async def test_weight_reload_changes_version_and_outputs(fresh_server: ServerThr
 async def test_version_update_with_abort_ends_running_requests(fresh_server: ServerThread) -> None:
     """While a long generation runs the server still answers /ready; /update_weight_version with
     abort_all_requests ends that generation with finish_reason "abort" (its partial output kept) and
-    later requests carry the new version."""
+    later requests carry the new version. (Read raw: ``SGLangClient.generate`` retries aborts.)"""
     long = SamplingParams(max_new_tokens=2000, temperature=0.0)
     async with SGLangClient(fresh_server.url) as client, aiohttp.ClientSession() as http:
-        running = asyncio.create_task(client.generate([1, 2, 3], long))
+        payload = {"input_ids": [1, 2, 3], "sampling_params": long.to_sglang()}
+        running = asyncio.create_task(client.generate_raw(payload))
         await asyncio.sleep(0.3)
         async with http.get(fresh_server.url + "/ready") as r:  # the HTTP loop answers during generation
             assert r.status == 200 and not running.done()
         body = {"new_version": "v9", "abort_all_requests": True}
         async with http.post(fresh_server.url + "/update_weight_version", json=body) as r:
             assert r.status == 200
-        [aborted] = await running
+        [aborted] = parse_completions(await running)
         [later] = await client.generate([1, 2, 3], GREEDY)
     assert aborted.finish_reason == "abort" and len(aborted.output_ids) < 2000
     assert later.weight_version == "v9"

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from actors.client import SGLangClient, error_message, parse_completions
+from actors.client import SGLangClient, SGLangClientConfig, error_message, parse_completions
 from actors.engine import EngineError, SamplingParams
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "sglang"
@@ -38,13 +38,17 @@ class Replay:
     delay_s: float = 0.0
     requests: list[tuple[str, Any]] = field(default_factory=list)
     url: str = ""
+    first: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)
+    """Answers given once each, in order, before a route falls back to ``routes``."""
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.json() if request.can_read_body else None
         self.requests.append((request.path, body))
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
-        status, payload = self.routes.get(request.path, (404, fixture("not_found.json")))
+        queued = self.first.get(request.path)
+        default = self.routes.get(request.path, (404, fixture("not_found.json")))
+        status, payload = queued.pop(0) if queued else default
         ctype = "application/json" if payload.startswith((b"{", b"[")) else "text/plain"
         return web.Response(status=status, body=payload, content_type=ctype)
 
@@ -252,3 +256,158 @@ async def test_bad_arguments_fail_before_sending() -> None:
             await c.generate([], PARAMS)
         with pytest.raises(EngineError, match="n must be"):
             await c.generate([1], PARAMS, n=0)
+
+
+def _with_abort(name: str, status: int | None, message: str = "Abort all requests (weight update).") -> bytes:
+    """``name``'s body with every result's finish_reason turned into an abort carrying ``status``."""
+    data = json.loads(fixture(name))
+    for out in data if isinstance(data, list) else [data]:
+        out["output_ids"], out["text"] = [], ""
+        reason = {"type": "abort", "message": message, "status_code": status, "err_type": None}
+        out["meta_info"]["finish_reason"] = reason
+    return json.dumps(data).encode()
+
+
+async def test_an_aborted_generation_is_sent_again_and_never_returned() -> None:
+    """An abort (e.g. a weight update with abort_all_requests) is retried; the caller gets the retry's
+    completion, never the empty aborted one."""
+    async with replay({"/generate": (200, fixture("generate_stop_eos.json"))}) as rep:
+        rep.first["/generate"] = [(200, fixture("generate_abort.json"))]
+        async with fast_client([rep.url]) as c:
+            [out] = await c.generate([1, 2], PARAMS)
+    assert out.finish_reason == "stop" and out.output_ids[-1] == 2
+    assert [path for path, _ in rep.requests] == ["/generate", "/generate"]
+    assert rep.requests[0][1] == rep.requests[1][1]
+
+
+async def test_one_aborted_result_of_n_retries_the_request() -> None:
+    """With n=2, one aborted result among the two sends the request again; both returned completions
+    come from the answer without an abort."""
+    n2 = json.loads(fixture("generate_n2.json"))
+    n2[1]["meta_info"]["finish_reason"] = {"type": "abort", "message": "scheduler", "status_code": 503}
+    async with replay({"/generate": (200, fixture("generate_n2.json"))}) as rep:
+        rep.first["/generate"] = [(200, json.dumps(n2).encode())]
+        async with fast_client([rep.url]) as c:
+            two = await c.generate([1], PARAMS, n=2)
+    assert [x.finish_reason for x in two] == ["stop", "length"] and len(rep.requests) == 2
+
+
+async def test_a_persistent_abort_is_an_engine_error() -> None:
+    """Aborted on every attempt: EngineError with the server's abort message after abort_retries + 1
+    requests (no completion comes back to become a Step)."""
+    async with replay({"/generate": (200, fixture("generate_abort.json"))}) as rep:
+        async with fast_client([rep.url], abort_retries=2) as c:
+            with pytest.raises(EngineError, match=r"aborted.*Abort before prefill.*after 3 attempt"):
+                await c.generate([1], PARAMS)
+    assert len(rep.requests) == 3
+
+
+async def test_an_abort_with_status_400_is_raised_at_once() -> None:
+    """An abort that says the request is bad (status 400) is not sent again."""
+    body = _with_abort("generate_stop_eos.json", 400, "The input is longer than the context length.")
+    async with replay({"/generate": (200, body)}) as rep, fast_client([rep.url], abort_retries=3) as c:
+        with pytest.raises(EngineError, match="longer than the context length"):
+            await c.generate([1], PARAMS)
+    assert len(rep.requests) == 1
+
+
+async def test_an_aborted_retry_moves_to_another_server() -> None:
+    """An abort on one server (its weights are being swapped) is retried on the least-loaded server,
+    which may be another one; whichever answers, the result is a real completion."""
+    body = (200, fixture("generate_stop_eos.json"))
+    async with (
+        replay({"/generate": (200, fixture("generate_abort.json"))}) as bad,
+        replay({"/generate": body}) as good,
+    ):
+        async with fast_client([bad.url, good.url], abort_retries=4) as c:
+            outs = [await c.generate([1], PARAMS) for _ in range(3)]
+    assert all(o.finish_reason == "stop" for [o] in outs)
+    assert len(good.requests) == 3 and len(bad.requests) >= 1
+
+
+async def test_model_info_falls_back_to_get_model_info_on_404() -> None:
+    """A server without /model_info (the sglang router of 0.5.23) is asked /get_model_info; the route
+    that answered is used from then on."""
+    routes = {"/get_model_info": (200, fixture("model_info.json"))}
+    async with replay(routes) as rep, fast_client([rep.url]) as c:
+        assert await c.weight_version() == "step-40"
+        assert await c.weight_version() == "step-40"
+    assert [p for p, _ in rep.requests] == ["/model_info", "/get_model_info", "/get_model_info"]
+
+
+async def test_model_info_missing_on_both_routes_names_them() -> None:
+    """If neither route exists, the error names both 404s."""
+    async with replay({}) as rep, fast_client([rep.url]) as c:
+        with pytest.raises(EngineError) as err:
+            await c.model_info()
+    assert "/model_info" in str(err.value) and "/get_model_info" in str(err.value)
+
+
+async def test_timeout_comes_from_the_client_config() -> None:
+    """``SGLangClient.from_config`` applies the config's request timeout (what actors and leafe eval
+    pass through), and a per-call ``timeout_s`` still overrides it."""
+    config = SGLangClientConfig(timeout_s=0.2, backoff_s=0.01)
+    async with replay({"/generate": (200, fixture("generate_stop_eos.json"))}, 0.5) as rep:
+        async with SGLangClient.from_config([rep.url], config) as c:
+            assert c.config == config
+            with pytest.raises(EngineError, match=r"timed out after 0\.2 s"):
+                await c.generate([1], PARAMS)
+            [out] = await c.generate([1], PARAMS, timeout_s=5.0)
+    assert out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("field_name", "value"), [("timeout_s", 0.0), ("retries", -1), ("abort_retries", -2), ("backoff_s", -1.0)]
+)
+def test_client_config_rejects_bad_values(field_name: str, value: float) -> None:
+    """A non-positive timeout or a negative count is refused, naming the field and the value."""
+    with pytest.raises(ValueError, match=f"{field_name} must be .*{value}"):
+        SGLangClientConfig(**{field_name: value})
+    with pytest.raises(ValueError, match=field_name):
+        SGLangClient(["http://127.0.0.1:1"], **{field_name: value})
+
+
+async def test_an_abort_never_becomes_a_step() -> None:
+    """Through the real episode code: an abort that persists raises out of the rollout before any Step
+    is emitted (the episode stays unfinished and is retried), and an abort followed by a real answer
+    gives Steps with the real answer's exact output ids."""
+    from actors.config import RolloutConfig
+    from actors.episode import EpisodeSpec, ListSink
+    from actors.fakes import ByteChatTokenizer, CorridorEnv
+    from actors.rollout import run_rollout
+    from protocol.events import Step
+
+    spec = EpisodeSpec(
+        run_id="r1",
+        episode_id="k.a1",
+        actor_id="a",
+        task_key="k",
+        env="corridor",
+        task_id="corridor/test/00002",
+        mode="eval",
+        seed=10,
+    )
+    answer = {"text": "<action>left</action>", "output_ids": [60, 97, 62], "meta_info": {"id": "x"}}
+
+    async def rollout(rep: Replay, sink: ListSink) -> ListSink:
+        async with fast_client([rep.url], abort_retries=1) as c:
+            await run_rollout(
+                engine=c,
+                tokenizer=ByteChatTokenizer(),
+                env=CorridorEnv(),
+                spec=spec,
+                config=RolloutConfig(horizon=2),
+                sink=sink,
+            )
+        return sink
+
+    info = (200, fixture("model_info.json"))
+    aborted = ListSink()
+    async with replay({"/generate": (200, fixture("generate_abort.json")), "/model_info": info}) as rep:
+        with pytest.raises(EngineError, match="aborted"):
+            await rollout(rep, aborted)
+    assert aborted.events and not any(isinstance(e, Step) for e in aborted.events)
+    async with replay({"/generate": (200, json.dumps(answer).encode()), "/model_info": info}) as rep:
+        rep.first["/generate"] = [(200, fixture("generate_abort.json"))]
+        steps = [e for e in (await rollout(rep, ListSink())).events if isinstance(e, Step)]
+    assert steps and all(s.token_ids == [60, 97, 62] for s in steps)

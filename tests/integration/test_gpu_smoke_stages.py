@@ -1,0 +1,47 @@
+"""``bench/gpu_smoke.py``'s stages on CPU, so the GPU check does not rot between GPU runs: explore through
+the actor code against ``leafe inference`` (the tiny model) in SGLang's place, fold the events into a
+dataset, train a few steps (CPU, gloo, instead of NCCL), push the export and verify the served logprobs
+against a forward pass of the new weights."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.gpu_smoke import Report, build_dataset, explore, parameter_count, push_and_verify
+from services.inference.server import InferenceConfig, InferenceServer
+from tests.unit.learner.learner_helpers import tiny_dir
+
+__all__ = ["tiny_dir"]
+
+pytestmark = [pytest.mark.integration, pytest.mark.anyio, pytest.mark.slow]
+
+
+async def test_gpu_smoke_stages_on_cpu(tiny_dir: Path, tmp_path: Path) -> None:
+    """Every check of the smoke run passes with the CPU server, and the figures are filled in."""
+    report = Report()
+    config = InferenceConfig(model=str(tiny_dir), port=0, max_batch=4, threads=1)
+    async with InferenceServer(config) as server:
+        events = await explore(server.url, tiny_dir, 2, report)
+        assert build_dataset(events, tiny_dir, tmp_path / "data") > 0
+        paths = ["--data", str(tmp_path / "data"), "--model", str(tiny_dir), "--out", str(tmp_path / "train")]
+        flags = (
+            "--preset cpu --max-steps 3 --global-batch 4 --lr 1e-2 --export-dtype fp32 --no-resume".split()
+        )
+        train = [sys.executable, "-m", "services.train", *paths, *flags]
+        done = await asyncio.to_thread(
+            subprocess.run, train, capture_output=True, text=True, timeout=300, check=False
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        export = tmp_path / "train" / "final"
+        await push_and_verify(server.url, tiny_dir, export, "smoke-step3", 0.05, report, device="cpu")
+    assert report.checks and all(report.checks.values()), report
+    assert "served_logprobs_not_base_weights" in report.checks, report.notes
+    assert report.figures["explore"]["output_tokens"] > 0
+    assert parameter_count(export) > 0

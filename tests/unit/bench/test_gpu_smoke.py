@@ -1,0 +1,101 @@
+"""The CPU-checkable parts of ``bench/gpu_smoke.py``: it refuses to start without CUDA or SGLang (saying
+what to do), its launch commands parse with the real CLIs, its training config is valid, and the MFU and
+logprob arithmetic."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from bench.gpu_smoke import TRAIN_TOML, main
+from bench.gpu_smoke_lib import (
+    SGLANG_VERSION,
+    SmokeError,
+    logprob_gap,
+    mfu,
+    peak_tflops,
+    preflight,
+    sglang_command,
+    train_command,
+)
+
+
+def test_without_cuda_it_exits_2_at_once_and_writes_nothing(tmp_path: Path, capsys) -> None:
+    """On a machine without CUDA (this one) the smoke check stops before starting anything."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out = tmp_path / "gpu_smoke.json"
+    assert main(["--out", str(out)]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_preflight_names_what_is_missing() -> None:
+    """No CUDA, too few GPUs, or a python without sglang: each is a SmokeError that says how to fix it."""
+    with pytest.raises(SmokeError, match="CUDA is not available"):
+        preflight(sys.executable, gpus=1, cuda=(False, 0))
+    with pytest.raises(SmokeError, match="--gpus 4 but torch sees 2"):
+        preflight(sys.executable, gpus=4, cuda=(True, 2))
+    with pytest.raises(
+        SmokeError, match=f"sglang is not importable.*sglang=={SGLANG_VERSION}.*--sglang-python"
+    ):
+        preflight(sys.executable, gpus=1, cuda=(True, 1))  # this venv has no sglang (its wheels need CUDA)
+
+
+def test_train_command_parses_with_leafe_train_and_runs_bf16_over_nccl(tmp_path: Path) -> None:
+    """The torchrun command's trainer flags are accepted by ``leafe train``'s parser, and the config file
+    it passes gives bf16 over the paper preset."""
+    from learner.config import resolve_train_config
+    from services.train import build_parser
+
+    cfg = tmp_path / "train.toml"
+    cfg.write_text(TRAIN_TOML, encoding="utf-8")
+    cmd = train_command(
+        tmp_path / "d", tmp_path / "m", tmp_path / "o", cfg, gpus=2, steps=4, batch=16, lr=1e-4
+    )
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node=2", "-m"]
+    args = build_parser().parse_args(cmd[cmd.index("services.train") + 1 :])
+    assert (args.backend, args.max_steps, args.global_batch, args.lr, args.preset) == (
+        "nccl",
+        4,
+        16,
+        1e-4,
+        "paper",
+    )
+    assert args.no_resume and args.export_dtype == "bf16"
+    config = resolve_train_config(args.preset, args.config)
+    assert config.trainer.precision == "bf16" and config.trainer.optim.warmup_steps == 1
+
+
+def test_sglang_command() -> None:
+    """SGLang is launched as a module of the given python with the model, port and memory share."""
+    cmd = sglang_command("/opt/sglang/bin/python", Path("/models/m"), 30001, 0.25)
+    assert cmd[:5] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server", "--model-path", "/models/m"]
+    flags = dict(zip(cmd[5::2], cmd[6::2], strict=True))
+    assert flags == {
+        "--host": "127.0.0.1",
+        "--port": "30001",
+        "--mem-fraction-static": "0.25",
+        "--dtype": "bfloat16",
+    }
+
+
+def test_mfu_and_peaks() -> None:
+    """MFU = 6 * params * tokens/s over the GPUs' peak; unknown devices give None unless overridden."""
+    assert peak_tflops("NVIDIA H200") == 989.0 and peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_tflops("Some GPU") is None and peak_tflops("Some GPU", 100.0) == 100.0
+    assert mfu(135_000_000, 100_000.0, 2, 989.0) == pytest.approx(6 * 135e6 * 1e5 / (2 * 989e12))
+    assert mfu(135_000_000, 100_000.0, 1, None) is None
+
+
+def test_logprob_gap() -> None:
+    """Mean and max absolute difference; lists of different lengths are an error."""
+    assert logprob_gap([-1.0, -2.0], [-1.5, -2.0]) == (0.25, 0.5)
+    with pytest.raises(SmokeError, match="differ in length"):
+        logprob_gap([-1.0], [-1.0, -2.0])

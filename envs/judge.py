@@ -32,15 +32,13 @@ import random
 import time
 import types
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import msgspec
 
 from envs.humaneval_harness import from_wire, to_wire
+from envs.humaneval_problems import Problem
 from envs.sandbox import SandboxConfig, SandboxProcess, SandboxResult, open_python
-
-if TYPE_CHECKING:
-    from envs.humaneval import Problem
 
 __all__ = ["Candidate", "UnitOutcome", "Verdict", "judge"]
 

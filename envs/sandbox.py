@@ -75,12 +75,11 @@ import stat
 import sys
 import time
 from pathlib import Path
-from typing import Literal
 
 import msgspec
 import structlog
 
-from envs.sandbox_plan import SandboxSupport
+from envs.sandbox_plan import SandboxConfig, SandboxSupport
 from envs.sandbox_run import SandboxProcess, SandboxResult, SandboxUnavailable, Status, start
 
 __all__ = [
@@ -97,49 +96,6 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
-
-Isolation = Literal["namespaces", "none"]
-
-
-class SandboxConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Isolation and limits of one sandboxed run."""
-
-    isolation: Isolation = "namespaces"
-    """``namespaces``: the layers of the module docstring, or refuse to run; ``none``: rlimits, a session
-    and (as root) a fresh uid only, for development (warned about when an env is built)."""
-    wall_timeout_s: float = 10.0
-    """Wall-clock limit; the whole process tree is killed after it."""
-    cpu_time_s: int = 5
-    """CPU seconds per process (RLIMIT_CPU)."""
-    memory_mb: int = 256
-    """Address space per process in MiB (RLIMIT_AS)."""
-    max_processes: int = 3
-    """Processes and threads of the run, the first one included (RLIMIT_NPROC, counted for the run alone)."""
-    disk_mb: int = 64
-    """Size of the run's tmpfs working directory in MiB (it lives in memory, so it counts in the budget)."""
-    memory_budget_mb: int = 1024
-    """Memory one run may use at most: ``max_processes * memory_mb + disk_mb`` must not exceed it."""
-    max_output_kb: int = 256
-    """Largest file the code may write, stdout/stderr included (RLIMIT_FSIZE), in KiB."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "wall_timeout_s",
-            "cpu_time_s",
-            "memory_mb",
-            "max_processes",
-            "disk_mb",
-            "max_output_kb",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"sandbox {name} must be > 0, got {getattr(self, name)}")
-        used = self.max_processes * self.memory_mb + self.disk_mb
-        if used > self.memory_budget_mb:
-            raise ValueError(
-                f"sandbox max_processes * memory_mb + disk_mb = {self.max_processes} * {self.memory_mb} + "
-                f"{self.disk_mb} = {used} MiB exceeds memory_budget_mb = {self.memory_budget_mb}"
-            )
-
 
 PROBE_CODE = (
     "import os\n"

@@ -20,15 +20,12 @@ import tempfile
 import time
 from pathlib import Path
 from subprocess import PIPE
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import msgspec
 
 from envs.base import EnvError
-from envs.sandbox_plan import ENV, SandboxSupport, boot_plan, command
-
-if TYPE_CHECKING:
-    from envs.sandbox import SandboxConfig
+from envs.sandbox_plan import ENV, SandboxConfig, SandboxSupport, boot_plan, command
 
 __all__ = ["SandboxProcess", "SandboxResult", "SandboxUnavailable", "Status", "start"]
 

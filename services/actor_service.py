@@ -38,6 +38,7 @@ from actors.episode import EpisodeSpec, EpisodeSummary
 from actors.explorer import Explorer
 from actors.rollout import run_rollout
 from envs.registry import make_env
+from envs.sandbox import SandboxUnavailable
 from protocol.codec import CODEC_HEADER, ProtocolError, decode_task, decode_weights
 from protocol.config import config_digest
 from protocol.events import EpisodeEvent
@@ -151,7 +152,8 @@ class EpisodeRunner:
 
     async def _failed(self, delivery: Delivery[TaskAssignment], attempt: int, e: Exception) -> None:
         error = f"{type(e).__name__}: {e}"
-        if attempt >= self.config.max_attempts:
+        # A sandbox without its isolation refuses on every attempt on this machine: not transient.
+        if attempt >= self.config.max_attempts or isinstance(e, SandboxUnavailable):
             self.stats.failed += 1
             log.error("actor.task.failed", attempt=attempt, error=error, exc_info=e)
             await delivery.term()

@@ -23,7 +23,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "train": ("services.train", "train offline on rebuilt dataset shards"),
     "eval": ("services.eval", "Pass@k evaluation of one or more models/weight versions"),
     "log": ("services.eventlog.cli", "export, import or inspect an event log"),
-    "nats": ("services.bus.nats_server", "run an embedded nats-server with JetStream (for local use)"),
+    "nats": ("services.nats", "run an embedded nats-server with JetStream (for local use)"),
 }
 
 

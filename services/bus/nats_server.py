@@ -2,13 +2,11 @@
 
 ``leafe run`` and the tests use :class:`EmbeddedNats`; deployments point ``LEAFE_NATS_URL`` at a cluster.
 A node of a local cluster is an :class:`EmbeddedNats` with a :class:`ClusterRoutes` (see
-``services/bus/nats_cluster.py``). Run one by hand with ``leafe nats --store DIR [--port N]``, or a
-3-node cluster on loopback with ``leafe nats --store DIR --cluster 3``.
+``services/bus/nats_cluster.py``). Run one by hand with ``leafe nats`` (``services/nats.py``).
 """
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import signal
 import socket
@@ -25,7 +23,6 @@ __all__ = [
     "NatsServerError",
     "find_nats_server",
     "free_port",
-    "main",
 ]
 
 
@@ -183,43 +180,3 @@ class EmbeddedNats:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
-
-
-def main(argv: list[str]) -> int:
-    """``leafe nats --store DIR [--port N]``: run an embedded server until Ctrl-C."""
-    parser = argparse.ArgumentParser(prog="leafe nats", description=__doc__)
-    parser.add_argument("--store", type=Path, required=True, help="JetStream store directory")
-    parser.add_argument("--port", type=int, default=4222, help="client port (default 4222)")
-    parser.add_argument("--host", default="127.0.0.1", help="listen address")
-    parser.add_argument(
-        "--cluster", type=int, default=0, metavar="N", help="run N clustered nodes on free ports instead"
-    )
-    args = parser.parse_args(argv)
-    if args.cluster:
-        return _main_cluster(args.store, args.cluster, args.host)
-    server = EmbeddedNats(args.store, port=args.port, host=args.host).start()
-    print(f"nats-server with JetStream at {server.url} (store {args.store}); Ctrl-C to stop", flush=True)
-    try:
-        while server.pid is not None:
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
-    return 0
-
-
-def _main_cluster(store: Path, size: int, host: str) -> int:
-    from services.bus.nats_cluster import NatsCluster
-
-    cluster = NatsCluster(store, size=size, host=host).start()
-    print(f"{size}-node nats cluster with JetStream: {cluster.url} (stores under {store}); Ctrl-C to stop")
-    print("create replicated streams with: leafe streams ensure --nats URL --stream-replicas 3", flush=True)
-    try:
-        while all(node.pid is not None for node in cluster.nodes):
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        cluster.stop()
-    return 0

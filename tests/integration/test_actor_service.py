@@ -277,6 +277,35 @@ async def test_engine_failures_are_retried_then_terminated(nats_url: str, run_id
     await nc.close()
 
 
+async def test_a_sandbox_that_cannot_isolate_fails_the_task_at_once(nats_url: str, run_id: str) -> None:
+    """An env whose sandbox refuses (the isolation it requires is missing) is not a transient error: the
+    task is terminated on its first attempt with the reason, never retried in a loop."""
+    from envs.sandbox import SandboxUnavailable
+
+    def no_sandbox(name: str, **options: object) -> object:
+        raise SandboxUnavailable("user namespaces are unavailable here (test)")
+
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js)
+    [task] = corridor_tasks(run_id, 1)
+    await submit(js, run_id, [task])
+    service = ActorService(
+        nc=nc,
+        run_id=run_id,
+        engine=ScriptedEngine(),
+        tokenizer=ByteChatTokenizer(),
+        config=ActorServiceConfig(max_attempts=3, retry_delay_s=0.1),
+        actor_id="a",
+        env_factory=no_sandbox,  # type: ignore[arg-type]
+        max_tasks=1,
+    )
+    stats = await asyncio.wait_for(service.run(), timeout=30)
+    assert (stats.retried, stats.failed) == (0, 1)
+    assert await tasks_left(js, run_id) == 0
+    await nc.close()
+
+
 async def test_actor_follows_weights_announcements(nats_url: str, run_id: str) -> None:
     """The latest WeightsPublished is read at start and new ones are followed while running."""
     nc = await connect(nats_url)

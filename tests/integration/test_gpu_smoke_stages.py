@@ -16,9 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.gpu_smoke import Report, build_dataset, explore, parameter_count, push_and_verify
 from services.inference.server import InferenceConfig, InferenceServer
-from tests.unit.learner.learner_helpers import tiny_dir
-
-__all__ = ["tiny_dir"]
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio, pytest.mark.slow]
 

@@ -17,19 +17,11 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from learner.config import resolve_train_config
+from learner.config import TrainConfig, train_preset
+from learner.offline import train
 from services.bus.nats_server import free_port
-from services.train import train
-from tests.unit.learner.learner_helpers import (
-    assert_same_weights,
-    dist_env,
-    make_samples,
-    one_thread,
-    tiny_dir,
-    write_shards,
-)
-
-__all__ = ["dist_env", "one_thread", "tiny_dir"]
+from services.config import load_config
+from tests.support.learner import assert_same_weights, make_samples, write_shards
 
 # 40-100 s on 2 cores: five torchrun agents and their workers, each importing torch.
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -118,7 +110,9 @@ def test_checkpoint_on_two_nodes_resumes_on_one_and_on_two(dist_env, tiny_dir: P
     assert _launch(2, data, tiny_dir, on_two, cfg) == {(0, 2), (1, 2)}
 
     ref = tmp_path / "reference"
-    result = train(resolve_train_config("cpu", cfg), data, str(tiny_dir), ref, dist_env)
+    result = train(
+        load_config(TrainConfig, preset=train_preset("cpu"), files=[cfg]), data, str(tiny_dir), ref, dist_env
+    )
     assert result.steps == STEPS
     expected = _metrics(ref)
     lr_sum = sum(m["lr"] for m in expected)

@@ -17,8 +17,8 @@ from protocol.events import EpisodeEvent
 from protocol.subjects import EVENTS, STREAMS, event_subject
 from services.bus import Publisher, PublishError, connect, ensure_streams, read_stream
 from services.bus.nats_cluster import NatsCluster
-from tests.property.strategies import make_episode
 from tests.support.cluster import replicas_current, stream_leader
+from tests.support.strategies import make_episode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 

@@ -51,8 +51,7 @@ def test_preflight_names_what_is_missing() -> None:
 def test_train_command_parses_with_leafe_train_and_runs_bf16_over_nccl(tmp_path: Path) -> None:
     """The torchrun command's trainer flags are accepted by ``leafe train``'s parser, and the config file
     it passes gives bf16 over the paper preset."""
-    from learner.config import resolve_train_config
-    from services.train import build_parser
+    from services.train import build_parser, resolve
 
     cfg = tmp_path / "train.toml"
     cfg.write_text(TRAIN_TOML, encoding="utf-8")
@@ -69,7 +68,7 @@ def test_train_command_parses_with_leafe_train_and_runs_bf16_over_nccl(tmp_path:
         "paper",
     )
     assert args.no_resume and args.export_dtype == "bf16"
-    config = resolve_train_config(args.preset, args.config)
+    config = resolve(args)
     assert config.trainer.precision == "bf16" and config.trainer.optim.warmup_steps == 1
 
 

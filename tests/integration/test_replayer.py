@@ -392,7 +392,17 @@ def test_leafe_replay_from_file_equals_replay_from_stream(
     # Every successful step is rehearsed: which 20% would be kept depends on sample ids, so on the run id.
     config = tmp_path / "replay.toml"
     config.write_text("[options]\nrehearsal_fraction = 1.0\n")
-    common = ["--run", run_id, "--model", model, "--no-progress", "--shard-size", "2", "--config", str(config)]
+    common = [
+        "--run",
+        run_id,
+        "--model",
+        model,
+        "--no-progress",
+        "--shard-size",
+        "2",
+        "--config",
+        str(config),
+    ]
     assert replay.main(["--from", nats_url, "--out", str(tmp_path / "a"), *common]) == 0
     assert replay.main(["--from", str(log_file), "--out", str(tmp_path / "b"), *common]) == 0
     a, b = read_manifest(tmp_path / "a"), read_manifest(tmp_path / "b")

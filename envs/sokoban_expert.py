@@ -74,6 +74,8 @@ def oracle_reflection(room: Room, history: Sequence[HistoryEntry]) -> OracleRefl
         if after == dist and first_idle is None:
             first_idle = (t, _what_happened(move, what, dist, after), (player, boxes))
         player, boxes, dist = nxt_player, nxt_boxes, after
+        if dist == 0:
+            break  # solved: the episode ended here, later steps (if any) were never played
     if first_idle is None:
         return OracleReflection(tau=len(history) - 1, experience="")
     return _reflection(room, *first_idle)

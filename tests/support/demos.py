@@ -4,10 +4,13 @@ an engine that proposes varied alternatives, and the structural checks of a demo
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
+
+from hypothesis import strategies as st
 
 from actors.config import RolloutConfig
 from actors.demo import DemoRunner
@@ -15,6 +18,7 @@ from actors.demo_config import DemoConfig
 from actors.early import SELF_REFLECTION_QUESTION
 from actors.engine import Completion, SamplingParams
 from actors.episode import EpisodeSpec, ListSink
+from actors.fakes import ByteChatTokenizer
 from envs.sokoban import SokobanConfig, SokobanEnv
 from protocol.events import (
     EXPERT_VERSION,
@@ -34,7 +38,9 @@ __all__ = [
     "SMALL_SOKOBAN",
     "ProposalEngine",
     "check_demo_episode",
+    "demo_episodes",
     "demo_events",
+    "demo_pool",
     "play_demo",
     "reflection_text",
 ]
@@ -159,3 +165,24 @@ def check_demo_episode(events: Sequence[EpisodeEvent]) -> None:
     assert fin.reflections == sum(isinstance(e, Reflection) for e in events)
     assert fin.replay_steps == sum(e.replay_steps for e in events if isinstance(e, Rollback))
     assert fin.parse_failures == sum(not s.parse_ok for s in steps)
+
+
+@functools.cache
+def demo_pool(size: int = 18) -> tuple[tuple[EpisodeEvent, ...], ...]:
+    """``size`` real demonstrations (byte tokenizer, run ``r1``): plain, with alternatives, with
+    self-reflection; built once per process (each takes milliseconds, but Hypothesis draws many logs)."""
+    tok = ByteChatTokenizer()
+    pool = []
+    for i in range(size):
+        alternatives = (0, 3, 5)[i % 3]
+        reflect = alternatives > 0 and i % 2 == 0
+        events = play_demo(i, tokenizer=tok, alternatives=alternatives, self_reflection=reflect, seed=i)
+        pool.append(tuple(events))
+    return tuple(pool)
+
+
+def demo_episodes(max_size: int = 6) -> st.SearchStrategy[list[list[EpisodeEvent]]]:
+    """A few distinct demonstrations of the pool (per-episode streams)."""
+    pool = demo_pool()
+    indexes = st.lists(st.integers(0, len(pool) - 1), min_size=1, max_size=max_size, unique=True)
+    return indexes.map(lambda ix: [list(pool[i]) for i in ix])

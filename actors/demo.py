@@ -219,7 +219,8 @@ class DemoRunner:
     async def _snapshot(self) -> Any:
         return await self._env(self.env.snapshot) if self.env.supports_snapshot else None
 
-    async def _expert_step(self, t: int, action: str, observation: str, before: Any) -> ExpertState:
+    def _answer(self, action: str, observation: str) -> tuple[list[int], ExpertAnswer]:
+        """The prompt ids of the current state and ``action`` written as the policy's completion."""
         messages = render_messages(
             instructions=self.env.instructions,
             task=self.task,
@@ -229,7 +230,6 @@ class DemoRunner:
             history_window=self.rollout.history_window,
         )
         prefix = self.rollout.response_prefix
-        ids = self.tokenizer.encode_chat(messages, prefix)
         answer = expert_answer(
             action,
             answer_format=self.demo.answer_format,
@@ -239,6 +239,11 @@ class DemoRunner:
             messages=messages,
             eot=self.eot,
         )
+        return self.tokenizer.encode_chat(messages, prefix), answer
+
+    async def _expert_step(self, t: int, action: str, observation: str, before: Any) -> ExpertState:
+        ids, answer = self._answer(action, observation)
+        prefix = self.rollout.response_prefix
         valid = await self._env(self.env.valid_actions)
         parsed = parse_action(prefix + answer.text, valid)
         agrees = _same(parsed.action, action)

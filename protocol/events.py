@@ -27,7 +27,7 @@ after expert step ``t``, one-step branches off it: ``Reflection(b0, at_t=t+1, ta
 (the self-reflection text when one was asked for, else empty with ``source="none"``), ``Rollback(b0,
 tau=t)``, ``Branch(b_n, parent b0, tau=t, depth 1, experience "")``, one ``Step(b_n, t)`` with the policy's
 alternative action and the observation it led to, and its ``Outcome`` (``budget`` unless it solved or
-ended the task).
+ended the task); after a state's alternatives, ``Rollback(b0, tau=t+1)`` puts the env back on the path.
 """
 
 from __future__ import annotations

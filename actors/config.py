@@ -36,6 +36,11 @@ Per-environment defaults and why (paper silent on all of them; see the report in
   the prefix is part of the recorded prompt, so training targets are exactly what the model generated.
 - the explorer's horizon never exceeds the env's own step limit, so "horizon" means ours; where the env
   ends first the branch ends ``env_done`` and the reflection trigger is ``failure``.
+- ``reflection_source = "oracle"`` (an ablation, sokoban and humaneval only: ``envs.registry.ORACLE_ENVS``)
+  lets the environment's oracle name tau and e instead of the policy; any other env is a config error.
+
+Demonstration episodes (mode ``demo``) take their prompt settings from the env's :class:`RolloutConfig`
+and the rest from ``actors.demo_config.DemoConfig`` (the ``[demo.<env>]`` tables).
 """
 
 from __future__ import annotations
@@ -45,18 +50,22 @@ from typing import Any, Literal
 import msgspec
 
 from actors.client import SGLangClientConfig
+from actors.demo_config import DemoConfig
 from actors.engine import SamplingParams
-from protocol.config import convert_config, merge_tables
+from envs.registry import ORACLE_ENVS
+from protocol.config import ConfigError, convert_config, merge_tables
 
 __all__ = [
     "ENV_DEFAULTS",
     "ActorServiceConfig",
     "ExperienceScope",
     "ExplorerConfig",
+    "ReflectionSourceName",
     "RolloutConfig",
 ]
 
 ExperienceScope = Literal["first_step", "branch"]
+ReflectionSourceName = Literal["model", "oracle"]
 Override = dict[str, int | float | str | bool | list[str]]
 
 
@@ -152,6 +161,9 @@ class ExplorerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     paper's IR baseline), every branch restarts the task from step 0 with e in context."""
     max_experience_chars: int = 400
     """Longer experiences are cut (flag ``experience_truncated``)."""
+    reflection_source: ReflectionSourceName = "model"
+    """Who names tau and e: the policy (``model``, LEAFE) or the environment's oracle (``oracle``, an
+    ablation: the solver or the visible-test feedback; ``envs.registry.ORACLE_ENVS`` only)."""
     return_logprob: bool = False
     """Ask the engine for behaviour logprobs of actions."""
     env_in_thread: bool = False
@@ -177,7 +189,13 @@ class ExplorerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @classmethod
     def for_env(cls, env: str, overrides: Override | None = None) -> ExplorerConfig:
         """The documented defaults of ``env`` with ``overrides`` applied (errors name env and field)."""
-        return _resolve(cls, env, overrides)
+        config: ExplorerConfig = _resolve(cls, env, overrides)
+        if config.reflection_source == "oracle" and env != "*" and env not in ORACLE_ENVS:
+            raise ConfigError(
+                f"invalid ExplorerConfig (from env {env!r}): reflection_source = 'oracle' but {env!r} has no "
+                f"reflection oracle (only {sorted(ORACLE_ENVS)})"
+            )
+        return config
 
     def action_params(self, seed: int | None = None) -> SamplingParams:
         """Sampling parameters of an action request."""
@@ -304,6 +322,9 @@ class ActorServiceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     """Per-env overrides of :class:`RolloutConfig` fields (key ``"*"`` applies to every env)."""
     engine: SGLangClientConfig = msgspec.field(default_factory=SGLangClientConfig)
     """How the actor talks to its inference servers (``[actor.engine]``: request timeout, retries)."""
+    demo: dict[str, Override] = msgspec.field(default_factory=dict)
+    """Per-env overrides of ``actors.demo_config.DemoConfig`` fields (demonstrations, Early Experience;
+    key ``"*"`` applies to every env)."""
 
     def __post_init__(self) -> None:
         _check(self.concurrency >= 1, "concurrency", self.concurrency, "must be >= 1")
@@ -319,6 +340,8 @@ class ActorServiceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
             self.explorer_config(env)
         for env in self.rollout:
             self.rollout_config(env)
+        for env in self.demo:
+            self.demo_config(env)
 
     def explorer_config(self, env: str) -> ExplorerConfig:
         """Resolved exploration config of ``env``: defaults, then ``"*"``, then the env's overrides."""
@@ -327,3 +350,7 @@ class ActorServiceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     def rollout_config(self, env: str) -> RolloutConfig:
         """Resolved rollout config of ``env``: defaults, then ``"*"``, then the env's overrides."""
         return RolloutConfig.for_env(env, {**self.rollout.get("*", {}), **self.rollout.get(env, {})})
+
+    def demo_config(self, env: str) -> DemoConfig:
+        """Resolved demonstration config of ``env``: defaults, then ``"*"``, then the env's overrides."""
+        return DemoConfig.for_env(env, {**self.demo.get("*", {}), **self.demo.get(env, {})})

@@ -20,6 +20,7 @@ of step t-1, or o_0), tokenized by the injected ``ChatTokenizer``; ``Step.prompt
 prove it rebuilt it. An unparseable completion is a policy action with no env step (``action=None``,
 feedback says why); rollback replay skips those. An ``EnvError`` ends the episode with an ``error``
 Outcome; an ``EngineError`` propagates (the episode stays unfinished, i.e. abandoned, and is retried).
+With ``reflection_source = "oracle"`` the environment's oracle names tau and e (``actors/oracle.py``).
 
 Run one in-process: ``await Explorer(engine=..., tokenizer=..., env=..., config=ExplorerConfig.for_env(
 "sokoban"), sink=ListSink(), spec=EpisodeSpec(...)).run()``.
@@ -39,9 +40,11 @@ import structlog
 from actors.config import ExplorerConfig
 from actors.engine import Completion, Engine, EngineError, SamplingParams
 from actors.episode import EpisodeRecorder, EpisodeSpec, EpisodeSummary, EventSink
+from actors.oracle import oracle_parsed
 from actors.parsing import invalid_action_feedback, parse_action, parse_reflection
 from actors.prompts import render_reflection_messages
 from envs.base import Env, EnvError, Transition, rollback_to
+from envs.registry import reflection_oracle
 from protocol.events import (
     ROOT_BRANCH,
     Branch,
@@ -129,6 +132,7 @@ class Explorer:
         self.rec = EpisodeRecorder(
             sink, run_id=spec.run_id, episode_id=spec.episode_id, actor_id=spec.actor_id, **kwargs
         )
+        self.oracle = reflection_oracle(env) if config.reflection_source == "oracle" else None
         self.n = _Counters()
         self.task = ""
         self.o0 = ""
@@ -300,18 +304,24 @@ class Explorer:
     async def _reflect(self, b: _Branch, trigger: ReflectionTrigger) -> None:
         if not b.path or not self._can_branch_from(b):
             return
-        messages = render_reflection_messages(
-            instructions=self.env.instructions,
-            task=self.task,
-            history=[s.entry for s in b.path],
-            observation=b.path[-1].entry.observation,
-            trigger=trigger,
-            history_window=self.cfg.reflect_history_window,
-        )
-        ids = self.tokenizer.encode_chat(messages)
-        completion = await self._generate(ids, self._params(reflect=True), False)
-        at_t = len(b.path)
-        parsed = parse_reflection(completion.text, at_t, max_experience_chars=self.cfg.max_experience_chars)
+        at_t, history = len(b.path), [s.entry for s in b.path]
+        if self.oracle is not None:
+            verdict = await self._env(self.oracle.oracle_reflection, self.spec.task_id, history)
+            raw, ids = verdict.experience, []
+            parsed = oracle_parsed(verdict, at_t, self.cfg.max_experience_chars)
+        else:
+            messages = render_reflection_messages(
+                instructions=self.env.instructions,
+                task=self.task,
+                history=history,
+                observation=history[-1].observation,
+                trigger=trigger,
+                history_window=self.cfg.reflect_history_window,
+            )
+            ids = self.tokenizer.encode_chat(messages)
+            completion = await self._generate(ids, self._params(reflect=True), False)
+            raw, ids = completion.text, list(completion.output_ids)
+            parsed = parse_reflection(raw, at_t, max_experience_chars=self.cfg.max_experience_chars)
         self.n.reflections += 1
         event = await self.rec.emit(
             Reflection,
@@ -320,10 +330,11 @@ class Explorer:
             trigger=trigger,
             tau=parsed.tau,
             experience=parsed.experience,
-            raw_text=completion.text,
-            token_ids=list(completion.output_ids),
+            raw_text=raw,
+            token_ids=ids,
             parse_ok=parsed.parse_ok,
             flags=list(parsed.flags),
+            source=self.cfg.reflection_source,
         )
         if parsed.experience:
             tau = 0 if self.cfg.restart_from == "start" else parsed.tau  # IR restarts the whole attempt

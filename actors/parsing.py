@@ -10,6 +10,10 @@ an action is looked for in this order, and :class:`ParsedAction` says which rule
 3. ``mention``: the first valid action mentioned anywhere (whole words; at one position the longest);
 4. with the valid actions unknown: ``fence`` (the first fenced code block) or ``raw`` (the whole text).
 
+A reasoning block ``<think>...</think>`` (the self-reflection answer format of the Early Experience
+baseline, ``protocol.answers``: ``<think>why</think><action>up</action>``) is removed before these rules,
+so nothing mentioned while reasoning is taken for the action; an unclosed one runs to the end of the text.
+
 A reflection answers ``<step>N</step><experience>...</experience>``; fallbacks (``step N``, an untagged
 experience) are accepted and flagged, tau out of range is clamped and flagged.
 """
@@ -34,6 +38,7 @@ __all__ = [
 ActionMethod = Literal["tag", "tag_mention", "mention", "fence", "raw", "none"]
 
 _TAG = re.compile(r"<action>(.*?)(?:</action>|$)", re.IGNORECASE | re.DOTALL)
+_THINK = re.compile(r"<think>.*?(?:</think>|$)", re.IGNORECASE | re.DOTALL)
 _FENCE = re.compile(r"```[^\n`]*\n(.*?)(?:```|$)", re.DOTALL)
 _STEP_TAG = re.compile(r"<step>\s*(-?\d+)\s*(?:</step>|$)", re.IGNORECASE)
 _STEP_WORD = re.compile(r"\bstep\s*(?:#|no\.?|number)?\s*:?\s*(-?\d+)", re.IGNORECASE)
@@ -96,6 +101,7 @@ def _first_mention(text: str, valid: Sequence[str]) -> str | None:
 
 def parse_action(text: str, valid_actions: Sequence[str] | None) -> ParsedAction:
     """Accept one action from ``text`` (see the module docstring for the rules, in order)."""
+    text = _THINK.sub(" ", text) if "<think>" in text.lower() else text
     tag = _TAG.search(text)
     tagged = tag.group(1).strip() if tag else ""
     if valid_actions is not None:

@@ -4,6 +4,17 @@ An environment is a synchronous step function with a task catalogue. Rollback re
 before step tau of some branch: with ``snapshot()``/``restore()`` where the state copies cheaply, else by
 deterministic replay (``reset`` + re-executing the action prefix). :func:`rollback_to` hides the choice
 and reports what it cost. Environments never raise on a bad action: they answer with feedback.
+
+Two optional abilities, found by ``envs.registry.demonstrator`` / ``reflection_oracle``:
+
+- :class:`Demonstrator`: ``demonstration(task_id)`` is an expert's action sequence for a *train* task
+  (Sokoban: the solver's optimal moves; TextWorld: the game's walkthrough; ScienceWorld: the gold path;
+  HumanEval: the canonical solution, ``envs/humaneval_expert.py``). Replayed from ``reset(task_id)`` it
+  solves the task, its last action being the solving one. Any other split is an :class:`EnvError`, so
+  no demonstration can leak a test task into training.
+- :class:`ReflectionOracle`: ``oracle_reflection(task_id, history)`` plays the reflecting policy from
+  privileged knowledge (Sokoban's solver, HumanEval's visible-test feedback): the first faulty step tau
+  and a templated experience e. An ablation of Stage 1, never the method itself.
 """
 
 from __future__ import annotations
@@ -13,7 +24,21 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
-__all__ = ["Env", "EnvError", "Reset", "RollbackResult", "Transition", "play", "rollback_to"]
+from protocol.prompt import HistoryEntry
+
+__all__ = [
+    "Demonstrator",
+    "Env",
+    "EnvError",
+    "OracleReflection",
+    "ReflectionOracle",
+    "Reset",
+    "RollbackResult",
+    "Transition",
+    "play",
+    "require_train_split",
+    "rollback_to",
+]
 
 
 class EnvError(RuntimeError):
@@ -97,6 +122,39 @@ class Env(Protocol):
     def close(self) -> None:
         """Release processes, files and other resources."""
         ...
+
+
+class OracleReflection(msgspec.Struct, frozen=True, kw_only=True):
+    """What an oracle says about a path: the faulty step and how to fix it."""
+
+    tau: int
+    """The first faulty step (0-based index into the history it was given)."""
+    experience: str
+    """What went wrong at tau and what to do instead; empty when the path holds no mistake."""
+
+
+@runtime_checkable
+class Demonstrator(Protocol):
+    """An expert for the train tasks of one environment (see the module docstring)."""
+
+    def demonstration(self, task_id: str) -> list[str]:
+        """Actions that solve train task ``task_id`` from its start; :class:`EnvError` for other splits."""
+        ...
+
+
+@runtime_checkable
+class ReflectionOracle(Protocol):
+    """Names the faulty step of a path and a fix, from knowledge the policy does not have."""
+
+    def oracle_reflection(self, task_id: str, history: Sequence[HistoryEntry]) -> OracleReflection:
+        """tau and e for ``history`` (>= 1 step, as the agent saw it) played from ``task_id``'s start."""
+        ...
+
+
+def require_train_split(task_id: str, split: str) -> None:
+    """Raise :class:`EnvError` unless ``split`` is ``train`` (demonstrations come from train tasks only)."""
+    if split != "train":
+        raise EnvError(f"no demonstration of {task_id!r}: demonstrations come from the train split only")
 
 
 def rollback_to(

@@ -5,6 +5,10 @@ are rejected, errors name the field and the value) and builds the environment. `
 lists every option with its default. Heavy packages (scienceworld, textworld) are imported only when
 their environment is built.
 
+Experts: :func:`demonstrator` gives an environment's :class:`~envs.base.Demonstrator` (every
+environment here has one) and :func:`reflection_oracle` its :class:`~envs.base.ReflectionOracle`
+(:data:`ORACLE_ENVS`: Sokoban and HumanEval only); HumanEval's live in ``envs/humaneval_expert.py``.
+
 Print every environment's options: ``python -m envs.registry``.
 """
 
@@ -16,9 +20,18 @@ from typing import Any
 
 import msgspec
 
-from envs.base import Env, EnvError
+from envs.base import Demonstrator, Env, EnvError, ReflectionOracle
 
-__all__ = ["ENV_NAMES", "config_type", "env_options", "make_env", "parse_options"]
+__all__ = [
+    "ENV_NAMES",
+    "ORACLE_ENVS",
+    "config_type",
+    "demonstrator",
+    "env_options",
+    "make_env",
+    "parse_options",
+    "reflection_oracle",
+]
 
 _ENVS: dict[str, tuple[str, str, str]] = {
     "sokoban": ("envs.sokoban", "SokobanEnv", "SokobanConfig"),
@@ -29,6 +42,12 @@ _ENVS: dict[str, tuple[str, str, str]] = {
 
 ENV_NAMES: tuple[str, ...] = tuple(_ENVS)
 """Names ``make_env`` accepts."""
+
+_EXPERTS: dict[str, tuple[str, str]] = {"humaneval": ("envs.humaneval_expert", "HumanEvalExpert")}
+"""Environments whose expert is a wrapper class rather than methods of the env itself."""
+
+ORACLE_ENVS: frozenset[str] = frozenset({"sokoban", "humaneval"})
+"""Environments with a reflection oracle (``ExplorerConfig.reflection_source = "oracle"``)."""
 
 
 def _lookup(name: str) -> tuple[Any, type[msgspec.Struct]]:
@@ -57,6 +76,32 @@ def make_env(name: str, **options: Any) -> Env:
     """Build environment ``name`` with ``options`` (see :func:`env_options` for what exists)."""
     env_cls, _ = _lookup(name)
     return env_cls(parse_options(name, options))
+
+
+def _expert(env: Env) -> object:
+    if env.name in _EXPERTS:
+        module_name, cls = _EXPERTS[env.name]
+        return getattr(importlib.import_module(module_name), cls)(env)
+    return env
+
+
+def demonstrator(env: Env) -> Demonstrator:
+    """The expert that demonstrates ``env``'s train tasks; :class:`EnvError` when it has none."""
+    expert = _expert(env)
+    if not isinstance(expert, Demonstrator):
+        raise EnvError(f"environment {env.name!r} has no demonstrations")
+    return expert
+
+
+def reflection_oracle(env: Env) -> ReflectionOracle:
+    """``env``'s reflection oracle; :class:`EnvError` naming the envs that have one when it has none."""
+    expert = _expert(env) if env.name in ORACLE_ENVS else None
+    if not isinstance(expert, ReflectionOracle):
+        raise EnvError(
+            f"environment {env.name!r} has no reflection oracle; reflection_source = 'oracle' needs one of "
+            f"{sorted(ORACLE_ENVS)}"
+        )
+    return expert
 
 
 def env_options(name: str) -> dict[str, Any]:

@@ -12,6 +12,11 @@ numbered disambiguation prompts then pick different objects). We start the JVM w
 replay reproduced observations, scores and completion exactly for all 30 tasks (random valid actions
 and the gold paths). ``EXCLUDED_TASKS`` lists tasks kept out of the catalogue, with the reason.
 
+Demonstrations (``demonstration``, train variations only) are the simulator's gold action sequences,
+cut after the step that completes the task: gold paths often go on after completion (measured: boil
+completes at step 36 of 39), and those steps would only answer "the episode is over". A gold path that
+does not complete the task within ``max_steps`` is an :class:`EnvError` naming its length.
+
 Run ``python -m envs.scienceworld_env`` to play the first train task of ``find-plant``.
 """
 
@@ -25,7 +30,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from envs.base import EnvError, Reset, Transition, play
+from envs.base import EnvError, Reset, Transition, play, require_train_split
 from envs.cache import atomic_write_text
 from protocol.paths import cache_root
 
@@ -276,6 +281,21 @@ class ScienceWorldEnv:
         self.server.load(name, variation, self.config.simplifications, True)
         self._loaded = None
         return [str(a) for a in self.server.getGoldActionSequence()]
+
+    def demonstration(self, task_id: str) -> list[str]:
+        """The gold path of train task ``task_id`` up to its completing step (replays it to find that)."""
+        self._parse(task_id)  # validates the id
+        require_train_split(task_id, task_id.split("/")[1])
+        gold = self.gold_actions(task_id)
+        self.reset(task_id)
+        for i, action in enumerate(gold):
+            t = self.step(action)
+            if t.success:
+                return gold[: i + 1]
+            if t.done:
+                why = t.feedback or f"score {t.score}"
+                raise EnvError(f"the gold path of {task_id!r} ends at step {i} without success: {why}")
+        raise EnvError(f"the gold path of {task_id!r} ({len(gold)} steps) does not complete the task")
 
     def snapshot(self) -> None:
         """Not supported: ScienceWorld rolls back by replay."""

@@ -6,6 +6,8 @@ pushed onto a target, -1 for one pushed off, +10 when all boxes are on targets. 
 feedback on bumping a wall or an immovable box, on a box pushed where it can never reach a target (a
 dead square or a frozen 2x2 block: an irreversible failure; ``end_on_deadlock`` ends the episode) and a
 step horizon. The state is two ints and a frozenset, so ``snapshot``/``restore`` are exact and cheap.
+Demonstrations are the solver's optimal plans and the reflection oracle uses the solver
+(``envs.sokoban_expert``).
 
 Play a room by hand: ``python -m envs.sokoban`` (type up/down/left/right).
 """
@@ -13,12 +15,15 @@ Play a room by hand: ``python -m envs.sokoban`` (type up/down/left/right).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import msgspec
 
-from envs.base import EnvError, Reset, Transition, play
+from envs.base import EnvError, OracleReflection, Reset, Transition, play, require_train_split
+from envs.sokoban_expert import oracle_reflection
 from envs.sokoban_gen import GeneratedRoom, RoomSpec, check_spec, generate_room, render_room
 from envs.sokoban_solver import ACTIONS, Room, apply_move, is_frozen_box, push_distances
+from protocol.prompt import HistoryEntry
 
 __all__ = ["SokobanConfig", "SokobanEnv", "SokobanSnapshot"]
 
@@ -134,6 +139,15 @@ class SokobanEnv:
             raise EnvError(f"task {task_id!r} is outside the {split} split ({count} tasks)")
         key = f"{self.config.seed}/{split}/{index}"
         return generate_room(self._spec, key, split=split)
+
+    def demonstration(self, task_id: str) -> list[str]:
+        """The solver's optimal moves for train task ``task_id`` (:class:`EnvError` for a test task)."""
+        require_train_split(task_id, _parse_task_id(task_id)[0])
+        return list(self.room(task_id).plan)
+
+    def oracle_reflection(self, task_id: str, history: Sequence[HistoryEntry]) -> OracleReflection:
+        """The solver's verdict on ``history``: first step that made things worse, and the optimal move."""
+        return oracle_reflection(self.room(task_id).room, history)
 
     # -- episode ---------------------------------------------------------------------------------
     def reset(self, task_id: str) -> Reset:

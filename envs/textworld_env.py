@@ -5,6 +5,7 @@ seed derived from (config seed, split, index). Only admissible commands are exec
 invalid actions with the admissible list as feedback, and change nothing); reward is the change of the
 game's points, success is ``won``, the episode ends on won, lost or ``max_steps``. The z-machine is
 deterministic and a reset costs ~10 ms, so rollback is by replay (``supports_snapshot = False``).
+Demonstrations are the generator's walkthroughs (``demonstration``, train games only).
 
 Run ``python -m envs.textworld_env`` to play the first test game.
 """
@@ -18,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from envs.base import EnvError, Reset, Transition, play
+from envs.base import EnvError, Reset, Transition, play, require_train_split
 from envs.textworld_gen import CookingSpec, ensure_game
 
 __all__ = ["TextWorldConfig", "TextWorldEnv", "clean_observation"]
@@ -228,6 +229,11 @@ class TextWorldEnv:
 
         game = textworld.Game.load(str(self.game_path(task_id).with_suffix(".json")))
         return list(game.metadata["walkthrough"])
+
+    def demonstration(self, task_id: str) -> list[str]:
+        """The walkthrough of train game ``task_id`` (:class:`EnvError` for a test game)."""
+        require_train_split(task_id, self._parse(task_id)[0])
+        return self.walkthrough(task_id)
 
     def snapshot(self) -> None:
         """Not supported: rollback is by replay."""

@@ -8,18 +8,26 @@ Where each event is produced and consumed:
 
 | event            | produced by                    | consumed by                               |
 |------------------|--------------------------------|-------------------------------------------|
-| EpisodeStarted   | actors/explorer, actors/rollout| learner/materializers, leafe log inspect  |
-| Step             | actors/explorer, actors/rollout| learner/materializers (history + targets) |
-| Reflection       | actors/explorer                | learner/materializers (Branch provenance) |
-| Rollback         | actors/explorer                | reports (replay cost)                     |
-| Branch           | actors/explorer                | learner/materializers (counterfactuals)   |
-| Outcome          | actors/explorer, actors/rollout| learner/materializers (emit samples)      |
-| EpisodeFinished  | actors/explorer, actors/rollout| learner/materializers (close the episode) |
+| EpisodeStarted   | actors/explorer, actors/rollout, actors/demo | learner/materializers, leafe log inspect |
+| Step             | actors/explorer, actors/rollout, actors/demo | learner/materializers (history + targets) |
+| Reflection       | actors/explorer, actors/demo   | learner/materializers (Branch provenance, sr) |
+| Rollback         | actors/explorer, actors/demo   | reports (replay cost)                     |
+| Branch           | actors/explorer, actors/demo   | learner/materializers (counterfactuals, iwm, sr) |
+| Outcome          | actors/explorer, actors/rollout, actors/demo | learner/materializers (emit samples) |
+| EpisodeFinished  | actors/explorer, actors/rollout, actors/demo | learner/materializers (close the episode) |
 | WeightsPublished | services/learner_service       | services/weight_sync_service, actor_service|
 
 Branch geometry: the root branch is ``"b0"``. A branch ``b`` with parent ``p`` and rollback point
 ``tau`` shares ``p``'s steps ``0..tau-1``; its own steps start at ``t = tau``. ``h_t`` of any branch is
 rebuilt from the log alone (see ``protocol.prompt``).
+
+Demonstration episodes (mode ``demo``, ``actors/demo.py``): the root branch ``b0`` is the expert's path,
+its Steps carry ``policy_version = "expert"`` (:data:`EXPERT_VERSION`). The Early Experience baseline adds,
+after expert step ``t``, one-step branches off it: ``Reflection(b0, at_t=t+1, tau=t, trigger="alternative")``
+(the self-reflection text when one was asked for, else empty with ``source="none"``), ``Rollback(b0,
+tau=t)``, ``Branch(b_n, parent b0, tau=t, depth 1, experience "")``, one ``Step(b_n, t)`` with the policy's
+alternative action and the observation it led to, and its ``Outcome`` (``budget`` unless it solved or
+ended the task); after a state's alternatives, ``Rollback(b0, tau=t+1)`` puts the env back on the path.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from typing import Literal
 import msgspec
 
 __all__ = [
+    "EXPERT_VERSION",
     "ROOT_BRANCH",
     "Branch",
     "EpisodeEvent",
@@ -39,6 +48,7 @@ __all__ = [
     "Outcome",
     "OutcomeReason",
     "Reflection",
+    "ReflectionSource",
     "ReflectionTrigger",
     "Rollback",
     "RollbackMethod",
@@ -50,8 +60,20 @@ __all__ = [
 ROOT_BRANCH = "b0"
 """Id of the first branch of every episode."""
 
-Mode = Literal["explore", "rollout", "eval"]
-ReflectionTrigger = Literal["periodic", "failure", "horizon"]
+Mode = Literal["explore", "rollout", "eval", "demo"]
+"""How an episode was played: ``explore`` the LEAFE tree; ``rollout`` one plain sample (GRPO/RFT); ``eval`` one
+plain sample for Pass@k (never trained on); ``demo`` an expert demonstration of a train task (the
+environment's solver, walkthrough, gold path or canonical solution), its steps written as the policy
+would answer them, optionally with the policy's alternative actions off the expert path (Early
+Experience)."""
+ReflectionTrigger = Literal["periodic", "failure", "horizon", "alternative"]
+"""Why a reflection happened; ``alternative``: an Early Experience branch point on a demonstration."""
+ReflectionSource = Literal["model", "oracle", "none"]
+"""Who wrote tau and e: the policy (``model``), the environment's oracle (``oracle``, an ablation), or
+nobody (``none``: an Early Experience branch point without self-reflection)."""
+
+EXPERT_VERSION = "expert"
+"""``policy_version`` of the events of a demonstration's expert steps (no weights produced them)."""
 RollbackMethod = Literal["snapshot", "replay"]
 OutcomeReason = Literal["success", "env_done", "horizon", "budget", "error"]
 
@@ -94,7 +116,8 @@ class EpisodeStarted(EpisodeEventBase, frozen=True, kw_only=True, tag="episode_s
     seed: int
     """Sampling seed of the episode."""
     mode: Mode
-    """``explore`` (LEAFE tree), ``rollout`` (plain sample for GRPO/RFT) or ``eval``."""
+    """``explore`` (LEAFE tree), ``rollout`` (plain sample for GRPO/RFT), ``eval`` or ``demo`` (see
+    :data:`Mode`)."""
     task: str
     """Task text q shown to the agent."""
     observation: str
@@ -175,6 +198,8 @@ class Reflection(EpisodeEventBase, frozen=True, kw_only=True, tag="reflection"):
     """False when the tagged answer could not be fully parsed (see ``flags``)."""
     flags: list[str] = msgspec.field(default_factory=list)
     """Parse notes: ``tau_missing``, ``tau_clamped``, ``experience_missing``..."""
+    source: ReflectionSource = "model"
+    """Who wrote tau and e (``oracle`` marks the oracle-reflection ablation; see :data:`ReflectionSource`)."""
 
 
 class Rollback(EpisodeEventBase, frozen=True, kw_only=True, tag="rollback"):

@@ -13,7 +13,9 @@ import msgspec
 
 __all__ = ["ChatMessage", "Sample", "SampleKind"]
 
-SampleKind = Literal["cf", "reh", "rft", "grpo"]
+SampleKind = Literal["cf", "reh", "rft", "grpo", "sft", "iwm", "sr"]
+"""``cf``/``reh`` LEAFE, ``rft``, ``grpo``; ``sft`` a demonstration step; ``iwm`` implicit world modelling
+(state + alternative action -> its observation); ``sr`` self-reflection (state -> why + expert action)."""
 
 
 class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
@@ -33,7 +35,8 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind_tag", ta
     run_id: str
     """Run of the source events."""
     kind: SampleKind
-    """``cf`` counterfactual, ``reh`` rehearsal, ``rft`` rejection-sampling SFT, ``grpo`` policy gradient."""
+    """``cf`` counterfactual, ``reh`` rehearsal, ``rft`` rejection-sampling SFT, ``grpo`` policy gradient,
+    ``sft``/``iwm``/``sr`` demonstrations and the Early Experience baseline (see :data:`SampleKind`)."""
     materializer: str
     """Name and version of the materializer, e.g. ``leafe/1``."""
     env: str

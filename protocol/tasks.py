@@ -7,9 +7,9 @@ assignment is redelivered and served as a new episode (``attempt`` + 1).
 
 from __future__ import annotations
 
-from typing import Literal
-
 import msgspec
+
+from protocol.events import Mode
 
 __all__ = ["TaskAssignment", "episode_id_for", "task_slug"]
 
@@ -27,8 +27,9 @@ class TaskAssignment(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"
     """Environment task id."""
     split: str = "train"
     """``train`` or ``test``."""
-    mode: Literal["explore", "rollout", "eval"] = "explore"
-    """``explore`` runs the LEAFE tree; ``rollout``/``eval`` one plain sample."""
+    mode: Mode = "explore"
+    """``explore`` runs the LEAFE tree; ``rollout``/``eval`` one plain sample; ``demo`` the expert's
+    demonstration of a train task (``actors/demo.py``)."""
     seed: int = 0
     """Sampling seed for the episode."""
     group_id: str | None = None

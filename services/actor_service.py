@@ -8,14 +8,15 @@
 ```
 
 :class:`ActorService` owns fetching, concurrency and shutdown; :class:`EpisodeRunner` serves one
-delivery: open a Publisher, run the explorer (``mode = explore``) or one plain rollout
-(``rollout``/``eval``) on a pooled env, flush (every event acked by JetStream), then ack the task,
-extending its AckWait with in-progress acks meanwhile. One durable consumer name per run is shared by
-every actor, so JetStream spreads the work queue. An actor that dies mid-episode leaves the task unacked;
-JetStream redelivers it after ``ack_wait_s`` and the next attempt is a new episode
-(``episode_id_for(task_key, attempt)``), while the partial one, lacking ``EpisodeFinished``, is
-recognisable as abandoned. Cancellation (drain, shutdown) naks at once; any other error naks with a
-delay, and terminates the task on its ``max_attempts``-th delivery.
+delivery: open a Publisher, run the explorer (``mode = explore``), one plain rollout
+(``rollout``/``eval``) or the expert's demonstration (``demo``, ``actors/demo.py``) on a pooled env,
+flush (every event acked by JetStream), then ack the task, extending its AckWait with in-progress acks
+meanwhile. One durable consumer name per run is shared by every actor, so JetStream spreads the work
+queue. An actor that dies mid-episode leaves the task unacked; JetStream redelivers it after
+``ack_wait_s`` and the next attempt is a new episode (``episode_id_for(task_key, attempt)``), while the
+partial one, lacking ``EpisodeFinished``, is recognisable as abandoned. Cancellation (drain, shutdown)
+naks at once; any other error naks with a delay, and terminates the task on its ``max_attempts``-th
+delivery.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from actors.config import ActorServiceConfig
+from actors.demo import DemoRunner
 from actors.engine import Engine
 from actors.env_pool import EnvFactory, EnvPool
 from actors.episode import EpisodeSpec, EpisodeSummary
@@ -188,11 +190,12 @@ class EpisodeRunner:
         )
 
     async def _episode(self, task: TaskAssignment, attempt: int, episode_id: str) -> EpisodeSummary:
-        explore = task.mode == "explore"
+        explore, demo = task.mode == "explore", task.mode == "demo"
         rollout_cfg = self.config.rollout_config(task.env)
         explorer_cfg = self.config.explorer_config(task.env)
+        demo_cfg = self.config.demo_config(task.env)
         in_thread = explorer_cfg.env_in_thread if explore else rollout_cfg.env_in_thread
-        digest = config_digest(explorer_cfg if explore else rollout_cfg)
+        digest = config_digest(explorer_cfg if explore else [rollout_cfg, demo_cfg] if demo else rollout_cfg)
         spec = self._spec(task, attempt, episode_id, digest)
         env = await self.pool.acquire(task.env, task.env_options, in_thread=in_thread)
         reusable = False
@@ -209,6 +212,18 @@ class EpisodeRunner:
                         spec=spec,
                     )
                     summary = await explorer.run()
+                elif demo:  # the expert's demonstration (+ Early Experience alternatives when configured)
+                    engine = self.engine if demo_cfg.uses_engine else None
+                    runner = DemoRunner(
+                        tokenizer=self.tokenizer,
+                        env=env,
+                        spec=spec,
+                        rollout=rollout_cfg,
+                        demo=demo_cfg,
+                        sink=sink,
+                        engine=engine,
+                    )
+                    summary = await runner.run()
                 else:
                     summary = await run_rollout(
                         engine=self.engine,

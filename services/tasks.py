@@ -7,6 +7,7 @@ already finished (read from the log by the caller), which keeps resumption exact
 ```
 leafe tasks submit --run r1 --env sokoban --split train --count 8 --mode explore
 leafe tasks submit --run r1 --env sokoban --split test --count 16 --samples 16 --mode eval --prefix eval-v0
+leafe tasks submit --run r1 --env sokoban --split train --count 64 --mode demo
 leafe tasks pending --run r1
 ```
 """
@@ -16,17 +17,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, get_args
 
 from envs.registry import make_env
+from protocol.events import Mode
 from protocol.subjects import TASKS, task_subject, validate_run_id
 from protocol.tasks import TaskAssignment, task_slug
 from services.bus import NatsOptions, Publisher, add_nats_arguments, connect, ensure_streams, nats_options
 from services.config import parse_key_value
 
 __all__ = ["main", "make_assignments", "pending", "submit"]
-
-Mode = Literal["explore", "rollout", "eval"]
 
 
 def make_assignments(
@@ -46,6 +46,10 @@ def make_assignments(
     With ``samples > 1`` the samples of one task form a group
     (GRPO's n rollouts, or Pass@k's n samples); seeds are ``seed + 1000 * task index + sample``."""
     validate_run_id(run_id)
+    if mode == "demo" and split != "train":
+        raise ValueError(
+            f"mode demo needs the train split, got {split!r}: demonstrations never come from tests"
+        )
     if samples < 1:
         raise ValueError(f"samples = {samples}: need at least 1 per task")
     # Keys carry the run id: runs share the streams, and JetStream dedupes on the id stream-wide.
@@ -105,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--split", default="train", help="train or test")
     s.add_argument("--offset", type=int, default=0, help="first task index of the split")
     s.add_argument("--count", type=int, required=True, help="number of tasks")
-    s.add_argument("--mode", choices=["explore", "rollout", "eval"], default="explore")
+    s.add_argument("--mode", choices=get_args(Mode), default="explore", help="demo: expert demonstrations")
     s.add_argument("--samples", type=int, default=1, help="assignments per task (a group when > 1)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--prefix", default="", help="task key prefix (default: the mode)")

@@ -8,6 +8,9 @@
 | `leafe` | ``cf`` counterfactual (parent history without e -> branch's first action) and ``reh`` rehearsal |
 | `grpo`  | ``grpo``: every step of grouped rollouts with its group-normalised advantage |
 | `rft`   | ``rft``: every step of successful plain rollouts                            |
+| `sft`   | ``sft``: every expert step of successful demonstrations (mode ``demo``, train split only) |
+| `iwm`   | ``iwm``: (state, the policy's alternative action) -> the observation it led to, plus ``sft`` |
+| `sr`    | ``sr``: state -> the policy's explanation of why the expert action is better + that action, plus ``sft`` |
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from __future__ import annotations
 from typing import Any
 
 from learner.materializers.base import CommonOptions, FoldStats, Materializer, sample_id_for
+from learner.materializers.early import IwmMaterializer, IwmOptions, SrMaterializer, SrOptions
 from learner.materializers.folding import Folder, FoldResult, fold_events, write_folded
 from learner.materializers.grpo import GrpoMaterializer, GrpoOptions
 from learner.materializers.leafe import LeafeMaterializer, LeafeOptions
 from learner.materializers.rft import RftMaterializer, RftOptions
+from learner.materializers.sft import SftMaterializer, SftOptions
 from learner.materializers.tree import EpisodeTree, ReplayError
 from protocol.config import ConfigError, convert_config
 from protocol.prompt import ChatTokenizer
@@ -33,6 +38,8 @@ __all__ = [
     "Folder",
     "GrpoMaterializer",
     "GrpoOptions",
+    "IwmMaterializer",
+    "IwmOptions",
     "LeafeMaterializer",
     "LeafeOptions",
     "Materializer",
@@ -40,6 +47,10 @@ __all__ = [
     "ReplayError",
     "RftMaterializer",
     "RftOptions",
+    "SftMaterializer",
+    "SftOptions",
+    "SrMaterializer",
+    "SrOptions",
     "fold_events",
     "make_materializer",
     "sample_id_for",
@@ -50,10 +61,20 @@ MATERIALIZERS: dict[str, type[Materializer]] = {
     "leafe": LeafeMaterializer,
     "grpo": GrpoMaterializer,
     "rft": RftMaterializer,
+    "sft": SftMaterializer,
+    "iwm": IwmMaterializer,
+    "sr": SrMaterializer,
 }
 """Registry: name -> materializer class."""
 
-SAMPLE_KINDS: dict[str, tuple[str, ...]] = {"leafe": ("cf", "reh"), "grpo": ("grpo",), "rft": ("rft",)}
+SAMPLE_KINDS: dict[str, tuple[str, ...]] = {
+    "leafe": ("cf", "reh"),
+    "grpo": ("grpo",),
+    "rft": ("rft",),
+    "sft": ("sft",),
+    "iwm": ("iwm", "sft"),
+    "sr": ("sr", "sft"),
+}
 """The sample kinds (``Sample.kind``, subject token) each materializer emits."""
 
 

@@ -129,6 +129,44 @@ async def test_actor_serves_tasks_end_to_end(nats_url: str, run_id: str) -> None
     await nc.close()
 
 
+async def test_demo_tasks_become_demonstration_episodes(nats_url: str, run_id: str) -> None:
+    """``--mode demo`` assignments are served by the demonstration runner: one complete demo episode per
+    task with the expert's steps, and the configured Early Experience alternatives off its path."""
+    from services.tasks import make_assignments
+    from tests.support.demos import ProposalEngine, check_demo_episode
+
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js)
+    options = {"height": 5, "width": 5, "max_solution_len": 2, "max_steps": 6}
+    ids = [f"sokoban/train/{i}" for i in range(3)]
+    tasks = make_assignments(
+        run_id=run_id, env="sokoban", task_ids=ids, mode="demo", split="train", env_options=options
+    )
+    with pytest.raises(ValueError, match="train split"):
+        make_assignments(run_id=run_id, env="sokoban", task_ids=ids, mode="demo", split="test")
+    await submit(js, run_id, tasks)
+    tok = ByteChatTokenizer()
+    service = ActorService(
+        nc=nc,
+        run_id=run_id,
+        engine=ProposalEngine(tokenizer=tok),
+        tokenizer=tok,
+        config=ActorServiceConfig(demo={"sokoban": {"alternatives": 4}}),
+        actor_id="actor-d",
+        max_tasks=len(tasks),
+    )
+    stats = await asyncio.wait_for(service.run(), timeout=60)
+    assert (stats.done, stats.failed, stats.succeeded) == (3, 0, 3)
+    episodes = await read_events(js, run_id)
+    assert len(episodes) == 3
+    for events in episodes.values():
+        check_demo_episode(events)
+    assert sum(isinstance(e, Branch) for events in episodes.values() for e in events) >= 3
+    assert await tasks_left(js, run_id) == 0
+    await nc.close()
+
+
 async def test_crashed_actor_task_is_redelivered_and_completed(nats_url: str, run_id: str) -> None:
     """An actor dying mid-episode (connection gone, no nak) leaves a partial episode; the task is
     redelivered after ack_wait and another actor completes it as attempt 2."""

@@ -56,3 +56,33 @@ def test_bad_values_name_the_field_and_env() -> None:
         load_config(ActorServiceConfig, overrides={"explorer": {"sokoban": {"experience_scope": "always"}}})
     with pytest.raises(ConfigError, match="in_progress_interval_s"):
         load_config(ActorServiceConfig, overrides={"ack_wait_s": 10.0, "in_progress_interval_s": 20.0})
+
+
+def test_oracle_reflection_source_only_where_an_oracle_exists() -> None:
+    """reflection_source = oracle is accepted for sokoban and humaneval and refused, naming the env and
+    the field, for the others (also inside the actor service's per-env tables)."""
+    assert ExplorerConfig.for_env("sokoban", {"reflection_source": "oracle"}).reflection_source == "oracle"
+    assert ExplorerConfig.for_env("humaneval", {"reflection_source": "oracle"}).reflection_source == "oracle"
+    for env in ("scienceworld", "textworld-cooking"):
+        with pytest.raises(
+            ConfigError, match=f"reflection_source = 'oracle' but '{env}' has no reflection oracle"
+        ):
+            ExplorerConfig.for_env(env, {"reflection_source": "oracle"})
+    with pytest.raises(Exception, match="no reflection oracle"):
+        ActorServiceConfig(explorer={"scienceworld": {"reflection_source": "oracle"}})
+    with pytest.raises(ConfigError, match="reflection_source"):
+        ExplorerConfig.for_env("sokoban", {"reflection_source": "teacher"})
+
+
+def test_demo_tables_resolve_per_env() -> None:
+    """[demo.<env>] tables configure demonstrations: defaults, then "*", then the env's own."""
+    cfg = ActorServiceConfig(demo={"*": {"alternatives": 4}, "sokoban": {"self_reflection": True}})
+    assert cfg.demo_config("sokoban").alternatives == 4 and cfg.demo_config("sokoban").self_reflection
+    assert (
+        cfg.demo_config("humaneval").answer_format == "fence"
+        and cfg.demo_config("humaneval").alternatives == 4
+    )
+    with pytest.raises(Exception, match="self_reflection"):
+        ActorServiceConfig(demo={"sokoban": {"self_reflection": True}})
+    with pytest.raises(Exception, match="alternatives"):
+        ActorServiceConfig(demo={"sokoban": {"alternatives": -1}})

@@ -61,6 +61,29 @@ def test_unknown_valid_actions_accept_tag_fence_or_raw_text() -> None:
     assert parse_action("", None).action is None
 
 
+@pytest.mark.parametrize(
+    ("text", "valid", "action"),
+    [
+        ("<think>Moving left hits the wall; up pushes the box.</think><action>up</action>", MOVES, "up"),
+        ("<think>left is a trap</think><action>up", MOVES, "up"),  # the stop string cut </action>
+        ("<think>I could go left or down</think> so: right", MOVES, "right"),  # mentions after the block
+        ("<think>why</think>```python\ndef f():\n    return 1\n```", None, "def f():\n    return 1"),
+    ],
+)
+def test_self_reflection_answers_yield_the_action_after_the_think_block(
+    text: str, valid: list[str] | None, action: str
+) -> None:
+    """The Early Experience answer format <think>why</think><action>a</action>: the action is read after
+    the reasoning, never from a move mentioned while reasoning."""
+    assert parse_action(text, valid).action == action
+
+
+def test_an_unclosed_think_block_holds_no_action() -> None:
+    """Reasoning cut by the length cap names moves but commits to none: nothing is accepted."""
+    parsed = parse_action("<think>maybe left, maybe up", MOVES)
+    assert parsed.action is None and parsed.method == "none"
+
+
 def test_invalid_action_feedback_lists_valid_actions_truncated() -> None:
     """Feedback names why and shows the valid actions (at most max_shown, then a count)."""
     parsed = parse_action("hmm", MOVES)

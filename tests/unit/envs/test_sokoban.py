@@ -10,20 +10,7 @@ from envs.base import EnvError
 from envs.sokoban import SokobanConfig, SokobanEnv, SokobanSnapshot
 from envs.sokoban_gen import RoomSpec, generate_room, render_room, room_split
 from envs.sokoban_solver import Room, apply_move, solve
-
-
-def room_from(layout: list[str]) -> Room:
-    """A room from text: # wall, _ floor, O target, X box, * box on target, P player, S player on target."""
-    w = len(layout[0])
-    cells = {r * w + c: ch for r, row in enumerate(layout) for c, ch in enumerate(row)}
-    return Room(
-        height=len(layout),
-        width=w,
-        walls=frozenset(i for i, ch in cells.items() if ch == "#"),
-        targets=frozenset(i for i, ch in cells.items() if ch in "O*S"),
-        boxes=frozenset(i for i, ch in cells.items() if ch in "X*"),
-        player=next(i for i, ch in cells.items() if ch in "PS"),
-    )
+from tests.support.rooms import room_from
 
 
 def env_on(layout: list[str], **options: object) -> SokobanEnv:

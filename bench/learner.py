@@ -1,33 +1,43 @@
-"""Learner benchmarks: training throughput with length bucketing against naive padded batches, and the
-time from ``WeightsPublished`` to every inference server serving the new version.
+"""Learner benchmarks: training throughput (batch layout x precision) and the time from
+``WeightsPublished`` to every inference server serving the new version.
 
 | row                 | what runs                                                                          |
 |---------------------|------------------------------------------------------------------------------------|
 | naive_full_logits   | baseline: fixed micro-batches in arrival order, logits for every position (what an |
 |                     | HF-style SFT loop computes), same trainer, samples, global batch and memory ceiling |
 | naive_padded        | the trainer with ``bucketing = "none"``: arrival order, fixed micro-batch size      |
-| bucketed            | the trainer's default: length-bucketed micro-batches up to a token budget           |
+| bucketed            | fp32, length-bucketed left-padded micro-batches up to a token budget (the layout   |
+|                     | and precision the learner used before packing and bf16)                             |
+| packed              | fp32, samples packed into rows of the token budget, per-sample causal attention    |
+| bucketed_bf16       | bf16 autocast (fp32 master weights), length-bucketed                                |
+| packed_bf16         | bf16 autocast, packed                                                               |
 | push                | trainer export (bf16 + manifest) -> WeightsPublished -> weight-sync -> 2 CPU        |
 |                     | inference servers report the version (median of repeats, fresh servers each time)  |
 | raw_save_load       | baseline: safetensors save_file + load_file + load_state_dict of the same weights   |
 
 Samples look like agent data: prompts of 150-600 tokens, completions of 5-40 tokens, cf/reh mixed.
-Throughput counts real (non-pad) tokens per second of optimizer-step wall time; each config trains the
-same batches after one warm-up step. Micro-batch memory ceiling: ``micro_batch_tokens`` padded tokens;
-the naive micro-batch size is the one that fits it for the longest sample.
+Throughput counts real (non-pad) tokens per second of optimizer-step wall time; configs are measured in
+groups (``GROUPS``: at most four SmolLM2 trainers in memory at once), interleaved batch by batch within a
+group, each after one warm-up step; ``bucketed`` runs in every group as the same-run baseline. Memory
+ceiling: ``micro_batch_tokens`` padded tokens per micro-batch (packed: tokens per row); the naive
+micro-batch size is the one that fits it for the longest sample. One torch thread (as ``leafe run``'s
+learner); ``threads_2`` repeats bucketed vs packed_bf16 on 2 threads over the first batch.
 
     .venv/bin/python bench/learner.py            # SmolLM2-135M for both parts (slow on 2 shared cores)
     .venv/bin/python bench/learner.py --quick    # tiny model for throughput, SmolLM2 for the push
     .venv/bin/python bench/learner.py --push-only [--quick]   # redo the push part only
 
-Writes ``bench/results/learner.json`` (one entry per mode; the other mode's entry is kept).
+Writes ``bench/results/learner.json`` (one entry per mode; the other mode's entry is kept; a missing file
+is created).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
+import os
 import platform
 import random
 import statistics
@@ -46,6 +56,7 @@ from actors.client import SGLangClient
 from learner.batching import MicroBatch
 from learner.config import BatchConfig, OptimConfig, TrainerConfig
 from learner.distributed import DistEnv, init_distributed
+from learner.fsdp import cpu_has_native_bf16
 from learner.losses import token_logprobs
 from learner.model_io import resolve_model
 from learner.trainer import Trainer
@@ -94,7 +105,18 @@ class FullLogitsTrainer(Trainer):
         return token_logprobs(out.logits[:, -mb.keep : -1], mb.labels)
 
 
-KINDS = ("naive_full_logits", "naive_padded", "bucketed")
+ROWS = {  # name -> (bucketing, precision)
+    "naive_full_logits": ("none", "fp32"),
+    "naive_padded": ("none", "fp32"),
+    "bucketed": ("length", "fp32"),
+    "packed": ("pack", "fp32"),
+    "bucketed_bf16": ("length", "bf16"),
+    "packed_bf16": ("pack", "bf16"),
+}
+GROUPS = {  # result key -> (rows interleaved together, the row that step speedups are relative to)
+    "throughput": (("naive_full_logits", "naive_padded", "bucketed"), "naive_padded"),
+    "precision_packing": (("bucketed", "packed", "bucketed_bf16", "packed_bf16"), "bucketed"),
+}
 
 
 @dataclass
@@ -106,24 +128,27 @@ class Acc:
     step_s: list[float] = field(default_factory=list)
 
 
-def _trainer(kind: str, model_dir: Path, env: DistEnv, global_batch: int, budget: int) -> Trainer:
+def _trainer(name: str, model_dir: Path, env: DistEnv, global_batch: int, budget: int) -> Trainer:
+    bucketing, precision = ROWS[name]
     batch = BatchConfig(
         global_batch=global_batch,
         micro_batch_tokens=budget,
         micro_batch_size=max(1, budget // (MAX_PROMPT + MAX_COMPLETION)),
-        bucketing="length" if kind == "bucketed" else "none",
+        bucketing=bucketing,
     )
-    cfg = TrainerConfig(optim=OptimConfig(lr=1e-6), batch=batch, precision="fp32")
-    return (FullLogitsTrainer if kind == "naive_full_logits" else Trainer)(cfg, model_dir, env)
+    cfg = TrainerConfig(optim=OptimConfig(lr=1e-6), batch=batch, precision=precision)
+    return (FullLogitsTrainer if name == "naive_full_logits" else Trainer)(cfg, model_dir, env)
 
 
-def _throughput(model_dir: Path, env: DistEnv, batches: list[list[Sample]], budget: int) -> dict[str, dict]:
-    """All three configs train the same batches, interleaved batch by batch so that a noisy neighbour
+def _throughput(
+    model_dir: Path, env: DistEnv, batches: list[list[Sample]], budget: int, names: tuple[str, ...], base: str
+) -> dict[str, dict]:
+    """The configs ``names`` train the same batches, interleaved batch by batch so that a noisy neighbour
     on the shared CPU slows all of them alike; tokens/s = real tokens / summed step time."""
-    trainers = {k: _trainer(k, model_dir, env, len(batches[0]), budget) for k in KINDS}
+    trainers = {k: _trainer(k, model_dir, env, len(batches[0]), budget) for k in names}
     for t in trainers.values():  # warm-up (allocator, first-call overheads)
         t.train_step(batches[0][:2])
-    acc = {k: Acc() for k in KINDS}
+    acc = {k: Acc() for k in names}
     for b in batches:
         for k, t in trainers.items():
             stats = t.train_step(b)
@@ -132,14 +157,14 @@ def _throughput(model_dir: Path, env: DistEnv, batches: list[list[Sample]], budg
             acc[k].step_s.append(stats.seconds)
     rows = {}
     for k, a in acc.items():
-        speedup = [n / m for n, m in zip(acc["naive_padded"].step_s, a.step_s, strict=True)]
+        speedup = [n / m for n, m in zip(acc[base].step_s, a.step_s, strict=True)]
         rows[k] = {
             "tokens_per_s": a.real / sum(a.step_s),
             "seconds": sum(a.step_s),
             "real_tokens": a.real,
             "padded_tokens": a.padded,
             "padding_overhead": a.padded / a.real - 1,
-            "median_step_speedup_vs_naive_padded": statistics.median(speedup),
+            f"median_step_speedup_vs_{base}": statistics.median(speedup),
         }
         print(
             f"  {k:<18} {rows[k]['tokens_per_s']:8.1f} tok/s  padding +{rows[k]['padding_overhead']:.0%}  "
@@ -147,6 +172,23 @@ def _throughput(model_dir: Path, env: DistEnv, batches: list[list[Sample]], budg
             flush=True,
         )
     return rows
+
+
+def _all_throughput(
+    model_dir: Path, env: DistEnv, batches: list[list[Sample]], budget: int
+) -> dict[str, dict[str, dict]]:
+    out = {}
+    for key, (names, base) in GROUPS.items():
+        print(f" {key}: 1 thread", flush=True)
+        out[key] = _throughput(model_dir, env, batches, budget, names, base)
+        gc.collect()  # the group's trainers (FSDP modules hold reference cycles)
+    torch.set_num_threads(2)
+    print(" threads_2: 2 threads, first batch", flush=True)
+    out["threads_2"] = _throughput(
+        model_dir, env, batches[:1], budget, ("bucketed", "packed_bf16"), "bucketed"
+    )
+    torch.set_num_threads(1)
+    return out
 
 
 async def _wait_version(urls: list[str], version: str, limit_s: float = 600.0) -> float:
@@ -245,54 +287,97 @@ def _raw_save_load(model_dir: Path, work: Path, repeats: int) -> dict:
     return {"seconds": statistics.median(times), "repeats": times}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def load_saved(path: Path, mode: str) -> dict[str, Any] | None:
+    """The saved entry of ``mode`` (``quick`` | ``full``), or None when the file or the entry is missing."""
+    if not path.is_file():
+        return None
+    entry: dict[str, Any] | None = json.loads(path.read_text()).get(mode)
+    return entry
+
+
+def save_result(path: Path, mode: str, result: dict[str, Any]) -> None:
+    """Write ``result`` as the entry of ``mode``, keeping the other mode's entry; creates the file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    previous = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps(previous | {mode: result}, indent=1))
+
+
+def _ratios(tp: dict[str, dict[str, dict]], push: dict, raw: dict) -> dict[str, float]:
+    def tps(group: str, row: str) -> float:
+        return float(tp[group][row]["tokens_per_s"])
+
+    a, b = "throughput", "precision_packing"
+    ratios = {
+        "bucketed_vs_naive_padded": tps(a, "bucketed") / tps(a, "naive_padded"),
+        "bucketed_vs_naive_full_logits": tps(a, "bucketed") / tps(a, "naive_full_logits"),
+        "packed_bf16_vs_bucketed": tps(b, "packed_bf16") / tps(b, "bucketed"),
+        "packed_vs_bucketed": tps(b, "packed") / tps(b, "bucketed"),
+        "bucketed_bf16_vs_bucketed": tps(b, "bucketed_bf16") / tps(b, "bucketed"),
+        "packed_bf16_vs_bucketed_2_threads": tps("threads_2", "packed_bf16") / tps("threads_2", "bucketed"),
+    }
+    # A push entry saved by an older version of this bench may lack a figure: leave its ratio out.
+    for name, key in [
+        ("publish_to_serving", "publish_to_serving_s"),
+        ("export_to_serving", "total_s"),
+        ("server_update", "server_update_s"),
+    ]:
+        if key in push:
+            ratios[f"{name}_vs_raw_save_load"] = push[key] / raw["seconds"]
+    return ratios
+
+
+def _push_part(smol: Path, env: DistEnv, repeats: int) -> tuple[dict, dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        print(f"push latency: {smol.name}, 2 CPU inference servers", flush=True)
+        push = asyncio.run(_push_bench(smol, env, repeats, work))
+        raw = _raw_save_load(smol, work, repeats)
+    return push, raw
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model for the throughput part")
     p.add_argument(
-        "--samples", type=int, default=None, help="samples per config (default 256 quick, 16 full)"
+        "--samples", type=int, default=None, help="samples per config (default 256 quick, 32 full)"
     )
     p.add_argument("--repeats", type=int, default=3, help="push repeats")
-    p.add_argument("--push-only", action="store_true", help="rerun the push part; keep the saved throughput")
+    part = p.add_mutually_exclusive_group()
+    part.add_argument(
+        "--push-only", action="store_true", help="rerun the push part; keep the saved throughput"
+    )
+    part.add_argument("--throughput-only", action="store_true", help="rerun throughput; keep the saved push")
     p.add_argument("--log-level", default="warning", help="info shows each server's load time")
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> int:
+    a = _args()
     configure_logging(json=True, level=a.log_level)
-    torch.set_num_threads(1)  # a shared 2-core CPU: OpenMP spin-waiting makes 2 threads slower
+    torch.set_num_threads(1)  # the learner's setting in `leafe run` (a shared 2-core CPU)
     env = init_distributed("gloo")
+    mode = "quick" if a.quick else "full"
+    saved = load_saved(RESULTS, mode)
     smol = resolve_model("smollm2-135m-instruct")
     throughput_model = resolve_model("tiny") if a.quick else smol
-    n = a.samples or (256 if a.quick else 16)
-    gb = 64 if a.quick else 8
+    n = a.samples or (256 if a.quick else 32)
+    gb = 64 if a.quick else 16  # full: the cpu preset's global batch and micro-batch budget
     budget = 4096 if a.quick else 2048
     vocab = int(json.loads((throughput_model / "config.json").read_text())["vocab_size"])
     samples = agent_samples(n, vocab)
     batches = [samples[i : i + gb] for i in range(0, n, gb)]
-    print(
-        f"throughput: {throughput_model.name}, {n} samples, global batch {gb}, budget {budget} tokens",
-        flush=True,
-    )
-    saved = (
-        json.loads(RESULTS.read_text()).get(mode := "quick" if a.quick else "full")
-        if RESULTS.is_file()
-        else None
-    )
+    print(f"throughput: {throughput_model.name}, {n} samples, global batch {gb}, budget {budget} tokens")
     if a.push_only and saved is not None:
-        rows = saved["throughput"]
+        tp = {k: saved[k] for k in (*GROUPS, "threads_2")}
         print("  (saved results)", flush=True)
     else:
-        rows = _throughput(throughput_model, env, batches, budget)
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        print(f"push latency: {smol.name}, 2 CPU inference servers", flush=True)
-        push = asyncio.run(_push_bench(smol, env, a.repeats, work))
-        raw = _raw_save_load(smol, work, a.repeats)
-    tps = {k: r["tokens_per_s"] for k, r in rows.items()}
-    ratios = {
-        "bucketed_vs_naive_padded": tps["bucketed"] / tps["naive_padded"],
-        "bucketed_vs_naive_full_logits": tps["bucketed"] / tps["naive_full_logits"],
-        "publish_to_serving_vs_raw_save_load": push["publish_to_serving_s"] / raw["seconds"],
-        "export_to_serving_vs_raw_save_load": push["total_s"] / raw["seconds"],
-        "server_update_vs_raw_save_load": push["server_update_s"] / raw["seconds"],
-    }
+        tp = _all_throughput(throughput_model, env, batches, budget)
+    if a.throughput_only and saved is not None:
+        push, raw = saved["push"], saved["raw_save_load"]
+        print("push latency: (saved results)", flush=True)
+    else:
+        push, raw = _push_part(smol, env, a.repeats)
+    ratios = _ratios(tp, push, raw)
     result = {
         "mode": mode,
         "throughput_model": throughput_model.name,
@@ -300,7 +385,7 @@ def main() -> int:
         "samples": n,
         "global_batch": gb,
         "micro_batch_tokens": budget,
-        "throughput": rows,
+        **tp,
         "push": push,
         "raw_save_load": raw,
         "ratios": ratios,
@@ -308,12 +393,11 @@ def main() -> int:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "threads": 1,
-            "cpus": __import__("os").cpu_count(),
+            "cpus": os.cpu_count(),
+            "cpu_native_bf16": cpu_has_native_bf16(),
         },
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    previous = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    RESULTS.write_text(json.dumps(previous | {mode: result}, indent=1))
+    save_result(RESULTS, mode, result)
     print(json.dumps(ratios, indent=1))
     print(f"wrote {RESULTS}")
     return 0

@@ -1,39 +1,51 @@
 """From a global batch of :class:`protocol.Sample` to per-rank micro-batches of tensors.
 
-Layout: each row is ``prompt_ids + completion_ids``, **left-padded** to the micro-batch's longest row,
-with ``position_ids`` restarting at 0 on the first real token. Left padding puts every completion at the
-right edge, so the model only needs logits for the last ``Cmax + 1`` positions (``logits_to_keep``): the
-[B, T, V] logits of a full sequence (V = 49k for SmolLM2) are never built, which matters more than the
-padding itself when prompts are 10x longer than actions.
+Two layouts, one label layout. Either way the loss sees ``labels [S, K]``: sample i's completion tokens
+right-aligned in its row of K slots (IGNORE elsewhere), with per-sample kinds, weights, advantages and
+behaviour logprobs; :meth:`MicroBatch.sample_logprobs` maps the model's logits onto that layout. So the
+losses (``learner/losses.py``) are the same functions of the same per-sample tensors in every mode.
+
+- **Left-padded rows** (``bucketing = "length" | "none"``): each row is ``prompt_ids + completion_ids``,
+  left-padded to the micro-batch's longest row, ``position_ids`` restarting at 0 on the first real token.
+  Left padding puts every completion at the right edge, so the model only needs logits for the last
+  ``K + 1`` positions (``logits_to_keep``): the [B, T, V] logits (V = 49k for SmolLM2) are never built.
+- **Packed rows** (``bucketing = "pack"``): a rank's micro-batch is ONE row holding several whole samples
+  back to back (first-fit decreasing up to ``micro_batch_tokens``), positions restarting at 0 for each,
+  attention causal within each sample only (``cu_seq_lens``, ``learner/attention.py``). No padding at all;
+  ``logits_to_keep`` is the tensor of the row's positions that predict a completion token.
 
 Length bucketing (``bucketing = "length"``): the global batch is sorted by length and cut into *global*
 micro-batches that fit ``micro_batch_tokens`` padded tokens per rank; each global micro-batch is dealt
-round-robin to the ranks. Every rank therefore runs the same number of micro-batches (FSDP's collectives
-need that; an empty share becomes a zero-weight dummy row), and since gradients accumulate over the
-whole global batch, the order inside it does not change the step. True packing (several samples in one
-row with a block-diagonal mask) needs varlen attention kernels that HF's CPU SDPA path lacks; bucketing
-gets most of the gain (see ``bench/learner.py``). ``bucketing = "none"`` is the naive baseline: fixed
-``micro_batch_size`` rows per rank in arrival order.
+round-robin to the ranks. Packing deals its rows the same way, one row per rank per micro-batch. Every
+rank therefore runs the same number of micro-batches (FSDP's collectives need that; an empty share
+becomes a zero-weight dummy row), and since gradients accumulate over the whole global batch, the
+order inside it does not change the step. ``bucketing = "none"`` is the naive baseline: fixed
+``micro_batch_size`` rows per rank in arrival order. Speed of each: ``bench/learner.py``.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from learner.config import BatchConfig
-from learner.losses import IGNORE, KIND_INDEX, KINDS, KindTokens
+from learner.losses import IGNORE, KIND_INDEX, KINDS, LOSS_TERM, KindTokens, token_logprobs
 from protocol.samples import Sample
 
 __all__ = [
     "MicroBatch",
+    "Packing",
     "TrainItem",
     "collate",
+    "collate_packed",
     "kind_tokens",
+    "pack_rows",
     "plan_micro_batches",
     "to_items",
     "unusable",
@@ -91,7 +103,7 @@ def to_items(samples: Sequence[Sample], max_seq_len: int) -> tuple[list[TrainIte
                 sample_id=s.sample_id,
                 input_ids=(*s.prompt_ids, *s.completion_ids),
                 completion_len=len(s.completion_ids),
-                kind=KIND_INDEX[s.kind],
+                kind=KIND_INDEX[LOSS_TERM[s.kind]],
                 weight=float(s.weight),
                 advantage=float(s.advantage or 0.0),
                 behaviour_logprobs=tuple(bl) if bl is not None else None,
@@ -112,24 +124,18 @@ def _deal(group: list[int], world_size: int) -> list[list[int]]:
     return [group[r::world_size] for r in range(world_size)]
 
 
-def plan_micro_batches(
-    items: Sequence[TrainItem], world_size: int, cfg: BatchConfig
-) -> list[list[list[int]]]:
-    """``plan[m][rank]`` = indices into ``items`` of rank's rows in micro-batch m (may be empty)."""
-    if not items:
-        return []
-    order = list(range(len(items)))
-    if cfg.bucketing == "none":
-        step = cfg.micro_batch_size * world_size
-        return [_deal(order[i : i + step], world_size) for i in range(0, len(order), step)]
+def _longest_first(items: Sequence[TrainItem]) -> list[int]:
     # Longest first: a micro-batch that does not fit memory fails on the first step, not the last.
-    order.sort(key=lambda i: (-items[i].length, i))
+    return sorted(range(len(items)), key=lambda i: (-items[i].length, i))
+
+
+def _bucket(items: Sequence[TrainItem], world_size: int, budget: int) -> list[list[list[int]]]:
     plan: list[list[list[int]]] = []
     group: list[int] = []
-    for i in order:
+    for i in _longest_first(items):
         longest = items[group[0]].length if group else items[i].length
         rows_per_rank = math.ceil((len(group) + 1) / world_size)
-        if group and rows_per_rank * longest > cfg.micro_batch_tokens:
+        if group and rows_per_rank * longest > budget:
             plan.append(_deal(group, world_size))
             group = []
         group.append(i)
@@ -137,37 +143,110 @@ def plan_micro_batches(
     return plan
 
 
+def pack_rows(items: Sequence[TrainItem], budget: int) -> list[list[int]]:
+    """First-fit decreasing: rows of item indices, each row's tokens <= ``budget`` (a longer item gets a
+    row of its own). Deterministic; rows come out fullest-first."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in _longest_first(items):
+        n = items[i].length
+        fit = next((r for r, free in enumerate(room) if n <= free), None)
+        if fit is None:
+            rows.append([i])
+            room.append(budget - n)
+        else:
+            rows[fit].append(i)
+            room[fit] -= n
+    return rows
+
+
+def plan_micro_batches(
+    items: Sequence[TrainItem], world_size: int, cfg: BatchConfig
+) -> list[list[list[int]]]:
+    """``plan[m][rank]`` = indices into ``items`` of rank's samples in micro-batch m (may be empty); in
+    ``pack`` mode those samples form one packed row."""
+    if not items:
+        return []
+    if cfg.bucketing == "none":
+        order = list(range(len(items)))
+        step = cfg.micro_batch_size * world_size
+        return [_deal(order[i : i + step], world_size) for i in range(0, len(order), step)]
+    if cfg.bucketing == "length":
+        return _bucket(items, world_size, cfg.micro_batch_tokens)
+    rows = pack_rows(items, cfg.micro_batch_tokens)
+    rows += [[] for _ in range(-len(rows) % world_size)]
+    return [rows[m : m + world_size] for m in range(0, len(rows), world_size)]
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where a packed row's samples and targets are."""
+
+    cu_seq_lens: Tensor
+    """[n + 1] int32 sample boundaries in the row (0, len_0, len_0 + len_1, ..., T)."""
+    keep: Tensor
+    """[N] positions whose logits predict a completion token (``logits_to_keep``)."""
+    targets: Tensor
+    """[1, N] the token each kept position predicts (IGNORE for the dummy row)."""
+    sample: Tensor
+    """[N] sample index (row of ``MicroBatch.labels``) of each kept position."""
+    slot: Tensor
+    """[N] label slot (column of ``MicroBatch.labels``) of each kept position."""
+
+
 @dataclass
 class MicroBatch:
-    """Tensors of one rank's micro-batch (left-padded)."""
+    """Tensors of one rank's micro-batch: R model rows holding S samples (R = S left-padded, R = 1 packed)."""
 
     input_ids: Tensor
-    """[B, T] token ids, pad on the left."""
-    attention_mask: Tensor
-    """[B, T] 1 for real tokens."""
+    """[R, T] token ids (left-padded rows, or one packed row)."""
+    attention_mask: Tensor | None
+    """[R, T] 1 for real tokens; None for a packed row (``packing`` says where samples are)."""
     position_ids: Tensor
-    """[B, T] 0.. from the first real token."""
+    """[R, T] 0.. from each sample's first token."""
     labels: Tensor
-    """[B, K] targets for the logits of the last K+1 positions minus the final one; IGNORE elsewhere."""
+    """[S, K] sample i's completion tokens right-aligned in row i; IGNORE elsewhere."""
     kinds: Tensor
-    """[B] kind index."""
+    """[S] kind index."""
     weights: Tensor
-    """[B] sample weight (0 for a dummy row)."""
+    """[S] sample weight (0 for a dummy row)."""
     advantages: Tensor
-    """[B] GRPO advantage."""
+    """[S] GRPO advantage."""
     behaviour_logp: Tensor
-    """[B, K] behaviour logprobs aligned with ``labels`` (0 where absent)."""
+    """[S, K] behaviour logprobs aligned with ``labels`` (0 where absent)."""
     has_behaviour: Tensor
-    """[B] whether the row has behaviour logprobs."""
+    """[S] whether the sample has behaviour logprobs."""
     real_tokens: int
     """Non-pad tokens."""
     padded_tokens: int
-    """B * T."""
+    """R * T."""
+    packing: Packing | None = None
+    """The packed row's layout; None for left-padded rows."""
 
     @property
     def keep(self) -> int:
-        """``logits_to_keep`` for the model: K + 1."""
+        """Left-padded rows: ``logits_to_keep`` for the model, K + 1."""
         return int(self.labels.shape[1]) + 1
+
+    def model_inputs(self) -> dict[str, Any]:
+        """Keyword arguments of the causal LM's forward (without ``use_cache``)."""
+        inputs: dict[str, Any] = {
+            "input_ids": self.input_ids,
+            "attention_mask": self.attention_mask,
+            "position_ids": self.position_ids,
+        }
+        if self.packing is None:
+            return inputs | {"logits_to_keep": self.keep}
+        cu = self.packing.cu_seq_lens
+        return inputs | {"logits_to_keep": self.packing.keep, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+
+    def sample_logprobs(self, logits: Tensor) -> Tensor:
+        """[S, K] log p(label) per sample and slot (0 where IGNORE) from the logits of :meth:`model_inputs`."""
+        if self.packing is None:
+            return token_logprobs(logits[:, :-1], self.labels)
+        flat = token_logprobs(logits, self.packing.targets)[0]
+        out = flat.new_zeros(self.labels.shape)
+        return out.index_put((self.packing.sample, self.packing.slot), flat)
 
 
 def _dummy_item(pad_id: int) -> TrainItem:
@@ -175,28 +254,19 @@ def _dummy_item(pad_id: int) -> TrainItem:
     return TrainItem("", (pad_id, pad_id), 1, KIND_INDEX["cf"], 0.0, 0.0, None)
 
 
-def collate(items: Sequence[TrainItem], pad_id: int, device: torch.device | str = "cpu") -> MicroBatch:
-    """Left-pad ``items`` into a :class:`MicroBatch` (an empty list gives one dummy row with no loss)."""
-    dummy = not items
-    rows = [_dummy_item(pad_id)] if dummy else list(items)
-    b, t = len(rows), max(r.length for r in rows)
+def _micro_batch(
+    rows: Sequence[TrainItem], dummy: bool, device: torch.device | str, **model_rows: Any
+) -> MicroBatch:
+    """Per-sample tensors (labels, kinds, ...) around the model rows given in ``model_rows``."""
     k = max(r.completion_len for r in rows)
-    ids = torch.full((b, t), pad_id, dtype=torch.long)
-    mask = torch.zeros((b, t), dtype=torch.long)
-    labels = torch.full((b, k), IGNORE, dtype=torch.long)
-    behaviour = torch.zeros((b, k), dtype=torch.float32)
+    labels = torch.full((len(rows), k), IGNORE, dtype=torch.long)
+    behaviour = torch.zeros((len(rows), k), dtype=torch.float32)
     for i, r in enumerate(rows):
-        ids[i, t - r.length :] = torch.tensor(r.input_ids, dtype=torch.long)
-        mask[i, t - r.length :] = 1
         if not dummy:
             labels[i, k - r.completion_len :] = torch.tensor(r.input_ids[-r.completion_len :])
         if r.behaviour_logprobs is not None:
             behaviour[i, k - r.completion_len :] = torch.tensor(r.behaviour_logprobs)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
     return MicroBatch(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        position_ids=positions.to(device),
         labels=labels.to(device),
         kinds=torch.tensor([r.kind for r in rows], dtype=torch.long, device=device),
         weights=torch.tensor([r.weight for r in rows], dtype=torch.float32, device=device),
@@ -204,5 +274,65 @@ def collate(items: Sequence[TrainItem], pad_id: int, device: torch.device | str 
         behaviour_logp=behaviour.to(device),
         has_behaviour=torch.tensor([r.behaviour_logprobs is not None for r in rows], device=device),
         real_tokens=0 if dummy else sum(r.length for r in rows),
+        **model_rows,
+    )
+
+
+def collate(items: Sequence[TrainItem], pad_id: int, device: torch.device | str = "cpu") -> MicroBatch:
+    """Left-pad ``items`` into a :class:`MicroBatch` (an empty list gives one dummy row with no loss)."""
+    dummy = not items
+    rows = [_dummy_item(pad_id)] if dummy else list(items)
+    b, t = len(rows), max(r.length for r in rows)
+    ids = torch.full((b, t), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, t), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, t - r.length :] = torch.tensor(r.input_ids, dtype=torch.long)
+        mask[i, t - r.length :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return _micro_batch(
+        rows,
+        dummy,
+        device,
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        position_ids=positions.to(device),
         padded_tokens=b * t,
+    )
+
+
+def collate_packed(items: Sequence[TrainItem], pad_id: int, device: torch.device | str = "cpu") -> MicroBatch:
+    """Pack ``items`` into one row (an empty list gives a dummy row with no loss)."""
+    dummy = not items
+    rows = [_dummy_item(pad_id)] if dummy else list(items)
+    k = max(r.completion_len for r in rows)
+    starts = [0, *itertools.accumulate(r.length for r in rows)]
+    keep: list[int] = []
+    sample: list[int] = []
+    slot: list[int] = []
+    for i, (r, start) in enumerate(zip(rows, starts[:-1], strict=True)):
+        # The logits at position p predict token p + 1: the completion's predictors end one token early.
+        first = start + r.length - r.completion_len - 1
+        keep += range(first, first + r.completion_len)
+        sample += [i] * r.completion_len
+        slot += range(k - r.completion_len, k)
+    ids = torch.tensor([t for r in rows for t in r.input_ids], dtype=torch.long)
+    keep_t = torch.tensor(keep, dtype=torch.long)
+    targets = torch.full_like(keep_t, IGNORE) if dummy else ids[keep_t + 1]
+    packing = Packing(
+        cu_seq_lens=torch.tensor(starts, dtype=torch.int32, device=device),
+        keep=keep_t.to(device),
+        targets=targets.unsqueeze(0).to(device),
+        sample=torch.tensor(sample, dtype=torch.long, device=device),
+        slot=torch.tensor(slot, dtype=torch.long, device=device),
+    )
+    positions = torch.cat([torch.arange(r.length) for r in rows])
+    return _micro_batch(
+        rows,
+        dummy,
+        device,
+        input_ids=ids.unsqueeze(0).to(device),
+        attention_mask=None,
+        position_ids=positions.unsqueeze(0).to(device),
+        padded_tokens=len(ids),
+        packing=packing,
     )

@@ -76,13 +76,16 @@ class BatchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     global_batch: int = 128
     """Samples per optimizer step, over all ranks (paper: 128); gradients accumulate over micro-batches."""
     micro_batch_tokens: int = 8192
-    """``bucket`` mode: max padded tokens (rows x longest row) per rank per micro-batch."""
+    """``length`` mode: max padded tokens (rows x longest row) per rank per micro-batch; ``pack`` mode: max
+    tokens of the one packed row a rank runs per micro-batch (a longer sample gets a row of its own)."""
     micro_batch_size: int = 8
     """``none`` mode: samples per rank per micro-batch, in arrival order."""
-    bucketing: Literal["length", "none"] = "length"
-    """``length``: sort the global batch by length and fill micro-batches up to the token budget
-    (little padding; the step's math is unchanged since the whole global batch is accumulated);
-    ``none``: fixed-size micro-batches in arrival order (the naive baseline)."""
+    bucketing: Literal["pack", "length", "none"] = "length"
+    """``pack``: several samples per row (first-fit decreasing up to ``micro_batch_tokens``), positions
+    restarting at 0 per sample and causal attention within each sample only (no padding, no cross-sample
+    attention; ``learner/attention.py``); ``length``: sort the global batch by length and fill left-padded
+    micro-batches up to the token budget; ``none``: fixed-size micro-batches in arrival order (the naive
+    baseline). The step's math is the same in every mode: the whole global batch is accumulated."""
     max_seq_len: int = 4096
     """Samples with more prompt + completion tokens are skipped (logged and counted), never truncated."""
 
@@ -97,7 +100,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
     """Batching."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
-    """``auto``: bf16 mixed precision (fp32 master weights and reductions) on GPU, fp32 on CPU."""
+    """``bf16``: bf16 compute with fp32 master weights, gradients and AdamW state (on GPU FSDP's
+    MixedPrecisionPolicy, on CPU bf16 autocast; see ``learner/fsdp.py``); ``auto``: bf16 on GPU and on
+    CPUs with native bf16 dot products (AVX512-BF16 or AMX), fp32 on other CPUs."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (saves memory, re-gathers in backward)."""
     seed: int = 0

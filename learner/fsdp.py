@@ -1,14 +1,26 @@
 """Build the trainable model: load an HF directory, shard it with FSDP2, gather it back for export.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) is applied to every decoder layer, then to the root (which
-then owns the embeddings, final norm and the tied LM head). On GPU a :class:`MixedPrecisionPolicy` computes
-in bf16 with fp32 master weights and fp32 gradient reduction; on CPU everything is fp32. The full model
-is loaded on every rank before sharding (fine for <= a few B parameters; larger models would initialise on
-the meta device and broadcast from rank 0).
+then owns the embeddings, final norm and the tied LM head). The full model is loaded on every rank before
+sharding (fine for <= a few B parameters; larger models would initialise on the meta device and broadcast
+from rank 0). Attention is :data:`learner.attention.VARLEN` (SDPA, plus per-sample attention in packed rows).
+
+Precision ``bf16`` always keeps fp32 master weights, fp32 gradients and fp32 AdamW state, so checkpoints
+and exports are exactly what fp32 training would write. How the compute gets to bf16 differs:
+- GPU: a :class:`MixedPrecisionPolicy` all-gathers parameters in bf16 (half the traffic) and reduces
+  gradients in fp32.
+- CPU: ``torch.autocast("cpu", torch.bfloat16)`` around the forward (:func:`autocast`): matmuls and
+  attention in bf16; norms, elementwise ops and the residual stream stay fp32. Measured on
+  SmolLM2-135M (1 thread, a packed 971-token row, forward + backward, interleaved): autocast ran about as
+  fast as the MixedPrecisionPolicy path (both ~3x fp32) but its token log-probs are closer to fp32 (mean
+  |error| 0.030 vs 0.040 nats on 700 tokens of text), so the CPU uses autocast.
+``auto`` picks bf16 where the hardware has bf16 dot products: any GPU, and CPUs with AVX512-BF16 or AMX
+(:func:`cpu_has_native_bf16`); elsewhere bf16 is emulated and slower, so fp32.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -17,19 +29,41 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from learner.attention import use_varlen_attention
 from learner.distributed import DistEnv
 from learner.model_io import load_model
 
-__all__ = ["build_model", "decoder_layers", "full_state_dict", "resolve_precision"]
+__all__ = [
+    "autocast",
+    "build_model",
+    "cpu_has_native_bf16",
+    "decoder_layers",
+    "full_state_dict",
+    "resolve_precision",
+]
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16, e.g. Zen 4+ or Cooper Lake+, or
+    AMX tiles, Sapphire Rapids+), as torch's CPU dispatch sees them."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def resolve_precision(precision: str, env: DistEnv) -> str:
-    """``auto`` -> ``bf16`` on GPU, ``fp32`` on CPU; bf16 on CPU is allowed but slow."""
+    """``auto`` -> ``bf16`` on GPU and on CPUs with native bf16 (:func:`cpu_has_native_bf16`), else fp32."""
     if precision == "auto":
-        return "bf16" if env.device.type == "cuda" else "fp32"
+        return "bf16" if env.device.type == "cuda" or cpu_has_native_bf16() else "fp32"
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"unknown precision {precision!r}; use auto, bf16 or fp32")
     return precision
+
+
+def autocast(precision: str, env: DistEnv) -> AbstractContextManager[Any]:
+    """Context for the forward pass: bf16 autocast on CPU when ``precision`` resolves to bf16, else none
+    (fp32, or GPU where the MixedPrecisionPolicy of :func:`build_model` casts). Backward runs outside it."""
+    if env.device.type == "cpu" and resolve_precision(precision, env) == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return nullcontext()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -52,10 +86,11 @@ def build_model(
     """Load ``model_dir`` in fp32, move it to ``env.device`` and apply ``fully_shard`` per layer + root."""
     model = load_model(Path(model_dir), dtype=torch.float32, device=str(env.device))
     model.config.use_cache = False
-    mp = resolve_precision(precision, env)
+    use_varlen_attention(model)
+    gpu_bf16 = env.device.type == "cuda" and resolve_precision(precision, env) == "bf16"
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if mp == "bf16"
+        if gpu_bf16
         else MixedPrecisionPolicy()
     )
     for layer in decoder_layers(model):

@@ -14,9 +14,11 @@ so equal weights give the plain token mean of kind k, and ``Sample.weight`` scal
 
     L = L_cf + beta * L_reh + L_rft + L_grpo
 
-``rft`` is plain SFT (its own token mean). Each micro-batch returns its *share* of L (its token sums
-divided by the global N_k), so the shares summed over micro-batches and ranks give exactly L, however
-the batch is split. GRPO, token-level mean over the group's completion tokens:
+``rft`` is plain SFT (its own token mean): it is the term of every imitation kind, rejection-sampled
+rollouts (``rft``), demonstrations (``sft``) and Early Experience (``iwm``, ``sr``); see
+:data:`LOSS_TERM`. Each micro-batch returns its *share* of L (its token sums divided by the global N_k),
+so the shares summed over micro-batches and ranks give exactly L, however the batch is split. GRPO,
+token-level mean over the group's completion tokens:
 
     r = exp(logp - logp_behaviour),  pg = -min(r * A, clip(r, 1-eps, 1+eps) * A)
     k3 = exp(ref - logp) - (ref - logp) - 1            (only with a reference model and kl_coef > 0)
@@ -35,6 +37,7 @@ __all__ = [
     "IGNORE",
     "KINDS",
     "KIND_INDEX",
+    "LOSS_TERM",
     "KindTokens",
     "LossOutput",
     "distill_loss",
@@ -47,7 +50,9 @@ IGNORE = -100
 """Label of a position that carries no loss."""
 KINDS = ("cf", "reh", "rft", "grpo")
 KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
-"""Kind name -> integer code used in batch tensors."""
+"""Loss term name -> integer code used in batch tensors."""
+LOSS_TERM = {"cf": "cf", "reh": "reh", "rft": "rft", "sft": "rft", "iwm": "rft", "sr": "rft", "grpo": "grpo"}
+"""Sample kind -> the loss term it trains (imitation kinds share the plain SFT term)."""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ takes its deterministic share of each micro-batch (:func:`learner.batching.plan_
 micro-batch's loss is its share of the global loss (token sums over the global token counts, see
 ``learner/losses.py``), multiplied by ``world_size`` because FSDP averages gradients over ranks; so
 1 rank and N ranks compute the same gradient up to float rounding. Gradients are reduce-scattered only
-on the last micro-batch of the step.
+on the last micro-batch of the step. Micro-batches are left-padded rows or packed rows
+(``TrainerConfig.batch.bucketing``); precision bf16 keeps fp32 master weights (``learner/fsdp.py``).
 
     with distributed_env() as env:
         trainer = Trainer(TrainerConfig(), tiny_model_dir(), env)
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +29,24 @@ import structlog
 import torch
 from torch import Tensor, nn
 
-from learner.batching import MicroBatch, collate, kind_tokens, plan_micro_batches, to_items
+from learner.batching import (
+    MicroBatch,
+    TrainItem,
+    collate,
+    collate_packed,
+    kind_tokens,
+    plan_micro_batches,
+    to_items,
+)
 from learner.config import TrainerConfig
 from learner.distributed import DistEnv, all_reduce_sum, barrier
-from learner.fsdp import build_model, full_state_dict
-from learner.losses import KIND_INDEX, KindTokens, token_logprobs, total_loss
+from learner.fsdp import autocast, build_model, full_state_dict, resolve_precision
+from learner.losses import KIND_INDEX, KindTokens, LossOutput, total_loss
 from learner.model_io import export_weights, load_tokenizer
 from learner.optim import build_optimizer
 from protocol.samples import Sample
 
-__all__ = ["StepStats", "Trainer"]
+__all__ = ["StepStats", "StepSums", "Trainer"]
 
 log = structlog.get_logger(__name__)
 
@@ -60,6 +70,8 @@ class StepStats(msgspec.Struct, frozen=True, kw_only=True):
     """Token-mean k3 KL to the reference (GRPO with kl_coef > 0)."""
     clip_frac: float | None
     """Fraction of GRPO tokens whose ratio was clipped."""
+    ratio: float | None = None
+    """Mean importance ratio exp(logp - logp_behaviour) over GRPO tokens (1.0 when on-policy)."""
     samples: int
     """Samples trained."""
     skipped: int
@@ -78,6 +90,57 @@ class StepStats(msgspec.Struct, frozen=True, kw_only=True):
     """Learning rate used for this step."""
     seconds: float
     """Wall time of the step."""
+
+
+@dataclass
+class StepSums:
+    """Sums over a step's micro-batches (then over ranks): the numerators of :class:`StepStats`."""
+
+    loss: float = 0.0
+    """Shares of L."""
+    nll_cf: float = 0.0
+    """Weighted NLL of counterfactual targets."""
+    nll_reh: float = 0.0
+    """Weighted NLL of rehearsal targets."""
+    nll_rft: float = 0.0
+    """Weighted NLL of RFT targets."""
+    pg_grpo: float = 0.0
+    """Clipped policy-gradient term over GRPO tokens."""
+    kl: float = 0.0
+    """k3 KL over GRPO tokens."""
+    clipped: float = 0.0
+    """GRPO tokens whose ratio was clipped."""
+    ratio: float = 0.0
+    """Importance ratios over GRPO tokens."""
+    real_tokens: float = 0.0
+    """Non-pad tokens processed."""
+    padded_tokens: float = 0.0
+    """Tokens processed including padding."""
+
+    @classmethod
+    def of(cls, out: LossOutput, mb: MicroBatch) -> StepSums:
+        """One micro-batch's sums."""
+        cf, reh, rft, pg = out.nll_sum
+        g = out.grpo_stats
+        return cls(
+            loss=float(out.loss.detach()),
+            nll_cf=cf,
+            nll_reh=reh,
+            nll_rft=rft,
+            pg_grpo=pg,
+            kl=g.get("kl", 0.0),
+            clipped=g.get("clipped", 0.0),
+            ratio=g.get("ratio", 0.0),
+            real_tokens=float(mb.real_tokens),
+            padded_tokens=float(mb.padded_tokens),
+        )
+
+    def __add__(self, other: StepSums) -> StepSums:
+        return StepSums(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def all_reduce(self, env: DistEnv) -> StepSums:
+        """Field-wise sum over ranks (every rank must call)."""
+        return StepSums(*all_reduce_sum(env, list(astuple(self))))
 
 
 def _pad_id(model_dir: Path) -> int:
@@ -99,6 +162,7 @@ class Trainer:
         self.config = config
         self.model_dir = Path(model_dir)
         self.env = env
+        self.precision = resolve_precision(config.precision, env)  # "bf16" | "fp32" on this device
         torch.manual_seed(config.seed)
         self.model = build_model(
             self.model_dir,
@@ -115,21 +179,20 @@ class Trainer:
         self.step = 0
 
     def _logp(self, model: nn.Module, mb: MicroBatch) -> Tensor:
-        out = model(
-            input_ids=mb.input_ids,
-            attention_mask=mb.attention_mask,
-            position_ids=mb.position_ids,
-            logits_to_keep=mb.keep,
-            use_cache=False,
-        )
-        return token_logprobs(out.logits[:, :-1], mb.labels)
+        out = model(**mb.model_inputs(), use_cache=False)
+        return mb.sample_logprobs(out.logits)
 
-    def _micro_step(self, mb: MicroBatch, tokens: KindTokens) -> tuple[float, list[float], dict[str, float]]:
-        logp = self._logp(self.model, mb)
-        ref_logp = None
-        if self.reference is not None and bool((mb.kinds == KIND_INDEX["grpo"]).any()):
-            with torch.no_grad():
-                ref_logp = self._logp(self.reference, mb)
+    def _collate(self, items: Sequence[TrainItem]) -> MicroBatch:
+        pack = self.config.batch.bucketing == "pack"
+        return (collate_packed if pack else collate)(items, self.pad_id, self.env.device)
+
+    def _micro_step(self, mb: MicroBatch, tokens: KindTokens) -> StepSums:
+        with autocast(self.precision, self.env):
+            logp = self._logp(self.model, mb)
+            ref_logp = None
+            if self.reference is not None and bool((mb.kinds == KIND_INDEX["grpo"]).any()):
+                with torch.no_grad():
+                    ref_logp = self._logp(self.reference, mb)
         out = total_loss(
             logp,
             mb.labels,
@@ -146,7 +209,7 @@ class Trainer:
         )
         # FSDP averages gradients over ranks; each share is a part of a global *sum*.
         (out.loss * self.env.world_size).backward()
-        return float(out.loss.detach()), out.nll_sum, out.grpo_stats
+        return StepSums.of(out, mb)
 
     def train_step(self, samples: Sequence[Sample]) -> StepStats:
         """One optimizer step on ``samples`` (the whole global batch; every rank passes the same list)."""
@@ -160,18 +223,15 @@ class Trainer:
         tokens = kind_tokens(items)
         plan = plan_micro_batches(items, self.env.world_size, self.config.batch)
         lr = float(self.scheduler.get_last_lr()[0])
-        sums = [0.0] * 10  # loss, nll x4, kl, clipped, ratio, real, padded
+        sums = StepSums()
         for m, shares in enumerate(plan):
-            mb = collate([items[i] for i in shares[self.env.rank]], self.pad_id, self.env.device)
+            mb = self._collate([items[i] for i in shares[self.env.rank]])
             self.model.set_requires_gradient_sync(m == len(plan) - 1)  # type: ignore[operator]
-            loss, nll, grpo = self._micro_step(mb, tokens)
-            extra = [grpo.get("kl", 0.0), grpo.get("clipped", 0.0), grpo.get("ratio", 0.0)]
-            row = [loss, *nll, *extra, float(mb.real_tokens), float(mb.padded_tokens)]
-            sums = [a + b for a, b in zip(sums, row, strict=True)]
+            sums += self._micro_step(mb, tokens)
         grad_norm = 0.0
         if plan:
             grad_norm = self._clip_and_step()
-        sums = all_reduce_sum(self.env, sums)
+        sums = sums.all_reduce(self.env)
         return self._stats(sums, tokens, items, skipped, len(plan), grad_norm, lr, time.perf_counter() - t0)
 
     def _clip_and_step(self) -> float:
@@ -187,7 +247,7 @@ class Trainer:
 
     def _stats(
         self,
-        sums: list[float],
+        sums: StepSums,
         tokens: KindTokens,
         items: Sequence[Any],
         skipped: Sequence[tuple[str, str]],
@@ -196,21 +256,21 @@ class Trainer:
         lr: float,
         seconds: float,
     ) -> StepStats:
-        loss, n_cf, n_reh, n_rft, n_grpo, kl, clipped, _ratio, real, padded = sums
         return StepStats(
             step=self.step,
-            loss=loss,
-            loss_cf=_mean(n_cf, tokens.cf),
-            loss_reh=_mean(n_reh, tokens.reh),
-            loss_rft=_mean(n_rft, tokens.rft),
-            loss_grpo=_mean(n_grpo, tokens.grpo),
-            kl=_mean(kl, tokens.grpo) if self.reference is not None else None,
-            clip_frac=_mean(clipped, tokens.grpo),
+            loss=sums.loss,
+            loss_cf=_mean(sums.nll_cf, tokens.cf),
+            loss_reh=_mean(sums.nll_reh, tokens.reh),
+            loss_rft=_mean(sums.nll_rft, tokens.rft),
+            loss_grpo=_mean(sums.pg_grpo, tokens.grpo),
+            kl=_mean(sums.kl, tokens.grpo) if self.reference is not None else None,
+            clip_frac=_mean(sums.clipped, tokens.grpo),
+            ratio=_mean(sums.ratio, tokens.grpo),
             samples=len(items),
             skipped=len(skipped),
             target_tokens=int(sum(tokens.as_list())),
-            real_tokens=int(real),
-            padded_tokens=int(padded),
+            real_tokens=int(sums.real_tokens),
+            padded_tokens=int(sums.padded_tokens),
             micro_batches=micro,
             grad_norm=grad_norm,
             lr=lr,

@@ -1,4 +1,4 @@
-"""Unit tests of learner/batching.py: left-padded layout, label alignment, micro-batch plans."""
+"""Unit tests of learner/batching.py: left-padded and packed layouts, label alignment, micro-batch plans."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.batching import collate, kind_tokens, plan_micro_batches, to_items
+from learner.batching import collate, collate_packed, kind_tokens, pack_rows, plan_micro_batches, to_items
 from learner.config import BatchConfig
 from learner.losses import IGNORE, token_logprobs
 from tests.support.learner import make_sample, make_samples
@@ -80,13 +80,14 @@ def test_kind_tokens_counts_target_tokens_per_kind() -> None:
     n=st.integers(1, 40),
     world=st.integers(1, 4),
     budget=st.integers(16, 200),
-    mode=st.sampled_from(["length", "none"]),
+    mode=st.sampled_from(["length", "none", "pack"]),
 )
 def test_plan_deals_every_item_once_and_ranks_run_equal_micro_batches(
     n: int, world: int, budget: int, mode: str
 ) -> None:
     """Each item lands in exactly one (micro-batch, rank); every rank has the same number of micro-batches;
-    bucketed micro-batches respect the token budget unless a single row exceeds it."""
+    bucketed micro-batches (padded tokens) and packed rows (tokens) respect the token budget unless a
+    single sample exceeds it."""
     items, _ = to_items(make_samples(n), 4096)
     cfg = BatchConfig(micro_batch_tokens=budget, micro_batch_size=3, bucketing=mode)  # type: ignore[arg-type]
     plan = plan_micro_batches(items, world, cfg)
@@ -98,6 +99,10 @@ def test_plan_deals_every_item_once_and_ranks_run_equal_micro_batches(
             for share in mb:
                 if len(share) > 1:
                     assert len(share) * max(items[i].length for i in share) <= budget
+    if mode == "pack":
+        shares = [share for mb in plan for share in mb]
+        assert all(sum(items[i].length for i in s) <= budget for s in shares if len(s) > 1)
+        assert all(shares[: len(shares) - world + 1])  # only the last micro-batch may have empty shares
 
 
 def test_bucketing_pads_less_than_arrival_order() -> None:
@@ -156,3 +161,42 @@ def test_plan_is_deterministic(world: int) -> None:
     items, _ = to_items(make_samples(30), 4096)
     cfg = BatchConfig(micro_batch_tokens=64)
     assert plan_micro_batches(items, world, cfg) == plan_micro_batches(items, world, cfg)
+
+
+def test_packed_row_restarts_positions_and_targets_exactly_the_completions() -> None:
+    """One row holds the samples back to back: positions restart at 0 per sample, ``cu_seq_lens`` are the
+    boundaries, the kept positions predict exactly each completion's tokens in order, and they map onto
+    the same right-aligned label layout as left padding; no padding, no attention mask."""
+    samples = [make_sample(1, prompt_len=5, completion_len=3), make_sample(2, prompt_len=9, completion_len=1)]
+    samples.append(make_sample(3, prompt_len=2, completion_len=2))
+    items, _ = to_items(samples, 4096)
+    mb = collate_packed(items, PAD)
+    assert mb.packing is not None and mb.attention_mask is None
+    assert mb.input_ids[0].tolist() == [t for s in samples for t in (*s.prompt_ids, *s.completion_ids)]
+    assert mb.position_ids[0].tolist() == [*range(8), *range(10), *range(4)]
+    assert mb.packing.cu_seq_lens.tolist() == [0, 8, 18, 22]
+    assert mb.packing.keep.tolist() == [4, 5, 6, 16, 19, 20]
+    assert mb.packing.targets[0].tolist() == [t for s in samples for t in s.completion_ids]
+    assert torch.equal(mb.labels, collate(items, PAD).labels)
+    assert torch.equal(mb.labels[mb.packing.sample, mb.packing.slot], mb.packing.targets[0])
+    assert mb.real_tokens == mb.padded_tokens == 22
+
+
+def test_packing_fills_rows_without_padding() -> None:
+    """First-fit decreasing: every sample in one row, rows within the budget, no padded token, and no more
+    rows than one beyond the tokens / budget bound on these agent-like lengths."""
+    samples = [make_sample(i, prompt_len=5 + (i * 37) % 90, completion_len=1 + i % 5) for i in range(48)]
+    items, _ = to_items(samples, 4096)
+    rows = pack_rows(items, 400)
+    assert sorted(i for r in rows for i in r) == list(range(48))
+    assert all(sum(items[i].length for i in r) <= 400 for r in rows)
+    real = sum(i.length for i in items)
+    assert len(rows) <= -(-real // 400) + 1
+    assert sum(collate_packed([items[i] for i in r], PAD).padded_tokens for r in rows) == real
+
+
+def test_empty_packed_share_is_a_dummy_row_without_loss() -> None:
+    """A rank without samples in a packed micro-batch gets a zero-weight row whose targets are IGNORE."""
+    mb = collate_packed([], PAD)
+    assert mb.packing is not None and torch.all(mb.packing.targets == IGNORE)
+    assert torch.all(mb.labels == IGNORE) and mb.weights.tolist() == [0.0] and mb.real_tokens == 0

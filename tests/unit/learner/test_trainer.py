@@ -18,10 +18,12 @@ from tests.support.learner import assert_same_weights, make_sample, make_samples
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _cfg(**batch: int | str) -> TrainerConfig:
+def _cfg(precision: str = "fp32", **batch: int | str) -> TrainerConfig:
+    """fp32 unless asked: these tests pin the step's math, which bf16 rounding would blur."""
     return TrainerConfig(
         optim=OptimConfig(lr=1e-3, warmup_steps=2, schedule="cosine", total_steps=6),
-        batch=BatchConfig(global_batch=8, **batch),  # type: ignore[arg-type]
+        batch=BatchConfig(**({"global_batch": 8} | batch)),  # type: ignore[arg-type]
+        precision=precision,  # type: ignore[arg-type]
         seed=3,
     )
 
@@ -52,6 +54,33 @@ def test_micro_batch_split_does_not_change_the_step(dist_env, tiny_dir: Path) ->
     assert_same_weights(_params(one), _params(many), max_lr=s1.lr)
 
 
+def _mixed_batch() -> list[Sample]:
+    """cf/reh/rft samples plus GRPO samples with advantages of both signs and behaviour logprobs near the
+    tiny model's (about -ln 49152), so that some ratios are clipped and some are not."""
+    batch = make_samples(9, kinds=("cf", "reh", "rft"))
+    behaviour = [[-10.7, -10.9, -11.2], [-10.8, -10.6, -10.85], None, [-11.0, -10.75, -10.8]]
+    for j, (adv, bl) in enumerate(zip([1.5, -0.7, 0.4, -1.2], behaviour, strict=True)):
+        batch.append(make_sample(50 + j, kind="grpo", completion_len=3, advantage=adv, behaviour_logprobs=bl))
+    return batch
+
+
+def test_packing_does_not_change_the_step(dist_env, tiny_dir: Path) -> None:
+    """Packed rows (several samples per row, per-sample attention) and left-padded length buckets give the
+    same step on a batch mixing every kind, GRPO with behaviour logprobs included: same loss and per-kind
+    losses, clip fraction, gradient norm and updated weights; packing processes no padding."""
+    batch = _mixed_batch()
+    bucketed = Trainer(_cfg(micro_batch_tokens=40, global_batch=13), tiny_dir, dist_env)
+    packed = Trainer(_cfg(micro_batch_tokens=40, global_batch=13, bucketing="pack"), tiny_dir, dist_env)
+    for _ in range(2):  # the second step runs on weights (and AdamW moments) the first one updated
+        a, b = bucketed.train_step(batch), packed.train_step(batch)
+        assert b.micro_batches > 1
+        assert b.padded_tokens == b.real_tokens < a.padded_tokens
+        for key in ("loss", "loss_cf", "loss_reh", "loss_rft", "loss_grpo", "ratio", "grad_norm"):
+            assert getattr(b, key) == pytest.approx(getattr(a, key), rel=1e-5), key
+        assert b.clip_frac == a.clip_frac and a.clip_frac is not None and 0 < a.clip_frac < 1
+    assert_same_weights(_params(bucketed), _params(packed), max_lr=2 * a.lr)
+
+
 def test_export_writes_a_loadable_hf_directory_with_the_trained_weights(
     dist_env, tiny_dir: Path, tmp_path: Path
 ) -> None:
@@ -76,20 +105,22 @@ def test_bf16_export_is_the_default(dist_env, tiny_dir: Path, tmp_path: Path) ->
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_resume_gives_the_same_next_step_as_an_uninterrupted_run(
-    dist_env, tiny_dir: Path, tmp_path: Path
+    dist_env, tiny_dir: Path, tmp_path: Path, precision: str
 ) -> None:
     """Checkpoint after 2 steps, rebuild from scratch, load: step 3's loss, lr and weights match a run
-    that never stopped (model, AdamW moments, scheduler and progress all restored)."""
+    that never stopped (model, AdamW moments, scheduler and progress all restored), in fp32 and in bf16
+    (whose checkpoint holds the same fp32 master weights and moments)."""
     batches = [make_samples(8, start=8 * i) for i in range(3)]
-    straight = Trainer(_cfg(), tiny_dir, dist_env)
+    straight = Trainer(_cfg(precision), tiny_dir, dist_env)
     expected = [straight.train_step(b) for b in batches]
-    first = Trainer(_cfg(), tiny_dir, dist_env)
+    first = Trainer(_cfg(precision), tiny_dir, dist_env)
     for b in batches[:2]:
         first.train_step(b)
     save_checkpoint(tmp_path / "ckpt", first, Progress(step=first.step, samples_seq=41), keep=1)
     del first
-    resumed = Trainer(_cfg(), tiny_dir, dist_env)
+    resumed = Trainer(_cfg(precision), tiny_dir, dist_env)
     progress = load_latest(tmp_path / "ckpt", resumed)
     assert progress is not None and (progress.step, progress.samples_seq) == (2, 41)
     got = resumed.train_step(batches[2])

@@ -1,0 +1,88 @@
+"""Variable-length causal attention for packed rows, as a transformers attention implementation.
+
+A packed row (``bucketing = "pack"``, ``learner/batching.py``) holds several samples back to back, with
+``position_ids`` restarting at 0 for each; every token may attend only to earlier tokens of its own
+sample. transformers 5.x can express that with a dense block-diagonal mask (it derives one from restarting
+``position_ids`` when no attention mask is given), but SDPA then computes all T x T scores of the row and
+loses its causal fast path: on SmolLM2-135M (1 thread, a 1818-token row of 4 samples, forward + backward)
+such a row trained at 0.9x the speed of left-padded rows of the same samples in bf16, while this module's
+per-sample attention ran 1.9x faster than them (fp32: 1.05x and 1.6x). The flash-attention varlen kernels
+that transformers drives with ``cu_seq_lens_q`` do not exist on CPU.
+
+:data:`VARLEN` runs causal SDPA once per sample of the row, at the boundaries ``cu_seq_lens_q`` (the name
+and meaning flash-attention's varlen API uses) passed as a model keyword argument, so no cross-sample
+score is ever computed. Without ``cu_seq_lens_q`` it *is* transformers' SDPA attention, with the same
+masks, so a model switched to it behaves exactly as before on left-padded batches.
+
+    use_varlen_attention(model)
+    model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, logits_to_keep=keep)
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+__all__ = ["VARLEN", "use_varlen_attention", "varlen_sdpa_attention"]
+
+VARLEN = "leafe_varlen_sdpa"
+"""Name of the attention implementation registered with transformers."""
+
+
+def varlen_sdpa_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    cu_seq_lens_q: Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """Causal SDPA per segment ``[cu[i], cu[i+1])`` of a single packed row; plain SDPA without ``cu``.
+
+    ``query [1, H, T, D]``, ``key``/``value [1, H_kv, T, D]``; returns ``[1, T, H, D]`` like transformers'
+    attention functions. The dense packed mask transformers builds alongside is ignored (the segments
+    say the same thing).
+    """
+    if cu_seq_lens_q is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention takes one row, got a batch of {query.shape[0]}")
+    bounds = [int(b) for b in cu_seq_lens_q.tolist()]
+    if bounds[0] != 0 or bounds[-1] != query.shape[2]:
+        raise ValueError(f"cu_seq_lens_q {bounds} does not cover the row's {query.shape[2]} tokens")
+    gqa = key.shape[1] != query.shape[1]
+    parts = [
+        torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, s:e],
+            key[:, :, s:e],
+            value[:, :, s:e],
+            dropout_p=dropout,
+            scale=scaling,
+            is_causal=True,
+            enable_gqa=gqa,
+        )
+        for s, e in itertools.pairwise(bounds)
+    ]
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+
+
+def use_varlen_attention(model: nn.Module) -> None:
+    """Register :data:`VARLEN` with transformers (idempotent) and switch ``model`` to it."""
+    AttentionInterface.register(VARLEN, varlen_sdpa_attention)
+    # The SDPA mask builder keeps unpacked batches' padding masks exactly as under "sdpa".
+    AttentionMaskInterface.register(VARLEN, sdpa_mask)
+    set_impl = getattr(model, "set_attn_implementation", None)
+    if set_impl is None:
+        raise ValueError(f"{type(model).__name__} is not a transformers model; cannot set its attention")
+    set_impl(VARLEN)

@@ -21,6 +21,7 @@ from learner.config import TrainConfig
 from learner.dataset import MANIFEST, iter_samples
 from learner.distributed import DistEnv
 from learner.model_io import resolve_model
+from learner.scalars import NullScalarWriter, ScalarWriter, open_scalar_writer, write_step_scalars
 from learner.trainer import Trainer
 from learner.weight_store import prune_versions, version_name
 from protocol.samples import Sample
@@ -147,9 +148,17 @@ def _after_step(trainer: Trainer, cfg: TrainConfig, out: Path, progress: Progres
 
 
 def train(
-    cfg: TrainConfig, data_dir: Path, model: str, out: Path, env: DistEnv, *, resume: bool = True
+    cfg: TrainConfig,
+    data_dir: Path,
+    model: str,
+    out: Path,
+    env: DistEnv,
+    *,
+    resume: bool = True,
+    tensorboard_dir: Path | None = None,
 ) -> TrainResult:
-    """Train on every sample under ``data_dir``; resumable from ``out/checkpoints``. All ranks call it."""
+    """Train on every sample under ``data_dir``; resumable from ``out/checkpoints``. All ranks call it.
+    With ``tensorboard_dir``, rank 0 writes every step's scalars there (``learner/scalars.py``)."""
     samples = read_samples(data_dir)
     cfg = _with_schedule_length(cfg, len(samples))
     model_dir = resolve_model(model)
@@ -169,6 +178,7 @@ def train(
     progress = load_checkpoint(ckpt, trainer) if ckpt is not None else Progress()
     last_loss: float | None = None
     metrics = (out / "metrics.jsonl").open("a", encoding="utf-8") if env.is_main else None
+    scalars: ScalarWriter = open_scalar_writer(tensorboard_dir) if env.is_main else NullScalarWriter()
     try:
         for batch in iter_batches(samples, cfg, start_epoch=progress.epoch, start_position=progress.position):
             if cfg.max_steps and trainer.step >= cfg.max_steps:
@@ -185,8 +195,10 @@ def train(
                 metrics.write(json.dumps({"epoch": batch.epoch, **msgspec.to_builtins(stats)}) + "\n")
                 metrics.flush()
             log.info("train.step", epoch=batch.epoch, **msgspec.to_builtins(stats))
+            write_step_scalars(scalars, stats, epoch=batch.epoch)
             _after_step(trainer, cfg, out, progress)
     finally:
+        scalars.close()
         if metrics is not None:
             metrics.close()
     latest = latest_checkpoint(out / "checkpoints")

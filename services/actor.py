@@ -1,7 +1,7 @@
 """``leafe actor``: pull task assignments, run LEAFE exploration trees or plain rollouts, publish events.
 
     leafe actor --nats nats://127.0.0.1:4222 --run r1 --engine http://127.0.0.1:30000 --model tiny \\
-        [--config actor.toml] [--concurrency 8]
+        [--config actor.toml] [--concurrency 8] [--metrics-port 9464]
 
 The service itself (work queue, acks, keepalives, drain) is ``services/actor_service.py``. SIGTERM or
 Ctrl-C: stop fetching, let running episodes finish for ``drain_timeout_s``, nak the rest.
@@ -28,6 +28,7 @@ from services.actor_service import ActorService, ActorStats
 from services.bus import NatsOptions, add_nats_arguments, connect, nats_options
 from services.config import dump_config, load_config
 from services.logsetup import configure_logging
+from services.metrics import ActorMetrics, add_metrics_arguments, serve_metrics
 
 __all__ = ["default_actor_id", "main", "run_actor"]
 
@@ -46,6 +47,7 @@ async def run_actor(
     stop: asyncio.Event | None = None,
     max_tasks: int | None = None,
     env_factory: EnvFactory | None = None,
+    metrics: ActorMetrics | None = None,
 ) -> ActorStats:
     """Connect, serve tasks until ``stop`` (or ``max_tasks``), drain, disconnect. Give ``engine`` or URLs."""
     if engine is None and not engine_urls:
@@ -70,6 +72,7 @@ async def run_actor(
             env_factory=env_factory,
             max_tasks=max_tasks,
             stream_replicas=opts.stream_replicas,
+            metrics=metrics,
         )
         stats = await service.run(stop)
         await nc.flush()  # the last acks leave before the connection closes
@@ -92,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--actor-id", default=None, help="actor id in events (default host-pid)")
     p.add_argument("--max-tasks", type=int, default=None, help="exit after this many tasks")
     p.add_argument("--log-level", default="info")
+    add_metrics_arguments(p)
     return p
 
 
@@ -114,6 +118,8 @@ def main(argv: list[str]) -> int:
     log.info("actor.config", config=dump_config(config), model=args.model)
     tokenizer = HFChatTokenizer.from_dir(resolve_model(args.model))
     urls = [u.strip() for u in args.engine.split(",") if u.strip()]
+    metrics = ActorMetrics()
+    serve_metrics(args.metrics_port, metrics.registry, args.metrics_host)
 
     async def serve() -> ActorStats:
         stop = asyncio.Event()
@@ -129,6 +135,7 @@ def main(argv: list[str]) -> int:
             actor_id=args.actor_id,
             stop=stop,
             max_tasks=args.max_tasks,
+            metrics=metrics,
         )
 
     stats = asyncio.run(serve())

@@ -56,6 +56,7 @@ from protocol.subjects import (
 )
 from protocol.tasks import TaskAssignment, episode_id_for
 from services.bus import Consumer, Delivery, Publisher, ensure_streams
+from services.metrics import ActorMetrics, TimedEngine
 
 __all__ = ["ActorService", "ActorStats", "EpisodeRunner", "PublisherSink"]
 
@@ -84,12 +85,15 @@ class ActorStats(msgspec.Struct, kw_only=True):
 class PublisherSink:
     """``EventSink`` that publishes through the bus ``Publisher`` (queued; acks awaited by ``flush``)."""
 
-    def __init__(self, publisher: Publisher) -> None:
+    def __init__(self, publisher: Publisher, metrics: ActorMetrics | None = None) -> None:
         self.publisher = publisher
+        self.metrics = metrics
 
     async def emit(self, event: EpisodeEvent) -> None:
-        """Queue ``event`` for publishing on its subject."""
+        """Queue ``event`` for publishing on its subject (and count it when the sink has metrics)."""
         await self.publisher.publish_event(event)
+        if self.metrics is not None:
+            self.metrics.observe_event(event)
 
 
 class EpisodeRunner:
@@ -106,9 +110,11 @@ class EpisodeRunner:
         run_id: str,
         actor_id: str,
         stats: ActorStats,
+        metrics: ActorMetrics | None = None,
     ) -> None:
         self.js = js
-        self.engine = engine
+        self.metrics = metrics or ActorMetrics()
+        self.engine: Engine = TimedEngine(engine, self.metrics.engine_latency)
         self.tokenizer = tokenizer
         self.config = config
         self.pool = pool
@@ -126,6 +132,8 @@ class EpisodeRunner:
         log.info("actor.episode.started", attempt=attempt, env=task.env, task_id=task.task_id, mode=task.mode)
         keepalive = asyncio.create_task(self._keepalive(delivery))
         started = time.monotonic()
+        outcome = "error"
+        self.metrics.in_flight.inc()
         try:
             if task.run_id != self.run_id:
                 raise ValueError(
@@ -133,7 +141,9 @@ class EpisodeRunner:
                 )
             summary = await self._episode(task, attempt, episode_id)
             await delivery.ack()
+            outcome = "success" if summary.success else "failure" if not summary.error else "error"
         except asyncio.CancelledError:
+            outcome = "abandoned"
             self.stats.abandoned += 1
             log.warning("actor.episode.abandoned", attempt=attempt)
             try:
@@ -146,6 +156,8 @@ class EpisodeRunner:
             return
         finally:
             keepalive.cancel()
+            self.metrics.in_flight.dec()
+            self.metrics.episode_ended(task.mode, outcome)
         self.stats.done += 1
         self.stats.succeeded += summary.success
         self.stats.events += summary.events
@@ -201,7 +213,7 @@ class EpisodeRunner:
         reusable = False
         try:
             async with Publisher(self.js) as publisher:
-                sink = PublisherSink(publisher)
+                sink = PublisherSink(publisher, self.metrics)
                 if explore:
                     explorer = Explorer(
                         engine=self.engine,
@@ -255,6 +267,7 @@ class ActorService:
         env_factory: EnvFactory | None = None,
         max_tasks: int | None = None,
         stream_replicas: int | None = None,
+        metrics: ActorMetrics | None = None,
     ) -> None:
         self.nc = nc
         self.js = nc.jetstream()
@@ -265,6 +278,8 @@ class ActorService:
         self.stream_replicas = stream_replicas
         self.pool = EnvPool(env_factory or make_env, max_idle=config.env_pool_size)
         self.stats = ActorStats()
+        self.metrics = metrics or ActorMetrics()
+        """Prometheus metrics (``services/metrics.py``); served by ``leafe actor --metrics-port``."""
         self.runner = EpisodeRunner(
             js=self.js,
             engine=engine,
@@ -274,6 +289,7 @@ class ActorService:
             run_id=self.run_id,
             actor_id=actor_id,
             stats=self.stats,
+            metrics=self.metrics,
         )
         self.durable = actors_durable(self.run_id, config.durable)
         """Consumer name: unique per run, because every run's tasks share the LEAFE_TASKS stream."""

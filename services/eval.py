@@ -6,7 +6,9 @@ version) an in-process CPU inference server is started, ``actors.evaluate.evalua
 stopped. With ``--engine URL[,URL]`` the running servers (SGLang or ``leafe inference``) are evaluated once
 instead. The output directory gets ``eval.json`` (every figure), ``eval.md`` (the Pass@k table and a line
 per model: wall time, parse failures, prompt tokens per step) and ``passk.png`` (the curves); the table is
-also printed. With ``--nats URL --run RUN`` the eval episodes are published to the run's log too.
+also printed. With ``--nats URL --run RUN`` the eval episodes are published to the run's log too. When the
+``tensorboard`` package is installed (extra ``tb``), ``<out>/tensorboard/<label>/`` gets each model's Pass@k as
+scalars (:func:`write_passk_scalars`; ``tensorboard --logdir <out>/tensorboard`` overlays the models).
 
 ```
 leafe eval --model tiny --model runs/r1/weights/v000040 --env sokoban --split test --tasks 16 \\
@@ -36,6 +38,8 @@ from actors.episode import EpisodeSummary, EventSink
 from actors.evaluate import EvalRequest, EvalResult, EvalSample, evaluate
 from envs.base import EnvError
 from envs.registry import make_env
+from learner.scalars import open_scalar_writer
+from learner.weight_store import version_index
 from protocol.prompt import ChatTokenizer
 from protocol.subjects import validate_run_id
 from protocol.tasks import task_slug
@@ -44,7 +48,15 @@ from services.bus import Publisher, add_nats_arguments, connect, ensure_streams,
 from services.config import parse_key_value
 from services.logsetup import configure_logging
 
-__all__ = ["EvalReport", "Target", "main", "report_markdown", "run_eval", "write_report"]
+__all__ = [
+    "EvalReport",
+    "Target",
+    "main",
+    "report_markdown",
+    "run_eval",
+    "write_passk_scalars",
+    "write_report",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -114,6 +126,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="base sampling seed")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds one /generate may take")
     p.add_argument("--out", type=Path, required=True, help="directory for eval.json, eval.md, passk.png")
+    p.add_argument(
+        "--tensorboard-dir", type=Path, default=None, help="Pass@k scalars (default <out>/tensorboard)"
+    )
     p.add_argument("--max-batch", type=int, default=0, help="in-process server batch (0 = --concurrency)")
     p.add_argument("--threads", type=int, default=0, help="in-process server torch threads (0 = default)")
     p.add_argument("--run", default=None, help="run id of the episodes (default eval)")
@@ -312,6 +327,21 @@ def write_report(report: EvalReport, out: Path) -> list[Path]:
     return [out / "eval.json", out / "eval.md", out / "passk.png"]
 
 
+def write_passk_scalars(log_dir: Path, result: EvalResult) -> None:
+    """TensorBoard scalars of one result in ``log_dir``: the Pass@k curve as ``pass@k`` at step k, and each
+    ``pass@<k>`` at the step of the evaluated weight version's index (0 for the base model), so evaluations
+    of successive versions written to one directory form a curve over training. A no-op without
+    tensorboard."""
+    writer = open_scalar_writer(log_dir)
+    try:
+        index = version_index(result.weight_version) or 0
+        for k, value in sorted(result.passk.items()):
+            writer.scalar("pass@k", value, k)
+            writer.scalar(f"pass@{k}", value, index)
+    finally:
+        writer.close()
+
+
 def _task_ids(args: argparse.Namespace) -> list[str]:
     env = make_env(args.env, **dict(args.env_option))
     try:
@@ -362,6 +392,8 @@ def main(argv: list[str]) -> int:
         results=results,
     )
     write_report(report, args.out)
+    for result in results:
+        write_passk_scalars((args.tensorboard_dir or args.out / "tensorboard") / result.label, result)
     print(report_markdown(report))
     print(f"wrote {args.out / 'eval.json'}, {args.out / 'eval.md'}, {args.out / 'passk.png'}")
     return 0

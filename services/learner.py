@@ -1,7 +1,8 @@
 """``leafe learner``: online continual learning from ``LEAFE_SAMPLES`` with FSDP2, checkpoints, pushes.
 
     leafe learner --nats nats://127.0.0.1:4222 --run r1 --model smollm2-135m-instruct \\
-        --store runs/r1/weights --checkpoint-dir runs/r1/learner [--preset cpu] [--config learner.toml]
+        --store runs/r1/weights --checkpoint-dir runs/r1/learner [--preset cpu] [--config learner.toml] \\
+        [--metrics-port 9464] [--tensorboard-dir runs/r1/tensorboard/learner]
     torchrun --nproc_per_node=2 -m services.learner --run-id r1 ...  # rank 0 reads the stream, all train
 
 (Under torchrun spell the run ``--run-id``: torchrun's own parser would take ``--run`` as an abbreviation
@@ -27,6 +28,7 @@ from protocol.subjects import validate_run_id
 from services.bus import NatsOptions, add_nats_arguments, nats_options
 from services.config import dump_config, load_config
 from services.logsetup import configure_logging
+from services.metrics import LearnerMetrics, add_metrics_arguments, serve_metrics
 
 if TYPE_CHECKING:
     from learner.checkpoint import Progress
@@ -58,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", help="auto, gloo or nccl")
     p.add_argument("--log-level", default="info")
     p.add_argument("--console", action="store_true", help="readable console logs instead of JSON")
+    p.add_argument(
+        "--tensorboard-dir",
+        type=Path,
+        default=None,
+        help="write TensorBoard scalars here (rank 0; needs [tb])",
+    )
+    add_metrics_arguments(p)
     return p
 
 
@@ -90,11 +99,14 @@ def run_learner(
     model: str,
     store: Path,
     checkpoint_dir: Path,
+    metrics: LearnerMetrics | None = None,
+    tensorboard_dir: Path | None = None,
 ) -> Progress:
     """Build the trainer on every rank, resume from the latest checkpoint, then lead (rank 0) or follow."""
     from learner.checkpoint import Progress, load_latest
     from learner.executor import Executor, StopCmd
     from learner.model_io import resolve_model
+    from learner.scalars import open_scalar_writer
     from learner.trainer import Trainer
     from services.learner_service import OnlineLearner
 
@@ -105,6 +117,7 @@ def run_learner(
     if not env.is_main:
         executor.follow()
         return progress
+    scalars = open_scalar_writer(tensorboard_dir)
     learner = OnlineLearner(
         cfg,
         executor,
@@ -113,10 +126,13 @@ def run_learner(
         nats=nats,
         store=store,
         base_model=str(model),
+        metrics=metrics,
+        scalars=scalars,
     )
     try:
         return asyncio.run(_serve(learner))
     finally:
+        scalars.close()
         if env.world_size > 1:
             executor.submit(StopCmd())
 
@@ -141,6 +157,8 @@ def main(argv: list[str]) -> int:
     log.info(
         "learner.config", config=dump_config(cfg), store=str(args.store), checkpoints=str(checkpoint_dir)
     )
+    metrics = LearnerMetrics()
+    serve_metrics(args.metrics_port, metrics.registry, args.metrics_host)  # LOCAL_RANK 0 only
     with distributed_env(args.backend) as env:
         structlog.contextvars.bind_contextvars(rank=env.rank)
         progress = run_learner(
@@ -151,6 +169,8 @@ def main(argv: list[str]) -> int:
             model=args.model,
             store=args.store,
             checkpoint_dir=checkpoint_dir,
+            metrics=metrics,
+            tensorboard_dir=args.tensorboard_dir,
         )
     if env.is_main:
         log.info("learner.stopped", **dump_config(progress))

@@ -41,13 +41,15 @@ from learner.checkpoint import Progress
 from learner.config import LearnerConfig
 from learner.executor import CheckpointCmd, Executor, ExportCmd, NoopCmd, TrainCmd
 from learner.model_io import ManifestError, verify_manifest
-from learner.online import Batch, SampleBuffer
+from learner.online import Batch, SampleBuffer, policy_lag
+from learner.scalars import NullScalarWriter, ScalarWriter, write_step_scalars
 from learner.trainer import StepStats
 from learner.weight_store import prune_versions, version_name
 from protocol import WeightsPublished, dead_letter_subject, decode_sample, weights_subject
 from protocol.samples import Sample
 from protocol.subjects import SAMPLES, learner_durable, samples_filter
 from services.bus import Consumer, Delivery, NatsOptions, Publisher, connect, ensure_streams
+from services.metrics import LearnerMetrics
 
 __all__ = ["OnlineLearner", "SampleConsumer", "StepCallback"]
 
@@ -104,6 +106,8 @@ class OnlineLearner:
         store: Path,
         base_model: str,
         on_step: StepCallback | None = None,
+        metrics: LearnerMetrics | None = None,
+        scalars: ScalarWriter | None = None,
     ) -> None:
         self.cfg = cfg
         self.executor = executor
@@ -114,6 +118,11 @@ class OnlineLearner:
         self.store = Path(store)
         self.base_model = base_model
         self.on_step = on_step
+        self.metrics = metrics or LearnerMetrics()
+        """Prometheus metrics (``services/metrics.py``); served by ``leafe learner --metrics-port``."""
+        self.scalars = scalars or NullScalarWriter()
+        """TensorBoard scalars of every step (``leafe learner --tensorboard-dir``)."""
+        self.metrics.progress(step=progress.step, samples_seq=progress.samples_seq)
         self.buffer: SampleBuffer[Delivery[Sample]] = SampleBuffer(
             kinds=cfg.kinds, max_policy_lag=cfg.max_policy_lag
         )
@@ -210,9 +219,11 @@ class OnlineLearner:
             )
         p = self.progress
         stats: StepStats | None = None
+        started = time.perf_counter()
         if batch.samples:
             stats = await self._submit(TrainCmd(samples=batch.samples))
             dropped += stats.skipped  # too long or empty: consumed, never trained
+        seconds = time.perf_counter() - started
         self.progress = msgspec.structs.replace(
             p,
             step=stats.step if stats is not None else p.step,
@@ -220,13 +231,25 @@ class OnlineLearner:
             samples_trained=p.samples_trained + (stats.samples if stats is not None else 0),
             samples_dropped=p.samples_dropped + dropped,
         )
+        self._count(batch, stats)
         if stats is None or stats.samples == 0:
             return False
         self.steps_here += 1
         log.info("learner.step", samples_seq=self.progress.samples_seq, **msgspec.to_builtins(stats))
+        lag = max((policy_lag(s.policy_version, p.version_index) or 0 for s in batch.samples), default=0)
+        tokens_per_second = stats.real_tokens / seconds if seconds > 0 else 0.0
+        self.metrics.observe_step(stats, tokens_per_second=tokens_per_second, policy_lag=lag)
+        write_step_scalars(self.scalars, stats, tokens_per_second=tokens_per_second, policy_lag=lag)
         if self.on_step is not None:
             self.on_step(stats, [s.sample_id for s in batch.samples], self.progress)
         return True
+
+    def _count(self, batch: Batch[Delivery[Sample]], stats: StepStats | None) -> None:
+        m = self.metrics
+        m.progress(step=self.progress.step, samples_seq=self.progress.samples_seq)
+        m.dropped("stale", batch.stale)
+        m.dropped("ignored_kind", batch.ignored)
+        m.dropped("unusable", stats.skipped if stats is not None else 0)
 
     async def _after_step(self, pub: Publisher) -> None:
         tc, step = self.cfg.trainer, self.progress.step
@@ -238,7 +261,8 @@ class OnlineLearner:
     async def _checkpoint(self) -> None:
         """Checkpoint if anything changed since the last one, then ack what it covers."""
         if self.progress != self.checkpointed:
-            await self._submit(CheckpointCmd(progress=self.progress))
+            with self.metrics.checkpoint_seconds.time():
+                await self._submit(CheckpointCmd(progress=self.progress))
             self.checkpointed = self.progress
         acked = self.held + self.buffer.pop_duplicates()
         self.held = []
@@ -248,8 +272,9 @@ class OnlineLearner:
     async def _push(self, pub: Publisher) -> None:
         self._pushed_at_step = self.progress.step
         self.progress = msgspec.structs.replace(self.progress, version_index=self.progress.version_index + 1)
-        await self._checkpoint()
-        await self._export_and_publish(pub)
+        with self.metrics.push_seconds.time():
+            await self._checkpoint()
+            await self._export_and_publish(pub)
 
     async def _announce_current(self, pub: Publisher) -> None:
         """On start: make sure the checkpoint's latest version is exported and announced (idempotent)."""

@@ -1,6 +1,7 @@
 """``leafe replayer``: the online replayer, events in, samples out, with no loss and no duplicates.
 
-    leafe replayer --nats URL --run RUN --materializer leafe [--model DIR] [--config replayer.toml]
+    leafe replayer --nats URL --run RUN --materializer leafe [--model DIR] [--config replayer.toml] \\
+        [--metrics-port 9464]
 
 The ack protocol that makes it restartable at any moment is described in ``services/replayer_service.py``.
 Run exactly one replayer per (run, materializer): its durable consumer is its identity. SIGTERM/SIGINT:
@@ -18,6 +19,7 @@ import structlog
 from services.bus import add_nats_arguments, nats_options
 from services.config import dump_config, load_config
 from services.logsetup import configure_logging
+from services.metrics import ReplayerMetrics, add_metrics_arguments, serve_metrics
 from services.replayer_service import ReplayerConfig, serve
 
 __all__ = ["main"]
@@ -35,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="tokenizer: default | tiny | HF model dir")
     p.add_argument("--config", default=None, help="TOML file with ReplayerConfig fields")
     p.add_argument("--log-level", default="info", help="log level (default info)")
+    add_metrics_arguments(p)
     return p
 
 
@@ -53,13 +56,15 @@ def main(argv: list[str]) -> int:
         p.error("no NATS URL: pass --nats URL or set LEAFE_NATS_URL")
     structlog.contextvars.bind_contextvars(run_id=args.run, service="replayer")
     log.info("replayer.config", config=dump_config(config))
+    metrics = ReplayerMetrics()
+    serve_metrics(args.metrics_port, metrics.registry, args.metrics_host)
 
     async def _main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(config, nats=nats, run_id=args.run, stop=stop)
+        await serve(config, nats=nats, run_id=args.run, stop=stop, metrics=metrics)
 
     asyncio.run(_main())
     return 0

@@ -63,10 +63,13 @@ from services.bus import (
     ensure_streams,
     read_range,
 )
+from services.metrics import ReplayerMetrics
 
 __all__ = ["Replayer", "ReplayerConfig", "ReplayerError", "ReplayerStats", "serve"]
 
 log = structlog.get_logger(__name__)
+_LAG_CHECK_S = 5.0
+"""How often ``leafe_replayer_consumer_lag`` is refreshed from the durable's info."""
 
 
 class ReplayerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -118,7 +121,15 @@ class ReplayerStats:
 class Replayer:
     """A materializer wired to the events stream (see the module docstring for the ack protocol)."""
 
-    def __init__(self, js: Any, *, run_id: str, fold: Materializer, config: ReplayerConfig) -> None:
+    def __init__(
+        self,
+        js: Any,
+        *,
+        run_id: str,
+        fold: Materializer,
+        config: ReplayerConfig,
+        metrics: ReplayerMetrics | None = None,
+    ) -> None:
         self.js = js
         self.run_id = validate_run_id(run_id)
         self.fold = fold
@@ -132,6 +143,10 @@ class Replayer:
         self.unreleased: set[str] = set()
         self.recovery_until = 0
         self.stats = ReplayerStats()
+        self.metrics = metrics or ReplayerMetrics()
+        """Prometheus metrics (``services/metrics.py``); served by ``leafe replayer --metrics-port``."""
+        self.metrics.open_episodes.set_function(lambda: self.fold.open_episodes)
+        self._last_lag = 0.0
         self._last_keepalive = time.monotonic()
         self._last_stale = time.monotonic()
 
@@ -238,6 +253,7 @@ class Replayer:
                     continue
             to_ack.append(d)
         self.stats.events += len(deliveries)
+        self.metrics.events.inc(len(deliveries))
         self.stats.batches += 1
         await self._publish(samples)
         for d, reason in rejected:
@@ -258,6 +274,8 @@ class Replayer:
                     await self.publisher.publish(sample_subject(self.run_id, s.kind), s)
                 await self.publisher.flush()
                 self.stats.samples_published += len(pending)
+                for s in pending.values():
+                    self.metrics.samples.labels(kind=s.kind).inc()
                 return
             except PublishError as e:
                 log.warning("replayer.publish.retry", attempt=attempt, unacked=len(e.unacked), error=str(e))
@@ -282,6 +300,7 @@ class Replayer:
         }
         await self.js.publish(self.dead_subject, encode(d.value), headers=headers)
         self.stats.dead_letters += 1
+        self.metrics.dead_letter("wrong_run" if d.value.run_id != self.run_id else "rejected")
         log.warning(
             "replayer.event.dead_letter", event_id=d.value.event_id, stream_seq=d.stream_seq, reason=clean
         )
@@ -293,8 +312,22 @@ class Replayer:
             if anchor is not None:
                 await anchor.ack()
 
+    async def _refresh_lag(self, now: float) -> None:
+        """``leafe_replayer_consumer_lag`` from the durable's ``num_pending`` (a failed read only logs)."""
+        self.metrics.undecodable_total(self.consumer.dead_letters)
+        if now - self._last_lag < _LAG_CHECK_S:
+            return
+        self._last_lag = now
+        try:
+            info = await self.js.consumer_info(EVENTS.name, self.durable)
+        except Exception as e:  # a metric must never stop the replayer; the next check retries
+            log.warning("replayer.lag.unknown", error=f"{type(e).__name__}: {e}")
+            return
+        self.metrics.consumer_lag.set(int(info.num_pending or 0))
+
     async def _housekeeping(self) -> None:
         now = time.monotonic()
+        await self._refresh_lag(now)
         if now - self._last_keepalive >= self.config.ack_wait_s / 3:
             self._last_keepalive = now
             for anchor in list(self.anchors.values()):
@@ -323,7 +356,12 @@ class Replayer:
 
 
 async def serve(
-    config: ReplayerConfig, *, nats: NatsOptions | str, run_id: str, stop: asyncio.Event
+    config: ReplayerConfig,
+    *,
+    nats: NatsOptions | str,
+    run_id: str,
+    stop: asyncio.Event,
+    metrics: ReplayerMetrics | None = None,
 ) -> ReplayerStats:
     """Connect, build the materializer, run the replayer until ``stop``; returns its counters."""
     from learner.model_io import HFChatTokenizer, resolve_model  # transformers: loaded by the service only
@@ -335,7 +373,7 @@ async def serve(
     try:
         js = nc.jetstream()
         await ensure_streams(js, replicas=opts.stream_replicas)
-        replayer = Replayer(js, run_id=run_id, fold=fold, config=config)
+        replayer = Replayer(js, run_id=run_id, fold=fold, config=config, metrics=metrics)
         await replayer.start()
         await replayer.run(stop)
         return replayer.stats

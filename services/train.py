@@ -5,7 +5,9 @@
 
 Writes under ``--out``: ``checkpoints/`` (DCP; a rerun resumes from the latest unless ``--no-resume``),
 ``weights/v<N>/`` every ``push_every`` steps, ``final/`` (HF safetensors + manifest) at the end,
-``metrics.jsonl`` (one :class:`learner.trainer.StepStats` per step) and ``config.json``.
+``metrics.jsonl`` (one :class:`learner.trainer.StepStats` per step), ``config.json`` and, when the
+``tensorboard`` package is installed (extra ``tb``), TensorBoard scalars in ``tensorboard/``
+(``--tensorboard-dir`` to put them elsewhere; ``tensorboard --logdir DIR`` shows them).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-dtype", choices=["bf16", "fp32"], default=None)
     p.add_argument("--bucketing", choices=["length", "none"], default=None)
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints under --out")
+    p.add_argument(
+        "--tensorboard-dir", type=Path, default=None, help="TensorBoard scalars (default <out>/tensorboard)"
+    )
     p.add_argument("--backend", default="auto", help="auto, gloo or nccl")
     p.add_argument("--log-level", default="info")
     p.add_argument("--console", action="store_true", help="readable console logs instead of JSON")
@@ -87,7 +92,16 @@ def main(argv: list[str]) -> int:
 
     with distributed_env(args.backend) as env:
         structlog.contextvars.bind_contextvars(rank=env.rank)
-        result = train(cfg, args.data, args.model, args.out, env, resume=not args.no_resume)
+        tensorboard_dir = args.tensorboard_dir or args.out / "tensorboard"
+        result = train(
+            cfg,
+            args.data,
+            args.model,
+            args.out,
+            env,
+            resume=not args.no_resume,
+            tensorboard_dir=tensorboard_dir,
+        )
     if env.is_main:
         print(msgspec.json.encode(result).decode())
     return 0

@@ -3,6 +3,7 @@
     leafe weight-sync --nats URL --run r1 --server http://127.0.0.1:30000 --server http://gpu-2:30000
     leafe weight-sync ... --once         # apply the latest version, report, exit 1 if any server failed
     leafe weight-sync ... --config weight-sync.toml     # WeightSyncConfig fields; flags override
+    leafe weight-sync ... --metrics-port 9465           # Prometheus /metrics (leafe_weight_sync_*)
 
 How it reconciles is described in ``services/weight_sync_service.py``.
 """
@@ -18,6 +19,7 @@ import structlog
 from services.bus import NatsOptions, add_nats_arguments, nats_options
 from services.config import dump_config, load_config
 from services.logsetup import configure_logging
+from services.metrics import WeightSyncMetrics, add_metrics_arguments, serve_metrics
 from services.weight_sync_service import WeightSync, WeightSyncConfig
 
 __all__ = ["main"]
@@ -40,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--once", action="store_true", help="apply the latest version and exit (1 if any failed)")
     p.add_argument("--log-level", default="info")
+    add_metrics_arguments(p)
     return p
 
 
@@ -60,13 +63,17 @@ def main(argv: list[str]) -> int:
         p.error("no inference server: give --server URL (or `servers` in --config)")
     structlog.contextvars.bind_contextvars(run_id=a.run)
     log.info("weight_sync.config", config=dump_config(cfg))
-    return asyncio.run(_main(cfg, a.run, nats, a.once))
+    metrics = WeightSyncMetrics()
+    serve_metrics(a.metrics_port, metrics.registry, a.metrics_host)
+    return asyncio.run(_main(cfg, a.run, nats, a.once, metrics))
 
 
-async def _main(cfg: WeightSyncConfig, run_id: str, nats: NatsOptions, once: bool) -> int:
+async def _main(
+    cfg: WeightSyncConfig, run_id: str, nats: NatsOptions, once: bool, metrics: WeightSyncMetrics
+) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    ok = await WeightSync(cfg, run_id=run_id).run(nats, stop, once=once)
+    ok = await WeightSync(cfg, run_id=run_id, metrics=metrics).run(nats, stop, once=once)
     return 0 if ok else 1

@@ -34,6 +34,7 @@ from protocol import WeightsPublished, decode_weights, weights_subject
 from protocol.codec import CODEC_HEADER, ProtocolError
 from protocol.subjects import WEIGHTS
 from services.bus import NatsOptions, connect, ensure_streams
+from services.metrics import WeightSyncMetrics
 
 __all__ = ["SyncResult", "WeightSync", "WeightSyncConfig"]
 
@@ -83,7 +84,9 @@ def _newer(a: WeightsPublished, b: WeightsPublished | None) -> bool:
 class WeightSync:
     """Reconciles servers to the newest announced version (see the module docstring)."""
 
-    def __init__(self, cfg: WeightSyncConfig, *, run_id: str) -> None:
+    def __init__(
+        self, cfg: WeightSyncConfig, *, run_id: str, metrics: WeightSyncMetrics | None = None
+    ) -> None:
         if not cfg.servers:
             raise ValueError("weight-sync needs at least one --server URL")
         self.cfg = cfg
@@ -96,6 +99,8 @@ class WeightSync:
         self.results: dict[str, SyncResult] = {}
         self.host = socket.gethostname()
         self._marker_warned = False
+        self.metrics = metrics or WeightSyncMetrics()
+        """Prometheus metrics (``services/metrics.py``); served by ``leafe weight-sync --metrics-port``."""
         self._wake = asyncio.Event()
 
     def offer(self, event: WeightsPublished) -> None:
@@ -158,7 +163,9 @@ class WeightSync:
             seconds=time.perf_counter() - t0,
         )
         self.results[url] = res
+        self.metrics.push_seconds.observe(res.seconds)
         if res.success:
+            self.metrics.served(url, event.version)
             self.served[url] = event.version
             self.retry_at.pop(url, None)
             self.failures.pop(url, None)
@@ -172,6 +179,7 @@ class WeightSync:
                 since_publish_s=since,
             )
         else:
+            self.metrics.failures.labels(engine=url).inc()
             n = self.failures[url] = self.failures.get(url, 0) + 1
             backoff = min(self.cfg.reconcile_interval_s, self.cfg.retry_backoff_s * 2 ** min(n - 1, 10))
             self.retry_at[url] = time.monotonic() + backoff
@@ -216,6 +224,7 @@ class WeightSync:
                 if actual is None:
                     return None
                 self.served[url] = actual
+                self.metrics.served(url, actual)
             if self.served[url] == event.version:
                 if refresh:
                     self._mark_in_use(url, event)  # confirmed again: keep the marker fresh

@@ -81,6 +81,8 @@ class EngineStats:
     decode_steps: int = 0
     finished: int = 0
     swaps: int = 0
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+    """Decode steps by batch size (sequences decoded together), for ``leafe_inference_batch_size``."""
 
 
 def _settle(
@@ -290,6 +292,7 @@ class GenerationEngine:
         self.stats.decode_s += time.perf_counter() - t0
         self.stats.decode_steps += 1
         self.stats.decode_tokens += len(batch)
+        self.stats.batch_sizes[len(batch)] = self.stats.batch_sizes.get(len(batch), 0) + 1
 
     def _sample_into(self, batch: DecodeBatch, logits: torch.Tensor) -> None:
         """Sample a token per row, finish rows that stop, merge the rest into the running batch."""
@@ -365,5 +368,6 @@ class GenerationEngine:
             "running": len(self._active) if self._active else 0,
             "waiting": pending,
             **self.stats.__dict__,
+            "batch_sizes": dict(self.stats.batch_sizes),  # a copy: the worker thread adds sizes
             "prefix_cache": {**prefix, "tokens": self.prefix.tokens if self.prefix else 0},
         }

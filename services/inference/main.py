@@ -1,19 +1,25 @@
 """``leafe inference``: the CPU inference server with SGLang's native HTTP API, until SIGTERM.
 
     leafe inference --model tiny|smollm2-135m-instruct|DIR --port 30000 --max-batch 16 [--config inference.toml]
+    leafe inference ... --metrics-port 9464        # Prometheus /metrics (leafe_inference_*) on its own port
 
 The server itself is ``services/inference/server.py``; torch loads only after the flags are read, so
-``--help`` is instant.
+``--help`` is instant. The metrics are read at scrape time from the engine's own counters (the
+``internal_states`` of ``/get_server_info``) by ``services.metrics.InferenceCollector``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
+
+from prometheus_client import CollectorRegistry
 
 from services.config import load_config
 from services.inference.config import InferenceConfig
 from services.logsetup import configure_logging
+from services.metrics import InferenceCollector, add_metrics_arguments, serve_metrics
 
 __all__ = ["main"]
 
@@ -33,7 +39,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--weight-version", default=None)
     p.add_argument("--log-level", default="info")
+    add_metrics_arguments(p)
     return p
+
+
+async def _serve(config: InferenceConfig, metrics_port: int, metrics_host: str) -> None:
+    """Like ``server.serve``, with the engine's counters exported on ``metrics_port`` while it runs."""
+    from services.inference.server import InferenceServer  # torch: only once the flags are good
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with InferenceServer(config) as server:
+        registry = CollectorRegistry()
+        registry.register(InferenceCollector(lambda: server.engine.describe() if server.engine else None))
+        exporter = serve_metrics(metrics_port, registry, metrics_host)
+        print(f"leafe inference: serving on {server.url}", flush=True)
+        try:
+            await stop.wait()
+        finally:
+            if exporter is not None:
+                exporter.close()
 
 
 def main(argv: list[str]) -> int:
@@ -41,12 +68,12 @@ def main(argv: list[str]) -> int:
     p = _parser()
     a = p.parse_args(argv)
     configure_logging(json=True, level=a.log_level)
-    flags = {k: v for k, v in vars(a).items() if k not in ("config", "log_level")}
+    flags = {
+        k: v for k, v in vars(a).items() if k not in ("config", "log_level", "metrics_port", "metrics_host")
+    }
     try:
         config = load_config(InferenceConfig, files=[a.config], overrides=flags)
     except ValueError as e:
         p.error(str(e))
-    from services.inference.server import serve  # torch: only once the flags are good
-
-    asyncio.run(serve(config, on_ready=lambda url: print(f"leafe inference: serving on {url}", flush=True)))
+    asyncio.run(_serve(config, a.metrics_port, a.metrics_host))
     return 0

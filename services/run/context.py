@@ -11,7 +11,7 @@ from rich.console import Console
 
 from actors.evaluate import EvalResult
 from services.bus import NatsOptions
-from services.bus.nats_server import EmbeddedNats
+from services.bus.nats_server import EmbeddedNats, free_port
 from services.run.presets import RunConfig
 from services.run.progress import RunProgress
 from services.run.supervisor import ServiceProcess
@@ -39,7 +39,8 @@ class RunContext:
     evals: dict[str, EvalResult] = field(default_factory=dict)
     explore_keys: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
-    learner_log_offset: int = 0
+    metrics_urls: dict[str, str] = field(default_factory=dict)
+    """Each service's Prometheus /metrics URL (the supervisor reads the learner's progress there)."""
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.config.runs_dir) / self.config.run_id
@@ -51,8 +52,17 @@ class RunContext:
             raise RuntimeError("the run has no NATS connection yet")
         return self.js
 
+    @property
+    def tensorboard_dir(self) -> Path:
+        """Where the learner and the evaluations write TensorBoard scalars (one sub-directory each)."""
+        return self.run_dir / "tensorboard"
+
     def service(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ServiceProcess:
-        """A child ``leafe`` process logging to ``logs/<name>.log``."""
+        """A child ``leafe`` process logging to ``logs/<name>.log``, serving /metrics on a free local port
+        (kept across restarts: the port is part of its arguments)."""
+        port = free_port()
+        self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
+        argv = [*argv, "--metrics-port", str(port), "--metrics-host", "127.0.0.1"]
         proc = ServiceProcess(name, argv, self.run_dir / "logs" / f"{name}.log", env)
         self.services[name] = proc
         return proc

@@ -7,15 +7,17 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+import aiohttp
 import structlog
 from nats.js.errors import NotFoundError
 
 from actors.client import SGLangClient
 from protocol.subjects import EVENTS, SAMPLES, learner_durable, replayer_durable
+from services.metrics import scrape
 from services.run.context import RunContext
 from services.run.supervisor import restart_crashed
 
-__all__ = ["MAX_RESTARTS", "drain", "watch"]
+__all__ = ["MAX_RESTARTS", "drain", "save_metrics", "watch"]
 
 log = structlog.get_logger(__name__)
 MAX_RESTARTS = 3
@@ -52,13 +54,15 @@ async def _wait_until(
     return False
 
 
-async def drain(ctx: RunContext, read_learner: Callable[[], None]) -> None:
+async def drain(ctx: RunContext, read_learner: Callable[[], Awaitable[None]]) -> None:
     """Stop actors, let the replayer fold everything and the learner train everything, then stop them.
-    ``read_learner`` refreshes the learner's progress (its consumed sample sequence) from its log."""
+    ``read_learner`` refreshes the learner's progress (its consumed sample sequence) from its metrics.
+    Each service's last /metrics is saved to ``metrics/<name>.prom`` just before it is stopped."""
     progress, cfg = ctx.progress, ctx.config
     assert progress is not None
     ctx.stage = "draining"
     for name in [n for n in ctx.services if n.startswith("actor")]:
+        await save_metrics(ctx, name)
         await ctx.services[name].stop(grace_s=60)
     replayer = replayer_durable(cfg.run_id, cfg.materializer)
 
@@ -71,17 +75,36 @@ async def drain(ctx: RunContext, read_learner: Callable[[], None]) -> None:
         learner = learner_durable(cfg.run_id, cfg.learner.durable)
 
         async def learner_done() -> bool:
-            read_learner()
+            await read_learner()
             state = await _consumer_state(ctx, SAMPLES.name, learner)
             return state is not None and state[0] == 0 and progress.learner_samples_seq >= state[2]
 
         await _wait_until(ctx, "the learner to train every sample", learner_done, 300)
+        # Everything delivered is trained, so the scrape above holds the last step; the learner's
+        # metrics end with its process, the weights it pushes on stop are read from the stream.
+        await save_metrics(ctx, "learner")
         await ctx.services["learner"].stop(grace_s=180)  # final step, checkpoint and push
-        read_learner()
         await _wait_weights_served(ctx)
     for name in ("weight-sync", "replayer"):
         if name in ctx.services:
+            await save_metrics(ctx, name)
             await ctx.services[name].stop(grace_s=60)
+
+
+async def save_metrics(ctx: RunContext, name: str) -> None:
+    """Write service ``name``'s current /metrics text to ``<run dir>/metrics/<name>.prom`` (a service
+    that does not answer is logged and skipped: the run goes on)."""
+    url, proc = ctx.metrics_urls.get(name), ctx.services.get(name)
+    if url is None or proc is None or not proc.alive:
+        return
+    try:
+        text = await scrape(url)
+    except (aiohttp.ClientError, TimeoutError) as e:
+        log.warning("run.metrics.unreadable", service=name, url=url, error=f"{type(e).__name__}: {e}")
+        return
+    path = ctx.run_dir / "metrics" / f"{name}.prom"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
 
 
 async def _wait_weights_served(ctx: RunContext) -> None:

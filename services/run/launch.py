@@ -128,6 +128,7 @@ async def start_pipeline(ctx: RunContext) -> None:
             *("--model", model, "--store", str(ctx.run_dir / "weights")),
             *("--checkpoint-dir", str(ctx.run_dir / "learner"), "--preset", cfg.learner_preset),
             *("--config", str(conf / "learner.toml")),
+            *("--tensorboard-dir", str(ctx.tensorboard_dir / "learner")),
         ]
         threads = {"OMP_NUM_THREADS": str(cfg.services.learner_threads)}
         await ctx.service("learner", learner, env=threads).start()
@@ -141,3 +142,5 @@ async def start_pipeline(ctx: RunContext) -> None:
             *("--concurrency", str(cfg.services.actor_concurrency), "--actor-id", f"{cfg.run_id}-actor-{i}"),
         ]
         await ctx.service(f"actor-{i}", actor).start()
+    urls = ", ".join(f"{name} {url}" for name, url in ctx.metrics_urls.items())
+    ctx.console.print(f"metrics (Prometheus): {urls}", markup=False, highlight=False)

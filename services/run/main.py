@@ -56,7 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--runs-dir", default=None, help="parent of run directories (default runs/)")
     p.add_argument("--budget-minutes", type=float, default=None, help="explore + learn budget")
     p.add_argument("--fresh", action="store_true", help="delete this run's directory first (no resume)")
-    p.add_argument("--no-live", action="store_true", help="no live table (log lines instead)")
+    p.add_argument(
+        "--no-live", action="store_true", help="no live table (a progress line per change instead)"
+    )
     return p
 
 
@@ -75,7 +77,7 @@ async def run(
     config: RunConfig, *, live: bool = True, console: Console | None = None, fresh: bool = False
 ) -> Path:
     """Run the pipeline; returns the run directory (with ``report.md``)."""
-    console = console or Console(stderr=True)
+    console = console or Console(stderr=True, soft_wrap=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -92,7 +94,7 @@ async def run(
 def main(argv: list[str]) -> int:
     """Entry point of ``leafe run``."""
     args = _parser().parse_args(argv)
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)  # a piped line stays one line (logs, `| tee`)
     try:
         config = resolve(args)
     except (ConfigError, OSError, ValueError) as e:

@@ -2,25 +2,34 @@
 branches, events/s, samples, weight versions, policy lag, and the learner's step and loss.
 
 Counters are fed by ordered (ephemeral) JetStream consumers from the start of the run's subjects, so a
-resumed run shows its whole history; the learner's loss is read from its JSON log lines.
+resumed run shows its whole history; the learner's step, loss and consumed sample sequence are read from
+its Prometheus metrics (:meth:`RunProgress.on_learner_metrics`). Shown as a rich table on a terminal
+(:meth:`RunProgress.table`) and as one line per change elsewhere (:meth:`RunProgress.status_line`)::
+
+    [exploring 03:12] episodes 5/8 (1 ok) steps 214 (31% unparseable) refl/rb/br 12/12/12 samples cf=3 reh=9
+        learner step 4 loss 1.92 weights v000004                                      (one line, wrapped here)
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
+import aiohttp
 import msgspec
+import structlog
 from rich.table import Table
 
 from protocol import EpisodeFinished, EpisodeStarted, Outcome, Step, decode_event, decode_weights
 from protocol.events import Branch, Reflection, Rollback
 from protocol.subjects import events_filter, samples_filter
+from services.metrics import parse_samples, scrape
 
 __all__ = ["RunProgress"]
+
+log = structlog.get_logger(__name__)
 
 
 class RunProgress(msgspec.Struct, kw_only=True):
@@ -92,27 +101,51 @@ class RunProgress(msgspec.Struct, kw_only=True):
             return
         self.weights_version, self.learner_step = w.version, max(self.learner_step, w.learner_step)
 
-    def read_learner_log(self, path: Path, offset: int) -> int:
-        """Pick the latest step and loss from the learner's JSON log lines after ``offset``."""
+    def on_learner_metrics(self, samples: Mapping[str, float]) -> None:
+        """Take the learner's step, loss and consumed sample sequence from its scraped metrics
+        (``services.metrics.parse_samples``); what the scrape lacks keeps its last value."""
+        if "leafe_learner_step" in samples:
+            self.learner_step = int(samples["leafe_learner_step"])
+        if "leafe_learner_samples_seq" in samples:
+            self.learner_samples_seq = int(samples["leafe_learner_samples_seq"])
+        loss = samples.get('leafe_learner_loss{term="total"}')
+        if loss is not None:
+            self.learner_loss = loss
+
+    async def read_learner(self, url: str) -> bool:
+        """Refresh the learner's figures from its /metrics at ``url``; False when it does not answer (while
+        it starts or restarts), and the last values stay."""
         try:
-            with path.open("rb") as f:
-                f.seek(offset)
-                chunk = f.read()
-        except OSError:
-            return offset
-        end = chunk.rfind(b"\n") + 1
-        for line in chunk[:end].splitlines():
-            if b'"learner.step"' not in line:
-                continue
-            try:
-                rec: dict[str, Any] = json.loads(line)
-            except ValueError:
-                continue
-            self.learner_step = int(rec.get("step", self.learner_step))
-            self.learner_samples_seq = int(rec.get("samples_seq", self.learner_samples_seq))
-            loss = rec.get("loss")
-            self.learner_loss = float(loss) if isinstance(loss, int | float) else self.learner_loss
-        return offset + end
+            text = await scrape(url)
+        except (aiohttp.ClientError, TimeoutError) as e:
+            log.debug("run.learner.metrics_unreadable", url=url, error=f"{type(e).__name__}: {e}")
+            return False
+        self.on_learner_metrics(parse_samples(text))
+        return True
+
+    def summary(self) -> str:
+        """The counters on one line (what :meth:`status_line` shows after its stage and clock)."""
+        modes = sorted(set(self.episodes_started) | set(self.episodes_finished))
+        parts = [
+            f"{m + ' ' if len(modes) > 1 else ''}{self.episodes_finished.get(m, 0)}/"
+            f"{self.episodes_started.get(m, 0)} ({self.successes.get(m, 0)} ok)"
+            for m in modes
+        ]
+        unparseable = f" ({100 * self.parse_failures / self.steps:.0f}% unparseable)" if self.steps else ""
+        samples = " ".join(f"{k}={v}" for k, v in sorted(self.samples.items())) or "0"
+        loss = f"{self.learner_loss:.2f}" if self.learner_loss is not None else "-"
+        return (
+            f"episodes {', '.join(parts) or '0'} steps {self.steps}{unparseable} "
+            f"refl/rb/br {self.reflections}/{self.rollbacks}/{self.branches} samples {samples} "
+            f"learner step {self.learner_step} loss {loss} weights {self.weights_version}"
+        )
+
+    def status_line(self, stage: str, elapsed_s: float) -> str:
+        """``[<stage> <mm:ss>] <summary>`` (``h:mm:ss`` past an hour), for logs and non-terminal output."""
+        minutes, seconds = divmod(int(elapsed_s), 60)
+        hours, minutes = divmod(minutes, 60)
+        clock = f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes:02d}:{seconds:02d}"
+        return f"[{stage} {clock}] {self.summary()}"
 
     def policy_lag(self) -> int | None:
         """Versions between the newest published weights and the weights of the latest step."""

@@ -21,10 +21,11 @@ from learner.model_io import HFChatTokenizer
 from protocol.events import EpisodeFinished, EpisodeStarted
 from services.actor_service import PublisherSink
 from services.bus import Publisher
+from services.eval import write_passk_scalars
 from services.eventlog.transfer import iter_stream_events
 from services.logsetup import configure_logging
 from services.run.context import RunContext
-from services.run.drain import drain, watch
+from services.run.drain import drain, save_metrics, watch
 from services.run.launch import check_identity, prepare_run_dir, start_infra, start_pipeline
 from services.run.presets import RunConfig
 from services.run.progress import RunProgress
@@ -34,6 +35,8 @@ from services.tasks import make_assignments, submit
 __all__ = ["run_stages"]
 
 log = structlog.get_logger(__name__)
+LINE_EVERY_S = 5.0
+"""Non-terminal output: how often the progress line is considered (printed only when it changed)."""
 
 
 def _task_ids(cfg: RunConfig, split: str, offset: int, count: int) -> list[str]:
@@ -78,6 +81,7 @@ async def _evaluate(ctx: RunContext, label: str) -> None:
         result = await evaluate(request, engine=engine, tokenizer=tokenizer, sink=PublisherSink(pub))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(msgspec.json.format(msgspec.json.encode(result)))
+    await asyncio.to_thread(write_passk_scalars, ctx.tensorboard_dir / f"eval-{label}", result)
     ctx.evals[label] = result
     scores = ", ".join(f"pass@{k} {100 * v:.1f}%" for k, v in result.passk.items())
     ctx.console.print(f"eval {label}: {scores}")
@@ -126,24 +130,32 @@ async def _explore(ctx: RunContext) -> None:
         await asyncio.sleep(1.0)
 
 
-def _read_learner(ctx: RunContext) -> None:
-    if ctx.progress is not None:
-        path = ctx.run_dir / "logs" / "learner.log"
-        ctx.learner_log_offset = ctx.progress.read_learner_log(path, ctx.learner_log_offset)
+async def _read_learner(ctx: RunContext) -> None:
+    url = ctx.metrics_urls.get("learner")
+    if ctx.progress is not None and url is not None:
+        await ctx.progress.read_learner(url)
 
 
 async def _display(ctx: RunContext) -> None:
+    """A live table on a terminal; elsewhere (CI, ``| tee``, a pod log) one line whenever the stage or a
+    counter changed, at most every :data:`LINE_EVERY_S` seconds."""
     assert ctx.progress is not None
+    started = time.monotonic()
     if ctx.live:
         with Live(ctx.progress.table(ctx.stage), console=ctx.console, refresh_per_second=2) as live:
             while True:
-                _read_learner(ctx)
+                await _read_learner(ctx)
                 live.update(ctx.progress.table(ctx.stage))
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(1.0)
+    last: tuple[str, str] | None = None
     while True:
-        await asyncio.sleep(30)
-        _read_learner(ctx)
-        ctx.console.print(ctx.progress.table(ctx.stage))
+        await asyncio.sleep(LINE_EVERY_S)
+        await _read_learner(ctx)
+        now = (ctx.stage, ctx.progress.summary())
+        if now != last:
+            last = now
+            line = ctx.progress.status_line(ctx.stage, time.monotonic() - started)
+            ctx.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 async def _follow(ctx: RunContext, stop: asyncio.Event) -> None:
@@ -216,7 +228,10 @@ async def run_stages(ctx: RunContext, *, fresh: bool = False) -> None:
     check_identity(ctx, fresh=fresh)
     prepare_run_dir(ctx)
     configure_logging(json=True, file=ctx.run_dir / "logs" / "run.jsonl")
-    ctx.console.print(f"leafe run {cfg.run_id}: run directory {ctx.run_dir}")
+    ctx.console.print(f"leafe run {cfg.run_id}: run directory {ctx.run_dir}", markup=False)
+    ctx.console.print(
+        f"TensorBoard: tensorboard --logdir {ctx.tensorboard_dir}", markup=False, highlight=False
+    )
     started = time.monotonic()
     async with AsyncExitStack() as stack:
         await start_infra(ctx, stack)
@@ -226,6 +241,7 @@ async def run_stages(ctx: RunContext, *, fresh: bool = False) -> None:
         display = asyncio.create_task(_display(ctx))
         try:
             await _stages(ctx)
+            await save_metrics(ctx, "inference")  # the other services' were saved as they stopped
             ctx.stage = "finishing"
             ctx.timings["total"] = time.monotonic() - started
             await finish(ctx)

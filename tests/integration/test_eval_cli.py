@@ -4,6 +4,7 @@ model, two models side by side, and the eval episodes published to a real nats-s
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import re
 from pathlib import Path
 
@@ -105,6 +106,14 @@ def test_eval_cli_compares_two_models_writes_files_and_publishes(
         assert re.search(rf"- `{r.label}` \(weight version \w+\): \d/4 rollouts solved", markdown)
     assert "| model | Pass@1 | Pass@2 |" in printed.out
     assert (out / "passk.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if importlib.util.find_spec("tensorboard") is not None:  # each model's Pass@k curve in TensorBoard
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        for r in report.results:
+            acc = EventAccumulator(str(out / "tensorboard" / r.label))
+            acc.Reload()
+            curve = [(e.step, e.value) for e in acc.Scalars("pass@k")]
+            assert curve == [(k, pytest.approx(r.passk[k])) for k in (1, 2)]
 
     events = asyncio.run(_published(nats_url, run_id))
     starts = [e for e in events if isinstance(e, EpisodeStarted)]

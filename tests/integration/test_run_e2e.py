@@ -1,6 +1,7 @@
 """End to end: ``leafe run --preset tiny`` runs every service for real (nats-server, CPU inference server
 with the tiny model, actor, replayer, learner, weight sync); the assertions read ``report.json``, the
-report's data. The resume test is slow (a second full run) and runs with ``make test-slow``."""
+report's data, the learner's TensorBoard event files and each service's last /metrics. The resume test is
+slow (a second full run) and runs with ``make test-slow``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from protocol.events import EpisodeStarted
 from services.eventlog.fileformat import read_events
+from services.metrics import parse_samples
 
 pytestmark = pytest.mark.integration
 
@@ -52,6 +54,33 @@ def _explore_episodes(run_dir: Path) -> int:
     return sum(isinstance(e, EpisodeStarted) and e.mode == "explore" for e in events)
 
 
+def _learner_losses(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, loss) of every ``loss/total`` scalar in the learner's TensorBoard event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard" / "learner"))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars("loss/total")]
+
+
+def _check_observability(run_dir: Path, stderr: str, learner_step: int) -> None:
+    """The TensorBoard line is printed, the progress reads as log lines, the learner's loss of every step is
+    in TensorBoard, and each service's last /metrics shows its work."""
+    assert f"tensorboard --logdir {run_dir / 'tensorboard'}" in stderr
+    progress = [line for line in stderr.splitlines() if line.startswith("[") and " episodes " in line]
+    assert progress and not any(ch in stderr for ch in "┃━┏┗"), stderr[-2000:]
+    losses = _learner_losses(run_dir)
+    assert [step for step, _ in losses] == list(range(1, learner_step + 1)), losses
+    assert all(loss > 0 for _, loss in losses)
+    last = {p.stem: parse_samples(p.read_text()) for p in (run_dir / "metrics").glob("*.prom")}
+    assert set(last) == {"actor-0", "replayer", "learner", "weight-sync", "inference"}, set(last)
+    assert sum(v for k, v in last["actor-0"].items() if k.startswith("leafe_actor_episodes_total")) >= 2
+    assert last["replayer"]["leafe_replayer_events_total"] > 0
+    assert last["learner"]["leafe_learner_step"] == learner_step
+    assert max(v for k, v in last["weight-sync"].items() if k.startswith("leafe_weight_sync_version")) >= 1
+    assert last["inference"]["leafe_inference_decode_tokens_total"] > 0
+
+
 def test_tiny_run_end_to_end(tmp_path: Path, cache_dir: Path) -> None:
     """The tiny run explores, materializes, trains, pushes and serves new weights, evaluates before and
     after (with an interval per k), and its offline-rebuilt dataset equals what the learner consumed."""
@@ -68,6 +97,8 @@ def test_tiny_run_end_to_end(tmp_path: Path, cache_dir: Path) -> None:
     assert all(c["lo"] <= c["diff"] <= c["hi"] for c in report["comparisons"])
     assert (run_dir / "passk.png").is_file() and (run_dir / "tree.png").is_file()
     assert _explore_episodes(run_dir) >= 2
+    assert report["run"]["learner_loss"] is not None  # read from the learner's /metrics
+    _check_observability(run_dir, first.stderr, report["run"]["learner_step"])
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -67,8 +68,9 @@ def test_epochs_reshuffle_and_resume_continues_the_same_order() -> None:
 
 
 def test_leafe_train_runs_resumes_and_exports(dist_env, tiny_dir: Path, tmp_path: Path) -> None:
-    """`leafe train` trains every batch of every epoch, writes metrics, checkpoints and a final export; a
-    second invocation on the same --out resumes at the end and trains nothing more."""
+    """`leafe train` trains every batch of every epoch, writes metrics (and each step's loss to TensorBoard),
+    checkpoints and a final export; a second invocation on the same --out resumes at the end and trains
+    nothing more."""
     from learner.model_io import verify_manifest
     from learner.offline import train
 
@@ -79,12 +81,19 @@ def test_leafe_train_runs_resumes_and_exports(dist_env, tiny_dir: Path, tmp_path
     }
     cfg = load_config(TrainConfig, preset=train_preset("cpu"), overrides=overrides)
     out = tmp_path / "out"
-    result = train(cfg, data, str(tiny_dir), out, dist_env)
+    result = train(cfg, data, str(tiny_dir), out, dist_env, tensorboard_dir=out / "tb")
     assert result.steps == 4
     assert verify_manifest(out / "final", result.final_sha256) is not None
     assert sorted(p.name for p in (out / "weights").iterdir()) == ["v000002", "v000004"]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert [m["samples"] for m in metrics] == [8, 4, 8, 4]
+    if importlib.util.find_spec("tensorboard") is not None:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(str(out / "tb"))
+        acc.Reload()
+        losses = [(e.step, e.value) for e in acc.Scalars("loss/total")]
+        assert losses == [(m["step"], pytest.approx(m["loss"], rel=1e-6)) for m in metrics]
     again = train(cfg, data, str(tiny_dir), out, dist_env)
     assert again.steps == 4 and again.last_loss is None

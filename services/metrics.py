@@ -1,0 +1,392 @@
+"""Every Prometheus metric of the leafe services, defined in one place, and how a service serves them.
+
+Each long-running service owns one ``*Metrics`` object with its own ``CollectorRegistry`` (never the
+process-global default, so in-process tests and services never collide) and serves it on
+``--metrics-port`` (0 = off, the default; deploy/ passes 9464, the weight-sync sidecars 9465):
+
+- actor ``leafe_actor_*``: episodes by mode and outcome, steps, unparseable actions, reflections,
+  rollbacks, branches, engine latency, episodes in flight;
+- replayer ``leafe_replayer_*``: events, samples by kind, dead letters by reason, open episodes, lag;
+- learner ``leafe_learner_*``: steps, loss by term, tokens/s, dropped samples, policy lag, checkpoint
+  and push durations, the step and the samples sequence reached;
+- weight-sync ``leafe_weight_sync_*``: served version per engine, update durations, failures per engine;
+- inference ``leafe_inference_*``: queue depth, decode batch size, prefill/decode/prefix-cache-hit tokens.
+
+deploy/components/monitoring/metrics.txt lists exactly :func:`metric_names` (a test checks it). Label values
+come from small fixed sets (``EPISODE_OUTCOMES``, ``DEAD_LETTER_REASONS``, loss terms, sample kinds,
+engine URLs), never from free text. Under torchrun only ``LOCAL_RANK`` 0 binds the port (one per pod).
+``leafe run`` reads the learner's progress with :func:`scrape`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import structlog
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.utils import floatToGoString
+
+from actors.engine import Completion, Engine, SamplingParams
+from learner.weight_store import version_index
+from protocol.events import Branch, EpisodeEvent, Reflection, Rollback, Step
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+__all__ = [
+    "DEAD_LETTER_REASONS",
+    "EPISODE_OUTCOMES",
+    "LOSS_TERMS",
+    "ActorMetrics",
+    "InferenceCollector",
+    "LearnerMetrics",
+    "MetricsServer",
+    "ReplayerMetrics",
+    "TimedEngine",
+    "WeightSyncMetrics",
+    "add_metrics_arguments",
+    "metric_names",
+    "parse_samples",
+    "scrape",
+    "serve_metrics",
+]
+
+log = structlog.get_logger(__name__)
+
+EPISODE_OUTCOMES = ("success", "failure", "error", "abandoned")
+"""``leafe_actor_episodes_total{outcome}``: finished with a success; finished without one; the attempt
+raised (nak'ed for a retry, or terminated); cancelled by a shutdown (nak'ed for redelivery)."""
+DEAD_LETTER_REASONS = ("undecodable", "wrong_run", "rejected", "other")
+"""``leafe_replayer_dead_letters_total{reason}``: not a valid event; an event of another run on this run's
+subject; refused by the fold (``ReplayError``); anything else."""
+LOSS_TERMS = {
+    "total": "loss",
+    "cf": "loss_cf",
+    "reh": "loss_reh",
+    "rft": "loss_rft",
+    "grpo": "loss_grpo",
+    "kl": "kl",
+}
+"""``leafe_learner_loss{term}`` -> the ``learner.trainer.StepStats`` field it shows (unset when ``None``)."""
+_SECONDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+"""Buckets of every duration histogram: CPU generation and checkpoints take seconds to minutes."""
+_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+"""Buckets of ``leafe_inference_batch_size``."""
+_SCRAPE_TIMEOUT_S = 3.0
+
+
+def add_metrics_arguments(p: argparse.ArgumentParser) -> None:
+    """``--metrics-port`` (0 = no metrics endpoint, the default) and ``--metrics-host``."""
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus /metrics on this port (0 = off; under torchrun only LOCAL_RANK 0 binds)",
+    )
+    p.add_argument("--metrics-host", default="0.0.0.0", help="interface of the metrics endpoint")
+
+
+class MetricsServer:
+    """A running /metrics endpoint (a daemon thread); :meth:`close` stops it."""
+
+    def __init__(self, httpd: WSGIServer, thread: threading.Thread) -> None:
+        self.httpd = httpd
+        self.thread = thread
+        self.port = int(httpd.server_port)
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5.0)
+
+
+def serve_metrics(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> MetricsServer | None:
+    """Serve ``registry`` on ``host:port``; ``None`` when ``port`` is 0 or this is not local rank 0."""
+    local_rank = int(os.environ.get("LOCAL_RANK") or 0)
+    if port == 0 or local_rank != 0:
+        return None
+    if not 0 < port < 65536:
+        raise ValueError(f"--metrics-port {port}: not a TCP port")
+    disable_created_metrics()  # the *_created series double the series count and nothing reads them
+    httpd, thread = start_http_server(port, host, registry)
+    log.info("metrics.serving", url=f"http://{host}:{port}/metrics")
+    return MetricsServer(httpd, thread)
+
+
+class ActorMetrics:
+    """``leafe_actor_*``: fed by the events an actor publishes and the fate of each delivery."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.episodes = Counter(
+            "leafe_actor_episodes_total",
+            "Episode attempts by mode and outcome",
+            ["mode", "outcome"],
+            registry=r,
+        )
+        self.steps = Counter("leafe_actor_steps_total", "Policy actions published (Step events)", registry=r)
+        self.unparseable = Counter(
+            "leafe_actor_unparseable_total", "Steps whose completion held no valid action", registry=r
+        )
+        self.reflections = Counter("leafe_actor_reflections_total", "Reflection events", registry=r)
+        self.rollbacks = Counter("leafe_actor_rollbacks_total", "Rollback events", registry=r)
+        self.branches = Counter("leafe_actor_branches_total", "Branch events (root excluded)", registry=r)
+        self.engine_latency = Histogram(
+            "leafe_actor_engine_latency_seconds",
+            "Duration of one generate call",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.in_flight = Gauge("leafe_actor_episodes_in_flight", "Episodes running now", registry=r)
+
+    def observe_event(self, event: EpisodeEvent) -> None:
+        """Count one published event."""
+        match event:
+            case Step():
+                self.steps.inc()
+                if not event.parse_ok:
+                    self.unparseable.inc()
+            case Reflection():
+                self.reflections.inc()
+            case Rollback():
+                self.rollbacks.inc()
+            case Branch():
+                self.branches.inc()
+
+    def episode_ended(self, mode: str, outcome: str) -> None:
+        """Count one delivery's end (``outcome`` in :data:`EPISODE_OUTCOMES`)."""
+        if outcome not in EPISODE_OUTCOMES:
+            raise ValueError(f"episode outcome {outcome!r} is not one of {EPISODE_OUTCOMES}")
+        self.episodes.labels(mode=mode, outcome=outcome).inc()
+
+
+class TimedEngine:
+    """An :class:`Engine` that records each ``generate`` call's duration in a histogram."""
+
+    def __init__(self, engine: Engine, latency: Histogram) -> None:
+        self.engine = engine
+        self.latency = latency
+
+    async def generate(
+        self, input_ids: list[int], params: SamplingParams, *, n: int = 1, return_logprob: bool = False
+    ) -> list[Completion]:
+        """The wrapped engine's ``generate``, timed (failed calls too)."""
+        t0 = time.perf_counter()
+        try:
+            return await self.engine.generate(input_ids, params, n=n, return_logprob=return_logprob)
+        finally:
+            self.latency.observe(time.perf_counter() - t0)
+
+    async def weight_version(self) -> str:
+        """The wrapped engine's version."""
+        return await self.engine.weight_version()
+
+
+class ReplayerMetrics:
+    """``leafe_replayer_*``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.events = Counter("leafe_replayer_events_total", "Events delivered and folded", registry=r)
+        self.samples = Counter(
+            "leafe_replayer_samples_total", "Samples published (acknowledged) by kind", ["kind"], registry=r
+        )
+        self.dead_letters = Counter(
+            "leafe_replayer_dead_letters_total",
+            "Messages moved to the dead-letter subject",
+            ["reason"],
+            registry=r,
+        )
+        self.open_episodes = Gauge("leafe_replayer_open_episodes", "Episodes the fold holds open", registry=r)
+        self.consumer_lag = Gauge(
+            "leafe_replayer_consumer_lag",
+            "Events not yet delivered to the replayer (num_pending)",
+            registry=r,
+        )
+        self._undecodable_seen = 0
+
+    def dead_letter(self, reason: str) -> None:
+        """Count one dead letter under its category (unknown categories count as ``other``)."""
+        self.dead_letters.labels(reason=reason if reason in DEAD_LETTER_REASONS else "other").inc()
+
+    def undecodable_total(self, total: int) -> None:
+        """Catch up with the consumer's own count of undecodable messages it dead-lettered."""
+        if total > self._undecodable_seen:
+            self.dead_letters.labels(reason="undecodable").inc(total - self._undecodable_seen)
+            self._undecodable_seen = total
+
+
+class LearnerMetrics:
+    """``leafe_learner_*``; ``step`` and ``samples_seq`` are where training stands (a restarted learner
+    resumes them from its checkpoint), ``steps_total`` counts this process's steps."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.steps = Counter("leafe_learner_steps_total", "Optimizer steps taken by this process", registry=r)
+        self.loss = Gauge("leafe_learner_loss", "Loss terms of the latest step", ["term"], registry=r)
+        self.tokens_per_second = Gauge(
+            "leafe_learner_tokens_per_second", "Non-pad tokens per second of the latest step", registry=r
+        )
+        self.samples_dropped = Counter(
+            "leafe_learner_samples_dropped_total",
+            "Samples consumed but not trained (stale, ignored_kind, unusable)",
+            ["reason"],
+            registry=r,
+        )
+        self.policy_lag = Gauge(
+            "leafe_learner_policy_lag",
+            "Largest policy lag (versions) among the latest step's samples",
+            registry=r,
+        )
+        self.checkpoint_seconds = Histogram(
+            "leafe_learner_checkpoint_seconds", "Duration of a checkpoint", buckets=_SECONDS, registry=r
+        )
+        self.push_seconds = Histogram(
+            "leafe_learner_push_seconds",
+            "Duration of a push (checkpoint, export, announce)",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.step = Gauge(
+            "leafe_learner_step", "Optimizer steps so far (checkpointed ones included)", registry=r
+        )
+        self.samples_seq = Gauge(
+            "leafe_learner_samples_seq", "Every samples-stream sequence <= this was consumed", registry=r
+        )
+
+    def observe_step(self, stats: Any, *, tokens_per_second: float, policy_lag: int) -> None:
+        """One step's ``learner.trainer.StepStats``, its throughput and its largest policy lag."""
+        self.steps.inc()
+        for term, field in LOSS_TERMS.items():
+            value = getattr(stats, field)
+            if value is not None:
+                self.loss.labels(term=term).set(value)
+        self.tokens_per_second.set(tokens_per_second)
+        self.policy_lag.set(policy_lag)
+
+    def dropped(self, reason: str, count: int) -> None:
+        """``count`` samples consumed without training, for ``reason``."""
+        if count:
+            self.samples_dropped.labels(reason=reason).inc(count)
+
+    def progress(self, *, step: int, samples_seq: int) -> None:
+        """Where training stands."""
+        self.step.set(step)
+        self.samples_seq.set(samples_seq)
+
+
+class WeightSyncMetrics:
+    """``leafe_weight_sync_*`` (``engine`` is the server's base URL)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.version = Gauge(
+            "leafe_weight_sync_version",
+            "Version index each engine serves (0 = base model)",
+            ["engine"],
+            registry=r,
+        )
+        self.push_seconds = Histogram(
+            "leafe_weight_sync_push_seconds",
+            "Duration of one /update_weights_from_disk call",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.failures = Counter(
+            "leafe_weight_sync_failures_total", "Failed weight updates per engine", ["engine"], registry=r
+        )
+
+    def served(self, engine: str, version: str) -> None:
+        """``engine`` serves ``version`` (names this learner did not produce are not shown)."""
+        index = version_index(version)
+        if index is not None:
+            self.version.labels(engine=engine).set(index)
+
+
+class InferenceCollector:
+    """``leafe_inference_*`` read at scrape time from the engine's own counters: ``state`` returns
+    ``GenerationEngine.describe()`` (what ``/get_server_info`` shows as ``internal_states``), or ``None``
+    before the engine exists. The engine counts decode steps per batch size in ``batch_sizes``."""
+
+    def __init__(self, state: Callable[[], Mapping[str, Any] | None]) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        """The families, with samples once the engine runs."""
+        s = self.state()
+        queue = GaugeMetricFamily("leafe_inference_queue_depth", "Requests waiting to be admitted")
+        sizes = HistogramMetricFamily("leafe_inference_batch_size", "Sequences per decode step")
+        tokens = {
+            "prefill_tokens": CounterMetricFamily(
+                "leafe_inference_prefill_tokens", "Prompt tokens run through prefill"
+            ),
+            "decode_tokens": CounterMetricFamily(
+                "leafe_inference_decode_tokens", "Tokens generated by decode steps"
+            ),
+            "cached_tokens": CounterMetricFamily(
+                "leafe_inference_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"
+            ),
+        }
+        if s is not None:
+            queue.add_metric([], float(s["waiting"]))
+            counts = {int(k): int(v) for k, v in dict(s.get("batch_sizes") or {}).items()}
+            buckets = [(floatToGoString(le), sum(c for n, c in counts.items() if n <= le)) for le in _BATCH]
+            buckets.append(("+Inf", sum(counts.values())))
+            sizes.add_metric([], buckets, sum_value=sum(n * c for n, c in counts.items()))
+            for key, family in tokens.items():
+                family.add_metric([], float(s[key]))
+        yield queue
+        yield sizes
+        yield from tokens.values()
+
+
+def _exposition_names(registry: CollectorRegistry) -> set[str]:
+    names = set()
+    for family in registry.collect():
+        names.add(f"{family.name}_total" if family.type == "counter" else family.name)
+    return names
+
+
+def metric_names() -> list[str]:
+    """Every ``leafe_*`` metric name as Prometheus shows it (counters with ``_total``), sorted."""
+    names: set[str] = set()
+    for cls in (ActorMetrics, ReplayerMetrics, LearnerMetrics, WeightSyncMetrics):
+        names |= _exposition_names(cls().registry)
+    inference = CollectorRegistry()
+    inference.register(InferenceCollector(lambda: None))
+    return sorted(names | _exposition_names(inference))
+
+
+def parse_samples(text: str) -> dict[str, float]:
+    """Prometheus text -> ``{sample: value}``, a sample written ``name{label="value",...}`` (labels
+    sorted) or ``name`` when it has none."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
+    return out
+
+
+async def scrape(url: str) -> str:
+    """GET a /metrics endpoint's text (raises ``aiohttp.ClientError`` or ``TimeoutError``)."""
+    timeout = aiohttp.ClientTimeout(total=_SCRAPE_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as resp:
+        resp.raise_for_status()
+        return await resp.text()

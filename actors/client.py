@@ -28,9 +28,11 @@ one client per loop, and close it (``async with``).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -76,6 +78,9 @@ class SGLangClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     """Longest wait between attempts."""
     cooldown_s: float = 2.0
     """How long a server that failed is avoided when another is up."""
+    api_key_file: str = ""
+    """File holding the servers' API key (sent as ``Authorization: Bearer``); empty =
+    ``$LEAFE_ENGINE_API_KEY_FILE`` when set, else no key. The key itself never sits in a config."""
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "connect_timeout_s", "health_timeout_s"):
@@ -113,6 +118,20 @@ class _Transient(Exception):
     """A failure worth retrying on another server."""
 
 
+def _auth_headers(key_file: str) -> dict[str, str]:
+    """``Authorization: Bearer <key>`` from ``key_file``; none without a file. A named file that cannot be
+    read, or is empty, is an error (a client silently without its key would only meet 401s)."""
+    if not key_file:
+        return {}
+    try:
+        key = Path(key_file).read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the engine API key file {key_file!r}: {e.strerror}") from None
+    if not key:
+        raise ValueError(f"the engine API key file {key_file!r} is empty")
+    return {"Authorization": f"Bearer {key}"}
+
+
 class SGLangClient:
     """:class:`~actors.engine.Engine` over one or more SGLang-compatible servers (async context manager)."""
 
@@ -128,6 +147,7 @@ class SGLangClient:
         backoff_s: float = _DEFAULTS.backoff_s,
         max_backoff_s: float = _DEFAULTS.max_backoff_s,
         cooldown_s: float = _DEFAULTS.cooldown_s,
+        api_key_file: str = _DEFAULTS.api_key_file,
     ) -> None:
         """Keyword arguments are :class:`SGLangClientConfig`'s fields (validated the same way)."""
         url_list = [urls] if isinstance(urls, str) else list(urls)
@@ -142,7 +162,9 @@ class SGLangClient:
             backoff_s=backoff_s,
             max_backoff_s=max_backoff_s,
             cooldown_s=cooldown_s,
+            api_key_file=api_key_file,
         )
+        self._headers = _auth_headers(api_key_file or os.environ.get("LEAFE_ENGINE_API_KEY_FILE", ""))
         self.servers = [_Server(u.rstrip("/")) for u in url_list]
         self._session: aiohttp.ClientSession | None = None
         self._turn = 0
@@ -167,7 +189,9 @@ class SGLangClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), headers=self._headers
+            )
         return self._session
 
     def _pick(self) -> _Server:

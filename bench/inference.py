@@ -205,7 +205,7 @@ def reload_latency(handle: ServerThread, model: Any, model_dir: Path, quick: boo
             ("plain_load_s", lambda: load((target / "model.safetensors").read_bytes())),
             ("lazy_load_file_s", lambda: load_file(str(target / "model.safetensors"))),
             ("manifest_check_s", lambda: verify_manifest(target)),
-            ("load_weight_dir_s", lambda: load_weight_dir(target, engine.model)),
+            ("load_weight_dir_s", lambda: load_weight_dir(target, engine.model, root=target.parent)),
         ]
 
         async def update(version: str) -> None:
@@ -243,7 +243,9 @@ def main() -> None:
     model_dir = resolve_model(a.model)
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir)
-    handle = start_in_thread(InferenceConfig(model=str(model_dir), port=0, max_batch=16))
+    handle = start_in_thread(
+        InferenceConfig(model=str(model_dir), port=0, max_batch=16, weights_root=tempfile.gettempdir())
+    )
     results: dict[str, Any] = {
         "model": a.model,
         "quick": a.quick,

@@ -210,7 +210,7 @@ async def _one_push(model_dir: Path, trainer: Trainer, nats_url: str, js: Any, i
     """Two fresh servers at ``default``; export v<i>, announce it, wait until both serve it. Each repeat is
     its own run: weight-sync would otherwise load the previous repeat's version into the fresh servers."""
     version, run = f"v{i:06d}", f"bench{i}"
-    icfg = InferenceConfig(model=str(model_dir), port=0, threads=1)
+    icfg = InferenceConfig(model=str(model_dir), port=0, threads=1, weights_root=str(work))
     async with InferenceServer(icfg) as s1, InferenceServer(icfg) as s2, Publisher(js) as pub:
         urls = [s1.url, s2.url]
         sync = WeightSync(WeightSyncConfig(servers=urls, reconcile_interval_s=5.0), run_id=run)

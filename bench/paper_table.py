@@ -426,6 +426,7 @@ async def _run(cfg: PaperConfig, work: Path, results: Path, max_minutes: float) 
                 dtype=cfg.dtype,
                 served_model_name="paper-table",  # type: ignore[arg-type]
                 weight_version="base",
+                weights_root=str(work),
             )
             server = await stack.enter_async_context(InferenceServer(server_cfg))
             urls.append(server.url)

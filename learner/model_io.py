@@ -35,6 +35,7 @@ __all__ = [
     "export_weights",
     "load_model",
     "load_tokenizer",
+    "manifest_files",
     "resolve_model",
     "tiny_model_dir",
     "verify_manifest",
@@ -240,11 +241,29 @@ def export_weights(
     return digest
 
 
+def manifest_files(path: Path) -> dict[str, str]:
+    """The ``files`` table of a manifest, checked: plain file names (no directories, no ``..``) mapped to
+    hex sha256s. Anything else is a :class:`ManifestError` naming the problem."""
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{path}: not a JSON manifest ({e})") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files:
+        raise ManifestError(f"{path}: expected an object with a non-empty 'files' table")
+    for name, digest in files.items():
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise ManifestError(f"{path}: file name {name!r} is not a plain name in this directory")
+        if not isinstance(digest, str) or len(digest) != 64:
+            raise ManifestError(f"{path}: sha256 of {name!r} is not 64 hex digits: {digest!r}")
+    return files
+
+
 def verify_manifest(model_dir: Path, expected_sha256: str | None = None) -> dict[str, Any] | None:
     """Check every file listed in ``manifest.json`` (and the manifest's own sha256 when expected).
 
     Returns the manifest, or ``None`` when the directory has none; raises :class:`ManifestError`
-    naming the first mismatching or missing file.
+    naming the first mismatching or missing file, or what is wrong with a malformed manifest.
     """
     model_dir = Path(model_dir)
     path = model_dir / MANIFEST
@@ -254,8 +273,8 @@ def verify_manifest(model_dir: Path, expected_sha256: str | None = None) -> dict
         return None
     if expected_sha256 and _sha256_file(path) != expected_sha256:
         raise ManifestError(f"{path}: sha256 differs from the announced {expected_sha256}")
-    manifest = json.loads(path.read_text(encoding="utf-8"))
-    for name, digest in manifest.get("files", {}).items():
+    files = manifest_files(path)
+    for name, digest in files.items():
         f = model_dir / name
         if not f.is_file():
             raise ManifestError(
@@ -263,4 +282,5 @@ def verify_manifest(model_dir: Path, expected_sha256: str | None = None) -> dict
             )
         if _sha256_file(f) != digest:
             raise ManifestError(f"{model_dir}: {name} does not match its sha256 in manifest.json")
+    manifest = json.loads(path.read_text(encoding="utf-8"))
     return dict(manifest)

@@ -45,8 +45,9 @@ def main(argv: list[str]) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         if args.cluster:
-            cluster = NatsCluster(args.store, size=args.cluster, host=args.host).start()
-            try:
+            cluster = NatsCluster(args.store, size=args.cluster, host=args.host)
+            try:  # a signal while starting must stop what already runs too
+                cluster.start()
                 print(f"{args.cluster}-node nats cluster with JetStream: {cluster.url}; Ctrl-C to stop")
                 print(
                     "create replicated streams: leafe streams ensure --nats URL --stream-replicas 3",
@@ -56,8 +57,9 @@ def main(argv: list[str]) -> int:
             finally:
                 cluster.stop()
             return 0
-        server = EmbeddedNats(args.store, port=args.port, host=args.host).start()
-        try:
+        server = EmbeddedNats(args.store, port=args.port, host=args.host)
+        try:  # a signal while starting must stop what already runs too
+            server.start()
             print(
                 f"nats-server with JetStream at {server.url} (store {args.store}); Ctrl-C to stop", flush=True
             )

@@ -38,3 +38,9 @@ class InferenceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     prefix_cache_tokens: int = 16384
     """Prompt tokens whose KV is kept for reuse by later prompts with the same prefix (0 = off;
     SmolLM2 needs ~46 KB per token, so the default holds ~0.75 GB at most)."""
+    api_key_file: str = ""
+    """File holding the API key every route but ``/health`` and ``/ready`` requires (SGLang's ``--api-key``,
+    sent as ``Authorization: Bearer``); empty = no key (a warning at start)."""
+    weights_root: str = ""
+    """``/update_weights_from_disk`` loads only directories under this one (symlinks and ``..`` resolved),
+    and only with a ``manifest.json`` whose sha256s match; empty = weight updates are refused."""

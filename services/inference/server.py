@@ -37,6 +37,7 @@ import structlog
 from aiohttp import web
 
 from services.inference.api import RequestError, copy_seed, error_body, output_body, parse_generate
+from services.inference.auth import api_key_middleware, read_api_key
 from services.inference.config import InferenceConfig
 from services.inference.decode import GenSequence, StopChecker
 from services.inference.engine import EngineClosed, GenerationEngine
@@ -80,6 +81,8 @@ class InferenceServer:
 
     def __init__(self, config: InferenceConfig) -> None:
         self.config = config
+        self.api_key = read_api_key(config.api_key_file) if config.api_key_file else ""
+        self.weights_root = Path(config.weights_root) if config.weights_root else None
         self.engine: GenerationEngine | None = None
         self.url = ""
         self.model_path = Path()
@@ -129,7 +132,8 @@ class InferenceServer:
 
     def app(self) -> web.Application:
         """The aiohttp application (routes bound to this server)."""
-        app = web.Application(middlewares=[_sglang_errors], client_max_size=64 << 20)
+        auth = [api_key_middleware(self.api_key)] if self.api_key else []
+        app = web.Application(middlewares=[*auth, _sglang_errors], client_max_size=64 << 20)
         r = app.router
         r.add_route("POST", "/generate", self._generate)
         r.add_route("PUT", "/generate", self._generate)
@@ -243,7 +247,9 @@ class InferenceServer:
         async with self._reload_lock:
             t0 = time.perf_counter()
             try:
-                state = await asyncio.to_thread(load_weight_dir, Path(path), engine.model)
+                state = await asyncio.to_thread(
+                    load_weight_dir, Path(path), engine.model, root=self.weights_root
+                )
             except WeightLoadError as e:
                 log.warning("inference.weights.rejected", path=path, reason=str(e), version=engine.version)
                 return _json({"success": False, "message": str(e), "num_paused_requests": 0}, 400)

@@ -39,6 +39,9 @@ class RunContext:
     evals: dict[str, EvalResult] = field(default_factory=dict)
     explore_keys: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    engine_key_file: str = ""
+    """The API key file of the inference server the run started ('' for external engines: then the
+    clients use ``$LEAFE_ENGINE_API_KEY_FILE``); children get it in their environment."""
     metrics_urls: dict[str, str] = field(default_factory=dict)
     """Each service's Prometheus /metrics URL (the supervisor reads the learner's progress there)."""
 
@@ -63,6 +66,8 @@ class RunContext:
         port = free_port()
         self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
         argv = [*argv, "--metrics-port", str(port), "--metrics-host", "127.0.0.1"]
+        if self.engine_key_file:
+            env = {"LEAFE_ENGINE_API_KEY_FILE": self.engine_key_file, **(env or {})}
         proc = ServiceProcess(name, argv, self.run_dir / "logs" / f"{name}.log", env)
         self.services[name] = proc
         return proc

@@ -111,7 +111,7 @@ async def _wait_weights_served(ctx: RunContext) -> None:
     progress = ctx.progress
     assert progress is not None
     await asyncio.sleep(1.0)  # the final WeightsPublished reaches the follower
-    async with SGLangClient(ctx.engine_urls) as engine:
+    async with SGLangClient(ctx.engine_urls, api_key_file=ctx.engine_key_file) as engine:
 
         async def served() -> bool:
             want = progress.weights_version

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import secrets
 import shutil
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -84,6 +87,7 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
     ctx.engine_urls = list(cfg.services.engines)
     if not ctx.engine_urls:
         port = free_port()
+        ctx.engine_key_file = str(_secret_file(ctx.run_dir / "secrets" / "engine-api-key"))
         inference = ctx.service(
             "inference",
             [
@@ -91,6 +95,7 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
                 *("--model", str(ctx.model_dir), "--port", str(port)),
                 *("--max-batch", str(cfg.services.inference_max_batch)),
                 *("--threads", str(cfg.services.inference_threads)),
+                *("--api-key-file", ctx.engine_key_file, "--weights-root", str(ctx.run_dir / "weights")),
             ],
         )
         await inference.start()
@@ -101,6 +106,16 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
     stack.push_async_callback(nc.drain)
     ctx.js = nc.jetstream()
     await ensure_streams(ctx.js, replicas=ctx.nats.stream_replicas)
+
+
+def _secret_file(path: Path) -> Path:
+    """A fresh random secret in ``path`` (mode 0600, directory 0700); kept if it exists (a resumed run)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not path.is_file():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    return path
 
 
 def _nats_args(ctx: RunContext) -> list[str]:

@@ -76,7 +76,10 @@ async def _evaluate(ctx: RunContext, label: str) -> None:
     )
     assert ctx.model_dir is not None
     tokenizer = HFChatTokenizer.from_dir(ctx.model_dir)
-    client = SGLangClient.from_config(ctx.engine_urls, cfg.actor.engine)
+    engine_cfg = cfg.actor.engine
+    if ctx.engine_key_file:
+        engine_cfg = msgspec.structs.replace(engine_cfg, api_key_file=ctx.engine_key_file)
+    client = SGLangClient.from_config(ctx.engine_urls, engine_cfg)
     async with client as engine, Publisher(ctx.jetstream) as pub:
         result = await evaluate(request, engine=engine, tokenizer=tokenizer, sink=PublisherSink(pub))
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.anyio, pytest.mark.slow]
 async def test_gpu_smoke_stages_on_cpu(tiny_dir: Path, tmp_path: Path) -> None:
     """Every check of the smoke run passes with the CPU server, and the figures are filled in."""
     report = Report()
-    config = InferenceConfig(model=str(tiny_dir), port=0, max_batch=4, threads=1)
+    config = InferenceConfig(model=str(tiny_dir), port=0, max_batch=4, threads=1, weights_root=str(tmp_path))
     async with InferenceServer(config) as server:
         events = await explore(server.url, tiny_dir, 2, report)
         assert build_dataset(events, tiny_dir, tmp_path / "data") > 0

@@ -70,9 +70,9 @@ def tokenizer() -> Any:
 
 
 @pytest.fixture
-def fresh_server() -> Iterator[ServerThread]:
-    """A private tiny-model server for tests that change its weights."""
-    handle = start_in_thread(InferenceConfig(model="tiny", port=0, threads=1))
+def fresh_server(tmp_path: Path) -> Iterator[ServerThread]:
+    """A private tiny-model server for tests that change its weights (exports under the test's tmp_path)."""
+    handle = start_in_thread(InferenceConfig(model="tiny", port=0, threads=1, weights_root=str(tmp_path)))
     try:
         yield handle
     finally:
@@ -340,7 +340,10 @@ async def test_bfloat16_server_matches_a_bfloat16_forward_and_casts_reloaded_wei
 ) -> None:
     """``dtype="bfloat16"``: the served logprobs are those of the bf16 model (float32 softmax), and an fp32
     export loaded by ``update_weights_from_disk`` is cast to bf16 rather than rejected."""
-    handle = start_in_thread(InferenceConfig(model=str(sharp_dir), port=0, threads=1, dtype="bfloat16"))
+    cfg = InferenceConfig(
+        model=str(sharp_dir), port=0, threads=1, dtype="bfloat16", weights_root=str(tmp_path)
+    )
+    handle = start_in_thread(cfg)
     ids = prompt(tokenizer, "Half precision on the CPU")
     try:
         async with SGLangClient(handle.url) as client:

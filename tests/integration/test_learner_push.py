@@ -29,10 +29,10 @@ GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 
 
 @pytest.fixture
-async def servers(tiny_dir: Path) -> AsyncIterator[list[str]]:
+async def servers(tiny_dir: Path, tmp_path: Path) -> AsyncIterator[list[str]]:
     """URLs of two CPU inference servers on the tiny model (in this event loop; engines in threads)."""
     async with AsyncExitStack() as stack:
-        cfg = InferenceConfig(model=str(tiny_dir), port=0, threads=1)
+        cfg = InferenceConfig(model=str(tiny_dir), port=0, threads=1, weights_root=str(tmp_path))
         started = [await stack.enter_async_context(InferenceServer(cfg)) for _ in range(2)]
         yield [s.url for s in started]
 

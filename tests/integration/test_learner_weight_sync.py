@@ -22,9 +22,11 @@ pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixture
 
 
 @pytest.fixture
-async def server(tiny_dir: Path) -> AsyncIterator[str]:
-    """One CPU inference server on the tiny model."""
-    async with InferenceServer(InferenceConfig(model=str(tiny_dir), port=0, threads=1)) as s:
+async def server(tiny_dir: Path, tmp_path: Path) -> AsyncIterator[str]:
+    """One CPU inference server on the tiny model, loading exports under the test's tmp_path."""
+    async with InferenceServer(
+        InferenceConfig(model=str(tiny_dir), port=0, threads=1, weights_root=str(tmp_path))
+    ) as s:
         yield s.url
 
 

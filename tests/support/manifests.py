@@ -108,7 +108,6 @@ NATS_VERBS = frozenset(NATS_ROLES)
 """Verbs whose services connect to NATS (and so need a NATS user and the NetworkPolicy label)."""
 PENDING_CODE: dict[str, frozenset[str] | None] = {
     "streams": None,
-    "inference": frozenset({"--api-key-file"}),
 }
 """Verbs (None: the whole verb) and flags the manifests use that the services are being given now (see
 deploy/README.md). Accepted while missing; test_pending_code_is_still_pending fails once one exists, so the

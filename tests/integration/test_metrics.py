@@ -122,7 +122,11 @@ async def test_every_service_exports_parseable_metrics_that_move(
     async with AsyncExitStack() as stack:
         stack.push_async_callback(nc.close)
         inference = await stack.enter_async_context(
-            InferenceServer(InferenceConfig(model=str(tiny_dir), port=0, threads=1, max_batch=4))
+            InferenceServer(
+                InferenceConfig(
+                    model=str(tiny_dir), port=0, threads=1, max_batch=4, weights_root=str(tmp_path)
+                )
+            )
         )
         inference_registry = CollectorRegistry()
         inference_registry.register(

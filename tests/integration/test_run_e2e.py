@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 
 from protocol.events import EpisodeStarted
+from services.bus.auth import ROLES
 from services.eventlog.fileformat import read_events
+from tests.support.nats_auth import SEED_PATTERN
 
 pytestmark = pytest.mark.integration
 
@@ -52,9 +54,27 @@ def _explore_episodes(run_dir: Path) -> int:
     return sum(isinstance(e, EpisodeStarted) and e.mode == "explore" for e in events)
 
 
+def _assert_no_credential_in_logs(run_dir: Path) -> None:
+    """The run's NATS ran with one nkey user per role (seeds 0600 in nats-keys/), and no log file holds
+    a seed: neither a role's own nor anything shaped like one (``SU`` + 56 base32 characters)."""
+    seeds = {p.stem: p for p in (run_dir / "nats-keys").iterdir()}
+    assert set(seeds) == set(ROLES)
+    assert all(p.stat().st_mode & 0o077 == 0 for p in seeds.values())
+    secrets = [p.read_text(encoding="utf-8").strip() for p in seeds.values()]
+    assert all(SEED_PATTERN.fullmatch(s) for s in secrets)
+    assert (run_dir / "nats" / "nats-server.conf").read_text().count("nkey:") == len(ROLES)
+    logs = [p for p in (run_dir / "logs").rglob("*") if p.is_file()]
+    assert {"run.jsonl", "nats.log", "actor-0.log", "replayer.log", "learner.log"} <= {p.name for p in logs}
+    for path in logs:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        assert not any(s in text for s in secrets), f"a NATS seed is in {path}"
+        assert not SEED_PATTERN.search(text), f"something shaped like an nkey seed is in {path}"
+
+
 def test_tiny_run_end_to_end(tmp_path: Path, cache_dir: Path) -> None:
     """The tiny run explores, materializes, trains, pushes and serves new weights, evaluates before and
-    after (with an interval per k), and its offline-rebuilt dataset equals what the learner consumed."""
+    after (with an interval per k), and its offline-rebuilt dataset equals what the learner consumed; every
+    service ran as its own NATS role and no credential reached a log."""
     first = _leafe_run(tmp_path, "e2e", cache_dir)
     run_dir = tmp_path / "e2e"
     assert first.returncode == 0, first.stderr[-4000:]
@@ -68,6 +88,7 @@ def test_tiny_run_end_to_end(tmp_path: Path, cache_dir: Path) -> None:
     assert all(c["lo"] <= c["diff"] <= c["hi"] for c in report["comparisons"])
     assert (run_dir / "passk.png").is_file() and (run_dir / "tree.png").is_file()
     assert _explore_episodes(run_dir) >= 2
+    _assert_no_credential_in_logs(run_dir)
 
 
 @pytest.mark.slow

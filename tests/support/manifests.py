@@ -107,7 +107,6 @@ NATS_ROLES = {
 NATS_VERBS = frozenset(NATS_ROLES)
 """Verbs whose services connect to NATS (and so need a NATS user and the NetworkPolicy label)."""
 PENDING_CODE: dict[str, frozenset[str] | None] = {
-    "streams": None,
     "actor": frozenset({"--metrics-port"}),
     "replayer": frozenset({"--metrics-port"}),
     "learner": frozenset({"--metrics-port"}),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,7 @@ import pytest
 from services.bus import NatsOptions, connect, ensure_streams
 from services.bus.nats_server import EmbeddedNats
 from tests.support.naming import run_id_for
-from tests.support.nats_auth import NatsIdentities, make_identities
+from tests.support.nats_auth import NatsIdentities, RoleClient, make_identities
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own tmpdir plugin has set up its factory
@@ -77,6 +77,13 @@ def nats_roles(nats_server: EmbeddedNats, nats_identities: NatsIdentities) -> di
 def nats_admin(nats_roles: dict[str, NatsOptions]) -> NatsOptions:
     """The admin's options: may do anything on the LEAFE subjects and the JetStream API."""
     return nats_roles["admin"]
+
+
+@pytest.fixture
+async def admin_client(nats_admin: NatsOptions) -> AsyncIterator[RoleClient]:
+    """A connection as the admin that records permission violations (to set a scene and check outcomes)."""
+    async with RoleClient(nats_admin) as client:
+        yield client
 
 
 @pytest.fixture

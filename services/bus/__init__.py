@@ -13,16 +13,16 @@ Every service talks to NATS through this package::
     await consumer.start()
     await consumer.consume(handler)              # acks each message after handler(delivery) returned
 
-| module          | what                                                                  |
-|-----------------|-----------------------------------------------------------------------|
-| `connection`    | `NatsOptions`, `connect`: the shared flags -> a reconnecting client   |
-| `streams`       | `ensure_streams` (admin), `check_streams`, `wait_for_streams` (services) |
-| `auth`          | per-role nkey users from deploy's permissions.json, server TLS blocks  |
-| `publisher`     | `Publisher`: batched publishing, every ack awaited, `PublishError`     |
-| `consumer`      | `Consumer`/`Delivery`: durable pull consumers with dead letters        |
-| `pull`          | `Puller`: the pull protocol spoken directly (the fast path)            |
-| `reader`        | `read_stream`, `read_range`: read a subject range once, in order       |
-| `nats_server`   | `EmbeddedNats`: a real nats-server child process (`leafe nats`)        |
+| module        | what                                                                    |
+|---------------|-------------------------------------------------------------------------|
+| `connection`  | `NatsOptions`, `connect`: the shared flags -> a reconnecting client     |
+| `streams`     | `ensure_streams`/`check_streams` (admin), `wait_for_streams` (services) |
+| `auth`        | per-role nkey users from deploy's permissions.json, server TLS blocks   |
+| `publisher`   | `Publisher`: batched publishing, every ack awaited, `PublishError`      |
+| `consumer`    | `Consumer`/`Delivery`: durable pull consumers with dead letters         |
+| `pull`        | `Puller`: the pull protocol spoken directly (the fast path)             |
+| `reader`      | `read_stream`, `read_range`: read a subject range once, in order        |
+| `nats_server` | `EmbeddedNats`: a real nats-server child process (`leafe nats`)         |
 """
 
 from services.bus.connection import NatsOptions, add_nats_arguments, connect, nats_options, redact

@@ -7,7 +7,7 @@ runs with the same rights on a laptop as in a cluster. Each role gets a fresh nk
 seed goes to ``<dir>/<role>.nk`` (mode 0600 in a 0700 directory), the public key into the server config.
 A service is given its own seed file only (``--nats-nkey``); ``leafe run``'s supervisor uses ``admin``.
 
-    keys = write_role_keys(run_dir / "secrets")
+    keys = write_role_keys(run_dir / "nats-keys")
     server = EmbeddedNats(store, users=nkey_users(keys, load_permissions())).start()
     options = role_options(server.url, keys)          # {"actor": NatsOptions(url, nkey=...), ...}
 """
@@ -83,6 +83,7 @@ class RoleKey(msgspec.Struct, frozen=True, kw_only=True):
     """A role's generated nkey: where its seed is and its public key (the seed itself is never held)."""
 
     role: str
+    """The role of permissions.json."""
     seed_file: str
     """Path of the seed file (mode 0600)."""
     public_key: str

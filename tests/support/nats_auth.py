@@ -6,16 +6,18 @@ unchanged: ``connect(url)``, ``--nats URL``, ``$LEAFE_NATS_URL``). The fixtures 
 
 from __future__ import annotations
 
+import asyncio
 import re
 import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.bus import NatsOptions
+from services.bus import NatsOptions, connect
 from services.bus.auth import NatsUser, RoleKey, load_permissions, nkey_users, role_options, write_role_keys
 
-__all__ = ["SEED_PATTERN", "NatsIdentities", "make_identities"]
+__all__ = ["SEED_PATTERN", "NatsIdentities", "RoleClient", "make_identities", "stored"]
 
 SEED_PATTERN = re.compile(r"SU[A-Z2-7]{56}")
 """An encoded user nkey seed (``SU`` + base32): what must never appear in a log."""
@@ -60,3 +62,43 @@ def make_identities(directory: Path) -> NatsIdentities:
         admin_password=secrets.token_urlsafe(24),
         permissions=permissions,
     )
+
+
+class RoleClient:
+    """A connection as one role that records every permissions violation the server reports."""
+
+    def __init__(self, opts: NatsOptions) -> None:
+        self.opts = opts
+        self.violations: list[str] = []
+
+    async def __aenter__(self) -> RoleClient:
+        async def on_error(e: Exception) -> None:
+            if "permissions violation" in str(e).lower():
+                self.violations.append(str(e).lower())
+
+        self.nc = await connect(self.opts, name="test-role", error_cb=on_error)
+        self.js = self.nc.jetstream()
+        self.probe = self.nc.jetstream(timeout=1.0)
+        """For calls that are expected to go unanswered (a denied request gets no reply)."""
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.nc.close()
+
+    async def violated(self, subject: str) -> bool:
+        """Whether the server reported a violation naming ``subject`` (waits up to 10 s for the report)."""
+        needle = f'"{subject.lower()}"'
+        deadline = time.monotonic() + 10.0
+        while not any(needle in v for v in self.violations):
+            if time.monotonic() > deadline:
+                return False
+            await self.nc.flush()
+            await asyncio.sleep(0.02)
+        return True
+
+
+async def stored(js: Any, subject: str) -> int:
+    """Messages on ``subject`` in whichever stream holds it."""
+    stream = await js.find_stream_name_by_subject(subject)
+    info = await js.stream_info(stream, subjects_filter=subject)
+    return sum((info.state.subjects or {}).values())

@@ -71,7 +71,7 @@ async def run_actor(
             actor_id=actor_id,
             env_factory=env_factory,
             max_tasks=max_tasks,
-            stream_replicas=opts.stream_replicas,
+            streams_timeout_s=opts.streams_timeout_s,
             metrics=metrics,
         )
         stats = await service.run(stop)

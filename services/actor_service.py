@@ -46,6 +46,8 @@ from protocol.config import config_digest
 from protocol.events import EpisodeEvent
 from protocol.prompt import ChatTokenizer
 from protocol.subjects import (
+    DEAD_LETTERS,
+    EVENTS,
     TASKS,
     WEIGHTS,
     actors_durable,
@@ -55,12 +57,14 @@ from protocol.subjects import (
     weights_subject,
 )
 from protocol.tasks import TaskAssignment, episode_id_for
-from services.bus import Consumer, Delivery, Publisher, ensure_streams
+from services.bus import Consumer, Delivery, Publisher, wait_for_streams
 from services.metrics import ActorMetrics, TimedEngine
 
 __all__ = ["ActorService", "ActorStats", "EpisodeRunner", "PublisherSink"]
 
 log = structlog.get_logger(__name__)
+STREAMS_USED = (TASKS.name, EVENTS.name, WEIGHTS.name, DEAD_LETTERS.name)
+"""The streams the actor waits for on start (made by `leafe streams ensure`; it may not create them)."""
 
 
 class ActorStats(msgspec.Struct, kw_only=True):
@@ -266,7 +270,7 @@ class ActorService:
         actor_id: str,
         env_factory: EnvFactory | None = None,
         max_tasks: int | None = None,
-        stream_replicas: int | None = None,
+        streams_timeout_s: float = 120.0,
         metrics: ActorMetrics | None = None,
     ) -> None:
         self.nc = nc
@@ -275,7 +279,7 @@ class ActorService:
         self.config = config
         self.actor_id = actor_id
         self.max_tasks = max_tasks
-        self.stream_replicas = stream_replicas
+        self.streams_timeout_s = streams_timeout_s
         self.pool = EnvPool(env_factory or make_env, max_idle=config.env_pool_size)
         self.stats = ActorStats()
         self.metrics = metrics or ActorMetrics()
@@ -300,7 +304,7 @@ class ActorService:
     async def run(self, stop: asyncio.Event | None = None) -> ActorStats:
         """Serve tasks until ``stop`` is set (or ``max_tasks`` were taken), then drain; returns stats."""
         stop = stop or asyncio.Event()
-        await ensure_streams(self.js, replicas=self.stream_replicas)
+        await wait_for_streams(self.js, STREAMS_USED, timeout_s=self.streams_timeout_s)
         consumer = self._consumer()
         await consumer.start()
         weights_sub = await self._follow_weights()

@@ -19,6 +19,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "weight-sync": ("services.weight_sync", "follow WeightsPublished and reload every inference server"),
     "inference": ("services.inference.main", "CPU inference server with SGLang's native HTTP API"),
     "tasks": ("services.tasks", "submit task assignments to a run's work queue"),
+    "streams": ("services.streams", "create, update or check the JetStream streams (NATS admin)"),
     "replay": ("services.replay", "rebuild a dataset from an event log (stream or exported file)"),
     "train": ("services.train", "train offline on rebuilt dataset shards"),
     "eval": ("services.eval", "Pass@k evaluation of one or more models/weight versions"),

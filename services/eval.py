@@ -41,10 +41,10 @@ from envs.registry import make_env
 from learner.scalars import open_scalar_writer
 from learner.weight_store import version_index
 from protocol.prompt import ChatTokenizer
-from protocol.subjects import validate_run_id
+from protocol.subjects import EVENTS, validate_run_id
 from protocol.tasks import task_slug
 from services.actor_service import PublisherSink
-from services.bus import Publisher, add_nats_arguments, connect, ensure_streams, nats_options
+from services.bus import Publisher, add_nats_arguments, connect, nats_options, wait_for_streams
 from services.config import parse_key_value
 from services.logsetup import configure_logging
 
@@ -248,7 +248,7 @@ async def _open_publisher(stack: AsyncExitStack, args: argparse.Namespace) -> Pu
     nc = await connect(nats, name="leafe-eval")
     stack.push_async_callback(nc.close)
     js = nc.jetstream()
-    await ensure_streams(js, replicas=nats.stream_replicas)
+    await wait_for_streams(js, [EVENTS.name], timeout_s=nats.streams_timeout_s)
     return await stack.enter_async_context(Publisher(js))
 
 

@@ -47,13 +47,15 @@ from learner.trainer import StepStats
 from learner.weight_store import prune_versions, version_name
 from protocol import WeightsPublished, dead_letter_subject, decode_sample, weights_subject
 from protocol.samples import Sample
-from protocol.subjects import SAMPLES, learner_durable, samples_filter
-from services.bus import Consumer, Delivery, NatsOptions, Publisher, connect, ensure_streams
+from protocol.subjects import DEAD_LETTERS, SAMPLES, WEIGHTS, learner_durable, samples_filter
+from services.bus import Consumer, Delivery, NatsOptions, Publisher, connect, wait_for_streams
 from services.metrics import LearnerMetrics
 
 __all__ = ["OnlineLearner", "SampleConsumer", "StepCallback"]
 
 log = structlog.get_logger(__name__)
+STREAMS_USED = (SAMPLES.name, WEIGHTS.name, DEAD_LETTERS.name)
+"""The streams the learner waits for on start (made by `leafe streams ensure`)."""
 
 StepCallback = Callable[[StepStats, list[str], Progress], None]
 """Called after each step with the stats, the trained sample ids and the progress (not yet checkpointed)."""
@@ -138,7 +140,7 @@ class OnlineLearner:
             nc = await connect(self.nats, name=f"learner-{self.run_id}")
             stack.push_async_callback(nc.close)
             js = nc.jetstream()
-            await ensure_streams(js, replicas=self.nats.stream_replicas)
+            await wait_for_streams(js, STREAMS_USED, timeout_s=self.nats.streams_timeout_s)
             consumer = SampleConsumer(
                 js,
                 run_id=self.run_id,

@@ -46,7 +46,9 @@ from protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, ProtocolE
 from protocol.events import EpisodeStarted
 from protocol.samples import Sample
 from protocol.subjects import (
+    DEAD_LETTERS,
     EVENTS,
+    SAMPLES,
     dead_letter_subject,
     events_filter,
     replayer_durable,
@@ -60,8 +62,8 @@ from services.bus import (
     Publisher,
     PublishError,
     connect,
-    ensure_streams,
     read_range,
+    wait_for_streams,
 )
 from services.metrics import ReplayerMetrics
 
@@ -70,6 +72,8 @@ __all__ = ["Replayer", "ReplayerConfig", "ReplayerError", "ReplayerStats", "serv
 log = structlog.get_logger(__name__)
 _LAG_CHECK_S = 5.0
 """How often ``leafe_replayer_consumer_lag`` is refreshed from the durable's info."""
+STREAMS_USED = (EVENTS.name, SAMPLES.name, DEAD_LETTERS.name)
+"""The streams the replayer waits for on start (made by `leafe streams ensure`)."""
 
 
 class ReplayerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -372,7 +376,7 @@ async def serve(
     nc = await connect(opts, name=f"leafe-replayer-{run_id}")
     try:
         js = nc.jetstream()
-        await ensure_streams(js, replicas=opts.stream_replicas)
+        await wait_for_streams(js, STREAMS_USED, timeout_s=opts.streams_timeout_s)
         replayer = Replayer(js, run_id=run_id, fold=fold, config=config, metrics=metrics)
         await replayer.start()
         await replayer.run(stop)

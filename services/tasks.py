@@ -23,7 +23,7 @@ from envs.registry import make_env
 from protocol.events import Mode
 from protocol.subjects import TASKS, task_subject, validate_run_id
 from protocol.tasks import TaskAssignment, task_slug
-from services.bus import NatsOptions, Publisher, add_nats_arguments, connect, ensure_streams, nats_options
+from services.bus import NatsOptions, Publisher, add_nats_arguments, connect, nats_options, wait_for_streams
 from services.config import parse_key_value
 
 __all__ = ["main", "make_assignments", "pending", "submit"]
@@ -75,12 +75,10 @@ def make_assignments(
     return out
 
 
-async def submit(
-    js: Any, assignments: Iterable[TaskAssignment], *, skip: Iterable[str] = (), replicas: int | None = None
-) -> int:
-    """Publish assignments (deduplicated by ``task_key``), skipping the keys in ``skip``; returns the
-    number published (JetStream may still drop exact duplicates it remembers)."""
-    await ensure_streams(js, replicas=replicas)
+async def submit(js: Any, assignments: Iterable[TaskAssignment], *, skip: Iterable[str] = ()) -> int:
+    """Publish assignments (deduplicated by ``task_key``) on the existing ``LEAFE_TASKS`` stream, skipping
+    the keys in ``skip``; returns the number published (JetStream may still drop exact duplicates it
+    remembers)."""
     skipped = set(skip)
     count = 0
     async with Publisher(js) as pub:
@@ -143,7 +141,8 @@ async def _main(args: argparse.Namespace, nats: NatsOptions) -> int:
             prefix=args.prefix,
             env_options=options,
         )
-        n = await submit(js, batch, replicas=nats.stream_replicas)
+        await wait_for_streams(js, [TASKS.name], timeout_s=nats.streams_timeout_s)
+        n = await submit(js, batch)
         print(f"submitted {n} assignments ({len(ids)} tasks x {args.samples}) to {task_subject(args.run)}")
         return 0
     finally:

@@ -33,12 +33,14 @@ from learner.weight_store import IN_USE_DIR, mark_in_use, version_index
 from protocol import WeightsPublished, decode_weights, weights_subject
 from protocol.codec import CODEC_HEADER, ProtocolError
 from protocol.subjects import WEIGHTS
-from services.bus import NatsOptions, connect, ensure_streams
+from services.bus import NatsOptions, connect, wait_for_streams
 from services.metrics import WeightSyncMetrics
 
 __all__ = ["SyncResult", "WeightSync", "WeightSyncConfig"]
 
 log = structlog.get_logger(__name__)
+STREAMS_USED = (WEIGHTS.name,)
+"""The streams weight sync waits for on start (made by `leafe streams ensure`)."""
 
 
 class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -257,7 +259,7 @@ class WeightSync:
             stack.push_async_callback(nc.close)
             stack.push_async_callback(self.close)
             js = nc.jetstream()
-            await ensure_streams(js, replicas=opts.stream_replicas)
+            await wait_for_streams(js, STREAMS_USED, timeout_s=opts.streams_timeout_s)
             latest = await _latest(js, self.run_id)
             if latest is not None:
                 self.offer(latest)

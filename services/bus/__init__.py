@@ -1,10 +1,11 @@
-"""The JetStream bus: connect, create the LEAFE streams, publish typed messages, consume them.
+"""The JetStream bus: connect, create or wait for the LEAFE streams, publish typed messages, consume them.
 
 Every service talks to NATS through this package::
 
     nc = await connect(nats_options(args))       # or connect(url); flags in services/bus/connection.py
     js = nc.jetstream()
-    await ensure_streams(js)                     # idempotent, from protocol.subjects.STREAMS
+    await wait_for_streams(js, [EVENTS.name], timeout_s=opts.streams_timeout_s)  # made by the admin:
+    #                     `leafe streams ensure` runs ensure_streams(js), idempotent, from STREAMS
     async with Publisher(js) as pub:             # flushes (awaits every ack) on exit
         await pub.publish_event(event)           # Nats-Msg-Id = event id, Leafe-Codec = codec version
     consumer = Consumer(js, stream="LEAFE_EVENTS", durable="replayer", filter_subject=...,
@@ -12,15 +13,16 @@ Every service talks to NATS through this package::
     await consumer.start()
     await consumer.consume(handler)              # acks each message after handler(delivery) returned
 
-| module          | what                                                                  |
-|-----------------|-----------------------------------------------------------------------|
-| `connection`    | `NatsOptions`, `connect`: the shared flags -> a reconnecting client   |
-| `streams`       | `ensure_streams`: the LEAFE streams from `protocol.subjects.STREAMS`   |
-| `publisher`     | `Publisher`: batched publishing, every ack awaited, `PublishError`     |
-| `consumer`      | `Consumer`/`Delivery`: durable pull consumers with dead letters        |
-| `pull`          | `Puller`: the pull protocol spoken directly (the fast path)            |
-| `reader`        | `read_stream`, `read_range`: read a subject range once, in order       |
-| `nats_server`   | `EmbeddedNats`: a real nats-server child process (`leafe nats`)        |
+| module        | what                                                                    |
+|---------------|-------------------------------------------------------------------------|
+| `connection`  | `NatsOptions`, `connect`: the shared flags -> a reconnecting client     |
+| `streams`     | `ensure_streams`/`check_streams` (admin), `wait_for_streams` (services) |
+| `auth`        | per-role nkey users from deploy's permissions.json, server TLS blocks   |
+| `publisher`   | `Publisher`: batched publishing, every ack awaited, `PublishError`      |
+| `consumer`    | `Consumer`/`Delivery`: durable pull consumers with dead letters         |
+| `pull`        | `Puller`: the pull protocol spoken directly (the fast path)             |
+| `reader`      | `read_stream`, `read_range`: read a subject range once, in order        |
+| `nats_server` | `EmbeddedNats`: a real nats-server child process (`leafe nats`)         |
 """
 
 from services.bus.connection import NatsOptions, add_nats_arguments, connect, nats_options, redact
@@ -28,7 +30,14 @@ from services.bus.consumer import ERROR_HEADER, Consumer, Delivery
 from services.bus.publisher import Publisher, PublishError
 from services.bus.pull import ConsumerError
 from services.bus.reader import read_range, read_stream
-from services.bus.streams import StreamMismatchError, ensure_streams, stream_config
+from services.bus.streams import (
+    StreamMismatchError,
+    StreamsMissingError,
+    check_streams,
+    ensure_streams,
+    stream_config,
+    wait_for_streams,
+)
 
 __all__ = [
     "ERROR_HEADER",
@@ -39,7 +48,9 @@ __all__ = [
     "PublishError",
     "Publisher",
     "StreamMismatchError",
+    "StreamsMissingError",
     "add_nats_arguments",
+    "check_streams",
     "connect",
     "ensure_streams",
     "nats_options",
@@ -47,4 +58,5 @@ __all__ = [
     "read_stream",
     "redact",
     "stream_config",
+    "wait_for_streams",
 ]

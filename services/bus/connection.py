@@ -14,20 +14,24 @@ secret itself, so nothing sandboxed code could read from the environment grants 
 | `--nats-tls-ca FILE`     | `LEAFE_NATS_TLS_CA`       | CA bundle that signed the server's cert      |
 | `--nats-tls-cert FILE`   | `LEAFE_NATS_TLS_CERT`     | client certificate (mutual TLS)              |
 | `--nats-tls-key FILE`    | `LEAFE_NATS_TLS_KEY`      | client key                                   |
-| `--stream-replicas N`    |                           | replicas of streams this verb creates        |
+| `--streams-timeout S`    |                           | how long a service waits for its streams     |
 
-A URL with credentials in it (``nats://user:pass@host``) still works, but is never logged: every log
-line carries :func:`redact` of the URL.
+At most one identity: a ``.creds`` file, an nkey seed, or a user with a password file. A URL with
+credentials in it (``nats://user:pass@host``) still works, but is never logged: every log line carries
+:func:`redact` of the URL, and error messages are redacted the same way (a URL's user info anywhere in
+the text). Streams are created by ``leafe streams ensure`` alone (the NATS admin); services only wait
+for theirs (:func:`services.bus.streams.wait_for_streams`, bounded by ``--streams-timeout``).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import re
 import ssl
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 import nats
@@ -58,16 +62,19 @@ class NatsOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Client certificate for mutual TLS (with ``tls_key``)."""
     tls_key: str = ""
     """Client private key."""
-    stream_replicas: int = 1
-    """Replicas of the streams this process creates (3 on a clustered JetStream)."""
+    streams_timeout_s: float = 120.0
+    """How long a service waits for the streams it uses to exist before it exits non-zero (seconds)."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.stream_replicas <= 5:
-            raise ValueError(f"stream_replicas = {self.stream_replicas}: expected 1 to 5")
+        if not self.streams_timeout_s > 0:
+            raise ValueError(f"streams_timeout_s = {self.streams_timeout_s}: expected a positive number")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together: give both or neither")
         if bool(self.user) != bool(self.password_file):
             raise ValueError("user and password_file go together: give both or neither")
+        given = [name for name, v in (("creds", self.creds), ("nkey", self.nkey), ("user", self.user)) if v]
+        if len(given) > 1:
+            raise ValueError(f"NATS identity given twice ({' and '.join(given)}): give exactly one")
 
 
 def _env(name: str) -> str:
@@ -88,7 +95,12 @@ def add_nats_arguments(parser: argparse.ArgumentParser, *, required: bool = Fals
     g.add_argument("--nats-tls-ca", default=_env("LEAFE_NATS_TLS_CA"), help="CA bundle (turns TLS on)")
     g.add_argument("--nats-tls-cert", default=_env("LEAFE_NATS_TLS_CERT"), help="client certificate")
     g.add_argument("--nats-tls-key", default=_env("LEAFE_NATS_TLS_KEY"), help="client key")
-    g.add_argument("--stream-replicas", type=int, default=1, help="replicas of streams created (default 1)")
+    g.add_argument(
+        "--streams-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the streams to exist (made by `leafe streams ensure`; default 120)",
+    )
 
 
 def nats_options(args: argparse.Namespace) -> NatsOptions:
@@ -102,26 +114,19 @@ def nats_options(args: argparse.Namespace) -> NatsOptions:
         tls_ca=args.nats_tls_ca or "",
         tls_cert=args.nats_tls_cert or "",
         tls_key=args.nats_tls_key or "",
-        stream_replicas=args.stream_replicas,
+        streams_timeout_s=args.streams_timeout,
     )
 
 
-def redact(url: str) -> str:
-    """``url`` with any user info replaced by ``***`` (for logs); each comma-separated URL separately."""
-    out = []
-    for part in url.split(","):
-        part = part.strip()
-        try:
-            split = urlsplit(part)
-        except ValueError:
-            out.append("<unparseable URL>")
-            continue
-        if split.username is not None or split.password is not None:
-            host = split.hostname or ""
-            netloc = f"***@{host}" + (f":{split.port}" if split.port else "")
-            part = urlunsplit((split.scheme, netloc, split.path, split.query, split.fragment))
-        out.append(part)
-    return ",".join(out)
+_USER_INFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)[^\s/,]*@")
+"""A URL's scheme and user info: greedy up to the last ``@`` before the host, so a password holding an
+unencoded ``@`` is covered too."""
+
+
+def redact(text: str) -> str:
+    """``text`` (a URL, comma-separated URLs, or an error message quoting them) with the user info of every
+    URL in it replaced by ``***``."""
+    return _USER_INFO.sub(r"\g<scheme>***@", text)
 
 
 def _existing(path: str, what: str) -> str:
@@ -149,6 +154,16 @@ def _auth_kwargs(opts: NatsOptions) -> dict[str, Any]:
     return kwargs
 
 
+def _first_connect_limit(kwargs: dict[str, Any]) -> float | None:
+    """How long the first connection may take: every server tried ``max_reconnect_attempts`` times, each
+    ``connect_timeout`` + ``reconnect_time_wait``, plus slack; None when the attempts are unbounded."""
+    attempts = int(kwargs["max_reconnect_attempts"])
+    if attempts < 0:
+        return None
+    per_try = float(kwargs.get("connect_timeout", 2.0)) + float(kwargs["reconnect_time_wait"])
+    return len(kwargs["servers"]) * max(1, attempts) * per_try + 5.0
+
+
 async def connect(
     nats_opts: NatsOptions | str,
     *,
@@ -158,15 +173,25 @@ async def connect(
 ) -> Client:
     """Connect with ``nats_opts`` (or a bare URL); the first connection is tried ``connect_attempts``
     times, then raises; once connected the client reconnects forever (a restarted server or cluster
-    node is waited for, with events logged). ``options`` go to ``nats.connect`` unchanged."""
+    node is waited for, with events logged). ``options`` go to ``nats.connect`` unchanged (an
+    ``error_cb`` among them is called after ours, which logs the error redacted).
+
+    The first connection is bounded in time: nats-py never returns from a failed TLS handshake (a server
+    certificate it does not trust; nats-io/nats.py#718), so past the time its attempts could take this
+    raises ``ConnectionError`` naming the URL (redacted) and the last error."""
     opts = NatsOptions(url=nats_opts) if isinstance(nats_opts, str) else nats_opts
     if not opts.url:
         raise ValueError("no NATS URL: pass --nats URL or set LEAFE_NATS_URL")
     shown = redact(opts.url)
     client: list[Client] = []
+    last_error: list[str] = []
+    also = options.pop("error_cb", None)
 
     async def on_error(e: Exception) -> None:
-        log.warning("bus.nats.error", url=shown, error=redact(f"{type(e).__name__}: {e}"))
+        last_error[:] = [redact(f"{type(e).__name__}: {e}")]
+        log.warning("bus.nats.error", url=shown, error=last_error[0])
+        if also is not None:
+            await also(e)
 
     async def on_disconnect() -> None:
         if not (client and client[0].is_closed):  # a close() we asked for is not news
@@ -186,7 +211,12 @@ async def connect(
         **_auth_kwargs(opts),
     }
     kwargs.update(options)
-    nc = await nats.connect(**kwargs)
+    limit = _first_connect_limit(kwargs)
+    try:
+        nc = await asyncio.wait_for(nats.connect(**kwargs), limit)
+    except TimeoutError:
+        why = last_error[0] if last_error else "no answer"
+        raise ConnectionError(f"no NATS connection to {shown} within {limit:g}s; last error: {why}") from None
     client.append(nc)
     if "max_reconnect_attempts" not in options:
         nc.options["max_reconnect_attempts"] = -1  # after the first connection: reconnect forever

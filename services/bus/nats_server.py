@@ -2,7 +2,10 @@
 
 ``leafe run`` and the tests use :class:`EmbeddedNats`; deployments point ``LEAFE_NATS_URL`` at a cluster.
 A node of a local cluster is an :class:`EmbeddedNats` with a :class:`ClusterRoutes` (see
-``services/bus/nats_cluster.py``). Run one by hand with ``leafe nats`` (``services/nats.py``).
+``services/bus/nats_cluster.py``). Run one by hand with ``leafe nats`` (``services/nats.py``). Given
+``users`` (services/bus/auth.py: one nkey user per role, from deploy's permissions.json) the server refuses
+anyone else and holds each user to its permissions; given ``tls`` it speaks TLS only (and asks clients for
+a certificate when it has a CA).
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+
+from services.bus.auth import NatsUser, ServerTls, authorization_config, tls_config
 
 __all__ = [
     "ClusterRoutes",
@@ -68,7 +74,8 @@ class EmbeddedNats:
 
     ``start()`` waits until the server accepts connections; ``stop()`` asks it to shut down (SIGTERM,
     which flushes JetStream) and kills it after ``grace_s``; ``kill()`` is SIGKILL, for crash tests.
-    Restarting on the same ``store_dir`` and port recovers every acknowledged message.
+    Restarting on the same ``store_dir`` and port recovers every acknowledged message. ``users`` turn
+    authorization on (no anonymous clients); ``tls`` turns TLS on.
     """
 
     def __init__(
@@ -82,6 +89,8 @@ class EmbeddedNats:
         server_name: str | None = None,
         cluster: ClusterRoutes | None = None,
         monitor_port: int | None = None,
+        users: Sequence[NatsUser] = (),
+        tls: ServerTls | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
@@ -93,6 +102,8 @@ class EmbeddedNats:
         self.cluster = cluster
         self.monitor_port = monitor_port
         """HTTP monitoring port (``/healthz``, ``/jsz``); ``None``: no monitoring endpoint."""
+        self.users = list(users)
+        self.tls = tls
         self._proc: subprocess.Popen[bytes] | None = None
         self._config = self.store_dir / "nats-server.conf"
 
@@ -124,7 +135,13 @@ class EmbeddedNats:
                 f'cluster {{ name: "{self.cluster.name}", listen: "{self.host}:{self.cluster.port}", '
                 f"routes: [{routes}] }}"
             )
-        self._config.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        self._config.touch(mode=0o600)
+        self._config.chmod(0o600)  # before writing: it may hold a test user's password
+        text = "\n".join(lines) + "\n"
+        text += (authorization_config(self.users) if self.users else "") + (
+            tls_config(self.tls) if self.tls else ""
+        )
+        self._config.write_text(text, encoding="utf-8")
 
     def start(self, timeout_s: float = 20.0) -> EmbeddedNats:
         """Start the server and wait until it accepts TCP connections; raises :class:`NatsServerError`."""

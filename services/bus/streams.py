@@ -1,27 +1,52 @@
-"""The LEAFE streams on JetStream: created from ``protocol.subjects.STREAMS``, idempotently."""
+"""The LEAFE streams on JetStream: created from ``protocol.subjects.STREAMS`` by the admin, waited for by
+services.
+
+Creating, updating or deleting a stream is the NATS admin's right alone (deploy/base/nats/permissions.json):
+:func:`ensure_streams` runs in ``leafe streams ensure`` (the deploy Job), in ``leafe run``'s supervisor and
+in the tests' session fixture. A service only reads the stream info of the streams it uses, with
+:func:`wait_for_streams`: it waits (logging what is missing and the command that creates it) and gives up
+after its timeout with :class:`StreamsMissingError`, which names the streams and that command.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 from collections.abc import Sequence
 from enum import Enum
 from typing import Any
 
 import msgspec
 import structlog
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from protocol.subjects import STREAMS, StreamSpec
 
-__all__ = ["StreamMismatchError", "ensure_streams", "stream_config"]
+__all__ = [
+    "ENSURE_COMMAND",
+    "StreamMismatchError",
+    "StreamsMissingError",
+    "check_streams",
+    "ensure_streams",
+    "stream_config",
+    "wait_for_streams",
+]
 
 log = structlog.get_logger(__name__)
+ENSURE_COMMAND = "leafe streams ensure --nats URL (as the NATS admin)"
+"""What creates the streams, for the messages of services that wait for them."""
 
 
 class StreamMismatchError(RuntimeError):
     """A stream exists with a configuration that cannot be changed into the spec's."""
+
+
+class StreamsMissingError(RuntimeError):
+    """Streams a service needs did not appear within its timeout."""
 
 
 def stream_config(spec: StreamSpec) -> StreamConfig:
@@ -59,26 +84,34 @@ def _differences(have: StreamConfig, want: StreamConfig) -> dict[str, tuple[Any,
     return diffs
 
 
+def _with_replicas(specs: Sequence[StreamSpec], replicas: int | None) -> Sequence[StreamSpec]:
+    if replicas is None:
+        return specs
+    if not 1 <= replicas <= 5:
+        raise ValueError(f"stream replicas = {replicas}: expected an integer from 1 to 5")
+    return [msgspec.structs.replace(spec, replicas=replicas) for spec in specs]
+
+
 async def ensure_streams(
     js: JetStreamContext, specs: Sequence[StreamSpec] = STREAMS, *, replicas: int | None = None
-) -> None:
-    """Create each stream, or update an existing one whose changeable settings differ.
+) -> dict[str, str]:
+    """Create each stream, or update an existing one whose changeable settings differ (admin only).
 
-    Idempotent. Storage and retention cannot change in place: a stream that differs there raises
+    Idempotent; returns what happened to each stream (``created``, ``updated: <fields>``, ``unchanged``).
+    Storage and retention cannot change in place: a stream that differs there raises
     :class:`StreamMismatchError` naming the stream and both values, and is left untouched.
-    ``replicas`` (``NatsOptions.stream_replicas``; 3 on a clustered JetStream) overrides every spec's.
+    ``replicas`` (``leafe streams ensure --stream-replicas``; 3 on a clustered JetStream) overrides every
+    spec's.
     """
-    if replicas is not None:
-        if not 1 <= replicas <= 5:
-            raise ValueError(f"stream replicas = {replicas}: expected an integer from 1 to 5")
-        specs = [msgspec.structs.replace(spec, replicas=replicas) for spec in specs]
-    for spec in specs:
+    done: dict[str, str] = {}
+    for spec in _with_replicas(specs, replicas):
         want = stream_config(spec)
         try:
             info = await js.stream_info(spec.name)
         except NotFoundError:
             await js.add_stream(want)
             log.info("bus.stream.created", stream=spec.name, subjects=spec.subjects)
+            done[spec.name] = "created"
             continue
         diffs = _differences(info.config, want)
         fixed = {k: v for k, v in diffs.items() if k in ("retention", "storage")}
@@ -97,3 +130,58 @@ async def ensure_streams(
             )
             await js.update_stream(updated)
             log.info("bus.stream.updated", stream=spec.name, changes={k: v[1] for k, v in diffs.items()})
+        done[spec.name] = f"updated: {', '.join(sorted(diffs))}" if diffs else "unchanged"
+    return done
+
+
+async def check_streams(
+    js: JetStreamContext, specs: Sequence[StreamSpec] = STREAMS, *, replicas: int | None = None
+) -> dict[str, str]:
+    """Each stream's state against its spec, changing nothing: ``ok``, ``missing``, or ``differs: ...``
+    naming each field with the stream's value and the spec's."""
+    state: dict[str, str] = {}
+    for spec in _with_replicas(specs, replicas):
+        try:
+            info = await js.stream_info(spec.name)
+        except NotFoundError:
+            state[spec.name] = "missing"
+            continue
+        diffs = _differences(info.config, stream_config(spec))
+        shown = "; ".join(f"{k} is {have!r}, spec {want!r}" for k, (have, want) in sorted(diffs.items()))
+        state[spec.name] = f"differs: {shown}" if diffs else "ok"
+    return state
+
+
+async def _missing(js: JetStreamContext, names: Sequence[str]) -> dict[str, str]:
+    """The streams of ``names`` that cannot be seen now, each with why (missing, or no answer: JetStream
+    not ready yet, or a stream this identity may not read)."""
+    out: dict[str, str] = {}
+    for name in names:
+        try:
+            await js.stream_info(name)
+        except NotFoundError:
+            out[name] = "missing"
+        except (NatsTimeoutError, ServiceUnavailableError) as e:
+            out[name] = f"no answer ({type(e).__name__})"
+    return out
+
+
+async def wait_for_streams(
+    js: JetStreamContext, names: Sequence[str], *, timeout_s: float, interval_s: float = 2.0
+) -> None:
+    """Return once every stream of ``names`` exists; until then log ``bus.streams.waiting`` (what is
+    missing and the command that creates it) every ``interval_s``; after ``timeout_s`` raise
+    :class:`StreamsMissingError` naming the streams and that command. Never creates a stream."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = await _missing(js, names)
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            what = ", ".join(f"{k} ({v})" for k, v in missing.items())
+            log.error("bus.streams.missing", streams=missing, timeout_s=timeout_s, create_with=ENSURE_COMMAND)
+            raise StreamsMissingError(
+                f"streams {what} not there after {timeout_s:g}s; create them with {ENSURE_COMMAND}"
+            )
+        log.warning("bus.streams.waiting", streams=missing, create_with=ENSURE_COMMAND)
+        await asyncio.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))

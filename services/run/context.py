@@ -18,6 +18,16 @@ from services.run.supervisor import ServiceProcess
 
 __all__ = ["RunContext"]
 
+_IDENTITY_VARIABLES = (
+    "LEAFE_NATS_CREDS",
+    "LEAFE_NATS_NKEY",
+    "LEAFE_NATS_USER",
+    "LEAFE_NATS_PASSWORD_FILE",
+    "LEAFE_NATS_TLS_CA",
+    "LEAFE_NATS_TLS_CERT",
+    "LEAFE_NATS_TLS_KEY",
+)
+
 
 @dataclass
 class RunContext:
@@ -30,7 +40,10 @@ class RunContext:
     run_dir: Path = field(init=False)
     model_dir: Path | None = None
     nats: NatsOptions = field(default_factory=NatsOptions)
+    """The supervisor's NATS options: the embedded server's admin, or the environment's identity."""
     nats_server: EmbeddedNats | None = None
+    role_nats: dict[str, NatsOptions] = field(default_factory=dict)
+    """Each role's options on the embedded server (its own nkey seed file); empty with an external one."""
     engine_urls: list[str] = field(default_factory=list)
     js: JetStreamContext | None = None
     services: dict[str, ServiceProcess] = field(default_factory=dict)
@@ -60,14 +73,25 @@ class RunContext:
         """Where the learner and the evaluations write TensorBoard scalars (one sub-directory each)."""
         return self.run_dir / "tensorboard"
 
+    def nats_args(self, role: str) -> list[str]:
+        """``--nats``, the role's own identity on the embedded server (none with an external server: the
+        services inherit the ``LEAFE_NATS_*`` variables) and ``--run``."""
+        args = ["--nats", self.nats.url, "--run", self.config.run_id]
+        if self.role_nats:
+            args += ["--nats-nkey", self.role_nats[role].nkey]
+        return args
+
     def service(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ServiceProcess:
         """A child ``leafe`` process logging to ``logs/<name>.log``, serving /metrics on a free local port
-        (kept across restarts: the port is part of its arguments)."""
+        (kept across restarts: the port is part of its arguments). With the embedded server, identities in
+        the ``LEAFE_NATS_*`` variables are not passed on: each child gets exactly its role's."""
         port = free_port()
         self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
         argv = [*argv, "--metrics-port", str(port), "--metrics-host", "127.0.0.1"]
         if self.engine_key_file:
             env = {"LEAFE_ENGINE_API_KEY_FILE": self.engine_key_file, **(env or {})}
+        if self.role_nats:
+            env = {**dict.fromkeys(_IDENTITY_VARIABLES, ""), **(env or {})}
         proc = ServiceProcess(name, argv, self.run_dir / "logs" / f"{name}.log", env)
         self.services[name] = proc
         return proc

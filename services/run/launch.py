@@ -1,5 +1,9 @@
 """Starting a run: the run directory (configs, identity), NATS, the inference server, then the services.
 
+The embedded nats-server runs with authorization on, from deploy's permissions.json (services/bus/auth.py):
+fresh nkeys per start, each role's seed in ``<run dir>/nats-keys/<role>.nk`` (0600). The supervisor is the
+admin (it alone creates the streams, before any service starts); each service gets its role's seed file.
+
 A run directory is bound to what produced its log: the model, the environment and the materializer
 (:meth:`RunConfig.identity`, saved in ``identity.json`` on the first start). Resuming it with any of
 them changed would mix two runs in one log and one checkpoint, so it is refused with one line naming
@@ -8,6 +12,7 @@ the difference and the way out (another ``--run-id``, or ``--fresh`` to start th
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -17,12 +22,14 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 import tomli_w
 
 from learner.model_io import resolve_model
 from protocol.config import ConfigError, dump_config
-from services.bus import NatsOptions, connect, ensure_streams
+from services.bus import NatsOptions, add_nats_arguments, connect, ensure_streams, nats_options
+from services.bus.auth import load_permissions, nkey_users, role_options, write_role_keys
 from services.bus.nats_server import EmbeddedNats, free_port
 from services.config import tomlable
 from services.run.context import RunContext
@@ -74,14 +81,32 @@ def prepare_run_dir(ctx: RunContext) -> None:
         (conf / f"{name}.toml").write_text(tomli_w.dumps(tomlable(table)), encoding="utf-8")
 
 
+def _external_nats(url: str) -> NatsOptions:
+    """An external server: the identity and TLS files of the ``LEAFE_NATS_*`` variables (an admin's, as
+    the supervisor creates the streams); the services inherit the same variables."""
+    parser = argparse.ArgumentParser()
+    add_nats_arguments(parser)
+    return msgspec.structs.replace(nats_options(parser.parse_args([])), url=url)
+
+
+def _start_nats(ctx: RunContext, stack: AsyncExitStack) -> None:
+    """The embedded server with one nkey user per role (permissions.json); the supervisor is admin."""
+    keys = write_role_keys(ctx.run_dir / "nats-keys")
+    users = nkey_users(keys, load_permissions())
+    log_file = ctx.run_dir / "logs" / "nats.log"
+    server = EmbeddedNats(ctx.run_dir / "nats", log_file=log_file, users=users).start()
+    stack.callback(server.stop)
+    ctx.nats_server, ctx.role_nats = server, role_options(server.url, keys)
+    ctx.nats = ctx.role_nats["admin"]
+
+
 async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
     """NATS (embedded unless a URL is configured), the model, the inference server, the streams."""
     cfg = ctx.config
-    ctx.nats = NatsOptions(url=cfg.services.nats_url, stream_replicas=cfg.services.stream_replicas)
-    if not ctx.nats.url:
-        server = EmbeddedNats(ctx.run_dir / "nats", log_file=ctx.run_dir / "logs" / "nats.log").start()
-        stack.callback(server.stop)
-        ctx.nats_server, ctx.nats = server, NatsOptions(url=server.url)
+    if cfg.services.nats_url:
+        ctx.nats = _external_nats(cfg.services.nats_url)
+    else:
+        _start_nats(ctx, stack)
     ctx.console.print(f"nats: {ctx.nats_server.url if ctx.nats_server else 'external'}; model {cfg.model!r}")
     ctx.model_dir = await asyncio.to_thread(resolve_model, cfg.model)
     ctx.engine_urls = list(cfg.services.engines)
@@ -105,7 +130,8 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
     nc = await connect(ctx.nats, name=f"leafe-run-{cfg.run_id}")
     stack.push_async_callback(nc.drain)
     ctx.js = nc.jetstream()
-    await ensure_streams(ctx.js, replicas=ctx.nats.stream_replicas)
+    # the only place a run creates streams: before any service starts
+    await ensure_streams(ctx.js, replicas=cfg.services.stream_replicas)
 
 
 def _secret_file(path: Path) -> Path:
@@ -118,28 +144,18 @@ def _secret_file(path: Path) -> Path:
     return path
 
 
-def _nats_args(ctx: RunContext) -> list[str]:
-    return [
-        "--nats",
-        ctx.nats.url,
-        "--stream-replicas",
-        str(ctx.nats.stream_replicas),
-        "--run",
-        ctx.config.run_id,
-    ]
-
-
 async def start_pipeline(ctx: RunContext) -> None:
     """The replayer, the learner and weight sync (unless disabled), then the actors."""
     cfg, conf = ctx.config, ctx.run_dir / "config"
     model = str(ctx.model_dir)
     await ctx.service(
-        "replayer", ["replayer", *_nats_args(ctx), "--model", model, "--config", str(conf / "replayer.toml")]
+        "replayer",
+        ["replayer", *ctx.nats_args("replayer"), "--model", model, "--config", str(conf / "replayer.toml")],
     ).start()
     if cfg.services.learner:
         learner = [
             "learner",
-            *_nats_args(ctx),
+            *ctx.nats_args("learner"),
             *("--model", model, "--store", str(ctx.run_dir / "weights")),
             *("--checkpoint-dir", str(ctx.run_dir / "learner"), "--preset", cfg.learner_preset),
             *("--config", str(conf / "learner.toml")),
@@ -148,11 +164,11 @@ async def start_pipeline(ctx: RunContext) -> None:
         threads = {"OMP_NUM_THREADS": str(cfg.services.learner_threads)}
         await ctx.service("learner", learner, env=threads).start()
         servers = [a for url in ctx.engine_urls for a in ("--server", url)]
-        await ctx.service("weight-sync", ["weight-sync", *_nats_args(ctx), *servers]).start()
+        await ctx.service("weight-sync", ["weight-sync", *ctx.nats_args("weight-sync"), *servers]).start()
     for i in range(cfg.services.actors):
         actor = [
             "actor",
-            *_nats_args(ctx),
+            *ctx.nats_args("actor"),
             *("--engine", ",".join(ctx.engine_urls), "--model", model, "--config", str(conf / "actor.toml")),
             *("--concurrency", str(cfg.services.actor_concurrency), "--actor-id", f"{cfg.run_id}-actor-{i}"),
         ]

@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 
 from protocol.events import EpisodeStarted
+from services.bus.auth import ROLES
 from services.eventlog.fileformat import read_events
 from services.metrics import parse_samples
+from tests.support.nats_auth import SEED_PATTERN
 
 pytestmark = pytest.mark.integration
 
@@ -81,9 +83,27 @@ def _check_observability(run_dir: Path, stderr: str, learner_step: int) -> None:
     assert last["inference"]["leafe_inference_decode_tokens_total"] > 0
 
 
+def _assert_no_credential_in_logs(run_dir: Path) -> None:
+    """The run's NATS ran with one nkey user per role (seeds 0600 in nats-keys/), and no log file holds
+    a seed: neither a role's own nor anything shaped like one (``SU`` + 56 base32 characters)."""
+    seeds = {p.stem: p for p in (run_dir / "nats-keys").iterdir()}
+    assert set(seeds) == set(ROLES)
+    assert all(p.stat().st_mode & 0o077 == 0 for p in seeds.values())
+    secrets = [p.read_text(encoding="utf-8").strip() for p in seeds.values()]
+    assert all(SEED_PATTERN.fullmatch(s) for s in secrets)
+    assert (run_dir / "nats" / "nats-server.conf").read_text().count("nkey:") == len(ROLES)
+    logs = [p for p in (run_dir / "logs").rglob("*") if p.is_file()]
+    assert {"run.jsonl", "nats.log", "actor-0.log", "replayer.log", "learner.log"} <= {p.name for p in logs}
+    for path in logs:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        assert not any(s in text for s in secrets), f"a NATS seed is in {path}"
+        assert not SEED_PATTERN.search(text), f"something shaped like an nkey seed is in {path}"
+
+
 def test_tiny_run_end_to_end(tmp_path: Path, cache_dir: Path) -> None:
     """The tiny run explores, materializes, trains, pushes and serves new weights, evaluates before and
-    after (with an interval per k), and its offline-rebuilt dataset equals what the learner consumed."""
+    after (with an interval per k), and its offline-rebuilt dataset equals what the learner consumed; every
+    service ran as its own NATS role and no credential reached a log."""
     first = _leafe_run(tmp_path, "e2e", cache_dir)
     run_dir = tmp_path / "e2e"
     assert first.returncode == 0, first.stderr[-4000:]
@@ -99,6 +119,7 @@ def test_tiny_run_end_to_end(tmp_path: Path, cache_dir: Path) -> None:
     assert _explore_episodes(run_dir) >= 2
     assert report["run"]["learner_loss"] is not None  # read from the learner's /metrics
     _check_observability(run_dir, first.stderr, report["run"]["learner_step"])
+    _assert_no_credential_in_logs(run_dir)
 
 
 @pytest.mark.slow

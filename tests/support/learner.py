@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from protocol.samples import ChatMessage, Sample, SampleKind
+from services.bus import NatsOptions
 
 __all__ = [
     "assert_same_weights",
@@ -95,14 +96,14 @@ def assert_same_weights(a: dict[str, Any], b: dict[str, Any], *, max_lr: float, 
     assert off <= max(1, total // 10_000), f"{off} of {total} weights differ by more than {atol}"
 
 
-async def publish_samples(nats_url: str, samples: Sequence[Sample]) -> None:
-    """Publish samples on ``leafe.<run>.samples.<kind>`` and wait for every ack."""
+async def publish_samples(nats: NatsOptions | str, samples: Sequence[Sample]) -> None:
+    """Publish samples on ``leafe.<run>.samples.<kind>`` and wait for every ack (the streams exist: the
+    session fixture made them)."""
     from protocol import sample_subject
-    from services.bus import Publisher, connect, ensure_streams
+    from services.bus import Publisher, connect
 
-    nc = await connect(nats_url)
+    nc = await connect(nats)
     js = nc.jetstream()
-    await ensure_streams(js)
     async with Publisher(js) as pub:
         for s in samples:
             await pub.publish(sample_subject(s.run_id, s.kind), s)

@@ -106,9 +106,7 @@ NATS_ROLES = {
 """The NATS user (a role of base/nats/permissions.json) of each NATS-using verb."""
 NATS_VERBS = frozenset(NATS_ROLES)
 """Verbs whose services connect to NATS (and so need a NATS user and the NetworkPolicy label)."""
-PENDING_CODE: dict[str, frozenset[str] | None] = {
-    "streams": None,
-}
+PENDING_CODE: dict[str, frozenset[str] | None] = {}
 """Verbs (None: the whole verb) and flags the manifests use that the services are being given now (see
 deploy/README.md). Accepted while missing; test_pending_code_is_still_pending fails once one exists, so the
 entry is removed and the real --help check takes over."""

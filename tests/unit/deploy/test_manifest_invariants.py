@@ -149,7 +149,8 @@ def test_nats_cluster_size_matches_routes_and_stream_replicas(
     conf = config_map_value(docs, "nats-config", "nats.conf")
     routes = [f"nats://nats-{i}.{sts['spec']['serviceName']}:6222" for i in range(servers)]
     assert all(route in conf for route in routes) == (servers > 1) and ("cluster {" in conf) == (servers > 1)
-    assert int(config_map_value(docs, "leafe-env", "LEAFE_STREAM_REPLICAS")) == servers
+    job = container_named(docs, "leafe-streams", "streams")
+    assert int(job.argv[job.argv.index("--stream-replicas") + 1]) == servers
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -327,13 +328,16 @@ def test_inference_tier_survives_one_disruption(rendered: dict[str, Docs]) -> No
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_only_the_streams_job_administers_streams(rendered: dict[str, Docs], overlay: str) -> None:
-    """`leafe streams ensure` runs once per apply as the NATS admin with the overlay's stream replicas;
-    no long-running service uses the admin user."""
+    """`leafe streams ensure` runs once per apply as the NATS admin with the overlay's stream replicas as a
+    flag (no behaviour in environment variables); no long-running service uses the admin user."""
     docs = rendered[overlay]
     job = container_named(docs, "leafe-streams", "streams")
-    assert leafe_invocation(job.argv) == ("streams", ["ensure", "--nats", "$(LEAFE_NATS_URL)"])
+    verb, args = leafe_invocation(job.argv)
+    assert (verb, args[:3]) == ("streams", ["ensure", "--nats", "$(LEAFE_NATS_URL)"])
+    assert args[3:5] == ["--stream-replicas", {"dev": "1", "gpu": "3"}[overlay]]
     assert env_value(job, "LEAFE_NATS_USER") == "admin"
-    assert "LEAFE_STREAM_REPLICAS" in find(docs, "ConfigMap", "leafe-env")["data"]
+    config_maps = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert not any("STREAM_REPLICAS" in k for c in config_maps for k in c.get("data") or {})
     spec = find(docs, "Job", "leafe-streams")["spec"]
     assert spec["ttlSecondsAfterFinished"] > 0 and spec["backoffLimit"] >= 5
     admins = {

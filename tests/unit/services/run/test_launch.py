@@ -53,3 +53,31 @@ def test_prepare_writes_every_service_config_that_its_service_accepts(tmp_path: 
     assert load_config(ActorServiceConfig, files=[conf / "actor.toml"]) == ctx.config.actor
     assert load_config(ReplayerConfig, files=[conf / "replayer.toml"]) == ctx.config.replayer
     assert load_config(LearnerConfig, files=[conf / "learner.toml"]) == ctx.config.learner
+
+
+def test_each_service_is_started_with_its_own_role_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the embedded server, every child gets `--nats-nkey` of its own role (the replayer the
+    replayer's seed, ...; the supervisor keeps admin), and no identity inherited from LEAFE_NATS_*."""
+    from services.bus.auth import role_options, write_role_keys
+    from services.run.launch import start_pipeline
+    from services.run.supervisor import ServiceProcess
+
+    async def started(self: ServiceProcess) -> ServiceProcess:  # record the command, spawn nothing
+        return self
+
+    monkeypatch.setattr(ServiceProcess, "start", started)
+    monkeypatch.setenv("LEAFE_NATS_CREDS", "/inherited/admin.creds")
+    ctx = _ctx(tmp_path)
+    keys = write_role_keys(tmp_path / "keys")
+    ctx.role_nats = role_options("nats://127.0.0.1:4222", keys)
+    ctx.nats, ctx.model_dir, ctx.engine_urls = ctx.role_nats["admin"], tmp_path, ["http://127.0.0.1:1"]
+    asyncio.run(start_pipeline(ctx))
+    roles = {"replayer": "replayer", "learner": "learner", "weight-sync": "weight-sync", "actor-0": "actor"}
+    assert set(ctx.services) == set(roles)
+    for name, role in roles.items():
+        argv = ctx.services[name].argv
+        assert argv[argv.index("--nats-nkey") + 1] == keys[role].seed_file, name
+        assert argv[argv.index("--nats") + 1] == "nats://127.0.0.1:4222"
+        assert ctx.services[name].env["LEAFE_NATS_CREDS"] == "", name

@@ -1,0 +1,165 @@
+"""NATS users and TLS for an embedded nats-server: one nkey user per role, from deploy's permissions.json.
+
+``deploy/base/nats/permissions.json`` is the one list of what each role may publish and subscribe to
+(deploy/README.md, "NATS: one user per role"); the cluster's ``authorization.conf`` is generated from it,
+and so is the ``authorization`` block of every embedded server (``leafe run``, the tests), so a service
+runs with the same rights on a laptop as in a cluster. Each role gets a fresh nkey pair per start: the
+seed goes to ``<dir>/<role>.nk`` (mode 0600 in a 0700 directory), the public key into the server config.
+A service is given its own seed file only (``--nats-nkey``); ``leafe run``'s supervisor uses ``admin``.
+
+    keys = write_role_keys(run_dir / "nats-keys")
+    server = EmbeddedNats(store, users=nkey_users(keys, load_permissions())).start()
+    options = role_options(server.url, keys)          # {"actor": NatsOptions(url, nkey=...), ...}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nkeys
+
+from services.bus.connection import NatsOptions
+
+__all__ = [
+    "PERMISSIONS_FILE",
+    "ROLES",
+    "NatsUser",
+    "RoleKey",
+    "ServerTls",
+    "authorization_config",
+    "load_permissions",
+    "nkey_users",
+    "role_options",
+    "tls_config",
+    "write_role_keys",
+]
+
+ROLES = ("actor", "replayer", "learner", "weight-sync", "admin")
+"""The NATS roles of permissions.json: one per service, and the admin (streams, tasks, operators)."""
+PERMISSIONS_FILE = Path(__file__).resolve().parents[2] / "deploy" / "base" / "nats" / "permissions.json"
+"""The per-role permissions, in the source tree (the container image runs no embedded server)."""
+
+
+class NatsUser(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One entry of a server's ``authorization.users``: an nkey user, or a user with a password."""
+
+    permissions: dict[str, Any]
+    """``{"publish": {"allow": [...], "deny": [...]}, "subscribe": {...}}`` as in permissions.json."""
+    nkey: str = ""
+    """The user's public nkey (``U...``); empty for a password user."""
+    user: str = ""
+    """User name of a password user (tests only: a URL carrying it reaches every verb unchanged)."""
+    password: str = ""
+    """That user's password, in clear text in the server config (a temp dir)."""
+
+    def __post_init__(self) -> None:
+        if bool(self.nkey) == bool(self.user):
+            raise ValueError(f"a NATS user has an nkey or a user name, not both or neither: {self.user!r}")
+        if self.nkey and not self.nkey.startswith("U"):
+            raise ValueError(f"nkey {self.nkey!r} is not a user public key (U...)")
+        if bool(self.user) != bool(self.password):
+            raise ValueError(f"user {self.user!r} needs a password")
+
+
+class ServerTls(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The server's ``tls`` block: its certificate, and the CA that client certificates must chain to."""
+
+    cert_file: str
+    """Server certificate (PEM)."""
+    key_file: str
+    """Server private key (PEM)."""
+    ca_file: str = ""
+    """CA bundle for client certificates; empty = clients are not asked for one."""
+    verify: bool = True
+    """Require a client certificate signed by ``ca_file`` (mutual TLS)."""
+
+
+class RoleKey(msgspec.Struct, frozen=True, kw_only=True):
+    """A role's generated nkey: where its seed is and its public key (the seed itself is never held)."""
+
+    role: str
+    """The role of permissions.json."""
+    seed_file: str
+    """Path of the seed file (mode 0600)."""
+    public_key: str
+    """``U...``: what the server config names."""
+
+
+def load_permissions(path: Path = PERMISSIONS_FILE) -> dict[str, dict[str, Any]]:
+    """permissions.json, checked to hold exactly :data:`ROLES`; raises naming the file and the roles."""
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"NATS permissions file {path} not found: the embedded server's users come from deploy/ "
+            "in the source tree"
+        )
+    table: dict[str, dict[str, Any]] = json.loads(path.read_text(encoding="utf-8"))
+    if set(table) != set(ROLES):
+        raise ValueError(f"{path} defines roles {sorted(table)}; expected {sorted(ROLES)}")
+    return table
+
+
+def _write_secret(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode on O_CREAT
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def write_role_keys(directory: Path, roles: Iterable[str] = ROLES) -> dict[str, RoleKey]:
+    """A fresh user nkey per role; each seed in ``directory/<role>.nk`` (0600, directory 0700)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    keys: dict[str, RoleKey] = {}
+    for role in roles:
+        seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+        pair = nkeys.from_seed(bytearray(seed))
+        path = directory / f"{role}.nk"
+        _write_secret(path, bytes(seed))
+        keys[role] = RoleKey(role=role, seed_file=str(path), public_key=pair.public_key.decode())
+        pair.wipe()
+    return keys
+
+
+def nkey_users(keys: Mapping[str, RoleKey], permissions: Mapping[str, dict[str, Any]]) -> list[NatsUser]:
+    """One nkey user per role of ``keys``, with that role's permissions."""
+    return [NatsUser(nkey=key.public_key, permissions=permissions[role]) for role, key in keys.items()]
+
+
+def role_options(url: str, keys: Mapping[str, RoleKey], **options: Any) -> dict[str, NatsOptions]:
+    """Each role's client options: ``url`` and its own seed file (``options``: TLS files, timeouts)."""
+    return {role: NatsOptions(url=url, nkey=key.seed_file, **options) for role, key in keys.items()}
+
+
+def _quoted(text: str) -> str:
+    return json.dumps(text)  # a JSON string is a valid nats-server config string
+
+
+def authorization_config(users: Sequence[NatsUser]) -> str:
+    """The server config's ``authorization`` block for ``users`` (permissions written as JSON, which the
+    nats-server config format accepts)."""
+    lines = ["authorization {", "  users = ["]
+    for u in users:
+        who = (
+            f"nkey: {_quoted(u.nkey)}"
+            if u.nkey
+            else f"user: {_quoted(u.user)}, password: {_quoted(u.password)}"
+        )
+        lines.append(f"    {{{who}, permissions: {json.dumps(u.permissions, sort_keys=True)}}}")
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def tls_config(tls: ServerTls) -> str:
+    """The server config's ``tls`` block."""
+    fields = [f"cert_file: {_quoted(tls.cert_file)}", f"key_file: {_quoted(tls.key_file)}"]
+    if tls.ca_file:
+        fields.append(f"ca_file: {_quoted(tls.ca_file)}")
+    fields.append(f"verify: {'true' if tls.verify and tls.ca_file else 'false'}")
+    return "tls {\n" + "".join(f"  {f}\n" for f in fields) + "}\n"

@@ -1,0 +1,228 @@
+"""NATS least privilege on a real nats-server running deploy/base/nats/permissions.json (the session server of
+tests/conftest.py: every role an nkey user of its own).
+
+Nobody gets in without a known identity; each role is refused every subject it must not touch (the server
+reports a permissions violation naming the subject, and nothing happens: no message stored, no stream or
+consumer created, changed or deleted); the admin may do all of it (so the probes would notice a permitted
+action). That each service's real code does its whole job under its own role is test_nats_roles.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nats.errors import NoServersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+from nats.js.errors import NotFoundError
+
+from protocol.subjects import EVENTS, SAMPLES, TASKS, WEIGHTS
+from services import actor_service, learner_service, replayer_service, weight_sync_service
+from services.bus import NatsOptions, connect, wait_for_streams
+from services.bus.auth import write_role_keys
+from services.bus.nats_server import EmbeddedNats
+from tests.support.nats_auth import RoleClient, stored
+
+pytestmark = [pytest.mark.anyio, pytest.mark.integration]
+
+SERVICES = ("actor", "replayer", "learner", "weight-sync")
+
+
+@pytest.fixture
+async def scratch(admin_client: RoleClient, run_id: str) -> AsyncIterator[str]:
+    """A stream of this test's own (one message in it) to try administering: never a LEAFE stream."""
+    name = f"T_{run_id.replace('-', '_')}"[:60]
+    await admin_client.js.add_stream(StreamConfig(name=name, subjects=[f"leafe.{run_id}.scratch.>"]))
+    await admin_client.js.publish(f"leafe.{run_id}.scratch.a", b"keep me")
+    yield name
+    await admin_client.js.delete_stream(name)
+
+
+async def consumer_exists(js: Any, stream: str, name: str) -> bool:
+    try:
+        await js.consumer_info(stream, name)
+    except NotFoundError:
+        return False
+    return True
+
+
+def _probe_consumer(stream: str, run_id: str) -> tuple[ConsumerConfig, str]:
+    name = f"probe-{run_id}"[:60]
+    config = ConsumerConfig(name=name, durable_name=name, ack_policy=AckPolicy.EXPLICIT)
+    return config, name
+
+
+async def attempt(c: RoleClient, kind: str, target: str, run_id: str) -> str:
+    """Try ``kind`` on ``target`` as ``c``; returns the subject the server must refuse."""
+    if kind == "publish":
+        await c.nc.publish(target, b"x")
+        return target
+    if kind == "subscribe":
+        await c.nc.subscribe(target)
+        return target
+    calls: dict[str, tuple[str, Callable[[], Awaitable[Any]]]] = {
+        "create-stream": (
+            f"$JS.API.STREAM.CREATE.{target}",
+            lambda: c.probe.add_stream(StreamConfig(name=target, subjects=[f"leafe.{run_id}.u"])),
+        ),
+        "update-stream": (
+            f"$JS.API.STREAM.UPDATE.{target}",
+            lambda: c.probe.update_stream(
+                StreamConfig(name=target, subjects=[f"leafe.{run_id}.scratch.>", "more"])
+            ),
+        ),
+        "delete-stream": (f"$JS.API.STREAM.DELETE.{target}", lambda: c.probe.delete_stream(target)),
+        "purge-stream": (f"$JS.API.STREAM.PURGE.{target}", lambda: c.probe.purge_stream(target)),
+        "create-consumer": (
+            f"$JS.API.CONSUMER.CREATE.{target}.{_probe_consumer(target, run_id)[1]}",
+            lambda: c.probe.add_consumer(target, _probe_consumer(target, run_id)[0]),
+        ),
+        "get-msg": (f"$JS.API.STREAM.MSG.GET.{target}", lambda: c.probe.get_msg(target, seq=1)),
+    }
+    subject, call = calls[kind]
+    with pytest.raises(NatsTimeoutError):  # a refused request is never answered
+        await call()
+    return subject
+
+
+async def no_effect(admin_client: RoleClient, kind: str, target: str, run_id: str) -> None:
+    """What the refused attempt would have done, checked as the admin: it did not happen."""
+    if kind == "publish":
+        assert await stored(admin_client.js, target) == 0, target
+    elif kind == "create-stream":
+        with pytest.raises(NotFoundError):
+            await admin_client.js.stream_info(target)
+    elif kind in ("update-stream", "delete-stream", "purge-stream"):
+        info = await admin_client.js.stream_info(target)
+        assert (info.config.subjects, info.state.messages) == ([f"leafe.{run_id}.scratch.>"], 1), info
+    elif kind == "create-consumer":
+        assert not await consumer_exists(admin_client.js, target, _probe_consumer(target, run_id)[1])
+
+
+async def test_clients_without_a_known_identity_are_refused(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    """No anonymous access: a bare URL and a seed the server does not know are both refused."""
+    stranger = write_role_keys(tmp_path, ["stranger"])["stranger"]
+    for opts in (NatsOptions(url=nats_server.url), NatsOptions(url=nats_server.url, nkey=stranger.seed_file)):
+        errors: list[str] = []
+
+        async def seen(e: Exception, errors: list[str] = errors) -> None:
+            errors.append(str(e))
+
+        with pytest.raises((NoServersError, ConnectionError)):
+            await connect(opts, connect_attempts=1, error_cb=seen)
+        assert any("authorization violation" in e.lower() for e in errors), (opts, errors)
+
+
+ADMINISTRATION = [
+    (role, kind, "U_{run}" if kind == "create-stream" else "scratch")
+    for role in SERVICES
+    for kind in ("create-stream", "update-stream", "delete-stream", "purge-stream")
+]
+DENIED = [
+    ("actor", "publish", "leafe.{run}.weights"),
+    ("actor", "publish", "leafe.{run}.samples.cf"),
+    ("actor", "publish", "leafe.{run}.tasks"),
+    ("actor", "publish", "leafe.{run}.dead.leafe_events"),
+    ("actor", "subscribe", "leafe.{run}.events.>"),
+    ("actor", "subscribe", "leafe.{run}.samples.>"),
+    ("actor", "create-consumer", EVENTS.name),
+    ("actor", "create-consumer", SAMPLES.name),
+    ("replayer", "publish", "leafe.{run}.weights"),
+    ("replayer", "publish", "leafe.{run}.events.step"),
+    ("replayer", "publish", "leafe.{run}.tasks"),
+    ("replayer", "subscribe", "leafe.{run}.weights"),
+    ("replayer", "create-consumer", TASKS.name),
+    ("replayer", "create-consumer", SAMPLES.name),
+    ("learner", "publish", "leafe.{run}.events.step"),
+    ("learner", "publish", "leafe.{run}.samples.cf"),
+    ("learner", "publish", "leafe.{run}.tasks"),
+    ("learner", "create-consumer", EVENTS.name),
+    ("weight-sync", "publish", "leafe.{run}.weights"),
+    ("weight-sync", "publish", "leafe.{run}.events.step"),
+    ("weight-sync", "publish", "leafe.{run}.samples.cf"),
+    ("weight-sync", "publish", "leafe.{run}.tasks"),
+    ("weight-sync", "publish", "leafe.{run}.dead.leafe_tasks"),
+    ("weight-sync", "create-consumer", WEIGHTS.name),
+    ("weight-sync", "get-msg", EVENTS.name),
+    *ADMINISTRATION,
+]
+
+
+def _target(template: str, run_id: str, scratch: str) -> str:
+    return scratch if template == "scratch" else template.format(run=run_id)
+
+
+@pytest.mark.parametrize(("role", "kind", "template"), DENIED)
+async def test_each_role_is_refused_what_it_must_not_touch(
+    nats_roles: dict[str, NatsOptions],
+    admin_client: RoleClient,
+    scratch: str,
+    run_id: str,
+    role: str,
+    kind: str,
+    template: str,
+) -> None:
+    """Only the learner publishes weights, only the actor events, only the replayer samples, only the admin
+    tasks; no service creates, updates, deletes or purges a stream or reads another role's stream: the
+    server reports the violation naming the subject, and the attempt leaves no trace."""
+    target = _target(template, run_id, scratch)
+    async with RoleClient(nats_roles[role]) as client:
+        subject = await attempt(client, kind, target, run_id)
+        assert await client.violated(subject), (role, kind, subject, client.violations)
+    await no_effect(admin_client, kind, target, run_id)
+
+
+@pytest.mark.parametrize(
+    ("kind", "template"),
+    [
+        ("publish", "leafe.{run}.tasks"),
+        ("create-consumer", EVENTS.name),
+        ("create-stream", "U_{run}"),
+        ("purge-stream", "scratch"),
+    ],
+)
+async def test_the_admin_may_do_what_the_services_may_not(
+    admin_client: RoleClient, scratch: str, run_id: str, kind: str, template: str
+) -> None:
+    """The same probes as the admin take effect without a violation (so a refusal above is the server's
+    permissions at work, not a probe that could never succeed)."""
+    target = _target(template, run_id, scratch)
+    if kind == "publish":
+        await admin_client.js.publish(target, b"x")
+        assert await stored(admin_client.js, target) == 1
+    elif kind == "create-consumer":
+        config, name = _probe_consumer(target, run_id)
+        await admin_client.js.add_consumer(target, config)
+        assert await consumer_exists(admin_client.js, target, name)
+        await admin_client.js.delete_consumer(target, name)
+    elif kind == "create-stream":
+        await admin_client.js.add_stream(StreamConfig(name=target, subjects=[f"leafe.{run_id}.u"]))
+        assert (await admin_client.js.stream_info(target)).config.name == target
+        await admin_client.js.delete_stream(target)
+    else:
+        await admin_client.js.purge_stream(target)
+        assert (await admin_client.js.stream_info(target)).state.messages == 0
+    assert admin_client.violations == []
+
+
+@pytest.mark.parametrize(
+    ("role", "module"),
+    [
+        ("actor", actor_service),
+        ("replayer", replayer_service),
+        ("learner", learner_service),
+        ("weight-sync", weight_sync_service),
+    ],
+)
+async def test_each_service_may_read_the_streams_it_waits_for(
+    nats_roles: dict[str, NatsOptions], role: str, module: Any
+) -> None:
+    """A service's start-up check of its streams (``STREAMS_USED``) is within its role's rights."""
+    async with RoleClient(nats_roles[role]) as client:
+        await wait_for_streams(client.js, module.STREAMS_USED, timeout_s=5.0)
+        assert client.violations == []

@@ -1,0 +1,234 @@
+"""Each service's real code does its whole job under its own NATS role, on the session server running
+deploy/base/nats/permissions.json: the actor (its durable on the tasks, events, a dead letter, the weights
+announcements), the replayer (events, recovery readers after a crash, samples), the learner (samples, a push)
+and weight sync (the latest announcement and new ones), without one operation refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from actors.config import ActorServiceConfig
+from actors.fake_episodes import ExploreSpec, build_explore_episode, interleave
+from actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
+from learner.checkpoint import Progress
+from learner.config import BatchConfig, LearnerConfig, OptimConfig, TrainerConfig
+from learner.executor import Executor
+from learner.materializers import fold_events, make_materializer
+from learner.model_io import HFChatTokenizer
+from learner.trainer import Trainer
+from protocol import WeightsPublished, decode_weights, weights_subject
+from protocol.codec import decode_sample
+from protocol.subjects import EVENTS, SAMPLES, TASKS, WEIGHTS, dead_letter_subject, task_subject
+from protocol.subjects import replayer_durable as replayer_durable_name
+from protocol.tasks import TaskAssignment
+from services import replayer_service
+from services.actor_service import ActorService
+from services.bus import NatsOptions, Publisher, read_stream, wait_for_streams
+from services.learner_service import OnlineLearner
+from services.replay import stream_events
+from services.replayer_service import Replayer, ReplayerConfig
+from services.weight_sync_service import WeightSync, WeightSyncConfig
+from tests.support.learner import make_sample, publish_samples
+from tests.support.nats_auth import RoleClient, stored
+
+pytestmark = [pytest.mark.anyio, pytest.mark.integration]
+
+
+async def publish_events(client: RoleClient, events: list[Any]) -> None:
+    async with Publisher(client.js) as pub:
+        for e in events:
+            await pub.publish_event(e)
+
+
+def _weights(run_id: str, version: str, uri: str = "/nowhere") -> WeightsPublished:
+    return WeightsPublished(
+        event_id=f"weights.{run_id}.{version}",
+        run_id=run_id,
+        version=version,
+        uri=uri,
+        manifest_sha256="0" * 64,
+        learner_step=1,
+        base_model="tiny",
+    )
+
+
+async def test_the_actor_serves_tasks_under_its_own_identity(
+    nats_roles: dict[str, NatsOptions], admin_client: RoleClient, run_id: str
+) -> None:
+    """As `actor`: the durable on LEAFE_TASKS, events published, an undecodable task dead-lettered, the
+    latest weights read and followed, every task acked; not one operation refused."""
+    tasks = [
+        TaskAssignment(
+            task_key=f"{run_id}-c{i}",
+            run_id=run_id,
+            env="corridor",
+            task_id=f"corridor/train/{i:05d}",
+            seed=i,
+        )
+        for i in range(2)
+    ]
+    await admin_client.js.publish(task_subject(run_id), b"not a task")  # first: the actor stops after 2 tasks
+    async with Publisher(admin_client.js) as pub:
+        for task in tasks:
+            await pub.publish(task_subject(run_id), task)
+    async with RoleClient(nats_roles["learner"]) as learner, Publisher(learner.js) as pub:
+        await pub.publish(weights_subject(run_id), _weights(run_id, "v000001"))
+    async with RoleClient(nats_roles["actor"]) as client:
+        service = ActorService(
+            nc=client.nc,
+            run_id=run_id,
+            engine=ScriptedEngine(),
+            tokenizer=ByteChatTokenizer(),
+            config=ActorServiceConfig(concurrency=2),
+            actor_id="least-privilege",
+            env_factory=lambda name, **kw: CorridorEnv(),
+            max_tasks=len(tasks),
+            streams_timeout_s=5.0,
+        )
+        stats = await asyncio.wait_for(service.run(), timeout=60)
+        assert client.violations == []
+    assert (stats.done, stats.failed) == (2, 0)
+    assert service.latest_weights == "v000001"
+    events = [
+        m async for m in read_stream(admin_client.js, stream=EVENTS.name, filter_subject=f"leafe.{run_id}.>")
+    ]
+    assert {m.headers["Nats-Msg-Id"].split(".")[0] for m in events} >= {t.task_key for t in tasks}
+    assert await stored(admin_client.js, dead_letter_subject(run_id, TASKS.name)) == 1
+    info = await admin_client.js.consumer_info(TASKS.name, service.durable)
+    assert (info.num_pending, info.num_ack_pending) == (0, 0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir: Path) -> HFChatTokenizer:
+    return HFChatTokenizer.from_dir(tiny_dir)
+
+
+async def test_the_replayer_folds_and_recovers_under_its_own_identity(
+    nats_roles: dict[str, NatsOptions], admin_client: RoleClient, run_id: str, tokenizer: HFChatTokenizer
+) -> None:
+    """As `replayer` (events published as `actor`): cancelled mid-stream and restarted (recovery reads the
+    unreleased episodes with ephemeral consumers), it publishes exactly the offline rebuild's samples;
+    not one operation refused."""
+    episodes = [
+        build_explore_episode(
+            ExploreSpec(seed=i, max_depth=2, budget=12, horizon=4, p_success=0.3, reflect_every=2),
+            run_id=run_id,
+            episode_id=f"{run_id}-ep{i}",
+            tokenizer=tokenizer,
+        )
+        for i in range(6)
+    ]
+    events = interleave(episodes, random.Random(3))
+    half = len(events) // 2
+    config = ReplayerConfig(
+        materializer="leafe", model="tiny", batch=8, ack_wait_s=2.0, fetch_timeout_s=0.2, stale_check_s=0.5
+    )
+    async with RoleClient(nats_roles["actor"]) as actor, RoleClient(nats_roles["replayer"]) as client:
+        await publish_events(actor, events[:half])
+        await wait_for_streams(client.js, replayer_service.STREAMS_USED, timeout_s=5.0)
+        first = Replayer(client.js, run_id=run_id, fold=make_materializer("leafe", tokenizer), config=config)
+        task = asyncio.create_task(first.run(asyncio.Event()))
+        await _until(lambda: first.fold.stats.events >= half, "the first half folded")
+        task.cancel()  # episodes still open: their events stay unacked, for the restart to recover
+        await asyncio.gather(task, return_exceptions=True)
+        await publish_events(actor, events[half:])
+        second = Replayer(client.js, run_id=run_id, fold=make_materializer("leafe", tokenizer), config=config)
+        stop = asyncio.Event()
+        task = asyncio.create_task(second.run(stop))
+        durable = replayer_durable_name(run_id, "leafe")
+
+        async def settled() -> bool:
+            info = await admin_client.js.consumer_info(EVENTS.name, durable)
+            return info.num_pending == 0 and info.num_ack_pending == 0
+
+        await _until_async(settled, "every event folded and acked")
+        stop.set()
+        await task
+        assert (actor.violations, client.violations) == ([], [])
+    assert second.stats.recovered_events > 0
+    online = [
+        decode_sample(m.data).sample_id
+        async for m in read_stream(
+            admin_client.js, stream=SAMPLES.name, filter_subject=f"leafe.{run_id}.samples.>"
+        )
+    ]
+    offline = fold_events(
+        [e async for e in stream_events(admin_client.js, run_id)], make_materializer("leafe", tokenizer)
+    )
+    assert online and sorted(online) == sorted(s.sample_id for s in offline.samples)
+
+
+async def test_weight_sync_follows_announcements_under_its_own_identity(
+    nats_roles: dict[str, NatsOptions], run_id: str
+) -> None:
+    """As `weight-sync` (announcements published as `learner`): the latest version is read on start and a
+    new one arrives through the subscription."""
+    async with RoleClient(nats_roles["learner"]) as learner:
+        async with Publisher(learner.js) as pub:
+            await pub.publish(weights_subject(run_id), _weights(run_id, "v000001"))
+        sync = WeightSync(WeightSyncConfig(servers=["http://127.0.0.1:9"]), run_id=run_id)
+        stop = asyncio.Event()
+        task = asyncio.create_task(sync.run(nats_roles["weight-sync"], stop))
+        await _until(lambda: sync.desired is not None, "the latest announcement read on start")
+        assert sync.desired is not None and sync.desired.version == "v000001"
+        async with Publisher(learner.js) as pub:
+            await pub.publish(weights_subject(run_id), _weights(run_id, "v000002"))
+        await _until(lambda: sync.desired is not None and sync.desired.version == "v000002", "v000002")
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        assert learner.violations == []
+
+
+async def test_the_learner_trains_and_pushes_under_its_own_identity(
+    nats_roles: dict[str, NatsOptions],
+    admin_client: RoleClient,
+    run_id: str,
+    dist_env: Any,
+    tiny_dir: Path,
+    tmp_path: Path,
+    one_thread: None,
+) -> None:
+    """As `learner` (samples published as `replayer`): its durable on LEAFE_SAMPLES, one step, the push on
+    stop announced on the weights subject, every sample acked."""
+    await publish_samples(nats_roles["replayer"], [make_sample(i, run_id=run_id) for i in range(8)])
+    trainer_cfg = TrainerConfig(
+        optim=OptimConfig(lr=1e-3), batch=BatchConfig(global_batch=8), retain_versions=1
+    )
+    cfg = LearnerConfig(trainer=trainer_cfg, ack_wait_s=6.0, max_batch_wait_s=0.5, stop_after_steps=1)
+    learner = OnlineLearner(
+        cfg,
+        Executor(Trainer(cfg.trainer, tiny_dir, dist_env), tmp_path / "ckpt", keep_checkpoints=1),
+        Progress(),
+        run_id=run_id,
+        nats=nats_roles["learner"],
+        store=tmp_path / "store",
+        base_model="tiny",
+    )
+    progress = await asyncio.wait_for(learner.run(asyncio.Event()), 240)
+    assert progress.step == 1
+    raw = await admin_client.js.get_last_msg(WEIGHTS.name, weights_subject(run_id))
+    assert decode_weights(raw.data).learner_step == 1
+    info = await admin_client.js.consumer_info(SAMPLES.name, f"learner-{run_id}")
+    assert (info.num_pending, info.num_ack_pending) == (0, 0)
+
+
+async def _until(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 60.0
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def _until_async(predicate: Callable[[], Awaitable[bool]], what: str) -> None:
+    deadline = time.monotonic() + 60.0
+    while not await predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)

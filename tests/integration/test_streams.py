@@ -1,0 +1,100 @@
+"""Streams are the admin's: ``leafe streams ensure`` creates and updates them, ``leafe streams check`` reports
+them, and a service only waits for its own, then exits non-zero naming the missing streams and the command
+that creates them. Each test has its own nats-server (no streams, no users), not the session one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from nats.js.errors import NotFoundError
+
+from protocol.subjects import STREAMS, WEIGHTS
+from services import streams
+from services.bus import StreamsMissingError, connect, ensure_streams, wait_for_streams
+from services.bus.nats_server import EmbeddedNats
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def empty_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    """A nats-server with JetStream and no stream at all."""
+    with EmbeddedNats(tmp_path / "js", log_file=tmp_path / "nats.log") as server:
+        yield server
+
+
+def _streams(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, str]]:
+    code = streams.main(list(argv))
+    lines = [line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line]
+    return code, {name: what for name, what in lines}
+
+
+def test_streams_ensure_creates_then_changes_nothing_and_check_reports(
+    empty_server: EmbeddedNats, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`check` finds every stream missing (exit 1); `ensure` creates each, a second `ensure` leaves each
+    unchanged; `check` then says ok (exit 0), and against another replica count names the field (exit 1)."""
+    names = {s.name for s in STREAMS}
+    nats = ("--nats", empty_server.url)
+    assert _streams(capsys, "check", *nats) == (1, dict.fromkeys(names, "missing"))
+    assert _streams(capsys, "ensure", *nats) == (0, dict.fromkeys(names, "created"))
+    assert _streams(capsys, "ensure", *nats) == (0, dict.fromkeys(names, "unchanged"))
+    assert _streams(capsys, "check", *nats) == (0, dict.fromkeys(names, "ok"))
+    code, state = _streams(capsys, "check", *nats, "--stream-replicas", "3")
+    assert code == 1 and set(state) == names
+    assert all(v.startswith("differs: num_replicas is 1, spec 3") for v in state.values()), state
+
+
+def test_a_service_without_its_streams_exits_naming_them(empty_server: EmbeddedNats) -> None:
+    """`leafe weight-sync` on a server without LEAFE_WEIGHTS waits its --streams-timeout, then exits non-zero
+    naming the stream and `leafe streams ensure`; it created nothing."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for name in ("LEAFE_NATS_URL", "LEAFE_NATS_CREDS", "LEAFE_NATS_NKEY", "LEAFE_NATS_USER"):
+        env.pop(name, None)
+    argv = ["weight-sync", "--nats", empty_server.url, "--run", "r1", "--server", "http://127.0.0.1:9"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", *argv, "--streams-timeout", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO,
+    )
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "LEAFE_WEIGHTS (missing)" in last and "leafe streams ensure" in last, proc.stderr[-2000:]
+
+    async def absent() -> None:
+        nc = await connect(empty_server.url)
+        with pytest.raises(NotFoundError):
+            await nc.jetstream().stream_info(WEIGHTS.name)
+        await nc.close()
+
+    asyncio.run(absent())
+
+
+def test_waiting_ends_when_the_admin_creates_the_streams(empty_server: EmbeddedNats) -> None:
+    """A service that started first carries on as soon as the streams exist; with none, the wait ends in
+    StreamsMissingError naming each missing stream."""
+
+    async def scenario() -> None:
+        nc = await connect(empty_server.url)
+        js = nc.jetstream()
+        with pytest.raises(StreamsMissingError, match=r"LEAFE_EVENTS \(missing\), LEAFE_SAMPLES \(missing\)"):
+            await wait_for_streams(js, ["LEAFE_EVENTS", "LEAFE_SAMPLES"], timeout_s=0.2, interval_s=0.1)
+        waiting = asyncio.create_task(wait_for_streams(js, [WEIGHTS.name], timeout_s=60, interval_s=0.1))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        await ensure_streams(js)
+        await asyncio.wait_for(waiting, 30)
+        await nc.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,99 @@
+"""Embedded-server identities (services/bus/auth.py): per-role nkey seeds written privately, server config
+blocks that nats-server accepts, permissions read from deploy's permissions.json and nowhere else."""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+from pathlib import Path
+
+import nkeys
+import pytest
+
+from services.bus.auth import (
+    PERMISSIONS_FILE,
+    ROLES,
+    NatsUser,
+    ServerTls,
+    authorization_config,
+    load_permissions,
+    nkey_users,
+    role_options,
+    tls_config,
+    write_role_keys,
+)
+from services.bus.nats_server import find_nats_server
+
+
+def test_each_role_gets_a_private_seed_matching_its_public_key(tmp_path: Path) -> None:
+    """One seed file per role, mode 0600 in a 0700 directory, holding a user seed (SU...) whose public key
+    is the one the server config names; a second call makes new keys (no key outlives a start)."""
+    keys = write_role_keys(tmp_path / "keys")
+    assert set(keys) == set(ROLES)
+    assert stat.S_IMODE((tmp_path / "keys").stat().st_mode) == 0o700
+    for role, key in keys.items():
+        path = Path(key.seed_file)
+        assert path.name == f"{role}.nk" and stat.S_IMODE(path.stat().st_mode) == 0o600
+        seed = path.read_bytes()
+        assert (
+            seed.startswith(b"SU") and nkeys.from_seed(bytearray(seed)).public_key.decode() == key.public_key
+        )
+    again = write_role_keys(tmp_path / "keys")
+    assert {k.public_key for k in again.values()}.isdisjoint(k.public_key for k in keys.values())
+
+
+def test_role_options_give_each_role_its_own_seed_only(tmp_path: Path) -> None:
+    """A role's options carry the URL and that role's seed file, and no other identity."""
+    keys = write_role_keys(tmp_path)
+    options = role_options("nats://127.0.0.1:4222", keys, tls_ca="/ca.crt")
+    for role, opts in options.items():
+        assert (opts.nkey, opts.creds, opts.user, opts.tls_ca) == (keys[role].seed_file, "", "", "/ca.crt")
+
+
+def test_the_server_accepts_the_generated_config(tmp_path: Path) -> None:
+    """permissions.json's roles as nkey users, a password user, and a TLS block pass `nats-server -t`."""
+    users = [
+        *nkey_users(write_role_keys(tmp_path / "keys"), load_permissions()),
+        NatsUser(user="admin", password="pw", permissions=load_permissions()["admin"]),
+    ]
+    for name in ("a.crt", "a.key", "ca.crt"):
+        (tmp_path / name).write_text("placeholder", encoding="utf-8")
+    text = authorization_config(users)
+    assert text.count("nkey:") == len(ROLES) and 'user: "admin", password: "pw"' in text
+    conf = tmp_path / "nats.conf"
+    conf.write_text('listen: "127.0.0.1:4222"\n' + text, encoding="utf-8")
+    proc = subprocess.run([str(find_nats_server()), "-c", str(conf), "-t"], capture_output=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    tls = tls_config(ServerTls(cert_file="/c.crt", key_file="/c.key", ca_file="/ca.crt"))
+    assert tls.splitlines() == [
+        "tls {",
+        '  cert_file: "/c.crt"',
+        '  key_file: "/c.key"',
+        '  ca_file: "/ca.crt"',
+        "  verify: true",
+        "}",
+    ]
+
+
+def test_permissions_come_from_deploy_and_must_name_every_role(tmp_path: Path) -> None:
+    """The embedded server's permissions are deploy/base/nats/permissions.json; a file without every role,
+    or a missing file, is refused naming it."""
+    assert PERMISSIONS_FILE.parts[-4:] == ("deploy", "base", "nats", "permissions.json")
+    assert set(load_permissions()) == set(ROLES)
+    partial = tmp_path / "permissions.json"
+    partial.write_text(json.dumps({"actor": {}}), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"permissions.json defines roles \['actor'\]"):
+        load_permissions(partial)
+    with pytest.raises(FileNotFoundError, match=r"nope\.json"):
+        load_permissions(tmp_path / "nope.json")
+
+
+def test_a_user_is_an_nkey_or_a_name_with_a_password() -> None:
+    """Both, neither, a non-user key or a name without password are refused."""
+    with pytest.raises(ValueError, match="not both or neither"):
+        NatsUser(nkey="UABC", user="x", password="p", permissions={})
+    with pytest.raises(ValueError, match="not a user public key"):
+        NatsUser(nkey="ABC", permissions={})
+    with pytest.raises(ValueError, match="needs a password"):
+        NatsUser(user="x", permissions={})

@@ -134,13 +134,23 @@ async def test_the_replayer_folds_and_recovers_under_its_own_identity(
     async with RoleClient(nats_roles["actor"]) as actor, RoleClient(nats_roles["replayer"]) as client:
         await publish_events(actor, events[:half])
         await wait_for_streams(client.js, replayer_service.STREAMS_USED, timeout_s=5.0)
-        first = Replayer(client.js, run_id=run_id, fold=make_materializer("leafe", tokenizer), config=config)
+        first = Replayer(
+            client.js,
+            run_id=run_id,
+            fold=make_materializer("leafe", tokenizer, rehearsal_fraction=1.0),
+            config=config,
+        )
         task = asyncio.create_task(first.run(asyncio.Event()))
         await _until(lambda: first.fold.stats.events >= half, "the first half folded")
         task.cancel()  # episodes still open: their events stay unacked, for the restart to recover
         await asyncio.gather(task, return_exceptions=True)
         await publish_events(actor, events[half:])
-        second = Replayer(client.js, run_id=run_id, fold=make_materializer("leafe", tokenizer), config=config)
+        second = Replayer(
+            client.js,
+            run_id=run_id,
+            fold=make_materializer("leafe", tokenizer, rehearsal_fraction=1.0),
+            config=config,
+        )
         stop = asyncio.Event()
         task = asyncio.create_task(second.run(stop))
         durable = replayer_durable_name(run_id, "leafe")
@@ -161,7 +171,8 @@ async def test_the_replayer_folds_and_recovers_under_its_own_identity(
         )
     ]
     offline = fold_events(
-        [e async for e in stream_events(admin_client.js, run_id)], make_materializer("leafe", tokenizer)
+        [e async for e in stream_events(admin_client.js, run_id)],
+        make_materializer("leafe", tokenizer, rehearsal_fraction=1.0),
     )
     assert online and sorted(online) == sorted(s.sample_id for s in offline.samples)
 

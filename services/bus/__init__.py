@@ -18,6 +18,7 @@ Every service talks to NATS through this package::
 | `streams`       | `ensure_streams`: the LEAFE streams from `protocol.subjects.STREAMS`   |
 | `publisher`     | `Publisher`: batched publishing, every ack awaited, `PublishError`     |
 | `consumer`      | `Consumer`/`Delivery`: durable pull consumers with dead letters        |
+| `dead_letters`  | dead letters: reason, origin, digest, truncation, idempotent ids       |
 | `pull`          | `Puller`: the pull protocol spoken directly (the fast path)            |
 | `reader`        | `read_stream`, `read_range`: read a subject range once, in order       |
 | `nats_server`   | `EmbeddedNats`: a real nats-server child process (`leafe nats`)        |
@@ -25,7 +26,7 @@ Every service talks to NATS through this package::
 
 from services.bus.connection import NatsOptions, add_nats_arguments, connect, nats_options, redact
 from services.bus.consumer import ERROR_HEADER, Consumer, Delivery
-from services.bus.publisher import Publisher, PublishError
+from services.bus.publisher import MessageTooLargeError, Publisher, PublishError
 from services.bus.pull import ConsumerError
 from services.bus.reader import read_range, read_stream
 from services.bus.streams import StreamMismatchError, ensure_streams, stream_config
@@ -35,6 +36,7 @@ __all__ = [
     "Consumer",
     "ConsumerError",
     "Delivery",
+    "MessageTooLargeError",
     "NatsOptions",
     "PublishError",
     "Publisher",

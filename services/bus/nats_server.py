@@ -152,6 +152,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, default=4222, help="client port (default 4222)")
     parser.add_argument("--host", default="127.0.0.1", help="listen address")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the server like Ctrl-C
     server = EmbeddedNats(args.store, port=args.port, host=args.host).start()
     print(f"nats-server with JetStream at {server.url} (store {args.store}); Ctrl-C to stop", flush=True)
     try:

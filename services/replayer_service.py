@@ -55,35 +55,20 @@ import structlog
 from nats.js.errors import NotFoundError
 
 from learner.materializers import EpisodeFailed, Materializer, OpenLimits, ReplayError, make_materializer
-from protocol.codec import CODEC_VERSION, Admission, ProtocolError, admit_event, decode_event, encode
+from protocol.codec import Admission, ProtocolError, admit_event, decode_event
 from protocol.events import EpisodeStarted
 from protocol.samples import Sample
 from protocol.subjects import (
     EVENTS,
-    SAMPLES,
     dead_letter_subject,
     events_filter,
     replayer_durable,
-    sample_subject,
     validate_run_id,
 )
-from services.bus import (
-    Consumer,
-    MessageTooLargeError,
-    NatsOptions,
-    Publisher,
-    PublishError,
-    connect,
-    ensure_streams,
-    read_range,
-)
+from services.bus import Consumer, NatsOptions, connect, ensure_streams, read_range
 from services.bus.consumer import dead_letter_of
-from services.bus.dead_letters import (
-    SAMPLE_ID_HEADER,
-    dead_letter_limit,
-    dead_letter_message,
-    publish_dead_letter,
-)
+from services.bus.dead_letters import ERROR_HEADER, publish_dead_letter
+from services.sample_sink import ReplayerError, SampleSink
 
 __all__ = ["Replayer", "ReplayerConfig", "ReplayerError", "ReplayerStats", "serve"]
 
@@ -145,10 +130,6 @@ class ReplayerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             )
 
 
-class ReplayerError(RuntimeError):
-    """The replayer cannot continue (samples could not be stored); a restart recovers."""
-
-
 @dataclass
 class ReplayerStats:
     """Counters of one replayer process."""
@@ -177,13 +158,16 @@ class Replayer:
         self.filter_subject = events_filter(run_id)
         self.durable = replayer_durable(run_id, fold.name)
         self.dead_subject = dead_letter_subject(run_id, EVENTS.name)
-        self.dead_samples_subject = dead_letter_subject(run_id, SAMPLES.name)
         self.admission = Admission(
             max_event_bytes=config.max_event_bytes, require_codec_header=config.require_codec_header
         )
         fold.limits = OpenLimits(max_open=config.max_open_episodes, max_per_actor=config.max_open_per_actor)
-        self.publisher = Publisher(
-            js, max_pending=config.publish_max_pending, max_msg_bytes=config.max_sample_bytes
+        self.sink = SampleSink(
+            js,
+            self.run_id,
+            attempts=config.publish_attempts,
+            max_pending=config.publish_max_pending,
+            max_sample_bytes=config.max_sample_bytes,
         )
         self.consumer: Any = None
         self.anchors: dict[str, Any] = {}
@@ -311,52 +295,9 @@ class Replayer:
         return error.reason
 
     async def _publish(self, samples: list[Sample]) -> None:
-        pending = {s.sample_id: s for s in samples}
-        for attempt in range(1, self.config.publish_attempts + 1):
-            if not pending:
-                return
-            try:
-                for sid, s in list(pending.items()):
-                    try:
-                        await self.publisher.publish(sample_subject(self.run_id, s.kind), s)
-                    except MessageTooLargeError as e:
-                        await self._dead_letter_sample(s, str(e))
-                        del pending[sid]
-                await self.publisher.flush()
-                self.stats.samples_published += len(pending)
-                return
-            except PublishError as e:
-                log.warning("replayer.publish.retry", attempt=attempt, unacked=len(e.unacked), error=str(e))
-                try:
-                    await self.publisher.flush()  # settle what is in flight; all of `pending` is retried
-                except PublishError:
-                    pass  # already being retried as part of `pending`
-                await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
-        raise ReplayerError(
-            f"{len(pending)} samples not acknowledged after {self.config.publish_attempts} attempts"
-        )
-
-    async def _dead_letter_sample(self, sample: Sample, reason: str) -> None:
-        origin = {SAMPLE_ID_HEADER: sample.sample_id, "Leafe-Episode-Id": sample.episode_id}
-        letter = dead_letter_message(
-            self.dead_samples_subject,
-            encode(sample),
-            reason,
-            stream=SAMPLES.name,
-            key=sample.sample_id,
-            origin=origin,
-            max_bytes=dead_letter_limit(self.js),
-            codec=CODEC_VERSION,
-        )
-        if await publish_dead_letter(self.js, letter):
-            self.stats.samples_dead_lettered += 1
-        log.warning(
-            "replayer.sample.dead_letter",
-            sample_id=sample.sample_id,
-            episode_id=sample.episode_id[:80],
-            bytes=len(letter.data),
-            reason=reason[:300],
-        )
+        await self.sink.store(samples)
+        self.stats.samples_published = self.sink.published
+        self.stats.samples_dead_lettered = self.sink.dead_lettered
 
     async def _dead_letter(self, d: Any, reason: str) -> None:
         letter = dead_letter_of(self.js, d.msg, reason, self.dead_subject)
@@ -366,7 +307,7 @@ class Replayer:
             "replayer.event.dead_letter",
             event_id=d.value.event_id[:80],
             stream_seq=d.stream_seq,
-            reason=letter.headers["Leafe-Error"],
+            reason=letter.headers[ERROR_HEADER],
         )
 
     async def _release(self) -> None:

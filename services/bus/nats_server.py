@@ -153,9 +153,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="listen address")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the server like Ctrl-C
-    server = EmbeddedNats(args.store, port=args.port, host=args.host).start()
-    print(f"nats-server with JetStream at {server.url} (store {args.store}); Ctrl-C to stop", flush=True)
+    server = EmbeddedNats(args.store, port=args.port, host=args.host)
     try:
+        server.start()
+        print(f"nats-server with JetStream at {server.url} (store {args.store}); Ctrl-C to stop", flush=True)
         while server.pid is not None:
             time.sleep(0.5)
     except KeyboardInterrupt:

@@ -38,7 +38,7 @@ from services.bus.dead_letters import (
 )
 from services.bus.nats_server import free_port
 from services.bus.publisher import MessageTooLargeError
-from services.replayer_service import Replayer
+from services.replayer_service import Replayer, ReplayerConfig
 from tests.support.hostile import (
     PoisonTokenizer,
     branch_chain,
@@ -321,8 +321,6 @@ async def test_a_flood_of_20100_unfinished_episodes_with_the_default_limits(
     js: Any, nats_url: str, run_id: str, tokenizer: HFChatTokenizer
 ) -> None:
     """The issue's flood at full size (20,100 explore and 20,100 eval starts) with the default limits."""
-    from services.replayer_service import ReplayerConfig
-
     await _flood_case(js, nats_url, run_id, tokenizer, 20_100, ReplayerConfig().max_open_per_actor, batch=256)
 
 

@@ -4,9 +4,11 @@
 recovery's republish is stored once) and retries what JetStream did not acknowledge, up to ``attempts``
 times, then raises :class:`ReplayerError` (the replayer exits; a restart recovers). A sample over the
 samples limit (the stream's ``max_msg_bytes``, the server's ``max_payload``, or ``max_sample_bytes``)
-cannot be stored and retrying cannot help: it goes to ``leafe.<run>.dead.leafe_samples`` with the reason
-(``services.bus.dead_letters``; keyed by sample id, so a redo is a no-op) and the batch goes on.
-``leafe replay`` rebuilds such samples into datasets from the log.
+cannot be stored and retrying cannot help: it is dead-lettered with the reason and the batch goes on.
+Its dead letter goes where all of the replayer's go, ``leafe.<run>.dead.leafe_events`` (the only dead
+subject the ``replayer`` NATS role may publish to, ``deploy/base/nats/permissions.json``), told apart by
+its ``Leafe-Sample-Id`` and ``Leafe-Original-Stream: LEAFE_SAMPLES`` headers and keyed by sample id, so a
+redo is a no-op (``services.bus.dead_letters``). ``leafe replay`` rebuilds such samples into datasets.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import structlog
 
 from protocol.codec import CODEC_VERSION, encode
 from protocol.samples import Sample
-from protocol.subjects import SAMPLES, dead_letter_subject, sample_subject
+from protocol.subjects import EVENTS, SAMPLES, dead_letter_subject, sample_subject
 from services.bus import MessageTooLargeError, Publisher, PublishError
 from services.bus.dead_letters import (
+    ORIGINAL_STREAM_HEADER,
     SAMPLE_ID_HEADER,
     dead_letter_limit,
     dead_letter_message,
@@ -46,7 +49,7 @@ class SampleSink:
         self.run_id = run_id
         self.attempts = attempts
         self.publisher = Publisher(js, max_pending=max_pending, max_msg_bytes=max_sample_bytes)
-        self.dead_subject = dead_letter_subject(run_id, SAMPLES.name)
+        self.dead_subject = dead_letter_subject(run_id, EVENTS.name)
         self.published = 0
         """Samples acknowledged by JetStream."""
         self.dead_lettered = 0
@@ -79,7 +82,11 @@ class SampleSink:
         raise ReplayerError(f"{len(pending)} samples not acknowledged after {self.attempts} attempts")
 
     async def _dead_letter(self, sample: Sample, reason: str) -> None:
-        origin = {SAMPLE_ID_HEADER: sample.sample_id, "Leafe-Episode-Id": sample.episode_id}
+        origin = {
+            ORIGINAL_STREAM_HEADER: SAMPLES.name,
+            SAMPLE_ID_HEADER: sample.sample_id,
+            "Leafe-Episode-Id": sample.episode_id,
+        }
         letter = dead_letter_message(
             self.dead_subject,
             encode(sample),

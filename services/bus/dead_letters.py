@@ -1,8 +1,10 @@
 """Dead letters: where a rejected message goes, with its reason, so nothing refused is lost.
 
-A dead letter is published on ``leafe.<run>.dead.<stream>`` (stream ``LEAFE_DEAD``) with the reason in
-``Leafe-Error`` and where the original lives in ``Leafe-Original-Subject/-Stream/-Seq``; its body is the
-original's bytes, with their size and sha256 in ``Leafe-Original-Bytes`` and ``Leafe-Original-Sha256``.
+A dead letter is published on ``leafe.<run>.dead.<stream>`` (stream ``LEAFE_DEAD``; the consumer's
+stream: the replayer's all go to ``dead.leafe_events``, samples it could not store included) with the
+reason in ``Leafe-Error`` and where the original lives in ``Leafe-Original-Subject/-Stream/-Seq`` (or
+``Leafe-Sample-Id``); its body is the original's bytes, with their size and sha256 in
+``Leafe-Original-Bytes`` and ``Leafe-Original-Sha256``.
 Its ``Nats-Msg-Id`` is a function of the original alone (``dead.<stream>.<seq>``, or
 ``dead.<stream>.<sample id>`` for a sample that was never stored), so dead-lettering the same message
 again after a crash is stored once: a restarted consumer can always redo it, and acks a message only

@@ -80,14 +80,23 @@ async def js(nats_url: str) -> Any:
     await nc.close()
 
 
-async def dead_reasons(js: Any, run_id: str, stream: str = "LEAFE_EVENTS") -> dict[int, str]:
-    """Original stream seq -> reason, of the run's dead letters of ``stream`` (each seq at most once)."""
+async def dead_reasons(js: Any, run_id: str) -> dict[int, str]:
+    """Original stream seq -> reason, of the run's dead events (each seq at most once)."""
     out: dict[int, str] = {}
-    for m in await dead_letters(js, run_id, stream):
+    for m in await dead_letters(js, run_id):
+        if SAMPLE_ID_HEADER in m.headers:
+            continue
         seq = int(m.headers[ORIGINAL_SEQ_HEADER])
         assert seq not in out, f"seq {seq} dead-lettered twice"
         out[seq] = m.headers[ERROR_HEADER]
     return out
+
+
+async def dead_samples(js: Any, run_id: str) -> list[Any]:
+    """The run's dead letters of samples too large to store (on the replayer's dead-letter subject)."""
+    dead = [m for m in await dead_letters(js, run_id) if SAMPLE_ID_HEADER in m.headers]
+    assert all(m.headers["Leafe-Original-Stream"] == SAMPLES.name for m in dead)
+    return dead
 
 
 async def assert_valid_samples_match_offline(
@@ -246,7 +255,7 @@ async def test_a_sample_over_the_limit_is_dead_lettered_not_a_crash_loop(
     async with Running(nats_url, run_id, "leafe", tokenizer, **limits) as r2:
         await asyncio.sleep(1.0)
         r2.alive()
-    dead = await dead_letters(js, run_id, SAMPLES.name)
+    dead = await dead_samples(js, run_id)
     offline = await offline_samples(js, run_id, "leafe", tokenizer)
     assert dead and all("bytes" in m.headers[ERROR_HEADER] for m in dead)
     for m in dead:
@@ -271,7 +280,7 @@ async def test_a_5_6_mb_observation_admitted_by_a_raised_event_limit_gives_dead_
     await publish(js, valid[4:])
     async with Running(nats_url, run_id, "leafe", tokenizer, max_event_bytes=MAX_PAYLOAD - 65_536) as r:
         await wait_for(r.settled(js, unfinished(valid)), limit_s=180, what="all events acked")
-    dead = await dead_letters(js, run_id, SAMPLES.name)
+    dead = await dead_samples(js, run_id)
     assert dead and all(int(m.headers[ORIGINAL_BYTES_HEADER]) > MAX_PAYLOAD for m in dead)
     assert all(wire_size(m.data, dict(m.headers)) <= MAX_PAYLOAD for m in dead)
     online = by_id(await published_samples(js, run_id))

@@ -17,15 +17,15 @@ its durable's F and D (last seq delivered to the previous process), re-folds the
 ephemeral reader (``services.bus.read_range``; republishing its samples: same ids, dropped by
 JetStream's duplicate window, one day by default), then resumes the durable, which delivers seqs > D and
 redelivers the previous process's unacked messages (held anchors become this process's anchors; the rest
-are duplicates the fold ignores). During recovery, and for redelivered seqs <= D, an event of an unknown
-episode belonged to an episode released before the crash and is skipped. Ordering inside a batch: fold
--> publish samples -> flush (retry what was not acked) -> dead-letter rejects -> ack released anchors ->
-ack the rest; a crash between any two steps is repaired by the next start. Run exactly one replayer per
-(run, materializer): the durable consumer is its identity.
-
-Acks within a batch go: plain events first, then the anchors of the episodes the batch released, so an
-acked anchor means every event of its episode up to its release is acked too: after a restart, a
-redelivered event of an episode the recovered fold does not know was never applied.
+are duplicates the fold ignores, or rejects it dead-letters again). Recovery skips what the fold rejects:
+the previous process dead-lettered it before acking it, or the durable redelivers it. Ordering inside a
+batch: fold -> publish samples -> flush (retry what was not acked) -> dead-letter rejects -> ack the rest
+-> dead-letter the anchors of failed episodes and ack the anchors of released ones; a crash between any
+two steps is repaired by the next start. Anchors go last, so an acked anchor means every event of its
+episode up to its release is acked: after a restart, a redelivered event of an episode the recovered fold
+does not know was never applied (it is dead-lettered, its reason marked "redelivered after a restart":
+its episode never started, or held nothing and started below the ack floor). Run exactly one replayer
+per (run, materializer): the durable consumer is its identity.
 
 Bad input (see the "Trust" section of ``docs/architecture.md``): every message passes
 ``protocol.codec.admit_event`` first (size <= ``max_event_bytes``, a ``Leafe-Codec`` header, a
@@ -34,11 +34,11 @@ decodable body, subject run and kind equal to the event's, event id ``<episode>.
 Branch before its Reflection, a conflicting copy of an applied id, an episode past ``max_open_episodes``
 or ``max_open_per_actor``...) is dead-lettered with the reason; an exception while folding an episode
 (``EpisodeFailed``) dead-letters that event and the episode's anchor, and its later events follow. A
-sample over the samples limit (``max_sample_bytes``) is dead-lettered on ``leafe.<run>.dead.leafe_samples``
-instead of stored. Dead letters are stored before their message is acked, under ids that make a redo
-after a crash a no-op (``services.bus.dead_letters``); recovery folds the same events through the same
-checks, so it rejects and dead-letters exactly what the crashed process did. Episodes without activity
-for ``stale_timeout_s`` are closed as abandoned. SIGTERM/SIGINT: finish the batch in hand, then exit.
+sample over the samples limit (``max_sample_bytes``) is dead-lettered instead of stored
+(``services.sample_sink``). Dead letters are stored before their message is acked, under ids that make
+a redo after a crash a no-op (``services.bus.dead_letters``); recovery folds the same events through the
+same checks, so a restarted process rejects what the crashed one rejected. Episodes without activity for
+``stale_timeout_s`` are closed as abandoned. SIGTERM/SIGINT: finish the batch in hand, then exit.
 """
 
 from __future__ import annotations

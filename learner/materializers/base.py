@@ -117,7 +117,7 @@ class Materializer(SampleBuilder):
         return episode_id in self._episodes
 
     def knows(self, episode_id: str) -> bool:
-        """The episode is open or was closed recently (its events are applied or ignored, not rejected)."""
+        """The episode is open or remembered as ended (finished, abandoned, ignored, refused or failed)."""
         return episode_id in self._episodes or episode_id in self._ledger.closed
 
     def apply(self, event: EpisodeEvent, *, now: float = 0.0) -> list[Sample]:

@@ -27,6 +27,7 @@ from actors.fake_episodes import EventWriter
 from learner.dataset import iter_samples
 from learner.model_io import HFChatTokenizer, tiny_model_dir
 from protocol.codec import CODEC_HEADER, MSG_ID_HEADER, encode
+from protocol.config import ConfigError
 from protocol.events import EpisodeEvent, EpisodeStarted, Step
 from protocol.subjects import MAX_PAYLOAD, SAMPLES, event_subject
 from services.bus import ERROR_HEADER, Publisher, connect, ensure_streams
@@ -38,6 +39,7 @@ from services.bus.dead_letters import (
 )
 from services.bus.nats_server import free_port
 from services.bus.publisher import MessageTooLargeError
+from services.config import load_config
 from services.replayer_service import Replayer, ReplayerConfig
 from tests.support.hostile import (
     PoisonTokenizer,
@@ -331,6 +333,16 @@ async def test_a_flood_of_20100_unfinished_episodes_with_the_default_limits(
 ) -> None:
     """The issue's flood at full size (20,100 explore and 20,100 eval starts) with the default limits."""
     await _flood_case(js, nats_url, run_id, tokenizer, 20_100, ReplayerConfig().max_open_per_actor, batch=256)
+
+
+def test_open_episode_caps_that_could_fill_max_ack_pending_are_refused_up_front() -> None:
+    """A replayer config whose held anchors plus a batch could exceed max_ack_pending (the stall of a
+    flood) is an error naming the fields, before anything starts."""
+    with pytest.raises(
+        ConfigError, match=r"max_open_episodes \(990\) \+ batch \(256\) exceeds max_ack_pending"
+    ):
+        load_config(ReplayerConfig, overrides={"max_ack_pending": 1000, "max_open_episodes": 990})
+    assert load_config(ReplayerConfig, overrides={"max_ack_pending": 1246, "max_open_episodes": 990})
 
 
 async def test_conflicts_forged_ids_wrong_subjects_and_missing_codec_headers_are_dead_lettered(

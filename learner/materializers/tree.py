@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from protocol.events import (
     ROOT_BRANCH,
     Branch,
@@ -120,7 +122,8 @@ class EpisodeTree:
         first = self.seen.get(event.event_id)
         if first is None:
             return False
-        if first != event:
+        # Compared as bytes when fields differ: a NaN (reward, logprob) is unequal to itself.
+        if first != event and msgspec.msgpack.encode(first) != msgspec.msgpack.encode(event):
             raise ReplayError(
                 event, "conflict: its event id was applied with other content (first copy wins)"
             )

@@ -13,6 +13,7 @@ import pytest
 from actors.fake_episodes import EventWriter
 from actors.fakes import ByteChatTokenizer
 from learner.materializers import EpisodeFailed, OpenLimits, ReplayError, fold_events, make_materializer
+from protocol.codec import decode_event, encode
 from protocol.events import EpisodeEvent, EpisodeStarted, Step
 from tests.support.hostile import PoisonTokenizer, branch_chain, started_fields, step_fields
 from tests.support.materializers import Tree
@@ -114,6 +115,11 @@ def test_a_second_copy_of_an_event_id_with_other_content_is_a_conflict() -> None
     samples = [s for e in tree.events[at + 1 :] for s in fold.apply(e)]
     clean = fold_events(tree.events, make_materializer("leafe", TOK, rehearsal_fraction=1.0))
     assert samples == clean.samples and fold.stats.conflicts == 1
+    nan = Tree("nan")
+    step = nan.step("b0", reward=float("nan"))  # unequal to itself, yet the same bytes: a redelivery
+    fold.apply(nan.events[0])
+    fold.apply(step)
+    assert fold.apply(decode_event(encode(step))) == [] and fold.stats.conflicts == 1
 
 
 def test_held_episodes_are_capped_per_actor_and_per_run_and_released_slots_reopen() -> None:

@@ -28,8 +28,8 @@ from learner.dataset import iter_samples
 from learner.model_io import HFChatTokenizer, tiny_model_dir
 from protocol.codec import CODEC_HEADER, MSG_ID_HEADER, encode
 from protocol.config import ConfigError
-from protocol.events import EpisodeEvent, EpisodeStarted, Step
-from protocol.subjects import MAX_PAYLOAD, SAMPLES, event_subject
+from protocol.events import EpisodeStarted, Step
+from protocol.subjects import MAX_PAYLOAD, event_subject
 from services.bus import ERROR_HEADER, Publisher, connect, ensure_streams
 from services.bus.dead_letters import (
     ORIGINAL_BYTES_HEADER,
@@ -44,8 +44,12 @@ from services.replayer_service import Replayer, ReplayerConfig
 from tests.support.hostile import (
     PoisonTokenizer,
     branch_chain,
+    child_pids,
+    flood_starts,
     headers_of,
+    is_running,
     pad_to,
+    publish_each,
     publish_raw,
     started_fields,
     step_fields,
@@ -53,8 +57,11 @@ from tests.support.hostile import (
 )
 from tests.support.replaying import (
     Running,
+    assert_samples_match_offline,
     by_id,
     dead_letters,
+    dead_reasons,
+    dead_samples,
     make_log,
     offline_samples,
     publish,
@@ -82,44 +89,6 @@ async def js(nats_url: str) -> Any:
     await nc.close()
 
 
-async def dead_reasons(js: Any, run_id: str) -> dict[int, str]:
-    """Original stream seq -> reason, of the run's dead events (each seq at most once)."""
-    out: dict[int, str] = {}
-    for m in await dead_letters(js, run_id):
-        if SAMPLE_ID_HEADER in m.headers:
-            continue
-        seq = int(m.headers[ORIGINAL_SEQ_HEADER])
-        assert seq not in out, f"seq {seq} dead-lettered twice"
-        out[seq] = m.headers[ERROR_HEADER]
-    return out
-
-
-async def dead_samples(js: Any, run_id: str) -> list[Any]:
-    """The run's dead letters of samples too large to store (on the replayer's dead-letter subject)."""
-    dead = [m for m in await dead_letters(js, run_id) if SAMPLE_ID_HEADER in m.headers]
-    assert all(m.headers["Leafe-Original-Stream"] == SAMPLES.name for m in dead)
-    return dead
-
-
-async def assert_valid_samples_match_offline(
-    js: Any, run_id: str, tok: Any, *, name: str = "leafe", minus: set[str] = frozenset()
-) -> None:
-    """The replayer stored each sample once, exactly the offline rebuild's (less ``minus``, the ones
-    dead-lettered for their size), and there are some."""
-    online = by_id(await published_samples(js, run_id))
-    offline = await offline_samples(js, run_id, name, tok)
-    assert online and online == {k: v for k, v in offline.items() if k not in minus}
-
-
-async def seqs_of(js: Any, events: list[EpisodeEvent], **publish_kw: Any) -> list[int]:
-    """Publish ``events`` one by one as the Publisher would; their stream seqs."""
-    out = []
-    for e in events:
-        subject = event_subject(e.run_id, str(type(e).__struct_config__.tag))
-        out.append(await publish_raw(js, subject, encode(e), headers_of(e)))
-    return out
-
-
 async def test_a_chain_of_1200_branches_is_folded_online_in_recovery_and_by_leafe_replay(
     js: Any, nats_url: str, run_id: str, tokenizer: HFChatTokenizer, cache_dir: Path, tmp_path: Path
 ) -> None:
@@ -138,7 +107,7 @@ async def test_a_chain_of_1200_branches_is_folded_online_in_recovery_and_by_leaf
         await wait_for(r2.settled(js, unfinished(valid)), what="all events acked")
         assert r2.replayer.stats.recovered_events > len(chain) // 2
     assert await dead_reasons(js, run_id) == {}
-    await assert_valid_samples_match_offline(js, run_id, tokenizer)
+    await assert_samples_match_offline(js, run_id, tokenizer)
     deep = [s for s in await published_samples(js, run_id) if s.episode_id == f"{run_id}-chain"]
     assert [s.kind for s in deep if s.kind == "cf"] == ["cf"]
 
@@ -189,7 +158,7 @@ async def test_messages_at_the_servers_max_payload_are_dead_lettered_truncated_w
         assert data.startswith(m.data) and len(m.data) < len(data)
         assert wire_size(m.data, dict(m.headers)) <= MAX_PAYLOAD
     assert "bytes" in dead[min(dead)].headers[ERROR_HEADER]
-    await assert_valid_samples_match_offline(js, run_id, tokenizer)
+    await assert_samples_match_offline(js, run_id, tokenizer)
 
 
 class CrashBeforeDeadLetter(Replayer):
@@ -214,7 +183,7 @@ async def test_a_rejected_event_whose_dead_letter_was_not_stored_is_dead_lettere
         seq=1,
     )
     await publish(js, valid[:4])
-    (seq,) = await seqs_of(js, [stray])
+    (seq,) = await publish_each(js, [stray])
     await publish(js, valid[4:])
     async with Running(nats_url, run_id, "leafe", tokenizer, replayer_cls=CrashBeforeDeadLetter) as r1:
         with pytest.raises(RuntimeError, match="crashed before the dead letter"):
@@ -222,7 +191,7 @@ async def test_a_rejected_event_whose_dead_letter_was_not_stored_is_dead_lettere
     async with Running(nats_url, run_id, "leafe", tokenizer) as r2:
         await wait_for(r2.settled(js, unfinished(valid)), what="all events acked")
     assert (await dead_reasons(js, run_id)).keys() == {seq}
-    await assert_valid_samples_match_offline(js, run_id, tokenizer)
+    await assert_samples_match_offline(js, run_id, tokenizer)
 
 
 async def test_an_episode_too_large_to_publish_is_refused_and_later_episodes_flow(
@@ -233,14 +202,14 @@ async def test_an_episode_too_large_to_publish_is_refused_and_later_episodes_flo
     valid = make_log(run_id, tokenizer, episodes=4, groups=0)
     huge = branch_chain(run_id, f"{run_id}-huge", depth=1, tau=0, observation="lorem ipsum " * 470_000)
     await publish(js, valid[:5])
-    seqs = await seqs_of(js, huge)
+    seqs = await publish_each(js, huge)
     await publish(js, valid[5:])
     async with Running(nats_url, run_id, "leafe", tokenizer) as r:
         await wait_for(r.settled(js, unfinished(valid)), what="all events acked")
     reasons = await dead_reasons(js, run_id)
     assert reasons.keys() == set(seqs)
     assert "over the limit" in reasons[seqs[0]]
-    await assert_valid_samples_match_offline(js, run_id, tokenizer)
+    await assert_samples_match_offline(js, run_id, tokenizer)
 
 
 async def test_a_sample_over_the_limit_is_dead_lettered_not_a_crash_loop(
@@ -266,7 +235,7 @@ async def test_a_sample_over_the_limit_is_dead_lettered_not_a_crash_loop(
         assert m.headers[ORIGINAL_SHA256_HEADER] == hashlib.sha256(encode(sample)).hexdigest()
     ids = {m.headers[SAMPLE_ID_HEADER] for m in dead}
     assert len(ids) == len(dead), "a sample dead-lettered twice"
-    await assert_valid_samples_match_offline(js, run_id, tokenizer, minus=ids)
+    await assert_samples_match_offline(js, run_id, tokenizer, minus=frozenset(ids))
 
 
 @pytest.mark.slow
@@ -278,7 +247,7 @@ async def test_a_5_6_mb_observation_admitted_by_a_raised_event_limit_gives_dead_
     valid = make_log(run_id, tokenizer, episodes=3, groups=0)
     huge = branch_chain(run_id, f"{run_id}-huge", depth=1, tau=0, observation="lorem ipsum " * 470_000)
     await publish(js, valid[:4])
-    await seqs_of(js, huge)
+    await publish_each(js, huge)
     await publish(js, valid[4:])
     async with Running(nats_url, run_id, "leafe", tokenizer, max_event_bytes=MAX_PAYLOAD - 65_536) as r:
         await wait_for(r.settled(js, unfinished(valid)), limit_s=180, what="all events acked")
@@ -289,23 +258,12 @@ async def test_a_5_6_mb_observation_admitted_by_a_raised_event_limit_gives_dead_
     assert online and all(s.episode_id != f"{run_id}-huge" for s in online.values())
 
 
-def flood(run_id: str, n: int, *, mode: str, actor_id: str) -> list[EpisodeEvent]:
-    """``n`` EpisodeStarted of ``actor_id`` that never finish."""
-    out: list[EpisodeEvent] = []
-    for i in range(n):
-        eid = f"{run_id}-{actor_id}-{i}"
-        out.append(
-            EventWriter(run_id, eid, actor_id=actor_id).emit(EpisodeStarted, **started_fields(eid, mode=mode))
-        )
-    return out
-
-
 async def _flood_case(
     js: Any, nats_url: str, run_id: str, tok: Any, n: int, per_actor: int, **config: Any
 ) -> None:
     valid = make_log(run_id, tok, episodes=4, groups=0)
-    bad = flood(run_id, n, mode="explore", actor_id="flood")
-    silent = flood(run_id, n, mode="eval", actor_id="evals")
+    bad = flood_starts(run_id, n, actor_id="flood")
+    silent = flood_starts(run_id, n, actor_id="evals", mode="eval")
     await publish(js, bad + silent)
     await publish(js, valid)
     async with Running(nats_url, run_id, "leafe", tok, **config) as r:
@@ -314,7 +272,7 @@ async def _flood_case(
     reasons = await dead_reasons(js, run_id)
     assert len(reasons) == n - per_actor
     assert all("max_open_per_actor" in why and "'flood'" in why for why in reasons.values())
-    await assert_valid_samples_match_offline(js, run_id, tok)
+    await assert_samples_match_offline(js, run_id, tok)
 
 
 async def test_a_flood_of_unfinished_episodes_neither_holds_the_consumer_nor_stalls_valid_ones(
@@ -371,7 +329,7 @@ async def test_conflicts_forged_ids_wrong_subjects_and_missing_codec_headers_are
     await publish(js, valid[: at + 1])
     seqs = {"conflict": await publish_raw(js, *cases.pop("conflict"))}  # while its episode is open
     await publish(js, valid[at + 1 :])
-    await seqs_of(js, side)
+    await publish_each(js, side)
     seqs |= {what: await publish_raw(js, *msg) for what, msg in cases.items()}
     async with Running(nats_url, run_id, "leafe", tokenizer) as r:
         await wait_for(r.settled(js, unfinished(valid) + 1), what="all events acked")
@@ -379,7 +337,7 @@ async def test_conflicts_forged_ids_wrong_subjects_and_missing_codec_headers_are
     assert reasons.keys() == set(seqs.values())
     for what, seq in seqs.items():
         assert what in reasons[seq], (what, reasons[seq])
-    await assert_valid_samples_match_offline(js, run_id, tokenizer)
+    await assert_samples_match_offline(js, run_id, tokenizer)
 
 
 async def test_an_exception_while_folding_an_episode_dead_letters_it_online_and_in_recovery(
@@ -393,11 +351,11 @@ async def test_an_exception_while_folding_an_episode_dead_letters_it_online_and_
     bad = branch_chain(run_id, f"{run_id}-poison", depth=1, tau=0, observation="POISON")
     half = len(valid) // 2
     await publish(js, valid[:half])
-    seqs = await seqs_of(js, bad[:-1])
+    seqs = await publish_each(js, bad[:-1])
     async with Running(nats_url, run_id, "leafe", poison_tok) as r1:
         await wait_for(r1.settled(js, unfinished(valid[:half])), what="first half settled")
         await r1.crash()
-    seqs += await seqs_of(js, bad[-1:])
+    seqs += await publish_each(js, bad[-1:])
     await publish(js, valid[half:])
     async with Running(nats_url, run_id, "leafe", poison_tok) as r2:
         await wait_for(r2.settled(js, unfinished(valid)), what="all events acked")
@@ -424,19 +382,6 @@ async def test_the_publisher_refuses_an_event_over_the_limit_with_a_clear_error(
     assert sum((info.state.subjects or {}).values()) == 1
 
 
-def _children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(x) for x in path.read_text().split()] if path.exists() else []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
 def test_leafe_nats_stops_its_server_on_sigterm(tmp_path: Path) -> None:
     """`leafe nats` stops its nats-server child on SIGTERM, as on Ctrl-C, and exits 0."""
     cmd = [sys.executable, "-m", "services.cli", "nats", "--store", str(tmp_path), "--port", str(free_port())]
@@ -445,17 +390,17 @@ def test_leafe_nats_stops_its_server_on_sigterm(tmp_path: Path) -> None:
     children: list[int] = []
     try:
         assert proc.stdout is not None and "nats-server with JetStream" in proc.stdout.readline()
-        children = _children(proc.pid)
-        assert len(children) == 1 and _alive(children[0])
+        children = child_pids(proc.pid)
+        assert len(children) == 1 and is_running(children[0])
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         deadline = time.monotonic() + 10
-        while _alive(children[0]) and time.monotonic() < deadline:
+        while is_running(children[0]) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(children[0]), "nats-server still running after `leafe nats` got SIGTERM"
+        assert not is_running(children[0]), "nats-server still running after `leafe nats` got SIGTERM"
     finally:
         for pid in children:
-            if _alive(pid):
+            if is_running(pid):
                 os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()

@@ -9,6 +9,7 @@ the ``Publisher`` (what any authenticated publisher can send).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -26,12 +27,17 @@ from protocol.events import (
 )
 from protocol.prompt import ChatTokenizer
 from protocol.samples import ChatMessage
+from protocol.subjects import event_subject
 
 __all__ = [
     "PoisonTokenizer",
     "branch_chain",
+    "child_pids",
+    "flood_starts",
     "headers_of",
+    "is_running",
     "pad_to",
+    "publish_each",
     "publish_raw",
     "started_fields",
     "step_fields",
@@ -109,6 +115,16 @@ def branch_chain(
     return w.events
 
 
+def flood_starts(run_id: str, n: int, *, actor_id: str, mode: str = "explore") -> list[EpisodeEvent]:
+    """``n`` EpisodeStarted of ``actor_id`` (episodes ``<run>-<actor>-<i>``) that never finish."""
+    out: list[EpisodeEvent] = []
+    for i in range(n):
+        eid = f"{run_id}-{actor_id}-{i}"
+        w = EventWriter(run_id, eid, actor_id=actor_id)
+        out.append(w.emit(EpisodeStarted, **started_fields(eid, mode=mode)))
+    return out
+
+
 def headers_of(event: EpisodeEvent, **extra: str) -> dict[str, str]:
     """The headers the ``Publisher`` would send with ``event``, ``extra`` on top."""
     return {MSG_ID_HEADER: event.event_id, CODEC_HEADER: CODEC_VERSION, **extra}
@@ -136,6 +152,30 @@ async def publish_raw(js: Any, subject: str, data: bytes, headers: dict[str, str
     """Publish bytes as given (no size or header checks); returns the stream sequence it was stored at."""
     ack = await js.publish(subject, data, headers=headers)
     return int(ack.seq)
+
+
+async def publish_each(js: Any, events: list[EpisodeEvent]) -> list[int]:
+    """Publish ``events`` one by one with the Publisher's headers, bypassing its checks; their seqs."""
+    out = []
+    for e in events:
+        subject = event_subject(e.run_id, str(type(e).__struct_config__.tag))
+        out.append(await publish_raw(js, subject, encode(e), headers_of(e)))
+    return out
+
+
+def child_pids(pid: int) -> list[int]:
+    """Child processes of ``pid`` (Linux ``/proc``)."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def is_running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
 
 
 class PoisonTokenizer:

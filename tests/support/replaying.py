@@ -28,6 +28,12 @@ from protocol.prompt import ChatTokenizer
 from protocol.samples import Sample
 from protocol.subjects import EVENTS, SAMPLES, dead_letter_subject, replayer_durable, samples_filter
 from services.bus import Publisher, connect, read_stream
+from services.bus.dead_letters import (
+    ERROR_HEADER,
+    ORIGINAL_SEQ_HEADER,
+    ORIGINAL_STREAM_HEADER,
+    SAMPLE_ID_HEADER,
+)
 from services.replay import stream_events
 from services.replayer_service import Replayer, ReplayerConfig
 
@@ -35,9 +41,12 @@ __all__ = [
     "MODES",
     "OPTIONS",
     "Running",
+    "assert_samples_match_offline",
     "by_id",
     "consumer_settled",
     "dead_letters",
+    "dead_reasons",
+    "dead_samples",
     "make_log",
     "offline_samples",
     "publish",
@@ -91,6 +100,25 @@ async def dead_letters(js: Any, run_id: str, stream: str = EVENTS.name) -> list[
     return [m async for m in read_stream(js, stream="LEAFE_DEAD", filter_subject=subject)]
 
 
+async def dead_reasons(js: Any, run_id: str) -> dict[int, str]:
+    """Original stream seq -> reason, of the run's dead-lettered events (asserting each seq once)."""
+    out: dict[int, str] = {}
+    for m in await dead_letters(js, run_id):
+        if SAMPLE_ID_HEADER in m.headers:
+            continue
+        seq = int(m.headers[ORIGINAL_SEQ_HEADER])
+        assert seq not in out, f"seq {seq} dead-lettered twice"
+        out[seq] = m.headers[ERROR_HEADER]
+    return out
+
+
+async def dead_samples(js: Any, run_id: str) -> list[Msg]:
+    """The run's dead letters of samples too large to store (on the replayer's dead-letter subject)."""
+    dead = [m for m in await dead_letters(js, run_id) if SAMPLE_ID_HEADER in m.headers]
+    assert all(m.headers[ORIGINAL_STREAM_HEADER] == SAMPLES.name for m in dead)
+    return dead
+
+
 def by_id(samples: list[Sample]) -> dict[str, Sample]:
     """Samples by id (asserting none is there twice)."""
     out = {s.sample_id: s for s in samples}
@@ -136,6 +164,16 @@ async def offline_samples(
     fold = make_materializer(name, tok, **{**OPTIONS[name], **options})
     result = fold_events([e async for e in stream_events(js, run_id)], fold)
     return by_id(result.samples)
+
+
+async def assert_samples_match_offline(
+    js: Any, run_id: str, tok: ChatTokenizer, *, name: str = "leafe", minus: frozenset[str] = frozenset()
+) -> None:
+    """The replayer stored each sample once, exactly the offline rebuild's (less ``minus``: the ones
+    dead-lettered for their size), and there are some."""
+    online = by_id(await published_samples(js, run_id))
+    offline = await offline_samples(js, run_id, name, tok)
+    assert online and online == {k: v for k, v in offline.items() if k not in minus}
 
 
 def replayer_config(name: str, **kw: Any) -> ReplayerConfig:

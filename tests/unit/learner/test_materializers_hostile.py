@@ -15,7 +15,7 @@ from actors.fakes import ByteChatTokenizer
 from learner.materializers import EpisodeFailed, OpenLimits, ReplayError, fold_events, make_materializer
 from protocol.codec import decode_event, encode
 from protocol.events import EpisodeEvent, EpisodeStarted, Step
-from tests.support.hostile import PoisonTokenizer, branch_chain, started_fields, step_fields
+from tests.support.hostile import PoisonTokenizer, branch_chain, flood_starts, started_fields, step_fields
 from tests.support.materializers import Tree
 
 TOK = ByteChatTokenizer()
@@ -33,17 +33,6 @@ def corrected_tree() -> tuple[Tree, None]:
     tree.outcome("b1", True)
     tree.finish()
     return tree, None
-
-
-def starts(n: int, *, actor: str, mode: str = "explore", prefix: str = "") -> list[EpisodeStarted]:
-    """``n`` EpisodeStarted of ``actor`` (episode ids ``<prefix><actor>-<i>``)."""
-    out = []
-    for i in range(n):
-        eid = f"{prefix}{actor}-{i}"
-        out.append(
-            EventWriter("r1", eid, actor_id=actor).emit(EpisodeStarted, **started_fields(eid, mode=mode))
-        )
-    return out
 
 
 def test_a_chain_of_2000_nested_branches_is_folded_without_recursion() -> None:
@@ -127,7 +116,7 @@ def test_held_episodes_are_capped_per_actor_and_per_run_and_released_slots_reope
     its episode is rejected with that reason; a released episode frees its slot."""
     fold = make_materializer("leafe", TOK)
     fold.limits = OpenLimits(max_open=5, max_per_actor=3)
-    flood = starts(4, actor="mallory")
+    flood = flood_starts("r1", 4, actor_id="mallory")
     for e in flood[:3]:
         fold.apply(e)
     with pytest.raises(ReplayError, match=r"actor 'mallory' already holds 3 .*max_open_per_actor = 3"):
@@ -136,14 +125,14 @@ def test_held_episodes_are_capped_per_actor_and_per_run_and_released_slots_reope
     late.events.append(flood[3])
     with pytest.raises(ReplayError, match="was refused: actor 'mallory'"):
         fold.apply(late.emit(Step, **step_fields("b0", 0)))
-    others = starts(3, actor="a")
+    others = flood_starts("r1", 3, actor_id="a")
     fold.apply(others[0])
     fold.apply(others[1])
     with pytest.raises(ReplayError, match="max_open_episodes = 5"):
         fold.apply(others[2])
     fold.close_stale(now=10.0, timeout=1.0)  # every open episode is idle: all released
     assert fold.held_episodes == 0 and len(fold.drain_released()) == 5
-    fold.apply(starts(1, actor="mallory", prefix="new-")[0])
+    fold.apply(flood_starts("r2", 1, actor_id="mallory")[0])  # another episode id
     assert fold.stats.episodes_refused == 2 and fold.held_episodes == 1
 
 

@@ -3,6 +3,7 @@
     .venv/bin/python bench/replay.py            # 1M-event fold, 200k with the real tokenizer, 100k service
     .venv/bin/python bench/replay.py --quick    # 200k / 20k / 20k
     .venv/bin/python bench/replay.py --only reader [--quick]   # just the log file reader (seconds)
+    .venv/bin/python -m bench.replay --only fold --against ../base-worktree   # the fold, before/after
 
 The log is synthetic but shaped like real runs: explore trees from ``actors/fake_episodes``
 (breadth-first branches after periodic and failure reflections, experience in context, unparsable
@@ -20,7 +21,12 @@ i.e. the unavoidable cost of reading the log):
 - ``reader``: the first 200k events (50k with ``--quick``) written as a ``.leafelog`` file, whose records
   are then read back with verification (CRC32C per frame, sha256 of the whole file) and without, in
   alternating rounds over the same file -> MB/s of each and their ratio (the price of verification).
-Results go to ``bench/results/replay.json`` (``--only reader`` updates just its entry).
+- ``fold_vs_base`` (``--only fold --against DIR``): the four folds above on the same 100k-event log, run
+  by this script in child processes alternately on this tree's code and on DIR's (another worktree, e.g.
+  the commit a change started from), ``--rounds`` times each, each fold repeated 3 times per round; each
+  side's best (the least disturbed on a shared machine) in events per wall-clock and per CPU second, and
+  the ratios after/before (CPU time is the one other processes disturb least).
+Results go to ``bench/results/replay.json`` (``--only reader|fold`` updates just its entry).
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -102,23 +111,25 @@ def time_fold(
 ) -> dict[str, Any]:
     """Fold every chunk, timing only the fold (and the decode baseline of the same events)."""
     fold = make_materializer(name, tokenizer, **options)
-    fold_s = decode_s = 0.0
+    fold_s = decode_s = cpu_s = 0.0
     events = samples = 0
     for chunk in chunks:
         blobs = [encode(e) for e in chunk]
         t0 = time.perf_counter()
         for b in blobs:
             decode_event(b)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         for e in chunk:
             samples += len(fold.apply(e))
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         decode_s += t1 - t0
         fold_s += t2 - t1
+        cpu_s += c2 - c1
         events += len(chunk)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     samples += len(fold.close_all())
     fold_s += time.perf_counter() - t0
+    cpu_s += time.process_time() - c0
     stats = fold.stats
     return {
         "materializer": name,
@@ -127,6 +138,7 @@ def time_fold(
         "samples": samples,
         "fold_s": round(fold_s, 3),
         "events_per_s": round(events / fold_s),
+        "events_per_cpu_s": round(events / cpu_s),
         "samples_per_s": round(samples / fold_s),
         "baseline_decode_events_per_s": round(events / decode_s),
         "ratio_to_decode_baseline": round(decode_s / fold_s, 3),
@@ -239,16 +251,98 @@ def report_reader(r: dict[str, Any]) -> None:
     )
 
 
+FOLDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "fold_fake_tok": ("leafe", {}),
+    "fold_fake_tok_noverify": ("leafe", {"verify_prompts": False}),
+    "fold_grpo": ("grpo", {}),
+    "fold_rft": ("rft", {"modes": ["rollout", "explore"]}),
+}
+
+
+def fold_events_per_s(n_events: int, repeats: int = 3) -> dict[str, dict[str, int]]:
+    """Best of ``repeats`` events/s (wall and CPU time) of each of :data:`FOLDS` over one synthetic log
+    (a child process of ``--against``)."""
+    fake = ByteChatTokenizer()
+    chunks = list(synthetic_chunks(n_events, tokenizer=fake))
+    out: dict[str, dict[str, int]] = {}
+    for key, (name, opts) in FOLDS.items():
+        runs = [time_fold(name, chunks, fake, **opts) for _ in range(repeats)]
+        out[key] = {unit: max(r[unit] for r in runs) for unit in ("events_per_s", "events_per_cpu_s")}
+    return out
+
+
+def _fold_child(tree: Path, n_events: int) -> dict[str, dict[str, int]]:
+    """:func:`fold_events_per_s` in a child process on ``tree``'s packages (this file, run by path: its
+    own directory must not come first on ``sys.path``, where ``bench/envs.py`` would shadow ``envs``)."""
+    code = f"import runpy, sys; sys.argv = ['replay', '--fold-child', '{n_events}']; "
+    code += f"runpy.run_path({__file__!r}, run_name='__main__')"
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=tree, env=env, check=True, capture_output=True, text=True
+    )
+    figures: dict[str, dict[str, int]] = json.loads(run.stdout.strip().splitlines()[-1])
+    return figures
+
+
+def compare_folds(base: Path, n_events: int, rounds: int) -> dict[str, Any]:
+    """Best-of fold speeds of this tree's code and of ``base``'s, measured alternately; the ratio uses
+    CPU time (less disturbed than wall time by other processes on a shared machine)."""
+    here = Path(__file__).resolve().parents[1]
+    best: dict[str, dict[str, dict[str, int]]] = {"before": {}, "after": {}}
+    for k in range(rounds):
+        for side in ("before", "after") if k % 2 == 0 else ("after", "before"):
+            figures = _fold_child(base if side == "before" else here, n_events)
+            for key, rates in figures.items():
+                kept = best[side].setdefault(key, {})
+                for unit, rate in rates.items():
+                    kept[unit] = max(rate, kept.get(unit, 0))
+            shown = "  ".join(f"{key} {r['events_per_cpu_s']:,}/cpu-s" for key, r in figures.items())
+            print(f"round {k + 1} {side:6s} {shown}")
+    commit = subprocess.run(
+        ["git", "-C", str(base), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    ratio = {
+        unit: {key: round(best["after"][key][unit] / best["before"][key][unit], 3) for key in FOLDS}
+        for unit in ("events_per_cpu_s", "events_per_s")
+    }
+    return {
+        "base": commit.stdout.strip() or str(base),
+        "events": n_events,
+        "rounds": rounds,
+        "repeats_per_round": 3,
+        "best": best,
+        "after_over_before": ratio,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller logs (a minute or two)")
-    p.add_argument("--only", choices=["reader"], default=None, help="run one figure, update its entry")
+    p.add_argument(
+        "--only", choices=["reader", "fold"], default=None, help="run one figure, update its entry"
+    )
+    p.add_argument("--against", type=Path, default=None, help="with --only fold: the worktree to compare to")
+    p.add_argument("--rounds", type=int, default=3, help="with --against: rounds per side (best kept)")
+    p.add_argument("--fold-child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     from services.logsetup import configure_logging
 
     configure_logging(json=False, level="error")
+    if args.fold_child is not None:
+        print(json.dumps(fold_events_per_s(args.fold_child)))
+        return 0
     n_reader = 50_000 if args.quick else 200_000
     out = Path(__file__).resolve().parent / "results" / "replay.json"
+    if args.only == "fold":
+        if args.against is None:
+            p.error("--only fold needs --against DIR (the worktree to compare with)")
+        results = json.loads(out.read_text()) if out.exists() else {}
+        results["fold_vs_base"] = r = compare_folds(args.against, 100_000, args.rounds)
+        for unit, ratios in r["after_over_before"].items():
+            print(f"after/before ({unit}): " + "  ".join(f"{k} x{v:.3f}" for k, v in ratios.items()))
+        out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+        print(f"saved {out}")
+        return 0
     if args.only == "reader":
         results = json.loads(out.read_text()) if out.exists() else {}
         results["reader"] = r = time_reader(
@@ -270,13 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"log: {n_fold} events, {results['log']['episodes']} episodes (generated in {results['log']['generate_s']} s)"
     )
-    runs: dict[str, tuple[str, dict[str, Any]]] = {
-        "fold_fake_tok": ("leafe", {}),
-        "fold_fake_tok_noverify": ("leafe", {"verify_prompts": False}),
-        "fold_grpo": ("grpo", {}),
-        "fold_rft": ("rft", {"modes": ["rollout", "explore"]}),
-    }
-    for key, (name, opts) in runs.items():
+    for key, (name, opts) in FOLDS.items():
         results[key] = r = time_fold(name, chunks, fake, **opts)
         print(
             f"{key:24s} {r['events_per_s']:>9,} events/s  {r['samples_per_s']:>8,} samples/s  "

@@ -1,31 +1,42 @@
-"""Wire codec: msgpack bodies with a codec-version header.
+"""Wire codec: msgpack bodies with a codec-version header, and the admission of event messages.
 
 Decoders are built once per union. Anything malformed (bad bytes, wrong types, unknown kind, a future
 codec version) raises :class:`ProtocolError` naming what was wrong; no other exception escapes
 ``decode_*``.
+
+:func:`admit_event` is what an event message must pass before a fold sees it, online (the replayer) and
+offline (``leafe replay``) alike, so both decide the same: at most ``Admission.max_event_bytes`` on the
+wire, a ``Leafe-Codec`` header (``require_codec_header``; off only to read logs written before it), a
+decodable body, a subject ``leafe.<run>.events.<kind>`` whose run and kind are the event's, and the event
+id ``<episode_id>.<seq:06d>`` (``EpisodeStarted`` at seq 0).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import msgspec
 
-from protocol.events import EpisodeEvent, WeightsPublished
+from protocol.events import EpisodeEvent, EpisodeStarted, WeightsPublished, event_id_for
 from protocol.samples import Sample
+from protocol.subjects import EVENTS, event_subject_parts
 from protocol.tasks import TaskAssignment
 
 __all__ = [
     "CODEC_HEADER",
     "CODEC_VERSION",
     "MSG_ID_HEADER",
+    "Admission",
     "ProtocolError",
+    "admit_event",
     "decode_event",
     "decode_sample",
     "decode_task",
     "decode_weights",
     "encode",
     "headers_for",
+    "message_bytes",
     "message_id",
 ]
 
@@ -73,6 +84,15 @@ def headers_for(msg: Any) -> dict[str, str]:
     return {MSG_ID_HEADER: message_id(msg), CODEC_HEADER: CODEC_VERSION}
 
 
+def message_bytes(data: bytes, headers: Mapping[str, str] | None) -> int:
+    """Bytes the server counts against ``max_payload``: the header block (``NATS/1.0`` line, one
+    ``key: value`` line per header, blank line) plus the body."""
+    if not headers:
+        return len(data)
+    block = 12 + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())
+    return block + len(data)
+
+
 def _decode(decoder: msgspec.msgpack.Decoder[Any], data: Any, what: str, codec_version: str | None) -> Any:
     if codec_version is not None and codec_version not in _KNOWN_VERSIONS:
         raise ProtocolError(
@@ -93,6 +113,51 @@ def _decode(decoder: msgspec.msgpack.Decoder[Any], data: Any, what: str, codec_v
 def decode_event(data: bytes, codec_version: str | None = None) -> EpisodeEvent:
     """Decode an episode event; raises :class:`ProtocolError`."""
     return _decode(_event_decoder, data, "episode event", codec_version)  # type: ignore[no-any-return]
+
+
+class Admission(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What :func:`admit_event` requires of an event message."""
+
+    max_event_bytes: int = EVENTS.max_msg_bytes
+    """Largest event message (header block + body, bytes); the ``Publisher`` refuses larger ones too."""
+    require_codec_header: bool = True
+    """Refuse messages without ``Leafe-Codec``; ``False`` only to read logs written before the header."""
+
+
+def _short(value: str) -> str:
+    return repr(value if len(value) <= 80 else value[:77] + "...")
+
+
+def admit_event(
+    subject: str, headers: Mapping[str, str] | None, data: bytes, admission: Admission = Admission()
+) -> EpisodeEvent:
+    """The event of a message on ``subject`` if it passes every check (module docstring), else
+    :class:`ProtocolError` with the reason."""
+    what = "episode event"
+    size = message_bytes(data, headers)
+    if size > admission.max_event_bytes:
+        limit = admission.max_event_bytes
+        raise ProtocolError(what, f"event of {size:,} bytes is over the limit of {limit:,} bytes")
+    version = (headers or {}).get(CODEC_HEADER)
+    if version is None and admission.require_codec_header:
+        raise ProtocolError(what, f"no {CODEC_HEADER} header (require_codec_header is on)")
+    event = decode_event(data, version)
+    try:
+        run, kind = event_subject_parts(subject)
+    except ValueError as e:
+        raise ProtocolError(what, str(e)) from None
+    tag = type(event).__struct_config__.tag
+    if kind != tag:
+        raise ProtocolError(what, f"subject kind {_short(kind)} is not the event's kind {tag!r}")
+    if run != event.run_id:
+        raise ProtocolError(what, f"run_id {_short(event.run_id)} published on run {_short(run)}'s subject")
+    expected = event_id_for(event.episode_id, event.seq)
+    if event.event_id != expected or event.seq < 0 or (isinstance(event, EpisodeStarted) and event.seq != 0):
+        got = _short(event.event_id)
+        raise ProtocolError(
+            what, f"event id {got} is not <episode_id>.<seq> ({_short(expected)}; starts at 0)"
+        )
+    return event
 
 
 def decode_task(data: bytes, codec_version: str | None = None) -> TaskAssignment:

@@ -3,6 +3,13 @@
 Subjects: ``leafe.<run>.events.<kind>``, ``leafe.<run>.tasks``, ``leafe.<run>.samples.<kind>``,
 ``leafe.<run>.weights``, ``leafe.<run>.dead.<stream>``. ``services/bus/`` turns :data:`STREAMS` into
 JetStream streams; nothing here talks to NATS.
+
+Sizes are decided here, up front: every server runs with ``max_payload`` = :data:`MAX_PAYLOAD` (the
+embedded server, ``deploy/base/nats/nats.conf``), and each stream's :attr:`StreamSpec.max_msg_bytes`
+(headers included, as the server counts them) leaves :data:`DEAD_LETTER_HEADROOM` below it, so that any
+stored message can be dead-lettered with its reason without truncation. Events are far smaller: an event
+over ``EVENTS.max_msg_bytes`` (1 MiB, about a thousand times a real Step) is refused at publish and
+dead-lettered by the replayer.
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ import msgspec
 
 __all__ = [
     "DEAD_LETTERS",
+    "DEAD_LETTER_HEADROOM",
     "EVENTS",
+    "MAX_PAYLOAD",
     "SAMPLES",
     "STREAMS",
     "TASKS",
@@ -24,11 +33,13 @@ __all__ = [
     "actors_durable",
     "dead_letter_subject",
     "event_subject",
+    "event_subject_parts",
     "events_filter",
     "learner_durable",
     "replayer_durable",
     "sample_subject",
     "samples_filter",
+    "stream_for_subject",
     "task_subject",
     "validate_run_id",
     "weights_subject",
@@ -37,6 +48,10 @@ __all__ = [
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 DAY = 24 * 3600.0
+MAX_PAYLOAD = 8 * 1024 * 1024
+"""The servers' ``max_payload`` (bytes, headers included): a larger message closes the connection."""
+DEAD_LETTER_HEADROOM = 16 * 1024
+"""Bytes kept free under :data:`MAX_PAYLOAD` for the headers a dead letter adds (reason <= 512 chars)."""
 
 
 class InvalidRunId(ValueError):
@@ -84,6 +99,14 @@ def dead_letter_subject(run_id: str, stream: str) -> str:
     return f"leafe.{validate_run_id(run_id)}.dead.{_token(stream.lower(), 'stream')}"
 
 
+def event_subject_parts(subject: str) -> tuple[str, str]:
+    """``(run_id, kind)`` of an event subject ``leafe.<run>.events.<kind>``; ``ValueError`` otherwise."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[0] != "leafe" or parts[2] != "events":
+        raise ValueError(f"not an event subject: {subject[:200]!r}")
+    return parts[1], parts[3]
+
+
 def events_filter(run_id: str) -> str:
     """Subject filter of every event of a run: ``leafe.<run>.events.>``."""
     return f"leafe.{validate_run_id(run_id)}.events.>"
@@ -127,12 +150,33 @@ class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Dedupe window for ``Nats-Msg-Id``; long, but consumers stay idempotent anyway."""
     replicas: int = 1
     """Replication factor (3 on the clustered deployment)."""
+    max_msg_bytes: int = MAX_PAYLOAD - DEAD_LETTER_HEADROOM
+    """Largest message (header block + body, bytes) publishers may store; ``Publisher`` refuses more."""
 
 
-EVENTS = StreamSpec(name="LEAFE_EVENTS", subjects=["leafe.*.events.>"])
+EVENTS = StreamSpec(name="LEAFE_EVENTS", subjects=["leafe.*.events.>"], max_msg_bytes=1024 * 1024)
 TASKS = StreamSpec(name="LEAFE_TASKS", subjects=["leafe.*.tasks"], retention="workqueue")
 SAMPLES = StreamSpec(name="LEAFE_SAMPLES", subjects=["leafe.*.samples.>"])
 WEIGHTS = StreamSpec(name="LEAFE_WEIGHTS", subjects=["leafe.*.weights"])
-DEAD_LETTERS = StreamSpec(name="LEAFE_DEAD", subjects=["leafe.*.dead.>"])
+DEAD_LETTERS = StreamSpec(name="LEAFE_DEAD", subjects=["leafe.*.dead.>"], max_msg_bytes=MAX_PAYLOAD)
 STREAMS: tuple[StreamSpec, ...] = (EVENTS, TASKS, SAMPLES, WEIGHTS, DEAD_LETTERS)
 """Every stream the system uses."""
+
+
+def stream_for_subject(subject: str) -> StreamSpec | None:
+    """The stream whose subject filters capture ``subject`` (``None`` when none does)."""
+    tokens = subject.split(".")
+    for spec in STREAMS:
+        for pattern in spec.subjects:
+            if _matches(pattern.split("."), tokens):
+                return spec
+    return None
+
+
+def _matches(pattern: list[str], tokens: list[str]) -> bool:
+    for i, p in enumerate(pattern):
+        if p == ">":
+            return len(tokens) > i
+        if i >= len(tokens) or (p != "*" and p != tokens[i]):
+            return False
+    return len(tokens) == len(pattern)

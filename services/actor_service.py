@@ -57,7 +57,7 @@ from protocol.subjects import (
     weights_subject,
 )
 from protocol.tasks import TaskAssignment, episode_id_for
-from services.bus import Consumer, Delivery, Publisher, wait_for_streams
+from services.bus import Consumer, Delivery, MessageTooLargeError, Publisher, wait_for_streams
 from services.metrics import ActorMetrics, TimedEngine
 
 __all__ = ["ActorService", "ActorStats", "EpisodeRunner", "PublisherSink"]
@@ -170,8 +170,9 @@ class EpisodeRunner:
 
     async def _failed(self, delivery: Delivery[TaskAssignment], attempt: int, e: Exception) -> None:
         error = f"{type(e).__name__}: {e}"
-        # A sandbox without its isolation refuses on every attempt on this machine: not transient.
-        if attempt >= self.config.max_attempts or isinstance(e, SandboxUnavailable):
+        # Not transient: a sandbox without its isolation refuses on every attempt on this machine, and an
+        # event over the size limit would be too large again.
+        if attempt >= self.config.max_attempts or isinstance(e, SandboxUnavailable | MessageTooLargeError):
             self.stats.failed += 1
             log.error("actor.task.failed", attempt=attempt, error=error, exc_info=e)
             await delivery.term()

@@ -5,9 +5,11 @@
 
 ``--from`` is a NATS URL (then ``--run`` is required and ``LEAFE_EVENTS`` is read for that run) or a log
 file written by ``leafe log export`` (``--run`` then filters). Events are folded in log order by the
-same materializer the online replayer runs (``learner.materializers``); at the end of the log every
-still-open episode is closed as abandoned (no samples from branches without an Outcome). Undecodable
-records and events the fold rejects are counted and logged, never fatal. The dataset is written with
+same materializer the online replayer runs (``learner.materializers``), after the same admission checks
+(``protocol.codec.admit_event``: size, ``Leafe-Codec`` header, subject, event id), so it rebuilds what
+the replayer published; at the end of the log every still-open episode is closed as abandoned (no
+samples from branches without an Outcome). Records that fail admission and events the fold rejects are
+counted and logged, never fatal. The dataset is written with
 ``learner.dataset.write_dataset``: rebuilding the same log gives byte-identical shards. A damaged or
 truncated log file (``services.eventlog.fileformat.LogFileError``, checked to its trailer) or one that
 cannot be opened fails the command with one line on stderr and no dataset written (``--debug``: the
@@ -30,7 +32,7 @@ import msgspec
 import structlog
 
 from learner.materializers import Folder, FoldResult, make_materializer, write_folded
-from protocol.codec import CODEC_HEADER, ProtocolError, decode_event
+from protocol.codec import Admission, ProtocolError, admit_event
 from protocol.events import EpisodeEvent
 from protocol.subjects import EVENTS, events_filter
 from services.bus import NatsOptions, add_nats_arguments, connect, nats_options, read_stream
@@ -54,30 +56,44 @@ class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Materializer options (see ``learner.materializers``), e.g. ``rehearsal_fraction = 0.2``."""
     shard_size: int = 10_000
     """Samples per shard file."""
+    max_event_bytes: int = EVENTS.max_msg_bytes
+    """Records larger than this (headers included) are skipped, as the online replayer skips them."""
+    require_codec_header: bool = True
+    """Skip records without ``Leafe-Codec``; ``false`` to replay logs written before the header."""
+
+    @property
+    def admission(self) -> Admission:
+        """The admission checks these settings ask for."""
+        return Admission(max_event_bytes=self.max_event_bytes, require_codec_header=self.require_codec_header)
 
 
-def _decode(data: bytes, headers: dict[str, str] | None, where: str) -> EpisodeEvent | None:
+def _decode(
+    subject: str, data: bytes, headers: dict[str, str] | None, where: str, admission: Admission
+) -> EpisodeEvent | None:
     try:
-        return decode_event(data, (headers or {}).get(CODEC_HEADER))
+        return admit_event(subject, headers, data, admission)
     except ProtocolError as e:
         log.warning("replay.event.undecodable", where=where, reason=e.reason)
         return None
 
 
-def file_events(path: Path) -> Iterator[EpisodeEvent | None]:
-    """Events of a ``leafe log export`` file in log order (``None`` for an undecodable record).
+def file_events(path: Path, admission: Admission = Admission()) -> Iterator[EpisodeEvent | None]:
+    """Events of a ``leafe log export`` file in log order (``None`` for a record that fails admission).
 
     Raises ``LogFileError`` (after the records before it) when the file is damaged or truncated, so the
     iteration ending without an error is what proves the log was whole.
     """
     for i, (subject, headers, data) in enumerate(iter_log_file(path)):
-        yield _decode(data, headers, f"{path} record {i} ({subject})")
+        yield _decode(subject, data, headers, f"{path} record {i} ({subject})", admission)
 
 
-async def stream_events(js: Any, run_id: str) -> AsyncIterator[EpisodeEvent | None]:
-    """Events of ``run_id`` on ``LEAFE_EVENTS`` at call time, in stream order (``None`` if undecodable)."""
+async def stream_events(
+    js: Any, run_id: str, admission: Admission = Admission()
+) -> AsyncIterator[EpisodeEvent | None]:
+    """Events of ``run_id`` on ``LEAFE_EVENTS`` at call time, in stream order (``None`` if refused)."""
     async for msg in read_stream(js, stream=EVENTS.name, filter_subject=events_filter(run_id)):
-        yield _decode(msg.data, msg.headers, f"{msg.subject} seq {msg.metadata.sequence.stream}")
+        where = f"{msg.subject} seq {msg.metadata.sequence.stream}"
+        yield _decode(msg.subject, msg.data, msg.headers, where, admission)
 
 
 async def stream_event_count(js: Any, run_id: str) -> int:
@@ -116,10 +132,10 @@ class _Progress:
             self._bar.stop()
 
 
-def _fold_file(path: Path, folder: Folder, progress: bool) -> FoldResult:
+def _fold_file(path: Path, folder: Folder, progress: bool, admission: Admission) -> FoldResult:
     bar = _Progress(progress, None)
     try:
-        for event in file_events(path):
+        for event in file_events(path, admission):
             folder.feed(event)
             bar.update(folder)
     finally:
@@ -127,13 +143,15 @@ def _fold_file(path: Path, folder: Folder, progress: bool) -> FoldResult:
     return folder.finish()
 
 
-async def _fold_stream(nats: NatsOptions, run_id: str, folder: Folder, progress: bool) -> FoldResult:
+async def _fold_stream(
+    nats: NatsOptions, run_id: str, folder: Folder, progress: bool, admission: Admission
+) -> FoldResult:
     nc = await connect(nats, name="leafe-replay")
     try:
         js = nc.jetstream()
         bar = _Progress(progress, await stream_event_count(js, run_id))
         try:
-            async for event in stream_events(js, run_id):
+            async for event in stream_events(js, run_id, admission):
                 folder.feed(event)
                 bar.update(folder)
         finally:
@@ -193,10 +211,10 @@ def main(argv: list[str]) -> int:
     progress = not args.no_progress and sys.stderr.isatty()
     if url:
         nats = msgspec.structs.replace(nats, url=args.source)
-        result = asyncio.run(_fold_stream(nats, args.run, folder, progress))
+        result = asyncio.run(_fold_stream(nats, args.run, folder, progress, config.admission))
     else:
         try:
-            result = _fold_file(Path(args.source), folder, progress)
+            result = _fold_file(Path(args.source), folder, progress, config.admission)
         except (LogFileError, OSError) as e:
             if args.debug:
                 raise

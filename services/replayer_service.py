@@ -17,21 +17,34 @@ its durable's F and D (last seq delivered to the previous process), re-folds the
 ephemeral reader (``services.bus.read_range``; republishing its samples: same ids, dropped by
 JetStream's duplicate window, one day by default), then resumes the durable, which delivers seqs > D and
 redelivers the previous process's unacked messages (held anchors become this process's anchors; the rest
-are duplicates the fold ignores). During recovery, and for redelivered seqs <= D, an event of an unknown
-episode belonged to an episode released before the crash and is skipped. Ordering inside a batch: fold
--> publish samples -> flush (retry what was not acked) -> dead-letter rejects -> ack released anchors ->
-ack the rest; a crash between any two steps is repaired by the next start. Run exactly one replayer per
-(run, materializer): the durable consumer is its identity.
+are duplicates the fold ignores, or rejects it dead-letters again). Recovery skips what the fold rejects:
+the previous process dead-lettered it before acking it, or the durable redelivers it. Ordering inside a
+batch: fold -> publish samples -> flush (retry what was not acked) -> dead-letter rejects -> ack the rest
+-> dead-letter the anchors of failed episodes and ack the anchors of released ones; a crash between any
+two steps is repaired by the next start. Anchors go last, so an acked anchor means every event of its
+episode up to its release is acked: after a restart, a redelivered event of an episode the recovered fold
+does not know was never applied (it is dead-lettered, its reason marked "redelivered after a restart":
+its episode never started, or held nothing and started below the ack floor). Run exactly one replayer
+per (run, materializer): the durable consumer is its identity.
 
-Bad input: an event the fold rejects (``ReplayError``: unknown branch, Branch before its Reflection...)
-is copied to ``leafe.<run>.dead.leafe_events`` with the reason in ``Leafe-Error``, counted and acked;
-undecodable messages are dead-lettered by ``services.bus.Consumer``. Episodes without activity for
+Bad input (see the "Trust" section of ``docs/architecture.md``): every message passes
+``protocol.codec.admit_event`` first (size <= ``max_event_bytes``, a ``Leafe-Codec`` header, a
+decodable body, subject run and kind equal to the event's, event id ``<episode>.<seq>``), or
+``services.bus.Consumer`` dead-letters it. An event the fold rejects (``ReplayError``: unknown branch,
+Branch before its Reflection, a conflicting copy of an applied id, an episode past ``max_open_episodes``
+or ``max_open_per_actor``...) is dead-lettered with the reason; an exception while folding an episode
+(``EpisodeFailed``) dead-letters that event and the episode's anchor, and its later events follow. A
+sample over the samples limit (``max_sample_bytes``) is dead-lettered instead of stored
+(``services.sample_sink``). Dead letters are stored before their message is acked, under ids that make
+a redo after a crash a no-op (``services.bus.dead_letters``); recovery folds the same events through the
+same checks, so a restarted process rejects what the crashed one rejected. Episodes without activity for
 ``stale_timeout_s`` are closed as abandoned. SIGTERM/SIGINT: finish the batch in hand, then exit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -41,8 +54,8 @@ import msgspec
 import structlog
 from nats.js.errors import NotFoundError
 
-from learner.materializers import Materializer, ReplayError, make_materializer
-from protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, ProtocolError, decode_event, encode
+from learner.materializers import EpisodeFailed, Materializer, OpenLimits, ReplayError, make_materializer
+from protocol.codec import Admission, ProtocolError, admit_event, decode_event
 from protocol.events import EpisodeStarted
 from protocol.samples import Sample
 from protocol.subjects import (
@@ -52,20 +65,13 @@ from protocol.subjects import (
     dead_letter_subject,
     events_filter,
     replayer_durable,
-    sample_subject,
     validate_run_id,
 )
-from services.bus import (
-    ERROR_HEADER,
-    Consumer,
-    NatsOptions,
-    Publisher,
-    PublishError,
-    connect,
-    read_range,
-    wait_for_streams,
-)
+from services.bus import Consumer, NatsOptions, connect, read_range, wait_for_streams
+from services.bus.consumer import dead_letter_of
+from services.bus.dead_letters import ERROR_HEADER, publish_dead_letter
 from services.metrics import ReplayerMetrics
+from services.sample_sink import ReplayerError, SampleSink
 
 __all__ = ["Replayer", "ReplayerConfig", "ReplayerError", "ReplayerStats", "serve"]
 
@@ -91,6 +97,18 @@ class ReplayerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """JetStream AckWait: crash-detection time (held anchors get in-progress acks every third of it)."""
     max_ack_pending: int = 20_000
     """Unacked messages the durable may hold: one anchor per open episode plus a batch in flight."""
+    max_open_episodes: int = 16_384
+    """Episodes held at once (each holds its anchor); an EpisodeStarted past it is dead-lettered.
+    ``max_open_episodes + batch`` must fit in ``max_ack_pending``, so anchors never stall the consumer."""
+    max_open_per_actor: int = 1024
+    """Episodes one ``actor_id`` may hold at once (an actor runs tens); past it, dead-lettered."""
+    max_event_bytes: int = EVENTS.max_msg_bytes
+    """Largest event message (headers included); larger ones are dead-lettered, never folded."""
+    require_codec_header: bool = True
+    """Dead-letter events without ``Leafe-Codec``; ``false`` only for logs written before the header."""
+    max_sample_bytes: int | None = None
+    """Largest sample message stored; ``None``: the samples stream's and the server's limit. Larger
+    samples are dead-lettered (``leafe replay`` still writes them to datasets)."""
     stale_timeout_s: float = 3600.0
     """An episode with no event for this long is closed as abandoned (its actor crashed)."""
     stale_check_s: float = 30.0
@@ -102,9 +120,21 @@ class ReplayerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     publish_max_pending: int = 2048
     """Outstanding sample publishes before ``publish`` waits (backpressure)."""
 
-
-class ReplayerError(RuntimeError):
-    """The replayer cannot continue (samples could not be stored); a restart recovers."""
+    def __post_init__(self) -> None:
+        for name in (
+            "batch",
+            "max_ack_pending",
+            "max_open_episodes",
+            "max_open_per_actor",
+            "max_event_bytes",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} = {getattr(self, name)}: must be at least 1")
+        if self.max_open_episodes + self.batch > self.max_ack_pending:
+            raise ValueError(
+                f"max_open_episodes ({self.max_open_episodes}) + batch ({self.batch}) exceeds max_ack_pending "
+                f"({self.max_ack_pending}): held anchors could stall the consumer"
+            )
 
 
 @dataclass
@@ -117,6 +147,8 @@ class ReplayerStats:
     recovered_events: int = 0
     recovery_skipped: int = 0
     recovery_rejected: int = 0
+    samples_dead_lettered: int = 0
+    episodes_failed: int = 0
     anchors_held: int = 0
     stale_closed: int = 0
     batches: int = 0
@@ -141,10 +173,22 @@ class Replayer:
         self.filter_subject = events_filter(run_id)
         self.durable = replayer_durable(run_id, fold.name)
         self.dead_subject = dead_letter_subject(run_id, EVENTS.name)
-        self.publisher = Publisher(js, max_pending=config.publish_max_pending)
+        self.admission = Admission(
+            max_event_bytes=config.max_event_bytes, require_codec_header=config.require_codec_header
+        )
+        fold.limits = OpenLimits(max_open=config.max_open_episodes, max_per_actor=config.max_open_per_actor)
+        self.sink = SampleSink(
+            js,
+            self.run_id,
+            attempts=config.publish_attempts,
+            max_pending=config.publish_max_pending,
+            max_sample_bytes=config.max_sample_bytes,
+        )
         self.consumer: Any = None
         self.anchors: dict[str, Any] = {}
         self.unreleased: set[str] = set()
+        self.failed: dict[str, str] = {}
+        """Episodes whose fold raised in this batch -> why (their anchors are dead-lettered on release)."""
         self.recovery_until = 0
         self.stats = ReplayerStats()
         self.metrics = metrics or ReplayerMetrics()
@@ -163,6 +207,7 @@ class Replayer:
             durable=self.durable,
             filter_subject=self.filter_subject,
             decode=decode_event,
+            admit=functools.partial(admit_event, admission=self.admission),
             dead_letter_subject=self.dead_subject,
             batch=self.config.batch,
             ack_wait_s=self.config.ack_wait_s,
@@ -194,11 +239,9 @@ class Replayer:
             self.js, filter_subject=self.filter_subject, start_seq=start, end_seq=end
         ):
             try:
-                event = decode_event(msg.data, (msg.headers or {}).get(CODEC_HEADER))
+                event = admit_event(msg.subject, msg.headers, msg.data, self.admission)
             except ProtocolError:
-                continue  # dead-lettered by the previous process's consumer
-            if event.run_id != self.run_id:
-                continue  # dead-lettered by the previous process
+                continue  # dead-lettered by the previous process's consumer, or redelivered to ours
             try:
                 samples += self.fold.apply(event, now=now)
             except ReplayError:
@@ -237,17 +280,10 @@ class Replayer:
         rejected: list[tuple[Any, str]] = []
         for d in deliveries:
             event = d.value
-            if event.run_id != self.run_id:
-                rejected.append((d, f"run_id {event.run_id!r} published on run {self.run_id!r}'s subject"))
-                continue
             try:
                 samples += self.fold.apply(event, now=now)
             except ReplayError as e:
-                if d.stream_seq <= self.recovery_until and not self.fold.knows(event.episode_id):
-                    self.stats.recovery_skipped += 1
-                    to_ack.append(d)
-                else:
-                    rejected.append((d, e.reason))
+                rejected.append((d, self._why(d, e)))
                 continue
             if isinstance(event, EpisodeStarted):
                 if self.fold.is_open(event.episode_id):
@@ -263,58 +299,50 @@ class Replayer:
         for d, reason in rejected:
             await self._dead_letter(d, reason)
             to_ack.append(d)
-        await self._release()
         for d in to_ack:
             await d.ack()
+        await self._release()
         self.stats.anchors_held = len(self.anchors)
 
+    def _why(self, d: Any, error: ReplayError) -> str:
+        if isinstance(error, EpisodeFailed):
+            self.stats.episodes_failed += 1
+            self.failed[error.event.episode_id] = error.reason
+        if d.stream_seq <= self.recovery_until and not self.fold.knows(d.value.episode_id):
+            # The crashed process may have dead-lettered it already (then this is a no-op), or its episode
+            # may lie below the ack floor (an episode that held nothing): say so.
+            return f"{error.reason} (redelivered after a restart)"
+        return error.reason
+
     async def _publish(self, samples: list[Sample]) -> None:
-        pending = {s.sample_id: s for s in samples}
-        for attempt in range(1, self.config.publish_attempts + 1):
-            if not pending:
-                return
-            try:
-                for s in pending.values():
-                    await self.publisher.publish(sample_subject(self.run_id, s.kind), s)
-                await self.publisher.flush()
-                self.stats.samples_published += len(pending)
-                for s in pending.values():
-                    self.metrics.samples.labels(kind=s.kind).inc()
-                return
-            except PublishError as e:
-                log.warning("replayer.publish.retry", attempt=attempt, unacked=len(e.unacked), error=str(e))
-                try:
-                    await self.publisher.flush()  # settle what is in flight; all of `pending` is retried
-                except PublishError:
-                    pass  # already being retried as part of `pending`
-                await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
-        raise ReplayerError(
-            f"{len(pending)} samples not acknowledged after {self.config.publish_attempts} attempts"
-        )
+        for s in await self.sink.store(samples):
+            self.metrics.samples.labels(kind=s.kind).inc()
+        self.stats.samples_published = self.sink.published
+        self.stats.samples_dead_lettered = self.sink.dead_lettered
 
     async def _dead_letter(self, d: Any, reason: str) -> None:
-        clean = " ".join(reason.split()).encode("ascii", "backslashreplace").decode()[:512]
-        headers = {
-            ERROR_HEADER: clean,
-            "Leafe-Original-Subject": d.subject,
-            "Leafe-Original-Stream": EVENTS.name,
-            "Leafe-Original-Seq": str(d.stream_seq),
-            MSG_ID_HEADER: f"dead.{EVENTS.name}.{d.stream_seq}",
-            CODEC_HEADER: CODEC_VERSION,
-        }
-        await self.js.publish(self.dead_subject, encode(d.value), headers=headers)
+        letter = dead_letter_of(self.js, d.msg, reason, self.dead_subject)
+        await publish_dead_letter(self.js, letter)
         self.stats.dead_letters += 1
         self.metrics.dead_letter("wrong_run" if d.value.run_id != self.run_id else "rejected")
         log.warning(
-            "replayer.event.dead_letter", event_id=d.value.event_id, stream_seq=d.stream_seq, reason=clean
+            "replayer.event.dead_letter",
+            event_id=d.value.event_id[:80],
+            stream_seq=d.stream_seq,
+            reason=letter.headers[ERROR_HEADER],
         )
 
     async def _release(self) -> None:
         for eid in self.fold.drain_released():
             self.unreleased.discard(eid)
             anchor = self.anchors.pop(eid, None)
-            if anchor is not None:
-                await anchor.ack()
+            reason = self.failed.pop(eid, None)
+            if anchor is None:
+                continue
+            if reason is not None:
+                await self._dead_letter(anchor, reason)
+            await anchor.ack()
+        self.failed.clear()  # failures of episodes without a held anchor (dead-lettered event by event)
 
     async def _refresh_lag(self, now: float) -> None:
         """``leafe_replayer_consumer_lag`` from the durable's ``num_pending`` (a failed read only logs)."""

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from learner.materializers.base import CommonOptions, FoldStats, Materializer, sample_id_for
+from learner.materializers.base import Materializer
+from learner.materializers.common import CommonOptions, FoldStats, sample_id_for
 from learner.materializers.early import IwmMaterializer, IwmOptions, SrMaterializer, SrOptions
 from learner.materializers.folding import Folder, FoldResult, fold_events, write_folded
 from learner.materializers.grpo import GrpoMaterializer, GrpoOptions
 from learner.materializers.leafe import LeafeMaterializer, LeafeOptions
+from learner.materializers.lifecycle import OpenLimits
 from learner.materializers.rft import RftMaterializer, RftOptions
 from learner.materializers.sft import SftMaterializer, SftOptions
-from learner.materializers.tree import EpisodeTree, ReplayError
+from learner.materializers.tree import EpisodeFailed, EpisodeTree, ReplayError
 from protocol.config import ConfigError, convert_config
 from protocol.prompt import ChatTokenizer
 
@@ -32,6 +34,7 @@ __all__ = [
     "MATERIALIZERS",
     "SAMPLE_KINDS",
     "CommonOptions",
+    "EpisodeFailed",
     "EpisodeTree",
     "FoldResult",
     "FoldStats",
@@ -44,6 +47,7 @@ __all__ = [
     "LeafeOptions",
     "Materializer",
     "MaterializerConfigError",
+    "OpenLimits",
     "ReplayError",
     "RftMaterializer",
     "RftOptions",

@@ -13,39 +13,48 @@ if Step.experience_in_context, history_window)`` tokenized by the same :class:`C
 digest is ``Step.prompt_sha256``. Every target is checked against it (``verify_prompts``): a mismatch is
 logged with context and counted in :class:`FoldStats`, never fatal.
 
-Lifecycle: an episode's state is dropped at ``EpisodeFinished``; an abandoned one (no ``EpisodeFinished``)
-is closed by :meth:`Materializer.close_stale` (online, by idle time) or :meth:`Materializer.close_all`
-(end of an offline log), and closing never produces samples from a branch without ``Outcome``. Closed
-episode ids are remembered (bounded) with their ``EpisodeFinished`` seq: late duplicates (seq at or below
-it, or anything of an abandoned episode) are ignored, a new event past the end marker is rejected like any
-other malformed event. :meth:`Materializer.drain_released`
-lists the episodes whose events will never be needed again (the replayer acks their anchors then).
+Lifecycle (``learner.materializers.lifecycle``): an episode whose mode, split or prompt format gives no
+samples is never opened (its events are dropped, counted). Others are held from ``EpisodeStarted`` until
+released: at ``EpisodeFinished``, or when closed as abandoned by :meth:`Materializer.close_stale` (online,
+by idle time) or :meth:`Materializer.close_all` (end of an offline log); closing never produces samples
+from a branch without ``Outcome``. :meth:`Materializer.drain_released` lists the episodes whose events
+will never be needed again (the replayer acks their anchors then). ``limits`` (:class:`OpenLimits`) caps
+held episodes per run and per actor: an ``EpisodeStarted`` past a cap is refused.
 
-Sample ids hash the materializer tag, the kind and the sorted source event ids, so the sample *set* does
-not depend on how episodes interleave, and replaying a log twice gives the same samples.
+Bad input never escapes as anything but :class:`ReplayError`: a malformed event is rejected with the tree
+unchanged; any other exception while folding an event (a bug that input reached) drops the event's whole
+episode and raises :class:`EpisodeFailed` with the cause, and the episode's later events are rejected
+with that reason. Both are deterministic, so a replay of the same log decides the same way.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
-from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgspec
 import structlog
 
-from learner.materializers.tree import BranchNode, EpisodeTree, ReplayError, history_entry
-from protocol.events import EpisodeEvent, EpisodeFinished, EpisodeStarted, Outcome, Step
-from protocol.prompt import PROMPT_FORMAT, ChatTokenizer, HistoryEntry, render_messages
-from protocol.samples import ChatMessage, Sample, SampleKind
+from learner.materializers.common import (
+    CommonOptions,
+    FoldStats,
+    PromptCache,
+    fast_prompt_sha256,
+    sample_id_for,
+    selected_fraction,
+)
+from learner.materializers.lifecycle import Closed, Ledger, OpenLimits
+from learner.materializers.samples import SampleBuilder, path_entries
+from learner.materializers.tree import BranchNode, EpisodeFailed, EpisodeTree, ReplayError
+from protocol.events import EpisodeEvent, EpisodeFinished, EpisodeStarted, Outcome
+from protocol.prompt import PROMPT_FORMAT, ChatTokenizer
+from protocol.samples import Sample
 
 __all__ = [
     "CommonOptions",
+    "EpisodeFailed",
     "FoldStats",
     "Materializer",
+    "OpenLimits",
     "PromptCache",
     "ReplayError",
     "fast_prompt_sha256",
@@ -57,104 +66,7 @@ __all__ = [
 log = structlog.get_logger("learner.materializers")
 
 
-class CommonOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Options every materializer accepts."""
-
-    modes: list[str] = msgspec.field(default_factory=lambda: ["explore"])
-    """Episode modes that produce samples (``eval`` episodes should never be trained on)."""
-    splits: list[str] = msgspec.field(default_factory=lambda: ["train"])
-    """Task splits that produce samples."""
-    skip_unparsed_targets: bool = True
-    """Never train on a completion whose action could not be parsed (``Step.parse_ok`` False)."""
-    verify_prompts: bool = True
-    """Rebuild the exact prompt each target step was sent and compare it with ``Step.prompt_sha256``."""
-    closed_memory: int = 100_000
-    """How many closed episode ids are remembered so that late duplicates are ignored, not rejected."""
-    prompt_cache: int = 4096
-    """Entries of the tokenized-prompt LRU cache (cf, rehearsal and verification share prompts)."""
-
-
-@dataclass
-class FoldStats:
-    """Counters of one fold; the replayer exports them and the dataset manifest records them."""
-
-    events: int = 0
-    duplicates: int = 0
-    after_close: int = 0
-    rejected: int = 0
-    episodes_started: int = 0
-    episodes_finished: int = 0
-    episodes_abandoned: int = 0
-    samples: dict[str, int] = field(default_factory=dict)
-    prompts_verified: int = 0
-    prompt_mismatches: int = 0
-    prompts_unverifiable: int = 0
-    skipped_unparsed: int = 0
-    skipped_empty: int = 0
-    skipped_no_target: int = 0
-    groups_emitted: int = 0
-    groups_zero_variance: int = 0
-    groups_dropped: int = 0
-    late_attempts: int = 0
-    group_outsiders: int = 0
-    unsupported_prompt_format: int = 0
-
-    def as_dict(self) -> dict[str, object]:
-        """Plain dict (sorted sample counts) for logs and manifests."""
-        out: dict[str, object] = dict(self.__dict__)
-        out["samples"] = dict(sorted(self.samples.items()))
-        return out
-
-
-def fast_prompt_sha256(token_ids: Sequence[int]) -> str:
-    """:func:`protocol.prompt.prompt_sha256` (4-byte little-endian per id), packed in one call."""
-    return hashlib.sha256(struct.pack(f"<{len(token_ids)}I", *token_ids)).hexdigest()
-
-
-def sample_id_for(materializer: str, kind: str, source_event_ids: Sequence[str]) -> str:
-    """sha256 over the materializer tag, the sample kind and the sorted source event ids."""
-    h = hashlib.sha256(f"{materializer}\n{kind}\n".encode())
-    h.update("\n".join(sorted(source_event_ids)).encode())
-    return h.hexdigest()
-
-
-def selected_fraction(seed: int, key: str, fraction: float) -> bool:
-    """Seeded, order-independent Bernoulli(fraction) decision for ``key``."""
-    if fraction >= 1.0:
-        return True
-    if fraction <= 0.0:
-        return False
-    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") < fraction * 2.0**64
-
-
-class PromptCache:
-    """Tokenizes chat prompts through a :class:`ChatTokenizer`, with a small LRU cache."""
-
-    def __init__(self, tokenizer: ChatTokenizer, size: int = 4096) -> None:
-        self.tokenizer = tokenizer
-        self.size = size
-        self._cache: OrderedDict[tuple[str, ...], list[int]] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
-
-    def encode(self, messages: Sequence[ChatMessage], response_prefix: str = "") -> list[int]:
-        """Token ids of ``messages`` (generation prompt and the prefilled answer start included)."""
-        key = (response_prefix, *(part for m in messages for part in (m.role, m.content)))
-        ids = self._cache.get(key)
-        if ids is not None:
-            self.hits += 1
-            self._cache.move_to_end(key)
-            return ids
-        self.misses += 1
-        ids = self.tokenizer.encode_chat(messages, response_prefix)
-        self._cache[key] = ids
-        if len(self._cache) > self.size:
-            self._cache.popitem(last=False)
-        return ids
-
-
-class Materializer:
+class Materializer(SampleBuilder):
     """Base fold: validates events into episode trees and calls the subclass hooks.
 
     ``apply(event, now=...)`` returns the samples completed by ``event`` (raises :class:`ReplayError` for
@@ -170,14 +82,21 @@ class Materializer:
         self.prompts = PromptCache(tokenizer, self.options.prompt_cache)
         self.stats = FoldStats()
         self._episodes: dict[str, EpisodeTree] = {}
-        self._closed: OrderedDict[str, int | None] = OrderedDict()
-        """Recently closed episodes -> the seq of their EpisodeFinished (None when abandoned)."""
-        self._released: list[str] = []
+        self._ledger = Ledger(self.options.closed_memory)
 
     @property
     def tag(self) -> str:
         """Name and version stamped on samples, e.g. ``leafe/1``."""
         return f"{self.name}/{self.version}"
+
+    @property
+    def limits(self) -> OpenLimits:
+        """Caps on held episodes (none by default; the replayer sets them from its config)."""
+        return self._ledger.limits
+
+    @limits.setter
+    def limits(self, value: OpenLimits) -> None:
+        self._ledger.limits = value
 
     def describe(self) -> dict[str, Any]:
         """Name, version and resolved options (for manifests and logs)."""
@@ -188,38 +107,33 @@ class Materializer:
         """Episodes with state in memory."""
         return len(self._episodes)
 
+    @property
+    def held_episodes(self) -> int:
+        """Episodes started and not yet released (open, or closed but still needed, as GRPO members)."""
+        return len(self._ledger.held)
+
     def is_open(self, episode_id: str) -> bool:
         """The episode has state in memory."""
         return episode_id in self._episodes
 
     def knows(self, episode_id: str) -> bool:
-        """The episode is open or was closed recently (its events are applied or ignored, not rejected)."""
-        return episode_id in self._episodes or episode_id in self._closed
+        """The episode is open or remembered as ended (finished, abandoned, ignored, refused or failed)."""
+        return episode_id in self._episodes or episode_id in self._ledger.closed
 
     def apply(self, event: EpisodeEvent, *, now: float = 0.0) -> list[Sample]:
-        """Fold one event; returns the samples it completed."""
+        """Fold one event; returns the samples it completed (see the module docstring for errors)."""
         self.stats.events += 1
-        tree = self._episodes.get(event.episode_id)
-        if tree is None:
-            return self._apply_unknown(event, now)
-        if event.event_id in tree.seen:
-            self.stats.duplicates += 1
-            return []
         try:
-            tree.add(event)
+            tree = self._episodes.get(event.episode_id)
+            if tree is None:
+                return self._apply_unknown(event, now)
+            return self._apply_open(tree, event, now)
         except ReplayError:
             self.stats.rejected += 1
             raise
-        if now > tree.last_active:
-            tree.last_active = now
-        if isinstance(event, Outcome):
-            node = tree.branches[event.branch_id]
-            return self._on_outcome(tree, node) if self.eligible(tree) else []
-        if isinstance(event, EpisodeFinished):
-            self.stats.episodes_finished += 1
-            samples = self._on_finished(tree) if self.eligible(tree) else []
-            return samples + self._close(tree, abandoned=False)
-        return []
+        except Exception as e:  # contained to its episode, reported with the cause
+            self.stats.rejected += 1
+            raise self._fail(event, e) from e
 
     def close_stale(self, now: float, timeout: float) -> list[Sample]:
         """Close episodes idle for more than ``timeout`` (abandoned by a crashed actor)."""
@@ -238,12 +152,13 @@ class Materializer:
 
     def drain_released(self) -> list[str]:
         """Episodes closed since the last call whose events are no longer needed by any future sample."""
-        out, self._released = self._released, []
-        return out
+        return self._ledger.drain()
 
     def eligible(self, tree: EpisodeTree) -> bool:
         """The episode's mode and split produce samples, and its prompts can be rebuilt here."""
-        s = tree.started
+        return self._eligible_start(tree.started)
+
+    def _eligible_start(self, s: EpisodeStarted) -> bool:
         return (
             s.mode in self.options.modes
             and s.split in self.options.splits
@@ -261,7 +176,7 @@ class Materializer:
         return []
 
     def _on_closed(self, tree: EpisodeTree, abandoned: bool) -> list[Sample]:
-        self._released.append(tree.started.episode_id)
+        self._release(tree.started.episode_id)
         return []
 
     def _close_stale_extra(self, now: float, timeout: float) -> list[Sample]:
@@ -270,146 +185,106 @@ class Materializer:
     def _close_all_extra(self) -> list[Sample]:
         return []
 
+    def _release(self, episode_id: str) -> None:
+        """The episode's events will never be needed again (its anchor may be acked)."""
+        self._ledger.release(episode_id)
+
     # -- lifecycle -----------------------------------------------------------------------------------
+    def _apply_open(self, tree: EpisodeTree, event: EpisodeEvent, now: float) -> list[Sample]:
+        try:
+            if tree.is_duplicate(event):
+                self.stats.duplicates += 1
+                return []
+        except ReplayError:
+            self.stats.conflicts += 1
+            raise
+        tree.add(event)
+        if now > tree.last_active:
+            tree.last_active = now
+        if isinstance(event, Outcome):
+            return self._on_outcome(tree, tree.branches[event.branch_id])
+        if isinstance(event, EpisodeFinished):
+            self.stats.episodes_finished += 1
+            samples = self._on_finished(tree)
+            return samples + self._close(tree, Closed("finished", event.seq))
+        return []
+
     def _apply_unknown(self, event: EpisodeEvent, now: float) -> list[Sample]:
-        if event.episode_id in self._closed:
-            last = self._closed[event.episode_id]
-            if last is not None and event.seq > last:
-                self.stats.rejected += 1
-                raise ReplayError(event, f"event after the episode's EpisodeFinished (seq {last})")
-            self.stats.after_close += 1  # a redelivery, or a straggler of an abandoned episode
-            return []
+        closed = self._ledger.closed.get(event.episode_id)
+        if closed is not None:
+            return self._apply_closed(event, closed)
         if not isinstance(event, EpisodeStarted):
-            self.stats.rejected += 1
             raise ReplayError(event, "unknown episode: no EpisodeStarted was applied before it")
-        tree = EpisodeTree.start(event, now)
+        if not self._eligible_start(event):
+            return self._ignore(event)
+        refusal = self._ledger.refusal(event)
+        if refusal is not None:
+            self.stats.episodes_refused += 1
+            self._ledger.remember(event.episode_id, Closed("refused", reason=refusal))
+            raise ReplayError(event, refusal)
+        opts = self.options
+        tree = EpisodeTree.start(
+            event, now, max_branches=opts.max_branches, max_events=opts.max_episode_events
+        )
         self._episodes[event.episode_id] = tree
+        self._ledger.hold(event)
         self.stats.episodes_started += 1
+        return self._on_started(tree)
+
+    def _apply_closed(self, event: EpisodeEvent, closed: Closed) -> list[Sample]:
+        match closed.ending:
+            case "ignored":
+                self.stats.ignored_events += 1
+                return []
+            case "refused" | "failed":
+                raise ReplayError(event, f"its episode was {closed.ending}: {closed.reason}")
+            case "finished" if closed.last_seq is not None and event.seq > closed.last_seq:
+                raise ReplayError(event, f"event after the episode's EpisodeFinished (seq {closed.last_seq})")
+        self.stats.after_close += 1  # a redelivery, or a straggler of an abandoned episode
+        return []
+
+    def _ignore(self, event: EpisodeStarted) -> list[Sample]:
+        self.stats.episodes_ignored += 1
         if event.prompt_format != PROMPT_FORMAT:
             self.stats.unsupported_prompt_format += 1
             log.warning(
-                "replay.episode.prompt_format", episode_id=event.episode_id, format=event.prompt_format
+                "replay.episode.prompt_format", episode_id=event.episode_id, format=event.prompt_format[:80]
             )
-        return self._on_started(tree)
+        self._ledger.remember(event.episode_id, Closed("ignored"))
+        return []
+
+    def _fail(self, event: EpisodeEvent, error: Exception) -> EpisodeFailed:
+        """Drop ``event``'s episode after an unexpected exception; the error to raise."""
+        reason = f"folding its episode raised {type(error).__name__}: {error}"[:400]
+        self.stats.episodes_failed += 1
+        tree = self._episodes.pop(event.episode_id, None)
+        self._ledger.remember(event.episode_id, Closed("failed", reason=reason))
+        log.error(
+            "replay.episode.failed",
+            episode_id=event.episode_id[:80],
+            event_id=event.event_id[:80],
+            reason=reason,
+        )
+        if tree is not None:
+            try:
+                self._on_closed(tree, True)
+            except Exception as e:  # the episode is gone either way: say so
+                log.error(
+                    "replay.episode.close_failed", episode_id=event.episode_id[:80], error=repr(e)[:300]
+                )
+        self._release(event.episode_id)
+        return EpisodeFailed(event, reason)
 
     def _abandon(self, tree: EpisodeTree) -> list[Sample]:
         self.stats.episodes_abandoned += 1
         open_branches = sorted(b for b, node in tree.branches.items() if node.outcome is None)
-        log.info("replay.episode.abandoned", episode_id=tree.started.episode_id, open_branches=open_branches)
-        return self._close(tree, abandoned=True)
+        log.info(
+            "replay.episode.abandoned", episode_id=tree.started.episode_id, open_branches=open_branches[:20]
+        )
+        return self._close(tree, Closed("abandoned"))
 
-    def _close(self, tree: EpisodeTree, *, abandoned: bool) -> list[Sample]:
+    def _close(self, tree: EpisodeTree, closed: Closed) -> list[Sample]:
         eid = tree.started.episode_id
         del self._episodes[eid]
-        self._closed[eid] = tree.finished.seq if tree.finished is not None and not abandoned else None
-        while len(self._closed) > self.options.closed_memory:
-            self._closed.popitem(last=False)
-        return self._on_closed(tree, abandoned)
-
-    # -- building samples ----------------------------------------------------------------------------
-    def render(
-        self, tree: EpisodeTree, history: Sequence[HistoryEntry], observation: str, experience: str | None
-    ) -> list[ChatMessage]:
-        """The prompt messages for a step with ``history`` before it."""
-        s = tree.started
-        return render_messages(
-            instructions=s.instructions,
-            task=s.task,
-            history=history,
-            observation=observation,
-            experience=experience,
-            history_window=s.history_window,
-        )
-
-    @staticmethod
-    def sent_experience(tree: EpisodeTree, step: Step) -> str | None:
-        """The experience that was in the prompt of ``step`` (``None`` when it had none)."""
-        return tree.branches[step.branch_id].experience if step.experience_in_context else None
-
-    def build_sample(
-        self,
-        tree: EpisodeTree,
-        *,
-        kind: SampleKind,
-        path: Sequence[Step],
-        t: int,
-        entries: Sequence[HistoryEntry],
-        source_event_ids: Sequence[str],
-        weight: float = 1.0,
-        keep_experience: bool = False,
-        **extra: Any,
-    ) -> Sample | None:
-        """Sample whose target is ``path[t]`` and whose input is ``q + h_t``, or ``None`` when skipped.
-
-        The training prompt carries no experience unless ``keep_experience`` (GRPO trains on the exact
-        behaviour prompt). ``entries[i]`` is the history entry of ``path[i]`` (at least ``t`` of them).
-        Deduplicated within the episode by sample id; tokenizes only what is emitted.
-        """
-        target = path[t]
-        if self.options.skip_unparsed_targets and not target.parse_ok:
-            self.stats.skipped_unparsed += 1
-            return None
-        if not target.token_ids:
-            self.stats.skipped_empty += 1
-            return None
-        sid = sample_id_for(self.tag, kind, source_event_ids)
-        if sid in tree.emitted:
-            return None
-        sent_e = self.sent_experience(tree, target)
-        train_e = sent_e if keep_experience else None
-        observation = tree.observation(path, t)
-        messages = self.render(tree, entries[:t], observation, train_e)
-        prefix = tree.started.response_prefix
-        prompt_ids = self.prompts.encode(messages, prefix)
-        if self.options.verify_prompts and target.event_id not in tree.verified:
-            sent_ids = (
-                prompt_ids
-                if sent_e == train_e
-                else self.prompts.encode(self.render(tree, entries[:t], observation, sent_e), prefix)
-            )
-            self._verify(tree, target, sent_ids)
-        tree.emitted.add(sid)
-        self.stats.samples[kind] = self.stats.samples.get(kind, 0) + 1
-        s = tree.started
-        return Sample(
-            sample_id=sid,
-            run_id=s.run_id,
-            kind=kind,
-            materializer=self.tag,
-            env=s.env,
-            task_id=s.task_id,
-            episode_id=s.episode_id,
-            messages=[*messages, ChatMessage(role="assistant", content=prefix + target.raw_text)],
-            target_turn=len(messages),
-            prompt_ids=prompt_ids,
-            completion_ids=target.token_ids,
-            policy_version=target.policy_version,
-            weight=weight,
-            source_event_ids=sorted(source_event_ids),
-            **extra,
-        )
-
-    def _verify(self, tree: EpisodeTree, step: Step, sent_ids: Sequence[int]) -> None:
-        tree.verified.add(step.event_id)
-        if not step.prompt_sha256:
-            self.stats.prompts_unverifiable += 1
-            return
-        if fast_prompt_sha256(sent_ids) == step.prompt_sha256:
-            self.stats.prompts_verified += 1
-            return
-        self.stats.prompt_mismatches += 1
-        log.warning(
-            "replay.prompt.mismatch",
-            episode_id=step.episode_id,
-            event_id=step.event_id,
-            branch_id=step.branch_id,
-            t=step.t,
-            experience_in_context=step.experience_in_context,
-            sent_tokens=step.prompt_tokens,
-            rebuilt_tokens=len(sent_ids),
-        )
-
-
-def path_entries(path: Sequence[Step]) -> list[HistoryEntry]:
-    """History entries of every step of ``path``."""
-    return [history_entry(s) for s in path]
+        self._ledger.remember(eid, closed)
+        return self._on_closed(tree, closed.ending == "abandoned")

@@ -138,7 +138,7 @@ class GrpoMaterializer(Materializer):
         key = self._group_key(tree)
         group = self._groups.get(key) if key is not None else None
         if group is None or eid not in group.episodes:
-            self._released.append(eid)
+            self._release(eid)
         else:
             group.open.discard(eid)
             # An abandoned member's task is redelivered: give the retry a full timeout to finish.
@@ -205,7 +205,8 @@ class GrpoMaterializer(Materializer):
         self._emitted_groups[key] = group.size
         while len(self._emitted_groups) > self.options.closed_memory:
             self._emitted_groups.popitem(last=False)
-        self._released.extend(sorted(group.episodes - group.open))
+        for eid in sorted(group.episodes - group.open):
+            self._release(eid)
         # Members still open are released by their own close (they are no longer in a pending group).
         for eid in group.open:
             group.episodes.discard(eid)

@@ -13,21 +13,23 @@ Every service talks to NATS through this package::
     await consumer.start()
     await consumer.consume(handler)              # acks each message after handler(delivery) returned
 
-| module        | what                                                                    |
-|---------------|-------------------------------------------------------------------------|
-| `connection`  | `NatsOptions`, `connect`: the shared flags -> a reconnecting client     |
-| `streams`     | `ensure_streams`/`check_streams` (admin), `wait_for_streams` (services) |
-| `auth`        | per-role nkey users from deploy's permissions.json, server TLS blocks   |
-| `publisher`   | `Publisher`: batched publishing, every ack awaited, `PublishError`      |
-| `consumer`    | `Consumer`/`Delivery`: durable pull consumers with dead letters         |
-| `pull`        | `Puller`: the pull protocol spoken directly (the fast path)             |
-| `reader`      | `read_stream`, `read_range`: read a subject range once, in order        |
-| `nats_server` | `EmbeddedNats`: a real nats-server child process (`leafe nats`)         |
+| module          | what                                                                    |
+|-----------------|-------------------------------------------------------------------------|
+| `connection`    | `NatsOptions`, `connect`: the shared flags -> a reconnecting client     |
+| `streams`       | `ensure_streams`/`check_streams` (admin), `wait_for_streams` (services) |
+| `auth`          | per-role nkey users from deploy's permissions.json, server TLS blocks   |
+| `publisher`     | `Publisher`: batched publishing, every ack awaited, `PublishError`      |
+| `consumer`      | `Consumer`/`Delivery`: durable pull consumers with dead letters         |
+| `dead_letters`  | dead letters: reason, origin, digest, truncation, idempotent ids        |
+| `pull`          | `Puller`: the pull protocol spoken directly (the fast path)             |
+| `reader`        | `read_stream`, `read_range`: read a subject range once, in order        |
+| `nats_server`   | `EmbeddedNats`: a real nats-server child process                        |
+| `nats_cluster`  | `NatsCluster`: a local cluster of them (`leafe nats --cluster N`)       |
 """
 
 from services.bus.connection import NatsOptions, add_nats_arguments, connect, nats_options, redact
 from services.bus.consumer import ERROR_HEADER, Consumer, Delivery
-from services.bus.publisher import Publisher, PublishError
+from services.bus.publisher import MessageTooLargeError, Publisher, PublishError
 from services.bus.pull import ConsumerError
 from services.bus.reader import read_range, read_stream
 from services.bus.streams import (
@@ -44,6 +46,7 @@ __all__ = [
     "Consumer",
     "ConsumerError",
     "Delivery",
+    "MessageTooLargeError",
     "NatsOptions",
     "PublishError",
     "Publisher",

@@ -1,9 +1,12 @@
 """Durable pull consumers for the LEAFE streams (re-exported by ``services.bus``; import from there).
 
 A :class:`Consumer` binds a durable, explicitly acked pull consumer and turns messages into typed
-:class:`Delivery` objects. Undecodable messages never reach the caller: they are copied to a
-dead-letter subject with the reason in a ``Leafe-Error`` header (and the original subject, stream and
-sequence in ``Leafe-Original-*`` headers), then acked and counted in ``dead_letters``.
+:class:`Delivery` objects, through ``decode(data, codec_header)`` or, when given, ``admit(subject,
+headers, data)`` (the replayer's ``protocol.codec.admit_event``: size, headers, subject). Messages that
+fail never reach the caller: they are dead-lettered (``services.bus.dead_letters``: the reason in
+``Leafe-Error``, the original's subject, stream, seq, size and sha256, the body truncated only if it would
+not fit), then acked and counted in ``dead_letters``; a dead letter is stored before its message is
+acked, and storing it again after a crash is a no-op.
 
 Pulling goes through :class:`services.bus.pull.Puller` (batched requests, no per-message task). Acks
 are plain publishes on the message's reply subject: they go into the connection's write buffer and
@@ -14,7 +17,7 @@ one only after the handler returned.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Generic, TypeVar
 
 import structlog
@@ -24,17 +27,23 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
 
 from protocol.codec import CODEC_HEADER, MSG_ID_HEADER, ProtocolError
+from services.bus.dead_letters import (
+    ERROR_HEADER,
+    ORIGINAL_SEQ_HEADER,
+    ORIGINAL_STREAM_HEADER,
+    ORIGINAL_SUBJECT_HEADER,
+    DeadLetter,
+    dead_letter_limit,
+    dead_letter_message,
+    publish_dead_letter,
+)
 from services.bus.pull import ConsumerError, Puller
 
-__all__ = ["ERROR_HEADER", "Consumer", "Delivery"]
+__all__ = ["ERROR_HEADER", "Consumer", "Delivery", "dead_letter_of"]
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
-
-ERROR_HEADER = "Leafe-Error"
-"""Header of a dead-lettered message: why it could not be decoded."""
-_ORIGIN_HEADERS = ("Leafe-Original-Subject", "Leafe-Original-Stream", "Leafe-Original-Seq")
-_REASON_CHARS = 512
+Admit = Callable[[str, Mapping[str, str] | None, bytes], T]
 
 
 class Delivery(Generic[T]):
@@ -63,6 +72,11 @@ class Delivery(Generic[T]):
     def msg_id(self) -> str | None:
         """The ``Nats-Msg-Id`` it was published with."""
         return (self._msg.headers or {}).get(MSG_ID_HEADER)
+
+    @property
+    def msg(self) -> Msg:
+        """The raw message (bytes and headers as stored; for dead letters)."""
+        return self._msg
 
     async def ack(self) -> None:
         """Acknowledge: JetStream will not deliver it to this consumer again."""
@@ -96,6 +110,7 @@ class Consumer(Generic[T]):
         filter_subject: str,
         decode: Callable[[bytes, str | None], T],
         dead_letter_subject: str,
+        admit: Admit[T] | None = None,
         batch: int = 256,
         ack_wait_s: float = 30.0,
         max_ack_pending: int = 4096,
@@ -111,6 +126,7 @@ class Consumer(Generic[T]):
         self.batch = batch
         self.ack_wait_s = ack_wait_s
         self._decode = decode
+        self._admit = admit
         self._dead_subject = dead_letter_subject
         self._config = ConsumerConfig(
             name=durable,
@@ -177,11 +193,14 @@ class Consumer(Generic[T]):
             raise ConsumerError(f"consumer {self.durable!r} is not started; call start() first")
         msgs = await self._puller.pull(min(self.batch, max_messages or self.batch), timeout)
         out: list[Delivery[T]] = []
-        decode = self._decode
+        decode, admit = self._decode, self._admit
         for i, msg in enumerate(msgs):
             headers = msg.headers
             try:
-                value = decode(msg.data, headers.get(CODEC_HEADER) if headers else None)
+                if admit is not None:
+                    value = admit(msg.subject, headers, msg.data)
+                else:
+                    value = decode(msg.data, headers.get(CODEC_HEADER) if headers else None)
             except ProtocolError as e:
                 try:
                     await self._dead_letter(msg, e.reason)
@@ -194,23 +213,14 @@ class Consumer(Generic[T]):
         return out
 
     async def _dead_letter(self, msg: Msg, reason: str) -> None:
-        meta = msg.metadata
-        clean = " ".join(reason.split()).encode("ascii", "backslashreplace").decode()[:_REASON_CHARS]
-        headers = {
-            ERROR_HEADER: clean or "undecodable",
-            _ORIGIN_HEADERS[0]: msg.subject,
-            _ORIGIN_HEADERS[1]: meta.stream,
-            _ORIGIN_HEADERS[2]: str(meta.sequence.stream),
-            MSG_ID_HEADER: f"dead.{meta.stream}.{meta.sequence.stream}",
-        }
-        if msg.headers and CODEC_HEADER in msg.headers:
-            headers[CODEC_HEADER] = msg.headers[CODEC_HEADER]
+        letter = dead_letter_of(self._js, msg, reason, self._dead_subject)
         try:
-            await self._js.publish(self._dead_subject, msg.data, headers=headers)
+            await publish_dead_letter(self._js, letter)
         except Exception as e:
+            seq = msg.metadata.sequence.stream
             raise ConsumerError(
-                f"cannot dead-letter {msg.subject} seq {meta.sequence.stream} to {self._dead_subject!r} "
-                f"({reason}): {type(e).__name__}: {e}"
+                f"cannot dead-letter {msg.subject} seq {seq} to {self._dead_subject!r} "
+                f"({reason[:200]}): {type(e).__name__}: {e}"
             ) from e
         await msg.ack()
         self.dead_letters += 1
@@ -218,9 +228,10 @@ class Consumer(Generic[T]):
             "bus.dead_letter",
             consumer=self.durable,
             subject=msg.subject,
-            stream_seq=meta.sequence.stream,
+            stream_seq=msg.metadata.sequence.stream,
             dead_letter_subject=self._dead_subject,
-            reason=clean,
+            reason=letter.headers[ERROR_HEADER],
+            truncated=len(letter.data) < len(msg.data),
         )
 
     async def consume(
@@ -294,3 +305,23 @@ class Consumer(Generic[T]):
             await asyncio.sleep(self.ack_wait_s / 3)
             for delivery in batch[cursor[0] :]:
                 await delivery.in_progress()
+
+
+def dead_letter_of(js: JetStreamContext, msg: Msg, reason: str, dead_subject: str) -> DeadLetter:
+    """The dead letter of stored message ``msg`` (keyed by its stream and seq; see ``dead_letters``)."""
+    meta = msg.metadata
+    origin = {
+        ORIGINAL_SUBJECT_HEADER: msg.subject,
+        ORIGINAL_STREAM_HEADER: meta.stream,
+        ORIGINAL_SEQ_HEADER: str(meta.sequence.stream),
+    }
+    return dead_letter_message(
+        dead_subject,
+        msg.data,
+        reason,
+        stream=meta.stream,
+        key=str(meta.sequence.stream),
+        origin=origin,
+        max_bytes=dead_letter_limit(js),
+        codec=(msg.headers or {}).get(CODEC_HEADER),
+    )

@@ -1,4 +1,4 @@
-"""Batched, acknowledged JetStream publishing with bounded outstanding acks.
+"""Batched, acknowledged JetStream publishing with bounded outstanding acks and size limits.
 
 Publishing is asynchronous (``publish_async``) with at most ``max_pending`` unacknowledged messages:
 ``publish`` returns once the message is queued and blocks while the window is full (backpressure).
@@ -8,6 +8,10 @@ listed in the :class:`PublishError` that ``flush`` raises; a message that could 
 ``Nats-Msg-Id`` once within the stream's duplicate window). That dedupe is per stream, not per run:
 ids must be unique across all runs sharing the server, or a later run's message is dropped as a
 "duplicate" (counted in ``Publisher.duplicates`` and logged as ``bus.publish.duplicates``).
+
+Sizes are checked before anything is sent: a message over its stream's ``StreamSpec.max_msg_bytes``
+(events: 1 MiB) or the server's ``max_payload`` (headers included, as the server counts them; a larger
+one would close the connection) raises :class:`MessageTooLargeError` naming it, its size and the limit.
 """
 
 from __future__ import annotations
@@ -21,11 +25,11 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
-from protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, encode, message_id
+from protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, encode, message_bytes, message_id
 from protocol.events import EpisodeEvent
-from protocol.subjects import event_subject
+from protocol.subjects import MAX_PAYLOAD, event_subject, stream_for_subject
 
-__all__ = ["PublishError", "Publisher"]
+__all__ = ["MessageTooLargeError", "PublishError", "Publisher"]
 
 log = structlog.get_logger(__name__)
 
@@ -41,6 +45,20 @@ class PublishError(RuntimeError):
         """Why, per message id."""
 
 
+class MessageTooLargeError(ValueError):
+    """A message over its size limit: refused before sending (republishing cannot help)."""
+
+    def __init__(self, subject: str, msg_id: str, size: int, limit: int) -> None:
+        super().__init__(
+            f"{msg_id} to {subject!r} is {size:,} bytes (headers included), over the limit of {limit:,} "
+            "bytes for its stream; nothing was sent"
+        )
+        self.subject = subject
+        self.msg_id = msg_id
+        self.size = size
+        self.limit = limit
+
+
 def _summary(reasons: dict[str, str]) -> str:
     first_id, first_reason = next(iter(reasons.items()))
     return f"{len(reasons)} message(s) not acknowledged by JetStream (first: {first_id}: {first_reason})"
@@ -54,7 +72,14 @@ class Publisher:
     Keep ``max_pending`` at most the JetStreamContext's ``publish_async_max_pending`` (4000 by default).
     """
 
-    def __init__(self, js: JetStreamContext, *, max_pending: int = 2048, ack_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        *,
+        max_pending: int = 2048,
+        ack_timeout_s: float = 30.0,
+        max_msg_bytes: int | None = None,
+    ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self._js = js
@@ -66,6 +91,8 @@ class Publisher:
         self._dups_since_flush = 0
         self._first_dup: str | None = None
         self._subjects: dict[tuple[str, type], str] = {}
+        self._max_msg_bytes = max_msg_bytes
+        self._limits: dict[str, int] = {}
         self.published = 0
         """Messages handed to the server so far."""
         self.acked = 0
@@ -92,11 +119,30 @@ class Publisher:
             subject = self._subjects[key] = event_subject(event.run_id, str(kind))
         await self.publish(subject, event)
 
+    def limit(self, subject: str) -> int:
+        """Largest message (header block + body) this publisher sends to ``subject``."""
+        limit = self._limits.get(subject)
+        if limit is None:
+            spec = stream_for_subject(subject)
+            server = int(getattr(self._js._nc, "max_payload", 0) or MAX_PAYLOAD)
+            limit = min(server, spec.max_msg_bytes if spec is not None else server)
+            if self._max_msg_bytes is not None:
+                limit = min(limit, self._max_msg_bytes)
+            if len(self._limits) < 4096:  # a few subjects per run; never an unbounded cache
+                self._limits[subject] = limit
+        return limit
+
     async def publish_raw(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
-        """Publish already-encoded bytes (log import); ``headers`` must carry ``Nats-Msg-Id``."""
+        """Publish already-encoded bytes (log import); ``headers`` must carry ``Nats-Msg-Id``.
+
+        Raises :class:`MessageTooLargeError` (nothing sent) when the message is over :meth:`limit`.
+        """
         msg_id = headers.get(MSG_ID_HEADER)
         if not msg_id:
             raise ValueError(f"publish to {subject!r} without a {MSG_ID_HEADER} header: {headers!r}")
+        size, limit = message_bytes(data, headers), self.limit(subject)
+        if size > limit:
+            raise MessageTooLargeError(subject, msg_id, size, limit)
         self._reap()
         if len(self._pending) >= self._max_pending:
             await self._make_room()

@@ -9,155 +9,39 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-from nats.js.errors import NotFoundError
 
-from actors.fake_episodes import ExploreSpec, build_explore_episode, build_rollout_group, interleave
+from actors.fake_episodes import ExploreSpec, build_explore_episode
 from learner.dataset import iter_samples
-from learner.materializers import fold_events, make_materializer
 from learner.model_io import HFChatTokenizer, tiny_model_dir
-from protocol.codec import decode_sample
-from protocol.events import EpisodeEvent, EpisodeFinished, EpisodeStarted, Step, event_id_for
-from protocol.samples import Sample
-from protocol.subjects import EVENTS, SAMPLES, dead_letter_subject
-from protocol.subjects import replayer_durable as durable_name
-from services.bus import ERROR_HEADER, Publisher, connect, ensure_streams, read_stream
-from services.replay import stream_events
-from services.replayer_service import Replayer, ReplayerConfig
+from protocol.events import EpisodeEvent, EpisodeStarted, Step, event_id_for
+from services.bus import ERROR_HEADER, connect, ensure_streams
+from tests.support.replaying import (
+    Running,
+    by_id,
+    consumer_settled,
+    dead_letters,
+    make_log,
+    offline_samples,
+    publish,
+    published_samples,
+    unfinished,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
-
-OPTIONS: dict[str, dict[str, Any]] = {"leafe": {"rehearsal_fraction": 0.5}, "grpo": {}}
 
 
 @pytest.fixture(scope="module")
 def tokenizer(cache_dir: Path) -> HFChatTokenizer:
     """The tiny model's tokenizer (SmolLM2's), shared by the log builder and the folds."""
     return HFChatTokenizer.from_dir(tiny_model_dir(cache_dir))
-
-
-def make_log(run_id: str, tok: HFChatTokenizer, *, episodes: int = 16, groups: int = 4) -> list[EpisodeEvent]:
-    streams = [
-        build_explore_episode(
-            ExploreSpec(seed=i, max_depth=2, budget=16, horizon=5, p_success=0.3, reflect_every=3 * (i % 2)),
-            run_id=run_id,
-            episode_id=f"{run_id}-ep{i}",  # event ids (Nats-Msg-Id) must be unique across runs
-            tokenizer=tok,
-        )
-        for i in range(episodes)
-    ]
-    rng = random.Random(1)
-    for g in range(groups):
-        streams += build_rollout_group(
-            rng, run_id=run_id, group_id=f"{run_id}-g{g}", n=4, tokenizer=tok, p_success=0.12, retry=g == 0
-        )
-    return interleave(streams, random.Random(2))
-
-
-async def publish(js: Any, events: list[EpisodeEvent]) -> None:
-    async with Publisher(js) as pub:
-        for e in events:
-            await pub.publish_event(e)
-
-
-async def published_samples(js: Any, run_id: str) -> list[Sample]:
-    return [
-        decode_sample(m.data)
-        async for m in read_stream(js, stream=SAMPLES.name, filter_subject=f"leafe.{run_id}.samples.>")
-    ]
-
-
-async def wait_for(
-    cond: Callable[[], Awaitable[bool]], limit_s: float = 60.0, what: str = "condition"
-) -> None:
-    deadline = time.monotonic() + limit_s
-    while not await cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.1)
-
-
-async def consumer_settled(js: Any, run_id: str, name: str, open_episodes: int = 0) -> bool:
-    """Every event delivered and acked, except the anchors of episodes that never finished."""
-    try:
-        info = await js.consumer_info(EVENTS.name, durable_name(run_id, name))
-    except NotFoundError:
-        return False  # the replayer has not created its durable yet
-    return info.num_pending == 0 and info.num_ack_pending == open_episodes
-
-
-def unfinished(events: list[EpisodeEvent]) -> int:
-    """Episodes in ``events`` without an EpisodeFinished (abandoned attempts)."""
-    return len(
-        {e.episode_id for e in events} - {e.episode_id for e in events if isinstance(e, EpisodeFinished)}
-    )
-
-
-async def offline_samples(js: Any, run_id: str, name: str, tok: HFChatTokenizer) -> dict[str, Sample]:
-    fold = make_materializer(name, tok, **OPTIONS[name])
-    result = fold_events([e async for e in stream_events(js, run_id)], fold)
-    return {s.sample_id: s for s in result.samples}
-
-
-def config(name: str, **kw: Any) -> ReplayerConfig:
-    base: dict[str, Any] = dict(
-        materializer=name,
-        model="tiny",
-        options=OPTIONS[name],
-        batch=16,
-        ack_wait_s=1.5,
-        fetch_timeout_s=0.2,
-        stale_check_s=0.5,
-    )
-    base.update(kw)
-    return ReplayerConfig(**base)
-
-
-class Running:
-    """A replayer on its own connection, run as a task that a test can cancel abruptly."""
-
-    def __init__(self, nats_url: str, run_id: str, name: str, tok: HFChatTokenizer, **kw: Any) -> None:
-        self.args = (nats_url, run_id, name, tok)
-        self.kw = kw
-        self.stop = asyncio.Event()
-
-    async def __aenter__(self) -> Running:
-        url, run_id, name, tok = self.args
-        self.nc = await connect(url)
-        fold = make_materializer(name, tok, **OPTIONS[name])
-        self.replayer = Replayer(
-            self.nc.jetstream(), run_id=run_id, fold=fold, config=config(name, **self.kw)
-        )
-        self.task = asyncio.create_task(self.replayer.run(self.stop))
-        return self
-
-    async def crash_after(self, events: int) -> None:
-        await wait_for(self._seen(events), what=f"{events} events folded")
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-
-    def _seen(self, n: int) -> Callable[[], Awaitable[bool]]:
-        async def cond() -> bool:
-            if self.task.done():
-                self.task.result()
-            return self.replayer.fold.stats.events >= n
-
-        return cond
-
-    async def __aexit__(self, *exc: object) -> None:
-        if not self.task.done():
-            self.stop.set()
-            await self.task
-        await self.nc.close()
 
 
 @pytest.mark.parametrize("name", ["leafe", "grpo"])
@@ -181,14 +65,12 @@ async def test_replayer_killed_and_restarted_matches_offline_rebuild(
             await r2.crash_after(third // 3)
         await publish(js, events[2 * third :])
         async with Running(nats_url, run_id, name, tokenizer) as r3:
-            settled = lambda: consumer_settled(js, run_id, name, unfinished(events))  # noqa: E731
-            await wait_for(settled, what="all events processed and acked")
+            await wait_for(r3.settled(js, unfinished(events, name)), what="all events processed and acked")
             assert r3.replayer.stats.recovered_events > 0
-        online = await published_samples(js, run_id)
+        online = by_id(await published_samples(js, run_id))
         offline = await offline_samples(js, run_id, name, tokenizer)
         assert len(offline) > 10
-        assert len(online) == len({s.sample_id for s in online}), "a sample was stored twice"
-        assert {s.sample_id: s for s in online} == offline
+        assert online == offline
     finally:
         await nc.close()
 
@@ -223,14 +105,9 @@ async def test_bad_events_are_dead_lettered_and_the_replayer_keeps_going(
     try:
         await publish(js, [first, bad_step(999998, "b42"), *events[1:], bad_step(999999, "b0")])
         async with Running(nats_url, run_id, "leafe", tokenizer) as r:
-            await wait_for(lambda: consumer_settled(js, run_id, "leafe"), what="all events acked")
+            await wait_for(r.settled(js), what="all events acked")
             assert r.replayer.stats.dead_letters == 2
-        dead = [
-            m
-            async for m in read_stream(
-                js, stream="LEAFE_DEAD", filter_subject=dead_letter_subject(run_id, EVENTS.name)
-            )
-        ]
+        dead = await dead_letters(js, run_id)
         reasons = " | ".join((m.headers or {})[ERROR_HEADER] for m in dead)
         assert len(dead) == 2
         assert "after the episode's EpisodeFinished" in reasons and "unknown branch 'b42'" in reasons
@@ -253,9 +130,7 @@ async def test_abandoned_episode_is_closed_after_the_timeout(
     try:
         await publish(js, events)
         async with Running(nats_url, run_id, "leafe", tokenizer, stale_timeout_s=1.0) as r:
-            await wait_for(
-                lambda: consumer_settled(js, run_id, "leafe"), what="the abandoned episode's anchor acked"
-            )
+            await wait_for(r.settled(js), what="the abandoned episode's anchor acked")
             assert r.replayer.stats.stale_closed == 1 and r.replayer.fold.open_episodes == 0
         assert await published_samples(js, run_id) == []
     finally:
@@ -375,7 +250,7 @@ def test_leafe_replay_from_file_equals_replay_from_stream(
     from services import replay
     from services.eventlog.transfer import export_run
 
-    events = make_log(run_id, tokenizer, episodes=6, groups=1)
+    events = make_log(run_id, tokenizer, episodes=16, groups=1)  # enough samples for two shards
     log_file = tmp_path / "run.leafelog"
 
     async def prepare() -> None:

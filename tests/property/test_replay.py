@@ -67,10 +67,12 @@ def test_duplicate_deliveries_add_nothing(streams: list, name: str, data: st.Dat
     for _ in range(data.draw(st.integers(1, 40))):
         i = rng.randrange(len(events))
         noisy.insert(rng.randrange(noisy.index(events[i]) + 1, len(noisy) + 1), events[i])
-    a, _ = materialize(events, name)
+    a, clean = materialize(events, name)
     b, fold = materialize(noisy, name)
     assert a == b
-    assert fold.stats.duplicates + fold.stats.after_close == len(noisy) - len(events)  # type: ignore[attr-defined]
+    # copies of events of episodes the materializer ignores (eval, other modes) are dropped with them
+    ignored = fold.stats.ignored_events - clean.stats.ignored_events  # type: ignore[attr-defined]
+    assert fold.stats.duplicates + fold.stats.after_close + ignored == len(noisy) - len(events)  # type: ignore[attr-defined]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

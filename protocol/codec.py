@@ -50,12 +50,19 @@ T = TypeVar("T")
 
 
 class ProtocolError(ValueError):
-    """A message that cannot be decoded into the expected type; ``reason`` says why."""
+    """A message that cannot be decoded into the expected type; ``reason`` says why, ``category`` says
+    which kind of refusal it is (one of :data:`REFUSALS`: a small fixed set, fit for a metric label)."""
 
-    def __init__(self, what: str, reason: str) -> None:
+    def __init__(self, what: str, reason: str, category: str = "undecodable") -> None:
         super().__init__(f"cannot decode {what}: {reason}")
         self.what = what
         self.reason = reason
+        self.category = category
+
+
+REFUSALS = ("undecodable", "oversized", "no_codec_header", "wrong_subject", "wrong_run", "forged_id")
+"""Categories of :class:`ProtocolError`: not decodable; over the size limit; no ``Leafe-Codec`` header;
+published on another kind's subject; on another run's subject; an event id that is not its own."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -137,25 +144,31 @@ def admit_event(
     size = message_bytes(data, headers)
     if size > admission.max_event_bytes:
         limit = admission.max_event_bytes
-        raise ProtocolError(what, f"event of {size:,} bytes is over the limit of {limit:,} bytes")
+        raise ProtocolError(
+            what, f"event of {size:,} bytes is over the limit of {limit:,} bytes", "oversized"
+        )
     version = (headers or {}).get(CODEC_HEADER)
     if version is None and admission.require_codec_header:
-        raise ProtocolError(what, f"no {CODEC_HEADER} header (require_codec_header is on)")
+        raise ProtocolError(what, f"no {CODEC_HEADER} header (require_codec_header is on)", "no_codec_header")
     event = decode_event(data, version)
     try:
         run, kind = event_subject_parts(subject)
     except ValueError as e:
-        raise ProtocolError(what, str(e)) from None
+        raise ProtocolError(what, str(e), "wrong_subject") from None
     tag = type(event).__struct_config__.tag
     if kind != tag:
-        raise ProtocolError(what, f"subject kind {_short(kind)} is not the event's kind {tag!r}")
+        raise ProtocolError(
+            what, f"subject kind {_short(kind)} is not the event's kind {tag!r}", "wrong_subject"
+        )
     if run != event.run_id:
-        raise ProtocolError(what, f"run_id {_short(event.run_id)} published on run {_short(run)}'s subject")
+        raise ProtocolError(
+            what, f"run_id {_short(event.run_id)} published on run {_short(run)}'s subject", "wrong_run"
+        )
     expected = event_id_for(event.episode_id, event.seq)
     if event.event_id != expected or event.seq < 0 or (isinstance(event, EpisodeStarted) and event.seq != 0):
         got = _short(event.event_id)
         raise ProtocolError(
-            what, f"event id {got} is not <episode_id>.<seq> ({_short(expected)}; starts at 0)"
+            what, f"event id {got} is not <episode_id>.<seq> ({_short(expected)}; starts at 0)", "forged_id"
         )
     return event
 

@@ -43,6 +43,7 @@ from prometheus_client.utils import floatToGoString
 
 from actors.engine import Completion, Engine, SamplingParams
 from learner.weight_store import version_index
+from protocol.codec import REFUSALS
 from protocol.events import Branch, EpisodeEvent, Reflection, Rollback, Step
 
 if TYPE_CHECKING:
@@ -71,9 +72,10 @@ log = structlog.get_logger(__name__)
 EPISODE_OUTCOMES = ("success", "failure", "error", "abandoned")
 """``leafe_actor_episodes_total{outcome}``: finished with a success; finished without one; the attempt
 raised (nak'ed for a retry, or terminated); cancelled by a shutdown (nak'ed for redelivery)."""
-DEAD_LETTER_REASONS = ("undecodable", "wrong_run", "rejected", "other")
-"""``leafe_replayer_dead_letters_total{reason}``: not a valid event; an event of another run on this run's
-subject; refused by the fold (``ReplayError``); anything else."""
+DEAD_LETTER_REASONS = (*REFUSALS, "rejected", "other")
+"""``leafe_replayer_dead_letters_total{reason}``: the admission refusals of ``protocol.codec.REFUSALS``
+(not decodable, oversized, no codec header, wrong subject, another run's event, a forged id); refused by
+the fold (``ReplayError``); anything else."""
 LOSS_TERMS = {
     "total": "loss",
     "cf": "loss_cf",
@@ -219,17 +221,20 @@ class ReplayerMetrics:
             "Events not yet delivered to the replayer (num_pending)",
             registry=r,
         )
-        self._undecodable_seen = 0
+        self._refusals_seen: dict[str, int] = {}
 
     def dead_letter(self, reason: str) -> None:
         """Count one dead letter under its category (unknown categories count as ``other``)."""
         self.dead_letters.labels(reason=reason if reason in DEAD_LETTER_REASONS else "other").inc()
 
-    def undecodable_total(self, total: int) -> None:
-        """Catch up with the consumer's own count of undecodable messages it dead-lettered."""
-        if total > self._undecodable_seen:
-            self.dead_letters.labels(reason="undecodable").inc(total - self._undecodable_seen)
-            self._undecodable_seen = total
+    def admission_refusals(self, counts: dict[str, int]) -> None:
+        """Catch up with the consumer's own counts of the messages it refused (per category)."""
+        for category, total in counts.items():
+            new = total - self._refusals_seen.get(category, 0)
+            if new > 0:
+                reason = category if category in DEAD_LETTER_REASONS else "other"
+                self.dead_letters.labels(reason=reason).inc(new)
+                self._refusals_seen[category] = total
 
 
 class LearnerMetrics:

@@ -20,7 +20,8 @@ from services.bus import add_nats_arguments, nats_options
 from services.config import dump_config, load_config
 from services.logsetup import configure_logging
 from services.metrics import ReplayerMetrics, add_metrics_arguments, serve_metrics
-from services.replayer_service import ReplayerConfig, serve
+from services.replayer_config import ReplayerConfig
+from services.replayer_service import serve
 
 __all__ = ["main"]
 

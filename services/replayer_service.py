@@ -47,10 +47,9 @@ import asyncio
 import functools
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
-import msgspec
 import structlog
 from nats.js.errors import NotFoundError
 
@@ -71,6 +70,7 @@ from services.bus import Consumer, NatsOptions, connect, read_range, wait_for_st
 from services.bus.consumer import dead_letter_of
 from services.bus.dead_letters import ERROR_HEADER, publish_dead_letter
 from services.metrics import ReplayerMetrics
+from services.replayer_config import ReplayerConfig, ReplayerStats
 from services.sample_sink import ReplayerError, SampleSink
 
 __all__ = ["Replayer", "ReplayerConfig", "ReplayerError", "ReplayerStats", "serve"]
@@ -80,78 +80,6 @@ _LAG_CHECK_S = 5.0
 """How often ``leafe_replayer_consumer_lag`` is refreshed from the durable's info."""
 STREAMS_USED = (EVENTS.name, SAMPLES.name, DEAD_LETTERS.name)
 """The streams the replayer waits for on start (made by `leafe streams ensure`)."""
-
-
-class ReplayerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Configuration of ``leafe replayer`` (TOML via ``--config``; flags override)."""
-
-    materializer: str = "leafe"
-    """Materializer name (``leafe``, ``grpo``, ``rft``)."""
-    model: str = "default"
-    """Tokenizer source: ``default`` (SmolLM2), ``tiny`` or an HF model directory (must match the actors')."""
-    options: dict[str, Any] = msgspec.field(default_factory=dict)
-    """Materializer options, e.g. ``rehearsal_fraction = 0.2``."""
-    batch: int = 256
-    """Events fetched per pull."""
-    ack_wait_s: float = 30.0
-    """JetStream AckWait: crash-detection time (held anchors get in-progress acks every third of it)."""
-    max_ack_pending: int = 20_000
-    """Unacked messages the durable may hold: one anchor per open episode plus a batch in flight."""
-    max_open_episodes: int = 16_384
-    """Episodes held at once (each holds its anchor); an EpisodeStarted past it is dead-lettered.
-    ``max_open_episodes + batch`` must fit in ``max_ack_pending``, so anchors never stall the consumer."""
-    max_open_per_actor: int = 1024
-    """Episodes one ``actor_id`` may hold at once (an actor runs tens); past it, dead-lettered."""
-    max_event_bytes: int = EVENTS.max_msg_bytes
-    """Largest event message (headers included); larger ones are dead-lettered, never folded."""
-    require_codec_header: bool = True
-    """Dead-letter events without ``Leafe-Codec``; ``false`` only for logs written before the header."""
-    max_sample_bytes: int | None = None
-    """Largest sample message stored; ``None``: the samples stream's and the server's limit. Larger
-    samples are dead-lettered (``leafe replay`` still writes them to datasets)."""
-    stale_timeout_s: float = 3600.0
-    """An episode with no event for this long is closed as abandoned (its actor crashed)."""
-    stale_check_s: float = 30.0
-    """How often abandoned episodes are looked for."""
-    fetch_timeout_s: float = 1.0
-    """Longest wait for new events before housekeeping runs."""
-    publish_attempts: int = 5
-    """Attempts to get every sample of a batch acknowledged before the replayer gives up (and exits)."""
-    publish_max_pending: int = 2048
-    """Outstanding sample publishes before ``publish`` waits (backpressure)."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "batch",
-            "max_ack_pending",
-            "max_open_episodes",
-            "max_open_per_actor",
-            "max_event_bytes",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} = {getattr(self, name)}: must be at least 1")
-        if self.max_open_episodes + self.batch > self.max_ack_pending:
-            raise ValueError(
-                f"max_open_episodes ({self.max_open_episodes}) + batch ({self.batch}) exceeds max_ack_pending "
-                f"({self.max_ack_pending}): held anchors could stall the consumer"
-            )
-
-
-@dataclass
-class ReplayerStats:
-    """Counters of one replayer process."""
-
-    events: int = 0
-    samples_published: int = 0
-    dead_letters: int = 0
-    recovered_events: int = 0
-    recovery_skipped: int = 0
-    recovery_rejected: int = 0
-    samples_dead_lettered: int = 0
-    episodes_failed: int = 0
-    anchors_held: int = 0
-    stale_closed: int = 0
-    batches: int = 0
 
 
 class Replayer:
@@ -346,7 +274,7 @@ class Replayer:
 
     async def _refresh_lag(self, now: float) -> None:
         """``leafe_replayer_consumer_lag`` from the durable's ``num_pending`` (a failed read only logs)."""
-        self.metrics.undecodable_total(self.consumer.dead_letters)
+        self.metrics.admission_refusals(self.consumer.dead_letters_by_category)
         if now - self._last_lag < _LAG_CHECK_S:
             return
         self._last_lag = now

@@ -140,6 +140,8 @@ class Consumer(Generic[T]):
         )
         self._puller: Puller | None = None
         self.dead_letters = 0
+        self.dead_letters_by_category: dict[str, int] = {}
+        """Dead letters per ``ProtocolError.category`` (``protocol.codec.REFUSALS``)."""
         """Undecodable messages moved to the dead-letter subject."""
         self.handler_failures = 0
         """Handler exceptions in :meth:`consume` (each message was nak'ed for redelivery)."""
@@ -204,6 +206,9 @@ class Consumer(Generic[T]):
             except ProtocolError as e:
                 try:
                     await self._dead_letter(msg, e.reason)
+                    self.dead_letters_by_category[e.category] = (
+                        self.dead_letters_by_category.get(e.category, 0) + 1
+                    )
                 except ConsumerError:
                     for m in (*(d._msg for d in out), *msgs[i:]):
                         await m.nak()  # hand the whole batch back at once, not after ack_wait

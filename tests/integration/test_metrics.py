@@ -95,7 +95,9 @@ async def _metrics(url: str) -> dict[str, float]:
 async def _bad_messages(js: Any, run_id: str) -> None:
     """One undecodable message and one event of another run on this run's events subject."""
     await js.publish(
-        event_subject(run_id, "step"), b"\x00 not an event", headers={MSG_ID_HEADER: f"{run_id}-junk"}
+        event_subject(run_id, "step"),
+        b"\x00 not an event",
+        headers={MSG_ID_HEADER: f"{run_id}-junk", CODEC_HEADER: CODEC_VERSION},
     )
     async for msg in read_stream(
         js, stream="LEAFE_EVENTS", filter_subject=event_subject(run_id, "episode_started")

@@ -115,19 +115,20 @@ async def test_timed_engine_records_every_generate_call() -> None:
 
 def test_replayer_dead_letter_reasons_stay_categories() -> None:
     """Free-text reasons never become label values: unknown categories count as ``other``; the consumer's
-    undecodable count is added once, by its increase."""
+    refusal counts (per admission category) are added once, by their increase."""
     metrics = ReplayerMetrics()
     metrics.dead_letter("rejected")
     metrics.dead_letter("unknown branch 'b7' (known: ['b0'])")
-    metrics.undecodable_total(2)
-    metrics.undecodable_total(2)
-    metrics.undecodable_total(3)
+    metrics.admission_refusals({"undecodable": 2})
+    metrics.admission_refusals({"undecodable": 2, "wrong_run": 1})
+    metrics.admission_refusals({"undecodable": 3, "wrong_run": 1})
     got = _samples(metrics.registry)
     dead = {k: v for k, v in got.items() if k.startswith("leafe_replayer_dead_letters_total")}
     assert dead == {
         'leafe_replayer_dead_letters_total{reason="rejected"}': 1,
         'leafe_replayer_dead_letters_total{reason="other"}': 1,
         'leafe_replayer_dead_letters_total{reason="undecodable"}': 3,
+        'leafe_replayer_dead_letters_total{reason="wrong_run"}': 1,
     }
 
 
@@ -232,7 +233,7 @@ async def test_replayer_lag_is_the_durables_num_pending() -> None:
     js = FakeJs()
     fold = SimpleNamespace(name="leafe", open_episodes=2)
     replayer = Replayer(js, run_id="r1", fold=fold, config=ReplayerConfig())  # type: ignore[arg-type]
-    replayer.consumer = SimpleNamespace(dead_letters=1)
+    replayer.consumer = SimpleNamespace(dead_letters=1, dead_letters_by_category={"undecodable": 1})
     await replayer._housekeeping()
     got = _samples(replayer.metrics.registry)
     assert got["leafe_replayer_consumer_lag"] == 7 and got["leafe_replayer_open_episodes"] == 2

@@ -16,12 +16,12 @@
 | raw_save_load       | baseline: safetensors save_file + load_file + load_state_dict of the same weights   |
 
 Samples look like agent data: prompts of 150-600 tokens, completions of 5-40 tokens, cf/reh mixed.
-Throughput counts real (non-pad) tokens per second of optimizer-step wall time; configs are measured in
-groups (``GROUPS``: at most four SmolLM2 trainers in memory at once), interleaved batch by batch within a
-group, each after one warm-up step; ``bucketed`` runs in every group as the same-run baseline. Memory
-ceiling: ``micro_batch_tokens`` padded tokens per micro-batch (packed: tokens per row); the naive
-micro-batch size is the one that fits it for the longest sample. One torch thread (as ``leafe run``'s
-learner); ``threads_2`` repeats bucketed vs packed_bf16 on 2 threads over the first batch.
+Throughput counts real (non-pad) tokens per second of optimizer-step wall time; every row trains the
+same batches, interleaved batch by batch, after one warm-up step; the rows share one model and AdamW
+state (``_variants``). Memory ceiling: ``micro_batch_tokens`` padded tokens per micro-batch (packed:
+tokens per row); the naive micro-batch size is the one that fits it for the longest sample. One torch
+thread (as ``leafe run``'s learner); ``threads_2`` repeats bucketed vs packed_bf16 on 2 threads over the
+first batch.
 
     .venv/bin/python bench/learner.py            # SmolLM2-135M for both parts (slow on 2 shared cores)
     .venv/bin/python bench/learner.py --quick    # tiny model for throughput, SmolLM2 for the push
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
+import copy
 import json
 import os
 import platform
@@ -56,7 +56,7 @@ from actors.client import SGLangClient
 from learner.batching import MicroBatch
 from learner.config import BatchConfig, OptimConfig, TrainerConfig
 from learner.distributed import DistEnv, init_distributed
-from learner.fsdp import cpu_has_native_bf16
+from learner.fsdp import cpu_has_native_bf16, resolve_precision
 from learner.losses import token_logprobs
 from learner.model_io import resolve_model
 from learner.trainer import Trainer
@@ -113,10 +113,9 @@ ROWS = {  # name -> (bucketing, precision)
     "bucketed_bf16": ("length", "bf16"),
     "packed_bf16": ("pack", "bf16"),
 }
-GROUPS = {  # result key -> (rows interleaved together, the row that step speedups are relative to)
-    "throughput": (("naive_full_logits", "naive_padded", "bucketed"), "naive_padded"),
-    "precision_packing": (("bucketed", "packed", "bucketed_bf16", "packed_bf16"), "bucketed"),
-}
+BASE = "bucketed"
+"""Step speedups are relative to this row (fp32 length bucketing: the learner before packing and bf16)."""
+TWO_THREADS = ("bucketed", "packed_bf16")
 
 
 @dataclass
@@ -128,7 +127,7 @@ class Acc:
     step_s: list[float] = field(default_factory=list)
 
 
-def _trainer(name: str, model_dir: Path, env: DistEnv, global_batch: int, budget: int) -> Trainer:
+def _config(name: str, global_batch: int, budget: int) -> TrainerConfig:
     bucketing, precision = ROWS[name]
     batch = BatchConfig(
         global_batch=global_batch,
@@ -136,19 +135,32 @@ def _trainer(name: str, model_dir: Path, env: DistEnv, global_batch: int, budget
         micro_batch_size=max(1, budget // (MAX_PROMPT + MAX_COMPLETION)),
         bucketing=bucketing,
     )
-    cfg = TrainerConfig(optim=OptimConfig(lr=1e-6), batch=batch, precision=precision)
-    return (FullLogitsTrainer if name == "naive_full_logits" else Trainer)(cfg, model_dir, env)
+    return TrainerConfig(optim=OptimConfig(lr=1e-6), batch=batch, precision=precision)
 
 
-def _throughput(
-    model_dir: Path, env: DistEnv, batches: list[list[Sample]], budget: int, names: tuple[str, ...], base: str
-) -> dict[str, dict]:
-    """The configs ``names`` train the same batches, interleaved batch by batch so that a noisy neighbour
-    on the shared CPU slows all of them alike; tokens/s = real tokens / summed step time."""
-    trainers = {k: _trainer(k, model_dir, env, len(batches[0]), budget) for k in names}
+def _variants(model_dir: Path, env: DistEnv, global_batch: int, budget: int) -> dict[str, Trainer]:
+    """One trainer per row, all sharing ONE model and AdamW state (six SmolLM2 trainers with their own
+    AdamW state, ~2.2 GB each, got the bench OOM-killed on the shared 23 GB machine). Each row's step is
+    still its own full forward, backward and AdamW step; only the weights it starts from differ, which
+    does not change the work."""
+    base = Trainer(_config(BASE, global_batch, budget), model_dir, env)
+    out = {}
+    for name in ROWS:
+        v = copy.copy(base)
+        v.config = _config(name, global_batch, budget)
+        v.precision = resolve_precision(v.config.precision, env)
+        if name == "naive_full_logits":
+            v.__class__ = FullLogitsTrainer
+        out[name] = v
+    return out
+
+
+def _throughput(trainers: dict[str, Trainer], batches: list[list[Sample]]) -> dict[str, dict]:
+    """The rows train the same batches, interleaved batch by batch so that a noisy neighbour on the
+    shared CPU slows all of them alike; tokens/s = real tokens / summed step time."""
     for t in trainers.values():  # warm-up (allocator, first-call overheads)
         t.train_step(batches[0][:2])
-    acc = {k: Acc() for k in names}
+    acc = {k: Acc() for k in trainers}
     for b in batches:
         for k, t in trainers.items():
             stats = t.train_step(b)
@@ -157,14 +169,14 @@ def _throughput(
             acc[k].step_s.append(stats.seconds)
     rows = {}
     for k, a in acc.items():
-        speedup = [n / m for n, m in zip(acc[base].step_s, a.step_s, strict=True)]
+        speedup = [n / m for n, m in zip(acc[BASE].step_s, a.step_s, strict=True)]
         rows[k] = {
             "tokens_per_s": a.real / sum(a.step_s),
             "seconds": sum(a.step_s),
             "real_tokens": a.real,
             "padded_tokens": a.padded,
             "padding_overhead": a.padded / a.real - 1,
-            f"median_step_speedup_vs_{base}": statistics.median(speedup),
+            f"median_step_speedup_vs_{BASE}": statistics.median(speedup),
         }
         print(
             f"  {k:<18} {rows[k]['tokens_per_s']:8.1f} tok/s  padding +{rows[k]['padding_overhead']:.0%}  "
@@ -177,16 +189,12 @@ def _throughput(
 def _all_throughput(
     model_dir: Path, env: DistEnv, batches: list[list[Sample]], budget: int
 ) -> dict[str, dict[str, dict]]:
-    out = {}
-    for key, (names, base) in GROUPS.items():
-        print(f" {key}: 1 thread", flush=True)
-        out[key] = _throughput(model_dir, env, batches, budget, names, base)
-        gc.collect()  # the group's trainers (FSDP modules hold reference cycles)
+    trainers = _variants(model_dir, env, len(batches[0]), budget)
+    print(" 1 thread", flush=True)
+    out = {"throughput": _throughput(trainers, batches)}
     torch.set_num_threads(2)
-    print(" threads_2: 2 threads, first batch", flush=True)
-    out["threads_2"] = _throughput(
-        model_dir, env, batches[:1], budget, ("bucketed", "packed_bf16"), "bucketed"
-    )
+    print(" 2 threads, first batch", flush=True)
+    out["threads_2"] = _throughput({k: trainers[k] for k in TWO_THREADS}, batches[:1])
     torch.set_num_threads(1)
     return out
 
@@ -303,17 +311,16 @@ def save_result(path: Path, mode: str, result: dict[str, Any]) -> None:
 
 
 def _ratios(tp: dict[str, dict[str, dict]], push: dict, raw: dict) -> dict[str, float]:
-    def tps(group: str, row: str) -> float:
-        return float(tp[group][row]["tokens_per_s"])
+    def tps(row: str, part: str = "throughput") -> float:
+        return float(tp[part][row]["tokens_per_s"])
 
-    a, b = "throughput", "precision_packing"
     ratios = {
-        "bucketed_vs_naive_padded": tps(a, "bucketed") / tps(a, "naive_padded"),
-        "bucketed_vs_naive_full_logits": tps(a, "bucketed") / tps(a, "naive_full_logits"),
-        "packed_bf16_vs_bucketed": tps(b, "packed_bf16") / tps(b, "bucketed"),
-        "packed_vs_bucketed": tps(b, "packed") / tps(b, "bucketed"),
-        "bucketed_bf16_vs_bucketed": tps(b, "bucketed_bf16") / tps(b, "bucketed"),
-        "packed_bf16_vs_bucketed_2_threads": tps("threads_2", "packed_bf16") / tps("threads_2", "bucketed"),
+        "bucketed_vs_naive_padded": tps("bucketed") / tps("naive_padded"),
+        "bucketed_vs_naive_full_logits": tps("bucketed") / tps("naive_full_logits"),
+        "packed_bf16_vs_bucketed": tps("packed_bf16") / tps("bucketed"),
+        "packed_vs_bucketed": tps("packed") / tps("bucketed"),
+        "bucketed_bf16_vs_bucketed": tps("bucketed_bf16") / tps("bucketed"),
+        "packed_bf16_vs_bucketed_2_threads": tps("packed_bf16", "threads_2") / tps("bucketed", "threads_2"),
     }
     # A push entry saved by an older version of this bench may lack a figure: leave its ratio out.
     for name, key in [
@@ -367,8 +374,8 @@ def main() -> int:
     samples = agent_samples(n, vocab)
     batches = [samples[i : i + gb] for i in range(0, n, gb)]
     print(f"throughput: {throughput_model.name}, {n} samples, global batch {gb}, budget {budget} tokens")
-    if a.push_only and saved is not None:
-        tp = {k: saved[k] for k in (*GROUPS, "threads_2")}
+    if a.push_only and saved is not None and "threads_2" in saved:  # else saved by an older version
+        tp = {k: saved[k] for k in ("throughput", "threads_2")}
         print("  (saved results)", flush=True)
     else:
         tp = _all_throughput(throughput_model, env, batches, budget)

@@ -2,12 +2,12 @@
 
 A packed row (``bucketing = "pack"``, ``learner/batching.py``) holds several samples back to back, with
 ``position_ids`` restarting at 0 for each; every token may attend only to earlier tokens of its own
-sample. transformers 5.x can express that with a dense block-diagonal mask (it derives one from restarting
-``position_ids`` when no attention mask is given), but SDPA then computes all T x T scores of the row and
-loses its causal fast path: on SmolLM2-135M (1 thread, a 1818-token row of 4 samples, forward + backward)
-such a row trained at 0.9x the speed of left-padded rows of the same samples in bf16, while this module's
-per-sample attention ran 1.9x faster than them (fp32: 1.05x and 1.6x). The flash-attention varlen kernels
-that transformers drives with ``cu_seq_lens_q`` do not exist on CPU.
+sample. What transformers 5.x offers for Llama on CPU: with ``attn_implementation="sdpa"`` and no attention
+mask it derives a dense block-diagonal mask from restarting ``position_ids``; SDPA then computes all T x T
+scores of the row and loses its causal fast path. Measured once (SmolLM2-135M, 1 thread, one 1818-token
+row of 4 samples, forward + backward): that ran at 1.05x (fp32) and 0.9x (bf16) the speed of left-padded
+rows of the same samples, against 1.6x and 1.9x for this module. Its varlen path (``cu_seq_lens_q``) needs
+flash-attention kernels, which do not exist on CPU; ``flex_attention`` needs ``torch.compile``.
 
 :data:`VARLEN` runs causal SDPA once per sample of the row, at the boundaries ``cu_seq_lens_q`` (the name
 and meaning flash-attention's varlen API uses) passed as a model keyword argument, so no cross-sample

@@ -11,9 +11,10 @@ and exports are exactly what fp32 training would write. How the compute gets to 
   gradients in fp32.
 - CPU: ``torch.autocast("cpu", torch.bfloat16)`` around the forward (:func:`autocast`): matmuls and
   attention in bf16; norms, elementwise ops and the residual stream stay fp32. Measured on
-  SmolLM2-135M (1 thread, a packed 971-token row, forward + backward, interleaved): autocast ran about as
-  fast as the MixedPrecisionPolicy path (both ~3x fp32) but its token log-probs are closer to fp32 (mean
-  |error| 0.030 vs 0.040 nats on 700 tokens of text), so the CPU uses autocast.
+  SmolLM2-135M (1 thread, a packed 971-token row, forward + backward, interleaved, best of 3): autocast
+  ran at 3.3x fp32 and the MixedPrecisionPolicy path at 3.6x, within this shared machine's noise, but
+  autocast's token log-probs are closer to fp32 (mean |error| 0.030 vs 0.040 nats on 700 tokens of
+  text), so the CPU uses autocast. Whole optimizer steps: 2.25x fp32 (``bench/learner.py``).
 ``auto`` picks bf16 where the hardware has bf16 dot products: any GPU, and CPUs with AVX512-BF16 or AMX
 (:func:`cpu_has_native_bf16`); elsewhere bf16 is emulated and slower, so fp32.
 """

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=None)
     p.add_argument("--push-every", type=int, default=None, help="export weights every N steps (0 = end only)")
     p.add_argument("--export-dtype", choices=["bf16", "fp32"], default=None)
-    p.add_argument("--bucketing", choices=["length", "none"], default=None)
+    p.add_argument("--bucketing", choices=["pack", "length", "none"], default=None)
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints under --out")
     p.add_argument(
         "--tensorboard-dir", type=Path, default=None, help="TensorBoard scalars (default <out>/tensorboard)"

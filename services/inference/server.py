@@ -15,9 +15,10 @@ Routes: POST /generate, POST /update_weights_from_disk, POST /update_weight_vers
 (+ /get_model_info), GET /get_server_info, GET /health, GET /ready, GET|POST /flush_cache; anything else is
 404 ``{"detail": "Not Found"}``. Generation runs in :class:`services.inference.engine.GenerationEngine`'s
 worker thread with dynamic (continuous) batching; a weight reload is read and checked in another
-thread and swapped in between batches. Prompt prefixes are reused from a small KV cache
+thread and swapped in between batches. Prompt prefixes are reused from a radix tree of KV
 (``services/inference/prefix.py``; ``meta_info.cached_tokens`` says how many). Simplified against SGLang:
-no streaming, no input logprobs, no radix tree (whole recent prompts are cached).
+no streaming, no input logprobs, no paged attention (each batch keeps its KV in one arena,
+``services/inference/kv.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from aiohttp import web
 from services.inference.api import RequestError, copy_seed, error_body, output_body, parse_generate
 from services.inference.decode import GenSequence, StopChecker
 from services.inference.engine import EngineClosed, GenerationEngine
+from services.inference.kv import use_arena_attention
 from services.inference.prefix import PrefixCache
 from services.inference.weights import WeightLoadError, load_weight_dir
 
@@ -75,8 +77,9 @@ class InferenceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     prefill where the CPU has AVX512-BF16/AMX (measured 282 -> 599 tokens/s on one Zen 4 core); sampling
     and logprobs are computed in float32 either way, and weight updates are cast to this dtype."""
     prefix_cache_tokens: int = 16384
-    """Prompt tokens whose KV is kept for reuse by later prompts with the same prefix (0 = off;
-    SmolLM2 needs ~46 KB per token, so the default holds ~0.75 GB at most)."""
+    """Token budget of the prefix cache: prompt KV kept for reuse by later prompts with the same prefix,
+    least recently used first out (0 = off). SmolLM2 needs ~46 KB per token in float32 (~23 KB in
+    bfloat16), so the default holds ~0.75 GB at most."""
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
@@ -140,6 +143,7 @@ class InferenceServer:
         path = resolve_model(self.config.model)
         self.model_path = self.tokenizer_path = path
         model = load_model(path, dtype=getattr(torch, self.config.dtype))
+        use_arena_attention(model)
         self._tokenizer = load_tokenizer(path)
         self._context_len = int(getattr(model.config, "max_position_embeddings", 2048))
         self._vocab_size = int(getattr(model.config, "vocab_size", 0) or len(self._tokenizer))

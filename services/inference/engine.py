@@ -67,7 +67,14 @@ class EngineStats:
     """Cumulative counters (read them for benchmarks; they are only approximately consistent)."""
 
     prefill_s: float = 0.0
+    """Wall seconds of admissions (prefill passes and merging into the batch)."""
     decode_s: float = 0.0
+    """Wall seconds of decode steps."""
+    prefill_cpu_s: float = 0.0
+    """CPU seconds of the worker thread in admissions: unlike ``prefill_s``, without the time it waited
+    for a core (what to compare on a shared machine)."""
+    decode_cpu_s: float = 0.0
+    """CPU seconds of the worker thread in decode steps."""
     prefill_tokens: int = 0
     """Prompt tokens run through prefill (padding excluded)."""
     decode_tokens: int = 0
@@ -227,13 +234,14 @@ class GenerationEngine:
         """Prefill new sequences (one row per distinct prompt, from its cached prefix; rows of similar new
         lengths in one pass), cache their KV and merge them into the running batch."""
         for chunk in plan_chunks(self._distinct(seqs), self.max_prefill_tokens):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             group, logits = prefill(self.model, self.layout, chunk, self.pad_id)
             if self.prefix is not None:
                 for i, row in enumerate(chunk):
                     self.prefix.insert(row.prompt, functools.partial(group.kv, i))
             self._sample_prefilled(group, logits)
             self.stats.prefill_s += time.perf_counter() - t0
+            self.stats.prefill_cpu_s += time.thread_time() - c0
             self.stats.prefill_calls += 1
             self.stats.prefill_tokens += sum(r.suffix for r in chunk)
             self.stats.cached_tokens += sum(r.cached.length for r in chunk)
@@ -265,13 +273,14 @@ class GenerationEngine:
                 self._batch.add(group, i, [s])
 
     def _decode_step(self) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         rows = len(self._batch)
         logits = self._batch.step(self.model)
         self._batch.remove(sorted(self._sample(self._batch.seqs, logits)))
         if not self._batch:  # free the arena between bursts
             self._batch = DecodeBatch(self.layout)
         self.stats.decode_s += time.perf_counter() - t0
+        self.stats.decode_cpu_s += time.thread_time() - c0
         self.stats.decode_steps += 1
         self.stats.decode_tokens += rows
 

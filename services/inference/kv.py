@@ -135,12 +135,8 @@ def decode_attention(
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)
     scores = torch.matmul(grouped, key.transpose(-1, -2))
     scores *= scaling if scaling is not None else dim**-0.5
-    if attention_mask is not None:
-        allowed = attention_mask.reshape(rows, 1, 1, width)
-        if allowed.dtype != torch.bool:  # an additive float mask
-            scores += allowed
-        else:
-            scores.masked_fill_(~allowed, float("-inf"))
+    if attention_mask is not None:  # boolean, from sdpa_mask (registered with it below)
+        scores.masked_fill_(~attention_mask.reshape(rows, 1, 1, width), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, value).reshape(rows, heads, 1, dim)
     return out.transpose(1, 2).contiguous(), None

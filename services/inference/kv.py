@@ -1,17 +1,14 @@
 """KV storage of the CPU inference server's batches: one preallocated tensor per batch (an arena) that the
-model writes into in place, and the attention used to decode from it.
+model writes into in place.
 
 An arena is ``[layers, 2 (keys, values), rows, kv_heads, columns, head_dim]``. Row ``r``'s tokens sit in
 columns marked in the batch's ``[rows, columns]`` mask; every row writes its next token at the same
 column ``write``, so a decode step appends one column without copying the cache (transformers'
 ``DynamicLayer`` concatenates, copying every layer's KV on every step). Columns past ``write`` are
 spare capacity, masked for every row; the model sees the full width, so keys and values reach attention
-as contiguous tensors (the bf16 matmul of a strided view is ~4x slower on CPU).
-
-Decoding attends one query per row; in float32 :func:`decode_attention` does that with two batched
-matmuls over the grouped KV heads instead of SDPA (whose CPU flash kernel is tuned for long queries), and
-hands prefill (many queries) and bfloat16 to transformers' SDPA path. :func:`use_arena_attention`
-installs it on a model.
+as contiguous tensors (the bf16 matmul of a strided view is ~4x slower on CPU). Attention itself is the
+model's SDPA: a hand-written decode attention (two matmuls over grouped KV heads) measured no faster in
+float32, and in bfloat16 its bf16-rounded scores moved served logprobs ~4x further from a bf16 forward.
 """
 
 from __future__ import annotations
@@ -20,15 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.cache_utils import Cache, DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
 
-__all__ = ["ATTENTION", "ArenaCache", "KVLayout", "decode_attention", "use_arena_attention"]
-
-ATTENTION = "leafe_cpu"
-"""Name under which :func:`decode_attention` is registered with transformers."""
+__all__ = ["ArenaCache", "KVLayout"]
 
 
 @dataclass(frozen=True)
@@ -110,40 +101,3 @@ class ArenaCache(Cache):
         self.rows = rows
         self.write = write
         super().__init__(layers=[_ArenaLayer(self, i) for i in range(arena.shape[0])])
-
-
-def decode_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention for transformers' interface: one float32 query per row is computed here (masked columns
-    get probability exactly 0); longer queries, and bfloat16 ones, go to SDPA (a bf16 matmul rounds the
-    scores to bf16, which moved served logprobs ~4x further from a bf16 full forward than SDPA, whose
-    kernel accumulates scores in float32)."""
-    if query.shape[2] != 1 or query.dtype != torch.float32:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    rows, heads, _, dim = query.shape
-    kv_heads, width = key.shape[1], key.shape[2]
-    grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)
-    scores = torch.matmul(grouped, key.transpose(-1, -2))
-    scores *= scaling if scaling is not None else dim**-0.5
-    if attention_mask is not None:  # boolean, from sdpa_mask (registered with it below)
-        scores.masked_fill_(~attention_mask.reshape(rows, 1, 1, width), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, value).reshape(rows, heads, 1, dim)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def use_arena_attention(model: Any) -> None:
-    """Register :func:`decode_attention` (idempotent) and make ``model`` use it."""
-    AttentionInterface.register(ATTENTION, decode_attention)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-    model.set_attn_implementation(ATTENTION)

@@ -41,7 +41,6 @@ from aiohttp import web
 from services.inference.api import RequestError, copy_seed, error_body, output_body, parse_generate
 from services.inference.decode import GenSequence, StopChecker
 from services.inference.engine import EngineClosed, GenerationEngine
-from services.inference.kv import use_arena_attention
 from services.inference.prefix import PrefixCache
 from services.inference.weights import WeightLoadError, load_weight_dir
 
@@ -143,7 +142,6 @@ class InferenceServer:
         path = resolve_model(self.config.model)
         self.model_path = self.tokenizer_path = path
         model = load_model(path, dtype=getattr(torch, self.config.dtype))
-        use_arena_attention(model)
         self._tokenizer = load_tokenizer(path)
         self._context_len = int(getattr(model.config, "max_position_embeddings", 2048))
         self._vocab_size = int(getattr(model.config, "vocab_size", 0) or len(self._tokenizer))

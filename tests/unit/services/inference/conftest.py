@@ -12,7 +12,6 @@ import torch
 from learner.model_io import load_model, load_tokenizer, tiny_model_dir
 from services.inference.decode import GenSequence, GenSpec, StopChecker
 from services.inference.engine import GenerationEngine
-from services.inference.kv import use_arena_attention
 from services.inference.prefix import PrefixCache
 
 
@@ -57,7 +56,6 @@ def make_engine(tokenizer: Any, sharp_state: dict[str, torch.Tensor]) -> Iterato
     def make(cache_tokens: int | None = None, max_batch: int = 16) -> GenerationEngine:
         model = load_model(tiny_model_dir())
         model.load_state_dict(sharp_state)
-        use_arena_attention(model)
         engine = GenerationEngine(
             model,
             StopChecker(tokenizer, frozenset({int(tokenizer.eos_token_id)})),

@@ -11,7 +11,8 @@
 | service_events_byte | the same with a byte tokenizer (the ceiling without chat-template cost)           |
 | raw_publish         | baseline: ``Publisher.publish_event`` of the same events in a loop, same server   |
 | prompt_reuse        | per history window: prompt tokens per step of scripted Sokoban eval rollouts (the |
-|                     | paper table's rooms and horizon, real chat template), and the share of them a     |
+|                     | paper table's rooms and horizon, real chat template, answers shaped like the      |
+|                     | model's: half moves, half unique prose), and the share of them a                  |
 |                     | prefix cache holding every earlier prompt serves (the server's radix tree, fed    |
 |                     | in step order as concurrent episodes send them); no model                         |
 
@@ -77,6 +78,23 @@ def policy(seed: int) -> Any:
                 f"<step>{rng.randint(0, 4)}</step><experience>push the box from the other side</experience>"
             )
         return rng.choice(MOVES)
+
+    return script
+
+
+PROSE = "the box is left of the target so I push it up then walk around the wall and try again".split()
+
+
+def model_like_policy(seed: int) -> Any:
+    """Answers shaped like SmolLM2-135M's in the paper table's evaluations: about half name a move, the
+    rest are ~20 words of prose unique to the sample (parse failures ~47%), so histories diverge across
+    samples as the model's do."""
+    rng = random.Random(seed)
+
+    def script(kind: str, prompt: str) -> str:
+        if rng.random() < 0.5:
+            return f"{rng.choice(['up', 'down', 'left', 'right'])}</action>"
+        return " ".join(rng.choice(PROSE) for _ in range(20))
 
     return script
 
@@ -216,7 +234,7 @@ async def episode_prompts(tok: ChatTokenizer, window: int, tasks: int, samples: 
     out = []
     for i, task_id in enumerate(env.tasks("test")[:tasks]):
         for s in range(samples):
-            engine = ScriptedEngine(script=policy(1000 * i + s), tokenizer=tok)
+            engine = ScriptedEngine(script=model_like_policy(1000 * i + s), tokenizer=tok)
             spec = EpisodeSpec(
                 run_id="reuse", episode_id=f"r{i}-{s}.a1", actor_id="bench", task_key=f"r{i}-{s}",
                 env="sokoban", task_id=task_id, split="test", mode="eval",

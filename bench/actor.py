@@ -10,6 +10,11 @@
 |                     | engine, real tokenizer; events acked by JetStream per second                      |
 | service_events_byte | the same with a byte tokenizer (the ceiling without chat-template cost)           |
 | raw_publish         | baseline: ``Publisher.publish_event`` of the same events in a loop, same server   |
+| prompt_reuse        | per history window: prompt tokens per step of scripted Sokoban eval rollouts (the |
+|                     | paper table's rooms and horizon, real chat template, answers shaped like the      |
+|                     | model's: half moves, half unique prose), and the share of them a                  |
+|                     | prefix cache holding every earlier prompt serves (the server's radix tree, fed    |
+|                     | in step order as concurrent episodes send them); no model                         |
 
     .venv/bin/python bench/actor.py            # ~2-3 minutes on 2 cores
     .venv/bin/python bench/actor.py --quick    # ~40 s
@@ -32,10 +37,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.config import ActorServiceConfig, ExplorerConfig
+import torch
+
+from actors.config import ActorServiceConfig, ExplorerConfig, RolloutConfig
 from actors.episode import EpisodeSpec, ListSink
 from actors.explorer import Explorer
 from actors.fakes import ByteChatTokenizer, ScriptedEngine
+from actors.rollout import run_rollout
 from envs.sokoban import SokobanConfig, SokobanEnv
 from learner.model_io import HFChatTokenizer, tiny_model_dir
 from protocol.events import EpisodeEvent
@@ -45,6 +53,7 @@ from protocol.tasks import TaskAssignment
 from services.actor_service import ActorService, PublisherSink
 from services.bus import Publisher, connect, ensure_streams
 from services.bus.nats_server import EmbeddedNats
+from services.inference.prefix import PrefixCache
 from services.logsetup import configure_logging
 
 RESULTS = Path(__file__).resolve().parent / "results" / "actor.json"
@@ -68,6 +77,23 @@ def policy(seed: int) -> Any:
                 f"<step>{rng.randint(0, 4)}</step><experience>push the box from the other side</experience>"
             )
         return rng.choice(MOVES)
+
+    return script
+
+
+PROSE = "the box is left of the target so I push it up then walk around the wall and try again".split()
+
+
+def model_like_policy(seed: int) -> Any:
+    """Answers shaped like SmolLM2-135M's in the paper table's evaluations: about half name a move, the
+    rest are ~20 words of prose unique to the sample (parse failures ~47%), so histories diverge across
+    samples as the model's do."""
+    rng = random.Random(seed)
+
+    def script(kind: str, prompt: str) -> str:
+        if rng.random() < 0.5:
+            return f"{rng.choice(['up', 'down', 'left', 'right'])}</action>"
+        return " ".join(rng.choice(PROSE) for _ in range(20))
 
     return script
 
@@ -213,6 +239,57 @@ async def sample_events(tok: ChatTokenizer, n_episodes: int) -> list[EpisodeEven
     return sink.events
 
 
+PAPER_ROOMS = {"height": 5, "width": 5, "num_boxes": 1, "max_solution_len": 3, "max_steps": 8}
+"""bench/paper_table.py's ``full`` rooms; its evaluation runs horizon 8 with history window 2."""
+
+
+async def episode_prompts(tok: ChatTokenizer, window: int, tasks: int, samples: int) -> list[list[list[int]]]:
+    """The action prompts of scripted eval rollouts, per episode in step order (the same moves for every
+    window: the script depends only on the call count)."""
+    env = SokobanEnv(SokobanConfig(**PAPER_ROOMS))
+    config = RolloutConfig.for_env("sokoban", {"horizon": 8, "history_window": window})
+    out = []
+    for i, task_id in enumerate(env.tasks("test")[:tasks]):
+        for s in range(samples):
+            engine = ScriptedEngine(script=model_like_policy(1000 * i + s), tokenizer=tok)
+            spec = EpisodeSpec(
+                run_id="reuse", episode_id=f"r{i}-{s}.a1", actor_id="bench", task_key=f"r{i}-{s}",
+                env="sokoban", task_id=task_id, split="test", mode="eval",
+            )  # fmt: skip
+            await run_rollout(
+                engine=engine, tokenizer=tok, env=env, spec=spec, config=config, sink=ListSink()
+            )
+            out.append([c.input_ids for c in engine.calls])
+    return out
+
+
+def cache_share(episodes: list[list[list[int]]]) -> dict[str, float]:
+    """Prompts fed to an unbounded prefix tree step by step across episodes (as concurrent episodes reach
+    the server): tokens per step, new (not cached) tokens per step, cached share."""
+    tree = PrefixCache(1 << 40)
+    total = served = steps = 0
+    for t in range(max(map(len, episodes))):
+        for prompts in episodes:
+            if t < len(prompts):
+                ids = prompts[t]
+                total, served, steps = total + len(ids), served + tree.match(ids).length, steps + 1
+                tree.insert(ids, lambda a, b: torch.zeros(1, 1, 1, b - a, 1))
+    return {
+        "prompt_tokens_per_step": total / steps,
+        "new_tokens_per_step": (total - served) / steps,
+        "cache_share": served / total,
+    }
+
+
+async def prompt_reuse(tok: ChatTokenizer, quick: bool) -> dict[str, Any]:
+    """Per history window (0 = all): prompt length and prefix reuse of scripted eval rollouts."""
+    tasks, samples = (4, 8) if quick else (16, 16)
+    return {
+        str(window): cache_share(await episode_prompts(tok, window, tasks, samples))
+        for window in (2, 0, 4, 8)
+    }
+
+
 async def bench(url: str, quick: bool) -> dict[str, Any]:
     hf = HFChatTokenizer.from_dir(tiny_model_dir())
     episodes = 3 if quick else 10
@@ -230,6 +307,7 @@ async def bench(url: str, quick: bool) -> dict[str, Any]:
     out["raw_publish"] = await raw_publish(url, events)
     for key in ("service_events", "service_events_byte"):
         out[key]["ratio_to_raw_publish"] = out[key]["events_per_s"] / out["raw_publish"]["events_per_s"]
+    out["prompt_reuse"] = await prompt_reuse(hf, quick)
     return out
 
 
@@ -263,6 +341,9 @@ def main() -> None:
         r = results[key]
         ratio = f" ({r['ratio_to_raw_publish']:.2f}x raw publish)" if "ratio_to_raw_publish" in r else ""
         print(f"{key:>20}: {r['events_per_s']:8.0f} events/s{ratio}")
+    for window, r in results["prompt_reuse"].items():
+        print(f"history window {window}: {r['prompt_tokens_per_step']:.0f} prompt tokens/step, "
+              f"{r['new_tokens_per_step']:.0f} not in the prefix cache ({r['cache_share']:.0%} cached)")  # fmt: skip
     print(f"saved {RESULTS}")
 
 

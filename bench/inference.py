@@ -9,7 +9,11 @@ Figures (saved to bench/results/inference.json), all measured in this process on
    unrelated prompts and once as 16 episodes whose prompts grow step by step (shared prefixes): where the
    engine's time goes (prefill vs decode), how much the prefix cache saves, and the speedup over serial
    ``generate`` on requests of the same workload;
-3. weight reload: ``/update_weights_from_disk`` round trip (manifest check + read + validation + swap)
+3. agent rollouts: real multi-turn episodes, Sokoban evaluation rollouts with the paper table's settings
+   (5x5 rooms, <= 3 pushes, horizon 8, history window 2, 16 in flight) through the server, prompts and
+   completions from the model itself: the same figures, against serial ``generate`` of a sample of the
+   requests those episodes sent (same prompts, same completion lengths);
+4. weight reload: ``/update_weights_from_disk`` round trip (manifest check + read + validation + swap)
    against a plain safetensors load of the same file into memory (``safetensors.torch.load`` of its
    bytes; ``load_file`` alone only maps the file lazily and is reported too).
 """
@@ -34,7 +38,17 @@ import torch
 from safetensors.torch import load, load_file
 
 from actors.client import SGLangClient, parse_completions
-from learner.model_io import export_weights, load_model, load_tokenizer, resolve_model, verify_manifest
+from actors.engine import Completion, SamplingParams
+from actors.evaluate import evaluate
+from envs.registry import make_env
+from learner.model_io import (
+    HFChatTokenizer,
+    export_weights,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+    verify_manifest,
+)
 from services.inference.local import ServerThread, start_in_thread
 from services.inference.server import InferenceConfig
 from services.inference.weights import load_weight_dir
@@ -118,6 +132,12 @@ def throughput(handle: ServerThread, model: Any, tok: Any, quick: bool) -> dict[
     return out
 
 
+def _words(rng: random.Random, n: int) -> str:
+    """``n`` words drawn by ``rng`` (one generator per text: a fresh ``Random(seed)`` per word would
+    repeat one word, and texts of different seeds would often coincide)."""
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
 def agent_requests(tok: Any, count: int, *, episodes: bool) -> list[list[tuple[list[int], int]]]:
     """16 clients' request lists, prompts of 200-600 tokens and 5-20 new tokens each. ``episodes``: each
     client is one actor episode whose prompt grows by a step line per request (shared prefixes, as
@@ -128,10 +148,10 @@ def agent_requests(tok: Any, count: int, *, episodes: bool) -> list[list[tuple[l
         c = i % 16
         if episodes:
             step = len(clients[c])
-            task = " ".join(random.Random(c).choice(WORDS) for _ in range(140))
+            task = _words(random.Random(c), 140)
             history = "\n".join(
                 f"{t}. {rng.choice(['up', 'down', 'left', 'right'])} -> "
-                + " ".join(random.Random(c * 100 + t).choice(WORDS) for _ in range(45))
+                + _words(random.Random(c * 100 + t), 45)
                 for t in range(step * 3)
             )
             msgs = [
@@ -145,6 +165,47 @@ def agent_requests(tok: Any, count: int, *, episodes: bool) -> list[list[tuple[l
     return clients
 
 
+def ideal_prefix_share(prompts: list[list[int]]) -> float:
+    """Share of prompt tokens a cache holding every earlier prompt could serve (each prompt's last token
+    excluded, as the engine must run it): the ceiling of ``prefix_cache_share``. A plain token trie, so
+    the figure does not depend on the engine's code."""
+    root: dict[int, Any] = {}
+    served = 0
+    for ids in prompts:
+        node, depth = root, 0
+        while depth < len(ids) - 1 and ids[depth] in node:
+            node, depth = node[ids[depth]], depth + 1
+        served += depth
+        node = root
+        for t in ids:
+            node = node.setdefault(t, {})
+    return round(served / sum(map(len, prompts)), 3)
+
+
+def _engine_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Engine counters over a workload: time split, prompt tokens by where their KV came from."""
+    delta = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], int | float)}
+    busy = delta["prefill_s"] + delta["decode_s"]
+    cached, computed = delta["cached_tokens"], delta["prefill_tokens"]
+    shared = delta.get("shared_tokens", 0)
+    return {
+        "prefill_s": round(delta["prefill_s"], 3),
+        "decode_s": round(delta["decode_s"], 3),
+        "prefill_share": round(delta["prefill_s"] / busy, 3),
+        "prefill_cpu_s": round(delta.get("prefill_cpu_s", float("nan")), 3),
+        "decode_cpu_s": round(delta.get("decode_cpu_s", float("nan")), 3),
+        "prompt_tokens_prefilled": computed,
+        "prompt_tokens_from_prefix_cache": cached,
+        "prompt_tokens_shared_in_batch": shared,
+        "prefix_cache_share": round(cached / max(cached + computed, 1), 3),
+        "not_recomputed_share": round((cached + shared) / max(cached + shared + computed, 1), 3),
+        "prefill_calls": delta["prefill_calls"],
+        "decode_steps": delta["decode_steps"],
+        "prefill_tokens_per_s": round(computed / max(delta["prefill_s"], 1e-9), 1),
+        "decode_tokens_per_s": round(delta["decode_tokens"] / max(delta["decode_s"], 1e-9), 1),
+    }
+
+
 def agent_workload(
     handle: ServerThread, model: Any, tok: Any, quick: bool, *, episodes: bool
 ) -> dict[str, Any]:
@@ -153,11 +214,9 @@ def agent_workload(
     engine = handle.server.engine if handle.server else None
     assert engine is not None
     engine.flush_cache()
-    before = dict(engine.stats.__dict__)
+    before = dict(engine.describe())
     res = asyncio.run(concurrent_load(handle.url, clients))
-    after = engine.stats.__dict__
-    delta = {k: after[k] - before[k] for k in before}
-    busy = delta["prefill_s"] + delta["decode_s"]
+    stats = _engine_delta(before, engine.describe())
     serial = serial_generate(
         model, [c[0] for c in clients[: 2 if quick else 4]] + [c[-1] for c in clients[:2]], tok.pad_token_id
     )
@@ -167,22 +226,94 @@ def agent_workload(
         "prompt_tokens_mean": round(statistics.mean(len(r[0]) for r in reqs), 1),
         "new_tokens_mean": round(statistics.mean(r[1] for r in reqs), 1),
         "server": res,
-        "prefill_s": round(delta["prefill_s"], 3),
-        "decode_s": round(delta["decode_s"], 3),
-        "prefill_share": round(delta["prefill_s"] / busy, 3),
-        "prompt_tokens_prefilled": delta["prefill_tokens"],
-        "prompt_tokens_from_prefix_cache": delta["cached_tokens"],
-        "prefill_tokens_per_s": round(delta["prefill_tokens"] / delta["prefill_s"], 1),
-        "decode_tokens_per_s": round(delta["decode_tokens"] / max(delta["decode_s"], 1e-9), 1),
+        **stats,
+        "ideal_prefix_share": ideal_prefix_share(
+            [c[t][0] for t in range(max(map(len, clients))) for c in clients if t < len(c)]
+        ),
         "serial_generate": serial,
         "vs_serial": round(res["tokens_per_s"] / serial["tokens_per_s"], 2),
     }
     kind = "episodes (shared prefixes)" if episodes else "unrelated prompts"
     print(
         f"  agent workload, {kind}: prefill {out['prefill_share']:.0%} of engine time "
-        f"({out['prefill_tokens_per_s']:.0f} prompt tok/s, {delta['cached_tokens']} of "
-        f"{delta['cached_tokens'] + delta['prefill_tokens']} prompt tokens from the prefix cache), "
-        f"decode {out['decode_tokens_per_s']:.0f} tok/s; {out['vs_serial']:.2f}x serial generate"
+        f"({out['prefill_tokens_per_s']:.0f} prompt tok/s, {stats['prefix_cache_share']:.0%} of prompt "
+        f"tokens from the prefix cache of at most {out['ideal_prefix_share']:.0%}), decode "
+        f"{out['decode_tokens_per_s']:.0f} tok/s; {out['vs_serial']:.2f}x serial generate"
+    )
+    return out
+
+
+PAPER_ROOMS = {"height": 5, "width": 5, "num_boxes": 1, "max_solution_len": 3, "max_steps": 8}
+"""bench/paper_table.py's ``full`` scale rooms (its evaluation: horizon 8, history window 2)."""
+
+
+class RecordingClient(SGLangClient):
+    """The actors' client, remembering each request's prompt and completion length."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.requests: list[tuple[list[int], int]] = []
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        return_logprob: bool = False,
+        timeout_s: float | None = None,
+    ) -> list[Completion]:
+        out = await super().generate(
+            input_ids, params, n=n, return_logprob=return_logprob, timeout_s=timeout_s
+        )
+        self.requests += [(list(input_ids), len(c.output_ids)) for c in out]
+        return out
+
+
+def agent_rollouts(handle: ServerThread, model: Any, tok: Any, quick: bool) -> dict[str, Any]:
+    """Sokoban evaluation rollouts through the server (real multi-turn agent episodes)."""
+    engine = handle.server.engine if handle.server else None
+    assert engine is not None
+    tasks, samples = (2, 8) if quick else (4, 16)
+    env = make_env("sokoban", **PAPER_ROOMS)
+    task_ids = env.tasks("test")[:tasks]
+    env.close()
+    engine.flush_cache()
+    before = dict(engine.describe())
+    client = RecordingClient(handle.url)
+
+    async def run() -> Any:
+        async with client:
+            return await evaluate(
+                engine=client, tokenizer=HFChatTokenizer(tok), env_name="sokoban", env_options=PAPER_ROOMS,
+                task_ids=task_ids, split="test", samples=samples, ks=[1], run_id="bench", label="bench",
+                concurrency=16, sink=None, seed=12345, rollout_overrides={"horizon": 8, "history_window": 2},
+            )  # fmt: skip
+
+    t0 = time.perf_counter()
+    result = asyncio.run(run())
+    wall = time.perf_counter() - t0
+    stats = _engine_delta(before, engine.describe())
+    tokens = sum(n for _, n in client.requests)
+    sample = random.Random(0).sample(client.requests, 4 if quick else 8)
+    serial = serial_generate(model, sample, tok.pad_token_id)
+    out = {
+        "episodes": result.episodes,
+        "requests": len(client.requests),
+        "prompt_tokens_mean": round(statistics.mean(len(r[0]) for r in client.requests), 1),
+        "new_tokens_mean": round(tokens / len(client.requests), 1),
+        "server": {"wall_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2)},
+        **stats,
+        "ideal_prefix_share": ideal_prefix_share([ids for ids, _ in client.requests]),
+        "serial_generate": serial,
+        "vs_serial": round(tokens / wall / serial["tokens_per_s"], 2),
+    }
+    print(
+        f"  agent rollouts ({result.episodes} Sokoban episodes, {len(client.requests)} requests): prefill "
+        f"{stats['prefill_share']:.0%} of engine time, {stats['prefix_cache_share']:.0%} of prompt tokens "
+        f"from the prefix cache of at most {out['ideal_prefix_share']:.0%} ({stats['not_recomputed_share']:.0%} "
+        f"not recomputed); "
+        f"{out['vs_serial']:.2f}x serial generate"
     )
     return out
 
@@ -258,6 +389,7 @@ def main() -> None:
         results["throughput"] = throughput(handle, model, tok, a.quick)
         results["agent_unrelated"] = agent_workload(handle, model, tok, a.quick, episodes=False)
         results["agent_episodes"] = agent_workload(handle, model, tok, a.quick, episodes=True)
+        results["agent_rollouts"] = agent_rollouts(handle, model, tok, a.quick)
         results["weight_reload"] = reload_latency(handle, model, model_dir, a.quick)
     finally:
         handle.stop()

@@ -36,8 +36,9 @@ class InferenceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     prefill where the CPU has AVX512-BF16/AMX (measured 282 -> 599 tokens/s on one Zen 4 core); sampling
     and logprobs are computed in float32 either way, and weight updates are cast to this dtype."""
     prefix_cache_tokens: int = 16384
-    """Prompt tokens whose KV is kept for reuse by later prompts with the same prefix (0 = off;
-    SmolLM2 needs ~46 KB per token, so the default holds ~0.75 GB at most)."""
+    """Token budget of the prefix cache: prompt KV kept for reuse by later prompts with the same prefix,
+    least recently used first out (0 = off). SmolLM2 needs ~46 KB per token in float32 (~23 KB in
+    bfloat16), so the default holds ~0.75 GB at most."""
     api_key_file: str = ""
     """File holding the API key every route but ``/health`` and ``/ready`` requires (SGLang's ``--api-key``,
     sent as ``Authorization: Bearer``); empty = no key (a warning at start)."""

@@ -1,12 +1,15 @@
-"""Batched decoding with a KV cache for the CPU inference server: prefill (also from a cached prompt
-prefix), decode steps, merging and trimming of the running batch, and SGLang's stop rules. Pure torch, no
-I/O and no threads (``services/inference/engine.py`` runs it).
+"""Continuous batching for the CPU inference server: the running sequences, their decode steps, and
+SGLang's stop rules. Pure torch, no I/O and no threads (``services/inference/engine.py`` runs it).
 
-A :class:`DecodeBatch` holds the running sequences right-aligned: every row's real tokens end at the
-last cache column and padding sits on the left, masked out. New sequences are prefilled in their own
-left-padded batch and merged in between decode steps (continuous batching); finished ones are dropped
-and all-padding columns trimmed. Positions are tracked per row, so a row's keys are exactly those of the
-same prompt run alone (RoPE is applied before caching; padding only adds masked columns).
+A :class:`DecodeBatch` keeps its sequences in the rows of one KV arena (``services/inference/kv.py``):
+every row's tokens end at the arena's write column, where a decode step writes the next token of every
+row in place. A prefilled prompt (``services/inference/prefill.py``) joins by copying its KV into a free
+row, right-aligned; one longer than the batch moves the write column on and leaves the older rows a
+masked gap. A finished row is replaced by the last row (one row copied), so the rows in use stay
+``0..n-1`` and the model always sees contiguous KV. Positions are tracked per row, so a row's keys are
+exactly those of the same prompt run alone (RoPE is applied before caching; gaps are only masked
+columns). The arena is reallocated only when it runs out of rows or columns; that also drops the
+leading columns no row uses any more.
 
 Token choice (greedy, seeded sampling, top-p/top-k) is in ``services/inference/sampling.py``.
 """
@@ -14,24 +17,17 @@ Token choice (greedy, seeded sampling, top-p/top-k) is in ``services/inference/s
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-__all__ = [
-    "DecodeBatch",
-    "GenSequence",
-    "GenSpec",
-    "StopChecker",
-    "merge_batches",
-    "prefill",
-    "prefill_cached",
-    "prompt_kv",
-]
+from services.inference.kv import ArenaCache, KVLayout
+
+if TYPE_CHECKING:
+    from services.inference.prefill import Prefilled
+
+__all__ = ["DecodeBatch", "GenSequence", "GenSpec", "StopChecker"]
 
 
 class _Decoder(Protocol):
@@ -115,168 +111,100 @@ class StopChecker:
         seq.text = text
 
 
+_SPARE_COLUMNS = 32
+"""Columns allocated beyond the need when an arena grows: one reallocation (a copy of the batch's KV) per
+~32 decode steps, against attention over ~16 masked spare columns per step on average."""
+
+
 @dataclass(eq=False)
 class DecodeBatch:
-    """Running sequences with their KV cache, right-aligned; ``mask`` is ``[B, T]`` (1 = real token)."""
+    """Running sequences in rows ``0..n-1`` of a KV arena ``[layers, 2, rows, kv_heads, columns, dim]``."""
 
-    seqs: list[GenSequence]
-    cache: DynamicCache
-    mask: torch.Tensor
-    next_pos: torch.Tensor
-    """``[B]`` position id of each row's next token (= real tokens so far)."""
+    layout: KVLayout
+    seqs: list[GenSequence] = field(default_factory=list)
+    arena: torch.Tensor | None = None
+    mask: torch.Tensor = field(default_factory=lambda: torch.zeros((0, 0), dtype=torch.bool))
+    """``[rows, columns]``: True where a row has a token; False from ``write`` on, in every row."""
+    next_pos: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    """``[rows]`` position id of each row's next token (= its tokens so far)."""
+    write: int = 0
+    """Column the next decode step writes (every row's tokens end just before it)."""
 
     def __len__(self) -> int:
         return len(self.seqs)
 
     @property
-    def width(self) -> int:
-        """Cache length in columns (padding included)."""
+    def columns(self) -> int:
+        """Arena width (the model attends over all of it; unused columns are masked)."""
         return int(self.mask.shape[1])
+
+    def add(self, group: Prefilled, row: int, seqs: list[GenSequence]) -> None:
+        """Give each of ``seqs`` a row holding the prompt KV of ``group``'s row ``row``."""
+        spans = group.spans(row)
+        length = sum(b - a for a, b in spans)
+        self._reserve(len(self.seqs) + len(seqs), length)
+        self.write = max(self.write, length)
+        assert self.arena is not None
+        for seq in seqs:
+            slot = len(self.seqs)
+            col = self.write - length
+            self.mask[slot] = False
+            for a, b in spans:
+                self.arena[:, :, slot, :, col : col + b - a] = group.arena[:, :, row, :, a:b]
+                col += b - a
+            self.mask[slot, self.write - length : self.write] = True
+            self.next_pos[slot] = length
+            self.seqs.append(seq)
 
     def step(self, model: Any) -> torch.Tensor:
         """Feed each row's last token; returns next-token logits ``[B, V]``."""
+        self._reserve(len(self.seqs), 0)
+        assert self.arena is not None
+        rows = len(self.seqs)
         last = torch.tensor([[s.output_ids[-1]] for s in self.seqs], dtype=torch.long)
-        self.mask = torch.cat([self.mask, torch.ones(len(self), 1, dtype=self.mask.dtype)], dim=1)
+        self.mask[:rows, self.write] = True
         out = model(
             input_ids=last,
-            attention_mask=self.mask,
-            position_ids=self.next_pos[:, None],
-            cache=self.cache,
+            attention_mask=self.mask[:rows],
+            position_ids=self.next_pos[:rows, None],
+            cache=ArenaCache(self.arena, rows, self.write),
             use_cache=True,
         )
-        self.next_pos = self.next_pos + 1
+        self.write += 1
+        self.next_pos[:rows] += 1
         return out.logits[:, -1, :]
 
-    def keep(self, rows: list[int]) -> None:
-        """Keep only ``rows`` (in that order) and trim columns that became padding in every row."""
-        index = torch.tensor(rows, dtype=torch.long)
-        self.seqs = [self.seqs[r] for r in rows]
-        self.mask = self.mask.index_select(0, index)
-        self.next_pos = self.next_pos.index_select(0, index)
-        used = self.mask.any(dim=0).nonzero()
-        first = int(used[0]) if len(used) else self.width
-        for layer in _layers(self.cache):
-            layer.keys = layer.keys.index_select(0, index)[..., first:, :]
-            layer.values = layer.values.index_select(0, index)[..., first:, :]
-        self.mask = self.mask[:, first:]
+    def remove(self, rows: list[int]) -> None:
+        """Drop ``rows``; the last rows move into the freed ones, so the others may change index."""
+        assert self.arena is not None or not rows
+        for r in sorted(set(rows), reverse=True):
+            last = len(self.seqs) - 1
+            if r != last:
+                assert self.arena is not None
+                self.arena[:, :, r, :, : self.write] = self.arena[:, :, last, :, : self.write]
+                self.mask[r] = self.mask[last]
+                self.next_pos[r] = self.next_pos[last]
+                self.seqs[r] = self.seqs[last]
+            self.seqs.pop()
 
-
-def _layers(cache: DynamicCache) -> list[Any]:
-    """The cache's layers; merging and trimming assume plain full-attention layers ``[B, H, T, D]``."""
-    layers = list(cache.layers)
-    for layer in layers:
-        if type(layer) is not DynamicLayer:
-            raise TypeError(
-                f"the CPU server only batches full-attention models, got a {type(layer).__name__}"
-            )
-    return layers
-
-
-def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    missing = width - t.shape[dim]
-    if missing <= 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
-def merge_batches(a: DecodeBatch, b: DecodeBatch) -> DecodeBatch:
-    """One batch with ``a``'s rows then ``b``'s, the narrower left-padded to the wider's width."""
-    width = max(a.width, b.width)
-    for la, lb in zip(_layers(a.cache), _layers(b.cache), strict=True):
-        la.keys = torch.cat([_pad_left(la.keys, width, -2), _pad_left(lb.keys, width, -2)], dim=0)
-        la.values = torch.cat([_pad_left(la.values, width, -2), _pad_left(lb.values, width, -2)], dim=0)
-    mask = torch.cat([_pad_left(a.mask, width, 1), _pad_left(b.mask, width, 1)], dim=0)
-    return DecodeBatch(
-        seqs=a.seqs + b.seqs, cache=a.cache, mask=mask, next_pos=torch.cat([a.next_pos, b.next_pos])
-    )
-
-
-def prefill(model: Any, seqs: list[GenSequence], pad_id: int) -> tuple[DecodeBatch, torch.Tensor]:
-    """Run the prompts of ``seqs``, left-padded; returns the batch (one row per sequence) and the first
-    next-token logits ``[B, V]``. The ``n`` copies of a prompt share one list object, hence one row."""
-    firsts: dict[int, int] = {}
-    prompts: list[list[int]] = []
-    rows: list[int] = []
-    for s in seqs:
-        key = id(s.prompt)
-        if key not in firsts:
-            firsts[key] = len(prompts)
-            prompts.append(s.prompt)
-        rows.append(firsts[key])
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p) :] = 1
-    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    _layers(cache)
-    out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    logits = out.logits[:, -1, :]
-    if rows != list(range(len(prompts))):
-        mask, logits = _expand_rows(cache, mask, logits, rows)
-    next_pos = mask.sum(dim=1)
-    return DecodeBatch(seqs=list(seqs), cache=cache, mask=mask, next_pos=next_pos), logits
-
-
-def _expand_rows(
-    cache: DynamicCache, mask: torch.Tensor, logits: torch.Tensor, rows: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    index = torch.tensor(rows, dtype=torch.long)
-    for layer in _layers(cache):
-        layer.keys = layer.keys.index_select(0, index)
-        layer.values = layer.values.index_select(0, index)
-    return mask.index_select(0, index), logits.index_select(0, index)
-
-
-def prefill_cached(
-    model: Any, seqs: list[GenSequence], kv: Seq[tuple[torch.Tensor, torch.Tensor]], cached: int
-) -> tuple[DecodeBatch, torch.Tensor]:
-    """Prefill copies of one prompt whose first ``cached`` tokens' KV is ``kv`` (from the prefix cache):
-    only the suffix runs through the model. Returns the batch and next-token logits as :func:`prefill`."""
-    prompt = seqs[0].prompt
-    if any(s.prompt is not prompt for s in seqs) or not 0 < cached < len(prompt):
-        raise ValueError(
-            f"prefill_cached needs copies of one prompt and 0 < cached < {len(prompt)}, got {cached}"
-        )
-    cache = DynamicCache(config=model.config)
-    for layer, (k, v) in zip(_layers(cache), kv, strict=True):
-        layer.update(k[..., :cached, :], v[..., :cached, :])
-    width = len(prompt)
-    out = model(
-        input_ids=torch.tensor([prompt[cached:]], dtype=torch.long),
-        attention_mask=torch.ones((1, width), dtype=torch.long),
-        position_ids=torch.arange(cached, width, dtype=torch.long)[None],
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    mask, logits = _expand_rows(
-        cache, torch.ones((1, width), dtype=torch.long), out.logits[:, -1, :], [0] * len(seqs)
-    )
-    for s in seqs:
-        s.cached_tokens = cached
-    return DecodeBatch(seqs=list(seqs), cache=cache, mask=mask, next_pos=mask.sum(dim=1)), logits
-
-
-def prompt_kv(batch: DecodeBatch, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Copies of ``row``'s prompt KV, ``[1, H, len(prompt), D]`` per layer; call right after prefill
-    (before decode steps add columns)."""
-    length = len(batch.seqs[row].prompt)
-    return [
-        (
-            layer.keys[row : row + 1, :, -length:, :].clone(),
-            layer.values[row : row + 1, :, -length:, :].clone(),
-        )
-        for layer in _layers(batch.cache)
-    ]
+    def _reserve(self, rows: int, length: int) -> None:
+        """Make room for ``rows`` rows, a row of ``length`` tokens ending at the write column, and the
+        token the next step writes; a reallocation also drops leading columns no row uses."""
+        have_rows = 0 if self.arena is None else self.arena.shape[2]
+        if rows <= have_rows and max(self.write, length) < self.columns:
+            return
+        used = self.mask[: len(self.seqs), : self.write].any(dim=0).nonzero()
+        lead = int(used[0]) if len(used) else self.write
+        live = self.write - lead
+        width = max(live, length) + _SPARE_COLUMNS
+        new_rows = max(rows, have_rows if rows <= have_rows else 2 * have_rows)
+        arena = self.layout.arena(new_rows, width)
+        mask = torch.zeros((new_rows, width), dtype=torch.bool)
+        next_pos = torch.zeros(new_rows, dtype=torch.long)
+        n = len(self.seqs)
+        if n:
+            assert self.arena is not None
+            arena[:, :, :n, :, :live] = self.arena[:, :, :n, :, lead : self.write]
+            mask[:n, :live] = self.mask[:n, lead : self.write]
+            next_pos[:n] = self.next_pos[:n]
+        self.arena, self.mask, self.next_pos, self.write = arena, mask, next_pos, live

@@ -15,9 +15,10 @@ Routes: POST /generate, POST /update_weights_from_disk, POST /update_weight_vers
 (+ /get_model_info), GET /get_server_info, GET /health, GET /ready, GET|POST /flush_cache; anything else is
 404 ``{"detail": "Not Found"}``. Generation runs in :class:`services.inference.engine.GenerationEngine`'s
 worker thread with dynamic (continuous) batching; a weight reload is read and checked in another
-thread and swapped in between batches. Prompt prefixes are reused from a small KV cache
+thread and swapped in between batches. Prompt prefixes are reused from a radix tree of KV
 (``services/inference/prefix.py``; ``meta_info.cached_tokens`` says how many). Simplified against SGLang:
-no streaming, no input logprobs, no radix tree (whole recent prompts are cached).
+no streaming, no input logprobs, no paged attention (each batch keeps its KV in one arena,
+``services/inference/kv.py``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Pure parts of the CPU inference server: /generate request validation, SGLang stop rules, seeded
-sampling, the prompt prefix cache and prefill grouping. No model, no HTTP.
+sampling and prefill grouping. No model, no HTTP (the prefix tree: ``inference/test_prefix_tree.py``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 
 from services.inference.api import RequestError, copy_seed, output_body, parse_generate, parse_sampling
 from services.inference.decode import GenSequence, GenSpec, StopChecker
-from services.inference.engine import GenerationEngine
-from services.inference.prefix import PrefixCache
+from services.inference.prefill import PrefillRow, plan_chunks
+from services.inference.prefix import PrefixMatch
 from services.inference.sampling import choose_tokens
 
 EOS = 0
@@ -237,50 +237,14 @@ def test_flat_distributions_still_filter_exactly() -> None:
     assert set(freq.nonzero()[:, 0].tolist()) <= best
 
 
-# ---- prefix cache and prefill grouping --------------------------------------------------------------
-def kv(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    t = torch.arange(n, dtype=torch.float32).reshape(1, 1, n, 1)
-    return [(t, t.clone())]
-
-
-def test_prefix_cache_matches_longest_prefix_and_keeps_one_token() -> None:
-    """Lookups return the longest cached prefix, at most len(prompt)-1, and nothing below min_match."""
-    cache = PrefixCache(1000, min_match=4)
-    cache.insert(list(range(10)), kv(10))
-    assert cache.lookup(list(range(10)))[0] == 9
-    assert cache.lookup([*range(6), 99, 98])[0] == 6
-    assert cache.lookup([0, 1, 2, 50, 51]) == (0, None)
-    assert (cache.stats.hits, cache.stats.misses, cache.stats.cached_tokens) == (2, 1, 15)
-
-
-def test_prefix_cache_extension_replaces_and_lru_evicts() -> None:
-    """A prompt extending an entry replaces it; a prompt covered by an entry adds nothing; beyond the
-    capacity the least recently used entries go; clear empties it."""
-    cache = PrefixCache(25, min_match=2)
-    cache.insert(list(range(5)), kv(5))
-    cache.insert(list(range(8)), kv(8))
-    assert cache.tokens == 8
-    cache.insert(list(range(6)), kv(6))
-    assert cache.tokens == 8
-    cache.insert([50, *range(10)], kv(11))
-    cache.lookup(list(range(8)))
-    cache.insert([60, *range(10)], kv(11))
-    assert cache.lookup([50, *range(10)]) == (0, None) and cache.lookup(list(range(8)))[0] == 7
-    cache.clear()
-    assert cache.tokens == 0
-
-
+# ---- prefill grouping ----------------------------------------------------------------------------------
 def test_prefill_chunks_bound_padding() -> None:
-    """Prompts are grouped by length so a chunk pads at most ~25% and stays under the token cap; the n
-    copies of one prompt stay together."""
-    engine = GenerationEngine(
-        torch.nn.Identity(), StopChecker(ByteTokenizer(), frozenset()), pad_id=0, max_prefill_tokens=1000
-    )
-    shared = [1] * 100
-    seqs = [
-        GenSequence(prompt=p, spec=GenSpec())
-        for p in ([1] * 10, [1] * 12, shared, shared, [1] * 400, [1] * 420, [1] * 430)
-    ]
-    chunks = engine._prefill_chunks(seqs)
-    lengths = [[len(s.prompt) for s in c] for c in chunks]
-    assert lengths == [[10, 12], [100, 100], [400, 420], [430]]
+    """Distinct prompts are grouped by the number of tokens they still need (after their cached prefix),
+    so a pass pads at most ~25% and stays under the token cap; a cached prefix does not count."""
+
+    def row(length: int, cached: int = 0) -> PrefillRow:
+        return PrefillRow(prompt=[1] * length, seqs=[], cached=PrefixMatch(cached))
+
+    rows = [row(10), row(12), row(100), row(300, cached=200), row(400), row(420), row(430)]
+    chunks = plan_chunks(rows, max_tokens=1000)
+    assert [[r.suffix for r in c] for c in chunks] == [[10, 12], [100, 100], [400, 420], [430]]

@@ -28,6 +28,7 @@ one client per loop, and close it (``async with``).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import time
 from collections.abc import Sequence
@@ -39,7 +40,7 @@ import aiohttp
 import msgspec
 import structlog
 
-from actors.engine import Completion, EngineError, SamplingParams
+from actors.engine import ENGINE_AFFINITY, Completion, EngineError, SamplingParams
 from actors.sglang_wire import (
     Aborted,
     decode_outputs,
@@ -55,6 +56,10 @@ log = structlog.get_logger(__name__)
 
 _RETRY_STATUS = frozenset({502, 503, 504})
 _MODEL_INFO_ROUTES = ("/model_info", "/get_model_info")
+
+
+AFFINITY_SLACK = 8
+"""Requests in flight a server may have beyond the least loaded one and still get its affinity keys."""
 
 
 class SGLangClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -195,7 +200,9 @@ class SGLangClient:
         return self._session
 
     def _pick(self) -> _Server:
-        """Least in-flight among servers not cooling down (ties rotate); all cooling: soonest back."""
+        """Among servers not cooling down: the one the task's affinity key prefers (rendezvous hashing,
+        so a key keeps its server when others come and go) unless it has ``AFFINITY_SLACK`` more requests
+        in flight than the least loaded; else the least loaded (ties rotate). All cooling: soonest back."""
         now = time.monotonic()
         up = [s for s in self.servers if s.down_until <= now]
         self._turn += 1
@@ -203,7 +210,12 @@ class SGLangClient:
             return min(self.servers, key=lambda s: s.down_until)
         n = len(up)
         rotated = [up[(self._turn + i) % n] for i in range(n)]
-        return min(rotated, key=lambda s: s.in_flight)
+        least = min(rotated, key=lambda s: s.in_flight)
+        key = ENGINE_AFFINITY.get()
+        if key is None or n == 1:
+            return least
+        preferred = max(up, key=lambda s: hashlib.blake2b(f"{key}|{s.url}".encode(), digest_size=8).digest())
+        return preferred if preferred.in_flight <= least.in_flight + AFFINITY_SLACK else least
 
     async def _once(self, server: _Server, method: str, path: str, payload: Any, timeout_s: float) -> bytes:
         t = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.config.connect_timeout_s)

@@ -6,11 +6,18 @@ our CPU server, ``services/inference/server.py``); tests use scripted fakes with
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Literal, Protocol
 
 import msgspec
 
-__all__ = ["Completion", "Engine", "EngineError", "SamplingParams"]
+__all__ = [
+    "ENGINE_AFFINITY",
+    "Completion",
+    "Engine",
+    "EngineError",
+    "SamplingParams",
+]
 
 
 class EngineError(RuntimeError):
@@ -69,6 +76,13 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     """Prompt length in tokens."""
     cached_tokens: int = 0
     """Prompt tokens served from the engine's prefix cache."""
+
+
+ENGINE_AFFINITY: ContextVar[str | None] = ContextVar("leafe_engine_affinity", default=None)
+"""A key naming what the current asyncio task generates for (an episode's task group): engines with several
+servers send the requests of one key to the same server when it is not much busier than the others, so
+consecutive turns and sibling samples find their shared prompt prefix in that server's cache. Set by the
+explorer for the duration of an episode; each asyncio task has its own value."""
 
 
 class Engine(Protocol):

@@ -38,7 +38,7 @@ import msgspec
 import structlog
 
 from actors.config import ExplorerConfig
-from actors.engine import Completion, Engine, EngineError, SamplingParams
+from actors.engine import ENGINE_AFFINITY, Completion, Engine, EngineError, SamplingParams
 from actors.episode import EpisodeRecorder, EpisodeSpec, EpisodeSummary, EventSink
 from actors.oracle import oracle_parsed
 from actors.parsing import invalid_action_feedback, parse_action, parse_reflection
@@ -186,6 +186,8 @@ class Explorer:
         return _Branch(ROOT_BRANCH, depth=0, tau=0, experience=None, path=[], snapshots=snaps)
 
     async def _generate(self, ids: list[int], params: SamplingParams, logprob: bool) -> Completion:
+        # The task's group (or task key): its episodes share the prompt prefix on one server's cache.
+        ENGINE_AFFINITY.set(self.spec.group_id or self.spec.task_key)
         completions = await self.engine.generate(ids, params, n=1, return_logprob=logprob)
         if len(completions) != 1:
             raise EngineError(f"engine returned {len(completions)} completions for n=1")

@@ -52,8 +52,9 @@ class ExploreSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Train-split tasks (the first N)."""
     offset: int = 0
     """First task index."""
-    mode: Literal["explore", "rollout"] = "explore"
-    """``explore``: LEAFE trees; ``rollout``: plain samples (GRPO/RFT baselines)."""
+    mode: Literal["explore", "rollout", "demo"] = "explore"
+    """``explore``: LEAFE trees; ``rollout``: plain samples (GRPO/RFT baselines); ``demo``: the env expert's
+    demonstrations (for the ``sft`` materializer: ``leafe run --preset warmstart``)."""
     samples: int = 1
     """Assignments per task (a GRPO group when > 1)."""
     seed: int = 0
@@ -167,9 +168,29 @@ PRESETS: dict[str, dict[str, Any]] = {
     "default": {
         "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
         "explore": {"tasks": 8},
-        "eval": {"tasks": 6, "samples": 4, "ks": [1, 2, 4]},
+        "eval": {"tasks": 12, "samples": 8, "ks": [1, 2, 4, 8]},
         "actor": {"explorer": _EXPLORE, "rollout": _COMPACT},
         "learner": {"trainer": {"push_every": 4, "checkpoint_every": 4, "batch": {"global_batch": 16}}},
+    },
+    "warmstart": {
+        # Learning that shows within minutes: expert demonstrations of train rooms (no engine needed),
+        # the sft materializer, and the online learner fix SmolLM2's answer format; the report compares
+        # Pass@k and unparseable answers before and after on held-out rooms.
+        "materializer": "sft",
+        "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
+        "explore": {"mode": "demo", "tasks": 96},
+        "eval": {"tasks": 12, "samples": 8, "ks": [1, 2, 4, 8]},
+        "actor": {"rollout": _COMPACT},
+        "learner": {
+            "kinds": ["sft"],
+            "max_batch_wait_s": 10.0,
+            "trainer": {
+                "optim": {"lr": 5e-5},
+                "push_every": 4,
+                "checkpoint_every": 4,
+                "batch": {"global_batch": 16},
+            },
+        },
     },
     "tiny": {
         "model": "tiny",

@@ -105,13 +105,17 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
-def epoch_weights(out: Path, samples: int, global_batch: int, epoch: int, epochs: int) -> Path:
-    """Where a training of ``epochs`` epochs left the weights after ``epoch`` (``final`` for the last)."""
+def epoch_weights(
+    out: Path, samples: int, global_batch: int, epoch: int, epochs: int, max_steps: int = 0
+) -> Path:
+    """Where a training of ``epochs`` epochs (at most ``max_steps`` steps, 0 = no cap) left the weights
+    after ``epoch``: ``final`` for the last epoch and for any epoch the cap cut."""
     from learner.weight_store import version_name
 
-    if epoch == epochs:
+    step = epoch * math.ceil(samples / global_batch)
+    if epoch == epochs or (max_steps and step >= max_steps):
         return out / "final"
-    return out / "weights" / version_name(epoch * math.ceil(samples / global_batch))
+    return out / "weights" / version_name(step)
 
 
 async def train(
@@ -128,6 +132,7 @@ async def train(
     export_epochs: bool,
     threads: int,
     keep_checkpoints: bool,
+    max_steps: int = 0,
 ) -> dict[str, Any]:
     """``leafe train`` of ``model`` on ``data`` into ``out``; returns steps, losses, wall and the weights
     (``final`` and, with ``export_epochs``, one directory per epoch)."""
@@ -142,6 +147,7 @@ async def train(
     table: dict[str, Any] = {"trainer": {**trainer, "checkpoint_every": 0, "push_every": 0}}
     if export_epochs:
         table["trainer"].update(push_every=math.ceil(samples / global_batch), retain_versions=epochs + 1)
+    table.update({"max_steps": max_steps} if max_steps else {})
     conf = _write(out / "train.toml", tomli_w.dumps(table))
     args = ["train", "--data", str(data), "--model", str(model), "--out", str(out), "--preset", preset]
     args += ["--config", str(conf), "--lr", str(lr), "--epochs", str(epochs)]
@@ -152,7 +158,8 @@ async def train(
     if not keep_checkpoints:
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
     weights = {
-        str(e): str(epoch_weights(out, samples, global_batch, e, epochs)) for e in range(1, epochs + 1)
+        str(e): str(epoch_weights(out, samples, global_batch, e, epochs, max_steps))
+        for e in range(1, epochs + 1)
     }
     if not export_epochs:
         weights = {str(epochs): str(out / "final")}

@@ -192,6 +192,9 @@ class TrainingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Micro-batch layout (``pack``: sequence packing)."""
     global_batch: int = 0
     """Samples per optimizer step (0 = the preset's: 16 on ``cpu``)."""
+    max_steps: int = 0
+    """Cap on the optimizer steps of every training but the warm start's (0 = none): only for the small
+    scale's machinery check, where CPU time allows a few steps per method."""
     threads: int = 2
     """Torch threads of the ``leafe train`` / ``leafe replay`` children."""
     min_samples: int = 1

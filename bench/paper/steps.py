@@ -198,6 +198,7 @@ class Steps:
             export_epochs=spec.export_epochs,
             threads=tr.threads,
             keep_checkpoints=tr.keep_checkpoints,
+            max_steps=0 if spec.export_epochs else tr.max_steps,  # SFT candidates: every epoch counts
         )
         return {**head, **out}
 

@@ -29,6 +29,7 @@ from bench.paper.config import PaperConfig
 
 __all__ = [
     "COMPARISONS",
+    "GRPO_ROUND_SEEDS",
     "CollectSpec",
     "EvalSpec",
     "Phase",
@@ -63,6 +64,9 @@ class CollectSpec(msgspec.Struct, frozen=True, kw_only=True, tag="collect"):
     """``ExplorerConfig`` overrides."""
     demo: Options = msgspec.field(default_factory=dict)
     """``DemoConfig`` overrides."""
+    seed_offset: int = 0
+    """Added to the training-episode seed: every GRPO round samples afresh (with the same seeds a barely
+    changed policy would replay the previous round's trajectories)."""
 
 
 class TrainSpec(msgspec.Struct, frozen=True, kw_only=True, tag="train"):
@@ -138,6 +142,9 @@ class Phase(msgspec.Struct, frozen=True, kw_only=True):
         """Phases whose results this one reads (from its references)."""
         return refs_of(self.spec)
 
+
+GRPO_ROUND_SEEDS = 1_000_000
+"""Round r of GRPO collects with seeds offset by (r - 1) x this (larger than 1000 x tasks + samples)."""
 
 COMPARISONS: list[tuple[str, str]] = [
     ("sft", "base"),
@@ -243,7 +250,10 @@ def _grpo(cfg: PaperConfig) -> list[Phase]:
     rounds = ["grpo-r1-select"]
     for r in range(2, g.rounds + 1):
         prev, data = f"grpo-r{r - 1}", f"grpo-r{r}-collect"
-        out.append(_c(data, stage, mode="rollout", model=prev, tasks="rl", samples=g.group))
+        seeds = (r - 1) * GRPO_ROUND_SEEDS
+        out.append(
+            _c(data, stage, mode="rollout", model=prev, tasks="rl", samples=g.group, seed_offset=seeds)
+        )
         out.append(
             _t(
                 f"grpo-r{r}-train",

@@ -28,7 +28,7 @@ import structlog
 
 from bench.paper import lib
 from bench.paper.config import PaperConfig
-from bench.paper.phases import COMPARISONS, Phase, plan
+from bench.paper.phases import COMPARISONS, GRPO_ROUND_SEEDS, Phase, plan
 from bench.paper.report import write_report
 from bench.paper.repro import repro_script
 from bench.paper.steps import Steps
@@ -65,6 +65,7 @@ def protocol_of(cfg: PaperConfig) -> dict[str, Any]:
             "noise_check": cfg.eval_seed + cfg.reseed_offset,
             "validation": cfg.val_seed,
             "training_episodes": cfg.seed,
+            "grpo_round_offset": GRPO_ROUND_SEEDS,
             "per_sample": "seed + 1000 * task index + sample index",
             "trainer": 0,
             "bootstrap": 0,

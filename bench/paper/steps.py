@@ -131,6 +131,7 @@ class Steps:
         explorer = {"horizon": cfg.horizon, "history_window": cfg.history_window, **spec.explorer}
         actor = {"explorer": {env: explorer}, "rollout": {env: self._rollout()}, "demo": {env: spec.demo}}
         run_id = f"{cfg.prefix}-{name}-{tag}" + (f"-g{samples}" if spec.match_actions_of else "")
+        run_id += f"-s{spec.seed_offset}" if spec.seed_offset else ""  # new seeds: new task keys
         out = await lib.collect(
             self.ctx,
             name=name,
@@ -138,7 +139,7 @@ class Steps:
             mode=spec.mode,
             task_ids=ids,
             samples=samples,
-            seed=cfg.seed,
+            seed=cfg.seed + spec.seed_offset,
             env_options=options,
             actor_overrides=actor,
             timeout_s=cfg.serving.collect_timeout_s,

@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from bench.paper.config import PaperConfig
-from bench.paper.phases import CollectSpec, EvalSpec, TrainSpec, closure, plan
+from bench.paper.phases import GRPO_ROUND_SEEDS, CollectSpec, EvalSpec, TrainSpec, closure, plan
 from bench.paper.select import Candidate, choose_best, choose_sft
 
 
@@ -69,6 +69,13 @@ def test_methods_start_where_the_paper_says(small_cfg: PaperConfig) -> None:
     assert isinstance(sr, EvalSpec) and sr.rollout["response_prefix"] == "<think>"
     early = by["early-collect"]
     assert isinstance(early, CollectSpec) and early.demo["self_reflection"] and early.tasks == "demos-chosen"
+    r1, r2 = by["grpo-r1-collect"], by["grpo-r2-collect"]  # every round samples with fresh seeds
+    assert (
+        isinstance(r1, CollectSpec)
+        and isinstance(r2, CollectSpec)
+        and (r1.seed_offset, r2.seed_offset) == (0, GRPO_ROUND_SEEDS)
+    )
+    assert r2.model == "grpo-r1" and GRPO_ROUND_SEEDS > 1000 * (small_cfg.train_tasks + small_cfg.grpo.group)
     noise = by["eval-sft-reseed"]
     assert (
         isinstance(noise, EvalSpec) and noise.model == "sft" and noise.seed_offset == small_cfg.reseed_offset

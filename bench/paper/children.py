@@ -172,6 +172,7 @@ async def train(
         "steps": len(rows),
         "losses": [r["loss"] for r in rows],
         "tokens": sum(int(r.get("real_tokens", 0)) for r in rows),
+        "trained_samples": sum(int(r.get("samples", 0)) for r in rows),
         "train_wall_s": time.monotonic() - t0,
         "config": table,
         "global_batch": global_batch,

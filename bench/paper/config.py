@@ -192,6 +192,10 @@ class TrainingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Micro-batch layout (``pack``: sequence packing)."""
     global_batch: int = 0
     """Samples per optimizer step (0 = the preset's: 16 on ``cpu``)."""
+    export_dtype: Literal["fp32", "bf16"] = "fp32"
+    """dtype of every exported checkpoint. fp32: a chain of trainings (GRPO rounds, LEAFE from GRPO) keeps
+    its updates; a bf16 export rounds away any change under one bf16 ulp (~1e-4 for weights of ~0.03), and
+    2 Adam steps at lr 1e-5 changed only 1.4% of SmolLM2's bf16 weights in the small run."""
     max_steps: int = 0
     """Cap on the optimizer steps of every training but the warm start's (0 = none): only for the small
     scale's machinery check, where CPU time allows a few steps per method."""

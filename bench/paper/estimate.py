@@ -70,7 +70,7 @@ def unit_costs(state: Any) -> dict[str, Any]:
             m[0] += int(r["samples"])
             m[1] += max(1, int(data.get("episodes", 1)))
             m[2] += float(r["tokens"])
-            m[3] += int(r["samples"]) * int(r["epochs"])
+            m[3] += int(r.get("trained_samples") or int(r["samples"]) * int(r["epochs"]))
     overhead, per_token = _fit(points)
     return {
         "eval_s_per_episode": {k: v[0] / v[1] for k, v in ev.items() if v[1]},
@@ -137,7 +137,10 @@ def estimate_plan(cfg: PaperConfig, units: dict[str, Any]) -> list[tuple[Phase, 
             if m is not None:
                 epochs = cfg.warm.epochs if isinstance(spec.epochs, str) else spec.epochs
                 samples = m["samples_per_episode"] * _data_episodes(cfg, phases, spec, units)
-                tokens = samples * m["tokens_per_sample_epoch"] * epochs
+                trained = samples * epochs
+                if cfg.training.max_steps and not spec.export_epochs:
+                    trained = min(trained, cfg.training.max_steps * (cfg.training.global_batch or 16))
+                tokens = trained * m["tokens_per_sample_epoch"]
                 sec = units["train"]["overhead_s"] + tokens * units["train"]["s_per_token"]
         elif isinstance(spec, ProbeSpec):
             sec = ev.get("eval", 0.0) * cfg.probe.tasks * cfg.probe.samples

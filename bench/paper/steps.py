@@ -208,7 +208,7 @@ class Steps:
         tr = self.cfg.training
         batch: dict[str, Any] = {"bucketing": tr.bucketing}
         batch.update({"global_batch": tr.global_batch} if tr.global_batch else {})
-        return {"precision": tr.precision, "batch": batch}
+        return {"precision": tr.precision, "batch": batch, "export_dtype": tr.export_dtype}
 
     async def evaluate(self, name: str, spec: EvalSpec) -> dict[str, Any]:
         """Pass@k on the validation slice or the test tasks."""

@@ -10,6 +10,7 @@ how to reproduce every row: ``docs/experiments.md``.
     PYTHONPATH=$PWD .venv/bin/python bench/paper_table.py --scale full --max-minutes 1200
     .venv/bin/python bench/paper_table.py --scale small --plan                   # the phases, no run
     .venv/bin/python bench/paper_table.py --scale small --estimate bench/paper_full.toml
+    .venv/bin/python bench/paper_table.py --scale small --report                 # rewrite the report only
     .venv/bin/python bench/paper_table.py --config my.toml --set grpo.rounds=3 --engine http://sglang:30000
 
 A rerun of the same command resumes (finished phases leave ``runs/paper/<name>/<phase>/done.json``);
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.paper.config import PaperConfig, load_paper_config, scale_path
 from bench.paper.estimate import estimate_table, unit_costs
 from bench.paper.phases import plan
-from bench.paper.runner import Runner, run_experiment
+from bench.paper.runner import Runner, rewrite_report, run_experiment
 
 __all__ = ["main"]
 
@@ -56,6 +57,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         "--estimate", type=Path, default=None, help="estimate this config's wall time from the run"
     )
     p.add_argument("--fresh", action="store_true", help="move an existing work dir aside and start over")
+    p.add_argument("--report", action="store_true", help="rewrite the report from the finished phases only")
     return p.parse_args(argv)
 
 
@@ -85,6 +87,7 @@ def _estimate(cfg: PaperConfig, work: Path, target: Path, results: Path) -> None
         *estimate_table(other, units),
     ]
     out = results / f"paper_estimate_{other.name}.md"
+    results.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 
@@ -101,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or Path("runs/paper") / cfg.name
     if args.estimate:
         _estimate(cfg, work, args.estimate, args.results)
+        return 0
+    if args.report:
+        rewrite_report(cfg, work, args.results)
         return 0
     if args.fresh and work.exists():
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d%H%M%S")

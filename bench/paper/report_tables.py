@@ -16,6 +16,7 @@ __all__ = [
     "budget_table",
     "early_table",
     "grpo_table",
+    "observations",
     "pct",
     "phase_status",
     "row_costs",
@@ -290,3 +291,48 @@ def wall_table(state: Any) -> list[str]:
         lines.append(f"| {i} | {p.name} | {p.stage} | {needs} | {phase_status(state, p.name)} | {wall} |")
     total = sum(float(r.get("wall_s", 0)) for r in state.phases.values())
     return [*lines, "", f"Sum of finished phases: {total / 3600:.2f} h."]
+
+
+STARTS = {
+    "sft": "base",
+    "iwm": "base",
+    "sr": "base",
+    "grpo": "sft",
+    "rft": "sft",
+    "leafe": "grpo",
+    "leafe-oracle": "grpo",
+    "reh": "grpo",
+}
+"""Row -> the row its weights were trained from (Early Experience from Base, like SFT)."""
+
+
+def observations(cfg: PaperConfig, state: Any) -> list[str]:
+    """Automatic checks worth a reader's attention: trained rows that sample exactly like their start,
+    unparseable answers above the warm start's bound, choices whose rule was not met, thin Stage-2 data."""
+    ph, out = state.phases, []
+    for row, start in STARTS.items():
+        a, b = ph.get(row_phase(row)), ph.get(row_phase(start))
+        keys = ("successes", "mean_steps", "parse_failure_rate", "mean_prompt_tokens")
+        if a and b and all(a.get(k) == b.get(k) for k in keys):  # same outcomes, lengths, formats, prompts
+            same = f"- {ROWS[row]} sampled exactly like {ROWS[start]} on every test episode"
+            out.append(same + ": its training did not change the policy's choices.")
+        if a and row != "sr" and a["parse_failure_rate"] >= cfg.warm.max_parse_failure:
+            out.append(f"- {ROWS[row]} answers unparseably in {pct(a['parse_failure_rate'])}% of its steps.")
+    sr = ph.get(row_phase("sr"))
+    if sr and sr["parse_failure_rate"] >= cfg.warm.max_parse_failure:
+        rate = pct(sr["parse_failure_rate"])
+        out.append(
+            f"- EarlyExp (SR) answers unparseably in {rate}% of its steps (`</think>` must precede `<action>`)."
+        )
+    if "select-sft" in ph and not ph["select-sft"]["rule_met"]:
+        out.append("- The warm-start rule was not met by any candidate (see the warm-start table).")
+    if "select-grpo" in ph and not ph["select-grpo"]["beats_start"]:
+        out.append("- GRPO did not beat Base + SFT on the validation slice (see the GRPO curve).")
+    for name in ("train-leafe", "train-leafe-oracle"):
+        r = ph.get(name)
+        if r is not None and int(r["kinds"].get("cf", 0)) < cfg.train_tasks:
+            cf = r["kinds"].get("cf", 0)
+            out.append(
+                f"- {name} had {cf} counterfactual samples for {cfg.train_tasks} RL tasks (the paper: ~3 per task)."
+            )
+    return out or ["- (nothing flagged)"]

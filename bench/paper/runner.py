@@ -33,7 +33,7 @@ from bench.paper.report import write_report
 from bench.paper.repro import repro_script
 from bench.paper.steps import Steps
 
-__all__ = ["Runner", "State", "check_protocol", "protocol_of", "run_experiment"]
+__all__ = ["Runner", "State", "check_protocol", "protocol_of", "rewrite_report", "run_experiment"]
 
 log = structlog.get_logger(__name__)
 
@@ -257,3 +257,18 @@ def _save_invocations(work: Path, wall: float, max_minutes: float, state: State)
     old.append({"ended": now, "wall_s": wall, "max_minutes": max_minutes, "phases_done": len(state.phases)})
     path.write_text(json.dumps(old, indent=1) + "\n", encoding="utf-8")
     state.invocations = old
+
+
+def rewrite_report(cfg: PaperConfig, work: Path, results: Path) -> None:
+    """The report (md, json, png, reproduction script) from the finished phases in ``work``, starting no
+    service and no phase (the protocol must be the registered one)."""
+    from learner.model_io import resolve_model
+
+    runner = Runner(cfg, work, results, deadline=0.0)
+    runner.base_model = str(resolve_model(cfg.model))
+    path = work / "invocations.json"
+    runner.state.invocations = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
+    old = results / f"{cfg.report_name}.json"  # the servers' counters of the last invocation
+    if old.is_file():
+        runner.state.inference = json.loads(old.read_text(encoding="utf-8")).get("inference", {})
+    runner.report(figure=True)

@@ -57,7 +57,7 @@ def test_verdicts_follow_the_paired_intervals(
 ) -> None:
     """A row that solves every sample beats one that solves none ("better"); same results are "within
     noise"; the report, json and png are written."""
-    wins = {"sft": 1.0, "base": 0.0, "sft-reseed": 1.0, "grpo": 1.0}
+    wins = {"sft": 1.0, "base": 0.0, "sft-reseed": 1.0, "grpo": 1.0, "iwm": 0.0}
     _run(small_cfg, tmp_path, fake_steps(wins=wins))
     blob = json.loads((tmp_path / "results" / "t_report.json").read_text())
     verdicts = {(c["a"], c["b"], c["k"]): c["verdict"] for c in blob["comparisons"]}

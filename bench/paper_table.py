@@ -7,7 +7,7 @@ intervals and a verdict per comparison; the Table 3 shape from Base + SFT. Write
 how to reproduce every row: ``docs/experiments.md``.
 
     PYTHONPATH=$PWD .venv/bin/python bench/paper_table.py --scale small          # < ~45 min, 2 cores
-    PYTHONPATH=$PWD .venv/bin/python bench/paper_table.py --scale full --max-minutes 1200
+    PYTHONPATH=$PWD .venv/bin/python bench/paper_table.py --scale full --max-minutes 1800
     .venv/bin/python bench/paper_table.py --scale small --plan                   # the phases, no run
     .venv/bin/python bench/paper_table.py --scale small --estimate bench/paper_full.toml
     .venv/bin/python bench/paper_table.py --scale small --report                 # rewrite the report only

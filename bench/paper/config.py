@@ -1,0 +1,362 @@
+"""Configuration of the paper table (``bench/paper_table.py``): one TOML file per scale.
+
+``bench/paper_small.toml`` (the end-to-end check, < ~45 min on 2 shared cores), ``bench/paper_full.toml``
+(>= 64 test tasks x 16 samples per row), ``bench/paper_humaneval.toml`` (the second environment).
+``--scale NAME`` reads ``bench/paper_NAME.toml``; ``--config FILE`` any other. Every field has a
+docstring; unknown fields are errors naming the field and file (``services.config.load_config``).
+
+Task ranges (indices into ``env.tasks(split)``), all fixed before anything runs:
+
+| range         | split | indices                                          | used by                               |
+|---------------|-------|--------------------------------------------------|---------------------------------------|
+| demonstrations| train | ``demo_offset`` + [0, max(warm.demo_counts))    | SFT, Early Experience                 |
+| RL tasks      | train | ``train_offset`` + [0, ``train_tasks``)          | GRPO, RFT, LEAFE Stage 1, Table 3     |
+| validation    | train | ``val_offset`` + [0, ``val_tasks``)              | every choice (SFT, GRPO lr and round) |
+| test          | test  | ``test_offset`` + [0, ``test_tasks``)            | the table only                        |
+
+The validation range must be disjoint from the other two train ranges (checked here).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from services.config import load_config
+
+__all__ = [
+    "BENCH",
+    "FULL_POWER",
+    "ROWS",
+    "EarlyConfig",
+    "GrpoConfig",
+    "LeafeConfig",
+    "PaperConfig",
+    "ProbeConfig",
+    "ServingConfig",
+    "TrainingConfig",
+    "WarmStartConfig",
+    "load_paper_config",
+    "scale_path",
+]
+
+BENCH = Path(__file__).resolve().parent.parent
+"""The ``bench/`` directory (scale TOML files live there)."""
+
+ROWS: dict[str, str] = {
+    "base": "Base",
+    "sft": "Base + SFT",
+    "iwm": "EarlyExp (IWM)",
+    "sr": "EarlyExp (SR)",
+    "grpo": "GRPO (from Base + SFT)",
+    "rft": "RFT (from Base + SFT)",
+    "leafe": "LEAFE (from GRPO, model reflections)",
+    "leafe-oracle": "LEAFE with oracle reflections (ablation, from GRPO)",
+    "reh": "L_reh only (from GRPO)",
+    "sft-reseed": "Base + SFT, other sampling seeds (noise check)",
+}
+"""Row label -> the name the report prints, in table order. The oracle row is an ablation, never "LEAFE"."""
+
+FULL_POWER = (64, 16)
+"""The ``full`` scale's minimum test tasks x samples per row (the issue's power requirement)."""
+
+Options = dict[str, Any]
+
+
+def _require(ok: bool, field: str, value: object, want: str) -> None:
+    if not ok:
+        raise ValueError(f"{field} = {value!r}: {want}")
+
+
+class WarmStartConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base + SFT: SFT on demonstrations, room difficulty, demonstration count and epochs chosen on the
+    validation slice (every candidate's validation result goes into the report)."""
+
+    variants: dict[str, Options] = msgspec.field(default_factory=dict)
+    """Room difficulty candidates: name -> env options (e.g. ``max_solution_len``, ``max_steps``)."""
+    demo_counts: list[int] = msgspec.field(default_factory=lambda: [8])
+    """Demonstrations (train tasks from ``demo_offset``) tried per variant; each is one training."""
+    epochs: int = 2
+    """Epochs of each SFT training; the weights after every epoch are a candidate (constant lr, so
+    epoch e of a longer run equals a run of e epochs)."""
+    lr: float = 5e-5
+    """SFT learning rate (also Early Experience's)."""
+    max_parse_failure: float = 0.10
+    """A candidate must leave fewer unparseable answers than this on validation."""
+    pass1_range: list[float] = msgspec.field(default_factory=lambda: [0.10, 0.50])
+    """... and a validation Pass@1 in this range (room to improve)."""
+    pass1_target: float = 0.30
+    """Among the candidates that meet both, the one with Pass@1 closest to this wins (ties: cheaper)."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.variants), "warm.variants", self.variants, "need at least one room variant")
+        _require(bool(self.demo_counts), "warm.demo_counts", self.demo_counts, "need at least one count")
+        _require(min(self.demo_counts, default=0) >= 1, "warm.demo_counts", self.demo_counts, "all >= 1")
+        _require(self.epochs >= 1, "warm.epochs", self.epochs, "must be >= 1")
+        _require(self.lr > 0, "warm.lr", self.lr, "must be > 0")
+        _require(
+            0 < self.max_parse_failure <= 1, "warm.max_parse_failure", self.max_parse_failure, "in (0, 1]"
+        )
+        lo_hi = self.pass1_range
+        ok = len(lo_hi) == 2 and 0 <= lo_hi[0] <= lo_hi[1] <= 1
+        _require(ok, "warm.pass1_range", lo_hi, "must be [lo, hi] with 0 <= lo <= hi <= 1")
+        for name in self.variants:
+            _require(name.replace("-", "").replace("_", "").isalnum(), "warm.variants", name, "key-safe name")
+
+
+class GrpoConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Online GRPO from Base + SFT: collect with the current weights -> ``grpo`` -> train -> reload."""
+
+    rounds: int = 2
+    """Rounds; the round with the best validation Pass@1 becomes the GRPO row (round >= 1)."""
+    group: int = 4
+    """Rollouts per RL task and round (the group of the advantage)."""
+    lrs: list[float] = msgspec.field(default_factory=lambda: [1e-5])
+    """Learning rates tried in round 1 (chosen on validation; later rounds use the winner)."""
+    epochs: int = 1
+    """Epochs over each round's samples (1 = on-policy)."""
+
+    def __post_init__(self) -> None:
+        _require(self.rounds >= 1, "grpo.rounds", self.rounds, "must be >= 1")
+        _require(self.group >= 2, "grpo.group", self.group, "must be >= 2 (an advantage needs a group)")
+        _require(bool(self.lrs) and min(self.lrs) > 0, "grpo.lrs", self.lrs, "need >= 1 lr, all > 0")
+        _require(self.epochs >= 1, "grpo.epochs", self.epochs, "must be >= 1")
+
+
+class EarlyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Early Experience from Base on the chosen demonstrations (``actors/early.py``)."""
+
+    alternatives: int = 4
+    """Proposals sampled at each expert state (K)."""
+    max_states: int = 0
+    """Expert states per demonstration that get alternatives (0 = all)."""
+    sr_max_new_tokens: int = 128
+    """Answer length cap when evaluating the SR policy (it reasons in ``<think>`` first)."""
+
+    def __post_init__(self) -> None:
+        _require(self.alternatives >= 1, "early.alternatives", self.alternatives, "must be >= 1")
+        _require(self.sr_max_new_tokens >= 8, "early.sr_max_new_tokens", self.sr_max_new_tokens, ">= 8")
+
+
+class LeafeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Stage 1 (the tree) and Stage 2 (distillation); also RFT's and L_reh's training settings."""
+
+    explorer: Options = msgspec.field(default_factory=dict)
+    """``ExplorerConfig`` overrides for Stage 1 (the oracle row adds ``reflection_source = "oracle"``)."""
+    explore_samples: int = 1
+    """Trees per RL task (each its own episode and sampling seed)."""
+    lr: float = 1e-5
+    """Learning rate of LEAFE, L_reh and RFT."""
+    epochs: int = 2
+    """Epochs of LEAFE, L_reh and RFT."""
+    beta: float = 1.0
+    """Weight of L_reh in LEAFE's Stage 2."""
+    rehearsal_fraction: float = 0.2
+    """Share of successful-path steps kept for D_reh (paper: 20%)."""
+
+    def __post_init__(self) -> None:
+        _require(self.explore_samples >= 1, "leafe.explore_samples", self.explore_samples, "must be >= 1")
+        _require(self.lr > 0 and self.epochs >= 1, "leafe.lr/epochs", (self.lr, self.epochs), "lr > 0, >= 1")
+        _require(
+            "reflection_source" not in self.explorer, "leafe.explorer", self.explorer, "no reflection_source"
+        )
+
+
+class ServingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The inference servers collection and evaluation run on."""
+
+    servers: int = 1
+    """CPU inference servers side by side (the client sends each request to the least loaded)."""
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Serving dtype (bf16 prefill is ~2x fp32 on this CPU, FACTS.md)."""
+    threads: int = 1
+    """Torch threads per server (1 per server on a shared 2-core machine)."""
+    concurrency: int = 16
+    """Episodes in flight (the server batches them)."""
+    engines: list[str] = msgspec.field(default_factory=list)
+    """External SGLang URLs (GPU); empty = in-process CPU servers."""
+    collect_timeout_s: float = 3600.0
+    """Longest one collection phase may run."""
+
+
+class TrainingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``leafe train`` settings shared by every training phase."""
+
+    preset: str = "cpu"
+    """``leafe train`` preset (global batch 16 on ``cpu``)."""
+    precision: Literal["auto", "bf16", "fp32"] = "bf16"
+    """Trainer precision (bf16 autocast with fp32 masters on CPU; see the report's measurement)."""
+    bucketing: Literal["pack", "length", "none"] = "pack"
+    """Micro-batch layout (``pack``: sequence packing)."""
+    global_batch: int = 0
+    """Samples per optimizer step (0 = the preset's: 16 on ``cpu``)."""
+    export_dtype: Literal["fp32", "bf16"] = "fp32"
+    """dtype of every exported checkpoint. fp32: a chain of trainings (GRPO rounds, LEAFE from GRPO) keeps
+    its updates; a bf16 export rounds away any change under one bf16 ulp (~1e-4 for weights of ~0.03), and
+    2 Adam steps at lr 1e-5 changed only 1.4% of SmolLM2's bf16 weights in the small run."""
+    max_steps: int = 0
+    """Cap on the optimizer steps of every training but the warm start's (0 = none): only for the small
+    scale's machinery check, where CPU time allows a few steps per method."""
+    threads: int = 2
+    """Torch threads of the ``leafe train`` / ``leafe replay`` children."""
+    min_samples: int = 1
+    """A training with fewer samples is not run and its row not evaluated (the report says why)."""
+    keep_checkpoints: bool = False
+    """Keep the trainer's DCP checkpoints (~1.6 GB each) after a training phase finished."""
+
+
+class ProbeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Cost probe of a second environment: Base on a few test tasks, to estimate its rows' cost."""
+
+    env: str = ""
+    """Environment of the probe (empty = no probe)."""
+    env_options: Options = msgspec.field(default_factory=dict)
+    """Its options."""
+    tasks: int = 2
+    """Test tasks probed."""
+    samples: int = 2
+    """Samples per task."""
+    horizon: int = 2
+    """Turns per episode."""
+
+
+class PaperConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One paper-table experiment (see the module docstring for the task ranges)."""
+
+    name: str
+    """Scale name: run-id prefix ``pt-<name>``, work dir ``runs/paper/<name>``, logs under
+    ``bench/results/paper_logs/<name>/``."""
+    report_name: str = "paper_table"
+    """File stem of the report under ``--results``."""
+    model: str = "smollm2-135m-instruct"
+    """Base model (``learner.model_io.resolve_model``)."""
+    env: str = "sokoban"
+    """Environment registry name."""
+    rows: list[str] = msgspec.field(default_factory=lambda: list(ROWS))
+    """Rows produced (labels of :data:`ROWS`); phases no row needs are left out."""
+    table3: bool = True
+    """Run the Table 3 shape from Base + SFT (tree vs independent sampling vs iterative refinement)."""
+    val_base: bool = True
+    """Evaluate Base on the validation slice of every room variant (shows the room to improve)."""
+    demo_offset: int = 0
+    """First train index of the demonstrations."""
+    train_offset: int = 1000
+    """First train index of the RL tasks."""
+    train_tasks: int = 8
+    """RL tasks (GRPO, RFT, Stage 1, Table 3)."""
+    val_offset: int = 2000
+    """First train index of the validation slice."""
+    val_tasks: int = 4
+    """Validation tasks."""
+    val_samples: int = 4
+    """Samples per validation task."""
+    test_offset: int = 0
+    """First test index evaluated."""
+    test_tasks: int = 4
+    """Held-out test tasks per row."""
+    eval_samples: int = 4
+    """n of the Pass@k estimator on test."""
+    ks: list[int] = msgspec.field(default_factory=lambda: [1, 2, 4])
+    """k values reported."""
+    horizon: int = 8
+    """Policy actions per rollout (training, validation and test)."""
+    history_window: int = 2
+    """Past steps in an action prompt (0 = all); reflections see the whole history."""
+    seed: int = 0
+    """Sampling seed of training-time episodes (sample s of task i: seed + 1000 i + s)."""
+    val_seed: int = 777
+    """Sampling seed of every validation evaluation (the same for every candidate: paired)."""
+    eval_seed: int = 12345
+    """Sampling seed of every test evaluation (the same for every row: paired comparisons)."""
+    reseed_offset: int = 1_000_000
+    """The noise-check row evaluates Base + SFT with ``eval_seed + reseed_offset``."""
+    warm: WarmStartConfig = msgspec.field(default_factory=WarmStartConfig)
+    """Base + SFT."""
+    grpo: GrpoConfig = msgspec.field(default_factory=GrpoConfig)
+    """GRPO rounds."""
+    early: EarlyConfig = msgspec.field(default_factory=EarlyConfig)
+    """Early Experience."""
+    leafe: LeafeConfig = msgspec.field(default_factory=LeafeConfig)
+    """LEAFE, L_reh, RFT."""
+    serving: ServingConfig = msgspec.field(default_factory=ServingConfig)
+    """Inference servers."""
+    training: TrainingConfig = msgspec.field(default_factory=TrainingConfig)
+    """Training children."""
+    probe: ProbeConfig = msgspec.field(default_factory=ProbeConfig)
+    """Cost probe of a second environment."""
+    notes: str = ""
+    """Free text printed in the report."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.name.replace("-", "").isalnum(), "name", self.name, "must be key-safe (letters, digits, -)"
+        )
+        unknown = sorted(set(self.rows) - set(ROWS))
+        _require(not unknown, "rows", unknown, f"unknown row(s); known: {', '.join(ROWS)}")
+        _require(bool(self.rows), "rows", self.rows, "need at least one row")
+        for field in ("demo_offset", "train_offset", "val_offset", "test_offset"):
+            _require(getattr(self, field) >= 0, field, getattr(self, field), "must be >= 0")
+        for field in ("train_tasks", "val_tasks", "val_samples", "test_tasks", "eval_samples", "horizon"):
+            _require(getattr(self, field) >= 1, field, getattr(self, field), "must be >= 1")
+        ok = (
+            bool(self.ks)
+            and self.ks == sorted(set(self.ks))
+            and 1 <= self.ks[0]
+            and self.ks[-1] <= self.eval_samples
+        )
+        _require(ok, "ks", self.ks, f"must be increasing, in 1..eval_samples ({self.eval_samples})")
+        _require(
+            self.reseed_offset >= 1000 * self.test_tasks,
+            "reseed_offset",
+            self.reseed_offset,
+            "overlaps seeds",
+        )
+        self._check_disjoint()
+
+    def _check_disjoint(self) -> None:
+        val = range(self.val_offset, self.val_offset + self.val_tasks)
+        demos = range(self.demo_offset, self.demo_offset + max(self.warm.demo_counts))
+        rl = range(self.train_offset, self.train_offset + self.train_tasks)
+        for name, other in (("demonstration", demos), ("RL", rl)):
+            overlap = set(val) & set(other)
+            _require(
+                not overlap,
+                "val_offset",
+                self.val_offset,
+                f"the validation slice {val.start}..{val.stop - 1} overlaps the {name} tasks "
+                f"{other.start}..{other.stop - 1} (train indices {sorted(overlap)[:3]}...)",
+            )
+
+    @property
+    def prefix(self) -> str:
+        """Run-id prefix of every run of this experiment."""
+        return f"pt-{self.name}"
+
+    @property
+    def max_demos(self) -> int:
+        """Demonstrations collected per room variant."""
+        return max(self.warm.demo_counts)
+
+
+def scale_path(scale: str) -> Path:
+    """``bench/paper_<scale>.toml``; a missing one is an error listing the scales there are."""
+    path = BENCH / f"paper_{scale}.toml"
+    if not path.is_file():
+        known = sorted(p.stem.removeprefix("paper_") for p in BENCH.glob("paper_*.toml"))
+        raise ValueError(f"unknown scale {scale!r}: no {path}; known: {', '.join(known)}")
+    return path
+
+
+def load_paper_config(path: Path, overrides: dict[str, Any] | None = None) -> PaperConfig:
+    """The experiment in TOML ``path`` with dotted ``overrides`` on top (validated; errors name the field).
+    A config named ``full`` must have the power the issue asks for (:data:`FULL_POWER`)."""
+    cfg = load_config(PaperConfig, files=[path], overrides=overrides)
+    tasks, samples = FULL_POWER
+    if cfg.name == "full" and (cfg.test_tasks < tasks or cfg.eval_samples < samples):
+        raise ValueError(
+            f"full scale needs >= {tasks} test tasks x {samples} samples, got "
+            f"{cfg.test_tasks} x {cfg.eval_samples} ({path})"
+        )
+    return cfg

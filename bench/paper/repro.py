@@ -1,0 +1,112 @@
+"""The reproduction script of a paper-table run: every training set rebuilt from the committed logs, every
+row retrained and evaluated, with the exact settings the run used.
+
+``<report_name>_repro.sh`` (written next to the report) has, for each finished training phase in plan
+order, ``leafe replay --from bench/results/paper_logs/<name>/<collection>.leafelog.gz`` with the phase's
+materializer options, the phase's filter (sample kinds, first n demonstrations), and ``leafe train`` with
+its recorded trainer table and flags, starting from the weights the run started it from (paths under the
+run's work dir are rewritten to ``$OUT``, so choices made on validation are replayed, not re-made); then
+``leafe eval`` of every evaluated row with the protocol's tasks, seeds and rollout settings. Collections
+themselves are not re-run (the logs are the source of truth; ``bench/paper_table.py`` re-collects).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from bench.paper.config import PaperConfig
+from bench.paper.phases import EvalSpec, TrainSpec
+
+__all__ = ["repro_script"]
+
+
+def _toml(table: dict[str, Any]) -> str:
+    import tomli_w
+
+    return tomli_w.dumps(table)
+
+
+def _path(value: str, work: str, base: str) -> str:
+    if value == base:
+        return "$MODEL"
+    return value.replace(work, "$OUT") if value.startswith(work) else value
+
+
+def _train_lines(
+    cfg: PaperConfig, name: str, spec: TrainSpec, r: dict[str, Any], work: str, base: str
+) -> list[str]:
+    log = Path(r["source_log"]).name
+    data = f"$OUT/{name}/dataset"
+    lines = [
+        f"# {name}: {spec.materializer} over {spec.data}, from {spec.start}; {r['samples']} samples {r['kinds']}",
+        f"mkdir -p $OUT/{name}/train",
+        f"cat > $OUT/{name}/replay.toml <<'EOF'\n{_toml({'options': dict(spec.options)})}EOF",
+        f"leafe replay --from $LOGS/{log} --materializer {spec.materializer} --model $MODEL --out {data} "
+        f"--config $OUT/{name}/replay.toml --no-progress",
+    ]
+    if spec.kinds or r.get("demos"):
+        first = cfg.demo_offset
+        ids = f"[f'{cfg.env}/train/{{i}}' for i in range({first}, {first + int(r.get('demos', 0))})]"
+        tasks = ids if r.get("demos") else "[]"
+        lines.append(
+            'python -c "from pathlib import Path; from bench.paper.children import filter_samples; '
+            f"print(filter_samples(Path('{data}'), Path('{data}-filtered'), kinds={list(spec.kinds)!r}, "
+            f'task_ids={tasks}))"'
+        )
+        data += "-filtered"
+    if not r.get("final"):
+        return [*lines, f"# (not trained: {r.get('note', '')})", ""]
+    start = _path(r.get("start_weights", spec.start), work, base)
+    beta = f" --beta {spec.beta}" if spec.beta is not None else ""
+    lines += [
+        f"cat > $OUT/{name}/train/train.toml <<'EOF'\n{_toml(r['config'])}EOF",
+        f"leafe train --data {data} --model {start} --out $OUT/{name}/train --preset {cfg.training.preset} "
+        f"--config $OUT/{name}/train/train.toml --lr {r['lr']} --epochs {r['epochs']}{beta}",
+        "",
+    ]
+    return lines
+
+
+def _eval_line(cfg: PaperConfig, name: str, spec: EvalSpec, r: dict[str, Any], work: str, base: str) -> str:
+    env_opts = " ".join(
+        f"--env-option {shlex.quote(f'{k}={json.dumps(v)}')}" for k, v in r["env_options"].items()
+    )
+    roll = " ".join(
+        f"--rollout-option {shlex.quote(f'{k}={json.dumps(v)}')}" for k, v in r["rollout_overrides"].items()
+    )
+    ks = ",".join(str(k) for k in cfg.ks if k <= r["samples"])
+    return (
+        f"leafe eval --model {_path(r['model'], work, base)} --label {name} --env {cfg.env} {env_opts} {roll} "
+        f"--split {r['split']} --tasks {len(r['task_ids'])} --task-offset "
+        f"{cfg.val_offset if spec.split == 'val' else cfg.test_offset} --samples {r['samples']} --k {ks} "
+        f"--seed {r['seed']} --out $OUT/{name}"
+    )
+
+
+def repro_script(cfg: PaperConfig, state: Any, work: Path, base_model: str) -> str:
+    """The shell script (see the module docstring)."""
+    w = str(work)
+    out = [
+        "#!/usr/bin/env bash",
+        f"# Rebuild every training set of the paper table `{cfg.name}` from its committed logs, retrain every row",
+        "# with the settings the run used, and evaluate it (docs/experiments.md). Run from the repository root.",
+        "set -euo pipefail",
+        f"LOGS=${{LOGS:-bench/results/paper_logs/{cfg.name}}}",
+        f"OUT=${{OUT:-runs/paper-repro/{cfg.name}}}",
+        f"MODEL=${{MODEL:-{cfg.model}}}",
+        'leafe() { python -m services.cli "$@"; }',
+        "",
+    ]
+    for p in state.plan:
+        r = state.phases.get(p.name)
+        if r is not None and isinstance(p.spec, TrainSpec):
+            out += _train_lines(cfg, p.name, p.spec, r, w, base_model)
+    out.append("# evaluations (validation slice and test rows)")
+    for p in state.plan:
+        r = state.phases.get(p.name)
+        if r is not None and isinstance(p.spec, EvalSpec):
+            out.append(_eval_line(cfg, p.name, p.spec, r, w, base_model))
+    return "\n".join(out) + "\n"

@@ -1,0 +1,290 @@
+"""The paper table's runner: registers the protocol, writes the report skeleton, then walks the plan.
+
+```
+ embedded nats-server (<work>/nats) ◄── events ── in-process actor service ──► CPU inference server(s)
+   one run per collection (exported to bench/results/paper_logs/<name>/<phase>.leafelog.gz)
+        └─► leafe replay --from <that file> ─► leafe train ─► <work>/<phase>/train/final ─► reload ─► eval
+```
+
+Before any phase runs, the protocol (task ranges, every seed, rows and comparisons) is written to
+``<work>/protocol.json`` and into the report; a later invocation with another protocol is refused, so no
+evaluation can move the goal posts. Each finished phase leaves ``<work>/<phase>/done.json`` and a rerun
+skips it (resumable). A phase whose dependency failed, was cut or produced no weights is ``blocked``;
+after ``--max-minutes`` no phase starts (``skipped``); the plan is in priority order, so the time box
+cuts the least important ones. The report is rewritten after every phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+
+from bench.paper import lib
+from bench.paper.config import PaperConfig
+from bench.paper.phases import COMPARISONS, GRPO_ROUND_SEEDS, Phase, plan
+from bench.paper.report import write_report
+from bench.paper.repro import repro_script
+from bench.paper.steps import Steps
+
+__all__ = ["Runner", "State", "check_protocol", "protocol_of", "rewrite_report", "run_experiment"]
+
+log = structlog.get_logger(__name__)
+
+
+def protocol_of(cfg: PaperConfig) -> dict[str, Any]:
+    """What is fixed before any evaluation: task ranges, seeds, sample counts, rows and comparisons."""
+    return {
+        "env": cfg.env,
+        "model": cfg.model,
+        "test": {
+            "split": "test",
+            "first": cfg.test_offset,
+            "tasks": cfg.test_tasks,
+            "samples": cfg.eval_samples,
+        },
+        "validation": {
+            "split": "train",
+            "first": cfg.val_offset,
+            "tasks": cfg.val_tasks,
+            "samples": cfg.val_samples,
+        },
+        "demonstrations": {"split": "train", "first": cfg.demo_offset, "counts": list(cfg.warm.demo_counts)},
+        "rl_tasks": {"split": "train", "first": cfg.train_offset, "tasks": cfg.train_tasks},
+        "room_variants": {k: dict(v) for k, v in cfg.warm.variants.items()},
+        "ks": list(cfg.ks),
+        "horizon": cfg.horizon,
+        "seeds": {
+            "test": cfg.eval_seed,
+            "noise_check": cfg.eval_seed + cfg.reseed_offset,
+            "validation": cfg.val_seed,
+            "training_episodes": cfg.seed,
+            "grpo_round_offset": GRPO_ROUND_SEEDS,
+            "per_sample": "seed + 1000 * task index + sample index",
+            "trainer": 0,
+            "bootstrap": 0,
+        },
+        "rows": list(cfg.rows),
+        "comparisons": [[a, b] for a, b in COMPARISONS if a in cfg.rows and b in cfg.rows],
+        "selection": {
+            "sft": {
+                "max_parse_failure": cfg.warm.max_parse_failure,
+                "pass1_range": list(cfg.warm.pass1_range),
+                "pass1_target": cfg.warm.pass1_target,
+            },
+            "grpo": "highest validation Pass@1 (lr in round 1, then the round)",
+        },
+    }
+
+
+def check_protocol(path: Path, cfg: PaperConfig) -> dict[str, Any]:
+    """Register the protocol at ``path`` (first invocation) or check that ``cfg`` keeps it; returns the
+    registered record. A change is a ``ValueError`` naming the fields that moved."""
+    now = protocol_of(cfg)
+    if path.is_file():
+        old = json.loads(path.read_text(encoding="utf-8"))
+        moved = sorted(k for k in set(now) | set(old["protocol"]) if now.get(k) != old["protocol"].get(k))
+        if moved:
+            raise ValueError(
+                f"the protocol registered in {path} at {old['registered_at']} differs in {', '.join(moved)}; "
+                "use another name (or --fresh) to run a different protocol"
+            )
+        return dict(old)
+    record = {
+        "registered_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "protocol": now,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    return record
+
+
+class State(msgspec.Struct, kw_only=True):
+    """What the report is rendered from."""
+
+    plan: list[Phase]
+    protocol: dict[str, Any]
+    phases: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+    """Finished phases' results."""
+    failed: dict[str, str] = msgspec.field(default_factory=dict)
+    blocked: dict[str, str] = msgspec.field(default_factory=dict)
+    skipped: list[str] = msgspec.field(default_factory=list)
+    """Not started: the time box was reached."""
+    running: str = ""
+    invocations: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    inference: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class Runner:
+    """Walks the plan (see the module docstring)."""
+
+    def __init__(
+        self, cfg: PaperConfig, work: Path, results: Path, deadline: float, register: bool = True
+    ) -> None:
+        self.cfg, self.work, self.results, self.deadline = cfg, work, results, deadline
+        protocol = check_protocol(work / "protocol.json", cfg) if register else {"protocol": protocol_of(cfg)}
+        self.state = State(plan=plan(cfg), protocol=protocol)
+        self.base_model = cfg.model
+        """The base model's directory (reproduction scripts name it ``$MODEL``)."""
+        for p in self.state.plan:
+            done = lib.phase_done(work, p.name)
+            if done is not None:
+                self.state.phases[p.name] = done
+
+    def report(self, figure: bool = False) -> None:
+        """Rewrite the report from the state; with ``figure`` (at the end of every invocation: ~1 s of
+        matplotlib) also the png and the reproduction script."""
+        write_report(self.cfg, self.state, self.results, figure=figure)
+        if figure:
+            script = repro_script(self.cfg, self.state, self.work, self.base_model)
+            (self.results / f"{self.cfg.report_name}_repro.sh").write_text(script, encoding="utf-8")
+
+    def _why_blocked(self, phase: Phase) -> str:
+        for dep in phase.deps:
+            if dep not in self.state.phases:
+                return f"needs {dep} ({'failed' if dep in self.state.failed else 'not finished'})"
+            result = self.state.phases[dep]
+            if "final" in result and not result["final"]:
+                return f"{dep} produced no weights: {result.get('note', '')}"
+        return ""
+
+    async def run(self, steps: Steps) -> None:
+        """Every phase of the plan in order; the report after each."""
+        self.report()  # the skeleton: protocol and pending rows, before any evaluation
+        for phase in self.state.plan:
+            if phase.name in self.state.phases:
+                continue
+            if time.monotonic() > self.deadline:
+                self.state.skipped.append(phase.name)
+                continue
+            why = self._why_blocked(phase)
+            if why:
+                self.state.blocked[phase.name] = why
+                continue
+            await self._one(phase, steps)
+        self.state.running = ""
+        self.report(figure=True)
+
+    async def _one(self, phase: Phase, steps: Steps) -> None:
+        print(f"[paper_table] phase {phase.name} ...", flush=True)
+        self.state.running = phase.name
+        self.report()
+        t0 = time.monotonic()
+        try:
+            result = await steps.run(phase)
+        except Exception as e:  # recorded in the report; phases that do not need it still run
+            log.exception("paper.phase.failed", phase=phase.name)
+            self.state.failed[phase.name] = f"{type(e).__name__}: {str(e)[-1500:]}"
+        else:
+            result["wall_s"] = time.monotonic() - t0
+            self.state.phases[phase.name] = lib.save_phase(self.work, phase.name, result)
+        self.state.running = ""
+        self.report()
+
+
+async def run_experiment(cfg: PaperConfig, work: Path, results: Path, max_minutes: float) -> None:
+    """Start the log, the servers and the engine client, run the plan, write the report."""
+    from contextlib import AsyncExitStack
+
+    from actors.client import SGLangClient
+    from learner.model_io import HFChatTokenizer, resolve_model
+    from services.bus import connect, ensure_streams
+    from services.bus.nats_server import EmbeddedNats
+    from services.inference.server import InferenceConfig, InferenceServer
+
+    started = time.monotonic()
+    deadline = started + 60 * max_minutes
+    work.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 (once, before anything runs)
+    runner = Runner(cfg, work, results, deadline)
+    runner.report()
+    (work / "config.json").write_bytes(msgspec.json.format(msgspec.json.encode(cfg), indent=1))
+    async with AsyncExitStack() as stack:
+        nats = EmbeddedNats(work / "nats", log_file=work / "nats.log").start()
+        stack.callback(nats.stop)
+        base = await asyncio.to_thread(resolve_model, cfg.model)
+        runner.base_model = str(base)
+        urls = list(cfg.serving.engines)
+        s = cfg.serving
+        for _ in range(0 if urls else s.servers):
+            server_cfg = InferenceConfig(
+                model=str(base),
+                port=0,
+                max_batch=s.concurrency,
+                threads=s.threads,
+                dtype=s.dtype,
+                served_model_name="paper-table",  # type: ignore[arg-type]
+                weight_version="base",
+                weights_root=str(work),
+            )
+            urls.append((await stack.enter_async_context(InferenceServer(server_cfg))).url)
+        engine = await stack.enter_async_context(SGLangClient(urls))
+        nc = await connect(nats.url, name="paper-table")
+        stack.push_async_callback(nc.drain)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        ctx = lib.Ctx(
+            work=work,
+            logs=results / "paper_logs" / cfg.name,
+            nats_url=nats.url,
+            js=js,
+            engine=engine,
+            tokenizer=HFChatTokenizer.from_dir(base),
+            base_model=await asyncio.to_thread(_base_export, base, work / "base-weights"),
+            env=cfg.env,
+            concurrency=s.concurrency,
+        )
+        steps = Steps(cfg, ctx, runner.state.plan, runner.state.phases.get)
+        try:
+            await runner.run(steps)
+        finally:
+            wall = time.monotonic() - started
+            runner.state.invocations.append({"wall_s": wall, "max_minutes": max_minutes})
+            runner.state.inference = await lib.server_stats(urls[0])
+            _save_invocations(work, wall, max_minutes, runner.state)
+            runner.report()
+
+
+def _save_invocations(work: Path, wall: float, max_minutes: float, state: State) -> None:
+    """Append this invocation to ``<work>/invocations.json`` (the report lists them all)."""
+    path = work / "invocations.json"
+    old = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    old.append({"ended": now, "wall_s": wall, "max_minutes": max_minutes, "phases_done": len(state.phases)})
+    path.write_text(json.dumps(old, indent=1) + "\n", encoding="utf-8")
+    state.invocations = old
+
+
+def rewrite_report(cfg: PaperConfig, work: Path, results: Path) -> None:
+    """The report (md, json, png, reproduction script) from the finished phases in ``work``, starting no
+    service and no phase (the protocol must be the registered one)."""
+    from learner.model_io import resolve_model
+
+    runner = Runner(cfg, work, results, deadline=0.0)
+    runner.base_model = str(resolve_model(cfg.model))
+    path = work / "invocations.json"
+    runner.state.invocations = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
+    old = results / f"{cfg.report_name}.json"  # the servers' counters of the last invocation
+    if old.is_file():
+        runner.state.inference = json.loads(old.read_text(encoding="utf-8")).get("inference", {})
+    runner.report(figure=True)
+
+
+def _base_export(base: Path, out: Path) -> Path:
+    """The base model as an export under the work dir, with a manifest: the servers load weights only from
+    under their weights root (the work dir) and only with a manifest, and Base is loaded back after other
+    rows. Written once; the same weights bit for bit (float32, as converted)."""
+    if (out / "manifest.json").is_file():
+        return out
+    import torch
+
+    from learner.model_io import export_weights, load_model
+
+    model = load_model(base)
+    export_weights(model.state_dict(), out, config_dir=base, version="base", dtype=torch.float32)
+    return out

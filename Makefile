@@ -36,8 +36,13 @@ test: setup lint
 test-slow: setup
 	$(BIN)/python -m pytest -m slow -q -p no:cacheprovider $(PYTEST_ARGS)
 
+# Each area as a module from the repository root (as a script, bench/envs.py would shadow the envs package).
+# The paper table (bench/paper_table.py), the GPU check (bench/gpu_smoke.py) and the sandbox cost against
+# an older commit (bench/sandbox.py) run by hand: hours, a GPU, a git ref.
+BENCH_AREAS := event_log envs inference actor replay learner
+
 bench: setup
-	for b in bench/*.py; do $(BIN)/python $$b --quick || exit 1; done
+	for b in $(BENCH_AREAS); do $(BIN)/python -m bench.$$b --quick || exit 1; done
 
 clean:
 	rm -rf $(VENV) .cache runs .pytest_cache .mypy_cache .ruff_cache

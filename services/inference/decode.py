@@ -18,20 +18,25 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from services.inference.kv import ArenaCache, KVLayout
-
-if TYPE_CHECKING:
-    from services.inference.prefill import Prefilled
 
 __all__ = ["DecodeBatch", "GenSequence", "GenSpec", "StopChecker"]
 
 
 class _Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class PromptKV(Protocol):
+    """What decoding needs of a prefilled group (``prefill.Prefilled``; a protocol keeps the import one-way)."""
+
+    arena: torch.Tensor
+
+    def spans(self, row: int) -> list[tuple[int, int]]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,7 +143,7 @@ class DecodeBatch:
         """Arena width (the model attends over all of it; unused columns are masked)."""
         return int(self.mask.shape[1])
 
-    def add(self, group: Prefilled, row: int, seqs: list[GenSequence]) -> None:
+    def add(self, group: PromptKV, row: int, seqs: list[GenSequence]) -> None:
         """Give each of ``seqs`` a row holding the prompt KV of ``group``'s row ``row``."""
         spans = group.spans(row)
         length = sum(b - a for a, b in spans)

@@ -4,8 +4,9 @@ A run config names the model, the environment, how many tasks to explore and eva
 start, and carries each service's own config as a typed section (``[actor]`` is
 ``actors.config.ActorServiceConfig``, ``[replayer]`` ``ReplayerConfig``, ``[learner]``
 ``learner.config.LearnerConfig``), so one file configures the whole pipeline and every field is
-validated before anything starts. Presets: ``default`` (Sokoban, small, SmolLM2; ~15 min on 2 cores)
-and ``tiny`` (the tiny random model; the end-to-end test). Each preset's run id is its own name, so
+validated before anything starts. Presets: ``default`` (Sokoban, small, SmolLM2; ~6 min on 2 idle cores),
+``warmstart`` (demonstrations -> ``sft`` -> the online learner) and ``tiny`` (the tiny random model; the
+end-to-end test). Each preset's run id is its own name, so
 two presets never share a run directory.
 """
 

@@ -50,7 +50,8 @@ def preflight(sglang_python: str, *, gpus: int, cuda: tuple[bool, int]) -> str:
     if done.returncode != 0:
         raise SmokeError(
             f"sglang is not importable by {sglang_python}: {done.stderr.strip().splitlines()[-1:]}; install "
-            f"sglang=={SGLANG_VERSION} (its own environment: it pins torch 2.14.1) and pass --sglang-python"
+            f"sglang=={SGLANG_VERSION} (`pip install .[gpu]`, or an environment of its own: it pins torch "
+            "2.14.1) and pass that --sglang-python"
         )
     return done.stdout.strip()
 

@@ -98,3 +98,17 @@ def test_logprob_gap() -> None:
     assert logprob_gap([-1.0, -2.0], [-1.5, -2.0]) == (0.25, 0.5)
     with pytest.raises(SmokeError, match="differ in length"):
         logprob_gap([-1.0], [-1.0, -2.0])
+
+
+def test_the_gpu_extra_pins_the_sglang_the_smoke_check_expects_and_torch_admits_both_builds() -> None:
+    """`pip install .[gpu]` must be resolvable: sglang 0.5.23 needs torch 2.14.1, the CPU set-up keeps
+    2.13.0, so the base requirement is a range that holds both (an exact pin made the extra impossible)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).resolve().parents[3] / "pyproject.toml").read_text())["project"]
+    gpu = [Requirement(r) for r in project["optional-dependencies"]["gpu"]]
+    assert [(r.name, str(r.specifier)) for r in gpu] == [("sglang", f"=={SGLANG_VERSION}")]
+    (torch_req,) = [Requirement(r) for r in project["dependencies"] if Requirement(r).name == "torch"]
+    assert {"2.13.0", "2.14.1"} <= set(torch_req.specifier.filter(["2.12.0", "2.13.0", "2.14.1", "2.15.0"]))

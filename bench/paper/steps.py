@@ -210,8 +210,36 @@ class Steps:
         batch.update({"global_batch": tr.global_batch} if tr.global_batch else {})
         return {"precision": tr.precision, "batch": batch, "export_dtype": tr.export_dtype}
 
+    def check_token_budget(self, spec: EvalSpec) -> None:
+        """Refuse, before any episode runs, an evaluation whose generation cap is shorter than the
+        longest completion its weights were trained on: an SR model writes its reflection before the
+        action, so a cap below the trained length cuts the action off and scores the row as unparseable
+        (the full run's first SR evaluation: 64 tokens for targets of up to 104, 62% unparseable)."""
+        budget = spec.rollout.get("max_new_tokens")
+        if budget is None or not spec.model.startswith("train:"):
+            return
+        phase = spec.model.removeprefix("train:").partition("@")[0]
+        work = self.ctx.work / phase
+        data = work / "dataset-filtered" if (work / "dataset-filtered").is_dir() else work / "dataset"
+        longest = max(
+            (
+                len(msgspec.json.decode(line)["completion_ids"])
+                for path in sorted(data.glob("samples-*.jsonl"))
+                for line in path.read_bytes().splitlines()
+                if line.strip()
+            ),
+            default=0,
+        )
+        if longest > budget:
+            raise RuntimeError(
+                f"{phase}'s weights were trained on completions of up to {longest} tokens ({data}), but "
+                f"this evaluation generates at most max_new_tokens={budget}: raise the config's cap "
+                f"(early.sr_max_new_tokens for SR) to at least {longest}"
+            )
+
     async def evaluate(self, name: str, spec: EvalSpec) -> dict[str, Any]:
         """Pass@k on the validation slice or the test tasks."""
+        self.check_token_budget(spec)
         cfg = self.cfg
         options = self.env_options(spec.variant)
         if spec.split == "val":

@@ -134,3 +134,24 @@ def test_estimate_scales_the_measured_unit_costs(
     est = {p.name: s for p, s in estimate_plan(bigger, units)}
     assert est["eval-base"] == pytest.approx(64 * 16 * 60.0 / 32)
     assert all(s is not None for s in est.values())
+
+
+def test_an_sr_evaluation_that_would_cut_off_the_trained_answers_is_refused(
+    small_cfg: PaperConfig, tmp_path: Path
+) -> None:
+    """The cap on generated tokens must cover the longest trained completion (reflection + action)."""
+    from types import SimpleNamespace
+
+    from bench.paper.phases import EvalSpec
+    from bench.paper.steps import Steps
+
+    data = tmp_path / "train-sr" / "dataset"
+    data.mkdir(parents=True)
+    rows = [{"completion_ids": list(range(n))} for n in (4, 104, 30)]
+    (data / "samples-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    steps = Steps(small_cfg, SimpleNamespace(work=tmp_path), [], lambda name: None)  # type: ignore[arg-type]
+    cut = EvalSpec(model="train:train-sr", split="test", rollout={"max_new_tokens": 64})
+    with pytest.raises(RuntimeError, match=r"up to 104 tokens.*max_new_tokens=64"):
+        steps.check_token_budget(cut)
+    steps.check_token_budget(EvalSpec(model="train:train-sr", split="test", rollout={"max_new_tokens": 128}))
+    steps.check_token_budget(EvalSpec(model="sft", split="test", rollout={"max_new_tokens": 8}))

@@ -13,6 +13,7 @@ float32, and in bfloat16 its bf16-rounded scores moved served logprobs ~4x furth
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +62,10 @@ class _ArenaLayer(DynamicLayer):
 
     def __init__(self, cache: ArenaCache, index: int) -> None:
         super().__init__()
-        self.cache = cache
+        # A weak reference: cache -> layers -> cache would be a cycle, and each forward's ArenaCache (with
+        # the arena it pins) would then live until the cyclic collector ran. In a long evaluation that
+        # held GBs of dead arenas and got the server OOM-killed at 24 GiB.
+        self.cache = weakref.proxy(cache)
         self.index = index
         self.is_initialized = True
         self.device = cache.arena.device

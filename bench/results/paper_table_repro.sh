@@ -227,6 +227,25 @@ global_batch = 16
 EOF
 leafe train --data $OUT/train-iwm/dataset --model $OUT/base-weights --out $OUT/train-iwm/train --preset cpu --config $OUT/train-iwm/train/train.toml --lr 5e-05 --epochs 2
 
+# train-sr: sr over early-collect, from base; 347 samples {'sr': 171, 'sft': 176}
+mkdir -p $OUT/train-sr/train
+cat > $OUT/train-sr/replay.toml <<'EOF'
+[options]
+EOF
+leafe replay --from $LOGS/early-collect.leafelog.gz --materializer sr --model $MODEL --out $OUT/train-sr/dataset --config $OUT/train-sr/replay.toml --no-progress
+cat > $OUT/train-sr/train/train.toml <<'EOF'
+[trainer]
+precision = "bf16"
+export_dtype = "fp32"
+checkpoint_every = 0
+push_every = 0
+
+[trainer.batch]
+bucketing = "pack"
+global_batch = 16
+EOF
+leafe train --data $OUT/train-sr/dataset --model $OUT/base-weights --out $OUT/train-sr/train --preset cpu --config $OUT/train-sr/train/train.toml --lr 5e-05 --epochs 2
+
 # evaluations (validation slice and test rows)
 leafe eval --model $OUT/sft-5x5-l3-n96/train/weights/v000011 --label val-sft-5x5-l3-n96-e1 --env sokoban --env-option height=5 --env-option width=5 --env-option num_boxes=1 --env-option max_solution_len=3 --env-option max_steps=8 --rollout-option horizon=12 --rollout-option history_window=2 --split train --tasks 32 --task-offset 2000 --samples 4 --k 1,2,4 --seed 777 --out $OUT/val-sft-5x5-l3-n96-e1
 leafe eval --model $OUT/sft-5x5-l3-n96/train/final --label val-sft-5x5-l3-n96-e2 --env sokoban --env-option height=5 --env-option width=5 --env-option num_boxes=1 --env-option max_solution_len=3 --env-option max_steps=8 --rollout-option horizon=12 --rollout-option history_window=2 --split train --tasks 32 --task-offset 2000 --samples 4 --k 1,2,4 --seed 777 --out $OUT/val-sft-5x5-l3-n96-e2
@@ -245,3 +264,6 @@ leafe eval --model $OUT/train-reh/train/final --label eval-reh --env sokoban --e
 leafe eval --model $OUT/train-rft/train/final --label eval-rft --env sokoban --env-option height=5 --env-option width=5 --env-option num_boxes=1 --env-option max_solution_len=3 --env-option max_steps=8 --rollout-option horizon=12 --rollout-option history_window=2 --split test --tasks 64 --task-offset 0 --samples 16 --k 1,2,4,8,16 --seed 12345 --out $OUT/eval-rft
 leafe eval --model $OUT/train-iwm/train/final --label eval-iwm --env sokoban --env-option height=5 --env-option width=5 --env-option num_boxes=1 --env-option max_solution_len=3 --env-option max_steps=8 --rollout-option horizon=12 --rollout-option history_window=2 --split test --tasks 64 --task-offset 0 --samples 16 --k 1,2,4,8,16 --seed 12345 --out $OUT/eval-iwm
 leafe eval --model $OUT/sft-5x5-l3-n96/train/final --label eval-sft-reseed --env sokoban --env-option height=5 --env-option width=5 --env-option num_boxes=1 --env-option max_solution_len=3 --env-option max_steps=8 --rollout-option horizon=12 --rollout-option history_window=2 --split test --tasks 64 --task-offset 0 --samples 16 --k 1,2,4,8,16 --seed 1012345 --out $OUT/eval-sft-reseed
+leafe eval --model $OUT/train-sr/train/final --label eval-sr --env sokoban --env-option height=5 --env-option width=5 --env-option num_boxes=1 --env-option max_solution_len=3 --env-option max_steps=8 --rollout-option horizon=12 --rollout-option history_window=2 --rollout-option 'response_prefix="<think>"' --rollout-option max_new_tokens=128 --split test --tasks 64 --task-offset 0 --samples 16 --k 1,2,4,8,16 --seed 12345 --out $OUT/eval-sr
+leafe eval --model $OUT/base-weights --label val-base-5x5-l3 --env sokoban --env-option height=5 --env-option width=5 --env-option num_boxes=1 --env-option max_solution_len=3 --env-option max_steps=8 --rollout-option horizon=12 --rollout-option history_window=2 --split train --tasks 32 --task-offset 2000 --samples 4 --k 1,2,4 --seed 777 --out $OUT/val-base-5x5-l3
+leafe eval --model $OUT/base-weights --label val-base-6x6-l5 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option max_solution_len=5 --env-option max_steps=12 --rollout-option horizon=12 --rollout-option history_window=2 --split train --tasks 32 --task-offset 2000 --samples 4 --k 1,2,4 --seed 777 --out $OUT/val-base-6x6-l5

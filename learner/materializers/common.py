@@ -69,6 +69,8 @@ class FoldStats:
     skipped_unparsed: int = 0
     skipped_empty: int = 0
     skipped_no_target: int = 0
+    skipped_repeated_action: int = 0
+    """Counterfactuals dropped because the branch repeated the blamed action (``cf_drop_repeated_action``)."""
     groups_emitted: int = 0
     groups_zero_variance: int = 0
     groups_dropped: int = 0

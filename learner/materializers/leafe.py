@@ -32,6 +32,10 @@ class LeafeOptions(CommonOptions, frozen=True, kw_only=True, forbid_unknown_fiel
 
     cf_only_successful: bool = True
     """Only branches whose Outcome is a success yield a counterfactual sample."""
+    cf_drop_repeated_action: bool = False
+    """Drop a counterfactual whose target action equals the parent's action at tau: the branch repeated
+    the very move the reflection blamed, so the sample corrects nothing (its steps still count for
+    rehearsal). Off by default, as in the paper, which keeps every successful branch."""
     rehearsal_fraction: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.2
     """Fraction of the steps of successful paths kept for D_reh (paper: 20%)."""
     rehearsal_seed: int = 0
@@ -68,6 +72,11 @@ class LeafeMaterializer(Materializer):
             return None
         path = tree.path(node.branch_id)
         tau = node.tau
+        if self.options.cf_drop_repeated_action and node.parent_id is not None:
+            parent_path = tree.path(node.parent_id)
+            if tau < len(parent_path) and parent_path[tau].action == path[tau].action:
+                self.stats.skipped_repeated_action += 1
+                return None
         sources = [tree.started.event_id, *(s.event_id for s in path[: tau + 1])]
         sources += [x for x in (node.event_id, node.reflection_event_id) if x is not None]
         return self.build_sample(

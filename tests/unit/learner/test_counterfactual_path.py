@@ -64,7 +64,7 @@ class SolverPolicy:
         if fix is not None and not self.corrected:
             self.corrected = True
             move = self.mistakes[-1] if self.repeat_mistake else fix.group(1)
-        elif self.corrected and self.fail_branch or self.mistakes and not self.corrected:
+        elif (self.corrected and self.fail_branch) or (self.mistakes and not self.corrected):
             return "I am not sure."
         elif self.corrected or (snap.player, snap.boxes) == (snap.room.player, snap.room.boxes):
             move = _plan(snap.room, snap.player, snap.boxes)[0]
@@ -91,7 +91,8 @@ def _worse_move(room: Any, player: int, boxes: frozenset[int]) -> str:
 
 
 def _room_with_a_mistake(env: SokobanEnv) -> str:
-    """A train room of >= 3 moves (the fix alone does not solve it) with a solvable but longer move after the solver's first move."""
+    """A train room of >= 3 moves (the fix alone does not solve it) with a solvable but longer move
+    after the solver's first move."""
     for task_id in env.tasks("train")[:200]:
         room = env.room(task_id).room
         plan = _plan(room, room.player, room.boxes)

@@ -130,7 +130,9 @@ def _parser() -> argparse.ArgumentParser:
         "--tensorboard-dir", type=Path, default=None, help="Pass@k scalars (default <out>/tensorboard)"
     )
     p.add_argument("--max-batch", type=int, default=0, help="in-process server batch (0 = --concurrency)")
-    p.add_argument("--threads", type=int, default=0, help="in-process server torch threads (0 = default)")
+    p.add_argument(
+        "--threads", type=int, default=0, help="in-process server torch threads (0 = the free cores)"
+    )
     p.add_argument("--run", default=None, help="run id of the episodes (default eval)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--log-level", default="warning", help="log level (default warning)")
@@ -193,7 +195,7 @@ async def _engine_for(
         model=str(path),
         port=0,
         max_batch=args.max_batch or args.concurrency,
-        threads=args.threads,
+        threads=_threads(args.threads),
         served_model_name=target.label,
         weight_version=_manifest_version(path),
     )
@@ -202,6 +204,14 @@ async def _engine_for(
         SGLangClient(server.url, timeout_s=args.request_timeout) as client,
     ):
         yield client, HFChatTokenizer.from_dir(path)
+
+
+def _threads(requested: int) -> int:
+    from services.threads import default_threads
+
+    threads, why = default_threads(requested)
+    log.info("eval.threads", threads=threads, why=why)
+    return threads
 
 
 class _Progress:

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--tensorboard-dir", type=Path, default=None, help="TensorBoard scalars (default <out>/tensorboard)"
     )
     p.add_argument("--backend", default="auto", help="auto, gloo or nccl")
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch threads (0 = the free cores, see services/threads.py)"
+    )
     p.add_argument("--log-level", default="info")
     p.add_argument("--console", action="store_true", help="readable console logs instead of JSON")
     return p
@@ -78,6 +81,13 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
     )
 
 
+def torch_threads(threads: int) -> None:
+    """Set torch's intra-op threads (imported here: ``--help`` stays instant)."""
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``leafe train``."""
     p = build_parser()
@@ -89,6 +99,11 @@ def main(argv: list[str]) -> int:
         p.error(str(e))
     from learner.distributed import distributed_env  # torch: only once the flags are good
     from learner.offline import train
+    from services.threads import default_threads
+
+    threads, why = default_threads(args.threads)
+    torch_threads(threads)
+    log.info("train.threads", threads=threads, why=why)
 
     with distributed_env(args.backend) as env:
         structlog.contextvars.bind_contextvars(rank=env.rank)

@@ -137,6 +137,8 @@ class GenerationEngine:
         self._cond = threading.Condition()
         self._pending: deque[GenSequence] = deque()
         self._swap: _Swap | None = None
+        self._threads_wanted = 0
+        self._threads = 0
         self._stopping = False
         self._batch = DecodeBatch(self.layout)
         self._thread = threading.Thread(target=self._run, name="leafe-inference-engine", daemon=True)
@@ -192,13 +194,36 @@ class GenerationEngine:
             self._cond.notify_all()
         return swap.future
 
+    def set_threads(self, threads: int) -> None:
+        """Use ``threads`` intra-op threads from the next step on (``leafe run`` gives the engine every free
+        core while the learner is idle and shares them while both work). Applied by the worker thread
+        itself: OpenMP's thread count is per calling thread, so setting it from here would not reach it."""
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        with self._cond:
+            self._threads_wanted = threads
+            self._cond.notify_all()
+
+    @property
+    def threads(self) -> int:
+        """The worker's intra-op threads as last applied (0 until its first step)."""
+        return self._threads
+
     # ---- worker thread ----------------------------------------------------------------------------
+    def _apply_threads(self) -> None:
+        wanted = self._threads_wanted
+        if wanted and wanted != self._threads:
+            torch.set_num_threads(wanted)
+            log.info("inference.threads", threads=wanted)
+        self._threads = torch.get_num_threads()
+
     def _run(self) -> None:
         with torch.inference_mode():
             while True:
                 new, swap = self._next_work()
                 if new is None:
                     break
+                self._apply_threads()
                 try:
                     if swap is not None and (swap.abort_all or not self._batch):
                         self._apply_swap(swap)
@@ -216,7 +241,8 @@ class GenerationEngine:
     def _next_work(self) -> tuple[list[GenSequence] | None, _Swap | None]:
         """Wait for something to do; returns (sequences to admit, pending swap), or (None, None) to stop."""
         with self._cond:
-            if not self._batch and not self._pending and self._swap is None and not self._stopping:
+            idle = not self._batch and not self._pending and self._swap is None
+            if idle and not self._stopping and self._threads_wanted in (0, self._threads):
                 self._cond.wait()
                 deadline = time.monotonic() + self.batch_wait_s
                 while len(self._pending) < self.max_batch and self._swap is None and not self._stopping:
@@ -351,6 +377,7 @@ class GenerationEngine:
         return {
             "running": len(self._batch),
             "waiting": pending,
+            "threads": self._threads,
             **self.stats.__dict__,
             "batch_sizes": dict(self.stats.batch_sizes),  # a copy: the worker thread adds sizes
             "prefix_cache": {**prefix, "tokens": self.prefix.tokens if self.prefix else 0},

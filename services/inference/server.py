@@ -147,12 +147,15 @@ class InferenceServer:
         r.add_get("/ready", self._health)
         r.add_route("GET", "/flush_cache", self._flush_cache)
         r.add_route("POST", "/flush_cache", self._flush_cache)
+        r.add_post("/set_threads", self._set_threads)  # not SGLang's: the CPU server's thread plan
         return app
 
     async def start(self) -> str:
         """Load the model, start the engine and bind; returns the server's URL."""
         t0 = time.perf_counter()
         self.engine = await asyncio.to_thread(self._load)
+        if self.config.threads > 0:
+            self.engine.set_threads(self.config.threads)
         self.engine.start()
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -324,6 +327,21 @@ class InferenceServer:
     async def _health(self, request: web.Request) -> web.Response:
         ok = self.engine is not None and self.engine.alive
         return web.Response(status=200 if ok else 503)
+
+    async def _set_threads(self, request: web.Request) -> web.Response:
+        """``{"threads": n}``: the engine's intra-op threads from its next step on (an admin route)."""
+        assert self.engine is not None
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as e:
+            return _json({"success": False, "message": f"invalid JSON: {e}"}, 400)
+        threads = body.get("threads") if isinstance(body, dict) else None
+        if type(threads) is not int or not 1 <= threads <= 1024:
+            return _json(
+                {"success": False, "message": f"threads must be an int in 1..1024: {threads!r}"}, 400
+            )
+        self.engine.set_threads(threads)
+        return _json({"success": True, "message": f"threads set to {threads} from the next step"})
 
     async def _flush_cache(self, request: web.Request) -> web.Response:
         assert self.engine is not None

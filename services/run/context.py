@@ -15,6 +15,7 @@ from services.bus.nats_server import EmbeddedNats, free_port
 from services.run.presets import RunConfig
 from services.run.progress import RunProgress
 from services.run.supervisor import ServiceProcess
+from services.threads import ThreadPlan
 
 __all__ = ["RunContext"]
 
@@ -57,6 +58,11 @@ class RunContext:
     clients use ``$LEAFE_ENGINE_API_KEY_FILE``); children get it in their environment."""
     metrics_urls: dict[str, str] = field(default_factory=dict)
     """Each service's Prometheus /metrics URL (the supervisor reads the learner's progress there)."""
+    learner_threads: int = 1
+    """The learner's ``OMP_NUM_THREADS`` (from the plan unless fixed)."""
+    threads: ThreadPlan | None = None
+    """How the free cores are split between the CPU inference server and the learner (None with external
+    engines or fixed ``inference_threads``: then nobody resizes the engine)."""
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.config.runs_dir) / self.config.run_id

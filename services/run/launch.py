@@ -22,6 +22,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import msgspec
 import structlog
 import tomli_w
@@ -32,10 +33,12 @@ from services.bus import NatsOptions, add_nats_arguments, connect, ensure_stream
 from services.bus.auth import load_permissions, nkey_users, role_options, write_role_keys
 from services.bus.nats_server import EmbeddedNats, free_port
 from services.config import tomlable
+from services.inference.auth import read_api_key
 from services.run.context import RunContext
 from services.run.supervisor import wait_http_ok
+from services.threads import free_cores, plan_threads
 
-__all__ = ["check_identity", "prepare_run_dir", "start_infra", "start_pipeline"]
+__all__ = ["check_identity", "engine_threads", "prepare_run_dir", "start_infra", "start_pipeline"]
 
 log = structlog.get_logger(__name__)
 IDENTITY = "identity.json"
@@ -110,7 +113,14 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
     ctx.console.print(f"nats: {ctx.nats_server.url if ctx.nats_server else 'external'}; model {cfg.model!r}")
     ctx.model_dir = await asyncio.to_thread(resolve_model, cfg.model)
     ctx.engine_urls = list(cfg.services.engines)
+    cores, why = await asyncio.to_thread(free_cores)
+    plan = plan_threads(cores, learner=cfg.services.learner, learner_threads=cfg.services.learner_threads)
+    ctx.console.print(f"{plan.describe()} ({why})", markup=False, highlight=False)
+    log.info("run.threads", plan=plan.__dict__, why=why)
+    ctx.learner_threads = plan.learner
     if not ctx.engine_urls:
+        fixed = cfg.services.inference_threads
+        ctx.threads = None if fixed > 0 else plan
         port = free_port()
         ctx.engine_key_file = str(_secret_file(ctx.run_dir / "secrets" / "engine-api-key"))
         inference = ctx.service(
@@ -119,7 +129,7 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
                 "inference",
                 *("--model", str(ctx.model_dir), "--port", str(port)),
                 *("--max-batch", str(cfg.services.inference_max_batch)),
-                *("--threads", str(cfg.services.inference_threads)),
+                *("--threads", str(fixed or plan.inference_alone)),
                 *("--api-key-file", ctx.engine_key_file, "--weights-root", str(ctx.run_dir / "weights")),
             ],
         )
@@ -132,6 +142,31 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
     ctx.js = nc.jetstream()
     # the only place a run creates streams: before any service starts
     await ensure_streams(ctx.js, replicas=cfg.services.stream_replicas)
+
+
+async def engine_threads(ctx: RunContext, *, shared: bool) -> None:
+    """Resize the run's CPU inference server to the plan: ``shared`` while the learner works, every free
+    core while it is idle. A no-op for external engines or a fixed ``inference_threads``; a failure is
+    logged and the run goes on with the old count (a slower run, never a wrong one)."""
+    plan = ctx.threads
+    if plan is None or not ctx.engine_urls:
+        return
+    threads = plan.inference_shared if shared else plan.inference_alone
+    headers = {}
+    if ctx.engine_key_file:
+        key = await asyncio.to_thread(read_api_key, ctx.engine_key_file)
+        headers["Authorization"] = f"Bearer {key}"
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s,
+            s.post(f"{ctx.engine_urls[0]}/set_threads", json={"threads": threads}, headers=headers) as r,
+        ):
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+    except (aiohttp.ClientError, TimeoutError, RuntimeError) as e:
+        log.warning("run.threads.failed", threads=threads, error=f"{type(e).__name__}: {e}")
+        return
+    log.info("run.threads.engine", threads=threads, learner_busy=shared)
 
 
 def _secret_file(path: Path) -> Path:
@@ -161,7 +196,8 @@ async def start_pipeline(ctx: RunContext) -> None:
             *("--config", str(conf / "learner.toml")),
             *("--tensorboard-dir", str(ctx.tensorboard_dir / "learner")),
         ]
-        threads = {"OMP_NUM_THREADS": str(cfg.services.learner_threads)}
+        await engine_threads(ctx, shared=True)
+        threads = {"OMP_NUM_THREADS": str(ctx.learner_threads)}
         await ctx.service("learner", learner, env=threads).start()
         servers = [a for url in ctx.engine_urls for a in ("--server", url)]
         await ctx.service("weight-sync", ["weight-sync", *ctx.nats_args("weight-sync"), *servers]).start()

@@ -98,11 +98,11 @@ class ServicesSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Replicas of the streams the run creates (3 on a clustered JetStream given by ``nats_url``)."""
     inference_max_batch: int = 16
     """CPU inference server: largest dynamic batch."""
-    inference_threads: int = 1
-    """CPU inference server torch threads (0 = one per core). One, because the learner trains at the same
-    time: two busy processes each spinning two OpenMP threads on two cores run many times slower."""
-    learner_threads: int = 1
-    """Learner torch threads (``OMP_NUM_THREADS``)."""
+    inference_threads: int = 0
+    """CPU inference server torch threads; 0 = from the thread plan (``services/threads.py``): every free
+    core while the learner is idle (the evaluations), the cores the learner leaves while both work."""
+    learner_threads: int = 0
+    """Learner torch threads (``OMP_NUM_THREADS``); 0 = from the thread plan (half the free cores, >= 1)."""
     learner: bool = True
     """Run the continuous learner (and weight sync)."""
 

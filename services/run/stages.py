@@ -26,7 +26,7 @@ from services.eventlog.transfer import iter_stream_events
 from services.logsetup import configure_logging
 from services.run.context import RunContext
 from services.run.drain import drain, save_metrics, watch
-from services.run.launch import check_identity, prepare_run_dir, start_infra, start_pipeline
+from services.run.launch import check_identity, engine_threads, prepare_run_dir, start_infra, start_pipeline
 from services.run.presets import RunConfig
 from services.run.progress import RunProgress
 from services.run.report import finish
@@ -208,6 +208,7 @@ async def _eval_after(ctx: RunContext) -> None:
     assert ctx.progress is not None
     version = ctx.progress.weights_version
     if ctx.config.eval.after and version != "default" and not ctx.stop.is_set():
+        await engine_threads(ctx, shared=False)  # drained: the learner is idle, the engine gets every core
         await _unless_stopped(ctx, _evaluate(ctx, f"after-{version}"))
 
 

@@ -57,6 +57,8 @@ class Batch(Generic[D]):
     """Dropped because their kind is not trained here."""
     unknown_version: int = 0
     """Kept although their policy version could not be compared."""
+    lags: list[int] = field(default_factory=list)
+    """Policy lag of each trained sample whose version could be compared (the lag histogram's input)."""
     max_seq: int = 0
     """Highest stream sequence consumed (0 if nothing)."""
 
@@ -124,6 +126,8 @@ class SampleBuffer(Generic[D]):
             elif self.max_policy_lag is not None and lag > self.max_policy_lag:
                 out.stale += 1
                 continue
+            else:
+                out.lags.append(lag)
             out.samples.append(sample)
         self.floor = max(self.floor, out.max_seq)
         return out

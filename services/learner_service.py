@@ -241,6 +241,7 @@ class OnlineLearner:
         lag = max((policy_lag(s.policy_version, p.version_index) or 0 for s in batch.samples), default=0)
         tokens_per_second = stats.real_tokens / seconds if seconds > 0 else 0.0
         self.metrics.observe_step(stats, tokens_per_second=tokens_per_second, policy_lag=lag)
+        self.metrics.observe_lags(batch.lags)
         write_step_scalars(self.scalars, stats, tokens_per_second=tokens_per_second, policy_lag=lag)
         if self.on_step is not None:
             self.on_step(stats, [s.sample_id for s in batch.samples], self.progress)

@@ -237,6 +237,10 @@ class ReplayerMetrics:
                 self._refusals_seen[category] = total
 
 
+LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+"""Buckets of the per-sample policy-lag histogram (versions)."""
+
+
 class LearnerMetrics:
     """``leafe_learner_*``; ``step`` and ``samples_seq`` are where training stands (a restarted learner
     resumes them from its checkpoint), ``steps_total`` counts this process's steps."""
@@ -257,6 +261,13 @@ class LearnerMetrics:
         self.policy_lag = Gauge(
             "leafe_learner_policy_lag",
             "Largest policy lag (versions) among the latest step's samples",
+            registry=r,
+        )
+        self.sample_lag = Histogram(
+            "leafe_learner_sample_policy_lag",
+            "Policy lag (versions behind the learner's latest push) of each trained sample at training "
+            "time; samples of unknown versions are not in it, stale ones are counted as dropped",
+            buckets=LAG_BUCKETS,
             registry=r,
         )
         self.checkpoint_seconds = Histogram(
@@ -284,6 +295,11 @@ class LearnerMetrics:
                 self.loss.labels(term=term).set(value)
         self.tokens_per_second.set(tokens_per_second)
         self.policy_lag.set(policy_lag)
+
+    def observe_lags(self, lags: list[int]) -> None:
+        """The policy lag of each sample a step trained."""
+        for lag in lags:
+            self.sample_lag.observe(lag)
 
     def dropped(self, reason: str, count: int) -> None:
         """``count`` samples consumed without training, for ``reason``."""

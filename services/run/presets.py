@@ -31,6 +31,7 @@ __all__ = [
     "EnvSection",
     "EvalSection",
     "ExploreSection",
+    "OnlineEvalSection",
     "RunConfig",
     "ServicesSection",
     "resolve_run_config",
@@ -60,6 +61,38 @@ class ExploreSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Assignments per task (a GRPO group when > 1)."""
     seed: int = 0
     """Base sampling seed."""
+    rounds: int = 1
+    """Continual rounds: the task pool is submitted again each round (fresh sampling seeds: round r uses
+    ``seed + r * seed_stride``) while the learner trains and pushes, so later rounds sample from newer
+    weights. 0 = until ``budget_minutes`` or ``max_learner_steps``. Round r waits for round r-1's tasks."""
+    seed_stride: int = 1_000_000
+    """Seed offset between rounds (larger than any in-round offset: 1000 per task)."""
+    max_learner_steps: int = 0
+    """Stop submitting rounds once the learner has taken this many steps (0 = no cap)."""
+
+    def __post_init__(self) -> None:
+        if self.rounds < 0:
+            raise ValueError(f"explore.rounds = {self.rounds}: must be >= 0 (0 = until the budget)")
+
+
+class OnlineEvalSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The learning curve: Pass@k of pushed versions on a fixed validation slice of the train split.
+
+    It runs between rounds, on the run's engine while the actors wait (the learner keeps training its
+    backlog), so it never starves them of the engine; its cost is its wall time, reported per point."""
+
+    every_rounds: int = 0
+    """Evaluate after every N rounds (and after the last); 0 = off."""
+    offset: int = -1
+    """First train-split task of the slice; -1 = right after the explore pool (disjoint from it)."""
+    tasks: int = 8
+    """Tasks in the slice."""
+    samples: int = 4
+    """Samples per task."""
+    ks: list[int] = msgspec.field(default_factory=lambda: [1, 2, 4])
+    """k values recorded (each <= samples)."""
+    seed: int = 54321
+    """Sampling seed (the same at every point: the points are paired)."""
 
 
 class EvalSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -126,6 +159,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """Training-time episodes."""
     eval: EvalSection = msgspec.field(default_factory=EvalSection)
     """Evaluation."""
+    online_eval: OnlineEvalSection = msgspec.field(default_factory=OnlineEvalSection)
+    """The learning curve on a validation slice (between rounds)."""
     services: ServicesSection = msgspec.field(default_factory=ServicesSection)
     """Services."""
     actor: ActorServiceConfig = msgspec.field(default_factory=ActorServiceConfig)
@@ -142,11 +177,27 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         kinds = SAMPLE_KINDS.get(self.materializer)
         if kinds is None:
             raise ValueError(f"materializer = {self.materializer!r}: known are {sorted(SAMPLE_KINDS)}")
+        ov, ex = self.online_eval, self.explore
+        if ov.every_rounds:
+            start, count = self.validation_slice()
+            if start < ex.offset + ex.tasks and ex.offset < start + count:
+                raise ValueError(
+                    f"online_eval slice {start}..{start + count - 1} overlaps the explore pool "
+                    f"{ex.offset}..{ex.offset + ex.tasks - 1} of the train split: choose another offset"
+                )
+            if any(k > ov.samples for k in ov.ks):
+                raise ValueError(f"online_eval.ks = {ov.ks}: every k must be <= samples = {ov.samples}")
         if self.services.learner and not set(self.learner.kinds) & set(kinds):
             raise ValueError(
                 f"learner.kinds = {self.learner.kinds} trains none of the samples materializer "
                 f"{self.materializer!r} makes ({', '.join(kinds)}): set [learner] kinds"
             )
+
+    def validation_slice(self) -> tuple[int, int]:
+        """``(offset, count)`` of the online evaluator's train-split slice (checked disjoint from the pool)."""
+        ex, ov = self.explore, self.online_eval
+        start = ex.offset + ex.tasks if ov.offset < 0 else ov.offset
+        return start, ov.tasks
 
     def identity(self) -> dict[str, Any]:
         """What a run directory is bound to: resuming with any of it changed would mix two runs."""

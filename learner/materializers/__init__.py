@@ -11,6 +11,8 @@
 | `sft`   | ``sft``: every expert step of successful demonstrations (mode ``demo``, train split only) |
 | `iwm`   | ``iwm``: (state, the policy's alternative action) -> the observation it led to, plus ``sft`` |
 | `sr`    | ``sr``: state -> the policy's explanation of why the expert action is better + that action, plus ``sft`` |
+| `warm-leafe` | ``sft`` from demonstrations, then ``cf`` and ``reh`` from explore trees (one run, ``warm.py``) |
+| `warm-grpo`  | ``sft`` from demonstrations, then ``grpo`` from grouped rollouts (the online baseline)      |
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from learner.materializers.lifecycle import OpenLimits
 from learner.materializers.rft import RftMaterializer, RftOptions
 from learner.materializers.sft import SftMaterializer, SftOptions
 from learner.materializers.tree import EpisodeFailed, EpisodeTree, ReplayError
+from learner.materializers.warm import WarmGrpoMaterializer, WarmLeafeMaterializer
 from protocol.config import ConfigError, convert_config
 from protocol.prompt import ChatTokenizer
 
@@ -68,6 +71,8 @@ MATERIALIZERS: dict[str, type[Materializer]] = {
     "sft": SftMaterializer,
     "iwm": IwmMaterializer,
     "sr": SrMaterializer,
+    "warm-leafe": WarmLeafeMaterializer,
+    "warm-grpo": WarmGrpoMaterializer,
 }
 """Registry: name -> materializer class."""
 
@@ -78,6 +83,8 @@ SAMPLE_KINDS: dict[str, tuple[str, ...]] = {
     "sft": ("sft",),
     "iwm": ("iwm", "sft"),
     "sr": ("sr", "sft"),
+    "warm-leafe": ("sft", "cf", "reh"),
+    "warm-grpo": ("sft", "grpo"),
 }
 """The sample kinds (``Sample.kind``, subject token) each materializer emits."""
 

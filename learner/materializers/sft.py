@@ -50,9 +50,9 @@ def demonstration_samples(
 ) -> list[Sample]:
     """Samples of every step of the expert path ``node`` (``b0``) of a demonstration, in order."""
     outcome = node.outcome
-    options = fold.options
-    assert outcome is not None and isinstance(options, DemoOptions)
-    if node.branch_id != ROOT_BRANCH or (options.only_successful and not outcome.success):
+    assert outcome is not None
+    only_successful = bool(getattr(fold.options, "only_successful", True))  # DemoOptions and warm-*'s
+    if node.branch_id != ROOT_BRANCH or (only_successful and not outcome.success):
         return []
     path = tree.path(node.branch_id)
     entries = path_entries(path)

@@ -171,3 +171,46 @@ def test_samples_round_trip_the_wire_format(smol: HFChatTokenizer, demos: list[l
     for name in ("iwm", "sr"):
         for sample in fold_events(flat(demos[:2]), make_materializer(name, smol)).samples:
             assert msgspec.msgpack.decode(msgspec.msgpack.encode(sample), type=Sample) == sample
+
+
+@pytest.mark.parametrize(("name", "other_kinds"), [("warm-leafe", {"cf", "reh"}), ("warm-grpo", {"grpo"})])
+def test_warm_materializers_fold_demonstrations_as_sft_and_the_rest_as_their_base(
+    smol: HFChatTokenizer, demos: list[list[EpisodeEvent]], name: str, other_kinds: set[str]
+) -> None:
+    """``warm-leafe``/``warm-grpo`` (one run: warm start, then LEAFE or GRPO): demonstrations give exactly
+    ``sft``'s samples; explore trees give exactly ``leafe``'s, grouped rollouts exactly ``grpo``'s; a
+    test-split demonstration gives nothing and the test split is refused in the options."""
+    rng = random.Random(0)
+    explore = [
+        build_explore_episode(
+            ExploreSpec(seed=i, max_depth=2, p_success=0.3, stop_on_success=False),
+            run_id="r1",
+            episode_id=f"x{i}",
+            tokenizer=smol,
+        )
+        for i in range(12)
+    ]
+    groups = [
+        ep
+        for g in range(6)
+        for ep in build_rollout_group(rng, run_id="r1", group_id=f"g{g}", n=4, p_success=0.5, tokenizer=smol)
+    ]
+    forged = [
+        msgspec.structs.replace(e, split="test") if isinstance(e, EpisodeStarted) else e for e in demos[0]
+    ]
+    events = [*flat(demos), *flat(explore), *flat(groups), *forged]
+    base = "leafe" if name == "warm-leafe" else "grpo"
+
+    def content(samples: list[Sample]) -> set[tuple[object, ...]]:  # ids hash the materializer's name
+        return {
+            (s.kind, tuple(s.source_event_ids), tuple(s.prompt_ids), tuple(s.completion_ids)) for s in samples
+        }
+
+    want = content(fold_events(flat(demos), make_materializer("sft", smol)).samples)
+    want |= content(fold_events(events, make_materializer(base, smol)).samples)
+    got = fold_events(events, make_materializer(name, smol)).samples
+    assert content(got) == want and len(got) == len(want)
+    assert all(s.materializer == f"{name}/1" for s in got)
+    assert {s.kind for s in got} == {"sft"} | other_kinds == set(SAMPLE_KINDS[name])
+    with pytest.raises(MaterializerConfigError):
+        make_materializer(name, smol, splits=["train", "test"])

@@ -54,6 +54,7 @@ __all__ = [
     "main",
     "report_markdown",
     "run_eval",
+    "write_curve_scalars",
     "write_passk_scalars",
     "write_report",
 ]
@@ -348,6 +349,18 @@ def write_passk_scalars(log_dir: Path, result: EvalResult) -> None:
         for k, value in sorted(result.passk.items()):
             writer.scalar("pass@k", value, k)
             writer.scalar(f"pass@{k}", value, index)
+    finally:
+        writer.close()
+
+
+def write_curve_scalars(log_dir: Path, result: EvalResult, learner_step: int) -> None:
+    """One learning-curve point in ``log_dir``: ``pass@<k>`` and ``unparseable`` at ``learner_step`` (a
+    no-op without tensorboard)."""
+    writer = open_scalar_writer(log_dir)
+    try:
+        for k, value in sorted(result.passk.items()):
+            writer.scalar(f"pass@{k}", value, learner_step)
+        writer.scalar("unparseable", result.parse_failure_rate, learner_step)
     finally:
         writer.close()
 

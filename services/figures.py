@@ -9,10 +9,11 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from protocol.events import Branch, EpisodeEvent, EpisodeStarted, Outcome, Step
 
-__all__ = ["passk_markdown", "plot_passk", "plot_tree"]
+__all__ = ["lag_histogram", "passk_markdown", "plot_curve", "plot_passk", "plot_tree"]
 
 
 def passk_markdown(table: Mapping[str, Mapping[int, float]], *, title: str = "") -> str:
@@ -25,6 +26,54 @@ def passk_markdown(table: Mapping[str, Mapping[int, float]], *, title: str = "")
         cells = [f"{100 * row[k]:.1f}" if k in row else "-" for k in ks]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def lag_histogram(cumulative: Mapping[str, float]) -> dict[str, int]:
+    """Per-bucket counts (``"0"``, ``"1"``, ``"2-3"``... ``">32"``) from Prometheus' cumulative
+    ``..._bucket{le="x"}`` samples."""
+    edges: list[tuple[float, float]] = []
+    for key, value in cumulative.items():
+        le = key.split('le="', 1)[-1].rstrip('"}')
+        edges.append((float("inf") if le == "+Inf" else float(le), value))
+    out: dict[str, int] = {}
+    prev_edge, prev_count = -1.0, 0.0
+    for edge, count in sorted(edges):
+        lo = int(prev_edge) + 1
+        name = (
+            f">{int(prev_edge)}"
+            if edge == float("inf")
+            else (f"{lo}" if lo == int(edge) else f"{lo}-{int(edge)}")
+        )
+        out[name] = int(count - prev_count)
+        prev_edge, prev_count = edge, count
+    return out
+
+
+def plot_curve(points: Sequence[Mapping[str, Any]], out: Path, *, title: str = "Learning curve") -> Path:
+    """Pass@k and unparseable answers on the validation slice against the learner step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [int(p["learner_step"]) for p in points]
+    rows: list[dict[int, float]] = [{int(k): float(v) for k, v in p["passk"].items()} for p in points]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for k in sorted({k for row in rows for k in row}):
+        ax.plot(steps, [100 * row.get(k, 0.0) for row in rows], marker="o", label=f"Pass@{k}")
+    unparseable = [100 * float(p["parse_failure_rate"]) for p in points]
+    ax.plot(steps, unparseable, "k--", marker="x", label="unparseable")
+    ax.set_xlabel("learner step")
+    ax.set_ylabel("% on the validation slice")
+    ax.set_ylim(0, 100)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
 
 
 def plot_passk(table: Mapping[str, Mapping[int, float]], out: Path, *, title: str = "Pass@k") -> Path:

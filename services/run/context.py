@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from nats.js import JetStreamContext
 from rich.console import Console
@@ -58,6 +59,12 @@ class RunContext:
     clients use ``$LEAFE_ENGINE_API_KEY_FILE``); children get it in their environment."""
     metrics_urls: dict[str, str] = field(default_factory=dict)
     """Each service's Prometheus /metrics URL (the supervisor reads the learner's progress there)."""
+    started: float = 0.0
+    """``time.monotonic()`` when the run started (the learning curve's time axis)."""
+    rounds: list[Any] = field(default_factory=list)
+    """``services.run.rounds.RoundRecord`` of each explore round so far."""
+    curve: list[Any] = field(default_factory=list)
+    """``services.run.rounds.CurvePoint`` of each validation evaluation so far (the learning curve)."""
     learner_threads: int = 1
     """The learner's ``OMP_NUM_THREADS`` (from the plan unless fixed)."""
     threads: ThreadPlan | None = None

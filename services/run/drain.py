@@ -17,7 +17,7 @@ from services.metrics import scrape
 from services.run.context import RunContext
 from services.run.supervisor import restart_crashed
 
-__all__ = ["MAX_RESTARTS", "drain", "save_metrics", "watch"]
+__all__ = ["MAX_RESTARTS", "drain", "save_metrics", "wait_trained", "watch"]
 
 log = structlog.get_logger(__name__)
 MAX_RESTARTS = 3
@@ -58,28 +58,13 @@ async def drain(ctx: RunContext, read_learner: Callable[[], Awaitable[None]]) ->
     """Stop actors, let the replayer fold everything and the learner train everything, then stop them.
     ``read_learner`` refreshes the learner's progress (its consumed sample sequence) from its metrics.
     Each service's last /metrics is saved to ``metrics/<name>.prom`` just before it is stopped."""
-    progress, cfg = ctx.progress, ctx.config
-    assert progress is not None
+    assert ctx.progress is not None
     ctx.stage = "draining"
     for name in [n for n in ctx.services if n.startswith("actor")]:
         await save_metrics(ctx, name)
         await ctx.services[name].stop(grace_s=60)
-    replayer = replayer_durable(cfg.run_id, cfg.materializer)
-
-    async def replayer_done() -> bool:
-        state = await _consumer_state(ctx, EVENTS.name, replayer)
-        return state is not None and state[0] == 0 and state[1] == 0
-
-    await _wait_until(ctx, "the replayer to fold every event", replayer_done, 180)
+    await wait_trained(ctx, read_learner, replayer_timeout_s=180, learner_timeout_s=300)
     if "learner" in ctx.services:
-        learner = learner_durable(cfg.run_id, cfg.learner.durable)
-
-        async def learner_done() -> bool:
-            await read_learner()
-            state = await _consumer_state(ctx, SAMPLES.name, learner)
-            return state is not None and state[0] == 0 and progress.learner_samples_seq >= state[2]
-
-        await _wait_until(ctx, "the learner to train every sample", learner_done, 300)
         # Everything delivered is trained, so the scrape above holds the last step; the learner's
         # metrics end with its process, the weights it pushes on stop are read from the stream.
         await save_metrics(ctx, "learner")
@@ -89,6 +74,37 @@ async def drain(ctx: RunContext, read_learner: Callable[[], Awaitable[None]]) ->
         if name in ctx.services:
             await save_metrics(ctx, name)
             await ctx.services[name].stop(grace_s=60)
+
+
+async def wait_trained(
+    ctx: RunContext,
+    read_learner: Callable[[], Awaitable[None]],
+    *,
+    replayer_timeout_s: float,
+    learner_timeout_s: float,
+) -> bool:
+    """Until the replayer folded every event in the log and the learner trained every sample delivered to
+    it (True), or a timeout (False, said on the console). The warm start waits here before exploring."""
+    progress, cfg = ctx.progress, ctx.config
+    assert progress is not None
+    replayer = replayer_durable(cfg.run_id, cfg.materializer)
+
+    async def replayer_done() -> bool:
+        state = await _consumer_state(ctx, EVENTS.name, replayer)
+        return state is not None and state[0] == 0 and state[1] == 0
+
+    folded = await _wait_until(ctx, "the replayer to fold every event", replayer_done, replayer_timeout_s)
+    if "learner" not in ctx.services:
+        return folded
+    learner = learner_durable(cfg.run_id, cfg.learner.durable)
+
+    async def learner_done() -> bool:
+        await read_learner()
+        state = await _consumer_state(ctx, SAMPLES.name, learner)
+        return state is not None and state[0] == 0 and progress.learner_samples_seq >= state[2]
+
+    trained = await _wait_until(ctx, "the learner to train every sample", learner_done, learner_timeout_s)
+    return folded and trained
 
 
 async def save_metrics(ctx: RunContext, name: str) -> None:

@@ -69,6 +69,12 @@ class ExploreSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Seed offset between rounds (larger than any in-round offset: 1000 per task)."""
     max_learner_steps: int = 0
     """Stop submitting rounds once the learner has taken this many steps (0 = no cap)."""
+    demos: int = 0
+    """Warm start: the expert's demonstrations of this many train tasks (from ``demo_offset``) go through
+    the log before round 0, and round 0 starts once the learner trained them (needs a materializer that
+    reads demonstrations: ``warm-leafe``, ``warm-grpo`` or ``sft``)."""
+    demo_offset: int = 0
+    """First train task of the demonstrations."""
 
     def __post_init__(self) -> None:
         if self.rounds < 0:
@@ -180,11 +186,15 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         ov, ex = self.online_eval, self.explore
         if ov.every_rounds:
             start, count = self.validation_slice()
-            if start < ex.offset + ex.tasks and ex.offset < start + count:
-                raise ValueError(
-                    f"online_eval slice {start}..{start + count - 1} overlaps the explore pool "
-                    f"{ex.offset}..{ex.offset + ex.tasks - 1} of the train split: choose another offset"
-                )
+            for what, lo, n in (
+                ("explore pool", ex.offset, ex.tasks),
+                ("demonstrations", ex.demo_offset, ex.demos),
+            ):
+                if n and start < lo + n and lo < start + count:
+                    raise ValueError(
+                        f"online_eval slice {start}..{start + count - 1} overlaps the {what} "
+                        f"{lo}..{lo + n - 1} of the train split: choose another offset"
+                    )
             if any(k > ov.samples for k in ov.ks):
                 raise ValueError(f"online_eval.ks = {ov.ks}: every k must be <= samples = {ov.samples}")
         if self.services.learner and not set(self.learner.kinds) & set(kinds):
@@ -196,7 +206,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     def validation_slice(self) -> tuple[int, int]:
         """``(offset, count)`` of the online evaluator's train-split slice (checked disjoint from the pool)."""
         ex, ov = self.explore, self.online_eval
-        start = ex.offset + ex.tasks if ov.offset < 0 else ov.offset
+        start = max(ex.offset + ex.tasks, ex.demo_offset + ex.demos) if ov.offset < 0 else ov.offset
         return start, ov.tasks
 
     def identity(self) -> dict[str, Any]:
@@ -215,6 +225,21 @@ _COMPACT = {"sokoban": {"history_window": 2, "horizon": 8}}
 """Prefill bounds CPU speed: the board already holds the state, so prompts show 2 past steps, and a
 branch takes at most 8 actions (invalid answers do not advance the env's own 6-step limit)."""
 _EXPLORE = {"sokoban": {**_COMPACT["sokoban"], "max_actions": 32}}
+
+
+def _warm_learner(kinds: list[str]) -> dict[str, Any]:
+    """The online learner of the warm-start presets (the ``warmstart`` preset's settings)."""
+    return {
+        "kinds": kinds,
+        "max_batch_wait_s": 10.0,
+        "trainer": {
+            "optim": {"lr": 5e-5},
+            "push_every": 4,
+            "checkpoint_every": 4,
+            "batch": {"global_batch": 16},
+        },
+    }
+
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {
@@ -244,11 +269,36 @@ PRESETS: dict[str, dict[str, Any]] = {
             },
         },
     },
+    "leafe": {
+        # The whole method online: the expert's demonstrations (warm start, sft samples) through the log,
+        # then continual LEAFE rounds on the RL pool with a learning curve on a validation slice.
+        "materializer": "warm-leafe",
+        "budget_minutes": 40.0,
+        "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
+        "explore": {"tasks": 16, "rounds": 3, "demos": 96},
+        "online_eval": {"every_rounds": 1, "tasks": 16, "samples": 4, "ks": [1, 2, 4]},
+        "eval": {"tasks": 16, "samples": 8, "ks": [1, 2, 4, 8]},
+        "actor": {"explorer": _EXPLORE, "rollout": _COMPACT},
+        "learner": _warm_learner(["sft", "cf", "reh"]),
+    },
+    "grpo": {
+        # The online baseline: the same warm start, then continual GRPO (groups of 4 plain rollouts).
+        "materializer": "warm-grpo",
+        "budget_minutes": 40.0,
+        "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
+        "explore": {"tasks": 16, "rounds": 3, "demos": 96, "mode": "rollout", "samples": 4},
+        "online_eval": {"every_rounds": 1, "tasks": 16, "samples": 4, "ks": [1, 2, 4]},
+        "eval": {"tasks": 16, "samples": 8, "ks": [1, 2, 4, 8]},
+        "actor": {"rollout": _COMPACT},
+        "learner": _warm_learner(["sft", "grpo"]),
+    },
     "tiny": {
         "model": "tiny",
         "budget_minutes": 4.0,
         "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
-        "explore": {"tasks": 2},
+        # Two continual rounds with a validation point after each: the e2e test covers the online loop.
+        "explore": {"tasks": 2, "rounds": 2},
+        "online_eval": {"every_rounds": 1, "tasks": 2, "samples": 2, "ks": [1, 2]},
         "eval": {"tasks": 2, "samples": 2, "ks": [1, 2], "concurrency": 4},
         "services": {"actor_concurrency": 2, "inference_max_batch": 4},
         "actor": {"explorer": {"sokoban": {"max_actions": 12, "max_branches": 3, "horizon": 6}}},

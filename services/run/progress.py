@@ -52,6 +52,10 @@ class RunProgress(msgspec.Struct, kw_only=True):
     samples: dict[str, int] = msgspec.field(default_factory=dict)
     weights_version: str = "default"
     learner_step: int = 0
+    lag_buckets: dict[str, float] = msgspec.field(default_factory=dict)
+    """The learner's cumulative per-sample policy-lag histogram as scraped (``..._bucket{le="k"}``)."""
+    stale_dropped: int = 0
+    """Samples the learner dropped for exceeding ``max_policy_lag``."""
     learner_loss: float | None = None
     learner_samples_seq: int = 0
     policy_version: str = "default"
@@ -111,6 +115,12 @@ class RunProgress(msgspec.Struct, kw_only=True):
         loss = samples.get('leafe_learner_loss{term="total"}')
         if loss is not None:
             self.learner_loss = loss
+        buckets = {k: v for k, v in samples.items() if k.startswith("leafe_learner_sample_policy_lag_bucket")}
+        if buckets:
+            self.lag_buckets = buckets
+        stale = samples.get('leafe_learner_samples_dropped_total{reason="stale"}')
+        if stale is not None:
+            self.stale_dropped = int(stale)
 
     async def read_learner(self, url: str) -> bool:
         """Refresh the learner's figures from its /metrics at ``url``; False when it does not answer (while

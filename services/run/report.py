@@ -21,8 +21,9 @@ from protocol.subjects import SAMPLES, samples_filter
 from services.bus import read_stream
 from services.eventlog.fileformat import read_events
 from services.eventlog.transfer import export_run
-from services.figures import passk_markdown, plot_passk, plot_tree
+from services.figures import lag_histogram, passk_markdown, plot_curve, plot_passk, plot_tree
 from services.run.context import RunContext
+from services.run.rounds import CurvePoint, RoundRecord
 from services.run.supervisor import ServiceProcess
 
 __all__ = ["DatasetCheck", "RunReport", "RunSummary", "build_report", "finish", "render_report"]
@@ -124,6 +125,14 @@ class RunReport(msgspec.Struct, frozen=True, kw_only=True):
     timings: dict[str, float]
     """Seconds per stage."""
     dataset: DatasetCheck
+    rounds: list[RoundRecord] = msgspec.field(default_factory=list)
+    """Each explore round (continual mode)."""
+    curve: list[CurvePoint] = msgspec.field(default_factory=list)
+    """The learning curve on the validation slice."""
+    policy_lag: dict[str, int] = msgspec.field(default_factory=dict)
+    """Trained samples per policy lag (versions behind the learner's push at training time)."""
+    stale_dropped: int = 0
+    """Samples dropped for exceeding ``max_policy_lag``."""
 
 
 def _comparisons(evals: dict[str, EvalResult]) -> list[PassKDiff]:
@@ -173,6 +182,10 @@ def build_report(
         run=run,
         timings={k: round(v, 1) for k, v in ctx.timings.items()},
         dataset=dataset,
+        rounds=list(ctx.rounds),
+        curve=list(ctx.curve),
+        policy_lag=lag_histogram(p.lag_buckets),
+        stale_dropped=p.stale_dropped,
     )
 
 
@@ -211,6 +224,49 @@ def _eval_lines(r: RunReport, cfg_eval: Any) -> list[str]:
     return [*lines, ""]
 
 
+def _continual_lines(r: RunReport) -> list[str]:
+    """Rounds, the learning curve and the policy-lag histogram (when there are any)."""
+    lines: list[str] = []
+    if len(r.rounds) > 1 or r.curve:
+        lines += [
+            "## Continual rounds",
+            "",
+            "| round | tasks | finished | min | episodes (success) | learner step | weights |",
+        ]
+        lines += ["|---|---|---|---|---|---|---|"]
+        for x in r.rounds:
+            lines.append(
+                f"| {x.round} | {x.tasks} | {'yes' if x.finished else 'cut'} | {x.wall_s / 60:.1f} | "
+                f"{x.episodes} ({x.successes}) | {x.learner_step} | {x.weights_version} |"
+            )
+        lines.append("")
+    if r.curve:
+        ks = sorted({k for p in r.curve for k in p.passk})
+        head = " | ".join(f"Pass@{k}" for k in ks)
+        lines += [
+            "## Learning curve (validation slice of the train split)",
+            "",
+            f"| round | min | learner step | version | {head} | unparseable | eval s |",
+        ]
+        lines += ["|---" * (6 + len(ks)) + "|"]
+        for p in r.curve:
+            cells = " | ".join(f"{100 * p.passk.get(k, 0.0):.1f}" for k in ks)
+            mixed = "" if len(p.policy_versions) <= 1 else " (mixed)"
+            lines.append(
+                f"| {p.round} | {p.wall_s / 60:.1f} | {p.learner_step} | {p.weight_version}{mixed} | {cells} | "
+                f"{100 * p.parse_failure_rate:.0f}% | {p.eval_wall_s:.0f} |"
+            )
+        lines += ["", "![learning curve](learning_curve.png)", ""]
+    if r.policy_lag or r.stale_dropped:
+        hist = ", ".join(f"{k}: {v}" for k, v in r.policy_lag.items() if v)
+        lines += [
+            f"Policy lag of the trained samples (versions behind the learner's latest push): {hist or 'none'}; "
+            f"dropped as stale (past max_policy_lag): {r.stale_dropped}.",
+            "",
+        ]
+    return lines
+
+
 def render_report(r: RunReport, cfg_eval: Any) -> str:
     """``report.md`` from the report's data."""
     lines = [f"# leafe run `{r.run_id}`", ""]
@@ -240,6 +296,7 @@ def render_report(r: RunReport, cfg_eval: Any) -> str:
         "Stage times: " + ", ".join(f"{k} {v:.0f} s" for k, v in r.timings.items()),
         "",
     ]
+    lines += _continual_lines(r)
     d = r.dataset
     verdict = "identical to" if d.identical else "DIFFERENT from"
     lines += [
@@ -267,6 +324,10 @@ async def finish(ctx: RunContext) -> None:
         )
     if ctx.evals:
         plot_passk({k: r.passk for k, r in ctx.evals.items()}, run_dir / "passk.png")
+    if ctx.curve:
+        await asyncio.to_thread(
+            plot_curve, [msgspec.to_builtins(p) for p in ctx.curve], run_dir / "learning_curve.png"
+        )
     tree = await asyncio.to_thread(_pick_tree, log_file)
     if tree:
         await asyncio.to_thread(plot_tree, tree, run_dir / "tree.png")

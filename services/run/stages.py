@@ -16,35 +16,24 @@ from rich.live import Live
 
 from actors.client import SGLangClient
 from actors.evaluate import EvalRequest, EvalResult, evaluate
-from envs.registry import make_env
 from learner.model_io import HFChatTokenizer
-from protocol.events import EpisodeFinished, EpisodeStarted
 from services.actor_service import PublisherSink
 from services.bus import Publisher
-from services.eval import write_passk_scalars
-from services.eventlog.transfer import iter_stream_events
+from services.eval import write_curve_scalars, write_passk_scalars
 from services.logsetup import configure_logging
 from services.run.context import RunContext
-from services.run.drain import drain, save_metrics, watch
+from services.run.drain import drain, save_metrics
 from services.run.launch import check_identity, engine_threads, prepare_run_dir, start_infra, start_pipeline
 from services.run.presets import RunConfig
 from services.run.progress import RunProgress
 from services.run.report import finish
-from services.tasks import make_assignments, submit
+from services.run.rounds import explore_rounds, task_ids
 
 __all__ = ["run_stages"]
 
 log = structlog.get_logger(__name__)
 LINE_EVERY_S = 5.0
 """Non-terminal output: how often the progress line is considered (printed only when it changed)."""
-
-
-def _task_ids(cfg: RunConfig, split: str, offset: int, count: int) -> list[str]:
-    env = make_env(cfg.env.name, **cfg.env.options)
-    try:
-        return env.tasks(split)[offset : offset + count]
-    finally:
-        env.close()
 
 
 def rollout_overrides(cfg: RunConfig) -> dict[str, Any]:
@@ -54,24 +43,25 @@ def rollout_overrides(cfg: RunConfig) -> dict[str, Any]:
     return {**tables.get("*", {}), **tables.get(cfg.env.name, {})}
 
 
-async def _evaluate(ctx: RunContext, label: str) -> None:
-    cfg, ev = ctx.config, ctx.config.eval
+async def _run_eval(
+    ctx: RunContext, label: str, task_ids: list[str], samples: int, ks: list[int], seed: int, split: str
+) -> EvalResult:
+    """Pass@k of the served weights on ``task_ids`` (``eval/<label>.json``; a resumed run reuses it)."""
+    cfg = ctx.config
     path = ctx.run_dir / "eval" / f"{label}.json"
     if path.is_file():  # resumed run: this evaluation already finished
-        ctx.evals[label] = msgspec.json.decode(path.read_bytes(), type=EvalResult)
-        return
-    ctx.stage = f"evaluating {label}"
+        return msgspec.json.decode(path.read_bytes(), type=EvalResult)
     request = EvalRequest(
         env=cfg.env.name,
         env_options=cfg.env.options,
-        task_ids=_task_ids(cfg, ev.split, 0, ev.tasks),
-        split=ev.split,
-        samples=ev.samples,
-        ks=ev.ks,
+        task_ids=task_ids,
+        split=split,
+        samples=samples,
+        ks=ks,
         run_id=cfg.run_id,
         label=label,
-        concurrency=ev.concurrency,
-        seed=ev.seed,
+        concurrency=cfg.eval.concurrency,
+        seed=seed,
         rollout_overrides=rollout_overrides(cfg),
     )
     assert ctx.model_dir is not None
@@ -84,53 +74,39 @@ async def _evaluate(ctx: RunContext, label: str) -> None:
         result = await evaluate(request, engine=engine, tokenizer=tokenizer, sink=PublisherSink(pub))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(msgspec.json.format(msgspec.json.encode(result)))
-    await asyncio.to_thread(write_passk_scalars, ctx.tensorboard_dir / f"eval-{label}", result)
+    return result
+
+
+async def _evaluate(ctx: RunContext, label: str) -> None:
+    """The before/after evaluation on the held-out split."""
+    cfg, ev = ctx.config, ctx.config.eval
+    ctx.stage = f"evaluating {label}"
+    ids = task_ids(cfg, ev.split, 0, ev.tasks)
+    fresh = not (ctx.run_dir / "eval" / f"{label}.json").is_file()
+    result = await _run_eval(ctx, label, ids, ev.samples, ev.ks, ev.seed, ev.split)
+    if fresh:
+        await asyncio.to_thread(write_passk_scalars, ctx.tensorboard_dir / f"eval-{label}", result)
     ctx.evals[label] = result
     scores = ", ".join(f"pass@{k} {100 * v:.1f}%" for k, v in result.passk.items())
     ctx.console.print(f"eval {label}: {scores}")
 
 
-async def _finished_task_keys(ctx: RunContext) -> set[str]:
-    keys: dict[str, str] = {}
-    done: set[str] = set()
-    async for ev in iter_stream_events(ctx.jetstream, ctx.config.run_id):
-        if isinstance(ev, EpisodeStarted):
-            keys[ev.episode_id] = ev.task_key
-        elif isinstance(ev, EpisodeFinished) and ev.episode_id in keys:
-            done.add(keys[ev.episode_id])
-    return done
-
-
-async def _submit(ctx: RunContext) -> None:
-    cfg, ex = ctx.config, ctx.config.explore
-    batch = make_assignments(
-        run_id=cfg.run_id,
-        env=cfg.env.name,
-        task_ids=_task_ids(cfg, "train", ex.offset, ex.tasks),
-        mode=ex.mode,
-        split="train",
-        samples=ex.samples,
-        seed=ex.seed,
-        env_options=cfg.env.options,
-    )
-    ctx.explore_keys = [a.task_key for a in batch]
-    done = await _finished_task_keys(ctx)
-    n = await submit(ctx.jetstream, batch, skip=done)
-    ctx.console.print(f"submitted {n} {ex.mode} tasks ({len(done & set(ctx.explore_keys))} already done)")
+async def _validate(
+    ctx: RunContext, label: str, ids: list[str], samples: int, ks: list[int], seed: int
+) -> EvalResult:
+    """A learning-curve point on the validation slice (train split), with its TensorBoard scalars."""
+    assert ctx.progress is not None
+    step = ctx.progress.learner_step
+    result = await _run_eval(ctx, label, ids, samples, ks, seed, "train")
+    await asyncio.to_thread(write_curve_scalars, ctx.tensorboard_dir / "validation", result, step)
+    return result
 
 
 async def _explore(ctx: RunContext) -> None:
-    assert ctx.progress is not None
-    ctx.stage = "exploring"
-    deadline = time.monotonic() + 60 * ctx.config.budget_minutes
-    await _submit(ctx)
-    keys = set(ctx.explore_keys)
-    while not ctx.stop.is_set() and not keys <= ctx.progress.finished_keys:
-        if time.monotonic() > deadline:
-            ctx.console.print("[yellow]budget reached: draining with tasks left[/yellow]")
-            break
-        await watch(ctx)
-        await asyncio.sleep(1.0)
+    async def validate(label: str, ids: list[str], samples: int, ks: list[int], seed: int) -> EvalResult:
+        return await _validate(ctx, label, ids, samples, ks, seed)
+
+    await explore_rounds(ctx, validate, lambda: _read_learner(ctx), started=ctx.started)
 
 
 async def _read_learner(ctx: RunContext) -> None:
@@ -236,7 +212,7 @@ async def run_stages(ctx: RunContext, *, fresh: bool = False) -> None:
     ctx.console.print(
         f"TensorBoard: tensorboard --logdir {ctx.tensorboard_dir}", markup=False, highlight=False
     )
-    started = time.monotonic()
+    started = ctx.started = time.monotonic()
     async with AsyncExitStack() as stack:
         await start_infra(ctx, stack)
         ctx.progress = RunProgress(run_id=cfg.run_id)

@@ -120,6 +120,29 @@ def test_tiny_run_end_to_end(tmp_path: Path, cache_dir: Path) -> None:
     assert report["run"]["learner_loss"] is not None  # read from the learner's /metrics
     _check_observability(run_dir, first.stderr, report["run"]["learner_step"])
     _assert_no_credential_in_logs(run_dir)
+    _check_continual(run_dir, report)
+
+
+def _check_continual(run_dir: Path, report: dict[str, Any]) -> None:
+    """Two rounds of the pool with fresh seeds, a validation point after each (steps never go back), and a
+    lag histogram that counts exactly the samples the learner trained."""
+    rounds = report["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1] and all(r["finished"] for r in rounds), rounds
+    seeds = [
+        e.seed
+        for e in read_events(run_dir / "events.leafelog")
+        if isinstance(e, EpisodeStarted) and e.mode == "explore"
+    ]
+    assert len(seeds) == len(set(seeds)) == 4, seeds
+    curve = report["curve"]
+    assert [p["round"] for p in curve] == [0, 1], curve
+    assert curve[0]["learner_step"] <= curve[1]["learner_step"]
+    assert all(set(p["passk"]) == {"1", "2"} for p in curve)
+    assert (run_dir / "learning_curve.png").is_file() and (run_dir / "eval" / "val-r1.json").is_file()
+    lines = (run_dir / "logs" / "learner.log").read_text().splitlines()
+    steps = [json.loads(line) for line in lines if line.startswith("{")]
+    trained = sum(e["samples"] for e in steps if e.get("event") == "learner.step")
+    assert sum(report["policy_lag"].values()) == trained > 0, (report["policy_lag"], trained)
 
 
 @pytest.mark.slow

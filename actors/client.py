@@ -98,7 +98,7 @@ class SGLangClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     cooldown_s: float = 2.0
     """How long a server that failed is avoided when another is up."""
     ready_poll_s: float = 2.0
-    """How often :meth:`SGLangClient.wait_ready` asks the servers whether they are ready."""
+    """How often an actor waiting for a ready engine asks :meth:`SGLangClient.ready` again."""
     api_key_file: str = ""
     """File holding the servers' API key (sent as ``Authorization: Bearer``); empty =
     ``$LEAFE_ENGINE_API_KEY_FILE`` when set, else no key. The key itself never sits in a config."""

@@ -43,19 +43,33 @@ import structlog
 from actors.engine import ENGINE_AFFINITY, Completion, EngineError, SamplingParams
 from actors.sglang_wire import (
     Aborted,
+    UpdateResult,
     decode_outputs,
     error_message,
+    generate_payload,
     parse_completions,
     raise_if_aborted,
+    split_seeds,
     to_completion,
 )
 
-__all__ = ["SGLangClient", "SGLangClientConfig", "UpdateResult", "error_message", "parse_completions"]
+__all__ = [
+    "EngineUnavailable",
+    "SGLangClient",
+    "SGLangClientConfig",
+    "UpdateResult",
+    "error_message",
+    "parse_completions",
+    "split_seeds",
+]
 
 log = structlog.get_logger(__name__)
 
 _RETRY_STATUS = frozenset({502, 503, 504})
 _MODEL_INFO_ROUTES = ("/model_info", "/get_model_info")
+_READY_ROUTES = ("/ready", "/readiness")
+"""Cheap readiness routes: SGLang's and our CPU server's ``/ready`` (200 only once the model is loaded and
+warmed up), then the sglang router's ``/readiness`` (200 only while it has a healthy worker)."""
 
 
 AFFINITY_SLACK = 8
@@ -83,6 +97,8 @@ class SGLangClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     """Longest wait between attempts."""
     cooldown_s: float = 2.0
     """How long a server that failed is avoided when another is up."""
+    ready_poll_s: float = 2.0
+    """How often an actor waiting for a ready engine asks :meth:`SGLangClient.ready` again."""
     api_key_file: str = ""
     """File holding the servers' API key (sent as ``Authorization: Bearer``); empty =
     ``$LEAFE_ENGINE_API_KEY_FILE`` when set, else no key. The key itself never sits in a config."""
@@ -91,6 +107,8 @@ class SGLangClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
         for name in ("timeout_s", "connect_timeout_s", "health_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.ready_poll_s > 0:
+            raise ValueError(f"ready_poll_s must be > 0, got {self.ready_poll_s!r}")
         for name in ("retries", "abort_retries", "backoff_s", "max_backoff_s", "cooldown_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -99,13 +117,10 @@ class SGLangClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
 _DEFAULTS = SGLangClientConfig()
 
 
-class UpdateResult(msgspec.Struct, frozen=True, kw_only=True):
-    """One server's answer to ``/update_weights_from_disk``."""
-
-    url: str
-    success: bool
-    message: str
-    num_paused_requests: int = 0
+class EngineUnavailable(EngineError):
+    """No server could be reached or every one answered 502/503/504 (loading, reloading, restarting): the
+    request never ran, so it says nothing about the task; the actor waits for a ready engine and does not
+    count it against the task's delivery attempts."""
 
 
 class _NotFound(EngineError):
@@ -152,6 +167,7 @@ class SGLangClient:
         backoff_s: float = _DEFAULTS.backoff_s,
         max_backoff_s: float = _DEFAULTS.max_backoff_s,
         cooldown_s: float = _DEFAULTS.cooldown_s,
+        ready_poll_s: float = _DEFAULTS.ready_poll_s,
         api_key_file: str = _DEFAULTS.api_key_file,
     ) -> None:
         """Keyword arguments are :class:`SGLangClientConfig`'s fields (validated the same way)."""
@@ -167,6 +183,7 @@ class SGLangClient:
             backoff_s=backoff_s,
             max_backoff_s=max_backoff_s,
             cooldown_s=cooldown_s,
+            ready_poll_s=ready_poll_s,
             api_key_file=api_key_file,
         )
         self._headers = _auth_headers(api_key_file or os.environ.get("LEAFE_ENGINE_API_KEY_FILE", ""))
@@ -174,6 +191,7 @@ class SGLangClient:
         self._session: aiohttp.ClientSession | None = None
         self._turn = 0
         self._model_info_route = _MODEL_INFO_ROUTES[0]
+        self._ready_route = _READY_ROUTES[0]
 
     @classmethod
     def from_config(cls, urls: str | Sequence[str], config: SGLangClientConfig) -> SGLangClient:
@@ -259,7 +277,7 @@ class SGLangClient:
                 )
             if attempt + 1 < attempts:
                 await asyncio.sleep(min(self.config.max_backoff_s, self.config.backoff_s * 2**attempt))
-        raise EngineError(
+        raise EngineUnavailable(
             f"{path} failed on every inference server after {attempts} attempts: " + "; ".join(failures)
         )
 
@@ -282,14 +300,7 @@ class SGLangClient:
             raise EngineError("generate needs a non-empty prompt (input_ids=[])")
         if n < 1:
             raise EngineError(f"n must be >= 1, got {n}")
-        sampling = params.to_sglang()
-        if n > 1:
-            sampling["n"] = n
-        payload = {
-            "input_ids": list(input_ids),
-            "sampling_params": sampling,
-            "return_logprob": return_logprob,
-        }
+        payload = generate_payload(input_ids, params, n, return_logprob)
         for attempt in range(self.config.abort_retries + 1):
             outs = decode_outputs(await self.generate_raw(payload, timeout_s=timeout_s))
             try:
@@ -373,3 +384,17 @@ class SGLangClient:
         """``GET /health`` on every server (SGLang's can take seconds: ``health_timeout_s``)."""
         answers = await self._each("GET", "/health", None, self.config.health_timeout_s)
         return {url: status == 200 for url, status, _ in answers}
+
+    async def ready(self) -> bool:
+        """Whether some server is ready to generate: ``/ready`` (SGLang, ``leafe inference``), else the
+        router's ``/readiness`` where ``/ready`` is 404 (the route that answered is remembered). Never
+        raises: an unreachable or loading server is simply not ready."""
+        routes = [self._ready_route, *(r for r in _READY_ROUTES if r != self._ready_route)]
+        for route in routes:
+            answers = await self._each("GET", route, None, self.config.connect_timeout_s)
+            if any(status == 200 for _, status, _ in answers):
+                self._ready_route = route
+                return True
+            if not all(status == 404 for _, status, _ in answers):
+                return False
+        return False

@@ -9,17 +9,20 @@ from typing import Any, Literal
 
 import msgspec
 
-from actors.engine import Completion, EngineError
+from actors.engine import Completion, EngineError, SamplingParams
 
 __all__ = [
     "Aborted",
     "FinishReason",
     "GenerateOutput",
     "MetaInfo",
+    "UpdateResult",
     "decode_outputs",
     "error_message",
+    "generate_payload",
     "parse_completions",
     "raise_if_aborted",
+    "split_seeds",
     "to_completion",
 ]
 
@@ -154,3 +157,37 @@ def raise_if_aborted(outs: list[GenerateOutput]) -> None:
             )
         if fr == "abort":
             raise Aborted(f"generation aborted by the server (rid {out.meta_info.id or '?'})", retryable=True)
+
+
+class UpdateResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One server's answer to ``/update_weights_from_disk``."""
+
+    url: str
+    success: bool
+    message: str
+    num_paused_requests: int = 0
+
+
+def split_seeds(seed: int, n: int) -> list[int]:
+    """``n`` distinct seeds derived from ``seed`` (the first is ``seed`` itself)."""
+    return [(seed + i * 1_000_033) % 2**31 for i in range(n)]
+
+
+def generate_payload(
+    input_ids: list[int], params: SamplingParams, n: int, return_logprob: bool
+) -> dict[str, Any]:
+    """The ``/generate`` body for ``n`` samples of one prompt. Without a seed: one prompt with ``n``. With a
+    seed and ``n > 1``: a batch of ``n`` copies of the prompt, each with its own seed, since SGLang (with
+    ``--enable-deterministic-inference``) gives all ``n`` samples of one request the same seed, i.e. ``n``
+    identical completions; a batch keeps the shared prefix in one request and answers in input order."""
+    sampling = params.to_sglang()
+    if n == 1 or params.sampling_seed is None:
+        if n > 1:
+            sampling["n"] = n
+        return {"input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": return_logprob}
+    per_prompt = [{**sampling, "sampling_seed": s} for s in split_seeds(params.sampling_seed, n)]
+    return {
+        "input_ids": [list(input_ids) for _ in range(n)],
+        "sampling_params": per_prompt,
+        "return_logprob": return_logprob,
+    }

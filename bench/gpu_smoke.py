@@ -176,8 +176,8 @@ async def explore(url: str, model_dir: Path, episodes: int, report: Report) -> l
 def build_dataset(events: list[Any], model_dir: Path, out: Path) -> int:
     """Fold the events with the ``leafe`` materializer (every branch's corrected action) into shards."""
     from learner.materializers import make_materializer
+    from learner.materializers.folding import fold_events, write_folded
     from learner.model_io import HFChatTokenizer
-    from services.replay import fold_events, rebuild
 
     fold = make_materializer(
         "leafe", HFChatTokenizer.from_dir(model_dir), cf_only_successful=False, skip_unparsed_targets=False
@@ -185,7 +185,7 @@ def build_dataset(events: list[Any], model_dir: Path, out: Path) -> int:
     result = fold_events(events, fold)
     if not result.samples:
         raise SmokeError(f"the {len(events)} explore events folded into no samples; nothing to train")
-    rebuild(result, fold, out, run_id=None, shard_size=10_000)
+    write_folded(result, fold, out, run_id=None, shard_size=10_000)
     return len(result.samples)
 
 

@@ -17,6 +17,7 @@ import msgspec
 import structlog
 from nats.js import JetStreamContext
 
+from actors.client import EngineUnavailable
 from actors.config import ActorServiceConfig
 from actors.demo import DemoRunner
 from actors.engine import Engine
@@ -35,6 +36,8 @@ from services.metrics import ActorMetrics, TimedEngine
 __all__ = ["ActorStats", "EpisodeRunner", "PublisherSink"]
 
 log = structlog.get_logger(__name__)
+_OUTAGES_KEPT = 10_000
+"""Task keys whose engine outages an actor remembers (oldest forgotten first)."""
 
 
 class ActorStats(msgspec.Struct, kw_only=True):
@@ -54,6 +57,8 @@ class ActorStats(msgspec.Struct, kw_only=True):
     """Episodes cancelled (shutdown) and nak'ed for redelivery."""
     events: int = 0
     """Events published by finished episodes."""
+    engine_outages: int = 0
+    """Deliveries nak'ed because the engine could not be reached (never counted as attempts)."""
 
 
 class PublisherSink:
@@ -95,6 +100,10 @@ class EpisodeRunner:
         self.run_id = run_id
         self.actor_id = actor_id
         self.stats = stats
+        self.engine_down = False
+        """Set when an episode met an unreachable engine: the fetch loop checks readiness before fetching."""
+        self._outages: dict[str, int] = {}
+        """Deliveries per task key that ended on an unreachable engine (not counted as attempts)."""
 
     async def serve(self, delivery: Delivery[TaskAssignment]) -> None:
         """Run the delivered task's episode and ack, nak or terminate the delivery."""
@@ -140,6 +149,10 @@ class EpisodeRunner:
 
     async def _failed(self, delivery: Delivery[TaskAssignment], attempt: int, e: Exception) -> None:
         error = f"{type(e).__name__}: {e}"
+        if isinstance(e, EngineUnavailable):
+            await self._engine_unavailable(delivery, attempt, error)
+            return
+        attempt -= self._outages.get(delivery.value.task_key, 0)
         # Not transient: a sandbox without its isolation refuses on every attempt on this machine, and an
         # event over the size limit would be too large again.
         if attempt >= self.config.max_attempts or isinstance(e, SandboxUnavailable | MessageTooLargeError):
@@ -150,6 +163,22 @@ class EpisodeRunner:
             self.stats.retried += 1
             log.warning("actor.task.retry", attempt=attempt, error=error, delay_s=self.config.retry_delay_s)
             await delivery.nak(self.config.retry_delay_s)
+
+    async def _engine_unavailable(self, delivery: Delivery[TaskAssignment], attempt: int, error: str) -> None:
+        """The engine could not be reached: the episode never got its answer, so the task is not to blame.
+        Nak it (redelivered after ``retry_delay_s``), never terminate it, and remember the outage so this
+        actor does not count that delivery among the task's ``max_attempts``; the fetch loop meanwhile
+        waits for a ready engine before taking any task (``ActorService._engine_ready``)."""
+        self.engine_down = True
+        self.stats.engine_outages += 1
+        key = delivery.value.task_key
+        self._outages[key] = self._outages.get(key, 0) + 1
+        while len(self._outages) > _OUTAGES_KEPT:
+            del self._outages[next(iter(self._outages))]
+        log.warning(
+            "actor.task.engine_unavailable", attempt=attempt, error=error, delay_s=self.config.retry_delay_s
+        )
+        await delivery.nak(self.config.retry_delay_s)
 
     async def _keepalive(self, delivery: Delivery[TaskAssignment]) -> None:
         while True:

@@ -23,6 +23,8 @@ delivery.
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from typing import Any
 
 import msgspec
@@ -104,6 +106,10 @@ class ActorService:
         self.latest_weights: str | None = None
         """Latest ``WeightsPublished.version`` seen (informational: events carry the engine's version)."""
         self._running: set[asyncio.Task[None]] = set()
+        self.engine = engine
+        self.engine_waiting = False
+        """True while the fetch loop holds back because the engine is not ready."""
+        self._ready_checked = -math.inf
 
     async def run(self, stop: asyncio.Event | None = None) -> ActorStats:
         """Serve tasks until ``stop`` is set (or ``max_tasks`` were taken), then drain; returns stats."""
@@ -148,6 +154,8 @@ class ActorService:
                 if len(self._running) >= self.config.concurrency:
                     await asyncio.wait({*self._running, stopping}, return_when=asyncio.FIRST_COMPLETED)
                     continue
+                if not await self._engine_ready(stop):
+                    break
                 for delivery in await consumer.fetch(self.config.fetch_timeout_s):
                     if stop.is_set():
                         await delivery.nak()
@@ -155,6 +163,34 @@ class ActorService:
                     self._spawn(delivery)
         finally:
             stopping.cancel()
+
+    async def _engine_ready(self, stop: asyncio.Event) -> bool:
+        """Take no task while the engine cannot generate (SGLang loading its model for up to 30 minutes, a
+        router without a healthy worker, an episode that just met an unreachable engine): poll the engine's
+        ``ready()`` every ``engine.ready_poll_s`` until it answers, so a cold start burns no delivery.
+        Engines without ``ready()`` (in-process fakes) are always ready. False when ``stop`` came first."""
+        ready = getattr(self.engine, "ready", None)
+        if ready is None:
+            return True
+        now = time.monotonic()
+        if not self.runner.engine_down and now - self._ready_checked < self.config.engine.ready_poll_s:
+            return True
+        waited = False
+        while not await ready():
+            if not waited:
+                log.warning("actor.engine.waiting", poll_s=self.config.engine.ready_poll_s)
+                waited = True
+            self.engine_waiting = True
+            try:
+                await asyncio.wait_for(stop.wait(), self.config.engine.ready_poll_s)
+                return False
+            except TimeoutError:
+                pass
+        if waited:
+            log.info("actor.engine.ready", waited_s=round(time.monotonic() - now, 1))
+        self.engine_waiting = self.runner.engine_down = False
+        self._ready_checked = time.monotonic()
+        return True
 
     def _spawn(self, delivery: Delivery[TaskAssignment]) -> None:
         self.stats.taken += 1

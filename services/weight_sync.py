@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
         "--verify",
         choices=["manifest", "files", "off"],
         default=None,
-        help="check the export against the announcement: manifest sha256 (default), every file, or off",
+        help="check the export against the announcement: every file (default), the manifest sha256 only, or off",
     )
     p.add_argument("--once", action="store_true", help="apply the latest version and exit (1 if any failed)")
     p.add_argument("--log-level", default="info")

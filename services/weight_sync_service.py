@@ -54,9 +54,11 @@ class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     """Timeout of one ``/update_weights_from_disk`` call."""
     retry_backoff_s: float = 2.0
     """First wait before retrying a failed server (doubles up to ``reconcile_interval_s``)."""
-    verify: Literal["manifest", "files", "off"] = "manifest"
+    verify: Literal["manifest", "files", "off"] = "files"
     """Before any server loads an export visible here: check its manifest's sha256 against the
-    announcement (``manifest``), also every file against the manifest (``files``), or nothing (``off``)."""
+    announcement and every file against the manifest (``files``, the default: SGLang's rollback after a
+    failed load re-reads the *new* path, so a bad file must never reach it), only the manifest
+    (``manifest``), or nothing (``off``). Each version is hashed once, not at every reconcile."""
 
 
 class SyncResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -104,6 +106,8 @@ class WeightSync:
         self.metrics = metrics or WeightSyncMetrics()
         """Prometheus metrics (``services/metrics.py``); served by ``leafe weight-sync --metrics-port``."""
         self._wake = asyncio.Event()
+        self._checked: dict[tuple[str, str, str], bool] = {}
+        """The verdict of ``_verified`` on the desired export (version, uri, manifest sha256)."""
 
     def offer(self, event: WeightsPublished) -> None:
         """A new announcement: becomes the desired state if it is newer. One without the manifest's
@@ -138,6 +142,12 @@ class WeightSync:
         path = Path(event.uri)
         if self.cfg.verify == "off" or not await asyncio.to_thread(path.is_dir):
             return True
+        key = (event.version, event.uri, event.manifest_sha256 or "")
+        if key not in self._checked:  # exports appear atomically and never change: hash once
+            self._checked = {key: await self._check(event, path)}  # only the newest is kept
+        return self._checked[key]
+
+    async def _check(self, event: WeightsPublished, path: Path) -> bool:
         try:
             if self.cfg.verify == "files":
                 await asyncio.to_thread(verify_manifest, path, event.manifest_sha256 or None)

@@ -85,11 +85,12 @@ def test_servers_have_readiness_and_liveness_probes_on_their_own_ports(
 
 
 def test_sglang_startup_and_readiness_never_run_a_generation(rendered: dict[str, Docs]) -> None:
-    """SGLang's startup and readiness probes are TCP checks (its cheap /ready needs the API key); only the
-    liveness probe calls the generating /health, rarely, with a timeout beyond SGLang's own 20 s."""
+    """SGLang's startup and readiness probes call the cheap /ready (auth-exempt in 0.5.23); only the
+    liveness probe calls the generating /health, rarely, with a timeout beyond SGLang's own 20 s (its
+    budget against weight reloads: tests/unit/deploy/test_gpu_tier.py)."""
     sglang = container_named(rendered["gpu"], "sglang", "sglang").spec
     for probe in ("startupProbe", "readinessProbe"):
-        assert "tcpSocket" in sglang[probe] and "httpGet" not in sglang[probe], probe
+        assert sglang[probe]["httpGet"]["path"] == "/ready", probe
     liveness = sglang["livenessProbe"]
     assert liveness["httpGet"]["path"] == "/health"
     assert liveness["timeoutSeconds"] > 20 and liveness["periodSeconds"] >= 30
@@ -271,7 +272,10 @@ def test_images_follow_the_overlay_including_the_one_off_jobs(
     for c in containers(rendered[overlay]):
         image = c.spec["image"]
         assert ":" in image and not image.endswith(":latest"), f"{c.where}: unpinned image {image}"
-        assert image in expected or image.startswith("lmsysorg/sglang:v"), f"{c.where}: {image}"
+        pinned_upstream = image.startswith("lmsysorg/sglang:v") or image.startswith(
+            "registry.example.com/leafe-router:"
+        )
+        assert image in expected or pinned_upstream, f"{c.where}: {image}"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

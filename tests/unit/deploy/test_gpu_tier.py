@@ -1,0 +1,93 @@
+"""The gpu overlay's inference tier as an operator runs it (issue 27): the router's own image, rollouts that
+need no spare GPU, probes that survive a weight reload, bounded retries, and the Dockerfile recipe of the
+router image. Run: ``.venv/bin/python -m pytest tests/unit/deploy -q``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import tomllib
+from typing import Any
+
+import msgspec
+import pytest
+
+from actors.config import ActorServiceConfig
+from services.weight_sync_service import WeightSyncConfig
+from tests.support.manifests import DEPLOY, config_map_value, container_named, find
+
+Docs = list[dict[str, Any]]
+ROUTER_VERSION = "0.3.2"
+
+
+def _flag(argv: list[str], name: str) -> str:
+    assert name in argv, f"{name} missing from {argv}"
+    return argv[argv.index(name) + 1]
+
+
+def test_the_router_runs_an_image_that_contains_sglang_router(rendered: dict[str, Docs]) -> None:
+    """The router container runs the pinned leafe-router image (not lmsysorg/sglang, which has no
+    sglang_router module), and the Dockerfile's `router` stage installs that exact release and imports it."""
+    router = container_named(rendered["gpu"], "sglang-router", "router")
+    image = router.spec["image"]
+    assert not image.startswith("lmsysorg/sglang"), image
+    assert image == f"registry.example.com/leafe-router:{ROUTER_VERSION}"
+    assert router.argv[:3] == ["python3", "-m", "sglang_router.launch_router"]
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM \S+(?: AS (\w+))?$", dockerfile, flags=re.M)
+    assert "router" in stages and stages[-1] == "", "the router stage must not be the default (last) one"
+    stage = dockerfile.split(" AS router", 1)[1].split("\nFROM ", 1)[0]
+    assert f"ARG SGLANG_ROUTER_VERSION={ROUTER_VERSION}" in stage
+    assert 'pip install "sglang-router==${SGLANG_ROUTER_VERSION}"' in stage
+    assert "import sglang_router" in stage and "USER 10001" in stage
+
+
+def test_router_flags_parse_under_sglang_router(rendered: dict[str, Docs]) -> None:
+    """The router's command line is accepted by sglang-router's own parser (where it is installed; it is
+    not a dependency of this project: `pip install sglang-router==0.3.2` to run this)."""
+    router_args = pytest.importorskip("sglang_router.router_args")
+    argv = container_named(rendered["gpu"], "sglang-router", "router").argv[3:]
+    parser = argparse.ArgumentParser()
+    router_args.RouterArgs.add_cli_args(parser)
+    args = router_args.RouterArgs.from_cli_args(parser.parse_args(argv))
+    assert args.health_check_endpoint == "/ready" and args.retry_max_retries == 2
+
+
+def test_sglang_rolls_out_without_a_spare_gpu(rendered: dict[str, Docs]) -> None:
+    """A template change replaces one SGLang pod at a time and never adds one (maxSurge 0)."""
+    deployment = find(rendered["gpu"], "Deployment", "sglang")
+    strategy = deployment["spec"]["strategy"]
+    assert strategy["type"] == "Recreate" or (
+        strategy["type"] == "RollingUpdate"
+        and strategy["rollingUpdate"]["maxSurge"] in (0, "0", "0%")
+        and strategy["rollingUpdate"]["maxUnavailable"] not in (0, "0", "0%")
+    ), strategy
+
+
+def test_probes_survive_a_weight_reload(rendered: dict[str, Docs]) -> None:
+    """SGLang's startup and readiness use /ready (cheap, auth-exempt, 200 during a reload); liveness calls
+    /health (503 for the whole reload) and tolerates a reload as long as weight sync waits for one; the
+    router checks its workers on /ready, not on the generating /health."""
+    sglang = container_named(rendered["gpu"], "sglang", "sglang").spec
+    for probe in ("startupProbe", "readinessProbe"):
+        assert sglang[probe]["httpGet"]["path"] == "/ready", probe
+    live = sglang["livenessProbe"]
+    assert live["httpGet"]["path"] == "/health" and live["timeoutSeconds"] > 20
+    budget = live["periodSeconds"] * live["failureThreshold"]
+    assert budget >= WeightSyncConfig().update_timeout_s, budget
+    assert sglang["startupProbe"]["periodSeconds"] * sglang["startupProbe"]["failureThreshold"] >= 1800
+    router = container_named(rendered["gpu"], "sglang-router", "router")
+    assert _flag(router.argv, "--health-check-endpoint") == "/ready"
+    assert router.spec["readinessProbe"]["httpGet"]["path"] == "/readiness"
+    assert router.spec["livenessProbe"]["httpGet"]["path"] == "/liveness"
+
+
+def test_one_failing_request_costs_at_most_five_upstream_attempts(rendered: dict[str, Docs]) -> None:
+    """Router attempts (--retry-max-retries counts attempts: --disable-retries sets it to 1) times the
+    actors' client attempts (retries + 1) stays <= 5."""
+    router = container_named(rendered["gpu"], "sglang-router", "router")
+    router_attempts = int(_flag(router.argv, "--retry-max-retries"))
+    actor_toml = config_map_value(rendered["gpu"], "leafe-run-config", "actor.toml")
+    config = msgspec.convert(tomllib.loads(actor_toml), ActorServiceConfig)
+    assert router_attempts * (config.engine.retries + 1) <= 5

@@ -227,7 +227,10 @@ def agent_workload(
     before = dict(engine.describe())
     res = asyncio.run(concurrent_load(handle.url, clients))
     stats = _engine_delta(before, engine.describe())
-    first, last = [c[0] for c in clients[: pick(scale, 2, 2, 4)]], [c[-1] for c in clients[: pick(scale, 0, 2, 2)]]
+    first, last = (
+        [c[0] for c in clients[: pick(scale, 2, 2, 4)]],
+        [c[-1] for c in clients[: pick(scale, 0, 2, 2)]],
+    )
     serial = serial_generate(model, first + last, tok.pad_token_id)
     out = {
         "shared_prefixes": episodes,

@@ -124,7 +124,9 @@ def humaneval_bench(quick: bool, smoke: bool = False) -> dict:
     rollback: dict[str, dict[int, float]] = {"replay": {}, "snapshot": {}}
     for tau in (1,) if smoke else (1, 2, 3):
         prefix = [wrong] * tau
-        rollback["replay"][tau] = timed(partial(rollback_to, env, task_id, prefix), max(1, reps // 2))
+        rollback["replay"][tau] = timed(
+            partial(rollback_to, env, task_id, prefix), max(1 if smoke else 2, reps // 2)
+        )
         rollback_to(env, task_id, prefix)
         snap = env.snapshot()
         rollback["snapshot"][tau] = timed(partial(rollback_to, env, task_id, [], snapshot=snap), reps)

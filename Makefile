@@ -37,6 +37,8 @@ test-slow: setup
 	$(BIN)/python -m pytest -m slow -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # Each area as a module from the repository root (as a script, bench/envs.py would shadow the envs package).
+# Each area also has --smoke (tiny inputs, seconds, --out PATH), which tests/unit/bench/test_bench_smoke.py
+# runs in `make test` so that a benchmark broken by an API change fails there.
 # The paper table (bench/paper_table.py), the GPU check (bench/gpu_smoke.py) and the sandbox cost against
 # an older commit (bench/sandbox.py) run by hand: hours, a GPU, a git ref.
 BENCH_AREAS := event_log envs inference actor replay learner

@@ -18,8 +18,10 @@
 
     .venv/bin/python bench/actor.py            # ~2-3 minutes on 2 cores
     .venv/bin/python bench/actor.py --quick    # ~40 s
+    .venv/bin/python -m bench.actor --smoke --out /tmp/actor.json   # seconds: does every row still run?
 
-Writes ``bench/results/actor.json``.
+Writes ``bench/results/actor.json`` (``--out PATH`` elsewhere; ``--smoke``, the tests' check, writes to a
+temporary file unless ``--out`` is given: one episode or a few tasks per row, not a measurement).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from services.inference.prefix import PrefixCache
 from services.logsetup import configure_logging
 
 RESULTS = Path(__file__).resolve().parent / "results" / "actor.json"
+SMOKE_OUT = Path(tempfile.gettempdir()) / "leafe-bench-smoke" / "actor.json"
 MOVES = [
     "<action>up</action>",
     "<action>down</action>",
@@ -281,24 +284,29 @@ def cache_share(episodes: list[list[list[int]]]) -> dict[str, float]:
     }
 
 
-async def prompt_reuse(tok: ChatTokenizer, quick: bool) -> dict[str, Any]:
+SIZES = {  # scale -> overhead episodes, service tasks, prompt_reuse (tasks, samples)
+    "smoke": (1, 4, (1, 2)),
+    "quick": (3, 40, (4, 8)),
+    "full": (10, 200, (16, 16)),
+}
+
+
+async def prompt_reuse(tok: ChatTokenizer, tasks: int, samples: int) -> dict[str, Any]:
     """Per history window (0 = all): prompt length and prefix reuse of scripted eval rollouts."""
-    tasks, samples = (4, 8) if quick else (16, 16)
     return {
         str(window): cache_share(await episode_prompts(tok, window, tasks, samples))
         for window in (2, 0, 4, 8)
     }
 
 
-async def bench(url: str, quick: bool) -> dict[str, Any]:
+async def bench(url: str, scale: str) -> dict[str, Any]:
     hf = HFChatTokenizer.from_dir(tiny_model_dir())
-    episodes = 3 if quick else 10
+    episodes, tasks, (reuse_tasks, reuse_samples) = SIZES[scale]
     out: dict[str, Any] = {}
     ov100 = await overhead(url, hf, 0.1, episodes)
     ov0 = await overhead(url, hf, 0.0, episodes * 3)
     out["overhead_at_100ms"] = {**ov100, "ratio_to_engine_latency": ov100["overhead_per_call_ms"] / 100.0}
     out["overhead_at_0ms"] = {**ov0, "ratio_to_engine_latency": ov0["overhead_per_call_ms"] / 100.0}
-    tasks = 40 if quick else 200
     out["service_events"] = await service_events(url, hf, tasks, f"benchsvc{int(time.time())}")
     out["service_events_byte"] = await service_events(
         url, ByteChatTokenizer(), tasks, f"benchbyte{int(time.time())}"
@@ -307,29 +315,34 @@ async def bench(url: str, quick: bool) -> dict[str, Any]:
     out["raw_publish"] = await raw_publish(url, events)
     for key in ("service_events", "service_events_byte"):
         out[key]["ratio_to_raw_publish"] = out[key]["events_per_s"] / out["raw_publish"]["events_per_s"]
-    out["prompt_reuse"] = await prompt_reuse(hf, quick)
+    out["prompt_reuse"] = await prompt_reuse(hf, reuse_tasks, reuse_samples)
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="a few episodes per row: runs? (tests; seconds)")
+    p.add_argument("--out", type=Path, default=None, help=f"result file (default {RESULTS})")
     args = p.parse_args()
+    scale = "smoke" if args.smoke else "quick" if args.quick else "full"
+    out = args.out or (SMOKE_OUT if args.smoke else RESULTS)
     with tempfile.TemporaryDirectory() as store:
         # As in the service: JSON logs at info (per-episode lines; per-step lines are debug, filtered).
         configure_logging(json=True, level="info", file=Path(store) / "bench.log")
         server = EmbeddedNats(Path(store)).start()
         try:
-            results = asyncio.run(bench(server.url, args.quick))
+            results = asyncio.run(bench(server.url, scale))
         finally:
             server.stop()
     results["meta"] = {
         "quick": args.quick,
+        "smoke": args.smoke,
         "python": platform.python_version(),
         "machine": platform.machine(),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1, sort_keys=True))
     ov = results["overhead_at_100ms"]
     print(
         f"overhead per engine call at 100 ms latency: {ov['overhead_per_call_ms']:.2f} ms "
@@ -344,7 +357,7 @@ def main() -> None:
     for window, r in results["prompt_reuse"].items():
         print(f"history window {window}: {r['prompt_tokens_per_step']:.0f} prompt tokens/step, "
               f"{r['new_tokens_per_step']:.0f} not in the prefix cache ({r['cache_share']:.0%} cached)")  # fmt: skip
-    print(f"saved {RESULTS}")
+    print(f"saved {out}")
 
 
 if __name__ == "__main__":

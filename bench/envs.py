@@ -6,7 +6,10 @@ as ScienceWorld's "focus on" or TextWorld's "eat", are avoided) is replayed to m
 replay and, where the env has one, by snapshot. Ratios are printed against tau = 1 replay and against
 the snapshot restore of the same depth, all measured in this process.
 
-Run: ``.venv/bin/python bench/envs.py [--quick] [--only sokoban,humaneval]``; writes bench/results/envs.json.
+Run: ``.venv/bin/python -m bench.envs [--quick] [--only sokoban,humaneval] [--out PATH]``; writes
+bench/results/envs.json. ``--smoke`` (the tests' check that the bench still runs, seconds) measures Sokoban
+and HumanEval once each, tau <= 2, and writes to a temporary file unless ``--out`` says otherwise;
+TextWorld and ScienceWorld (game generation, a JVM) are left to the real runs.
 
 ``--probe-model`` instead measures how often SmolLM2-135M-Instruct (temperature 1, the actors' prompt
 and lenient parser) solves Sokoban rooms and TextWorld games of several difficulties, to pick defaults
@@ -21,6 +24,7 @@ import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -33,6 +37,9 @@ from envs.base import Env, rollback_to
 from envs.registry import make_env
 
 TAUS = (1, 2, 4, 8, 16)
+SMOKE_ENVS = ("sokoban", "humaneval")
+RESULTS = Path(__file__).resolve().parent / "results" / "envs.json"
+SMOKE_OUT = Path(tempfile.gettempdir()) / "leafe-bench-smoke" / "envs.json"
 AVOID = ("focus on", "eat ", "reset task")
 
 
@@ -58,15 +65,23 @@ def random_actions(env: Env, task_id: str, n: int, rng: random.Random, fixed: li
     return actions
 
 
-def bench_env(name: str, options: dict, task_split: str, fixed: list[str] | None, quick: bool) -> dict:
+def reps_for(quick: bool, smoke: bool, full: int) -> int:
+    """Repetitions per timing: 1 for ``--smoke`` (it checks the code runs), 3 for ``--quick``."""
+    return 1 if smoke else 3 if quick else full
+
+
+def bench_env(
+    name: str, options: dict, task_split: str, fixed: list[str] | None, quick: bool, smoke: bool = False
+) -> dict:
+    taus = TAUS[:2] if smoke else TAUS
     env = make_env(name, **options)
     try:
         task_id = env.tasks(task_split)[0]
         env.reset(task_id)  # warm: JVM start, game generation, room generation
         rng = random.Random(0)
-        horizon = max(TAUS)
+        horizon = max(taus)
         actions = random_actions(env, task_id, horizon, rng, fixed)
-        reps = 3 if quick else 10
+        reps = reps_for(quick, smoke, 10)
         reset_s = timed(lambda: env.reset(task_id), reps)
 
         def episode() -> None:
@@ -77,7 +92,7 @@ def bench_env(name: str, options: dict, task_split: str, fixed: list[str] | None
         episode_s = timed(episode, reps)
         steps_per_s = len(actions) / max(episode_s - reset_s, 1e-9)
         rollback: dict[str, dict[int, float]] = {"replay": {}, "snapshot": {}}
-        for tau in TAUS:
+        for tau in taus:
             prefix = actions[:tau]
             rollback["replay"][tau] = timed(partial(rollback_to, env, task_id, prefix), reps)
             if env.supports_snapshot:
@@ -96,20 +111,22 @@ def bench_env(name: str, options: dict, task_split: str, fixed: list[str] | None
         env.close()
 
 
-def humaneval_bench(quick: bool) -> dict:
+def humaneval_bench(quick: bool, smoke: bool = False) -> dict:
     """HumanEval: a step is one sandboxed submission; the horizon is 4 turns, so tau <= 4."""
     from envs.humaneval import HumanEvalConfig, HumanEvalEnv
 
     env = HumanEvalEnv(HumanEvalConfig(num_test=164))
     task_id = "humaneval/test/53"
     wrong = "def add(x, y):\n    return x - y\n"
-    reps = 3 if quick else 8
+    reps = reps_for(quick, smoke, 8)
     env.reset(task_id)
     step_s = timed(lambda: (env.reset(task_id), env.step(wrong)), reps)
     rollback: dict[str, dict[int, float]] = {"replay": {}, "snapshot": {}}
-    for tau in (1, 2, 3):
+    for tau in (1,) if smoke else (1, 2, 3):
         prefix = [wrong] * tau
-        rollback["replay"][tau] = timed(partial(rollback_to, env, task_id, prefix), max(2, reps // 2))
+        rollback["replay"][tau] = timed(
+            partial(rollback_to, env, task_id, prefix), max(1 if smoke else 2, reps // 2)
+        )
         rollback_to(env, task_id, prefix)
         snap = env.snapshot()
         rollback["snapshot"][tau] = timed(partial(rollback_to, env, task_id, [], snapshot=snap), reps)
@@ -236,7 +253,9 @@ def _generate(model: Any, tok: Any, prompts: list[list[int]]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--smoke", action="store_true", help=f"{', '.join(SMOKE_ENVS)}, once: runs? (tests)")
     parser.add_argument("--only", default="", help="comma-separated env names")
+    parser.add_argument("--out", type=Path, default=None, help=f"result file (default {RESULTS})")
     parser.add_argument("--probe-model", action="store_true", help="success of SmolLM2-135M per difficulty")
     parser.add_argument("--rooms", type=int, default=8, help="tasks per difficulty (--probe-model)")
     parser.add_argument("--samples", type=int, default=4, help="episodes per task (--probe-model)")
@@ -254,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             "test",
             ["up", "down", "left", "right"],
             args.quick,
+            args.smoke,
         ),
         "textworld-cooking": lambda: bench_env(
             "textworld-cooking", {"max_steps": 1000}, "test", None, args.quick
@@ -261,14 +281,17 @@ def main(argv: list[str] | None = None) -> int:
         "scienceworld": lambda: bench_env(
             "scienceworld", {"task_names": ["find-plant"], "max_steps": 1000}, "train", None, args.quick
         ),
-        "humaneval": lambda: humaneval_bench(args.quick),
+        "humaneval": lambda: humaneval_bench(args.quick, args.smoke),
     }
-    only = [n for n in args.only.split(",") if n] or list(plans)
+    only = [n for n in args.only.split(",") if n] or list(SMOKE_ENVS if args.smoke else plans)
+    unknown = sorted(set(only) - set(plans))
+    if unknown:
+        parser.error(f"--only {args.only}: unknown env(s) {unknown}; known: {sorted(plans)}")
     results = {name: plans[name]() for name in only}
     report(results)
-    out = Path(__file__).parent / "results" / "envs.json"
+    out = args.out or (SMOKE_OUT if args.smoke else RESULTS)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"quick": args.quick, "results": results}, indent=2))
+    out.write_text(json.dumps({"quick": args.quick, "smoke": args.smoke, "results": results}, indent=2))
     print(f"\nwrote {out}")
     return 0
 

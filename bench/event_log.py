@@ -18,6 +18,7 @@ rate is events over the summed time of its chunks.
     .venv/bin/python bench/event_log.py            # 100k events
     .venv/bin/python bench/event_log.py --quick    # 10k events
     .venv/bin/python bench/event_log.py --n 20000 --chunk 5000
+    .venv/bin/python -m bench.event_log --smoke --out /tmp/event_log.json   # 500 events: does it run?
 
 Writes ``bench/results/event_log.json``.
 """
@@ -46,6 +47,9 @@ from services.bus.nats_server import EmbeddedNats
 STREAM = "LEAFE_EVENTS"
 BATCH = 256
 RESULTS = Path(__file__).resolve().parent / "results" / "event_log.json"
+SMOKE_N = 500
+SMOKE_OUT = Path(tempfile.gettempdir()) / "leafe-bench-smoke" / "event_log.json"
+"""Events of ``--smoke``: two raw/typed alternations, a fraction of a second; not a measurement."""
 
 
 def make_events(n: int, run_id: str) -> list[Step]:
@@ -206,11 +210,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--n", type=int, default=100_000, help="events per phase (default 100000)")
     parser.add_argument("--quick", action="store_true", help="10000 events")
+    parser.add_argument("--smoke", action="store_true", help="500 events: checks the bench runs (tests)")
     parser.add_argument("--chunk", type=int, default=10_000, help="events per raw/typed alternation (10000)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help=f"result file (default {RESULTS})")
+    parser.add_argument(
+        "--out", type=Path, default=None, help=f"result file (default {RESULTS}; --smoke: {SMOKE_OUT})"
+    )
     args = parser.parse_args(argv)
-    n = 10_000 if args.quick else args.n
-    result = asyncio.run(bench(n, min(args.chunk, n)))
+    args.out = args.out or (SMOKE_OUT if args.smoke else RESULTS)
+    n = SMOKE_N if args.smoke else 10_000 if args.quick else args.n
+    chunk = n // 2 if args.smoke else min(args.chunk, n)
+    result = {"smoke": args.smoke, **asyncio.run(bench(n, chunk))}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     rates, ratios = result["events_per_s"], result["ratios"]

@@ -1,6 +1,10 @@
 """Benchmark of the CPU inference server (services/inference/server.py) against serial HF ``generate``.
 
-    .venv/bin/python bench/inference.py [--quick] [--model smollm2-135m-instruct] [--threads 0]
+    .venv/bin/python -m bench.inference [--quick] [--model smollm2-135m-instruct] [--threads 0] [--out PATH]
+    .venv/bin/python -m bench.inference --smoke   # the tiny random model, a few requests: does it run?
+
+``--smoke`` (the tests' check that every section still runs against today's APIs) uses the tiny random
+model and a handful of requests per section, and writes to a temporary file unless ``--out`` is given.
 
 Figures (saved to bench/results/inference.json), all measured in this process on the same model:
 1. throughput: generated tokens/s of the server with 1, 4 and 16 concurrent clients (fixed-length
@@ -39,7 +43,7 @@ from safetensors.torch import load, load_file
 
 from actors.client import SGLangClient, parse_completions
 from actors.engine import Completion, SamplingParams
-from actors.evaluate import evaluate
+from actors.evaluate import EvalRequest, evaluate
 from envs.registry import make_env
 from learner.model_io import (
     HFChatTokenizer,
@@ -54,6 +58,7 @@ from services.inference.server import InferenceConfig
 from services.inference.weights import load_weight_dir
 
 RESULTS = Path(__file__).resolve().parent / "results" / "inference.json"
+SMOKE_OUT = Path(tempfile.gettempdir()) / "leafe-bench-smoke" / "inference.json"
 WORDS = "the box is left of the target and the player stands below it near a wall".split()
 
 
@@ -108,10 +113,15 @@ async def concurrent_load(url: str, per_client: list[list[tuple[list[int], int]]
     }
 
 
-def throughput(handle: ServerThread, model: Any, tok: Any, quick: bool) -> dict[str, Any]:
-    new = 16 if quick else 32
+def pick(scale: str, smoke: Any, quick: Any, full: Any) -> Any:
+    """The size of a figure at ``scale`` (``smoke``: a few requests, just to see the code run)."""
+    return {"smoke": smoke, "quick": quick, "full": full}[scale]
+
+
+def throughput(handle: ServerThread, model: Any, tok: Any, scale: str) -> dict[str, Any]:
+    new = pick(scale, 4, 16, 32)
     prompts = [chat_prompt(tok, i, 12) for i in range(64)]
-    serial = serial_generate(model, [(p, new) for p in prompts[: 3 if quick else 6]], tok.pad_token_id)
+    serial = serial_generate(model, [(p, new) for p in prompts[: pick(scale, 2, 3, 6)]], tok.pad_token_id)
     out: dict[str, Any] = {
         "new_tokens": new,
         "prompt_tokens_mean": round(statistics.mean(map(len, prompts)), 1),
@@ -120,7 +130,7 @@ def throughput(handle: ServerThread, model: Any, tok: Any, quick: bool) -> dict[
     }
     asyncio.run(concurrent_load(handle.url, [[(prompts[0], 4)]]))  # warm-up
     for clients in (1, 4, 16):
-        rounds = 2 if quick or clients == 16 else 3
+        rounds = pick(scale, 1, 2, 2 if clients == 16 else 3)
         work = [[(prompts[(c * rounds + r) % 64], new) for r in range(rounds)] for c in range(clients)]
         res = asyncio.run(concurrent_load(handle.url, work))
         res["vs_serial"] = round(res["tokens_per_s"] / serial["tokens_per_s"], 2)
@@ -207,9 +217,9 @@ def _engine_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
 
 
 def agent_workload(
-    handle: ServerThread, model: Any, tok: Any, quick: bool, *, episodes: bool
+    handle: ServerThread, model: Any, tok: Any, scale: str, *, episodes: bool
 ) -> dict[str, Any]:
-    clients = agent_requests(tok, 32 if quick else 64, episodes=episodes)
+    clients = agent_requests(tok, pick(scale, 16, 32, 64), episodes=episodes)
     reqs = [r for c in clients for r in c]
     engine = handle.server.engine if handle.server else None
     assert engine is not None
@@ -217,9 +227,11 @@ def agent_workload(
     before = dict(engine.describe())
     res = asyncio.run(concurrent_load(handle.url, clients))
     stats = _engine_delta(before, engine.describe())
-    serial = serial_generate(
-        model, [c[0] for c in clients[: 2 if quick else 4]] + [c[-1] for c in clients[:2]], tok.pad_token_id
+    first, last = (
+        [c[0] for c in clients[: pick(scale, 2, 2, 4)]],
+        [c[-1] for c in clients[: pick(scale, 0, 2, 2)]],
     )
+    serial = serial_generate(model, first + last, tok.pad_token_id)
     out = {
         "shared_prefixes": episodes,
         "requests": len(reqs),
@@ -270,32 +282,33 @@ class RecordingClient(SGLangClient):
         return out
 
 
-def agent_rollouts(handle: ServerThread, model: Any, tok: Any, quick: bool) -> dict[str, Any]:
+def agent_rollouts(handle: ServerThread, model: Any, tok: Any, scale: str) -> dict[str, Any]:
     """Sokoban evaluation rollouts through the server (real multi-turn agent episodes)."""
     engine = handle.server.engine if handle.server else None
     assert engine is not None
-    tasks, samples = (2, 8) if quick else (4, 16)
+    tasks, samples = pick(scale, (1, 2), (2, 8), (4, 16))
     env = make_env("sokoban", **PAPER_ROOMS)
     task_ids = env.tasks("test")[:tasks]
     env.close()
     engine.flush_cache()
     before = dict(engine.describe())
     client = RecordingClient(handle.url)
+    request = EvalRequest(
+        env="sokoban", env_options=PAPER_ROOMS, task_ids=task_ids, split="test", samples=samples, ks=[1],
+        run_id="bench", label="bench", concurrency=16, seed=12345,
+        rollout_overrides={"horizon": 8, "history_window": 2},
+    )  # fmt: skip
 
     async def run() -> Any:
         async with client:
-            return await evaluate(
-                engine=client, tokenizer=HFChatTokenizer(tok), env_name="sokoban", env_options=PAPER_ROOMS,
-                task_ids=task_ids, split="test", samples=samples, ks=[1], run_id="bench", label="bench",
-                concurrency=16, sink=None, seed=12345, rollout_overrides={"horizon": 8, "history_window": 2},
-            )  # fmt: skip
+            return await evaluate(request, engine=client, tokenizer=HFChatTokenizer(tok))
 
     t0 = time.perf_counter()
     result = asyncio.run(run())
     wall = time.perf_counter() - t0
     stats = _engine_delta(before, engine.describe())
     tokens = sum(n for _, n in client.requests)
-    sample = random.Random(0).sample(client.requests, 4 if quick else 8)
+    sample = random.Random(0).sample(client.requests, min(len(client.requests), pick(scale, 2, 4, 8)))
     serial = serial_generate(model, sample, tok.pad_token_id)
     out = {
         "episodes": result.episodes,
@@ -318,7 +331,7 @@ def agent_rollouts(handle: ServerThread, model: Any, tok: Any, quick: bool) -> d
     return out
 
 
-def reload_latency(handle: ServerThread, model: Any, model_dir: Path, quick: bool) -> dict[str, Any]:
+def reload_latency(handle: ServerThread, model: Any, model_dir: Path, scale: str) -> dict[str, Any]:
     engine = handle.server.engine if handle.server else None
     assert engine is not None
     timings: dict[str, list[float]] = {
@@ -344,7 +357,7 @@ def reload_latency(handle: ServerThread, model: Any, model_dir: Path, quick: boo
                 [r] = await client.update_weights_from_disk(str(target), version)
                 assert r.success, r.message
 
-        for i in range(2 if quick else 4):
+        for i in range(pick(scale, 1, 2, 4)):
             for name, fn in steps:
                 t0 = time.perf_counter()
                 fn()
@@ -363,41 +376,48 @@ def reload_latency(handle: ServerThread, model: Any, model_dir: Path, quick: boo
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer requests (about 2-4 minutes on 2 cores)")
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--smoke", action="store_true", help="tiny model, a few requests: runs? (tests; seconds)")
+    p.add_argument("--model", default=None, help="default smollm2-135m-instruct (--smoke: tiny)")
     p.add_argument("--threads", type=int, default=0, help="torch threads for both sides (0 = torch default)")
-    a = p.parse_args()
+    p.add_argument("--out", type=Path, default=None, help=f"result file (default {RESULTS})")
+    a = p.parse_args(argv)
+    scale = "smoke" if a.smoke else "quick" if a.quick else "full"
+    name = a.model or ("tiny" if a.smoke else "smollm2-135m-instruct")
+    out = a.out or (SMOKE_OUT if a.smoke else RESULTS)
     if a.threads:
         torch.set_num_threads(a.threads)
-    model_dir = resolve_model(a.model)
+    model_dir = resolve_model(name)
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir)
     handle = start_in_thread(
         InferenceConfig(model=str(model_dir), port=0, max_batch=16, weights_root=tempfile.gettempdir())
     )
     results: dict[str, Any] = {
-        "model": a.model,
+        "model": name,
         "quick": a.quick,
+        "smoke": a.smoke,
         "torch_threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
         "loadavg_before": os.getloadavg()[0],
     }
     try:
-        print(f"inference bench: {a.model}, {torch.get_num_threads()} torch threads, quick={a.quick}")
-        results["throughput"] = throughput(handle, model, tok, a.quick)
-        results["agent_unrelated"] = agent_workload(handle, model, tok, a.quick, episodes=False)
-        results["agent_episodes"] = agent_workload(handle, model, tok, a.quick, episodes=True)
-        results["agent_rollouts"] = agent_rollouts(handle, model, tok, a.quick)
-        results["weight_reload"] = reload_latency(handle, model, model_dir, a.quick)
+        print(f"inference bench: {name}, {torch.get_num_threads()} torch threads, {scale}")
+        results["throughput"] = throughput(handle, model, tok, scale)
+        results["agent_unrelated"] = agent_workload(handle, model, tok, scale, episodes=False)
+        results["agent_episodes"] = agent_workload(handle, model, tok, scale, episodes=True)
+        results["agent_rollouts"] = agent_rollouts(handle, model, tok, scale)
+        results["weight_reload"] = reload_latency(handle, model, model_dir, scale)
     finally:
         handle.stop()
     results["loadavg_after"] = os.getloadavg()[0]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1))
-    print(f"saved {RESULTS}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"saved {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -26,9 +26,11 @@ first batch.
     .venv/bin/python bench/learner.py            # SmolLM2-135M for both parts (slow on 2 shared cores)
     .venv/bin/python bench/learner.py --quick    # tiny model for throughput, SmolLM2 for the push
     .venv/bin/python bench/learner.py --push-only [--quick]   # redo the push part only
+    .venv/bin/python -m bench.learner --smoke --out /tmp/learner.json   # tiny model, 8 samples, 1 push
 
-Writes ``bench/results/learner.json`` (one entry per mode; the other mode's entry is kept; a missing file
-is created).
+Writes ``bench/results/learner.json`` or ``--out`` (one entry per mode; the other modes' entries are kept; a
+missing file is created). ``--smoke`` (the tests' check that both parts still run; not a measurement) uses
+the tiny random model for both and writes to a temporary file unless ``--out`` is given.
 """
 
 from __future__ import annotations
@@ -69,15 +71,24 @@ from services.logsetup import configure_logging
 from services.weight_sync_service import WeightSync, WeightSyncConfig
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learner.json"
+SMOKE_OUT = Path(tempfile.gettempdir()) / "leafe-bench-smoke" / "learner.json"
+SIZES = {  # mode -> throughput model, samples, global batch, micro-batch token budget, push model
+    "smoke": ("tiny", 4, 4, 2048, "tiny"),
+    "quick": ("tiny", 256, 64, 4096, "smollm2-135m-instruct"),
+    "full": ("smollm2-135m-instruct", 32, 16, 2048, "smollm2-135m-instruct"),  # the cpu preset's batch
+}
 MAX_PROMPT, MAX_COMPLETION = 600, 40
 
 
-def agent_samples(n: int, vocab: int, seed: int = 0) -> list[Sample]:
-    """Variable-length samples shaped like agent steps (long history prompt, short action)."""
+def agent_samples(
+    n: int, vocab: int, seed: int = 0, *, prompt: tuple[int, int] = (150, MAX_PROMPT)
+) -> list[Sample]:
+    """Variable-length samples shaped like agent steps (long history prompt, short action); prompts of
+    ``prompt`` tokens (inclusive range; ``--smoke`` uses short ones)."""
     r = random.Random(seed)
     out = []
     for i in range(n):
-        p, c = r.randint(150, MAX_PROMPT), r.randint(5, MAX_COMPLETION)
+        p, c = r.randint(*prompt), r.randint(5, MAX_COMPLETION)
         out.append(
             Sample(
                 sample_id=f"bench.{i}",
@@ -345,10 +356,12 @@ def _push_part(smol: Path, env: DistEnv, repeats: int) -> tuple[dict, dict]:
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model for the throughput part")
+    p.add_argument("--smoke", action="store_true", help="tiny model for both, 8 samples, 1 push (tests)")
     p.add_argument(
-        "--samples", type=int, default=None, help="samples per config (default 256 quick, 32 full)"
+        "--samples", type=int, default=None, help="samples per config (default 256 quick, 32 full, 8 smoke)"
     )
-    p.add_argument("--repeats", type=int, default=3, help="push repeats")
+    p.add_argument("--repeats", type=int, default=None, help="push repeats (default 3; --smoke 1)")
+    p.add_argument("--out", type=Path, default=None, help=f"result file (default {RESULTS})")
     part = p.add_mutually_exclusive_group()
     part.add_argument(
         "--push-only", action="store_true", help="rerun the push part; keep the saved throughput"
@@ -363,15 +376,17 @@ def main() -> int:
     configure_logging(json=True, level=a.log_level)
     torch.set_num_threads(1)  # the learner's setting in `leafe run` (a shared 2-core CPU)
     env = init_distributed("gloo")
-    mode = "quick" if a.quick else "full"
-    saved = load_saved(RESULTS, mode)
-    smol = resolve_model("smollm2-135m-instruct")
-    throughput_model = resolve_model("tiny") if a.quick else smol
-    n = a.samples or (256 if a.quick else 32)
-    gb = 64 if a.quick else 16  # full: the cpu preset's global batch and micro-batch budget
-    budget = 4096 if a.quick else 2048
+    mode = "smoke" if a.smoke else "quick" if a.quick else "full"
+    out = a.out or (SMOKE_OUT if a.smoke else RESULTS)
+    saved = load_saved(out, mode)
+    tp_name, default_n, gb, budget, push_name = SIZES[mode]
+    smol = resolve_model(push_name)
+    throughput_model = resolve_model(tp_name)
+    n = a.samples or default_n
+    repeats = a.repeats or (1 if a.smoke else 3)
     vocab = int(json.loads((throughput_model / "config.json").read_text())["vocab_size"])
-    samples = agent_samples(n, vocab)
+    # --smoke: short prompts too (the full-logits row's every-position logits would take most of its time)
+    samples = agent_samples(n, vocab, prompt=(20, 80) if a.smoke else (150, MAX_PROMPT))
     batches = [samples[i : i + gb] for i in range(0, n, gb)]
     print(f"throughput: {throughput_model.name}, {n} samples, global batch {gb}, budget {budget} tokens")
     if a.push_only and saved is not None and "threads_2" in saved:  # else saved by an older version
@@ -383,7 +398,7 @@ def main() -> int:
         push, raw = saved["push"], saved["raw_save_load"]
         print("push latency: (saved results)", flush=True)
     else:
-        push, raw = _push_part(smol, env, a.repeats)
+        push, raw = _push_part(smol, env, repeats)
     ratios = _ratios(tp, push, raw)
     result = {
         "mode": mode,
@@ -404,9 +419,9 @@ def main() -> int:
             "cpu_native_bf16": cpu_has_native_bf16(),
         },
     }
-    save_result(RESULTS, mode, result)
+    save_result(out, mode, result)
     print(json.dumps(ratios, indent=1))
-    print(f"wrote {RESULTS}")
+    print(f"wrote {out}")
     return 0
 
 

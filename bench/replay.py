@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/replay.py            # 1M-event fold, 200k with the real tokenizer, 100k service
     .venv/bin/python bench/replay.py --quick    # 200k / 20k / 20k
+    .venv/bin/python -m bench.replay --smoke --out /tmp/replay.json   # 2k / 500 / 1k: does it run?
     .venv/bin/python bench/replay.py --only reader [--quick]   # just the log file reader (seconds)
     .venv/bin/python -m bench.replay --only fold --against ../base-worktree   # the fold, before/after
 
@@ -26,7 +27,9 @@ i.e. the unavoidable cost of reading the log):
   the commit a change started from), ``--rounds`` times each, each fold repeated 3 times per round; each
   side's best (the least disturbed on a shared machine) in events per wall-clock and per CPU second, and
   the ratios after/before (CPU time is the one other processes disturb least).
-Results go to ``bench/results/replay.json`` (``--only reader|fold`` updates just its entry).
+Results go to ``bench/results/replay.json`` (``--only reader|fold`` updates just its entry), or to ``--out``;
+``--smoke`` (the tests' check that every figure still runs; not a measurement) writes to a temporary file
+unless ``--out`` is given.
 """
 
 from __future__ import annotations
@@ -53,6 +56,13 @@ from protocol.prompt import ChatTokenizer
 from services.eventlog.fileformat import iter_log_records, write_events
 
 RUN = "bench"
+RESULTS = Path(__file__).resolve().parent / "results" / "replay.json"
+SMOKE_OUT = Path(tempfile.gettempdir()) / "leafe-bench-smoke" / "replay.json"
+SIZES = {  # scale -> events of: the fold, the real-tokenizer fold, the service, the reader
+    "smoke": (2_000, 500, 1_000, 1_000),
+    "quick": (200_000, 20_000, 20_000, 50_000),
+    "full": (1_000_000, 200_000, 100_000, 200_000),
+}
 
 
 def synthetic_chunks(
@@ -318,6 +328,8 @@ def compare_folds(base: Path, n_events: int, rounds: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller logs (a minute or two)")
+    p.add_argument("--smoke", action="store_true", help="tiny logs: every figure runs? (tests; seconds)")
+    p.add_argument("--out", type=Path, default=None, help=f"result file (default {RESULTS})")
     p.add_argument(
         "--only", choices=["reader", "fold"], default=None, help="run one figure, update its entry"
     )
@@ -331,8 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.fold_child is not None:
         print(json.dumps(fold_events_per_s(args.fold_child)))
         return 0
-    n_reader = 50_000 if args.quick else 200_000
-    out = Path(__file__).resolve().parent / "results" / "replay.json"
+    scale = "smoke" if args.smoke else "quick" if args.quick else "full"
+    n_fold, n_real, n_service, n_reader = SIZES[scale]
+    out = args.out or (SMOKE_OUT if args.smoke else RESULTS)
     if args.only == "fold":
         if args.against is None:
             p.error("--only fold needs --against DIR (the worktree to compare with)")
@@ -354,9 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
         print(f"saved {out}")
         return 0
-    n_fold, n_real, n_service = (200_000, 20_000, 20_000) if args.quick else (1_000_000, 200_000, 100_000)
     fake = ByteChatTokenizer()
-    results: dict[str, Any] = {"quick": args.quick, "log": {"fold_events": n_fold}}
+    results: dict[str, Any] = {"quick": args.quick, "smoke": args.smoke, "log": {"fold_events": n_fold}}
     t0 = time.perf_counter()
     chunks = list(synthetic_chunks(n_fold, tokenizer=fake))
     results["log"]["generate_s"] = round(time.perf_counter() - t0, 1)
@@ -371,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
             f"x{r['ratio_to_decode_baseline']:.3f} of decode ({r['baseline_decode_events_per_s']:,}/s)  "
             f"samples={r['samples']} mismatches={r['prompt_mismatches']}"
         )
-    results["reader"] = r = time_reader(synthetic_chunks(n_reader, seed=11, tokenizer=fake))
+    rounds = 2 if args.smoke else 10
+    results["reader"] = r = time_reader(synthetic_chunks(n_reader, seed=11, tokenizer=fake), rounds=rounds)
     report_reader(r)
     del chunks
     from learner.model_io import HFChatTokenizer, tiny_model_dir
@@ -388,7 +401,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{'service (end to end)':24s} {s['events_per_s']:>9,} events/s  {s['samples_per_s']:>8,} samples/s  "
         f"(publish {s['publish_events_per_s']:,}/s; {s['events']} events)"
     )
-    out = Path(__file__).resolve().parent / "results" / "replay.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     print(f"saved {out}")

@@ -1,0 +1,157 @@
+"""Every benchmark in the Makefile's ``BENCH_AREAS`` still runs: its ``--smoke`` mode (tiny inputs, the tiny
+random model, seconds) as a subprocess, exactly as ``make bench`` starts it (``python -m bench.<area>`` from
+the repository root), writing to a temporary file (never the committed ``bench/results/<area>.json``).
+Each run must exit 0 and its JSON must hold the figures the bench promises, finite and positive where they
+must be, so an API change that breaks a benchmark (as ``evaluate()``'s did to ``bench/inference.py``'s agent
+rollouts) fails here instead of when someone next refreshes a figure.
+
+The smoke figures are not measurements; only their presence and sanity are checked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+pytestmark = pytest.mark.integration  # nats-server, inference servers, subprocesses
+
+
+def _get(data: dict[str, Any], path: str) -> Any:
+    """``data["a"]["b"]`` for ``path`` ``"a.b"``; a missing key fails naming the whole path."""
+    node: Any = data
+    for key in path.split("."):
+        assert isinstance(node, dict) and key in node, f"{path}: no {key!r} in {node!r:.300}"
+        node = node[key]
+    return node
+
+
+def positive(data: dict[str, Any], *paths: str) -> None:
+    """Each figure exists, is a number, finite and > 0."""
+    for path in paths:
+        value = _get(data, path)
+        assert isinstance(value, int | float) and not isinstance(value, bool), f"{path} = {value!r}"
+        assert math.isfinite(value) and value > 0, f"{path} = {value!r}: must be finite and > 0"
+
+
+def share(data: dict[str, Any], *paths: str) -> None:
+    """Each figure is a fraction in [0, 1]."""
+    for path in paths:
+        value = _get(data, path)
+        assert isinstance(value, int | float) and 0.0 <= value <= 1.0, f"{path} = {value!r}"
+
+
+def check_event_log(r: dict[str, Any]) -> None:
+    assert r["smoke"] is True and r["n"] > 0
+    rows = ("raw_publish", "typed_publish", "raw_consume_naive", "typed_consume", "raw_consume_ack_sync")
+    positive(r, "event_bytes", *(f"events_per_s.{k}" for k in rows))
+    positive(r, *(f"ratios.{k}" for k in r["ratios"]))
+    assert set(r["targets_met"]) == {"publish_ge_0.7x_raw", "consume_beats_naive"}
+
+
+def check_envs(r: dict[str, Any]) -> None:
+    assert r["smoke"] is True and set(r["results"]) == {"sokoban", "humaneval"}
+    for name, row in r["results"].items():
+        positive(row, "steps_per_s")
+        for how in ("replay", "snapshot"):
+            assert row["rollback_s"][how], f"{name}: no {how} rollback timed"
+            positive(row["rollback_s"], *(f"{how}.{tau}" for tau in row["rollback_s"][how]))
+
+
+def check_inference(r: dict[str, Any]) -> None:
+    assert r["smoke"] is True and r["model"] == "tiny"
+    positive(r, "throughput.serial_generate.tokens_per_s")
+    for clients in ("1", "4", "16"):
+        positive(r, f"throughput.server.{clients}.tokens_per_s", f"throughput.server.{clients}.vs_serial")
+    for part in ("agent_unrelated", "agent_episodes", "agent_rollouts"):
+        positive(r, f"{part}.requests", f"{part}.server.tokens_per_s", f"{part}.vs_serial")
+        positive(r, f"{part}.prefill_s", f"{part}.prompt_tokens_prefilled", f"{part}.prefill_tokens_per_s")
+        share(r, f"{part}.prefill_share", f"{part}.prefix_cache_share", f"{part}.ideal_prefix_share")
+    # The agent rollouts are real evaluate() episodes (the section that once rotted).
+    positive(r, "agent_rollouts.episodes", "agent_rollouts.prompt_tokens_mean")
+    positive(r, "weight_reload.reload_s", "weight_reload.plain_load_s", "weight_reload.bytes")
+
+
+def check_actor(r: dict[str, Any]) -> None:
+    assert r["meta"]["smoke"] is True
+    for row in ("overhead_at_100ms", "overhead_at_0ms"):
+        positive(r, f"{row}.engine_calls", f"{row}.actions", f"{row}.wall_s")
+        assert math.isfinite(_get(r, f"{row}.overhead_per_call_ms")), row
+    for row in ("service_events", "service_events_byte"):
+        positive(r, f"{row}.episodes", f"{row}.events_per_s", f"{row}.ratio_to_raw_publish")
+    positive(r, "raw_publish.events_per_s")
+    assert set(r["prompt_reuse"]) == {"2", "0", "4", "8"}
+    for window in r["prompt_reuse"]:
+        positive(r, f"prompt_reuse.{window}.prompt_tokens_per_step")
+        share(r, f"prompt_reuse.{window}.cache_share")
+
+
+def check_replay(r: dict[str, Any]) -> None:
+    assert r["smoke"] is True
+    for key in ("fold_fake_tok", "fold_fake_tok_noverify", "fold_grpo", "fold_rft", "fold_real_tok"):
+        positive(r, f"{key}.events", f"{key}.events_per_s", f"{key}.ratio_to_decode_baseline")
+        assert _get(r, f"{key}.prompt_mismatches") == 0, key
+    positive(r, "fold_fake_tok.samples", "fold_fake_tok.samples_per_s")
+    positive(r, "reader.records", "reader.read_verified_mb_per_s", "reader.verified_over_unverified")
+    positive(r, "service.events", "service.events_per_s", "service.samples_per_s")
+    assert r["service"]["dead_letters"] == 0
+
+
+def check_learner(r: dict[str, Any]) -> None:
+    entry = r["smoke"]  # the mode's entry; a smoke run writes only its own
+    assert set(r) == {"smoke"} and entry["throughput_model"] == entry["push_model"] == "tiny-llama-s0"
+    for row in ("naive_full_logits", "naive_padded", "bucketed", "packed", "bucketed_bf16", "packed_bf16"):
+        positive(entry, f"throughput.{row}.tokens_per_s", f"throughput.{row}.real_tokens")
+    positive(entry, "threads_2.bucketed.tokens_per_s", "threads_2.packed_bf16.tokens_per_s")
+    positive(
+        entry, "push.export_s", "push.publish_to_serving_s", "push.server_update_s", "raw_save_load.seconds"
+    )
+    positive(entry, *(f"ratios.{k}" for k in entry["ratios"]))
+
+
+CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "event_log": check_event_log,
+    "envs": check_envs,
+    "inference": check_inference,
+    "actor": check_actor,
+    "replay": check_replay,
+    "learner": check_learner,
+}
+
+
+def test_every_makefile_bench_area_has_a_smoke_check() -> None:
+    """A bench added to ``BENCH_AREAS`` without a smoke check here would rot unseen."""
+    match = re.search(r"^BENCH_AREAS\s*:=\s*(.+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert match, "no BENCH_AREAS in the Makefile"
+    assert sorted(match.group(1).split()) == sorted(CHECKS)
+
+
+@pytest.mark.parametrize("area", list(CHECKS))
+def test_bench_smoke_mode_runs_and_reports_its_figures(area: str, tmp_path: Path) -> None:
+    out = tmp_path / f"{area}.json"
+    committed = ROOT / "bench" / "results" / f"{area}.json"
+    before = committed.read_bytes() if committed.exists() else None
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
+    run = subprocess.run(
+        [sys.executable, "-m", f"bench.{area}", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, f"bench.{area} --smoke exited {run.returncode}:\n{run.stderr[-4000:]}"
+    assert out.is_file(), f"bench.{area} --smoke wrote no {out}:\n{run.stdout[-2000:]}"
+    CHECKS[area](json.loads(out.read_text()))
+    after = committed.read_bytes() if committed.exists() else None
+    assert after == before, f"bench.{area} --smoke changed the committed {committed}"

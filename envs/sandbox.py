@@ -14,6 +14,9 @@ root, and ``envs/sandbox_boot.py`` sets up the inside before the code runs:
   hostname of the host, and a fresh session keyring;
 - privileges: as root, the code runs under a fresh unused uid; in a user namespace, the secure bits and
   an empty capability bounding set leave it no capability; ``no_new_privs`` in both;
+- no new namespaces (``nonewns``): a seccomp filter makes ``unshare``/``clone`` with a namespace flag and
+  ``setns`` fail with EPERM (``clone3`` with ENOSYS, so libc falls back to ``clone``), so the code cannot
+  make a user namespace of its own and hold every capability there;
 - environment: only ``PATH``, ``LANG``, ``PYTHONHASHSEED`` and ``PYTHONDONTWRITEBYTECODE``, never the
   parent's variables;
 - limits: ``RLIMIT_CPU``, ``RLIMIT_AS`` (``memory_mb`` per process), ``RLIMIT_NPROC`` (``max_processes``
@@ -24,6 +27,12 @@ Memory is bounded per run by ``max_processes x memory_mb + disk_mb <= memory_bud
 config is built). We chose rlimits over a memory cgroup because a pod can rarely write its cgroup tree
 (non-root, read-only ``/sys/fs/cgroup``) and rlimits behave the same on every machine; the price is that
 threads count as processes and address space overstates resident memory, so the budget is conservative.
+
+``unshare`` is util-linux's at ``/usr/bin/unshare`` or ``/bin/unshare`` (never looked up on ``PATH``), used
+only if root owns it and every directory above it, none writable by others. The probe runs a program in
+the sandbox and checks everything claimed: its own mount, PID, network, IPC and UTS namespaces (and user
+namespace when not root) differ from ours, it is PID 2 beside its init, ``/usr`` is read-only, ``lo`` is
+its only network link and is down, and it cannot make a user namespace.
 
 Fail closed: when the required isolation is unavailable, :func:`check_isolation` (called when an env is
 built) and every run raise :class:`SandboxUnavailable` naming what is missing; nothing degrades silently.
@@ -41,7 +50,8 @@ container (checked on this machine as uid 65534; not tried on a cluster):
   ``mount`` (tmpfs, proc, bind, remount), ``mount_setattr`` (kernel >= 5.12; without it, one remount per
   mount), ``pivot_root``, ``umount2``, ``prctl`` (``PR_SET_NO_NEW_PRIVS``, ``PR_SET_SECUREBITS``,
   ``PR_CAPBSET_DROP``, ``PR_CAP_AMBIENT``, ``PR_SET_DUMPABLE``), ``capset``, ``setrlimit``, and
-  ``keyctl(KEYCTL_JOIN_SESSION_KEYRING)`` (optional: where it is refused, no keyring can leak either).
+  ``keyctl(KEYCTL_JOIN_SESSION_KEYRING)`` (optional: where it is refused, no keyring can leak either),
+  and ``prctl(PR_SET_SECCOMP)`` (a filter installed after ``no_new_privs``; without it the run refuses).
 
 What refuses them by default: the RuntimeDefault seccomp profile (``unshare``, ``mount``, ``umount2``,
 ``pivot_root`` and namespace flags of ``clone`` only with ``CAP_SYS_ADMIN``), the runtime's default
@@ -58,9 +68,9 @@ So either:
   ``mount``, ``umount`` and ``pivot_root``), ``procMount: Unmasked`` (which needs ``hostUsers: false``),
   on nodes with ``user.max_user_namespaces > 0``.
 
-The image needs util-linux ``unshare`` and a Python interpreter under ``/usr`` (or under a prefix the
-run's uid can read). As root (this development machine) no user namespace is needed: the namespaces are
-made with root's capabilities and the code runs under a fresh uid.
+The image needs util-linux ``unshare`` at ``/usr/bin`` or ``/bin`` and a Python interpreter under ``/usr``
+(or under a prefix the run's uid can read). As root (this development machine) no user namespace is
+needed: the namespaces are made with root's capabilities and the code runs under a fresh uid.
 
 Run ``python -m envs.sandbox`` to print what this machine supports and run a fork bomb safely.
 """
@@ -68,9 +78,9 @@ Run ``python -m envs.sandbox`` to print what this machine supports and run a for
 from __future__ import annotations
 
 import functools
+import json
 import os
 import secrets
-import shutil
 import stat
 import sys
 import time
@@ -97,13 +107,22 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-PROBE_CODE = (
-    "import os\n"
-    "print(os.getpid(), os.access('/usr', os.W_OK), [p for p in os.listdir('/proc') if p.isdigit()])\n"
-)
-PROBE_EXPECTED = "2 False ['1', '2']"
-"""The code is PID 2 of its own PID namespace (after the init), sees only the run's processes, and cannot
-write outside its tmpfs."""
+UNSHARE_PATHS = ("/usr/bin/unshare", "/bin/unshare")
+"""Where util-linux ``unshare`` is taken from (never ``PATH``): the first that exists, if root owns it."""
+NAMESPACES = ("mnt", "pid", "net", "ipc", "uts")
+"""The namespaces every run gets (plus ``user`` when we are not root), each checked by the probe."""
+PROBE_CODE = """import ctypes, fcntl, json, os, socket, struct
+ns = {n: os.readlink(f"/proc/self/ns/{n}") for n in ("mnt", "pid", "net", "ipc", "uts", "user")}
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # SIOCGIFFLAGS: IFF_UP is bit 0
+    lo = struct.unpack("16sH", fcntl.ioctl(s.fileno(), 0x8913, struct.pack("16sH", b"lo", 0)))[1]
+nested = ctypes.CDLL(None, use_errno=True).unshare(0x10000000) == 0  # CLONE_NEWUSER
+print(json.dumps({
+    "pid": os.getpid(), "procs": sorted(p for p in os.listdir("/proc") if p.isdigit()),
+    "usr_writable": os.access("/usr", os.W_OK), "ns": ns, "links": [n for _, n in socket.if_nameindex()],
+    "lo_up": bool(lo & 1), "nested_userns": nested,
+}))
+"""
+"""What the probe's code reports of its own view; :func:`_probe_findings` says what must hold."""
 
 
 @functools.cache
@@ -111,12 +130,12 @@ def probe() -> SandboxSupport:
     """Find out once per process whether the ``namespaces`` isolation works here, by running it."""
     root = os.geteuid() == 0
     python = _python_for_others() if root else str(Path(sys.executable).resolve())
-    unshare = shutil.which("unshare")
+    unshare, unshare_problem = _trusted_unshare(UNSHARE_PATHS)
     support = SandboxSupport(namespaces=False, reason="", root=root, python=python or "", unshare=unshare)
     if python is None:
         reason = "no Python interpreter that every user may execute (root runs the code under a fresh uid)"
     elif unshare is None:
-        reason = "`unshare` (util-linux) is not on PATH"
+        reason = unshare_problem
     else:
         reason = _try_namespaces(msgspec.structs.replace(support, namespaces=True))
     support = msgspec.structs.replace(support, namespaces=not reason, reason=reason)
@@ -124,15 +143,60 @@ def probe() -> SandboxSupport:
     return support
 
 
+def _trusted_unshare(candidates: tuple[str, ...]) -> tuple[str | None, str]:
+    """(absolute path, '') of the first candidate that exists, if root owns it and every directory above it
+    and none of them is writable by anyone else (a sticky directory aside); else (None, why not)."""
+    for candidate in candidates:
+        real = Path(candidate).resolve()
+        if not real.is_file():
+            continue
+        for path in (real, *real.parents):
+            st = path.stat()
+            if st.st_uid != 0:
+                return None, f"{real} is not trusted: {path} is owned by uid {st.st_uid}, not root"
+            sticky_dir = path != real and st.st_mode & stat.S_ISVTX
+            if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky_dir:
+                return None, f"{real} is not trusted: {path} is writable by others than root"
+        return str(real), ""
+    return None, f"util-linux `unshare` is missing (looked for {', '.join(candidates)})"
+
+
 def _try_namespaces(support: SandboxSupport) -> str:
-    """'' when a trivial program sees what :data:`PROBE_EXPECTED` says, else why not."""
+    """'' when a trivial program run in the sandbox sees every namespace it claims, else why not."""
     try:
         result = _run(PROBE_CODE, SandboxConfig(wall_timeout_s=20), support, b"")
     except SandboxUnavailable as e:
         return str(e)
-    if result.status != "ok" or result.stdout.strip() != PROBE_EXPECTED:
+    try:
+        seen = json.loads(result.stdout)
+    except ValueError:
+        seen = None
+    if result.status != "ok" or not isinstance(seen, dict):
         return f"the probe run ended {result.status}: {(result.stdout + result.stderr).strip()[:300]}"
-    return ""
+    problems = _probe_findings(seen, support)
+    return f"the probe run lacks isolation: {'; '.join(problems)}" if problems else ""
+
+
+def _probe_findings(seen: dict, support: SandboxSupport) -> list[str]:
+    """What the probe's report shows missing: each namespace must differ from ours, the code must be PID 2
+    beside its init only, ``/usr`` read-only, only a down ``lo``, and no nested user namespace possible."""
+    problems = []
+    ours = {n: os.readlink(f"/proc/self/ns/{n}") for n in (*NAMESPACES, "user")}
+    names = {"mnt": "mount", "pid": "PID", "net": "network", "ipc": "IPC", "uts": "UTS", "user": "user"}
+    for n in (*NAMESPACES, *([] if support.root else ["user"])):
+        if seen["ns"].get(n) == ours[n]:
+            problems.append(f"no {names[n]} namespace of its own ({n} is {ours[n]}, the parent's)")
+    if seen["pid"] != 2 or seen["procs"] != ["1", "2"]:
+        problems.append(
+            f"it is PID {seen['pid']} and sees processes {seen['procs'][:5]}, not 2 beside its init"
+        )
+    if seen["usr_writable"]:
+        problems.append("/usr is writable")
+    if seen["links"] != ["lo"] or seen["lo_up"]:
+        problems.append(f"its network has links {seen['links']} (lo up: {seen['lo_up']}), not a down lo only")
+    if seen["nested_userns"]:
+        problems.append("the code could create a user namespace of its own")
+    return problems
 
 
 def check_isolation(config: SandboxConfig) -> SandboxSupport:

@@ -18,6 +18,7 @@ mount, PID and network namespaces (and a user namespace when not root) and:
 4. in the code's process: sets the resource limits, ``PR_SET_NO_NEW_PRIVS``, empties the capability
    bounding set and drops every privilege: as real root it switches to the run's fresh uid; in a user
    namespace it locks the secure bits (``SECBIT_NOROOT``), so the exec leaves the code no capability;
+   then a seccomp filter denies the code (and its children) any new namespace: no nested user namespace;
 5. writes ``ok`` on the ready pipe (both pipes are closed on exec, so the code never holds them) and
    execs the code with the minimal environment from the plan.
 
@@ -44,9 +45,30 @@ PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 # SECBIT_NOROOT, _NO_SETUID_FIXUP, _KEEP_CAPS_LOCKED, _NO_CAP_AMBIENT_RAISE and their locks.
 SECURE_BITS = 0b11101111
 SYSCALLS = {
-    "x86_64": {"pivot_root": 155, "mount_setattr": 442},
-    "aarch64": {"pivot_root": 41, "mount_setattr": 442},
+    "x86_64": {
+        "pivot_root": 155,
+        "mount_setattr": 442,
+        "clone": 56,
+        "unshare": 272,
+        "setns": 308,
+        "clone3": 435,
+    },
+    "aarch64": {
+        "pivot_root": 41,
+        "mount_setattr": 442,
+        "clone": 220,
+        "unshare": 97,
+        "setns": 268,
+        "clone3": 435,
+    },
 }
+AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+# CLONE_NEWNS, _NEWCGROUP, _NEWUTS, _NEWIPC, _NEWUSER, _NEWPID, _NEWNET, _NEWTIME (unshare only).
+NAMESPACE_FLAGS = (
+    0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x80
+)
+X32_SYSCALL_BIT = 0x40000000
 DEVICES = ("null", "zero", "full", "random", "urandom")
 EXIT_SETUP_FAILED = 121
 
@@ -178,6 +200,59 @@ def _drop_privileges(plan: dict) -> None:
         _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")
     elif plan["userns"]:  # root of the user namespace: the exec below must not hand root's capabilities back
         _check(libc.prctl(PR_SET_SECUREBITS, SECURE_BITS, 0, 0, 0), "PR_SET_SECUREBITS")
+    if plan["namespaces"]:
+        _deny_namespaces()
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_uint16),
+        ("jt", ctypes.c_uint8),
+        ("jf", ctypes.c_uint8),
+        ("k", ctypes.c_uint32),
+    ]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _namespace_filter() -> list:
+    """Seccomp BPF: unshare(2)/clone(2) with a namespace flag and setns(2) fail with EPERM, clone3(2) with
+    ENOSYS (its flags sit behind a pointer a filter cannot read; libc then falls back to clone), any other
+    ABI (x32, i386) kills the process. Without it the code could make a user namespace and hold every
+    capability there (mount, ...), whatever we dropped."""
+    arch = platform.machine()
+    if arch not in AUDIT_ARCH:
+        raise SetupError(f"unsupported architecture {arch!r} for the seccomp filter")
+    nr = SYSCALLS[arch]
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, kill = 0x7FFF0000, 0x80000000
+    eperm, enosys = 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
+    return [  # (code, jump if true, jump if false, k); jumps count instructions skipped
+        (ld, 0, 0, 4),  # seccomp_data.arch
+        (jeq, 1, 0, AUDIT_ARCH[arch]),
+        (ret, 0, 0, kill),
+        (ld, 0, 0, 0),  # seccomp_data.nr
+        (jge, 7, 0, X32_SYSCALL_BIT),  # -> eperm
+        (jeq, 6, 0, nr["setns"]),  # -> eperm
+        (jeq, 6, 0, nr["clone3"]),  # -> enosys
+        (jeq, 1, 0, nr["unshare"]),  # -> flags
+        (jeq, 0, 2, nr["clone"]),  # -> flags, else allow
+        (ld, 0, 0, 16),  # flags: the low word of args[0] (both calls take their flags first)
+        (jset, 1, 0, NAMESPACE_FLAGS),  # -> eperm
+        (ret, 0, 0, allow),
+        (ret, 0, 0, eperm),
+        (ret, 0, 0, enosys),
+    ]
+
+
+def _deny_namespaces() -> None:
+    """Install :func:`_namespace_filter` (needs ``no_new_privs``, set just before); inherited by every child."""
+    program = _namespace_filter()
+    filters = (_SockFilter * len(program))(*(_SockFilter(*insn) for insn in program))
+    fprog = _SockFprog(len(program), filters)
+    _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp filter")
 
 
 def _clear_own_capabilities() -> None:

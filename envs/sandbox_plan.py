@@ -77,7 +77,8 @@ class SandboxSupport(msgspec.Struct, frozen=True, kw_only=True):
     python: str
     """Interpreter used for the boot stage and the code (one the run's uid can execute)."""
     unshare: str | None
-    """Path of util-linux ``unshare``; None when it is not on PATH."""
+    """Absolute path of the root-owned util-linux ``unshare`` (never looked up on PATH); None when missing
+    or not trusted."""
 
 
 def boot_plan(
@@ -129,9 +130,9 @@ def command(
     assert support.unshare is not None, "isolation 'namespaces' needs unshare (probe() checks)"
     argv = [support.unshare, "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child", *boot]
     if support.root:
-        return argv, "mountns+pidns+netns+ipcns+utsns+rootfs+uid+rlimits"
+        return argv, "mountns+pidns+netns+ipcns+utsns+rootfs+uid+nonewns+rlimits"
     argv[1:1] = ["--user", "--map-root-user"]
-    return argv, "userns+mountns+pidns+netns+ipcns+utsns+rootfs+nocaps+rlimits"
+    return argv, "userns+mountns+pidns+netns+ipcns+utsns+rootfs+nocaps+nonewns+rlimits"
 
 
 def _user_tasks() -> int:

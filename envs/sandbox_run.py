@@ -52,7 +52,7 @@ class SandboxResult(msgspec.Struct, frozen=True, kw_only=True):
     wall_s: float
     """Wall time of the run."""
     isolation: str
-    """Which layers were active, e.g. ``userns+mountns+pidns+netns+ipcns+utsns+rootfs+nocaps+rlimits``."""
+    """Which layers were active, e.g. ``userns+mountns+pidns+netns+ipcns+utsns+rootfs+nocaps+nonewns+rlimits``."""
 
 
 class SandboxProcess:

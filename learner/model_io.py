@@ -36,6 +36,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "manifest_files",
+    "manifest_table",
     "resolve_model",
     "tiny_model_dir",
     "verify_manifest",
@@ -244,8 +245,14 @@ def export_weights(
 def manifest_files(path: Path) -> dict[str, str]:
     """The ``files`` table of a manifest, checked: plain file names (no directories, no ``..``) mapped to
     hex sha256s. Anything else is a :class:`ManifestError` naming the problem."""
+    return manifest_table(path.read_bytes(), path)
+
+
+def manifest_table(data: bytes, path: Path) -> dict[str, str]:
+    """:func:`manifest_files` of a manifest already read (``path`` names it in errors): for a reader that
+    must check the very bytes it read (the inference server reads each file once through a directory fd)."""
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path}: not a JSON manifest ({e})") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None

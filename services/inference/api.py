@@ -15,6 +15,9 @@ import msgspec
 from services.inference.decode import GenSequence, GenSpec
 
 __all__ = [
+    "MAX_N",
+    "MAX_PROMPTS",
+    "MAX_SEQUENCES",
     "PromptJob",
     "RequestError",
     "copy_seed",
@@ -25,6 +28,12 @@ __all__ = [
 ]
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15
+MAX_N = 64
+"""Most samples of one prompt (``n``); SGLang has no bound, so one request could queue millions."""
+MAX_PROMPTS = 256
+"""Most prompts in one batched ``/generate`` call."""
+MAX_SEQUENCES = 1024
+"""Most sequences one call may start (prompts x n): each holds KV memory while it decodes."""
 
 
 class RequestError(ValueError):
@@ -101,6 +110,8 @@ def _check_ranges(s: _Sampling) -> None:
         raise RequestError(f"top_k must be -1 (disable), or at least 1, got {s.top_k}.")
     if s.n < 1:
         raise RequestError(f"n must be at least 1, got {s.n}.")
+    if s.n > MAX_N:
+        raise RequestError(f"n must be at most {MAX_N}, got {s.n}.")
     for key, neutral in _NEUTRAL.items():
         if getattr(s, key) != neutral:
             raise RequestError(
@@ -145,21 +156,36 @@ def parse_sampling(params: Any, *, context_left: int) -> tuple[GenSpec, int]:
     return spec, s.n
 
 
-def _as_batch(body: dict[str, Any], encode: Callable[[str], list[int]]) -> tuple[list[Any], bool]:
+def _as_batch(
+    body: dict[str, Any], encode: Callable[[str], list[int]], max_text_bytes: int
+) -> tuple[list[Any], bool]:
     ids, text = body.get("input_ids"), body.get("text")
     if ids is not None and text is not None:
         raise RequestError("Either text or input_ids should be provided, not both.")
     if ids is None and text is None:
         raise RequestError("Either text or input_ids should be provided.")
     if text is not None:
-        if isinstance(text, str):
-            return [encode(text)], False
-        if isinstance(text, list) and all(isinstance(t, str) for t in text):
-            return [encode(t) for t in text], True
-        raise RequestError("text must be a string or a list of strings.")
+        texts = [text] if isinstance(text, str) else text
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise RequestError("text must be a string or a list of strings.")
+        _check_count(len(texts))
+        for t in texts:  # before any tokenizing: a huge text costs seconds of CPU to tokenize
+            size = len(t.encode("utf-8", "surrogatepass"))  # ~1 ms per MB, unlike tokenizing
+            if size > max_text_bytes:
+                raise RequestError(
+                    f"A text of {size} bytes is longer than the model's context can hold (at most "
+                    f"{max_text_bytes} bytes: the context length times the longest token's bytes)."
+                )
+        return [encode(t) for t in texts], isinstance(text, list)
     if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+        _check_count(len(ids))
         return list(ids), True
     return [ids], False
+
+
+def _check_count(prompts: int) -> None:
+    if prompts > MAX_PROMPTS:
+        raise RequestError(f"The request has {prompts} prompts; a batch may hold at most {MAX_PROMPTS}.")
 
 
 def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
@@ -186,14 +212,23 @@ def _check_ids(ids: Any, vocab_size: int, context_len: int) -> list[int]:
 
 
 def parse_generate(
-    body: Any, *, encode: Callable[[str], list[int]], vocab_size: int, context_len: int
+    body: Any,
+    *,
+    encode: Callable[[str], list[int]],
+    vocab_size: int,
+    context_len: int,
+    max_text_bytes: int,
 ) -> tuple[list[PromptJob], bool]:
-    """Validate a ``/generate`` body; returns its prompts and whether it was a batch (list response)."""
+    """Validate a ``/generate`` body; returns its prompts and whether it was a batch (list response).
+
+    Bounded before any work: ``n`` by :data:`MAX_N`, prompts by :data:`MAX_PROMPTS`, prompts x n by
+    :data:`MAX_SEQUENCES`, and each text by ``max_text_bytes`` before it is tokenized (a text longer
+    than the context length times the longest token's bytes cannot fit the context anyway)."""
     if not isinstance(body, dict):
         raise RequestError("The request body must be a JSON object.")
     if body.get("stream"):
         raise RequestError("stream=true is not supported by the LEAFE CPU server.")
-    prompts, batched = _as_batch(body, encode)
+    prompts, batched = _as_batch(body, encode, max_text_bytes)
     params = _per_prompt(body.get("sampling_params"), len(prompts), "sampling_params")
     logprob = _per_prompt(body.get("return_logprob", False), len(prompts), "return_logprob")
     rids = _per_prompt(body.get("rid"), len(prompts), "rid")
@@ -203,6 +238,12 @@ def parse_generate(
         spec, n = parse_sampling(p, context_left=context_len - len(ids))
         rid = None if rid is None else str(rid)
         jobs.append(PromptJob(input_ids=ids, spec=spec, n=n, rid=rid, return_logprob=bool(lp)))
+    sequences = sum(j.n for j in jobs)
+    if sequences > MAX_SEQUENCES:
+        raise RequestError(
+            f"The request asks for {sequences} sequences (prompts x n); one request may start at most "
+            f"{MAX_SEQUENCES}."
+        )
     return jobs, batched or any(j.n > 1 for j in jobs)
 
 

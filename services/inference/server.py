@@ -60,6 +60,15 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+def _longest_token_bytes(tokenizer: Any) -> int:
+    """UTF-8 bytes of the longest text one token stands for (81 for SmolLM2's vocabulary, a newline and 80
+    spaces; a partial UTF-8 sequence counts as the 3 bytes of its replacement char, so this never undercounts):
+    a text longer than context length x this cannot fit the context and is refused untokenized."""
+    return max(
+        len(tokenizer.convert_tokens_to_string([token]).encode("utf-8")) for token in tokenizer.get_vocab()
+    )
+
+
 def _json(body: Any, status: int = 200) -> web.Response:
     return web.json_response(body, status=status, dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
@@ -91,6 +100,7 @@ class InferenceServer:
         self._tokenizer: Any = None
         self._context_len = 0
         self._vocab_size = 0
+        self._max_text_bytes = 0
         self._reload_lock = asyncio.Lock()
         self._runner: web.AppRunner | None = None
         self._saved_threads = 0
@@ -116,6 +126,7 @@ class InferenceServer:
         self._tokenizer = load_tokenizer(path)
         self._context_len = int(getattr(model.config, "max_position_embeddings", 2048))
         self._vocab_size = int(getattr(model.config, "vocab_size", 0) or len(self._tokenizer))
+        self._max_text_bytes = self._context_len * _longest_token_bytes(self._tokenizer)
         pad = self._tokenizer.pad_token_id
         eos = _eos_ids(model, self._tokenizer)
         return GenerationEngine(
@@ -196,7 +207,11 @@ class InferenceServer:
         try:
             body = await request.json()
             jobs, batched = parse_generate(
-                body, encode=self._encode, vocab_size=self._vocab_size, context_len=self._context_len
+                body,
+                encode=self._encode,
+                vocab_size=self._vocab_size,
+                context_len=self._context_len,
+                max_text_bytes=self._max_text_bytes,
             )
         except (RequestError, json.JSONDecodeError) as e:
             log.info("inference.request.rejected", reason=str(e))

@@ -1,8 +1,14 @@
 """Loading a weight directory for ``/update_weights_from_disk``: only under the server's weights root and
-only with a sha256 manifest (checked in parallel with reading), read exactly the ``*.safetensors`` files
-the manifest lists into memory, and validate names, shapes and dtypes against the serving model, so the
-swap itself (``load_state_dict(assign=True)`` between batches) cannot fail half-way. Whoever can call the
-route can therefore only make the server load an export that sits under the root and is whole.
+only with a sha256 manifest, read exactly the files the manifest lists into memory, and validate names,
+shapes and dtypes against the serving model, so the swap itself (``load_state_dict(assign=True)`` between
+batches) cannot fail half-way. Whoever can call the route can therefore only make the server load an
+export that sits under the root and is whole.
+
+Each file is opened once and what is hashed is what is parsed: the directory is opened component by
+component from the root without following a symlink (a directory fd taken at check time), each file is
+opened relative to it with ``O_NOFOLLOW`` (a symlinked file is refused, even one whose bytes hash right),
+read into memory, and that one buffer is both hashed and parsed. A writer that renames other bytes over
+a file while it loads gets either a manifest mismatch or the hashed bytes, never something in between.
 
 Failure messages follow SGLang's wording ("Failed to get weights iterator: ..." when the path cannot be
 read, "Failed to update weights: ... Rolling back to original weights." otherwise); the old weights stay.
@@ -10,17 +16,23 @@ read, "Failed to update weights: ... Rolling back to original weights." otherwis
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from safetensors.torch import load
 
-from learner.model_io import ManifestError, manifest_files, verify_manifest
+from learner.model_io import MANIFEST, ManifestError, manifest_table
 
 __all__ = ["WeightLoadError", "check_under_root", "load_weight_dir"]
 
 _SHOWN = 3
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO never hangs us
 
 
 class WeightLoadError(RuntimeError):
@@ -44,37 +56,84 @@ def check_under_root(path: Path, root: Path | None) -> Path:
     return resolved
 
 
-def _listed_files(path: Path) -> list[Path]:
-    """The ``*.safetensors`` files the manifest lists; an unlisted one in the directory is refused."""
-    manifest = path / "manifest.json"
-    if not manifest.is_file():
+def _open_dir(resolved: Path, base: Path) -> int:
+    """A directory fd of ``resolved`` (inside ``base``, symlinks already resolved), opened one component at
+    a time without following a symlink: one that appeared since the check is refused, not followed."""
+    fd = os.open(base, _DIR_FLAGS & ~os.O_NOFOLLOW)  # the root itself may be a symlink its operator chose
+    try:
+        for part in resolved.relative_to(base).parts:
+            fd, parent = os.open(part, _DIR_FLAGS, dir_fd=fd), fd
+            os.close(parent)
+    except OSError as e:
+        os.close(fd)
+        if e.errno == errno.ELOOP:
+            raise WeightLoadError(
+                f"Failed to get weights iterator: {resolved} turned into a symlink while it was opened."
+            ) from None
+        raise WeightLoadError(f"Failed to get weights iterator: {resolved} (repository not found).") from None
+    return fd
+
+
+def _read_file(dir_fd: int, name: str, where: Path) -> bytes:
+    """The whole of regular file ``name`` in the directory ``dir_fd``, read through one open."""
+    try:
+        fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise _failed(f"{where}: {name} listed in manifest.json is missing (half-written export?)") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _failed(f"{where / name} is a symlink (only files of the export itself are read)") from None
+        raise _failed(f"cannot open {where / name}: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _failed(f"{where / name} is not a regular file")
+        return f.read()
+
+
+def _listed_files(dir_fd: int, path: Path) -> dict[str, str]:
+    """The manifest's ``files`` table; an unlisted ``*.safetensors`` file in the directory is refused."""
+    if MANIFEST not in os.listdir(dir_fd):
         raise _failed(f"{path} has no manifest.json (only exports with a sha256 manifest are loaded)")
     try:
-        listed = set(manifest_files(manifest))
+        listed = manifest_table(_read_file(dir_fd, MANIFEST, path), path / MANIFEST)
     except ManifestError as e:
         raise _failed(str(e)) from e
-    present = {f.name for f in path.glob("*.safetensors")}
-    if present - listed:
+    present = {n for n in os.listdir(dir_fd) if n.endswith(".safetensors")}
+    if present - listed.keys():
         raise _failed(
-            f"{path} holds *.safetensors files its manifest does not list: {sorted(present - listed)}"
+            f"{path} holds *.safetensors files its manifest does not list: {sorted(present - listed.keys())}"
         )
-    return sorted(path / n for n in listed if n.endswith(".safetensors"))
-
-
-def _read_files(path: Path, files: list[Path] | None = None) -> dict[str, torch.Tensor]:
-    if not path.is_dir():
-        raise WeightLoadError(f"Failed to get weights iterator: {path} (repository not found).")
-    files = sorted(path.glob("*.safetensors")) if files is None else files
-    if not files:
+    if not any(n.endswith(".safetensors") for n in listed):
         raise WeightLoadError(f"Failed to get weights iterator: {path} (no *.safetensors files).")
+    return listed
+
+
+def _sha256s(files: dict[str, bytes]) -> dict[str, str]:
+    return {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+
+
+def _read_checked(dir_fd: int, path: Path) -> dict[str, torch.Tensor]:
+    """Every listed file read once; the buffers hashed (in a thread: hashlib releases the GIL) while the
+    same buffers are parsed. A mismatch is reported before a parse error: it explains a damaged file better."""
+    listed = _listed_files(dir_fd, path)
+    files = {name: _read_file(dir_fd, name, path) for name in sorted(listed)}
     state: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            # Read into memory (not the lazy mmap of load_file): served tensors must not change, or fault,
-            # if the file is later rewritten in place.
-            state.update(load(f.read_bytes()))
-        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-            raise _failed(f"cannot read {f}: {e}") from e
+    parse_error: tuple[str, Exception] | None = None
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="leafe-manifest") as pool:
+        hashed = pool.submit(_sha256s, files)
+        for name, data in files.items():
+            if name.endswith(".safetensors") and parse_error is None:
+                try:
+                    state.update(load(data))
+                except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+                    parse_error = name, e
+        digests = hashed.result()
+    for name, digest in listed.items():
+        if digests[name] != digest:
+            raise _failed(f"{path}: {name} does not match its sha256 in manifest.json")
+    if parse_error is not None:
+        bad, error = parse_error
+        raise _failed(f"cannot read {path / bad}: {error}") from error
     return state
 
 
@@ -93,25 +152,15 @@ def _fill_tied(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor
 def load_weight_dir(path: Path, model: torch.nn.Module, *, root: Path | None) -> dict[str, torch.Tensor]:
     """State dict of ``path`` ready for ``model.load_state_dict(state, strict=True, assign=True)``.
 
-    Raises :class:`WeightLoadError` (outside ``root``, path missing, no or a mismatching manifest,
-    unreadable file, missing/unexpected tensor, shape mismatch)."""
+    Raises :class:`WeightLoadError` (outside ``root``, path missing, no or a mismatching manifest, a
+    symlinked or unreadable file, missing/unexpected tensor, shape mismatch)."""
     path = check_under_root(Path(path), root)
-    files = _listed_files(path) if path.is_dir() else None
-    # Hash (manifest check) and read in parallel: both release the GIL, and the swap waits for both.
-    # A manifest mismatch explains a failed read better than the read error itself: report it first.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="leafe-manifest") as pool:
-        checked = pool.submit(verify_manifest, path) if path.is_dir() else None
-        try:
-            state, read_error = _read_files(path, files), None
-        except WeightLoadError as e:
-            state, read_error = {}, e
-        try:
-            if checked is not None:
-                checked.result()
-        except ManifestError as e:
-            raise _failed(str(e)) from e
-    if read_error is not None:
-        raise read_error
+    assert root is not None  # check_under_root refuses None
+    dir_fd = _open_dir(path, Path(root).resolve())
+    try:
+        state = _read_checked(dir_fd, path)
+    finally:
+        os.close(dir_fd)
     reference = model.state_dict()
     _fill_tied(state, reference)
     missing = sorted(reference.keys() - state.keys())

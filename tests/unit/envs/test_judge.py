@@ -7,9 +7,12 @@ which returns a tuple) through the sandbox.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import msgspec
 import pytest
@@ -206,3 +209,73 @@ def add(x, y):
     t = env.step(code)
     assert not t.success and t.score == 0.0
     assert "sent a value that is not plain data" in t.observation
+
+
+COLLIDING_REPLY = """import gc, io
+def add(x, y):
+    # A reply written by hand: a set of ~40k distinct ints that all hash to 0 (multiples of 2**61 - 1).
+    # Rebuilt naively, every insert compares with every earlier member: 15-30 s holding the GIL.
+    body = ",".join(str(k * (2**61 - 1)) for k in range(1, 40_000))
+    for o in gc.get_objects():
+        if isinstance(o, io.TextIOWrapper) and o.mode == "w" and o.fileno() > 2:
+            o.write('{"value": {"%s": [' + body + ']}}\\n')
+            o.flush()
+    return x + y
+"""
+
+
+@pytest.mark.parametrize("tag", ["set", "dict"])
+def test_a_reply_of_hash_colliding_values_does_not_stall_the_actor(env: HumanEvalEnv, tag: str) -> None:
+    """The judge runs in the actor's process (in a thread beside its event loop): a reply whose members all
+    share one hash is refused before it is rebuilt, so the loop's heartbeat never stops for a second."""
+    code = COLLIDING_REPLY % tag
+    if tag == "dict":  # [key, value] pairs
+        code = code.replace("str(k * (2**61 - 1))", '"[%d,0]" % (k * (2**61 - 1))').replace(
+            "40_000", "36_000"
+        )
+    env.reset("humaneval/test/53")
+
+    async def judged_beside_a_heartbeat() -> tuple[float, Any]:
+        gaps, last = [0.0], time.monotonic()
+
+        async def beat() -> None:
+            nonlocal last
+            while True:
+                await asyncio.sleep(0.05)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(beat())
+        try:
+            t = await asyncio.to_thread(env.step, code)
+        finally:
+            ticker.cancel()
+        return max(gaps), t
+
+    longest, t = asyncio.run(judged_beside_a_heartbeat())
+    assert not t.success and t.reward == 0.0 and t.score == 0.0
+    assert longest < 1.0, f"the event loop stalled for {longest:.1f} s"
+    assert "share one hash" in t.observation
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        {"set": [k * (2**61 - 1) for k in range(1, 200)]},
+        {"frozenset": [k * (2**61 - 1) for k in range(1, 200)]},
+        {"dict": [[k * (2**61 - 1), 0] for k in range(1, 200)]},
+        [{"set": [{"tuple": [k * (2**61 - 1)]} for k in range(1, 200)]}],
+    ],
+    ids=["set", "frozenset", "dict", "nested-tuples"],
+)
+def test_hash_colliding_members_are_refused(wire: object) -> None:
+    with pytest.raises(ValueError, match="share one hash"):
+        from_wire(wire)
+
+
+def test_few_colliding_members_and_duplicates_still_round_trip() -> None:
+    """Legitimate sets whose members happen to collide (-1 and -2) or repeat on the wire still rebuild."""
+    assert from_wire({"set": [-1, -2, 2**61 - 1, 0]}) == {-1, -2, 2**61 - 1, 0}
+    assert from_wire({"set": [7] * 1000}) == {7}
+    assert from_wire({"dict": [[1, "a"], [1.0, "b"]]}) == {1: "b"}

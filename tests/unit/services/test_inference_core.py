@@ -42,7 +42,9 @@ def run(spec: GenSpec, tokens: list[int]) -> GenSequence:
 
 
 def parse(body: dict[str, Any], context_len: int = 64) -> Any:
-    return parse_generate(body, encode=ids, vocab_size=300, context_len=context_len)
+    return parse_generate(
+        body, encode=ids, vocab_size=300, context_len=context_len, max_text_bytes=context_len * 8
+    )
 
 
 # ---- request validation -----------------------------------------------------------------------------

@@ -31,9 +31,10 @@ Bad input (see the "Trust" section of ``docs/architecture.md``): every message p
 ``protocol.codec.admit_event`` first (size <= ``max_event_bytes``, a ``Leafe-Codec`` header, a
 decodable body, subject run and kind equal to the event's, event id ``<episode>.<seq>``), or
 ``services.bus.Consumer`` dead-letters it. An event the fold rejects (``ReplayError``: unknown branch,
-Branch before its Reflection, a conflicting copy of an applied id, an episode past ``max_open_episodes``
-or ``max_open_per_actor``...) is dead-lettered with the reason; an exception while folding an episode
-(``EpisodeFailed``) dead-letters that event and the episode's anchor, and its later events follow. A
+Branch before its Reflection, a conflicting copy of an applied id, an episode past ``max_open_episodes``,
+``max_open_per_actor`` or ``max_open_bytes``, a token id outside the tokenizer's vocabulary...) is
+dead-lettered with the reason; an exception while folding an episode (``EpisodeFailed``) dead-letters
+that event and the episode's anchor, and its later events follow. A
 sample over the samples limit (``max_sample_bytes``) is dead-lettered instead of stored
 (``services.sample_sink``). Dead letters are stored before their message is acked, under ids that make
 a redo after a crash a no-op (``services.bus.dead_letters``); recovery folds the same events through the
@@ -104,7 +105,11 @@ class Replayer:
         self.admission = Admission(
             max_event_bytes=config.max_event_bytes, require_codec_header=config.require_codec_header
         )
-        fold.limits = OpenLimits(max_open=config.max_open_episodes, max_per_actor=config.max_open_per_actor)
+        fold.limits = OpenLimits(
+            max_open=config.max_open_episodes,
+            max_per_actor=config.max_open_per_actor,
+            max_bytes=config.max_open_bytes,
+        )
         self.sink = SampleSink(
             js,
             self.run_id,

@@ -37,15 +37,18 @@ _EVENT_OVERHEAD = 256
 
 
 def event_bytes(event: EpisodeEvent) -> int:
-    """What holding ``event`` costs, roughly: its text fields and 8 bytes per token id or logprob.
+    """What holding ``event`` costs, roughly: its text fields and its token ids and logprobs.
 
     An estimate, cheap enough for every event (no encoding); it grows with what an event can make large
-    (observations, completions, token ids), so a cap on it bounds the fold's memory up to a constant."""
+    (observations, completions, token ids: 32 bytes each, about what a decoded Python int or float and
+    its list slot take), so a cap on it bounds the fold's memory up to a small constant."""
     n = _EVENT_OVERHEAD + len(event.event_id) + len(event.episode_id) + len(event.actor_id)
     match event:
         case Step():
-            n += len(event.raw_text) + len(event.observation) + len(event.feedback) + 8 * len(event.token_ids)
-            n += len(event.action or "") + 8 * len(event.logprobs or ())
+            n += (
+                len(event.raw_text) + len(event.observation) + len(event.feedback) + 32 * len(event.token_ids)
+            )
+            n += len(event.action or "") + 32 * len(event.logprobs or ())
         case EpisodeStarted():
             n += (
                 len(event.task)
@@ -55,7 +58,10 @@ def event_bytes(event: EpisodeEvent) -> int:
             )
         case Reflection():
             n += (
-                len(event.raw_text) + len(event.experience) + 8 * len(event.token_ids) + 16 * len(event.flags)
+                len(event.raw_text)
+                + len(event.experience)
+                + 32 * len(event.token_ids)
+                + 16 * len(event.flags)
             )
         case Branch():
             n += len(event.experience) + len(event.reflection_event_id)

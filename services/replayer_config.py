@@ -90,4 +90,6 @@ class ReplayerStats:
     episodes_failed: int = 0
     anchors_held: int = 0
     stale_closed: int = 0
+    redriven: int = 0
+    """Refused episodes tried again because ``leafe replayer redrive`` published them again."""
     batches: int = 0

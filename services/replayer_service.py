@@ -39,7 +39,10 @@ sample over the samples limit (``max_sample_bytes``) is dead-lettered instead of
 (``services.sample_sink``). Dead letters are stored before their message is acked, under ids that make
 a redo after a crash a no-op (``services.bus.dead_letters``); recovery folds the same events through the
 same checks, so a restarted process rejects what the crashed one rejected. Episodes without activity for
-``stale_timeout_s`` are closed as abandoned. SIGTERM/SIGINT: finish the batch in hand, then exit.
+``stale_timeout_s`` are closed as abandoned. Episodes refused for a cap can be folded later: ``leafe
+replayer redrive`` (``services/replayer_redrive.py``) publishes their dead-lettered events again with
+``Leafe-Redrive``, and an EpisodeStarted carrying it is tried against the caps anew (``_readmit``; in
+recovery too, so a restart decides the same). SIGTERM/SIGINT: finish the batch in hand, then exit.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ from protocol.subjects import (
 )
 from services.bus import Consumer, NatsOptions, connect, read_range, wait_for_streams
 from services.bus.consumer import dead_letter_of
-from services.bus.dead_letters import ERROR_HEADER, publish_dead_letter
+from services.bus.dead_letters import ERROR_HEADER, REDRIVE_HEADER, publish_dead_letter
 from services.metrics import ReplayerMetrics
 from services.replayer_config import ReplayerConfig, ReplayerStats
 from services.sample_sink import ReplayerError, SampleSink
@@ -175,6 +178,7 @@ class Replayer:
                 event = admit_event(msg.subject, msg.headers, msg.data, self.admission)
             except ProtocolError:
                 continue  # dead-lettered by the previous process's consumer, or redelivered to ours
+            self._readmit(event, msg.headers)
             try:
                 samples += self.fold.apply(event, now=now)
             except ReplayError:
@@ -213,6 +217,7 @@ class Replayer:
         rejected: list[tuple[Any, str]] = []
         for d in deliveries:
             event = d.value
+            self._readmit(event, d.msg.headers)
             try:
                 samples += self.fold.apply(event, now=now)
             except ReplayError as e:
@@ -236,6 +241,19 @@ class Replayer:
             await d.ack()
         await self._release()
         self.stats.anchors_held = len(self.anchors)
+
+    def _readmit(self, event: Any, headers: dict[str, str] | None) -> None:
+        """An EpisodeStarted published again by ``leafe replayer redrive`` (``Leafe-Redrive``) of an episode
+        refused for a cap is tried against the caps anew. Anyone who may publish events could set the
+        header, but it grants nothing a fresh episode id would not: the caps still apply."""
+        if isinstance(event, EpisodeStarted) and headers and REDRIVE_HEADER in headers:
+            if self.fold.readmit(event.episode_id):
+                self.stats.redriven += 1
+                log.info(
+                    "replayer.episode.redriven",
+                    episode_id=event.episode_id[:80],
+                    original_seq=headers[REDRIVE_HEADER][:20],
+                )
 
     def _why(self, d: Any, error: ReplayError) -> str:
         if isinstance(error, EpisodeFailed):

@@ -129,6 +129,15 @@ class Materializer(SampleBuilder):
         """The episode is open or remembered as ended (finished, abandoned, ignored, refused or failed)."""
         return episode_id in self._episodes or episode_id in self._ledger.closed
 
+    def readmit(self, episode_id: str) -> bool:
+        """Forget that ``episode_id`` was refused (a cap was reached), so that its EpisodeStarted, published
+        again by ``leafe replayer redrive``, is tried against the caps anew; ``False`` if it was not refused."""
+        closed = self._ledger.closed.get(episode_id)
+        if closed is None or closed.ending != "refused":
+            return False
+        del self._ledger.closed[episode_id]
+        return True
+
     def apply(self, event: EpisodeEvent, *, now: float = 0.0) -> list[Sample]:
         """Fold one event; returns the samples it completed (see the module docstring for errors)."""
         self.stats.events += 1

@@ -177,7 +177,7 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.model, config.optim)
         self.pad_id = _pad_id(self.model_dir)
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
-        self.vocab_size = int(self.model.config.vocab_size)
+        self.vocab_size: int = getattr(self.model.config, "vocab_size")  # noqa: B009 (Module attrs are untyped)
         """Embedding rows: a sample with an id outside ``0..vocab_size-1`` is skipped (``batching.unusable``)."""
         self.step = 0
 

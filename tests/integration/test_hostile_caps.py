@@ -67,7 +67,7 @@ async def test_steps_with_token_ids_outside_the_vocabulary_are_dead_lettered_not
 ) -> None:
     """Steps with ids -1, 2^40 and 49,152 (the vocabulary size): each is dead-lettered naming the id, no
     stored sample holds an id the model cannot embed, and the valid samples equal the offline rebuild."""
-    vocab = tokenizer.vocab_size
+    vocab = len(tokenizer.tokenizer)  # what HFChatTokenizer.vocab_size says
     valid = make_log(run_id, tokenizer, episodes=3, groups=0)
     bad_ids = {"neg": -1, "huge": 2**40, "edge": vocab}
     hostile = {k: one_step_episode(run_id, k, [27, bad, 29]) for k, bad in bad_ids.items()}

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from actors.fake_episodes import EventWriter, interleave
 from actors.fakes import ByteChatTokenizer
-from learner.materializers import ReplayError, make_materializer
+from learner.materializers import OpenLimits, ReplayError, make_materializer
 from protocol.events import EpisodeEvent, EpisodeFinished, EpisodeStarted, Outcome, Step
 from protocol.samples import Sample
 from tests.support.episodes import event_logs, explore_episodes, rollout_groups
@@ -174,3 +174,18 @@ def test_a_step_with_a_token_id_outside_the_vocabulary_is_rejected_with_the_reas
             reasons.append(err.reason)
     assert reasons == [f"token id {bad} is outside the vocabulary (0..299)"]
     assert [(s.episode_id, s.completion_ids) for s in samples] == [("ok", [0, 1, 299])]
+
+
+@SETTINGS
+@given(streams=event_logs(tokenizer=TOK, max_episodes=3), seed=st.integers(0, 2**31), name=names)
+def test_the_bytes_of_held_episodes_are_all_returned_when_they_are_released(
+    streams: list, seed: int, name: str
+) -> None:
+    """``max_open_bytes`` accounting never leaks: with a cap no log reaches, the fold gives the same
+    samples as without, and once every episode is closed and released it holds 0 bytes."""
+    events = interleave(streams, random.Random(seed))
+    fold = make_materializer(name, TOK, **MATERIALIZERS[name])
+    fold.limits = OpenLimits(max_bytes=2**40)
+    samples = [s for e in events for s in fold.apply(e)] + fold.close_all()
+    assert samples == fold_strictly(events, name)[0]
+    assert fold.held_episodes == 0 and fold._ledger.held_bytes == 0 and not fold._ledger.bytes

@@ -45,6 +45,7 @@ __all__ = [
     "collate",
     "collate_packed",
     "kind_tokens",
+    "out_of_vocab",
     "pack_rows",
     "plan_micro_batches",
     "to_items",
@@ -73,14 +74,27 @@ class TrainItem:
         return len(self.input_ids)
 
 
-def unusable(sample: Sample, max_seq_len: int) -> str | None:
-    """Why ``sample`` cannot be trained (``None`` if it can): never truncated, never half-used."""
+def out_of_vocab(sample: Sample, vocab_size: int) -> str | None:
+    """Why ``sample`` holds an id outside ``0..vocab_size-1`` (the model's embedding would raise on it),
+    or ``None``. The learner's consumer dead-letters such a sample; :func:`unusable` skips it."""
+    for part, ids in (("prompt", sample.prompt_ids), ("completion", sample.completion_ids)):
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            bad = next(i for i in ids if not 0 <= i < vocab_size)
+            return f"{part} token id {bad} is outside the model's vocabulary (0..{vocab_size - 1})"
+    return None
+
+
+def unusable(sample: Sample, max_seq_len: int, vocab_size: int | None = None) -> str | None:
+    """Why ``sample`` cannot be trained (``None`` if it can): never truncated, never half-used, never an
+    id the model has no embedding for (``vocab_size``: its embedding rows; ``None`` skips that check)."""
     n = len(sample.prompt_ids) + len(sample.completion_ids)
     bl = sample.behaviour_logprobs
     if not sample.completion_ids or not sample.prompt_ids:
         return "empty prompt or completion"
     if n > max_seq_len:
         return f"{n} tokens > max_seq_len {max_seq_len}"
+    if vocab_size is not None and (why := out_of_vocab(sample, vocab_size)) is not None:
+        return why
     if bl is not None and len(bl) != len(sample.completion_ids):
         return f"{len(bl)} behaviour logprobs for {len(sample.completion_ids)} completion tokens"
     if sample.kind == "grpo" and sample.advantage is None:
@@ -88,12 +102,14 @@ def unusable(sample: Sample, max_seq_len: int) -> str | None:
     return None
 
 
-def to_items(samples: Sequence[Sample], max_seq_len: int) -> tuple[list[TrainItem], list[tuple[str, str]]]:
+def to_items(
+    samples: Sequence[Sample], max_seq_len: int, vocab_size: int | None = None
+) -> tuple[list[TrainItem], list[tuple[str, str]]]:
     """Encode samples; returns ``(items, skipped)`` with ``(sample_id, reason)`` per unusable sample."""
     items: list[TrainItem] = []
     skipped: list[tuple[str, str]] = []
     for s in samples:
-        reason = unusable(s, max_seq_len)
+        reason = unusable(s, max_seq_len, vocab_size)
         if reason is not None:
             skipped.append((s.sample_id, reason))
             continue

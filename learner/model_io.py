@@ -175,6 +175,11 @@ class HFChatTokenizer:
         """Load the tokenizer of a model directory."""
         return cls(load_tokenizer(path))
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids this tokenizer can give, added tokens included (the replayer rejects any other)."""
+        return len(self.tokenizer)
+
     def encode_chat(self, messages: Sequence[ChatMessage], response_prefix: str = "") -> list[int]:
         """Token ids with the chat template and generation prompt applied, then ``response_prefix``'s."""
         chat = [{"role": m.role, "content": m.content} for m in messages]

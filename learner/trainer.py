@@ -75,7 +75,8 @@ class StepStats(msgspec.Struct, frozen=True, kw_only=True):
     samples: int
     """Samples trained."""
     skipped: int
-    """Samples skipped as unusable (too long, empty, malformed; see ``learner.batching.unusable``)."""
+    """Samples skipped as unusable (too long, empty, malformed, an id outside the vocabulary; see
+    ``learner.batching.unusable``)."""
     target_tokens: int
     """Tokens with loss."""
     real_tokens: int
@@ -176,6 +177,8 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.model, config.optim)
         self.pad_id = _pad_id(self.model_dir)
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        self.vocab_size: int = getattr(self.model.config, "vocab_size")  # noqa: B009 (Module attrs are untyped)
+        """Embedding rows: a sample with an id outside ``0..vocab_size-1`` is skipped (``batching.unusable``)."""
         self.step = 0
 
     def _logp(self, model: nn.Module, mb: MicroBatch) -> Tensor:
@@ -214,7 +217,7 @@ class Trainer:
     def train_step(self, samples: Sequence[Sample]) -> StepStats:
         """One optimizer step on ``samples`` (the whole global batch; every rank passes the same list)."""
         t0 = time.perf_counter()
-        items, skipped = to_items(samples, self.config.batch.max_seq_len)
+        items, skipped = to_items(samples, self.config.batch.max_seq_len, self.vocab_size)
         if skipped:
             log.warning(
                 "learner.samples.skipped", count=len(skipped), first=skipped[0][0], reason=skipped[0][1]

@@ -25,9 +25,10 @@ under the same version, so a version name always means one set of weights.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from learner.batching import out_of_vocab
 from learner.checkpoint import Progress
 from learner.config import LearnerConfig
 from learner.executor import CheckpointCmd, Executor, ExportCmd, NoopCmd, TrainCmd
@@ -46,6 +48,7 @@ from learner.scalars import NullScalarWriter, ScalarWriter, write_step_scalars
 from learner.trainer import StepStats
 from learner.weight_store import prune_versions, version_name
 from protocol import WeightsPublished, dead_letter_subject, decode_sample, weights_subject
+from protocol.codec import CODEC_HEADER, ProtocolError
 from protocol.samples import Sample
 from protocol.subjects import DEAD_LETTERS, SAMPLES, WEIGHTS, learner_durable, samples_filter
 from services.bus import Consumer, Delivery, NatsOptions, Publisher, connect, wait_for_streams
@@ -66,13 +69,23 @@ class SampleConsumer(Consumer[Sample]):
     """The learner's durable consumer, re-created on start to deliver from ``start_seq`` (the checkpoint's
     ``samples_seq + 1``): the checkpoint, not the consumer's ack floor, says where training resumes."""
 
-    def __init__(self, js: JetStreamContext, *, run_id: str, durable: str, start_seq: int, **kw: Any) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        *,
+        run_id: str,
+        durable: str,
+        start_seq: int,
+        vocab_size: int | None = None,
+        **kw: Any,
+    ) -> None:
         super().__init__(
             js,
             stream=SAMPLES.name,
             durable=durable,
             filter_subject=samples_filter(run_id),
             decode=decode_sample,
+            admit=None if vocab_size is None else functools.partial(_admit_sample, vocab_size=vocab_size),
             dead_letter_subject=dead_letter_subject(run_id, SAMPLES.name),
             deliver_policy="by_start_sequence",
             **kw,
@@ -88,6 +101,16 @@ class SampleConsumer(Consumer[Sample]):
         except NotFoundError:
             pass  # first start: nothing to replace
         await super().start()
+
+
+def _admit_sample(subject: str, headers: Mapping[str, str] | None, data: bytes, *, vocab_size: int) -> Sample:
+    """The sample, if every token id has a row in the model's embedding; else ``ProtocolError`` (the
+    consumer dead-letters it with the reason, as the replayer does an event with such an id)."""
+    sample = decode_sample(data, headers.get(CODEC_HEADER) if headers else None)
+    why = out_of_vocab(sample, vocab_size)
+    if why is not None:
+        raise ProtocolError("sample", why)
+    return sample
 
 
 def _manifest_sha256(path: Path) -> str:
@@ -146,6 +169,7 @@ class OnlineLearner:
                 run_id=self.run_id,
                 durable=learner_durable(self.run_id, self.cfg.durable),
                 start_seq=self.progress.samples_seq + 1,
+                vocab_size=self.executor.trainer.vocab_size,
                 batch=self.cfg.fetch_batch,
                 ack_wait_s=self.cfg.ack_wait_s,
                 max_ack_pending=self.cfg.max_ack_pending,

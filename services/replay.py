@@ -9,11 +9,16 @@ same materializer the online replayer runs (``learner.materializers``), after th
 (``protocol.codec.admit_event``: size, ``Leafe-Codec`` header, subject, event id), so it rebuilds what
 the replayer published; at the end of the log every still-open episode is closed as abandoned (no
 samples from branches without an Outcome). Records that fail admission and events the fold rejects are
-counted and logged, never fatal. The dataset is written with
+counted and logged, never fatal. The online replayer's open-episode caps apply here too
+(``max_open_episodes``, ``max_open_per_actor``, ``max_open_bytes``: the fold's memory is bounded by them,
+whatever the log holds); what they refuse is counted, and named on stderr in one line that says which
+cap to raise. The dataset is written with
 ``learner.dataset.write_dataset``: rebuilding the same log gives byte-identical shards. A damaged or
 truncated log file (``services.eventlog.fileformat.LogFileError``, checked to its trailer) or one that
 cannot be opened fails the command with one line on stderr and no dataset written (``--debug``: the
-traceback); a partial dataset is never written from a damaged file.
+traceback); a partial dataset is never written from a damaged file. So does every other failure a user
+can cause: a model that is not there, an ``--out`` that cannot be written, a NATS server that does not
+answer.
 
 ``--config`` is a TOML file decoded into :class:`ReplayConfig`; flags override it. A rich progress bar
 shows events and samples on a terminal (``--no-progress`` hides it).
@@ -29,16 +34,18 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats.errors as nats_errors
 import structlog
 
-from learner.materializers import Folder, FoldResult, make_materializer, write_folded
+from learner.materializers import Folder, FoldResult, OpenLimits, make_materializer, write_folded
 from protocol.codec import Admission, ProtocolError, admit_event
 from protocol.events import EpisodeEvent
 from protocol.subjects import EVENTS, events_filter
-from services.bus import NatsOptions, add_nats_arguments, connect, nats_options, read_stream
+from services.bus import NatsOptions, add_nats_arguments, connect, nats_options, read_stream, redact
 from services.config import load_config
 from services.eventlog.fileformat import LogFileError, iter_log_file
 from services.logsetup import configure_logging
+from services.replayer_config import DEFAULT_MAX_OPEN_BYTES
 
 __all__ = ["ReplayConfig", "file_events", "main", "resolve_config", "stream_event_count", "stream_events"]
 
@@ -60,6 +67,28 @@ class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Records larger than this (headers included) are skipped, as the online replayer skips them."""
     require_codec_header: bool = True
     """Skip records without ``Leafe-Codec``; ``false`` to replay logs written before the header."""
+    max_open_episodes: int = 16_384
+    """Episodes held at once (as the online replayer's); an EpisodeStarted past it is refused, counted."""
+    max_open_per_actor: int = 1024
+    """Episodes one ``actor_id`` may hold at once; past it, refused."""
+    max_open_bytes: int = DEFAULT_MAX_OPEN_BYTES
+    """Bytes the held episodes' events may take (``learner.materializers.lifecycle.event_bytes``); an
+    event past it is refused. Bounds memory whatever the log holds (a 2.6 MB file of unfinished
+    episodes with 1 MB observations took 2.3 GB without it)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_open_episodes", "max_open_per_actor", "max_open_bytes", "shard_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} = {getattr(self, name)}: must be at least 1")
+
+    @property
+    def limits(self) -> OpenLimits:
+        """The open-episode caps of the fold."""
+        return OpenLimits(
+            max_open=self.max_open_episodes,
+            max_per_actor=self.max_open_per_actor,
+            max_bytes=self.max_open_bytes,
+        )
 
     @property
     def admission(self) -> Admission:
@@ -146,7 +175,10 @@ def _fold_file(path: Path, folder: Folder, progress: bool, admission: Admission)
 async def _fold_stream(
     nats: NatsOptions, run_id: str, folder: Folder, progress: bool, admission: Admission
 ) -> FoldResult:
-    nc = await connect(nats, name="leafe-replay")
+    try:
+        nc = await connect(nats, name="leafe-replay")
+    except (OSError, nats_errors.Error) as e:  # said once, naming the server (its retries log at warning)
+        raise ConnectionError(f"no NATS connection to {redact(nats.url)}: {type(e).__name__}: {e}") from e
     try:
         js = nc.jetstream()
         bar = _Progress(progress, await stream_event_count(js, run_id))
@@ -173,7 +205,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, default=None, help="TOML file with ReplayConfig fields")
     p.add_argument("--shard-size", type=int, default=None, help="samples per shard (default 10000)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--log-level", default="warning", help="log level (default warning)")
+    p.add_argument(
+        "--log-level",
+        default="error",
+        help="log level (default error: rejections are counted in the summary; warning logs each one)",
+    )
     add_nats_arguments(p)
     p.add_argument("--debug", action="store_true", help="on a log file error, raise it with its traceback")
     return p
@@ -189,6 +225,11 @@ def resolve_config(args: argparse.Namespace) -> ReplayConfig:
     return load_config(ReplayConfig, files=[args.config], overrides=overrides)
 
 
+_USER_ERRORS = (LogFileError, OSError, ValueError, nats_errors.Error)
+"""What a user can cause (a damaged log, a missing model, an unwritable ``--out``, a NATS server that is
+down or refuses): one line on stderr, never a traceback (``--debug`` raises it)."""
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``leafe replay``."""
     p = _parser()
@@ -196,30 +237,39 @@ def main(argv: list[str]) -> int:
     configure_logging(json=False, level=args.log_level)
     try:
         config = resolve_config(args)
-        nats = nats_options(args)
+        nats_opts = nats_options(args)
     except ValueError as e:
         p.error(str(e))
-    url = _is_url(args.source)
-    if url and not args.run:
+    if _is_url(args.source) and not args.run:
         p.error("--run is required when replaying from a NATS URL")
+    try:
+        return _replay(args, config, nats_opts)
+    except _USER_ERRORS as e:
+        if args.debug:
+            raise
+        print(f"leafe replay: {_one_line(e)}", file=sys.stderr)  # nothing written: it would be partial
+        return 1
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if isinstance(e, LogFileError) else f"{type(e).__name__}: {text}"
+
+
+def _replay(args: argparse.Namespace, config: ReplayConfig, nats_opts: NatsOptions) -> int:
     from learner.model_io import HFChatTokenizer, resolve_model  # transformers: only once the flags are good
 
     fold = make_materializer(
         config.materializer, HFChatTokenizer.from_dir(resolve_model(config.model)), **config.options
     )
+    fold.limits = config.limits
     folder = Folder(fold, run_id=args.run)
     progress = not args.no_progress and sys.stderr.isatty()
-    if url:
-        nats = msgspec.structs.replace(nats, url=args.source)
-        result = asyncio.run(_fold_stream(nats, args.run, folder, progress, config.admission))
+    if _is_url(args.source):
+        nats_opts = msgspec.structs.replace(nats_opts, url=args.source)
+        result = asyncio.run(_fold_stream(nats_opts, args.run, folder, progress, config.admission))
     else:
-        try:
-            result = _fold_file(Path(args.source), folder, progress, config.admission)
-        except (LogFileError, OSError) as e:
-            if args.debug:
-                raise
-            print(f"leafe replay: {e}", file=sys.stderr)  # nothing written: the dataset would be partial
-            return 1
+        result = _fold_file(Path(args.source), folder, progress, config.admission)
     manifest = write_folded(result, fold, args.out, run_id=args.run, shard_size=config.shard_size)
     counts = ", ".join(f"{k}={v}" for k, v in manifest.counts_by_kind.items()) or "none"
     print(
@@ -227,4 +277,11 @@ def main(argv: list[str]) -> int:
         f"shard(s) at {args.out}; rejected {result.rejected}, undecodable {result.undecodable}, "
         f"prompt mismatches {fold.stats.prompt_mismatches}; content sha256 {manifest.content_sha256}"
     )
+    if result.capped:
+        print(
+            f"leafe replay: {result.capped} events refused over the open-episode caps "
+            f"({fold.stats.episodes_refused} episodes; first: {result.first_capped}); raise max_open_episodes, "
+            "max_open_per_actor or max_open_bytes in --config to fold them",
+            file=sys.stderr,
+        )
     return 0

@@ -6,6 +6,11 @@
 The ack protocol that makes it restartable at any moment is described in ``services/replayer_service.py``.
 Run exactly one replayer per (run, materializer): its durable consumer is its identity. SIGTERM/SIGINT:
 finish the batch in hand, then exit.
+
+    leafe replayer redrive --nats URL --run RUN [--reason TEXT] [--dry-run]
+
+publishes again the events dead-lettered because a cap was reached, once the cause is gone
+(``services/replayer_redrive.py``).
 """
 
 from __future__ import annotations
@@ -43,7 +48,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    """Entry point of ``leafe replayer``."""
+    """Entry point of ``leafe replayer`` (and of ``leafe replayer redrive``)."""
+    if argv[:1] == ["redrive"]:
+        from services.replayer_redrive import main as redrive_main
+
+        return redrive_main(argv[1:])
     p = _parser()
     args = p.parse_args(argv)
     configure_logging(json=True, level=args.log_level)

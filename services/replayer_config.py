@@ -9,7 +9,11 @@ import msgspec
 
 from protocol.subjects import EVENTS
 
-__all__ = ["ReplayerConfig", "ReplayerStats"]
+__all__ = ["DEFAULT_MAX_OPEN_BYTES", "ReplayerConfig", "ReplayerStats"]
+
+DEFAULT_MAX_OPEN_BYTES = 512 * 2**20
+"""Default cap on the bytes of held episodes, online and offline (a real run holds tens of MB: an actor
+runs tens of episodes of a few hundred KB each)."""
 
 
 class ReplayerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -32,6 +36,10 @@ class ReplayerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ``max_open_episodes + batch`` must fit in ``max_ack_pending``, so anchors never stall the consumer."""
     max_open_per_actor: int = 1024
     """Episodes one ``actor_id`` may hold at once (an actor runs tens); past it, dead-lettered."""
+    max_open_bytes: int = DEFAULT_MAX_OPEN_BYTES
+    """Bytes the held episodes' events may take together (``learner.materializers.lifecycle.event_bytes``:
+    text and token ids, about their size in memory); an EpisodeStarted past it is dead-lettered, and
+    so is any other event that would pass it. Bounds the fold's memory."""
     max_event_bytes: int = EVENTS.max_msg_bytes
     """Largest event message (headers included); larger ones are dead-lettered, never folded."""
     require_codec_header: bool = True
@@ -56,6 +64,7 @@ class ReplayerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             "max_ack_pending",
             "max_open_episodes",
             "max_open_per_actor",
+            "max_open_bytes",
             "max_event_bytes",
         ):
             if getattr(self, name) < 1:
@@ -81,4 +90,6 @@ class ReplayerStats:
     episodes_failed: int = 0
     anchors_held: int = 0
     stale_closed: int = 0
+    redriven: int = 0
+    """Refused episodes tried again because ``leafe replayer redrive`` published them again."""
     batches: int = 0

@@ -31,14 +31,18 @@ Bad input (see the "Trust" section of ``docs/architecture.md``): every message p
 ``protocol.codec.admit_event`` first (size <= ``max_event_bytes``, a ``Leafe-Codec`` header, a
 decodable body, subject run and kind equal to the event's, event id ``<episode>.<seq>``), or
 ``services.bus.Consumer`` dead-letters it. An event the fold rejects (``ReplayError``: unknown branch,
-Branch before its Reflection, a conflicting copy of an applied id, an episode past ``max_open_episodes``
-or ``max_open_per_actor``...) is dead-lettered with the reason; an exception while folding an episode
-(``EpisodeFailed``) dead-letters that event and the episode's anchor, and its later events follow. A
+Branch before its Reflection, a conflicting copy of an applied id, an episode past ``max_open_episodes``,
+``max_open_per_actor`` or ``max_open_bytes``, a token id outside the tokenizer's vocabulary...) is
+dead-lettered with the reason; an exception while folding an episode (``EpisodeFailed``) dead-letters
+that event and the episode's anchor, and its later events follow. A
 sample over the samples limit (``max_sample_bytes``) is dead-lettered instead of stored
 (``services.sample_sink``). Dead letters are stored before their message is acked, under ids that make
 a redo after a crash a no-op (``services.bus.dead_letters``); recovery folds the same events through the
 same checks, so a restarted process rejects what the crashed one rejected. Episodes without activity for
-``stale_timeout_s`` are closed as abandoned. SIGTERM/SIGINT: finish the batch in hand, then exit.
+``stale_timeout_s`` are closed as abandoned. Episodes refused for a cap can be folded later: ``leafe
+replayer redrive`` (``services/replayer_redrive.py``) publishes their dead-lettered events again with
+``Leafe-Redrive``, and an EpisodeStarted carrying it is tried against the caps anew (``_readmit``; in
+recovery too, so a restart decides the same). SIGTERM/SIGINT: finish the batch in hand, then exit.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ from protocol.subjects import (
 )
 from services.bus import Consumer, NatsOptions, connect, read_range, wait_for_streams
 from services.bus.consumer import dead_letter_of
-from services.bus.dead_letters import ERROR_HEADER, publish_dead_letter
+from services.bus.dead_letters import ERROR_HEADER, REDRIVE_HEADER, publish_dead_letter
 from services.metrics import ReplayerMetrics
 from services.replayer_config import ReplayerConfig, ReplayerStats
 from services.sample_sink import ReplayerError, SampleSink
@@ -104,7 +108,11 @@ class Replayer:
         self.admission = Admission(
             max_event_bytes=config.max_event_bytes, require_codec_header=config.require_codec_header
         )
-        fold.limits = OpenLimits(max_open=config.max_open_episodes, max_per_actor=config.max_open_per_actor)
+        fold.limits = OpenLimits(
+            max_open=config.max_open_episodes,
+            max_per_actor=config.max_open_per_actor,
+            max_bytes=config.max_open_bytes,
+        )
         self.sink = SampleSink(
             js,
             self.run_id,
@@ -170,6 +178,7 @@ class Replayer:
                 event = admit_event(msg.subject, msg.headers, msg.data, self.admission)
             except ProtocolError:
                 continue  # dead-lettered by the previous process's consumer, or redelivered to ours
+            self._readmit(event, msg.headers)
             try:
                 samples += self.fold.apply(event, now=now)
             except ReplayError:
@@ -208,6 +217,7 @@ class Replayer:
         rejected: list[tuple[Any, str]] = []
         for d in deliveries:
             event = d.value
+            self._readmit(event, d.msg.headers)
             try:
                 samples += self.fold.apply(event, now=now)
             except ReplayError as e:
@@ -231,6 +241,19 @@ class Replayer:
             await d.ack()
         await self._release()
         self.stats.anchors_held = len(self.anchors)
+
+    def _readmit(self, event: Any, headers: dict[str, str] | None) -> None:
+        """An EpisodeStarted published again by ``leafe replayer redrive`` (``Leafe-Redrive``) of an episode
+        refused for a cap is tried against the caps anew. Anyone who may publish events could set the
+        header, but it grants nothing a fresh episode id would not: the caps still apply."""
+        if isinstance(event, EpisodeStarted) and headers and REDRIVE_HEADER in headers:
+            if self.fold.readmit(event.episode_id):
+                self.stats.redriven += 1
+                log.info(
+                    "replayer.episode.redriven",
+                    episode_id=event.episode_id[:80],
+                    original_seq=headers[REDRIVE_HEADER][:20],
+                )
 
     def _why(self, d: Any, error: ReplayError) -> str:
         if isinstance(error, EpisodeFailed):

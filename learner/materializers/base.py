@@ -19,7 +19,13 @@ released: at ``EpisodeFinished``, or when closed as abandoned by :meth:`Material
 by idle time) or :meth:`Materializer.close_all` (end of an offline log); closing never produces samples
 from a branch without ``Outcome``. :meth:`Materializer.drain_released` lists the episodes whose events
 will never be needed again (the replayer acks their anchors then). ``limits`` (:class:`OpenLimits`) caps
-held episodes per run and per actor: an ``EpisodeStarted`` past a cap is refused.
+held episodes per run and per actor, and the bytes they hold: an ``EpisodeStarted`` past a cap is refused,
+an event past ``max_bytes`` rejected.
+
+Token ids (``Step.token_ids``, ``Reflection.token_ids``) must lie in the tokenizer's vocabulary
+(``vocab_size``, :func:`~learner.materializers.common.vocab_size_of`): an id that is negative or past it
+(which the model's embedding would raise on, in the learner) is rejected here, before it can become a
+training target.
 
 Bad input never escapes as anything but :class:`ReplayError`: a malformed event is rejected with the tree
 unchanged; any other exception while folding an event (a bug that input reached) drops the event's whole
@@ -41,11 +47,12 @@ from learner.materializers.common import (
     fast_prompt_sha256,
     sample_id_for,
     selected_fraction,
+    vocab_size_of,
 )
-from learner.materializers.lifecycle import Closed, Ledger, OpenLimits
+from learner.materializers.lifecycle import Closed, Ledger, OpenLimits, event_bytes
 from learner.materializers.samples import SampleBuilder, path_entries
 from learner.materializers.tree import BranchNode, EpisodeFailed, EpisodeTree, ReplayError
-from protocol.events import EpisodeEvent, EpisodeFinished, EpisodeStarted, Outcome
+from protocol.events import EpisodeEvent, EpisodeFinished, EpisodeStarted, Outcome, Reflection, Step
 from protocol.prompt import PROMPT_FORMAT, ChatTokenizer
 from protocol.samples import Sample
 
@@ -83,6 +90,8 @@ class Materializer(SampleBuilder):
         self.stats = FoldStats()
         self._episodes: dict[str, EpisodeTree] = {}
         self._ledger = Ledger(self.options.closed_memory)
+        self.vocab_size = vocab_size_of(tokenizer)
+        """Token ids must be below this (the tokenizer's vocabulary)."""
 
     @property
     def tag(self) -> str:
@@ -119,6 +128,15 @@ class Materializer(SampleBuilder):
     def knows(self, episode_id: str) -> bool:
         """The episode is open or remembered as ended (finished, abandoned, ignored, refused or failed)."""
         return episode_id in self._episodes or episode_id in self._ledger.closed
+
+    def readmit(self, episode_id: str) -> bool:
+        """Forget that ``episode_id`` was refused (a cap was reached), so that its EpisodeStarted, published
+        again by ``leafe replayer redrive``, is tried against the caps anew; ``False`` if it was not refused."""
+        closed = self._ledger.closed.get(episode_id)
+        if closed is None or closed.ending != "refused":
+            return False
+        del self._ledger.closed[episode_id]
+        return True
 
     def apply(self, event: EpisodeEvent, *, now: float = 0.0) -> list[Sample]:
         """Fold one event; returns the samples it completed (see the module docstring for errors)."""
@@ -198,7 +216,17 @@ class Materializer(SampleBuilder):
         except ReplayError:
             self.stats.conflicts += 1
             raise
-        tree.add(event)
+        if isinstance(event, (Step, Reflection)):
+            self._check_tokens(event)
+        if self._ledger.limits.max_bytes is None:
+            tree.add(event)
+        else:
+            size = event_bytes(event)
+            over = self._ledger.over_bytes(size)
+            if over is not None:
+                raise ReplayError(event, over)
+            tree.add(event)
+            self._ledger.charge(event.episode_id, size)
         if now > tree.last_active:
             tree.last_active = now
         if isinstance(event, Outcome):
@@ -208,6 +236,13 @@ class Materializer(SampleBuilder):
             samples = self._on_finished(tree)
             return samples + self._close(tree, Closed("finished", event.seq))
         return []
+
+    def _check_tokens(self, event: Step | Reflection) -> None:
+        """Every token id of ``event`` is in the vocabulary, or :class:`ReplayError` naming one that is not."""
+        ids, vocab = event.token_ids, self.vocab_size
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            bad = next(i for i in ids if not 0 <= i < vocab)
+            raise ReplayError(event, f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
 
     def _apply_unknown(self, event: EpisodeEvent, now: float) -> list[Sample]:
         closed = self._ledger.closed.get(event.episode_id)

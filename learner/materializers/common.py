@@ -26,7 +26,12 @@ __all__ = [
     "fast_prompt_sha256",
     "sample_id_for",
     "selected_fraction",
+    "vocab_size_of",
 ]
+
+MAX_TOKEN_ID = 2**31 - 1
+"""Largest id any tokenizer may give (int32, what the learner's tensors hold): the bound of a tokenizer
+that does not say its vocabulary size."""
 
 
 class CommonOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -93,6 +98,12 @@ class FoldStats:
         out: dict[str, object] = dict(self.__dict__)
         out["samples"] = dict(sorted(self.samples.items()))
         return out
+
+
+def vocab_size_of(tokenizer: ChatTokenizer) -> int:
+    """The tokenizer's ``vocab_size`` (ids are ``0..vocab_size-1``), or ``MAX_TOKEN_ID + 1`` when it has none."""
+    size = getattr(tokenizer, "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else MAX_TOKEN_ID + 1
 
 
 def fast_prompt_sha256(token_ids: Sequence[int]) -> str:

@@ -34,6 +34,10 @@ class FoldResult:
     undecodable: int = 0
     rejected: int = 0
     other_runs: int = 0
+    capped: int = 0
+    """Rejections because an open-episode cap was reached (``OpenLimits``; counted in ``rejected`` too)."""
+    first_capped: str = ""
+    """The first of those reasons."""
 
 
 class Folder:
@@ -58,7 +62,10 @@ class Folder:
             r.samples += self.fold.apply(event)
         except ReplayError as e:
             r.rejected += 1
-            log.warning("replay.event.rejected", event_id=event.event_id, reason=e.reason)
+            if "(max_open_" in e.reason:  # a cap, not bad input: the summary says so and how to raise it
+                r.capped += 1
+                r.first_capped = r.first_capped or e.reason
+            log.warning("replay.event.rejected", event_id=event.event_id[:80], reason=e.reason)
 
     def finish(self) -> FoldResult:
         """Close every open episode (end of the log) and return the result."""
@@ -85,6 +92,7 @@ def write_folded(
         "log_events": result.events,
         "undecodable": result.undecodable,
         "other_runs": result.other_runs,
+        "capped": result.capped,
     }
     source = {"run_id": run_id} if run_id else {}
     return write_dataset(

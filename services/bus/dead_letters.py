@@ -14,6 +14,9 @@ Sizes: a dead letter must fit the server's ``max_payload`` (headers included, or
 connection). When the original plus the dead letter's headers would not fit, the body is the original's
 first bytes and ``Leafe-Truncated`` is set; the original stays in its stream at ``Leafe-Original-Seq``
 (a sample too large to store is rebuilt from its source events by ``leafe replay``).
+
+Redrive: ``leafe replayer redrive`` publishes the originals of chosen dead letters again on their subject
+with ``Leafe-Redrive`` (the original's seq), once their cause is gone (``services/replayer_redrive.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "ORIGINAL_SHA256_HEADER",
     "ORIGINAL_STREAM_HEADER",
     "ORIGINAL_SUBJECT_HEADER",
+    "REDRIVE_HEADER",
     "SAMPLE_ID_HEADER",
     "TRUNCATED_HEADER",
     "DeadLetter",
@@ -58,6 +62,9 @@ TRUNCATED_HEADER = "Leafe-Truncated"
 """Present (``true``) when the body is only the original's first bytes."""
 SAMPLE_ID_HEADER = "Leafe-Sample-Id"
 """Id of a dead-lettered sample."""
+REDRIVE_HEADER = "Leafe-Redrive"
+"""On an event published again by ``leafe replayer redrive``: the stream seq of the dead-lettered original
+(the replayer then lets an episode refused for a cap be tried again)."""
 _REASON_CHARS = 512
 _HEADER_CHARS = 1024
 

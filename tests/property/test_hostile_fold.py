@@ -14,16 +14,17 @@ import random
 from typing import Any
 
 import msgspec
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.fake_episodes import interleave
+from actors.fake_episodes import EventWriter, interleave
 from actors.fakes import ByteChatTokenizer
-from learner.materializers import ReplayError, make_materializer
-from protocol.events import EpisodeEvent
+from learner.materializers import OpenLimits, ReplayError, make_materializer
+from protocol.events import EpisodeEvent, EpisodeFinished, EpisodeStarted, Outcome, Step
 from protocol.samples import Sample
 from tests.support.episodes import event_logs, explore_episodes, rollout_groups
-from tests.support.hostile import branch_chain
+from tests.support.hostile import branch_chain, started_fields, step_fields
 from tests.support.strategies import episode_events
 
 TOK = ByteChatTokenizer()
@@ -32,6 +33,8 @@ MATERIALIZERS: dict[str, dict[str, Any]] = {
     "grpo": {},
     "rft": {"modes": ["rollout", "explore"]},
 }
+MAX_TOKEN_ID = 2**31 - 1
+"""int32: no id past it can be embedded (what the fold's default vocabulary bound is)."""
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 _branch_ids = st.sampled_from(["b0", "b1", "b2", "b3", "bX", ""])
 _small = st.integers(-2, 12)
@@ -104,6 +107,8 @@ def fold_strictly(events: list[EpisodeEvent], name: str) -> tuple[list[Sample], 
         except ReplayError:
             pass
     samples += fold.close_all()
+    ids = [i for s in samples for i in (*s.prompt_ids, *s.completion_ids)]
+    assert all(0 <= i <= MAX_TOKEN_ID for i in ids), "a sample holds a token id no model can embed"
     return samples, fold.stats.as_dict()
 
 
@@ -137,3 +142,50 @@ def test_hostile_events_aimed_at_valid_episodes_are_decided_the_same_every_time(
     events = interleave([*streams, data.draw(hostile_stream(targets=targets))], random.Random(0))
     first = fold_strictly(events, name)
     assert fold_strictly(events, name) == first
+
+
+class VocabTokenizer(ByteChatTokenizer):
+    """Byte ids, with a vocabulary of 300 declared (as ``HFChatTokenizer.vocab_size`` declares its own)."""
+
+    vocab_size = 300
+
+
+def one_step_episode(episode_id: str, token_ids: list[int]) -> list[EpisodeEvent]:
+    """A successful one-step explore episode whose Step carries ``token_ids``."""
+    w = EventWriter("r1", episode_id)
+    w.emit(EpisodeStarted, **started_fields(episode_id))
+    w.emit(Step, **step_fields("b0", 0, token_ids=token_ids, success=True, done=True))
+    w.emit(Outcome, branch_id="b0", success=True, score=1.0, steps=1, reason="success")
+    w.emit(EpisodeFinished, success=True, branches=1, actions=1, reflections=0)
+    return w.events
+
+
+@pytest.mark.parametrize("bad", [-1, 2**40, 300])
+def test_a_step_with_a_token_id_outside_the_vocabulary_is_rejected_with_the_reason(bad: int) -> None:
+    """Token ids -1, 2^40 and the vocabulary size itself: the Step is rejected naming the id (the
+    replayer dead-letters it), its episode gives no sample, a valid episode beside it gives its own."""
+    fold = make_materializer("rft", VocabTokenizer(), modes=["explore"], verify_prompts=False)
+    samples: list[Sample] = []
+    reasons: list[str] = []
+    for e in one_step_episode("evil", [5, bad, 6]) + one_step_episode("ok", [0, 1, 299]):
+        try:
+            samples += fold.apply(e)
+        except ReplayError as err:
+            reasons.append(err.reason)
+    assert reasons == [f"token id {bad} is outside the vocabulary (0..299)"]
+    assert [(s.episode_id, s.completion_ids) for s in samples] == [("ok", [0, 1, 299])]
+
+
+@SETTINGS
+@given(streams=event_logs(tokenizer=TOK, max_episodes=3), seed=st.integers(0, 2**31), name=names)
+def test_the_bytes_of_held_episodes_are_all_returned_when_they_are_released(
+    streams: list, seed: int, name: str
+) -> None:
+    """``max_open_bytes`` accounting never leaks: with a cap no log reaches, the fold gives the same
+    samples as without, and once every episode is closed and released it holds 0 bytes."""
+    events = interleave(streams, random.Random(seed))
+    fold = make_materializer(name, TOK, **MATERIALIZERS[name])
+    fold.limits = OpenLimits(max_bytes=2**40)
+    samples = [s for e in events for s in fold.apply(e)] + fold.close_all()
+    assert samples == fold_strictly(events, name)[0]
+    assert fold.held_episodes == 0 and fold._ledger.held_bytes == 0 and not fold._ledger.bytes

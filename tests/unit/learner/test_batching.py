@@ -10,7 +10,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.batching import collate, collate_packed, kind_tokens, pack_rows, plan_micro_batches, to_items
+from learner.batching import (
+    collate,
+    collate_packed,
+    kind_tokens,
+    out_of_vocab,
+    pack_rows,
+    plan_micro_batches,
+    to_items,
+)
 from learner.config import BatchConfig
 from learner.losses import IGNORE, token_logprobs
 from tests.support.learner import make_sample, make_samples
@@ -65,6 +73,23 @@ def test_too_long_and_empty_samples_are_skipped_with_their_ids() -> None:
         bad_logprobs.sample_id,
     ]
     assert skipped[0][1] == "52 tokens > max_seq_len 20"
+
+
+@pytest.mark.parametrize(("where", "bad"), [("prompt", -1), ("completion", 2**40), ("completion", 100)])
+def test_samples_with_a_token_id_outside_the_vocabulary_are_skipped_with_the_id(where: str, bad: int) -> None:
+    """An id the model has no embedding row for (negative, huge, or the vocabulary size itself) would
+    raise in the forward pass: the batch check skips the sample naming the id; the others train."""
+    ok = make_sample(1, prompt_len=3, completion_len=2, vocab=100)
+    ids = list(getattr(ok, f"{where}_ids"))
+    ids[-1] = bad
+    evil = msgspec.structs.replace(
+        make_sample(2, prompt_len=3, completion_len=2, vocab=100), **{f"{where}_ids": ids}
+    )
+    items, skipped = to_items([ok, evil], 4096, vocab_size=100)
+    reason = f"{where} token id {bad} is outside the model's vocabulary (0..99)"
+    assert [i.sample_id for i in items] == [ok.sample_id]
+    assert skipped == [(evil.sample_id, reason)]
+    assert out_of_vocab(evil, 100) == reason and out_of_vocab(ok, 100) is None
 
 
 def test_kind_tokens_counts_target_tokens_per_kind() -> None:

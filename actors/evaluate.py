@@ -117,7 +117,9 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
     wall_s: float
     """Wall-clock seconds from the first rollout to the last."""
     weight_version: str
-    """Version the engine reported before the first rollout."""
+    """Version of the first completion (its ``meta_info.weight_version``, the server that generated it;
+    never ``/get_model_info``, which a router answers from its first healthy worker); ``default`` when
+    no policy step ran."""
     policy_versions: list[str]
     """Distinct versions stamped on the steps (more than one: weights changed mid-evaluation)."""
     episodes: int
@@ -231,7 +233,6 @@ async def evaluate(
     pool = EnvPool(env_factory or make_env, max_idle=r.concurrency)
     tally, gate = _Tally(sink), asyncio.Semaphore(r.concurrency)
     options = dict(r.env_options)
-    version = await engine.weight_version()
     log.info(
         "actor.eval.started",
         label=r.label,
@@ -239,7 +240,6 @@ async def evaluate(
         tasks=len(r.task_ids),
         samples=r.samples,
         concurrency=r.concurrency,
-        weight_version=version,
     )
 
     async def one(item: EvalSample) -> EpisodeSummary:
@@ -267,10 +267,11 @@ async def evaluate(
         pool.close()
     wall = time.perf_counter() - t0
     summaries = [t.result() for t in tasks]
-    result = _score(plan, summaries, tally, r.ks, wall_s=wall, version=version, label=r.label)
+    result = _score(plan, summaries, tally, r.ks, wall_s=wall, label=r.label)
     log.info(
         "actor.eval.finished",
         label=r.label,
+        weight_version=result.weight_version,
         passk=result.passk,
         success_rate=result.success_rate,
         wall_s=round(wall, 2),
@@ -285,7 +286,6 @@ def _score(
     ks: Sequence[int],
     *,
     wall_s: float,
-    version: str,
     label: str,
 ) -> EvalResult:
     first = plan[0].spec
@@ -309,7 +309,7 @@ def _score(
         parse_failure_rate=sum(s.parse_failures for s in summaries) / actions if actions else 0.0,
         mean_prompt_tokens=tally.prompt_tokens / tally.steps if tally.steps else 0.0,
         wall_s=round(wall_s, 3),
-        weight_version=version,
+        weight_version=next(iter(tally.versions), "default"),
         policy_versions=list(tally.versions),
         episodes=n,
         env_errors=sum(bool(s.error) for s in summaries),

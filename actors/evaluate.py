@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import structlog
@@ -44,6 +44,9 @@ from protocol.tasks import episode_id_for, task_slug
 __all__ = ["EVAL_ROLLOUT_DEFAULTS", "EvalRequest", "EvalResult", "EvalSample", "eval_samples", "evaluate"]
 
 log = structlog.get_logger(__name__)
+
+Seeds = Literal["yes", "no", "unknown"]
+"""Whether seeded sampling is honoured (and so whether an evaluation is reproducible)."""
 
 EVAL_ROLLOUT_DEFAULTS: Override = {"return_logprob": False}
 """Rollout overrides every evaluation starts from (Pass@k needs no behaviour logprobs); the caller's
@@ -77,6 +80,10 @@ class EvalRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """``RolloutConfig`` fields over the env's defaults (e.g. the actors' ``[actor.rollout]`` table)."""
     actor_id: str = "eval"
     """Actor id stamped on the events."""
+    seeds_honoured: Seeds = "unknown"
+    """Does the engine honour ``sampling_seed``? Our CPU server: ``yes``; SGLang only when started with
+    ``--enable-deterministic-inference``, which a client cannot see, so whoever points an evaluation at
+    an external engine says so (``leafe eval --seeds-honoured``)."""
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -126,6 +133,10 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
     """Rollouts run (tasks x samples)."""
     env_errors: int
     """Rollouts that ended with an environment error (scored as failures)."""
+    reproducible: Seeds = "unknown"
+    """Would a rerun draw the same samples? ``yes``: seeded sampling on and the engine honours seeds;
+    ``no``: seeded sampling off or seeds ignored; ``unknown``: an engine whose seed handling nobody
+    stated (``EvalRequest.seeds_honoured``)."""
 
 
 class EvalSample(msgspec.Struct, frozen=True, kw_only=True):
@@ -267,11 +278,13 @@ async def evaluate(
         pool.close()
     wall = time.perf_counter() - t0
     summaries = [t.result() for t in tasks]
-    result = _score(plan, summaries, tally, r.ks, wall_s=wall, label=r.label)
+    reproducible: Seeds = r.seeds_honoured if config.seeded_sampling else "no"
+    result = _score(plan, summaries, tally, r.ks, wall_s=wall, label=r.label, reproducible=reproducible)
     log.info(
         "actor.eval.finished",
         label=r.label,
         weight_version=result.weight_version,
+        reproducible=result.reproducible,
         passk=result.passk,
         success_rate=result.success_rate,
         wall_s=round(wall, 2),
@@ -287,6 +300,7 @@ def _score(
     *,
     wall_s: float,
     label: str,
+    reproducible: Seeds,
 ) -> EvalResult:
     first = plan[0].spec
     task_ids = list(dict.fromkeys(item.spec.task_id for item in plan))
@@ -313,4 +327,5 @@ def _score(
         policy_versions=list(tally.versions),
         episodes=n,
         env_errors=sum(bool(s.error) for s in summaries),
+        reproducible=reproducible,
     )

@@ -13,8 +13,9 @@ probe.unbound()                          # consumer closed: 503 from here on
 ```
 
 The metrics server (``services.metrics.serve_metrics``) is started by :func:`start_server`, which serves
-the registry's ``/metrics`` as before plus ``/healthz`` of the probe :func:`attach`-ed to that registry
-(404 while none is, e.g. the weight-sync sidecars). The probe is read from the server's thread: it only
+the registry's ``/metrics`` as before plus ``/healthz`` of the probe :func:`attach`-ed to that registry;
+200 while none is: the process has no NATS loop to check (learner ranks other than global rank 0, whose
+local rank 0 serves metrics too; the learner's rank 0 before it built its loop; weight-sync sidecars). The probe is read from the server's thread: it only
 reads attributes the service's event loop sets (no I/O, no lock), so a probe costs microseconds and
 answers even while the loop is busy. deploy/base wires it as the pods' liveness and readiness probes.
 """
@@ -103,8 +104,8 @@ def _app(registry: CollectorRegistry) -> Callable[..., Iterable[bytes]]:
         if environ.get("PATH_INFO") != HEALTH_PATH:
             return metrics(environ, start_response)  # type: ignore[no-any-return]
         probe = probe_of(registry)
-        ok, reason = (False, "no probe attached") if probe is None else probe.check()
-        status = "200 OK" if ok else "404 Not Found" if probe is None else "503 Service Unavailable"
+        ok, reason = (True, "no probe attached: nothing to check") if probe is None else probe.check()
+        status = "200 OK" if ok else "503 Service Unavailable"
         body = (reason + "\n").encode()
         start_response(
             status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))]

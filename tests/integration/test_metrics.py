@@ -217,7 +217,7 @@ async def test_every_service_exports_parseable_metrics_that_move(
     assert health["actor"] == (503, "actor: consumer not bound")
     for name in ("replayer", "learner"):
         assert health[name][0] == 200 and health[name][1].startswith(f"{name}: ok, consumer "), health[name]
-    assert health["weight-sync"][0] == 404 and health["inference"][0] == 404
+    assert health["weight-sync"][0] == 200 and health["inference"][0] == 200  # nothing attached to check
     actor_m, replayer_m, learner_m = got["actor"], got["replayer"], got["learner"]
     assert actor_m['leafe_actor_episodes_total{mode="explore",outcome="success"}'] == TASKS
     assert actor_m["leafe_actor_steps_total"] > TASKS

@@ -82,12 +82,12 @@ def _get(url: str) -> tuple[int, str]:
 def test_metrics_server_answers_healthz_from_the_attached_probe(
     served: tuple[str, CollectorRegistry],
 ) -> None:
-    """/metrics is served as before; /healthz is 404 with no probe, then the probe's verdict as 200/503
+    """/metrics is served as before; /healthz is 200 with no probe, then the probe's verdict as 200/503
     with its one-line reason."""
     url, registry = served
     status, text = _get(url + "/metrics")
     assert status == 200 and "leafe_probe_test_total 1.0" in text
-    assert _get(url + "/healthz") == (404, "no probe attached\n")
+    assert _get(url + "/healthz") == (200, "no probe attached: nothing to check\n")
     clock, conn = _Clock(), _Conn()
     probe = Probe("actor", stale_after_s=10.0, clock=clock)
     attach(registry, probe)

@@ -335,7 +335,9 @@ class SGLangClient:
         raise EngineError("no model info route: " + "; ".join(missing))
 
     async def weight_version(self) -> str:
-        """The weight version a server currently serves (from ``/model_info``)."""
+        """The weight version a server currently serves (from ``/model_info``): weight sync and drains ask
+        one server directly. Never for episodes: through a router this is the first healthy worker's, not
+        the generating one's; episodes read ``Completion.weight_version`` (``meta_info.weight_version``)."""
         return str((await self.model_info()).get("weight_version", "default"))
 
     async def _each(

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import structlog
@@ -44,6 +44,9 @@ from protocol.tasks import episode_id_for, task_slug
 __all__ = ["EVAL_ROLLOUT_DEFAULTS", "EvalRequest", "EvalResult", "EvalSample", "eval_samples", "evaluate"]
 
 log = structlog.get_logger(__name__)
+
+Seeds = Literal["yes", "no", "unknown"]
+"""Whether seeded sampling is honoured (and so whether an evaluation is reproducible)."""
 
 EVAL_ROLLOUT_DEFAULTS: Override = {"return_logprob": False}
 """Rollout overrides every evaluation starts from (Pass@k needs no behaviour logprobs); the caller's
@@ -77,6 +80,10 @@ class EvalRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """``RolloutConfig`` fields over the env's defaults (e.g. the actors' ``[actor.rollout]`` table)."""
     actor_id: str = "eval"
     """Actor id stamped on the events."""
+    seeds_honoured: Seeds = "unknown"
+    """Does the engine honour ``sampling_seed``? Our CPU server: ``yes``; SGLang only when started with
+    ``--enable-deterministic-inference``, which a client cannot see, so whoever points an evaluation at
+    an external engine says so (``leafe eval --seeds-honoured``)."""
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -117,13 +124,19 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
     wall_s: float
     """Wall-clock seconds from the first rollout to the last."""
     weight_version: str
-    """Version the engine reported before the first rollout."""
+    """Version of the first completion (its ``meta_info.weight_version``, the server that generated it;
+    never ``/get_model_info``, which a router answers from its first healthy worker); ``default`` when
+    no policy step ran."""
     policy_versions: list[str]
     """Distinct versions stamped on the steps (more than one: weights changed mid-evaluation)."""
     episodes: int
     """Rollouts run (tasks x samples)."""
     env_errors: int
     """Rollouts that ended with an environment error (scored as failures)."""
+    reproducible: Seeds = "unknown"
+    """Would a rerun draw the same samples? ``yes``: seeded sampling on and the engine honours seeds;
+    ``no``: seeded sampling off or seeds ignored; ``unknown``: an engine whose seed handling nobody
+    stated (``EvalRequest.seeds_honoured``)."""
 
 
 class EvalSample(msgspec.Struct, frozen=True, kw_only=True):
@@ -231,7 +244,6 @@ async def evaluate(
     pool = EnvPool(env_factory or make_env, max_idle=r.concurrency)
     tally, gate = _Tally(sink), asyncio.Semaphore(r.concurrency)
     options = dict(r.env_options)
-    version = await engine.weight_version()
     log.info(
         "actor.eval.started",
         label=r.label,
@@ -239,7 +251,6 @@ async def evaluate(
         tasks=len(r.task_ids),
         samples=r.samples,
         concurrency=r.concurrency,
-        weight_version=version,
     )
 
     async def one(item: EvalSample) -> EpisodeSummary:
@@ -267,10 +278,13 @@ async def evaluate(
         pool.close()
     wall = time.perf_counter() - t0
     summaries = [t.result() for t in tasks]
-    result = _score(plan, summaries, tally, r.ks, wall_s=wall, version=version, label=r.label)
+    reproducible: Seeds = r.seeds_honoured if config.seeded_sampling else "no"
+    result = _score(plan, summaries, tally, r.ks, wall_s=wall, label=r.label, reproducible=reproducible)
     log.info(
         "actor.eval.finished",
         label=r.label,
+        weight_version=result.weight_version,
+        reproducible=result.reproducible,
         passk=result.passk,
         success_rate=result.success_rate,
         wall_s=round(wall, 2),
@@ -285,8 +299,8 @@ def _score(
     ks: Sequence[int],
     *,
     wall_s: float,
-    version: str,
     label: str,
+    reproducible: Seeds,
 ) -> EvalResult:
     first = plan[0].spec
     task_ids = list(dict.fromkeys(item.spec.task_id for item in plan))
@@ -309,8 +323,9 @@ def _score(
         parse_failure_rate=sum(s.parse_failures for s in summaries) / actions if actions else 0.0,
         mean_prompt_tokens=tally.prompt_tokens / tally.steps if tally.steps else 0.0,
         wall_s=round(wall_s, 3),
-        weight_version=version,
+        weight_version=next(iter(tally.versions), "default"),
         policy_versions=list(tally.versions),
         episodes=n,
         env_errors=sum(bool(s.error) for s in summaries),
+        reproducible=reproducible,
     )

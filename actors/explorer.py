@@ -20,6 +20,8 @@ of step t-1, or o_0), tokenized by the injected ``ChatTokenizer``; ``Step.prompt
 prove it rebuilt it. An unparseable completion is a policy action with no env step (``action=None``,
 feedback says why); rollback replay skips those. An ``EnvError`` ends the episode with an ``error``
 Outcome; an ``EngineError`` propagates (the episode stays unfinished, i.e. abandoned, and is retried).
+``policy_version`` is always the per-completion ``weight_version`` of the latest completion; EpisodeStarted
+is held back until the first one, so an episode whose first generation fails leaves no events.
 With ``reflection_source = "oracle"`` the environment's oracle names tau and e (``actors/oracle.py``).
 
 Run one in-process: ``await Explorer(engine=..., tokenizer=..., env=..., config=ExplorerConfig.for_env(
@@ -63,6 +65,7 @@ __all__ = ["Explorer", "PathStep"]
 
 log = structlog.get_logger(__name__)
 R = TypeVar("R")
+E = TypeVar("E", bound=msgspec.Struct)
 
 
 @dataclass(slots=True, frozen=True)
@@ -136,6 +139,7 @@ class Explorer:
         self.n = _Counters()
         self.task = ""
         self.o0 = ""
+        self._started: dict[str, Any] | None = None  # EpisodeStarted's fields until :meth:`_emit`
         self.log = log.bind(episode_id=spec.episode_id, task_id=spec.task_id, mode=spec.mode)
 
     async def run(self) -> EpisodeSummary:
@@ -160,10 +164,8 @@ class Explorer:
     async def _start(self) -> _Branch:
         reset = await self._env(self.env.reset, self.spec.task_id)
         self.task, self.o0 = reset.task, reset.observation
-        self.rec.policy_version = await self.engine.weight_version()
         s = self.spec
-        await self.rec.emit(
-            EpisodeStarted,
+        self._started = dict(
             task_key=s.task_key,
             env=s.env,
             task_id=s.task_id,
@@ -184,6 +186,16 @@ class Explorer:
         snaps = [await self._env(self.env.snapshot)] if self.env.supports_snapshot else []
         self.n.branches = 1
         return _Branch(ROOT_BRANCH, depth=0, tau=0, experience=None, path=[], snapshots=snaps)
+
+    async def _emit(self, cls: type[E], **fields: Any) -> E:
+        """Emit through the recorder, EpisodeStarted first: it is held back until the episode's first
+        completion (or first other event), so its ``policy_version`` is the version that completion
+        reports, never ``/get_model_info``'s (through a router: the first healthy worker's, not the one
+        that generates). An episode whose first generation fails leaves no events at all."""
+        if self._started is not None:
+            started, self._started = self._started, None
+            await self.rec.emit(EpisodeStarted, **started)
+        return await self.rec.emit(cls, **fields)
 
     async def _generate(self, ids: list[int], params: SamplingParams, logprob: bool) -> Completion:
         # The task's group (or task key): its episodes share the prompt prefix on one server's cache.
@@ -230,7 +242,7 @@ class Explorer:
         if success:
             self.n.success = True
             self.n.stopped = self.n.stopped or self.cfg.stop_on_first_success
-        await self.rec.emit(
+        await self._emit(
             Outcome,
             branch_id=b.branch_id,
             success=success,
@@ -272,7 +284,7 @@ class Explorer:
             b.snapshots.append(snap)
         entry = HistoryEntry(parsed.action, completion.text, tr.observation, tr.feedback)
         step = PathStep(entry=entry, score=tr.score, done=tr.done, success=tr.success)
-        await self.rec.emit(
+        await self._emit(
             Step,
             branch_id=b.branch_id,
             t=len(b.path),
@@ -325,7 +337,7 @@ class Explorer:
             raw, ids = completion.text, list(completion.output_ids)
             parsed = parse_reflection(raw, at_t, max_experience_chars=self.cfg.max_experience_chars)
         self.n.reflections += 1
-        event = await self.rec.emit(
+        event = await self._emit(
             Reflection,
             branch_id=b.branch_id,
             at_t=at_t,
@@ -359,7 +371,7 @@ class Explorer:
         if res.observation != expected:
             self.n.diverged += 1
             self.log.warning("actor.rollback.diverged", from_branch=parent.branch_id, tau=tau, via=res.method)
-        await self.rec.emit(
+        await self._emit(
             Rollback, from_branch=parent.branch_id, tau=tau, method=res.method, replay_steps=res.replay_steps
         )
         branch = _Branch(
@@ -371,7 +383,7 @@ class Explorer:
             snapshots=parent.snapshots[: tau + 1],
         )
         self.n.branches += 1
-        await self.rec.emit(
+        await self._emit(
             Branch,
             branch_id=branch.branch_id,
             parent_branch_id=parent.branch_id,
@@ -384,7 +396,7 @@ class Explorer:
 
     async def _finish(self) -> EpisodeSummary:
         n = self.n
-        await self.rec.emit(
+        await self._emit(
             EpisodeFinished,
             success=n.success,
             branches=n.branches,

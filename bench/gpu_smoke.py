@@ -7,7 +7,9 @@ machines (it says so and exits 2 in a second).
         --sglang-python /opt/sglang/bin/python          # SGLang in its own env (it pins torch 2.14.1)
 
 Stages: *serve* starts ``python -m sglang.launch_server --model-path DIR --port P`` and waits for
-``/model_info``; *explore* runs ``--episodes`` LEAFE trees on small Sokoban rooms through
+``/model_info``; *route* starts ``sglang_router.launch_router`` (0.3.2, deploy/'s health check on
+``/ready``) in front of it when that python has it (else a note), and the actors' traffic goes through
+it; *explore* runs ``--episodes`` LEAFE trees on small Sokoban rooms through
 ``actors.explorer.Explorer`` and ``SGLangClient`` (generated tokens/s); *train* folds the events with the
 ``leafe`` materializer into a dataset and runs ``torchrun --nproc_per_node=N -m services.train`` in bf16
 over NCCL (trained tokens/s after the first step; MFU = 6 * params * tokens/s / (N * peak bf16 FLOP/s),
@@ -15,6 +17,11 @@ attention FLOPs left out, so a slight underestimate); *push* calls ``/update_wei
 ``weight_version`` and checks the served one; *verify* asks for a greedy completion of a fixed prompt with
 ``return_logprob`` and compares its logprobs with transformers forward passes of the new and the base
 weights (mean |difference| to the new ones <= ``--logprob-tol``, and closer to them than to the base).
+The push is a *reload under load*: generations keep going (through the router when there is one) and
+SGLang's ``/ready`` and the router's ``/readiness`` are probed every 0.25 s throughout; every probe must
+answer 200 within the router's 5 s health-check timeout and no generation may fail (figures: probes,
+503s, max probe latency, requests and failures during the reload). Through the router, a completion
+after the push must carry the new ``weight_version`` and the router's ``/metrics`` must answer.
 
 SGLang and the learner share the GPUs: SGLang gets ``--mem-fraction-static`` of GPU 0's memory. Writes
 ``bench/results/gpu_smoke.json`` (figures and every check, passed or not); exit 1 if a check failed.
@@ -31,38 +38,32 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.engine import Completion, SamplingParams
 from bench.gpu_smoke_lib import (
+    Report,
     SmokeError,
     logprob_gap,
     mfu,
     peak_tflops,
     preflight,
     sglang_command,
+    sglang_server,
     train_command,
 )
+from bench.gpu_smoke_router import reload_under_load, routed, router_metrics
+
+__all__ = ["Report", "build_dataset", "explore", "main", "parameter_count", "push_and_verify"]
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "gpu_smoke.json"
 SMALL_SOKOBAN = {"height": 5, "width": 5, "num_boxes": 1, "max_solution_len": 2, "max_steps": 6}
 PROBE_PROMPT = "In one sentence, what is the capital of France?"
-
-
-@dataclass
-class Report:
-    """Everything the run measured and checked (written as JSON)."""
-
-    figures: dict[str, Any] = field(default_factory=dict)
-    checks: dict[str, bool] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
+T = TypeVar("T")
 
 
 TRAIN_TOML = 'epochs = 1\n[trainer]\nprecision = "bf16"\n[trainer.optim]\nwarmup_steps = 1\n'
@@ -92,37 +93,6 @@ class CountingEngine:
     async def weight_version(self) -> str:
         """The wrapped engine's version."""
         return str(await self.inner.weight_version())
-
-
-@contextmanager
-def sglang_server(cmd: list[str], log_path: Path, url: str, timeout_s: float) -> Iterator[None]:
-    """Run SGLang until the block ends; waits for ``/model_info`` (its log tail on failure)."""
-    import urllib.request
-
-    with log_path.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                tail = log_path.read_text(errors="replace")[-3000:]
-                raise SmokeError(f"SGLang exited with {proc.returncode}; {log_path}:\n{tail}")
-            try:
-                with urllib.request.urlopen(f"{url}/model_info", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise SmokeError(f"SGLang did not answer /model_info within {timeout_s:.0f}s; see {log_path}")
-            time.sleep(2)
-        yield
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 async def explore(url: str, model_dir: Path, episodes: int, report: Report) -> list[Any]:
@@ -223,25 +193,39 @@ def parameter_count(export_dir: Path) -> int:
 
 
 async def push_and_verify(
-    url: str, base: Path, export: Path, version: str, tol: float, report: Report, device: str = "cuda"
+    url: str,
+    base: Path,
+    export: Path,
+    version: str,
+    tol: float,
+    report: Report,
+    device: str = "cuda",
+    router_url: str | None = None,
 ) -> None:
-    """Load ``export`` into SGLang as ``version``; check the served version, and that the served logprobs
-    of a fixed greedy completion match a forward pass of the new weights (and not the ``base`` ones)."""
+    """Load ``export`` into SGLang as ``version`` under load (:func:`reload_under_load`); check the served
+    version (and, through ``router_url``, a completion's), and that the served logprobs of a fixed greedy
+    completion match a forward pass of the new weights (and not the ``base`` ones)."""
     from actors.client import SGLangClient
     from learner.model_io import HFChatTokenizer
     from protocol.samples import ChatMessage
 
     prompt = HFChatTokenizer.from_dir(export).encode_chat([ChatMessage(role="user", content=PROBE_PROMPT)])
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
     async with SGLangClient(url, timeout_s=600.0) as client:
         t0 = time.perf_counter()
-        [result] = await client.update_weights_from_disk(str(export), version)
+        [result] = await reload_under_load(
+            url, router_url, prompt, lambda: client.update_weights_from_disk(str(export), version), report
+        )
         report.figures["push_s"] = round(time.perf_counter() - t0, 2)
         report.checks["push_succeeded"] = result.success
         if not result.success:
             raise SmokeError(f"/update_weights_from_disk failed: {result.message}")
         report.checks["served_weight_version"] = await client.weight_version() == version
-        params = SamplingParams(max_new_tokens=24, temperature=0.0)
         [c] = await client.generate(prompt, params, return_logprob=True)
+    if router_url is not None:
+        async with SGLangClient(router_url, timeout_s=600.0) as routed:
+            [r] = await routed.generate(prompt, params)
+        report.checks["router_completion_weight_version"] = r.weight_version == version
     report.checks["completion_weight_version"] = c.weight_version == version
     new = await asyncio.to_thread(forward_logprobs, export, prompt, c.output_ids, device)
     old = await asyncio.to_thread(forward_logprobs, base, prompt, c.output_ids, device)
@@ -308,12 +292,19 @@ def run(args: argparse.Namespace, report: Report) -> None:
     url = f"http://127.0.0.1:{args.port}"
     work = Path(tempfile.mkdtemp(prefix="gpu-smoke-"))
     cmd = sglang_command(args.sglang_python, model_dir, args.port, args.mem_fraction)
-    with sglang_server(cmd, work / "sglang.log", url, args.start_timeout):
-        events = asyncio.run(explore(url, model_dir, args.episodes, report))
+    with (
+        sglang_server(cmd, work / "sglang.log", url, args.start_timeout),
+        routed(args, url, work, report) as router,
+    ):
+        events = asyncio.run(explore(router or url, model_dir, args.episodes, report))
         report.figures["samples"] = build_dataset(events, model_dir, work / "data")
         export = train(work / "data", model_dir, work, args, report)
         version = f"smoke-step{args.steps}"
-        asyncio.run(push_and_verify(url, model_dir, export, version, args.logprob_tol, report))
+        asyncio.run(
+            push_and_verify(url, model_dir, export, version, args.logprob_tol, report, router_url=router)
+        )
+        if router is not None:
+            report.checks["router_metrics"] = router_metrics(args.port + 2)
     params = parameter_count(export)
     tps = report.figures["train"]["tokens_per_s"] or 0.0
     peak = peak_tflops(device, args.peak_tflops)

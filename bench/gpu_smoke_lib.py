@@ -1,27 +1,48 @@
-"""The parts of ``bench/gpu_smoke.py`` that need no GPU: preconditions, launch commands and the figures'
-arithmetic (unit-tested on CPU in tests/unit/bench/test_gpu_smoke.py)."""
+"""The parts of ``bench/gpu_smoke.py`` that need no GPU: preconditions, launch commands, server processes,
+the figures' arithmetic and the bookkeeping of the reload under load (unit-tested on CPU in
+tests/unit/bench/test_gpu_smoke.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "PEAK_BF16_TFLOPS",
+    "PROBE_TIMEOUT_S",
+    "ROUTER_VERSION",
     "SGLANG_VERSION",
+    "LoadLog",
+    "ProbeLog",
+    "Report",
     "SmokeError",
+    "load_loop",
     "logprob_gap",
     "mfu",
     "peak_tflops",
     "preflight",
+    "probe_loop",
+    "router_command",
+    "router_version",
     "sglang_command",
+    "sglang_server",
     "train_command",
 ]
 
 SGLANG_VERSION = "0.5.23"
 """The SGLang release the client is written against (shared/SGLANG_API.md)."""
+ROUTER_VERSION = "0.3.2"
+"""The sglang-router release deploy/ runs (the Dockerfile's router stage)."""
+PROBE_TIMEOUT_S = 5.0
+"""The router's ``--health-check-timeout-secs`` (deploy/components/sglang/router.yaml): a health check
+slower than this is a miss, and 3 misses drop the worker."""
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
 """Dense bf16 peak per GPU (vendor datasheets, no sparsity), matched by substring of the device name."""
@@ -29,6 +50,52 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, 
 
 class SmokeError(RuntimeError):
     """A precondition or a stage failed; the message says what and what to do."""
+
+
+@dataclass
+class Report:
+    """Everything the run measured and checked (written as JSON)."""
+
+    figures: dict[str, Any] = field(default_factory=dict)
+    checks: dict[str, bool] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def sglang_server(
+    cmd: list[str], log_path: Path, url: str, timeout_s: float, ready_path: str = "/model_info"
+) -> Iterator[None]:
+    """Run SGLang (or the router) until the block ends; waits for ``ready_path`` (log tail on failure)."""
+    import urllib.request
+
+    name = "the router" if "sglang_router.launch_router" in cmd else "SGLang"
+
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-3000:]
+                raise SmokeError(f"{name} exited with {proc.returncode}; {log_path}:\n{tail}")
+            try:
+                with urllib.request.urlopen(f"{url}{ready_path}", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise SmokeError(
+                    f"{name} did not answer {ready_path} within {timeout_s:.0f}s; see {log_path}"
+                )
+            time.sleep(2)
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def preflight(sglang_python: str, *, gpus: int, cuda: tuple[bool, int]) -> str:
@@ -103,3 +170,104 @@ def train_command(
     flags = f"--preset paper --backend nccl --max-steps {steps} --global-batch {batch} --lr {lr}"
     rest = "--checkpoint-every 0 --push-every 0 --export-dtype bf16 --no-resume"
     return [*launch, *paths, *flags.split(), *rest.split()]
+
+
+def router_version(python: str) -> str | None:
+    """The sglang-router version ``python`` imports, ``None`` when it has none (the router stage is then
+    skipped with a note: ``pip install sglang-router==0.3.2``)."""
+    probe = [python, "-c", "import importlib.metadata as m, sglang_router; print(m.version('sglang-router'))"]
+    try:
+        done = subprocess.run(probe, capture_output=True, text=True, timeout=120, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
+def router_command(python: str, worker_url: str, port: int, prometheus_port: int) -> list[str]:
+    """sglang-router in front of one worker, with deploy/'s health check (/ready, 5 s timeout, 3 misses;
+    every 2 s here instead of 10 so a short reload is probed) and retries, and its Prometheus port."""
+    flags = (
+        f"--host 127.0.0.1 --port {port} --health-check-endpoint /ready --health-check-interval-secs 2 "
+        f"--health-check-timeout-secs {PROBE_TIMEOUT_S:.0f} --health-failure-threshold 3 "
+        f"--retry-max-retries 2 --prometheus-host 127.0.0.1 --prometheus-port {prometheus_port}"
+    )
+    return [python, "-m", "sglang_router.launch_router", "--worker-urls", worker_url, *flags.split()]
+
+
+@dataclass
+class ProbeLog:
+    """Health checks answered while weights reload: status per probe (``None``: no answer) and latency."""
+
+    timeout_s: float = PROBE_TIMEOUT_S
+    results: list[tuple[int | None, float]] = field(default_factory=list)
+
+    def record(self, status: int | None, latency_s: float) -> None:
+        """One probe's outcome."""
+        self.results.append((status, latency_s))
+
+    def summary(self) -> dict[str, Any]:
+        """Counts (all, 200, 503, other failures, slower than ``timeout_s``) and the max latency."""
+        latencies = [t for _, t in self.results]
+        return {
+            "probes": len(self.results),
+            "ok": sum(s == 200 for s, _ in self.results),
+            "status_503": sum(s == 503 for s, _ in self.results),
+            "other_failures": sum(s not in (200, 503) for s, _ in self.results),
+            "slow": sum(t > self.timeout_s for t in latencies),
+            "max_latency_s": round(max(latencies), 3) if latencies else None,
+        }
+
+    @property
+    def healthy(self) -> bool:
+        """Probed at least once, and every probe answered 200 within ``timeout_s``."""
+        s = self.summary()
+        return s["probes"] > 0 and s["ok"] == s["probes"] and s["slow"] == 0
+
+
+@dataclass
+class LoadLog:
+    """Generations sent while weights reload: how many succeeded, and the first errors."""
+
+    requests: int = 0
+    failures: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def record(self, error: BaseException | None) -> None:
+        """One request's outcome (``None``: it succeeded)."""
+        self.requests += 1
+        if error is not None:
+            self.failures += 1
+            if len(self.errors) < 5:
+                self.errors.append(f"{type(error).__name__}: {error}"[:300])
+
+
+async def probe_loop(
+    get: Callable[[], Awaitable[int | None]], log: ProbeLog, stop: asyncio.Event, every_s: float = 0.25
+) -> None:
+    """Call ``get`` (one health check: its HTTP status, ``None`` when it got no answer) every ``every_s``
+    until ``stop``, recording each outcome and its latency."""
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        try:
+            status = await asyncio.wait_for(get(), 2 * log.timeout_s)
+        except Exception:  # a probe that raised or timed out is a probe that got no answer
+            status = None
+        log.record(status, time.perf_counter() - t0)
+        try:
+            await asyncio.wait_for(stop.wait(), every_s)
+        except TimeoutError:
+            pass
+
+
+async def load_loop(generate: Callable[[], Awaitable[Any]], log: LoadLog, stop: asyncio.Event) -> None:
+    """Send one generation after another until ``stop``, recording each outcome (errors included)."""
+    while not stop.is_set():
+        try:
+            await generate()
+        except Exception as e:  # the count of failures is the figure; the run goes on
+            log.record(e)
+            await asyncio.sleep(0.1)
+        else:
+            log.record(None)

@@ -32,6 +32,7 @@ from protocol.prompt import ChatTokenizer
 from protocol.tasks import TaskAssignment, episode_id_for
 from services.bus import Delivery, MessageTooLargeError, Publisher
 from services.metrics import ActorMetrics, TimedEngine
+from services.probes import Probe
 
 __all__ = ["ActorStats", "EpisodeRunner", "PublisherSink"]
 
@@ -64,15 +65,20 @@ class ActorStats(msgspec.Struct, kw_only=True):
 class PublisherSink:
     """``EventSink`` that publishes through the bus ``Publisher`` (queued; acks awaited by ``flush``)."""
 
-    def __init__(self, publisher: Publisher, metrics: ActorMetrics | None = None) -> None:
+    def __init__(
+        self, publisher: Publisher, metrics: ActorMetrics | None = None, probe: Probe | None = None
+    ) -> None:
         self.publisher = publisher
         self.metrics = metrics
+        self.probe = probe
 
     async def emit(self, event: EpisodeEvent) -> None:
         """Queue ``event`` for publishing on its subject (and count it when the sink has metrics)."""
         await self.publisher.publish_event(event)
         if self.metrics is not None:
             self.metrics.observe_event(event)
+        if self.probe is not None:
+            self.probe.progress()
 
 
 class EpisodeRunner:
@@ -90,8 +96,10 @@ class EpisodeRunner:
         actor_id: str,
         stats: ActorStats,
         metrics: ActorMetrics | None = None,
+        probe: Probe | None = None,
     ) -> None:
         self.js = js
+        self.probe = probe
         self.metrics = metrics or ActorMetrics()
         self.engine: Engine = TimedEngine(engine, self.metrics.engine_latency)
         self.tokenizer = tokenizer
@@ -217,7 +225,7 @@ class EpisodeRunner:
         reusable = False
         try:
             async with Publisher(self.js) as publisher:
-                sink = PublisherSink(publisher, self.metrics)
+                sink = PublisherSink(publisher, self.metrics, self.probe)
                 if explore:
                     explorer = Explorer(
                         engine=self.engine,

@@ -54,6 +54,7 @@ from protocol.tasks import TaskAssignment
 from services.actor_episode import ActorStats, EpisodeRunner, PublisherSink
 from services.bus import Consumer, Delivery, wait_for_streams
 from services.metrics import ActorMetrics
+from services.probes import Probe, attach
 
 __all__ = ["ActorService", "ActorStats", "EpisodeRunner", "PublisherSink"]
 
@@ -90,6 +91,11 @@ class ActorService:
         self.stats = ActorStats()
         self.metrics = metrics or ActorMetrics()
         """Prometheus metrics (``services/metrics.py``); served by ``leafe actor --metrics-port``."""
+        self.probe = Probe("actor", stale_after_s=max(120.0, 3 * config.engine.timeout_s))
+        """``/healthz`` (``services/probes.py``): progress is a fetch, an engine poll or a published event;
+        three request timeouts without any means every episode in flight is stuck."""
+        attach(self.metrics.registry, self.probe)
+        self.probe.connected(nc)
         self.runner = EpisodeRunner(
             js=self.js,
             engine=engine,
@@ -100,6 +106,7 @@ class ActorService:
             actor_id=actor_id,
             stats=self.stats,
             metrics=self.metrics,
+            probe=self.probe,
         )
         self.durable = actors_durable(self.run_id, config.durable)
         """Consumer name: unique per run, because every run's tasks share the LEAFE_TASKS stream."""
@@ -117,6 +124,7 @@ class ActorService:
         await wait_for_streams(self.js, STREAMS_USED, timeout_s=self.streams_timeout_s)
         consumer = self._consumer()
         await consumer.start()
+        self.probe.bound(self.durable)
         weights_sub = await self._follow_weights()
         log.info(
             "actor.started", run_id=self.run_id, actor_id=self.actor_id, concurrency=self.config.concurrency
@@ -126,6 +134,7 @@ class ActorService:
             await self._finish_running(stop)
             await self._drain()
         finally:
+            self.probe.unbound()
             if self._running:  # cancelled from outside: abandon what is left
                 await self._abandon_running()
             await weights_sub.unsubscribe()
@@ -156,7 +165,9 @@ class ActorService:
                     continue
                 if not await self._engine_ready(stop):
                     break
-                for delivery in await consumer.fetch(self.config.fetch_timeout_s):
+                deliveries = await consumer.fetch(self.config.fetch_timeout_s)
+                self.probe.progress()
+                for delivery in deliveries:
                     if stop.is_set():
                         await delivery.nak()
                         continue
@@ -181,6 +192,7 @@ class ActorService:
                 log.warning("actor.engine.waiting", poll_s=self.config.engine.ready_poll_s)
                 waited = True
             self.engine_waiting = True
+            self.probe.progress()  # waiting for a loading engine is this loop's work, not a hang
             try:
                 await asyncio.wait_for(stop.wait(), self.config.engine.ready_poll_s)
                 return False

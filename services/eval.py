@@ -125,6 +125,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=_ks, default=[1, 2, 4, 8, 16], help="k values, e.g. 1,2,4,8,16")
     p.add_argument("--concurrency", type=int, default=16, help="rollouts in flight at once (default 16)")
     p.add_argument("--seed", type=int, default=0, help="base sampling seed")
+    p.add_argument(
+        "--seeds-honoured",
+        choices=("yes", "no", "unknown"),
+        default="unknown",
+        help="with --engine: does it honour sampling_seed (SGLang: only with --enable-deterministic-inference)",
+    )
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds one /generate may take")
     p.add_argument("--out", type=Path, required=True, help="directory for eval.json, eval.md, passk.png")
     p.add_argument(
@@ -287,6 +293,7 @@ async def run_eval(args: argparse.Namespace, task_ids: Sequence[str], ks: list[i
                         concurrency=args.concurrency,
                         seed=args.seed,
                         rollout_overrides=overrides,
+                        seeds_honoured="yes" if target.model is not None else args.seeds_honoured,
                     )
                     result = await evaluate(
                         request,
@@ -322,7 +329,8 @@ def _cost_line(r: EvalResult) -> str:
     return (
         f"- `{r.label}` (weight version {r.weight_version}): {solved}/{r.episodes} rollouts solved; "
         f"{r.mean_steps:.1f} steps/rollout; parse failures {100 * r.parse_failure_rate:.1f}% of actions; "
-        f"{r.mean_prompt_tokens:.0f} prompt tokens/step; wall {r.wall_s:.1f} s{errors}"
+        f"{r.mean_prompt_tokens:.0f} prompt tokens/step; wall {r.wall_s:.1f} s{errors}; "
+        f"reproducible: {r.reproducible}"
     )
 
 

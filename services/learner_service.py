@@ -53,6 +53,7 @@ from protocol.samples import Sample
 from protocol.subjects import DEAD_LETTERS, SAMPLES, WEIGHTS, learner_durable, samples_filter
 from services.bus import Consumer, Delivery, NatsOptions, Publisher, connect, wait_for_streams
 from services.metrics import LearnerMetrics
+from services.probes import Probe, attach
 
 __all__ = ["OnlineLearner", "SampleConsumer", "StepCallback"]
 
@@ -60,6 +61,9 @@ log = structlog.get_logger(__name__)
 STREAMS_USED = (SAMPLES.name, WEIGHTS.name, DEAD_LETTERS.name)
 """The streams the learner waits for on start (made by `leafe streams ensure`)."""
 
+PROBE_STALE_S = 1800.0
+"""``/healthz`` fails after this long without a fetch or step: above the slowest step + checkpoint + export
+of a large model on GPU (the export of a 7B model writes ~15 GB)."""
 StepCallback = Callable[[StepStats, list[str], Progress], None]
 """Called after each step with the stats, the trained sample ids and the progress (not yet checkpointed)."""
 _NOOP_EVERY_S = 300.0
@@ -156,12 +160,16 @@ class OnlineLearner:
         self.steps_here = 0
         self._pushed_at_step: int | None = None
         self._last_command = time.monotonic()
+        self.probe = Probe("learner", stale_after_s=PROBE_STALE_S)
+        """``/healthz`` (``services/probes.py``): progress is a fetch or a finished step/checkpoint/push."""
+        attach(self.metrics.registry, self.probe)
 
     async def run(self, stop: asyncio.Event) -> Progress:
         """Train until ``stop`` is set (or ``stop_after_steps``); then checkpoint, ack and return."""
         async with AsyncExitStack() as stack:
             nc = await connect(self.nats, name=f"learner-{self.run_id}")
             stack.push_async_callback(nc.close)
+            self.probe.connected(nc)
             js = nc.jetstream()
             await wait_for_streams(js, STREAMS_USED, timeout_s=self.nats.streams_timeout_s)
             consumer = SampleConsumer(
@@ -175,6 +183,8 @@ class OnlineLearner:
                 max_ack_pending=self.cfg.max_ack_pending,
             )
             await stack.enter_async_context(consumer)
+            self.probe.bound(consumer.durable)
+            stack.callback(self.probe.unbound)
             pub = await stack.enter_async_context(Publisher(js))
             heartbeat = asyncio.create_task(self._heartbeat(), name="learner.heartbeat")
             stack.push_async_callback(self._cancel, heartbeat)
@@ -206,6 +216,7 @@ class OnlineLearner:
         tc = self.cfg.trainer
         while not self._done(stop):
             fetched = await consumer.fetch(timeout=1.0)
+            self.probe.progress()
             if fetched:
                 self.buffer.add(fetched)
                 log.debug(
@@ -216,6 +227,7 @@ class OnlineLearner:
             ):
                 if await self._train(self.buffer.take(tc.batch.global_batch, self.progress.version_index)):
                     await self._after_step(pub)
+                self.probe.progress()
             if self._held_count() >= self.cfg.max_ack_pending - tc.batch.global_batch - self.cfg.fetch_batch:
                 await self._checkpoint()  # free JetStream's pending window before it blocks delivery
             await self._keep_followers_alive()

@@ -35,7 +35,6 @@ from prometheus_client import (
     Gauge,
     Histogram,
     disable_created_metrics,
-    start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -45,6 +44,7 @@ from actors.engine import Completion, Engine, SamplingParams
 from learner.weight_store import version_index
 from protocol.codec import REFUSALS
 from protocol.events import Branch, EpisodeEvent, Reflection, Rollback, Step
+from services.probes import start_server
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -126,7 +126,7 @@ def serve_metrics(port: int, registry: CollectorRegistry, host: str = "0.0.0.0")
     if not 0 < port < 65536:
         raise ValueError(f"--metrics-port {port}: not a TCP port")
     disable_created_metrics()  # the *_created series double the series count and nothing reads them
-    httpd, thread = start_http_server(port, host, registry)
+    httpd, thread = start_server(port, host, registry)  # /metrics, and /healthz (services/probes.py)
     log.info("metrics.serving", url=f"http://{host}:{port}/metrics")
     return MetricsServer(httpd, thread)
 

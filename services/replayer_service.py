@@ -74,6 +74,7 @@ from services.bus import Consumer, NatsOptions, connect, read_range, wait_for_st
 from services.bus.consumer import dead_letter_of
 from services.bus.dead_letters import ERROR_HEADER, REDRIVE_HEADER, publish_dead_letter
 from services.metrics import ReplayerMetrics
+from services.probes import Probe, attach
 from services.replayer_config import ReplayerConfig, ReplayerStats
 from services.sample_sink import ReplayerError, SampleSink
 
@@ -130,6 +131,9 @@ class Replayer:
         self.metrics = metrics or ReplayerMetrics()
         """Prometheus metrics (``services/metrics.py``); served by ``leafe replayer --metrics-port``."""
         self.metrics.open_episodes.set_function(lambda: self.fold.open_episodes)
+        self.probe = Probe("replayer", stale_after_s=max(300.0, 4 * config.ack_wait_s))
+        """``/healthz`` (``services/probes.py``): progress is a fetch returning (a batch or nothing)."""
+        attach(self.metrics.registry, self.probe)
         self._last_lag = 0.0
         self._last_keepalive = time.monotonic()
         self._last_stale = time.monotonic()
@@ -153,6 +157,8 @@ class Replayer:
             await self._recover(floor + 1, delivered)
         self.recovery_until = delivered
         await self.consumer.start()
+        self.probe.connected(self.js._nc)  # the connection behind the JetStream context (as services/bus)
+        self.probe.bound(self.durable)
         log.info(
             "replayer.started",
             durable=self.durable,
@@ -203,9 +209,11 @@ class Replayer:
             await self.start()
         while not stop.is_set():
             deliveries = await self.consumer.fetch(timeout=self.config.fetch_timeout_s)
+            self.probe.progress()
             if deliveries:
                 await self.process(deliveries)
             await self._housekeeping()
+        self.probe.unbound()
         await self.consumer.close()
         log.info("replayer.stopped", open_episodes=self.fold.open_episodes, **asdict(self.stats))
 

@@ -104,6 +104,8 @@ def test_eval_cli_compares_two_models_writes_files_and_publishes(
     for r in report.results:
         assert rows[r.label] == [round(100 * r.passk[k], 1) for k in (1, 2)]
         assert re.search(rf"- `{r.label}` \(weight version \w+\): \d/4 rollouts solved", markdown)
+        assert r.reproducible == "yes", "an in-process CPU server honours seeds"
+    assert markdown.count("reproducible: yes") == 2
     assert "| model | Pass@1 | Pass@2 |" in printed.out
     assert (out / "passk.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     if importlib.util.find_spec("tensorboard") is not None:  # each model's Pass@k curve in TensorBoard
@@ -154,6 +156,8 @@ def test_eval_cli_against_a_running_engine_uses_its_tokenizer(tmp_path: Path) ->
     report = msgspec.json.decode((tmp_path / "eval.json").read_bytes(), type=EvalReport)
     [result] = report.results
     assert (result.label, result.weight_version, result.episodes) == ("served", "w9", 2)
+    assert result.reproducible == "unknown", "an external engine's seed handling was not stated"
+    assert "reproducible: unknown" in (tmp_path / "eval.md").read_text()
     assert result.mean_steps <= 2 and _table((tmp_path / "eval.md").read_text()).keys() == {"served"}
 
 

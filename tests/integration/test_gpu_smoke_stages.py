@@ -1,7 +1,7 @@
 """``bench/gpu_smoke.py``'s stages on CPU, so the GPU check does not rot between GPU runs: explore through
 the actor code against ``leafe inference`` (the tiny model) in SGLang's place, fold the events into a
-dataset, train a few steps (CPU, gloo, instead of NCCL), push the export and verify the served logprobs
-against a forward pass of the new weights."""
+dataset, train a few steps (CPU, gloo, instead of NCCL), push the export under load (generations going,
+/ready probed throughout) and verify the served logprobs against a forward pass of the new weights."""
 
 from __future__ import annotations
 
@@ -41,4 +41,8 @@ async def test_gpu_smoke_stages_on_cpu(tiny_dir: Path, tmp_path: Path) -> None:
     assert report.checks and all(report.checks.values()), report
     assert "served_logprobs_not_base_weights" in report.checks, report.notes
     assert report.figures["explore"]["output_tokens"] > 0
+    reload = report.figures["reload_under_load"]
+    assert reload["sglang /ready"]["probes"] > 0 and reload["sglang /ready"]["status_503"] == 0
+    assert reload["generations"] > 0 and reload["generation_failures"] == 0
+    assert report.checks["health_answered_throughout_reload"] and report.checks["generations_survived_reload"]
     assert parameter_count(export) > 0

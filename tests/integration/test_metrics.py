@@ -13,6 +13,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
@@ -90,6 +91,12 @@ def _serve(stack: AsyncExitStack, registry: CollectorRegistry) -> str:
 
 async def _metrics(url: str) -> dict[str, float]:
     return parse_samples(await scrape(url))
+
+
+async def _healthz(metrics_url: str) -> tuple[int, str]:
+    url = metrics_url.removesuffix("/metrics") + "/healthz"
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        return resp.status, (await resp.text()).strip()
 
 
 async def _bad_messages(js: Any, run_id: str) -> None:
@@ -201,10 +208,16 @@ async def test_every_service_exports_parseable_metrics_that_move(
                 for _ in range(2):  # the second prompt is a prefix-cache hit
                     await client.generate(list(range(5, 40)), SamplingParams(max_new_tokens=4), n=2)
             got = {name: await _metrics(url) for name, url in urls.items()}
+            health = {name: await _healthz(url) for name, url in urls.items()}
         finally:
             stop.set()
             await asyncio.wait_for(asyncio.gather(*loops), 120)
 
+    # /healthz on the same port: the actor has stopped (its consumer closed), replayer and learner run.
+    assert health["actor"] == (503, "actor: consumer not bound")
+    for name in ("replayer", "learner"):
+        assert health[name][0] == 200 and health[name][1].startswith(f"{name}: ok, consumer "), health[name]
+    assert health["weight-sync"][0] == 200 and health["inference"][0] == 200  # nothing attached to check
     actor_m, replayer_m, learner_m = got["actor"], got["replayer"], got["learner"]
     assert actor_m['leafe_actor_episodes_total{mode="explore",outcome="success"}'] == TASKS
     assert actor_m["leafe_actor_steps_total"] > TASKS

@@ -85,6 +85,39 @@ async def test_passk_matches_hand_computed_values() -> None:
     assert (result.episodes, result.samples, result.task_ids) == (12, 4, TASKS)
 
 
+async def test_weight_version_is_the_completions_not_model_info() -> None:
+    """Through a router ``weight_version()`` answers from the first healthy worker: the result and every
+    event report the version the completions carry instead."""
+
+    class Routed(ScriptedEngine):
+        async def weight_version(self) -> str:
+            return "v1"
+
+    sink = ListSink()
+    engine = Routed(script=_scripted(CORRECT).script, version="v7")
+    result = await _run(engine, sink=sink)
+    assert result.weight_version == "v7" and result.policy_versions == ["v7"]
+    assert {e.policy_version for e in sink.events} == {"v7"}
+
+
+@pytest.mark.parametrize(
+    ("seeds", "overrides", "want"),
+    [
+        ({}, {}, "unknown"),
+        ({"seeds_honoured": "yes"}, {}, "yes"),
+        ({"seeds_honoured": "no"}, {}, "no"),
+        ({"seeds_honoured": "yes"}, {"seeded_sampling": False}, "no"),
+    ],
+)
+async def test_reproducible_says_whether_seeds_are_sent_and_honoured(
+    seeds: dict[str, str], overrides: dict[str, object], want: str
+) -> None:
+    """A client cannot see whether the engine honours seeds: unstated is ``unknown``; seeded sampling off
+    is never reproducible."""
+    result = await _run(_scripted(CORRECT), rollout_overrides={"horizon": 10, **overrides}, **seeds)
+    assert result.reproducible == want
+
+
 async def test_k_above_n_is_left_out_and_all_above_n_is_an_error() -> None:
     """ks larger than the sample count are not extrapolated; if none is <= n the call fails naming ks."""
     result = await _run(_scripted({3: 1, 4: 1, 5: 1}), n=2, ks=[1, 2, 4])

@@ -257,7 +257,25 @@ async def test_engine_error_propagates_and_leaves_the_episode_unfinished() -> No
     )
     with pytest.raises(EngineError, match="all servers down"):
         await explorer.run()
-    assert kinds(sink.events) == ["EpisodeStarted"]
+    assert kinds(sink.events) == [], "no completion: EpisodeStarted is never emitted (nothing to orphan)"
+
+
+class _RouterEngine(ScriptedEngine):
+    """Generates with one version while ``/get_model_info`` (through a router: the first healthy
+    worker) reports another."""
+
+    async def weight_version(self) -> str:
+        return "v000001"
+
+
+@pytest.mark.parametrize("cfg", [{}, {"k": 1}])
+async def test_every_event_takes_its_version_from_completions_not_model_info(cfg: dict[str, Any]) -> None:
+    """EpisodeStarted included: its policy_version is the first completion's, never what
+    ``weight_version()`` answers."""
+    engine = _RouterEngine(actions=[LEFT, RIGHT, RIGHT, RIGHT], version="v000007")
+    events, _ = await explore(engine, **cfg)
+    assert kinds(events)[0] == "EpisodeStarted"
+    assert {e.policy_version for e in events} == {"v000007"}
 
 
 async def test_events_carry_the_engine_weight_version_and_deterministic_ids() -> None:

@@ -4,6 +4,7 @@ logprob arithmetic."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -13,12 +14,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from bench.gpu_smoke import TRAIN_TOML, main
 from bench.gpu_smoke_lib import (
+    PROBE_TIMEOUT_S,
     SGLANG_VERSION,
+    LoadLog,
+    ProbeLog,
     SmokeError,
+    load_loop,
     logprob_gap,
     mfu,
     peak_tflops,
     preflight,
+    probe_loop,
+    router_command,
+    router_version,
     sglang_command,
     train_command,
 )
@@ -112,3 +120,89 @@ def test_the_gpu_extra_pins_the_sglang_the_smoke_check_expects_and_torch_admits_
     assert [(r.name, str(r.specifier)) for r in gpu] == [("sglang", f"=={SGLANG_VERSION}")]
     (torch_req,) = [Requirement(r) for r in project["dependencies"] if Requirement(r).name == "torch"]
     assert {"2.13.0", "2.14.1"} <= set(torch_req.specifier.filter(["2.12.0", "2.13.0", "2.14.1", "2.15.0"]))
+
+
+def test_probe_log_counts_503s_failures_and_slow_answers() -> None:
+    """The reload's health figures: every probe counted, 503s and unanswered ones apart, a probe slower
+    than the router's health-check timeout is a miss even when it says 200."""
+    log = ProbeLog()
+    assert not log.healthy and log.summary()["max_latency_s"] is None  # never probed proves nothing
+    for status, latency in [(200, 0.01), (200, 0.2), (503, 0.05), (None, 10.0), (200, PROBE_TIMEOUT_S + 1)]:
+        log.record(status, latency)
+    assert log.summary() == {
+        "probes": 5,
+        "ok": 3,
+        "status_503": 1,
+        "other_failures": 1,
+        "slow": 2,
+        "max_latency_s": 10.0,
+    }
+    assert not log.healthy
+    fine = ProbeLog()
+    fine.record(200, 0.3)
+    assert fine.healthy
+    slow = ProbeLog()
+    slow.record(200, PROBE_TIMEOUT_S + 0.5)
+    assert not slow.healthy
+
+
+def test_probe_and_load_loops_record_every_outcome_until_stopped() -> None:
+    """The loops run until stopped; a probe that raises is an unanswered probe, a generation that raises
+    is a counted failure with its error kept."""
+
+    async def scenario() -> tuple[ProbeLog, LoadLog]:
+        statuses = iter([200, 503])
+        calls = [0]
+
+        async def get() -> int | None:
+            status = next(statuses, None)
+            if status is None:
+                raise ConnectionError("refused")
+            return status
+
+        async def generate() -> None:
+            calls[0] += 1
+            await asyncio.sleep(0.001)
+            if calls[0] == 2:
+                raise RuntimeError("aborted by the reload")
+
+        probes, load, stop = ProbeLog(), LoadLog(), asyncio.Event()
+        tasks = [
+            asyncio.create_task(probe_loop(get, probes, stop, every_s=0.01)),
+            asyncio.create_task(load_loop(generate, load, stop)),
+        ]
+        await asyncio.sleep(0.2)
+        stop.set()
+        await asyncio.gather(*tasks)
+        return probes, load
+
+    probes, load = asyncio.run(scenario())
+    summary = probes.summary()
+    assert summary["probes"] >= 3 and summary["ok"] == 1 and summary["status_503"] == 1
+    assert summary["other_failures"] == summary["probes"] - 2
+    assert load.requests >= 3 and load.failures == 1
+    assert load.errors == ["RuntimeError: aborted by the reload"]
+
+
+def test_router_command_matches_the_deployed_health_check() -> None:
+    """The router runs in front of one worker with deploy/'s health check on /ready and its timeout, and
+    its own Prometheus port; with sglang-router installed its parser accepts the flags."""
+    cmd = router_command("/opt/sglang/bin/python", "http://127.0.0.1:30000", 30001, 30002)
+    assert cmd[:3] == ["/opt/sglang/bin/python", "-m", "sglang_router.launch_router"]
+    assert cmd[cmd.index("--worker-urls") + 1] == "http://127.0.0.1:30000"
+    flags = dict(zip(cmd[5::2], cmd[6::2], strict=True))
+    assert flags["--health-check-endpoint"] == "/ready" and flags["--port"] == "30001"
+    assert float(flags["--health-check-timeout-secs"]) == PROBE_TIMEOUT_S
+    assert flags["--prometheus-port"] == "30002" and flags["--retry-max-retries"] == "2"
+    assert router_version(sys.executable) is None  # this venv has no sglang-router: the stage is skipped
+
+
+def test_router_command_parses_under_sglang_router() -> None:
+    """Where sglang-router is installed (`pip install sglang-router==0.3.2`), its own parser accepts them."""
+    router_args = pytest.importorskip("sglang_router.router_args")
+    cmd = router_command("/opt/sglang/bin/python", "http://127.0.0.1:30000", 30001, 30002)
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    router_args.RouterArgs.add_cli_args(parser)
+    router_args.RouterArgs.from_cli_args(parser.parse_args(cmd[3:]))

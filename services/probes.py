@@ -12,12 +12,13 @@ probe.progress()                         # every fetch returned, every event pub
 probe.unbound()                          # consumer closed: 503 from here on
 ```
 
-The metrics server (``services.metrics.serve_metrics``) is started by :func:`start_server`, which serves
-the registry's ``/metrics`` as before plus ``/healthz`` of the probe :func:`attach`-ed to that registry;
-200 while none is: the process has no NATS loop to check (learner ranks other than global rank 0, whose
-local rank 0 serves metrics too; the learner's rank 0 before it built its loop; weight-sync sidecars).
-The probe is read from the server's thread: it only reads attributes the service's event loop sets (no I/O, no lock), so a probe costs microseconds and
-answers even while the loop is busy. deploy/base wires it as the pods' liveness and readiness probes.
+The metrics server (``services.metrics.serve_metrics``) is started by :func:`start_server`, which serves the
+registry's ``/metrics`` as before plus ``/healthz`` of the probe :func:`attach`-ed to that registry; 200 while
+none is: the process has no NATS loop to check (learner ranks other than global rank 0, whose local rank 0
+serves metrics too; the learner's rank 0 before it built its loop; weight-sync sidecars). The probe is read
+from the server's thread: it only reads attributes the service's event loop sets (no I/O, no lock), so a probe
+costs microseconds and answers even while the loop is busy. deploy/base wires it as the pods' liveness and
+readiness probes.
 """
 
 from __future__ import annotations

@@ -120,7 +120,12 @@ async def _explore(tok: HFChatTokenizer, **policy: Any) -> tuple[list[EpisodeEve
         seed=0,
     )
     config = ExplorerConfig(
-        k=0, max_depth=1, horizon=10, reflection_source="oracle", experience_scope="first_step", history_window=2
+        k=0,
+        max_depth=1,
+        horizon=10,
+        reflection_source="oracle",
+        experience_scope="first_step",
+        history_window=2,
     )
     await Explorer(engine=engine, tokenizer=tok, env=env, config=config, sink=sink, spec=spec).run()
     return sink.events, engine

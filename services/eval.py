@@ -38,14 +38,13 @@ from actors.episode import EpisodeSummary, EventSink
 from actors.evaluate import EvalRequest, EvalResult, EvalSample, evaluate
 from envs.base import EnvError
 from envs.registry import make_env
-from learner.scalars import open_scalar_writer
-from learner.weight_store import version_index
 from protocol.prompt import ChatTokenizer
 from protocol.subjects import EVENTS, validate_run_id
 from protocol.tasks import task_slug
 from services.actor_service import PublisherSink
 from services.bus import Publisher, add_nats_arguments, connect, nats_options, wait_for_streams
 from services.config import parse_key_value
+from services.eval_scalars import write_passk_scalars
 from services.logsetup import configure_logging
 
 __all__ = [
@@ -54,8 +53,6 @@ __all__ = [
     "main",
     "report_markdown",
     "run_eval",
-    "write_curve_scalars",
-    "write_passk_scalars",
     "write_report",
 ]
 
@@ -344,33 +341,6 @@ def write_report(report: EvalReport, out: Path) -> list[Path]:
     title = f"Pass@k on {report.env} ({report.split}, {len(report.task_ids)} tasks, n={report.samples})"
     plot_passk({r.label: r.passk for r in report.results}, out / "passk.png", title=title)
     return [out / "eval.json", out / "eval.md", out / "passk.png"]
-
-
-def write_passk_scalars(log_dir: Path, result: EvalResult) -> None:
-    """TensorBoard scalars of one result in ``log_dir``: the Pass@k curve as ``pass@k`` at step k, and each
-    ``pass@<k>`` at the step of the evaluated weight version's index (0 for the base model), so evaluations
-    of successive versions written to one directory form a curve over training. A no-op without
-    tensorboard."""
-    writer = open_scalar_writer(log_dir)
-    try:
-        index = version_index(result.weight_version) or 0
-        for k, value in sorted(result.passk.items()):
-            writer.scalar("pass@k", value, k)
-            writer.scalar(f"pass@{k}", value, index)
-    finally:
-        writer.close()
-
-
-def write_curve_scalars(log_dir: Path, result: EvalResult, learner_step: int) -> None:
-    """One learning-curve point in ``log_dir``: ``pass@<k>`` and ``unparseable`` at ``learner_step`` (a
-    no-op without tensorboard)."""
-    writer = open_scalar_writer(log_dir)
-    try:
-        for k, value in sorted(result.passk.items()):
-            writer.scalar(f"pass@{k}", value, learner_step)
-        writer.scalar("unparseable", result.parse_failure_rate, learner_step)
-    finally:
-        writer.close()
 
 
 def _task_ids(args: argparse.Namespace) -> list[str]:

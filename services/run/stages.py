@@ -19,7 +19,7 @@ from actors.evaluate import EvalRequest, EvalResult, evaluate
 from learner.model_io import HFChatTokenizer
 from services.actor_service import PublisherSink
 from services.bus import Publisher
-from services.eval import write_curve_scalars, write_passk_scalars
+from services.eval_scalars import write_curve_scalars, write_passk_scalars
 from services.logsetup import configure_logging
 from services.run.context import RunContext
 from services.run.drain import drain, save_metrics

@@ -16,7 +16,7 @@ from nats.js.errors import NotFoundError
 
 from protocol.subjects import STREAMS, WEIGHTS
 from services import streams
-from services.bus import StreamsMissingError, connect, ensure_streams, wait_for_streams
+from services.bus import StreamsMissingError, connect, ensure_streams, stream_config, wait_for_streams
 from services.bus.nats_server import EmbeddedNats
 
 pytestmark = pytest.mark.integration
@@ -96,5 +96,32 @@ def test_waiting_ends_when_the_admin_creates_the_streams(empty_server: EmbeddedN
         await ensure_streams(js)
         await asyncio.wait_for(waiting, 30)
         await nc.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_server_refuses_an_event_over_the_events_limit(empty_server: EmbeddedNats) -> None:
+    """LEAFE_EVENTS holds at most ``EVENTS.max_msg_bytes`` (1 MiB, headers included) on the server itself,
+    not only in the Publisher: a client that publishes raw is refused, and a stream made before the limit
+    existed gets it from the next `ensure`."""
+    import msgspec
+    from nats.js.errors import APIError
+
+    from protocol.subjects import EVENTS
+
+    async def scenario() -> None:
+        nc = await connect(empty_server.url)
+        try:
+            js = nc.jetstream()
+            old = msgspec.structs.replace(EVENTS, max_msg_bytes=-1)  # what the spec made before the limit
+            await js.add_stream(stream_config(old))
+            assert (await ensure_streams(js))[EVENTS.name] == "updated: max_msg_size"
+            info = await js.stream_info(EVENTS.name)
+            assert info.config.max_msg_size == EVENTS.max_msg_bytes == 1024 * 1024
+            await js.publish("leafe.r1.events.step", b"x" * (EVENTS.max_msg_bytes - 100))  # fits
+            with pytest.raises(APIError, match="message size exceeds maximum allowed"):
+                await js.publish("leafe.r1.events.step", b"x" * (EVENTS.max_msg_bytes + 1))
+        finally:
+            await nc.close()
 
     asyncio.run(scenario())

@@ -39,7 +39,7 @@ __all__ = [
     "write_role_keys",
 ]
 
-ROLES = ("actor", "replayer", "learner", "weight-sync", "admin")
+ROLES = ("actor", "replayer", "learner", "weight-sync", "log-import", "admin")
 """The NATS roles of permissions.json: one per service, and the admin (streams, tasks, operators)."""
 PERMISSIONS_FILE = Path(__file__).resolve().parents[2] / "deploy" / "base" / "nats" / "permissions.json"
 """The per-role permissions, in the source tree (the container image runs no embedded server)."""

@@ -114,7 +114,7 @@ def _who(action: str, subject: str) -> set[str]:
 @pytest.mark.parametrize(
     ("action", "subject", "roles"),
     [
-        ("publish", "leafe.r1.events.step", {"actor", "admin"}),
+        ("publish", "leafe.r1.events.step", {"actor", "log-import", "admin"}),
         ("publish", "leafe.r1.tasks", {"admin"}),
         ("publish", "leafe.r1.samples.cf", {"replayer", "admin"}),
         ("publish", "leafe.r1.weights", {"learner", "admin"}),

@@ -24,6 +24,7 @@ from services import actor_service, learner_service, replayer_service, weight_sy
 from services.bus import NatsOptions, connect, wait_for_streams
 from services.bus.auth import write_role_keys
 from services.bus.nats_server import EmbeddedNats
+from services.bus.pull import Puller
 from tests.support.nats_auth import RoleClient, stored
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
@@ -149,6 +150,15 @@ DENIED = [
     ("weight-sync", "publish", "leafe.{run}.dead.leafe_tasks"),
     ("weight-sync", "create-consumer", WEIGHTS.name),
     ("weight-sync", "get-msg", EVENTS.name),
+    # inboxes: pull deliveries and JetStream API replies; each role reads only its own prefix
+    ("actor", "subscribe", "_INBOX_learner.>"),
+    ("actor", "subscribe", "_INBOX.>"),
+    ("actor", "subscribe", ">"),
+    ("replayer", "subscribe", "_INBOX_actor.>"),
+    ("learner", "subscribe", "_INBOX_replayer.*.*"),
+    ("weight-sync", "subscribe", "_INBOX_learner.>"),
+    ("log-import", "subscribe", "_INBOX_actor.>"),
+    ("log-import", "subscribe", "_INBOX.>"),
     *ADMINISTRATION,
 ]
 
@@ -226,3 +236,45 @@ async def test_each_service_may_read_the_streams_it_waits_for(
     async with RoleClient(nats_roles[role]) as client:
         await wait_for_streams(client.js, module.STREAMS_USED, timeout_s=5.0)
         assert client.violations == []
+
+
+async def test_each_role_pulls_and_asks_jetstream_through_its_own_inbox(
+    nats_roles: dict[str, NatsOptions], admin_client: RoleClient, run_id: str
+) -> None:
+    """Every service role's client makes its inboxes under ``_INBOX_<role>``, where its JetStream API
+    replies and pull deliveries arrive: the learner pulls a message through it, while the actor, listening
+    on the learner's prefix, is refused and sees nothing (it once read the learner's pulled samples on
+    ``_INBOX.>``)."""
+    for role, opts in nats_roles.items():
+        want = b"_INBOX" if role == "admin" else f"_INBOX_{role}".encode()
+        async with RoleClient(opts) as client:
+            assert bytes(client.nc._inbox_prefix) == want and client.nc.new_inbox().startswith(want.decode())
+            if role != "log-import":  # it may ask the JetStream API nothing at all
+                await client.js.stream_info(WEIGHTS.name if role != "replayer" else EVENTS.name)
+            assert client.violations == [], role
+    durable = f"inbox-{run_id}"[:60]
+    subject = f"leafe.{run_id}.samples.cf"
+    await admin_client.js.add_consumer(
+        SAMPLES.name,
+        ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.EXPLICIT, filter_subject=subject),
+    )
+    await admin_client.js.publish(subject, b"a learner's sample")
+    try:
+        async with RoleClient(nats_roles["actor"]) as spy, RoleClient(nats_roles["learner"]) as learner:
+            seen: list[bytes] = []
+
+            async def snoop(msg: Any) -> None:
+                seen.append(msg.data)
+
+            await spy.nc.subscribe("_INBOX_learner.>", cb=snoop)
+            assert await spy.violated("_INBOX_learner.>")
+            puller = Puller(learner.js, SAMPLES.name, durable)
+            await puller.start()
+            [msg] = await puller.pull(1, 2.0)
+            assert msg.data == b"a learner's sample" and msg.subject == subject
+            await msg.ack()
+            await puller.close()
+            await spy.nc.flush()
+            assert seen == [] and learner.violations == []
+    finally:
+        await admin_client.js.delete_consumer(SAMPLES.name, durable)

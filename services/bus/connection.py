@@ -51,6 +51,7 @@ __all__ = [
     "SERVICE_ROLES",
     "NatsOptions",
     "add_nats_arguments",
+    "confined_role",
     "connect",
     "inbox_prefix",
     "nats_options",
@@ -100,7 +101,9 @@ class NatsOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if len(given) > 1:
             raise ValueError(f"NATS identity given twice ({' and '.join(given)}): give exactly one")
         if self.inbox_prefix and not _PREFIX.fullmatch(self.inbox_prefix):
-            raise ValueError(f"inbox_prefix {self.inbox_prefix!r}: expected dot-separated [A-Za-z0-9_-] tokens")
+            raise ValueError(
+                f"inbox_prefix {self.inbox_prefix!r}: expected dot-separated [A-Za-z0-9_-] tokens"
+            )
 
 
 _PREFIX = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
@@ -171,6 +174,14 @@ def redact(text: str) -> str:
     """``text`` (a URL, comma-separated URLs, or an error message quoting them) with the user info of every
     URL in it replaced by ``***``."""
     return _USER_INFO.sub(r"\g<scheme>***@", text)
+
+
+def confined_role(nc: Client) -> str | None:
+    """The service role a connection is confined to (its inbox prefix is ``_INBOX_<role>``), else None
+    (the admin, or an identity of its own): such a connection may not create or change consumers."""
+    prefix = bytes(nc._inbox_prefix).decode()
+    role = prefix.removeprefix(f"{DEFAULT_INBOX_PREFIX}_")
+    return role if role != prefix and role in SERVICE_ROLES else None
 
 
 def _existing(path: str, what: str) -> str:

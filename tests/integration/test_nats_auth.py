@@ -21,10 +21,12 @@ from nats.js.errors import NotFoundError
 
 from protocol.subjects import EVENTS, SAMPLES, TASKS, WEIGHTS
 from services import actor_service, learner_service, replayer_service, weight_sync_service
-from services.bus import NatsOptions, connect, wait_for_streams
+from services.bus import NatsOptions, connect, ensure_durables, wait_for_streams
 from services.bus.auth import write_role_keys
+from services.bus.durables import DurableSpec, consumer_config
 from services.bus.nats_server import EmbeddedNats
 from services.bus.pull import Puller
+from services.streams import durables_for_run
 from tests.support.nats_auth import RoleClient, stored
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
@@ -278,3 +280,67 @@ async def test_each_role_pulls_and_asks_jetstream_through_its_own_inbox(
             assert seen == [] and learner.violations == []
     finally:
         await admin_client.js.delete_consumer(SAMPLES.name, durable)
+
+
+def _changed(spec: DurableSpec, change: str) -> tuple[ConsumerConfig, str]:
+    """A create request that would rewrite ``spec``'s durable, and the API subject nats-py sends it on."""
+    config = consumer_config(spec)
+    if change == "max_deliver 1":
+        config.max_deliver = 1
+        return config, f"$JS.API.CONSUMER.CREATE.{spec.stream}.{spec.name}.{spec.filter_subject}"
+    if change == "no filter":
+        config.filter_subject = None
+        return config, f"$JS.API.CONSUMER.CREATE.{spec.stream}.{spec.name}"
+    config.name = None  # the legacy durable API
+    config.ack_wait = 1.0
+    return config, f"$JS.API.CONSUMER.DURABLE.CREATE.{spec.stream}.{spec.name}"
+
+
+@pytest.mark.parametrize(
+    ("role", "which", "change"),
+    [
+        ("actor", 0, "max_deliver 1"),
+        ("actor", 0, "no filter"),
+        ("actor", 0, "legacy ack_wait 1"),
+        ("replayer", 1, "max_deliver 1"),
+        ("replayer", 1, "delete"),
+        ("learner", 2, "no filter"),
+        ("learner", 2, "delete"),
+        ("replayer", 0, "delete"),
+    ],
+)
+async def test_no_service_may_change_or_delete_a_durable(
+    nats_roles: dict[str, NatsOptions],
+    admin_client: RoleClient,
+    run_id: str,
+    role: str,
+    which: int,
+    change: str,
+) -> None:
+    """The run's durables are the admin's (`leafe streams ensure --run`): an actor once set the shared task
+    durable's filter to nothing (the run starves) or max_deliver to 1 (tasks lost), and the replayer could
+    delete any run's durable. Now each attempt is refused and the durable stays exactly as made."""
+    specs = durables_for_run(run_id)
+    await ensure_durables(admin_client.js, specs)
+    spec = specs[which]
+    before = (await admin_client.js.consumer_info(spec.stream, spec.name)).config
+    async with RoleClient(nats_roles[role]) as client:
+        if change == "delete":
+            subject = f"$JS.API.CONSUMER.DELETE.{spec.stream}.{spec.name}"
+            with pytest.raises(NatsTimeoutError):
+                await client.probe.delete_consumer(spec.stream, spec.name)
+        else:
+            config, subject = _changed(spec, change)
+            with pytest.raises(NatsTimeoutError):
+                await client.probe.add_consumer(spec.stream, config)
+        assert await client.violated(subject), (role, change, client.violations)
+    after = (await admin_client.js.consumer_info(spec.stream, spec.name)).config
+    assert (
+        (after.filter_subject, after.max_deliver, after.ack_wait)
+        == (
+            before.filter_subject,
+            before.max_deliver,
+            before.ack_wait,
+        )
+        == (spec.filter_subject, -1, spec.ack_wait_s)
+    )

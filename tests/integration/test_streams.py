@@ -125,3 +125,65 @@ def test_the_server_refuses_an_event_over_the_events_limit(empty_server: Embedde
             await nc.close()
 
     asyncio.run(scenario())
+
+
+def test_ensure_with_a_run_makes_its_durables_which_a_service_binds_or_waits_for(
+    empty_server: EmbeddedNats, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ensure --run r1` makes the run's durables (then leaves them unchanged); a service role binds its
+    durable without creating it, waits for a missing one, and gives up naming the command that makes it."""
+    from nats.js.api import ConsumerConfig
+
+    from protocol.codec import decode_task
+    from protocol.subjects import TASKS
+    from services.bus import Consumer, NatsOptions
+    from services.bus.pull import ConsumerError
+
+    nats = ("--nats", empty_server.url)
+    durables = {"actors-r1": "created", "replayer-r1-leafe": "created", "learner-r1": "created"}
+    code, done = _streams(capsys, "ensure", *nats, "--run", "r1")
+    assert code == 0 and {k: v for k, v in done.items() if k in durables} == durables
+    code, done = _streams(capsys, "ensure", *nats, "--run", "r1")
+    assert code == 0 and {k: done[k] for k in durables} == dict.fromkeys(durables, "unchanged")
+
+    def task_consumer(js: object, durable: str) -> Consumer[object]:
+        return Consumer(
+            js,  # type: ignore[arg-type]
+            stream=TASKS.name,
+            durable=durable,
+            filter_subject=f"leafe.{durable.split('-')[1]}.tasks",
+            decode=decode_task,
+            dead_letter_subject="leafe.r1.dead.leafe_tasks",
+            ack_wait_s=5.0,
+            bind_timeout_s=3.0,
+        )
+
+    async def scenario() -> None:
+        admin = await connect(empty_server.url)
+        actor = await connect(NatsOptions(url=empty_server.url, inbox_prefix="_INBOX_actor"))
+        try:
+            bound = task_consumer(actor.jetstream(), "actors-r1")
+            await bound.start()  # the admin's durable: bound as it is (its ack_wait of 60 s adopted)
+            assert bound.ack_wait_s == 60.0
+            await bound.close()
+            late = task_consumer(actor.jetstream(), "actors-r2")
+            starting = asyncio.create_task(late.start())
+            await asyncio.sleep(0.5)
+            assert not starting.done()  # waiting: an actor may not create it
+            await admin.jetstream().add_consumer(
+                TASKS.name,
+                ConsumerConfig(
+                    durable_name="actors-r2", filter_subject="leafe.r2.tasks", max_ack_pending=4096
+                ),
+            )
+            await asyncio.wait_for(starting, 10)
+            await late.close()
+            with pytest.raises(ConsumerError, match="leafe streams ensure --run"):
+                await task_consumer(actor.jetstream(), "actors-r3").start()
+            with pytest.raises(NotFoundError):
+                await admin.jetstream().consumer_info(TASKS.name, "actors-r3")
+        finally:
+            await actor.close()
+            await admin.close()
+
+    asyncio.run(scenario())

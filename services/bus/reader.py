@@ -8,6 +8,7 @@ stream is never modified.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 
 import msgspec
 import structlog
@@ -17,6 +18,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from protocol.subjects import EVENTS
+from services.bus.connection import confined_role
 from services.bus.pull import ConsumerError, Puller
 
 __all__ = ["StoredMsg", "read_range", "read_stream"]
@@ -35,8 +37,17 @@ async def read_stream(
     """Every message of ``stream`` matching ``filter_subject`` at call time, in stream order.
 
     Uses an ephemeral, unacked consumer that is deleted afterwards; the stream is not modified.
-    Raises :class:`ConsumerError` if the server stops delivering before the end.
+    Raises :class:`ConsumerError` if the server stops delivering before the end. A service role, which may
+    not create a consumer (services/bus/durables.py), reads by sequence instead (:func:`read_range`, up to
+    the stream's last sequence now; slower, one request per message).
     """
+    if confined_role(js._nc) is not None:
+        last = int((await js.stream_info(stream)).state.last_seq or 0)
+        async for stored in read_range(
+            js, filter_subject=filter_subject, start_seq=1, end_seq=last, stream=stream
+        ):
+            yield stored  # type: ignore[misc]
+        return
     name = f"leafe-read-{js._nc._nuid.next().decode()}"
     config = ConsumerConfig(
         name=name,
@@ -70,12 +81,23 @@ async def read_stream(
 
 
 class StoredMsg(msgspec.Struct, frozen=True):
-    """One stored message as :func:`read_range` returns it."""
+    """One stored message as :func:`read_range` returns it (``metadata`` as on a consumer's ``Msg``)."""
 
     subject: str
     headers: dict[str, str] | None
     data: bytes
     seq: int
+    stream: str = ""
+    time: datetime | None = None
+
+    @property
+    def metadata(self) -> Msg.Metadata:
+        """Stream sequence and store time, in the shape of a delivered message's metadata."""
+        pair = Msg.Metadata.SequencePair(consumer=0, stream=self.seq)
+        when = self.time or datetime.fromtimestamp(0, UTC)
+        return Msg.Metadata(
+            sequence=pair, num_pending=0, num_delivered=1, timestamp=when, stream=self.stream, consumer=""
+        )
 
 
 async def read_range(
@@ -95,5 +117,5 @@ async def read_range(
             return  # nothing left (the range's last messages were deleted by limits)
         if msg.seq is None or msg.seq > end_seq:
             return
-        yield StoredMsg(msg.subject or "", msg.headers, msg.data or b"", msg.seq)
+        yield StoredMsg(msg.subject or "", msg.headers, msg.data or b"", msg.seq, stream, msg.time)
         seq = msg.seq + 1

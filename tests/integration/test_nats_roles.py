@@ -253,3 +253,24 @@ async def _until_async(predicate: Callable[[], Awaitable[bool]], what: str) -> N
     while not await predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.1)
+
+
+async def test_offline_replay_reads_a_run_under_the_replayer_role(
+    nats_roles: dict[str, NatsOptions], run_id: str, tokenizer: HFChatTokenizer
+) -> None:
+    """`leafe replay` from the stream (the replay Job, as `replayer`): the run's events are read by sequence,
+    in order, with their stream sequence, though the role may not create the ephemeral consumer the admin's
+    export uses."""
+    spec = ExploreSpec(seed=1, max_depth=2, budget=8, horizon=3, p_success=0.5, reflect_every=2)
+    events = build_explore_episode(spec, run_id=run_id, episode_id=f"{run_id}-ep0", tokenizer=tokenizer)
+    async with RoleClient(nats_roles["actor"]) as actor, RoleClient(nats_roles["replayer"]) as client:
+        await publish_events(actor, events)
+        assert [e async for e in stream_events(client.js, run_id)] == events
+        seqs = [
+            m.metadata.sequence.stream
+            async for m in read_stream(
+                client.js, stream=EVENTS.name, filter_subject=f"leafe.{run_id}.events.>"
+            )
+        ]
+        assert len(seqs) == len(events) and seqs == sorted(seqs)
+        assert client.violations == []

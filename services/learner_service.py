@@ -52,6 +52,7 @@ from protocol.codec import CODEC_HEADER, ProtocolError
 from protocol.samples import Sample
 from protocol.subjects import DEAD_LETTERS, SAMPLES, WEIGHTS, learner_durable, samples_filter
 from services.bus import Consumer, Delivery, NatsOptions, Publisher, connect, wait_for_streams
+from services.bus.connection import confined_role
 from services.metrics import LearnerMetrics
 from services.probes import Probe, attach
 
@@ -99,11 +100,14 @@ class SampleConsumer(Consumer[Sample]):
         self._js_ctx = js
 
     async def start(self) -> None:
-        """Delete any previous durable consumer of this name, then create it at ``start_seq``."""
-        try:
-            await self._js_ctx.delete_consumer(self.stream, self.durable)
-        except NotFoundError:
-            pass  # first start: nothing to replace
+        """Delete any previous durable consumer of this name, then create it at ``start_seq``; under the
+        learner role, which may not (services/bus/durables.py), bind the admin's durable instead: what it
+        redelivers at or below the checkpoint is set aside as a duplicate (``SampleBuffer.floor``)."""
+        if confined_role(self._js_ctx._nc) is None:
+            try:
+                await self._js_ctx.delete_consumer(self.stream, self.durable)
+            except NotFoundError:
+                pass  # first start: nothing to replace
         await super().start()
 
 

@@ -20,6 +20,7 @@ Every service talks to NATS through this package::
 | `auth`          | per-role nkey users from deploy's permissions.json, server TLS blocks   |
 | `publisher`     | `Publisher`: batched publishing, every ack awaited, `PublishError`      |
 | `consumer`      | `Consumer`/`Delivery`: durable pull consumers with dead letters         |
+| `durables`      | `ensure_durables` (admin): each run's durables; services only bind      |
 | `dead_letters`  | dead letters: reason, origin, digest, truncation, idempotent ids        |
 | `pull`          | `Puller`: the pull protocol spoken directly (the fast path)             |
 | `reader`        | `read_stream`, `read_range`: read a subject range once, in order        |
@@ -29,6 +30,7 @@ Every service talks to NATS through this package::
 
 from services.bus.connection import NatsOptions, add_nats_arguments, connect, nats_options, redact
 from services.bus.consumer import ERROR_HEADER, Consumer, Delivery
+from services.bus.durables import DurableMismatchError, DurableSpec, ensure_durables
 from services.bus.publisher import MessageTooLargeError, Publisher, PublishError
 from services.bus.pull import ConsumerError
 from services.bus.reader import read_range, read_stream
@@ -46,6 +48,8 @@ __all__ = [
     "Consumer",
     "ConsumerError",
     "Delivery",
+    "DurableMismatchError",
+    "DurableSpec",
     "MessageTooLargeError",
     "NatsOptions",
     "PublishError",
@@ -55,6 +59,7 @@ __all__ = [
     "add_nats_arguments",
     "check_streams",
     "connect",
+    "ensure_durables",
     "ensure_streams",
     "nats_options",
     "read_range",

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import nkeys
 
-from services.bus.connection import NatsOptions
+from services.bus.connection import ROLES, NatsOptions, inbox_prefix
 
 __all__ = [
     "PERMISSIONS_FILE",
@@ -39,8 +39,6 @@ __all__ = [
     "write_role_keys",
 ]
 
-ROLES = ("actor", "replayer", "learner", "weight-sync", "admin")
-"""The NATS roles of permissions.json: one per service, and the admin (streams, tasks, operators)."""
 PERMISSIONS_FILE = Path(__file__).resolve().parents[2] / "deploy" / "base" / "nats" / "permissions.json"
 """The per-role permissions, in the source tree (the container image runs no embedded server)."""
 
@@ -133,8 +131,13 @@ def nkey_users(keys: Mapping[str, RoleKey], permissions: Mapping[str, dict[str, 
 
 
 def role_options(url: str, keys: Mapping[str, RoleKey], **options: Any) -> dict[str, NatsOptions]:
-    """Each role's client options: ``url`` and its own seed file (``options``: TLS files, timeouts)."""
-    return {role: NatsOptions(url=url, nkey=key.seed_file, **options) for role, key in keys.items()}
+    """Each role's client options: ``url``, its own seed file and its inbox prefix (``options``: TLS files,
+    timeouts)."""
+    out = {}
+    for role, key in keys.items():
+        opts = NatsOptions(url=url, nkey=key.seed_file, **options)
+        out[role] = msgspec.structs.replace(opts, inbox_prefix=inbox_prefix(opts))
+    return out
 
 
 def _quoted(text: str) -> str:

@@ -14,6 +14,7 @@ secret itself, so nothing sandboxed code could read from the environment grants 
 | `--nats-tls-ca FILE`     | `LEAFE_NATS_TLS_CA`       | CA bundle that signed the server's cert      |
 | `--nats-tls-cert FILE`   | `LEAFE_NATS_TLS_CERT`     | client certificate (mutual TLS)              |
 | `--nats-tls-key FILE`    | `LEAFE_NATS_TLS_KEY`      | client key                                   |
+| `--nats-inbox-prefix P`  | `LEAFE_NATS_INBOX_PREFIX` | inbox prefix (default: the role's, below)     |
 | `--streams-timeout S`    |                           | how long a service waits for its streams     |
 
 At most one identity: a ``.creds`` file, an nkey seed, or a user with a password file. A URL with
@@ -21,6 +22,13 @@ credentials in it (``nats://user:pass@host``) still works, but is never logged: 
 :func:`redact` of the URL, and error messages are redacted the same way (a URL's user info anywhere in
 the text). Streams are created by ``leafe streams ensure`` alone (the NATS admin); services only wait
 for theirs (:func:`services.bus.streams.wait_for_streams`, bounded by ``--streams-timeout``).
+
+Inboxes: pull deliveries and JetStream API replies arrive on a client's inbox subjects, so each service role
+may subscribe only to its own prefix, ``_INBOX_<role>`` (permissions.json), and makes every inbox under it
+(nats-py's ``inbox_prefix``: ``new_inbox()``, requests, JetStream acks and pulls all use it). The role is
+taken from the identity when ``--nats-inbox-prefix`` is not given: the user name, or the nkey seed file's
+name ``<role>.nk`` (how ``leafe run`` and deploy/ name them); the admin and any other identity keep
+nats-py's ``_INBOX`` (the admin's permissions allow ``_INBOX.>``, which no service prefix falls under).
 """
 
 from __future__ import annotations
@@ -38,9 +46,24 @@ import nats
 import structlog
 from nats.aio.client import Client
 
-__all__ = ["NatsOptions", "add_nats_arguments", "connect", "nats_options", "redact"]
+__all__ = [
+    "ROLES",
+    "SERVICE_ROLES",
+    "NatsOptions",
+    "add_nats_arguments",
+    "confined_role",
+    "connect",
+    "inbox_prefix",
+    "nats_options",
+    "redact",
+]
 
 log = structlog.get_logger(__name__)
+ROLES = ("actor", "replayer", "learner", "weight-sync", "log-import", "admin")
+"""The NATS roles of deploy/base/nats/permissions.json: one per service, the log importer, and the admin."""
+SERVICE_ROLES = frozenset(ROLES) - {"admin"}
+"""The roles confined to an inbox prefix of their own (:func:`inbox_prefix`)."""
+DEFAULT_INBOX_PREFIX = "_INBOX"
 
 
 class NatsOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -64,6 +87,8 @@ class NatsOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Client private key."""
     streams_timeout_s: float = 120.0
     """How long a service waits for the streams it uses to exist before it exits non-zero (seconds)."""
+    inbox_prefix: str = ""
+    """Prefix of every inbox the client makes; empty = its role's (:func:`inbox_prefix`)."""
 
     def __post_init__(self) -> None:
         if not self.streams_timeout_s > 0:
@@ -75,6 +100,22 @@ class NatsOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         given = [name for name, v in (("creds", self.creds), ("nkey", self.nkey), ("user", self.user)) if v]
         if len(given) > 1:
             raise ValueError(f"NATS identity given twice ({' and '.join(given)}): give exactly one")
+        if self.inbox_prefix and not _PREFIX.fullmatch(self.inbox_prefix):
+            raise ValueError(
+                f"inbox_prefix {self.inbox_prefix!r}: expected dot-separated [A-Za-z0-9_-] tokens"
+            )
+
+
+_PREFIX = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
+
+
+def inbox_prefix(opts: NatsOptions) -> str:
+    """The inbox prefix ``opts`` connects with: the explicit one, else ``_INBOX_<role>`` for a service role
+    named by the user name or the nkey seed file (``<role>.nk``), else nats-py's ``_INBOX``."""
+    if opts.inbox_prefix:
+        return opts.inbox_prefix
+    role = opts.user or (Path(opts.nkey).name.removesuffix(".nk") if opts.nkey.endswith(".nk") else "")
+    return f"{DEFAULT_INBOX_PREFIX}_{role}" if role in SERVICE_ROLES else DEFAULT_INBOX_PREFIX
 
 
 def _env(name: str) -> str:
@@ -96,6 +137,11 @@ def add_nats_arguments(parser: argparse.ArgumentParser, *, required: bool = Fals
     g.add_argument("--nats-tls-cert", default=_env("LEAFE_NATS_TLS_CERT"), help="client certificate")
     g.add_argument("--nats-tls-key", default=_env("LEAFE_NATS_TLS_KEY"), help="client key")
     g.add_argument(
+        "--nats-inbox-prefix",
+        default=_env("LEAFE_NATS_INBOX_PREFIX"),
+        help="inbox prefix (default: _INBOX_<role> for a service role's user or <role>.nk seed, else _INBOX)",
+    )
+    g.add_argument(
         "--streams-timeout",
         type=float,
         default=120.0,
@@ -114,6 +160,7 @@ def nats_options(args: argparse.Namespace) -> NatsOptions:
         tls_ca=args.nats_tls_ca or "",
         tls_cert=args.nats_tls_cert or "",
         tls_key=args.nats_tls_key or "",
+        inbox_prefix=args.nats_inbox_prefix or "",
         streams_timeout_s=args.streams_timeout,
     )
 
@@ -127,6 +174,14 @@ def redact(text: str) -> str:
     """``text`` (a URL, comma-separated URLs, or an error message quoting them) with the user info of every
     URL in it replaced by ``***``."""
     return _USER_INFO.sub(r"\g<scheme>***@", text)
+
+
+def confined_role(nc: Client) -> str | None:
+    """The service role a connection is confined to (its inbox prefix is ``_INBOX_<role>``), else None
+    (the admin, or an identity of its own): such a connection may not create or change consumers."""
+    prefix = bytes(nc._inbox_prefix).decode()
+    role = prefix.removeprefix(f"{DEFAULT_INBOX_PREFIX}_")
+    return role if role != prefix and role in SERVICE_ROLES else None
 
 
 def _existing(path: str, what: str) -> str:
@@ -208,6 +263,7 @@ async def connect(
         "error_cb": on_error,
         "disconnected_cb": on_disconnect,
         "reconnected_cb": on_reconnect,
+        "inbox_prefix": inbox_prefix(opts),
         **_auth_kwargs(opts),
     }
     kwargs.update(options)

@@ -17,6 +17,7 @@ one only after the handler returned.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Generic, TypeVar
 
@@ -27,6 +28,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
 
 from protocol.codec import CODEC_HEADER, MSG_ID_HEADER, ProtocolError
+from services.bus.connection import confined_role
 from services.bus.dead_letters import (
     ERROR_HEADER,
     ORIGINAL_SEQ_HEADER,
@@ -43,6 +45,8 @@ __all__ = ["ERROR_HEADER", "Consumer", "Delivery", "dead_letter_of"]
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
+DURABLES_COMMAND = "leafe streams ensure --run RUN (as the NATS admin)"
+"""What creates a run's durable consumers, for the messages of services that wait for them."""
 Admit = Callable[[str, Mapping[str, str] | None, bytes], T]
 
 
@@ -116,6 +120,7 @@ class Consumer(Generic[T]):
         max_ack_pending: int = 4096,
         deliver_policy: str = "all",
         max_deliver: int = -1,
+        bind_timeout_s: float = 120.0,
     ) -> None:
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
@@ -125,6 +130,8 @@ class Consumer(Generic[T]):
         self.filter_subject = filter_subject
         self.batch = batch
         self.ack_wait_s = ack_wait_s
+        self.bind_timeout_s = bind_timeout_s
+        """How long a service role waits for the admin's durable before :meth:`start` raises."""
         self._decode = decode
         self._admit = admit
         self._dead_subject = dead_letter_subject
@@ -147,33 +154,82 @@ class Consumer(Generic[T]):
         """Handler exceptions in :meth:`consume` (each message was nak'ed for redelivery)."""
 
     async def start(self) -> None:
-        """Create the durable consumer, or bind to the existing one (idempotent).
+        """Bind the durable consumer (idempotent); see :mod:`services.bus.durables` for who makes it.
 
-        An existing durable keeps its position; changeable settings (ack_wait, max_ack_pending, ...)
-        are updated. A different filter subject or deliver policy raises :class:`ConsumerError`: the
-        durable would carry its old position and pending redeliveries into the new role.
+        Under a service role (a connection confined to its own inbox prefix) the durable is the admin's:
+        it is bound as it is, never created or changed, and waited for up to ``bind_timeout_s`` (logging
+        what is missing and the command that makes it). Its ``ack_wait`` is adopted; a ``max_ack_pending``
+        below what this service asked for raises :class:`ConsumerError`. An admin identity (tests, one-off
+        tools) still creates a missing durable, or updates the changeable settings of an existing one.
+        A different filter subject always raises :class:`ConsumerError`: the durable would carry its old
+        position and pending redeliveries into the new role.
         """
         if self._puller is not None:
             return
-        try:
-            existing = (await self._js.consumer_info(self.stream, self.durable)).config
-        except NotFoundError:
-            existing = None
+        existing = await self._existing()
         if existing is not None and existing.filter_subject != self.filter_subject:
             raise ConsumerError(
                 f"durable consumer {self.durable!r} on {self.stream!r} exists with filter "
                 f"{existing.filter_subject!r}, not {self.filter_subject!r}; use another durable name"
             )
-        try:
-            await self._js.add_consumer(self.stream, self._config)
-        except APIError as e:
-            raise ConsumerError(
-                f"cannot create durable consumer {self.durable!r} on stream {self.stream!r} "
-                f"(filter {self.filter_subject!r}): {e}"
-            ) from e
+        if confined_role(self._js._nc) is not None:
+            self._adopt(existing or await self._wait_for_durable())
+        else:
+            try:
+                await self._js.add_consumer(self.stream, self._config)
+            except APIError as e:
+                raise ConsumerError(
+                    f"cannot create durable consumer {self.durable!r} on stream {self.stream!r} "
+                    f"(filter {self.filter_subject!r}): {e}"
+                ) from e
         puller = Puller(self._js, self.stream, self.durable)
         await puller.start()
         self._puller = puller
+
+    async def _existing(self) -> ConsumerConfig | None:
+        try:
+            return (await self._js.consumer_info(self.stream, self.durable)).config
+        except NotFoundError:
+            return None
+
+    async def _wait_for_durable(self) -> ConsumerConfig:
+        deadline = time.monotonic() + self.bind_timeout_s
+        while True:
+            log.warning(
+                "bus.consumer.waiting", stream=self.stream, durable=self.durable, create_with=DURABLES_COMMAND
+            )
+            await asyncio.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+            existing = await self._existing()
+            if existing is not None:
+                if existing.filter_subject != self.filter_subject:
+                    raise ConsumerError(
+                        f"durable consumer {self.durable!r} on {self.stream!r} has filter "
+                        f"{existing.filter_subject!r}, not {self.filter_subject!r}"
+                    )
+                return existing
+            if time.monotonic() >= deadline:
+                raise ConsumerError(
+                    f"durable consumer {self.durable!r} on stream {self.stream!r} not there after "
+                    f"{self.bind_timeout_s:g}s; create it with {DURABLES_COMMAND}"
+                )
+
+    def _adopt(self, existing: ConsumerConfig) -> None:
+        """Bind the admin's durable as it is: its ack_wait rules the in-progress acks."""
+        have_pending = int(existing.max_ack_pending or 0)
+        if 0 < have_pending < int(self._config.max_ack_pending or 0):
+            raise ConsumerError(
+                f"durable consumer {self.durable!r} on {self.stream!r} allows max_ack_pending {have_pending}, "
+                f"this service needs {self._config.max_ack_pending}; raise it with {DURABLES_COMMAND}"
+            )
+        ack_wait = float(existing.ack_wait or self.ack_wait_s)
+        if abs(ack_wait - self.ack_wait_s) > 1e-3:
+            log.warning(
+                "bus.consumer.ack_wait_differs",
+                durable=self.durable,
+                durable_s=ack_wait,
+                asked_s=self.ack_wait_s,
+            )
+            self.ack_wait_s = ack_wait
 
     async def close(self) -> None:
         """Stop pulling and push buffered acks to the server (the durable consumer stays)."""

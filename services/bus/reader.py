@@ -1,13 +1,16 @@
 """Reading a stream once, in order, without touching the durable consumers: log export, recovery.
 
-Both readers use an ephemeral, unacked consumer that is deleted afterwards; the stream is not modified.
+:func:`read_stream` (log export, the admin's) uses an ephemeral, unacked consumer that is deleted afterwards;
+:func:`read_range` (the replayer's recovery) gets each message by sequence, needing no consumer at all. The
+stream is never modified.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from datetime import UTC, datetime
 
+import msgspec
 import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -15,9 +18,10 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from protocol.subjects import EVENTS
+from services.bus.connection import confined_role
 from services.bus.pull import ConsumerError, Puller
 
-__all__ = ["read_range", "read_stream"]
+__all__ = ["StoredMsg", "read_range", "read_stream"]
 
 log = structlog.get_logger(__name__)
 
@@ -33,8 +37,17 @@ async def read_stream(
     """Every message of ``stream`` matching ``filter_subject`` at call time, in stream order.
 
     Uses an ephemeral, unacked consumer that is deleted afterwards; the stream is not modified.
-    Raises :class:`ConsumerError` if the server stops delivering before the end.
+    Raises :class:`ConsumerError` if the server stops delivering before the end. A service role, which may
+    not create a consumer (services/bus/durables.py), reads by sequence instead (:func:`read_range`, up to
+    the stream's last sequence now; slower, one request per message).
     """
+    if confined_role(js._nc) is not None:
+        last = int((await js.stream_info(stream)).state.last_seq or 0)
+        async for stored in read_range(
+            js, filter_subject=filter_subject, start_seq=1, end_seq=last, stream=stream
+        ):
+            yield stored  # type: ignore[misc]
+        return
     name = f"leafe-read-{js._nc._nuid.next().decode()}"
     config = ConsumerConfig(
         name=name,
@@ -67,43 +80,42 @@ async def read_stream(
             pass  # already reaped by inactive_threshold
 
 
-async def read_range(
-    js: Any, *, filter_subject: str, start_seq: int, end_seq: int, batch: int = 512
-) -> AsyncIterator[Any]:
-    """Messages of ``LEAFE_EVENTS`` matching ``filter_subject`` with ``start_seq <= seq <= end_seq``."""
-    from nats.errors import TimeoutError as NatsTimeout
-    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+class StoredMsg(msgspec.Struct, frozen=True):
+    """One stored message as :func:`read_range` returns it (``metadata`` as on a consumer's ``Msg``)."""
 
-    if end_seq < start_seq:
-        return
-    name = f"leafe-recover-{js._nc._nuid.next().decode()}"
-    config = ConsumerConfig(
-        name=name,
-        ack_policy=AckPolicy.NONE,
-        deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-        opt_start_seq=start_seq,
-        filter_subject=filter_subject,
-        inactive_threshold=60.0,
-        mem_storage=True,
-    )
-    await js.add_consumer(EVENTS.name, config)
-    sub = await js.pull_subscribe_bind(consumer=name, stream=EVENTS.name)
-    try:
-        while True:
-            try:
-                msgs = await sub.fetch(batch, timeout=2.0)
-            except NatsTimeout:
-                return  # nothing left (the range's last message was deleted by limits)
-            for msg in msgs:
-                seq = int(msg.metadata.sequence.stream)
-                if seq > end_seq:
-                    return
-                yield msg
-                if seq == end_seq:
-                    return
-    finally:
-        await sub.unsubscribe()
+    subject: str
+    headers: dict[str, str] | None
+    data: bytes
+    seq: int
+    stream: str = ""
+    time: datetime | None = None
+
+    @property
+    def metadata(self) -> Msg.Metadata:
+        """Stream sequence and store time, in the shape of a delivered message's metadata."""
+        pair = Msg.Metadata.SequencePair(consumer=0, stream=self.seq)
+        when = self.time or datetime.fromtimestamp(0, UTC)
+        return Msg.Metadata(
+            sequence=pair, num_pending=0, num_delivered=1, timestamp=when, stream=self.stream, consumer=""
+        )
+
+
+async def read_range(
+    js: JetStreamContext, *, filter_subject: str, start_seq: int, end_seq: int, stream: str = EVENTS.name
+) -> AsyncIterator[StoredMsg]:
+    """Messages of ``stream`` matching ``filter_subject`` with ``start_seq <= seq <= end_seq``, in order.
+
+    Read with the stream's message-get API (``next_by_subj``), one request per message: the replayer's
+    recovery after a restart needs no consumer of its own, so its role may neither create nor delete one
+    (services/bus/durables.py).
+    """
+    seq = start_seq
+    while seq <= end_seq:
         try:
-            await js.delete_consumer(EVENTS.name, name)
-        except Exception as e:  # reaped by inactive_threshold anyway
-            log.debug("replay.read_range.cleanup", consumer=name, error=str(e))
+            msg = await js.get_msg(stream, seq, subject=filter_subject, next=True)
+        except NotFoundError:
+            return  # nothing left (the range's last messages were deleted by limits)
+        if msg.seq is None or msg.seq > end_seq:
+            return
+        yield StoredMsg(msg.subject or "", msg.headers, msg.data or b"", msg.seq, stream, msg.time)
+        seq = msg.seq + 1

@@ -62,6 +62,7 @@ def stream_config(spec: StreamSpec) -> StreamConfig:
         max_age=spec.max_age_s,
         duplicate_window=window,
         num_replicas=spec.replicas,
+        max_msg_size=spec.max_msg_bytes,  # enforced by the server too, not only by our Publisher
     )
 
 
@@ -71,7 +72,7 @@ def _plain(value: Any) -> Any:
 
 def _differences(have: StreamConfig, want: StreamConfig) -> dict[str, tuple[Any, Any]]:
     diffs: dict[str, tuple[Any, Any]] = {}
-    for field in ("subjects", "retention", "storage", "num_replicas"):
+    for field in ("subjects", "retention", "storage", "num_replicas", "max_msg_size"):
         a, b = _plain(getattr(have, field)), _plain(getattr(want, field))
         if field == "subjects":
             a, b = sorted(a or []), sorted(b or [])
@@ -127,6 +128,7 @@ async def ensure_streams(
                 max_age=want.max_age,
                 duplicate_window=want.duplicate_window,
                 num_replicas=want.num_replicas,
+                max_msg_size=want.max_msg_size,
             )
             await js.update_stream(updated)
             log.info("bus.stream.updated", stream=spec.name, changes={k: v[1] for k, v in diffs.items()})

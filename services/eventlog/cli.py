@@ -8,7 +8,11 @@
 Import verifies the whole file before it publishes anything: a damaged file is refused (exit 1) unless
 ``--partial`` is given, which publishes the records before the first damage, says how many and where
 the damage starts (on stderr), and exits 0. Every error is one line on stderr naming the file and, for
-damage, the byte offset; ``--debug`` raises it with its traceback instead.
+damage, the byte offset; ``--debug`` raises it with its traceback instead. Every record must be an event
+of the file's run that the replayer would admit (``services/eventlog/transfer.py``); one that is not (a
+record on the JetStream API, on another run's or another stream's subject, with a borrowed dedupe id) is
+refused in one line and nothing is imported. Import creates no stream: run it as the ``log-import`` NATS
+role (``--nats-nkey <dir>/log-import.nk``), which may publish events and nothing else.
 
 The file format is ``services/eventlog/fileformat.py``; export and import ``services/eventlog/transfer.py``;
 the summary ``services/eventlog/inspect.py``.

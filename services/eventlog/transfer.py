@@ -7,24 +7,43 @@ publishes the records before the first damage instead. Import republishes every 
 stores it once. ``run_id=NEWRUN`` rewrites subjects and each event's ``run_id``, and publishes under
 ``<event_id>@<NEWRUN>`` so a copy next to the original run on the same server is not mistaken for a
 duplicate of it. The file format is ``services/eventlog/fileformat.py``.
+
+A log file is input from outside, so import admits each record exactly as the replayer does
+(``protocol.codec.admit_event``: an event of the file's run on its own kind's events subject, its id
+``<episode_id>.<seq>``), and allows only the headers the Publisher writes, with a ``Nats-Msg-Id`` that is
+the event's own id: a record on any other subject (the JetStream API, another run's samples) or a dedupe id
+borrowed from another event raises :class:`ImportRefusedError` in the verification pass, before anything is
+published. Import creates nothing: it runs as the ``log-import`` role of permissions.json, which may publish
+events and read its own inbox (the acks), nothing else; ``leafe streams ensure`` makes the streams.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TypeVar
 
 import msgspec
 from nats.js import JetStreamContext
 
-from protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, ProtocolError, encode
+from protocol.codec import (
+    CODEC_HEADER,
+    CODEC_VERSION,
+    MSG_ID_HEADER,
+    Admission,
+    ProtocolError,
+    admit_event,
+    encode,
+)
 from protocol.events import EpisodeEvent
 from protocol.subjects import EVENTS, event_subject, validate_run_id
-from services.bus import Publisher, ensure_streams, read_stream
+from services.bus import Publisher, PublishError, read_stream
+from services.bus.streams import ENSURE_COMMAND
 from services.eventlog.fileformat import LogFile, LogRecord, LogWriter, decode_record, run_filter
 
 __all__ = [
+    "IMPORT_HEADERS",
+    "ImportRefusedError",
     "ImportStats",
     "export_run",
     "import_log",
@@ -34,6 +53,21 @@ __all__ = [
 ]
 
 R = TypeVar("R")
+IMPORT_HEADERS = frozenset({MSG_ID_HEADER, CODEC_HEADER})
+"""The only headers an imported record may carry: what the Publisher writes (``Nats-*`` headers such as
+``Nats-Expected-Last-Sequence`` or ``Nats-Rollup`` would steer JetStream itself)."""
+
+
+class ImportRefusedError(ProtocolError):
+    """A record of a log file that the replayer would not admit; nothing of the file was published."""
+
+    def __init__(self, path: Path, index: int, record: LogRecord, reason: str, category: str) -> None:
+        where = f"{path}: record {index} (seq {record.stream_seq}) on {record.subject[:200]!r}"
+        super().__init__(where, reason, category)
+        self.args = (f"{where} refused: {reason}; nothing was imported",)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class ImportStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,28 +118,64 @@ async def export_run(js: JetStreamContext, run_id: str, out: Path) -> int:
     return writer.count
 
 
-def _renamed(record: LogRecord, run_id: str) -> tuple[str, bytes, dict[str, str]]:
-    try:
-        event = decode_record(record)
-    except ProtocolError as e:
+def _admitted(record: LogRecord, source_run: str, admission: Admission) -> EpisodeEvent:
+    """The record's event if the replayer would admit it as an event of ``source_run`` (and its headers are
+    the Publisher's, with the event's own dedupe id); else :class:`ProtocolError`."""
+    what = "imported record"
+    extra = sorted(set(record.headers) - IMPORT_HEADERS)
+    if extra:
+        raise ProtocolError(what, f"header(s) {extra[:5]} (an event carries only {sorted(IMPORT_HEADERS)})")
+    event = admit_event(record.subject, record.headers, record.data, admission)
+    if event.run_id != source_run:
         raise ProtocolError(
-            f"record {record.subject} seq {record.stream_seq} (cannot rename its run)", e.reason
-        ) from None
+            what, f"an event of run {event.run_id!r} in a log of run {source_run!r}", "wrong_run"
+        )
+    msg_id = record.headers.get(MSG_ID_HEADER)
+    if msg_id not in (event.event_id, f"{event.event_id}@{event.run_id}"):
+        raise ProtocolError(
+            what,
+            f"{MSG_ID_HEADER} {str(msg_id)[:80]!r} is not the event's id {event.event_id!r}",
+            "forged_id",
+        )
+    return event
+
+
+def _renamed(event: EpisodeEvent, run_id: str) -> tuple[str, bytes, dict[str, str]]:
     event = msgspec.structs.replace(event, run_id=run_id)
     kind = type(event).__struct_config__.tag
-    headers = {**record.headers, MSG_ID_HEADER: f"{event.event_id}@{run_id}", CODEC_HEADER: CODEC_VERSION}
+    headers = {MSG_ID_HEADER: f"{event.event_id}@{run_id}", CODEC_HEADER: CODEC_VERSION}
     return event_subject(run_id, str(kind)), encode(event), headers
 
 
-async def import_log(
-    js: JetStreamContext, path: Path, *, run_id: str | None = None, partial: bool = False
-) -> ImportStats:
-    """Publish every record of ``path`` to ``LEAFE_EVENTS`` (creating streams as needed); idempotent.
+def _admit_all(
+    log_file: LogFile, records: int | None, admission: Admission
+) -> Iterator[tuple[LogRecord, EpisodeEvent]]:
+    """``(record, event)`` of the first ``records`` records (all when None), each admitted as an event of the
+    file's run; the first refusal raises :class:`ImportRefusedError`."""
+    source_run = log_file.header.run_id
+    for index, record in enumerate(log_file.records(limit=records), start=1):
+        try:
+            yield record, _admitted(record, source_run, admission)
+        except ProtocolError as e:
+            raise ImportRefusedError(log_file.path, index, record, e.reason, e.category) from None
 
-    The file is verified first: a damaged one raises :class:`LogFileError` before anything is
-    published, unless ``partial``, which publishes the records before the damage (``ImportStats.damage``
-    says what ended them). With ``run_id`` the records are moved to that run (subjects, payload
-    ``run_id``, dedupe id). Raises :class:`services.bus.PublishError` if any record was not acknowledged.
+
+async def import_log(
+    js: JetStreamContext,
+    path: Path,
+    *,
+    run_id: str | None = None,
+    partial: bool = False,
+    admission: Admission = Admission(),
+) -> ImportStats:
+    """Publish every record of ``path`` to ``LEAFE_EVENTS`` (which must exist); idempotent.
+
+    The file is verified first (checksums, trailer, and every record admitted as the replayer would,
+    with ``admission``): a damaged one raises :class:`LogFileError` and a hostile or foreign record
+    :class:`ImportRefusedError` before anything is published, unless ``partial``, which publishes the
+    records before the damage (``ImportStats.damage`` says what ended them; a refused record is never
+    skipped). With ``run_id`` the records are moved to that run (subjects, payload ``run_id``, dedupe id).
+    Raises :class:`services.bus.PublishError` if any record was not acknowledged.
     """
     if run_id is not None:
         validate_run_id(run_id)
@@ -116,20 +186,32 @@ async def import_log(
             f"nothing was imported (--partial would publish the {check.records} records before byte "
             f"{check.bytes})"
         )
-    await ensure_streams(js)
+    limit = None if check.error is None else check.records
+    for _ in _admit_all(log_file, limit, admission):
+        pass  # every record passes before the first is published
+    try:
+        stats = await _publish(js, log_file, limit, admission, run_id)
+    except PublishError as e:
+        if "NoStreamResponse" not in str(e):
+            raise
+        hint = f"; is there a stream {EVENTS.name}? (made by {ENSURE_COMMAND}; import creates nothing)"
+        raise PublishError(str(e) + hint, e.unacked, e.reasons) from None
+    return msgspec.structs.replace(
+        stats, bytes=check.bytes, damage=None if check.error is None else str(check.error)
+    )
+
+
+async def _publish(
+    js: JetStreamContext, log_file: LogFile, limit: int | None, admission: Admission, run_id: str | None
+) -> ImportStats:
     records = 0
     async with Publisher(js) as pub:
-        # an intact file is verified again as it is published (it could change between the passes)
-        for record in log_file.records(limit=None if check.error is None else check.records):
+        # verified and admitted again as it is published (the file could change between the passes)
+        for record, event in _admit_all(log_file, limit, admission):
             if run_id is None:
-                await pub.publish_raw(record.subject, record.data, dict(record.headers))
+                headers = {k: v for k, v in record.headers.items() if k in IMPORT_HEADERS}
+                await pub.publish_raw(record.subject, record.data, headers)
             else:
-                await pub.publish_raw(*_renamed(record, run_id))
+                await pub.publish_raw(*_renamed(event, run_id))
             records += 1
-    return ImportStats(
-        records=records,
-        stored=pub.acked - pub.duplicates,
-        duplicates=pub.duplicates,
-        bytes=check.bytes,
-        damage=None if check.error is None else str(check.error),
-    )
+    return ImportStats(records=records, stored=pub.acked - pub.duplicates, duplicates=pub.duplicates)

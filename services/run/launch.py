@@ -29,13 +29,21 @@ import tomli_w
 
 from learner.model_io import resolve_model
 from protocol.config import ConfigError, dump_config
-from services.bus import NatsOptions, add_nats_arguments, connect, ensure_streams, nats_options
+from services.bus import (
+    NatsOptions,
+    add_nats_arguments,
+    connect,
+    ensure_durables,
+    ensure_streams,
+    nats_options,
+)
 from services.bus.auth import load_permissions, nkey_users, role_options, write_role_keys
 from services.bus.nats_server import EmbeddedNats, free_port
 from services.config import tomlable
 from services.inference.auth import read_api_key
 from services.run.context import RunContext
 from services.run.supervisor import wait_http_ok
+from services.streams import durables_for_run
 from services.threads import free_cores, plan_threads
 
 __all__ = ["check_identity", "engine_threads", "prepare_run_dir", "start_infra", "start_pipeline"]
@@ -142,6 +150,15 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
     ctx.js = nc.jetstream()
     # the only place a run creates streams: before any service starts
     await ensure_streams(ctx.js, replicas=cfg.services.stream_replicas)
+    # ... and the run's durable consumers, which the services (their roles may not create one) bind
+    durables = durables_for_run(
+        cfg.run_id,
+        materializers=(cfg.materializer,),
+        actor=cfg.actor,
+        replayer=cfg.replayer,
+        learner=cfg.learner,
+    )
+    await ensure_durables(ctx.js, durables)
 
 
 async def engine_threads(ctx: RunContext, *, shared: bool) -> None:

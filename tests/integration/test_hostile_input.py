@@ -11,17 +11,20 @@ The 20k-episode flood and the 8 MiB samples are ``slow``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+from nats.js.errors import BadRequestError
 
 from actors.fake_episodes import EventWriter
 from learner.dataset import iter_samples
@@ -29,7 +32,7 @@ from learner.model_io import HFChatTokenizer, tiny_model_dir
 from protocol.codec import CODEC_HEADER, MSG_ID_HEADER, encode
 from protocol.config import ConfigError
 from protocol.events import EpisodeStarted, Step
-from protocol.subjects import MAX_PAYLOAD, event_subject
+from protocol.subjects import EVENTS, MAX_PAYLOAD, event_subject
 from services.bus import ERROR_HEADER, Publisher, connect, ensure_streams
 from services.bus.dead_letters import (
     ORIGINAL_BYTES_HEADER,
@@ -123,12 +126,24 @@ async def test_a_chain_of_1200_branches_is_folded_online_in_recovery_and_by_leaf
     )
 
 
+@contextlib.asynccontextmanager
+async def events_limit_lifted(js: Any) -> AsyncIterator[None]:
+    """LEAFE_EVENTS without its server-side 1 MiB limit (as a stream made before it was set), so that the
+    replayer's own limits, the second line, can be tested; `ensure_streams` puts the limit back."""
+    info = await js.stream_info(EVENTS.name)
+    await js.update_stream(info.config.evolve(max_msg_size=-1))
+    try:
+        yield
+    finally:
+        await ensure_streams(js)
+
+
 async def test_messages_at_the_servers_max_payload_are_dead_lettered_truncated_with_their_digest(
     js: Any, nats_url: str, run_id: str, tokenizer: HFChatTokenizer
 ) -> None:
-    """Undecodable bytes and a decodable Step, each exactly max_payload on the wire: their dead letters
-    would not fit, so they carry a truncated body, the original's seq, size and sha256; the replayer keeps
-    its connection and every valid sample flows."""
+    """Undecodable bytes and a decodable Step, each exactly max_payload on the wire (stored on a stream
+    without the events limit): their dead letters would not fit, so they carry a truncated body, the
+    original's seq, size and sha256; the replayer keeps its connection and every valid sample flows."""
     valid = make_log(run_id, tokenizer, episodes=4, groups=0)
     await publish(js, valid[:5])
     junk_headers = {MSG_ID_HEADER: f"{run_id}-junk", CODEC_HEADER: "1"}
@@ -142,10 +157,13 @@ async def test_messages_at_the_servers_max_payload_are_dead_lettered_truncated_w
         seq=1,
     )
     big_step = pad_to(ghost, "raw_text", total=MAX_PAYLOAD, headers=headers_of(ghost))
-    originals = {
-        await publish_raw(js, event_subject(run_id, "step"), junk, junk_headers): junk,
-        await publish_raw(js, event_subject(run_id, "step"), big_step, headers_of(ghost)): big_step,
-    }
+    with pytest.raises(BadRequestError, match="message size exceeds maximum allowed"):
+        await publish_raw(js, event_subject(run_id, "step"), junk, junk_headers)  # the server's own limit
+    async with events_limit_lifted(js):
+        originals = {
+            await publish_raw(js, event_subject(run_id, "step"), junk, junk_headers): junk,
+            await publish_raw(js, event_subject(run_id, "step"), big_step, headers_of(ghost)): big_step,
+        }
     await publish(js, valid[5:])
     async with Running(nats_url, run_id, "leafe", tokenizer) as r:
         await wait_for(r.settled(js, unfinished(valid)), what="all events acked")
@@ -197,12 +215,16 @@ async def test_a_rejected_event_whose_dead_letter_was_not_stored_is_dead_lettere
 async def test_an_episode_too_large_to_publish_is_refused_and_later_episodes_flow(
     js: Any, nats_url: str, run_id: str, tokenizer: HFChatTokenizer
 ) -> None:
-    """An EpisodeStarted with a 5.6 MB observation (its samples would exceed 8 MiB) is refused as over
-    the event limit, the rest of its episode with it; valid episodes published after it get samples."""
+    """An EpisodeStarted with a 5.6 MB observation (its samples would exceed 8 MiB) is refused by the
+    server; on a stream without that limit the replayer refuses it as over the event limit, the rest of its
+    episode with it; valid episodes published after it get samples."""
     valid = make_log(run_id, tokenizer, episodes=4, groups=0)
     huge = branch_chain(run_id, f"{run_id}-huge", depth=1, tau=0, observation="lorem ipsum " * 470_000)
     await publish(js, valid[:5])
-    seqs = await publish_each(js, huge)
+    with pytest.raises(BadRequestError, match="message size exceeds maximum allowed"):
+        await publish_each(js, huge[:1])
+    async with events_limit_lifted(js):
+        seqs = await publish_each(js, huge)
     await publish(js, valid[5:])
     async with Running(nats_url, run_id, "leafe", tokenizer) as r:
         await wait_for(r.settled(js, unfinished(valid)), what="all events acked")
@@ -242,12 +264,13 @@ async def test_a_sample_over_the_limit_is_dead_lettered_not_a_crash_loop(
 async def test_a_5_6_mb_observation_admitted_by_a_raised_event_limit_gives_dead_lettered_samples(
     js: Any, nats_url: str, run_id: str, tokenizer: HFChatTokenizer
 ) -> None:
-    """With the event limit raised to the server's, the 5.6 MB episode is folded; its samples (over
-    8 MiB) are dead-lettered, the replayer goes on, later episodes get their samples."""
+    """With the event limit raised to the server's (the stream's and the replayer's), the 5.6 MB episode is
+    folded; its samples (over 8 MiB) are dead-lettered, the replayer goes on, later episodes get theirs."""
     valid = make_log(run_id, tokenizer, episodes=3, groups=0)
     huge = branch_chain(run_id, f"{run_id}-huge", depth=1, tau=0, observation="lorem ipsum " * 470_000)
     await publish(js, valid[:4])
-    await publish_each(js, huge)
+    async with events_limit_lifted(js):
+        await publish_each(js, huge)
     await publish(js, valid[4:])
     async with Running(nats_url, run_id, "leafe", tokenizer, max_event_bytes=MAX_PAYLOAD - 65_536) as r:
         await wait_for(r.settled(js, unfinished(valid)), limit_s=180, what="all events acked")

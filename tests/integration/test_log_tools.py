@@ -90,6 +90,7 @@ async def test_export_then_import_into_a_fresh_server_gives_an_identical_log(
         nc = await connect(fresh.url)
         try:
             js = nc.jetstream()
+            await ensure_streams(js)  # the admin's job: import creates nothing
             stats = await import_log(js, tmp_path / "run.leafelog")
             assert (stats.records, stats.stored, stats.duplicates) == (len(events), len(events), 0)
             again = await import_log(js, tmp_path / "run.leafelog")

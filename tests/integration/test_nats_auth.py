@@ -21,9 +21,12 @@ from nats.js.errors import NotFoundError
 
 from protocol.subjects import EVENTS, SAMPLES, TASKS, WEIGHTS
 from services import actor_service, learner_service, replayer_service, weight_sync_service
-from services.bus import NatsOptions, connect, wait_for_streams
+from services.bus import NatsOptions, connect, ensure_durables, wait_for_streams
 from services.bus.auth import write_role_keys
+from services.bus.durables import DurableSpec, consumer_config
 from services.bus.nats_server import EmbeddedNats
+from services.bus.pull import Puller
+from services.streams import durables_for_run
 from tests.support.nats_auth import RoleClient, stored
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
@@ -149,6 +152,15 @@ DENIED = [
     ("weight-sync", "publish", "leafe.{run}.dead.leafe_tasks"),
     ("weight-sync", "create-consumer", WEIGHTS.name),
     ("weight-sync", "get-msg", EVENTS.name),
+    # inboxes: pull deliveries and JetStream API replies; each role reads only its own prefix
+    ("actor", "subscribe", "_INBOX_learner.>"),
+    ("actor", "subscribe", "_INBOX.>"),
+    ("actor", "subscribe", ">"),
+    ("replayer", "subscribe", "_INBOX_actor.>"),
+    ("learner", "subscribe", "_INBOX_replayer.*.*"),
+    ("weight-sync", "subscribe", "_INBOX_learner.>"),
+    ("log-import", "subscribe", "_INBOX_actor.>"),
+    ("log-import", "subscribe", "_INBOX.>"),
     *ADMINISTRATION,
 ]
 
@@ -226,3 +238,109 @@ async def test_each_service_may_read_the_streams_it_waits_for(
     async with RoleClient(nats_roles[role]) as client:
         await wait_for_streams(client.js, module.STREAMS_USED, timeout_s=5.0)
         assert client.violations == []
+
+
+async def test_each_role_pulls_and_asks_jetstream_through_its_own_inbox(
+    nats_roles: dict[str, NatsOptions], admin_client: RoleClient, run_id: str
+) -> None:
+    """Every service role's client makes its inboxes under ``_INBOX_<role>``, where its JetStream API
+    replies and pull deliveries arrive: the learner pulls a message through it, while the actor, listening
+    on the learner's prefix, is refused and sees nothing (it once read the learner's pulled samples on
+    ``_INBOX.>``)."""
+    for role, opts in nats_roles.items():
+        want = b"_INBOX" if role == "admin" else f"_INBOX_{role}".encode()
+        async with RoleClient(opts) as client:
+            assert bytes(client.nc._inbox_prefix) == want and client.nc.new_inbox().startswith(want.decode())
+            if role != "log-import":  # it may ask the JetStream API nothing at all
+                await client.js.stream_info(WEIGHTS.name if role != "replayer" else EVENTS.name)
+            assert client.violations == [], role
+    durable = f"inbox-{run_id}"[:60]
+    subject = f"leafe.{run_id}.samples.cf"
+    await admin_client.js.add_consumer(
+        SAMPLES.name,
+        ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.EXPLICIT, filter_subject=subject),
+    )
+    await admin_client.js.publish(subject, b"a learner's sample")
+    try:
+        async with RoleClient(nats_roles["actor"]) as spy, RoleClient(nats_roles["learner"]) as learner:
+            seen: list[bytes] = []
+
+            async def snoop(msg: Any) -> None:
+                seen.append(msg.data)
+
+            await spy.nc.subscribe("_INBOX_learner.>", cb=snoop)
+            assert await spy.violated("_INBOX_learner.>")
+            puller = Puller(learner.js, SAMPLES.name, durable)
+            await puller.start()
+            [msg] = await puller.pull(1, 2.0)
+            assert msg.data == b"a learner's sample" and msg.subject == subject
+            await msg.ack()
+            await puller.close()
+            await spy.nc.flush()
+            assert seen == [] and learner.violations == []
+    finally:
+        await admin_client.js.delete_consumer(SAMPLES.name, durable)
+
+
+def _changed(spec: DurableSpec, change: str) -> tuple[ConsumerConfig, str]:
+    """A create request that would rewrite ``spec``'s durable, and the API subject nats-py sends it on."""
+    config = consumer_config(spec)
+    if change == "max_deliver 1":
+        config.max_deliver = 1
+        return config, f"$JS.API.CONSUMER.CREATE.{spec.stream}.{spec.name}.{spec.filter_subject}"
+    if change == "no filter":
+        config.filter_subject = None
+        return config, f"$JS.API.CONSUMER.CREATE.{spec.stream}.{spec.name}"
+    config.name = None  # the legacy durable API
+    config.ack_wait = 1.0
+    return config, f"$JS.API.CONSUMER.DURABLE.CREATE.{spec.stream}.{spec.name}"
+
+
+@pytest.mark.parametrize(
+    ("role", "which", "change"),
+    [
+        ("actor", 0, "max_deliver 1"),
+        ("actor", 0, "no filter"),
+        ("actor", 0, "legacy ack_wait 1"),
+        ("replayer", 1, "max_deliver 1"),
+        ("replayer", 1, "delete"),
+        ("learner", 2, "no filter"),
+        ("learner", 2, "delete"),
+        ("replayer", 0, "delete"),
+    ],
+)
+async def test_no_service_may_change_or_delete_a_durable(
+    nats_roles: dict[str, NatsOptions],
+    admin_client: RoleClient,
+    run_id: str,
+    role: str,
+    which: int,
+    change: str,
+) -> None:
+    """The run's durables are the admin's (`leafe streams ensure --run`): an actor once set the shared task
+    durable's filter to nothing (the run starves) or max_deliver to 1 (tasks lost), and the replayer could
+    delete any run's durable. Now each attempt is refused and the durable stays exactly as made."""
+    specs = durables_for_run(run_id)
+    await ensure_durables(admin_client.js, specs)
+    spec = specs[which]
+    before = (await admin_client.js.consumer_info(spec.stream, spec.name)).config
+    async with RoleClient(nats_roles[role]) as client:
+        if change == "delete":
+            subject = f"$JS.API.CONSUMER.DELETE.{spec.stream}.{spec.name}"
+            with pytest.raises(NatsTimeoutError):
+                await client.probe.delete_consumer(spec.stream, spec.name)
+        else:
+            config, subject = _changed(spec, change)
+            with pytest.raises(NatsTimeoutError):
+                await client.probe.add_consumer(spec.stream, config)
+        assert await client.violated(subject), (role, change, client.violations)
+    after = (await admin_client.js.consumer_info(spec.stream, spec.name)).config
+    assert (
+        (after.filter_subject, after.max_deliver, after.ack_wait)
+        == (
+            before.filter_subject,
+            before.max_deliver,
+            before.ack_wait,
+        )
+        == (spec.filter_subject, -1, spec.ack_wait_s)
+    )

@@ -1,7 +1,9 @@
 """Each service's real code does its whole job under its own NATS role, on the session server running
 deploy/base/nats/permissions.json: the actor (its durable on the tasks, events, a dead letter, the weights
-announcements), the replayer (events, recovery readers after a crash, samples), the learner (samples, a push)
-and weight sync (the latest announcement and new ones), without one operation refused.
+announcements), the replayer (events, recovery reads after a crash, samples), the learner (samples, a push)
+and weight sync (the latest announcement and new ones), without one operation refused. The durables are the
+admin's (``leafe streams ensure --run``: :func:`services.streams.durables_for_run`); each service binds its
+own, waiting for it when it is not there yet.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ from protocol.subjects import replayer_durable as replayer_durable_name
 from protocol.tasks import TaskAssignment
 from services import replayer_service
 from services.actor_service import ActorService
-from services.bus import NatsOptions, Publisher, read_stream, wait_for_streams
+from services.bus import NatsOptions, Publisher, ensure_durables, read_stream, wait_for_streams
 from services.learner_service import OnlineLearner
 from services.replay import stream_events
 from services.replayer_service import Replayer, ReplayerConfig
+from services.streams import durables_for_run
 from services.weight_sync_service import WeightSync, WeightSyncConfig
 from tests.support.learner import make_sample, publish_samples
 from tests.support.nats_auth import RoleClient, stored
@@ -81,19 +84,24 @@ async def test_the_actor_serves_tasks_under_its_own_identity(
             await pub.publish(task_subject(run_id), task)
     async with RoleClient(nats_roles["learner"]) as learner, Publisher(learner.js) as pub:
         await pub.publish(weights_subject(run_id), _weights(run_id, "v000001"))
+    config = ActorServiceConfig(concurrency=2)
     async with RoleClient(nats_roles["actor"]) as client:
         service = ActorService(
             nc=client.nc,
             run_id=run_id,
             engine=ScriptedEngine(),
             tokenizer=ByteChatTokenizer(),
-            config=ActorServiceConfig(concurrency=2),
+            config=config,
             actor_id="least-privilege",
             env_factory=lambda name, **kw: CorridorEnv(),
             max_tasks=len(tasks),
             streams_timeout_s=5.0,
         )
-        stats = await asyncio.wait_for(service.run(), timeout=60)
+        running = asyncio.create_task(service.run())
+        await asyncio.sleep(1.0)  # the actor waits for its durable, as for its streams
+        assert not running.done()
+        await ensure_durables(admin_client.js, durables_for_run(run_id, actor=config))
+        stats = await asyncio.wait_for(running, timeout=60)
         assert client.violations == []
     assert (stats.done, stats.failed) == (2, 0)
     assert service.latest_weights == "v000001"
@@ -115,7 +123,7 @@ async def test_the_replayer_folds_and_recovers_under_its_own_identity(
     nats_roles: dict[str, NatsOptions], admin_client: RoleClient, run_id: str, tokenizer: HFChatTokenizer
 ) -> None:
     """As `replayer` (events published as `actor`): cancelled mid-stream and restarted (recovery reads the
-    unreleased episodes with ephemeral consumers), it publishes exactly the offline rebuild's samples;
+    unreleased episodes by sequence, with no consumer of its own), it publishes exactly the offline rebuild's samples;
     not one operation refused."""
     episodes = [
         build_explore_episode(
@@ -131,6 +139,7 @@ async def test_the_replayer_folds_and_recovers_under_its_own_identity(
     config = ReplayerConfig(
         materializer="leafe", model="tiny", batch=8, ack_wait_s=2.0, fetch_timeout_s=0.2, stale_check_s=0.5
     )
+    await ensure_durables(admin_client.js, durables_for_run(run_id, replayer=config))
     async with RoleClient(nats_roles["actor"]) as actor, RoleClient(nats_roles["replayer"]) as client:
         await publish_events(actor, events[:half])
         await wait_for_streams(client.js, replayer_service.STREAMS_USED, timeout_s=5.0)
@@ -214,6 +223,7 @@ async def test_the_learner_trains_and_pushes_under_its_own_identity(
         optim=OptimConfig(lr=1e-3), batch=BatchConfig(global_batch=8), retain_versions=1
     )
     cfg = LearnerConfig(trainer=trainer_cfg, ack_wait_s=6.0, max_batch_wait_s=0.5, stop_after_steps=1)
+    await ensure_durables(admin_client.js, durables_for_run(run_id, learner=cfg))
     learner = OnlineLearner(
         cfg,
         Executor(Trainer(cfg.trainer, tiny_dir, dist_env), tmp_path / "ckpt", keep_checkpoints=1),
@@ -243,3 +253,24 @@ async def _until_async(predicate: Callable[[], Awaitable[bool]], what: str) -> N
     while not await predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.1)
+
+
+async def test_offline_replay_reads_a_run_under_the_replayer_role(
+    nats_roles: dict[str, NatsOptions], run_id: str, tokenizer: HFChatTokenizer
+) -> None:
+    """`leafe replay` from the stream (the replay Job, as `replayer`): the run's events are read by sequence,
+    in order, with their stream sequence, though the role may not create the ephemeral consumer the admin's
+    export uses."""
+    spec = ExploreSpec(seed=1, max_depth=2, budget=8, horizon=3, p_success=0.5, reflect_every=2)
+    events = build_explore_episode(spec, run_id=run_id, episode_id=f"{run_id}-ep0", tokenizer=tokenizer)
+    async with RoleClient(nats_roles["actor"]) as actor, RoleClient(nats_roles["replayer"]) as client:
+        await publish_events(actor, events)
+        assert [e async for e in stream_events(client.js, run_id)] == events
+        seqs = [
+            m.metadata.sequence.stream
+            async for m in read_stream(
+                client.js, stream=EVENTS.name, filter_subject=f"leafe.{run_id}.events.>"
+            )
+        ]
+        assert len(seqs) == len(events) and seqs == sorted(seqs)
+        assert client.violations == []

@@ -16,7 +16,7 @@ from nats.js.errors import NotFoundError
 
 from protocol.subjects import STREAMS, WEIGHTS
 from services import streams
-from services.bus import StreamsMissingError, connect, ensure_streams, wait_for_streams
+from services.bus import StreamsMissingError, connect, ensure_streams, stream_config, wait_for_streams
 from services.bus.nats_server import EmbeddedNats
 
 pytestmark = pytest.mark.integration
@@ -96,5 +96,94 @@ def test_waiting_ends_when_the_admin_creates_the_streams(empty_server: EmbeddedN
         await ensure_streams(js)
         await asyncio.wait_for(waiting, 30)
         await nc.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_server_refuses_an_event_over_the_events_limit(empty_server: EmbeddedNats) -> None:
+    """LEAFE_EVENTS holds at most ``EVENTS.max_msg_bytes`` (1 MiB, headers included) on the server itself,
+    not only in the Publisher: a client that publishes raw is refused, and a stream made before the limit
+    existed gets it from the next `ensure`."""
+    import msgspec
+    from nats.js.errors import APIError
+
+    from protocol.subjects import EVENTS
+
+    async def scenario() -> None:
+        nc = await connect(empty_server.url)
+        try:
+            js = nc.jetstream()
+            old = msgspec.structs.replace(EVENTS, max_msg_bytes=-1)  # what the spec made before the limit
+            await js.add_stream(stream_config(old))
+            assert (await ensure_streams(js))[EVENTS.name] == "updated: max_msg_size"
+            info = await js.stream_info(EVENTS.name)
+            assert info.config.max_msg_size == EVENTS.max_msg_bytes == 1024 * 1024
+            await js.publish("leafe.r1.events.step", b"x" * (EVENTS.max_msg_bytes - 100))  # fits
+            with pytest.raises(APIError, match="message size exceeds maximum allowed"):
+                await js.publish("leafe.r1.events.step", b"x" * (EVENTS.max_msg_bytes + 1))
+        finally:
+            await nc.close()
+
+    asyncio.run(scenario())
+
+
+def test_ensure_with_a_run_makes_its_durables_which_a_service_binds_or_waits_for(
+    empty_server: EmbeddedNats, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ensure --run r1` makes the run's durables (then leaves them unchanged); a service role binds its
+    durable without creating it, waits for a missing one, and gives up naming the command that makes it."""
+    from nats.js.api import ConsumerConfig
+
+    from protocol.codec import decode_task
+    from protocol.subjects import TASKS
+    from services.bus import Consumer, NatsOptions
+    from services.bus.pull import ConsumerError
+
+    nats = ("--nats", empty_server.url)
+    durables = {"actors-r1": "created", "replayer-r1-leafe": "created", "learner-r1": "created"}
+    code, done = _streams(capsys, "ensure", *nats, "--run", "r1")
+    assert code == 0 and {k: v for k, v in done.items() if k in durables} == durables
+    code, done = _streams(capsys, "ensure", *nats, "--run", "r1")
+    assert code == 0 and {k: done[k] for k in durables} == dict.fromkeys(durables, "unchanged")
+
+    def task_consumer(js: object, durable: str) -> Consumer[object]:
+        return Consumer(
+            js,  # type: ignore[arg-type]
+            stream=TASKS.name,
+            durable=durable,
+            filter_subject=f"leafe.{durable.split('-')[1]}.tasks",
+            decode=decode_task,
+            dead_letter_subject="leafe.r1.dead.leafe_tasks",
+            ack_wait_s=5.0,
+            bind_timeout_s=3.0,
+        )
+
+    async def scenario() -> None:
+        admin = await connect(empty_server.url)
+        actor = await connect(NatsOptions(url=empty_server.url, inbox_prefix="_INBOX_actor"))
+        try:
+            bound = task_consumer(actor.jetstream(), "actors-r1")
+            await bound.start()  # the admin's durable: bound as it is (its ack_wait of 60 s adopted)
+            assert bound.ack_wait_s == 60.0
+            await bound.close()
+            late = task_consumer(actor.jetstream(), "actors-r2")
+            starting = asyncio.create_task(late.start())
+            await asyncio.sleep(0.5)
+            assert not starting.done()  # waiting: an actor may not create it
+            await admin.jetstream().add_consumer(
+                TASKS.name,
+                ConsumerConfig(
+                    durable_name="actors-r2", filter_subject="leafe.r2.tasks", max_ack_pending=4096
+                ),
+            )
+            await asyncio.wait_for(starting, 10)
+            await late.close()
+            with pytest.raises(ConsumerError, match="leafe streams ensure --run"):
+                await task_consumer(actor.jetstream(), "actors-r3").start()
+            with pytest.raises(NotFoundError):
+                await admin.jetstream().consumer_info(TASKS.name, "actors-r3")
+        finally:
+            await actor.close()
+            await admin.close()
 
     asyncio.run(scenario())

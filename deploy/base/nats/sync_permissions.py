@@ -7,8 +7,9 @@ after every change to permissions.json (stdlib only, from the repository root):
     python deploy/base/nats/sync_permissions.py           # rewrite authorization.conf
     python deploy/base/nats/sync_permissions.py --check   # exit 1 if authorization.conf is out of date
 
-Each role becomes one user named after the role, whose password is the variable ``<ROLE>_PASSWORD`` (e.g.
-``WEIGHT_SYNC_PASSWORD``), defined by the auth include that nats.conf reads first (Secret nats-auth).
+Each role becomes one nkey user whose public key is the variable ``<ROLE>_NKEY`` (e.g. ``WEIGHT_SYNC_NKEY``),
+an environment variable of nats-server from Secret nats-auth; the role's pods hold the matching seed (Secret
+leafe-nats-<role>, mounted as ``<role>.nk``), as ``leafe run`` gives each of its services one.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ TARGET = HERE / "authorization.conf"
 _HEADER = """\
 # GENERATED from permissions.json by sync_permissions.py: edit permissions.json, then run
 #   python deploy/base/nats/sync_permissions.py
-# (tests/unit/deploy checks that the two agree). One NATS user per service role, with exactly the subjects
-# that role uses; every password is a variable defined by the auth include (Secret nats-auth, auth.conf),
-# which nats.conf includes before this file.
+# (tests/unit/deploy checks that the two agree). One NATS nkey user per role, with exactly the subjects
+# that role uses; every public key is an environment variable <ROLE>_NKEY of nats-server (Secret nats-auth).
 """
 
 
@@ -44,7 +44,7 @@ def render(permissions: dict[str, dict[str, dict[str, list[str]]]]) -> str:
     lines.append("  users = [")
     for role in permissions:
         v = variable(role)
-        lines.append(f'    {{user: "{role}", password: ${v}_PASSWORD, permissions: ${v}_PERMISSIONS}}')
+        lines.append(f"    {{nkey: ${v}_NKEY, permissions: ${v}_PERMISSIONS}}")
     lines += ["  ]", "}", ""]
     return "\n".join(lines)
 

@@ -333,18 +333,21 @@ def test_inference_tier_survives_one_disruption(rendered: dict[str, Docs]) -> No
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_only_the_streams_job_administers_streams(rendered: dict[str, Docs], overlay: str) -> None:
     """`leafe streams ensure` runs once per apply as the NATS admin with the overlay's stream replicas as a
-    flag (no behaviour in environment variables); no long-running service uses the admin user."""
+    flag (no behaviour in environment variables); no long-running service uses the admin's nkey."""
     docs = rendered[overlay]
     job = container_named(docs, "leafe-streams", "streams")
     verb, args = leafe_invocation(job.argv)
     assert (verb, args[:3]) == ("streams", ["ensure", "--nats", "$(LEAFE_NATS_URL)"])
     assert args[3:5] == ["--stream-replicas", {"dev": "1", "gpu": "3"}[overlay]]
-    assert env_value(job, "LEAFE_NATS_USER") == "admin"
+    assert args[5:7] == ["--run", "$(LEAFE_RUN_ID)"]  # the run's durables too: no service may make one
+    assert env_value(job, "LEAFE_NATS_NKEY") == "/var/run/secrets/leafe/nats/admin.nk"
     config_maps = [d for d in docs if d["kind"] == "ConfigMap"]
     assert not any("STREAM_REPLICAS" in k for c in config_maps for k in c.get("data") or {})
     spec = find(docs, "Job", "leafe-streams")["spec"]
     assert spec["ttlSecondsAfterFinished"] > 0 and spec["backoffLimit"] >= 5
     admins = {
-        c.where for c in containers(docs) if any(e.get("value") == "admin" for e in c.spec.get("env") or [])
+        c.where
+        for c in containers(docs)
+        if any(str(e.get("value")).endswith("/admin.nk") for e in c.spec.get("env") or [])
     }
     assert admins == {job.where}

@@ -269,12 +269,12 @@ def test_learner_runs_under_a_valid_torchrun_launch(rendered: dict[str, Docs]) -
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
-def test_nats_clients_use_their_role_user_and_a_mounted_password_file(
+def test_nats_clients_use_their_role_nkey_seed_from_a_mounted_file(
     rendered: dict[str, Docs], name: str
 ) -> None:
-    """Each NATS-using container gets LEAFE_NATS_URL (no credentials) from ConfigMap leafe-nats, its role's
-    user in LEAFE_NATS_USER, and LEAFE_NATS_PASSWORD_FILE naming a file mounted from Secret
-    leafe-nats-<role>, key password."""
+    """Each NATS-using container gets LEAFE_NATS_URL (no credentials) from ConfigMap leafe-nats and
+    LEAFE_NATS_NKEY naming its role's seed file ``<role>.nk`` (the name gives the role's inbox prefix),
+    mounted from Secret leafe-nats-<role>, key seed; no user name or password."""
     docs, checked = rendered[name], 0
     for c in containers(docs):
         invocation = leafe_invocation(c.argv)
@@ -286,11 +286,12 @@ def test_nats_clients_use_their_role_user_and_a_mounted_password_file(
         assert {"configMapRef": {"name": find(docs, "ConfigMap", "leafe-nats")["metadata"]["name"]}} in (
             c.spec["envFrom"]
         ), c.where
-        assert env_value(c, "LEAFE_NATS_USER") == role, c.where
-        assert mounted_secret_file(c, env_value(c, "LEAFE_NATS_PASSWORD_FILE")) == (
-            f"leafe-nats-{role}",
-            "password",
-        ), c.where
+        seed_file = env_value(c, "LEAFE_NATS_NKEY")
+        assert seed_file == f"/var/run/secrets/leafe/nats/{role}.nk", c.where
+        assert mounted_secret_file(c, seed_file) == (f"leafe-nats-{role}", "seed"), c.where
+        assert not {"LEAFE_NATS_USER", "LEAFE_NATS_PASSWORD_FILE"} & {e["name"] for e in c.spec["env"]}, (
+            c.where
+        )
         assert not any("nats://" in a or "tls://" in a for a in c.argv), (
             f"{c.where}: a NATS URL in the command"
         )

@@ -34,7 +34,7 @@ from tests.support.policies import nats_allows, subject_matches
 
 Docs = list[dict[str, Any]]
 PERMISSIONS: dict[str, Any] = json.loads((DEPLOY / "base/nats/permissions.json").read_text(encoding="utf-8"))
-_USER = re.compile(r'\{user: "([^"]+)", password: \$(\w+), permissions: \$(\w+)\}')
+_USER = re.compile(r"\{nkey: \$(\w+)_NKEY, permissions: \$(\w+)\}")
 
 
 def _variable(role: str) -> str:
@@ -42,25 +42,27 @@ def _variable(role: str) -> str:
 
 
 def _parse_authorization(text: str) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
-    """``({ROLE_PERMISSIONS variable: permissions}, {user: (password variable, permissions variable)})``."""
+    """``({ROLE_PERMISSIONS variable: permissions}, {ROLE: (nkey variable, permissions variable)})``."""
     decoder = json.JSONDecoder()
     variables = {}
     for match in re.finditer(r"^\s*(\w+_PERMISSIONS) = ", text, re.MULTILINE):
         variables[match.group(1)], _ = decoder.raw_decode(text, match.end())
-    users = {m.group(1): (m.group(2), m.group(3)) for m in _USER.finditer(text)}
+    users = {m.group(1): (f"{m.group(1)}_NKEY", m.group(2)) for m in _USER.finditer(text)}
     return variables, users
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_server_authorization_equals_permissions_json(rendered: dict[str, Docs], overlay: str) -> None:
-    """The rendered authorization.conf defines one user per role of permissions.json, named after it, with a
-    password variable of its own and exactly the role's permissions; nats.conf includes it."""
+    """The rendered authorization.conf defines one nkey user per role of permissions.json, whose public key
+    is a variable of its own (<ROLE>_NKEY), with exactly the role's permissions; no password user is left;
+    nats.conf includes it."""
     docs = rendered[overlay]
     variables, users = _parse_authorization(config_map_value(docs, "nats-config", "authorization.conf"))
-    assert set(users) == set(PERMISSIONS)
+    text = config_map_value(docs, "nats-config", "authorization.conf")
+    assert set(users) == {_variable(role) for role in PERMISSIONS} and "password" not in text
     for role, perms in PERMISSIONS.items():
-        password, permissions = users[role]
-        assert (password, permissions) == (f"{_variable(role)}_PASSWORD", f"{_variable(role)}_PERMISSIONS")
+        nkey, permissions = users[_variable(role)]
+        assert (nkey, permissions) == (f"{_variable(role)}_NKEY", f"{_variable(role)}_PERMISSIONS")
         assert variables[permissions] == perms, role
     assert re.search(
         r"^include authorization\.conf$", config_map_value(docs, "nats-config", "nats.conf"), re.M
@@ -78,19 +80,26 @@ def test_the_generator_agrees_with_the_committed_authorization_conf() -> None:
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_every_user_the_manifests_use_is_a_role(rendered: dict[str, Docs], name: str) -> None:
-    """LEAFE_NATS_USER is always a role of permissions.json; dev generates every role's password on both
-    sides (server env and client Secret)."""
+    """LEAFE_NATS_NKEY always names a role's seed file (``<role>.nk``, a role of permissions.json); no client
+    uses a password; dev generates every role's nkey on both sides: the public key in the server's env, and
+    in the client Secret the seed of exactly that key."""
     docs = rendered[name]
     for c in containers(docs):
-        for e in c.spec.get("env") or []:
-            if e["name"] == "LEAFE_NATS_USER":
-                assert e["value"] in PERMISSIONS, c.where
+        names = {e["name"]: e.get("value") for e in c.spec.get("env") or []}
+        assert not {"LEAFE_NATS_USER", "LEAFE_NATS_PASSWORD_FILE"} & set(names), c.where
+        if "LEAFE_NATS_NKEY" in names:
+            assert Path(names["LEAFE_NATS_NKEY"]).name.removesuffix(".nk") in PERMISSIONS, c.where
     if name == "dev":
-        server = find(docs, "Secret", "nats-auth")["data"]
-        assert set(server) == {f"{_variable(role)}_PASSWORD" for role in PERMISSIONS}
+        import nkeys
+
+        server = {
+            k: base64.b64decode(v).decode() for k, v in find(docs, "Secret", "nats-auth")["data"].items()
+        }
+        assert set(server) == {f"{_variable(role)}_NKEY" for role in PERMISSIONS}
         for role in PERMISSIONS:
-            client = find(docs, "Secret", f"leafe-nats-{role}")["data"]["password"]
-            assert client == server[f"{_variable(role)}_PASSWORD"], role
+            seed = base64.b64decode(find(docs, "Secret", f"leafe-nats-{role}")["data"]["seed"])
+            public = nkeys.from_seed(bytearray(seed)).public_key.decode()
+            assert public == server[f"{_variable(role)}_NKEY"] and public.startswith("U"), role
     assert set(NATS_ROLES.values()) <= set(PERMISSIONS)
 
 
@@ -114,7 +123,7 @@ def _who(action: str, subject: str) -> set[str]:
 @pytest.mark.parametrize(
     ("action", "subject", "roles"),
     [
-        ("publish", "leafe.r1.events.step", {"actor", "admin"}),
+        ("publish", "leafe.r1.events.step", {"actor", "log-import", "admin"}),
         ("publish", "leafe.r1.tasks", {"admin"}),
         ("publish", "leafe.r1.samples.cf", {"replayer", "admin"}),
         ("publish", "leafe.r1.weights", {"learner", "admin"}),
@@ -124,23 +133,31 @@ def _who(action: str, subject: str) -> set[str]:
         ("subscribe", "leafe.r1.weights", {"actor", "weight-sync", "admin"}),
         ("subscribe", "leafe.r1.samples.cf", {"admin"}),
         ("subscribe", "leafe.r1.events.step", {"admin"}),
-        ("subscribe", "_INBOX.abc.1", set(PERMISSIONS)),
+        ("subscribe", "_INBOX.abc.1", {"admin"}),
+        *(("subscribe", f"_INBOX_{role}.abc.1", {role}) for role in PERMISSIONS if role != "admin"),
+        ("subscribe", "_INBOX_admin.abc.1", set()),
         ("publish", "$JS.API.STREAM.CREATE.LEAFE_EVENTS", {"admin"}),
         ("publish", "$JS.API.STREAM.UPDATE.LEAFE_TASKS", {"admin"}),
         ("publish", "$JS.API.STREAM.DELETE.LEAFE_WEIGHTS", {"admin"}),
         ("publish", "$JS.API.STREAM.PURGE.LEAFE_SAMPLES", {"admin"}),
         ("publish", "$JS.API.STREAM.MSG.DELETE.LEAFE_EVENTS", {"admin"}),
-        ("publish", "$JS.API.CONSUMER.CREATE.LEAFE_TASKS.actors-r1.leafe.r1.tasks", {"actor", "admin"}),
+        ("publish", "$JS.API.CONSUMER.CREATE.LEAFE_TASKS.actors-r1.leafe.r1.tasks", {"admin"}),
+        ("publish", "$JS.API.CONSUMER.CREATE.LEAFE_TASKS.actors-r1", {"admin"}),
+        ("publish", "$JS.API.CONSUMER.DURABLE.CREATE.LEAFE_TASKS.actors-r1", {"admin"}),
+        ("publish", "$JS.API.CONSUMER.CREATE.LEAFE_TASKS", {"admin"}),
+        ("publish", "$JS.API.CONSUMER.INFO.LEAFE_TASKS.actors-r1", {"actor", "admin"}),
         ("publish", "$JS.API.CONSUMER.MSG.NEXT.LEAFE_TASKS.actors-r1", {"actor", "admin"}),
         ("publish", "$JS.ACK.LEAFE_TASKS.actors-r1.1.2.3.4.5", {"actor", "admin"}),
         (
             "publish",
             "$JS.API.CONSUMER.CREATE.LEAFE_EVENTS.replayer-r1-leafe.leafe.r1.events.>",
-            {"replayer", "admin"},
+            {"admin"},
         ),
-        ("publish", "$JS.API.CONSUMER.DELETE.LEAFE_EVENTS.leafe-read-x", {"replayer", "admin"}),
+        ("publish", "$JS.API.CONSUMER.DELETE.LEAFE_EVENTS.leafe-read-x", {"admin"}),
+        ("publish", "$JS.API.STREAM.MSG.GET.LEAFE_EVENTS", {"replayer", "admin"}),
         ("publish", "$JS.ACK.LEAFE_EVENTS.replayer-r1-leafe.1.2.3.4.5", {"replayer", "admin"}),
-        ("publish", "$JS.API.CONSUMER.DELETE.LEAFE_SAMPLES.learner-r1", {"learner", "admin"}),
+        ("publish", "$JS.API.CONSUMER.DELETE.LEAFE_SAMPLES.learner-r1", {"admin"}),
+        ("publish", "$JS.API.CONSUMER.CREATE.LEAFE_SAMPLES.learner-r1.leafe.r1.samples.>", {"admin"}),
         ("publish", "$JS.API.CONSUMER.MSG.NEXT.LEAFE_SAMPLES.learner-r1", {"learner", "admin"}),
         ("publish", "$JS.API.STREAM.MSG.GET.LEAFE_WEIGHTS", {"actor", "weight-sync", "admin"}),
         ("publish", "$JS.API.CONSUMER.CREATE.LEAFE_WEIGHTS.x", {"admin"}),
@@ -185,7 +202,7 @@ def _openssl_certificate(directory: Path) -> None:
 def test_nats_config_is_accepted_by_nats_server(
     rendered: dict[str, Docs], overlay: str, tmp_path: Path
 ) -> None:
-    """The rendered nats-config (with its includes, TLS files where gpu reads them, every password variable
+    """The rendered nats-config (with its includes, TLS files where gpu reads them, every public nkey variable
     in the environment as nats-auth provides it) passes `nats-server -t`."""
     from services.bus.nats_server import find_nats_server
 
@@ -202,9 +219,13 @@ def test_nats_config_is_accepted_by_nats_server(
     if secrets:  # dev generates it; gpu expects it from the operator (deploy/README.md)
         env = {k: base64.b64decode(v).decode() for k, v in secrets[0]["data"].items()}
     else:
+        import nkeys
+
         env = {
-            f"{_variable(role)}_PASSWORD": "$2a$11$0123456789012345678901uABCDEFGHIJKLMNOPQRSTUVWXYZ0123"
-            for role in PERMISSIONS
+            f"{_variable(role)}_NKEY": nkeys.from_seed(
+                bytearray(nkeys.encode_seed(bytes([i]) * 32, nkeys.PREFIX_BYTE_USER))
+            ).public_key.decode()
+            for i, role in enumerate(PERMISSIONS)
         }
     proc = subprocess.run(
         [str(find_nats_server()), "-c", str(config_dir / "nats.conf"), "-t"],
@@ -221,4 +242,4 @@ def test_nats_config_is_accepted_by_nats_server(
         timeout=30,
         env={"POD_NAME": "nats-0"},
     )
-    assert missing.returncode != 0 and "ACTOR_PASSWORD" in missing.stdout + missing.stderr
+    assert missing.returncode != 0 and "ACTOR_NKEY" in missing.stdout + missing.stderr

@@ -169,7 +169,7 @@ def test_engine_clients_and_the_cpu_server_read_the_api_key_from_a_file(
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_secret_files_are_readable_by_the_pod_group_only(rendered: dict[str, Docs], name: str) -> None:
-    """Mounted credential Secrets (NATS passwords, API key) have mode 0440: root and the pod's fsGroup."""
+    """Mounted credential Secrets (NATS nkey seeds, API key) have mode 0440: root and the pod's fsGroup."""
     for _, template in pod_templates(rendered[name]):
         for volume in template["spec"].get("volumes") or []:
             secret = volume.get("secret")
@@ -195,7 +195,7 @@ def test_gpu_nats_uses_tls_for_clients_and_mutual_tls_for_routes(rendered: dict[
     ca = config_map_value(docs, "leafe-nats", "LEAFE_NATS_TLS_CA")
     for name in ("gpu", "gpu-replay"):
         for c in containers(rendered[name]):
-            if "LEAFE_NATS_USER" in {e["name"] for e in c.spec.get("env") or []}:
+            if "LEAFE_NATS_NKEY" in {e["name"] for e in c.spec.get("env") or []}:
                 assert mounted_secret_file(c, ca) == ("nats-tls", "ca.crt"), c.where
 
 

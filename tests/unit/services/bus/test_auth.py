@@ -97,3 +97,19 @@ def test_a_user_is_an_nkey_or_a_name_with_a_password() -> None:
         NatsUser(nkey="ABC", permissions={})
     with pytest.raises(ValueError, match="needs a password"):
         NatsUser(user="x", permissions={})
+
+
+def test_each_service_role_gets_an_inbox_prefix_of_its_own() -> None:
+    """``_INBOX_<role>`` from the user name or the seed file ``<role>.nk``; the admin and unknown identities
+    keep ``_INBOX``; an explicit prefix wins, and one that is not a subject prefix is refused."""
+    from services.bus.connection import NatsOptions, inbox_prefix
+
+    url = "nats://h:4222"
+    assert inbox_prefix(NatsOptions(url=url, user="actor", password_file="/p")) == "_INBOX_actor"
+    assert inbox_prefix(NatsOptions(url=url, nkey="/k/weight-sync.nk")) == "_INBOX_weight-sync"
+    assert inbox_prefix(NatsOptions(url=url, nkey="/k/admin.nk")) == "_INBOX"
+    assert inbox_prefix(NatsOptions(url=url, nkey="/k/me.seed")) == "_INBOX"
+    assert inbox_prefix(NatsOptions(url=url)) == "_INBOX"
+    assert inbox_prefix(NatsOptions(url=url, nkey="/k/actor.nk", inbox_prefix="_I.x")) == "_I.x"
+    with pytest.raises(ValueError, match="inbox_prefix"):
+        NatsOptions(url=url, inbox_prefix="_INBOX.>")

@@ -4,10 +4,11 @@ A run config names the model, the environment, how many tasks to explore and eva
 start, and carries each service's own config as a typed section (``[actor]`` is
 ``actors.config.ActorServiceConfig``, ``[replayer]`` ``ReplayerConfig``, ``[learner]``
 ``learner.config.LearnerConfig``), so one file configures the whole pipeline and every field is
-validated before anything starts. Presets: ``default`` (Sokoban, small, SmolLM2; ~6 min on 2 idle cores),
-``warmstart`` (demonstrations -> ``sft`` -> the online learner) and ``tiny`` (the tiny random model; the
-end-to-end test). Each preset's run id is its own name, so
-two presets never share a run directory.
+validated before anything starts. Presets: ``default`` (``make run``: warm start + one LEAFE round,
+Sokoban, SmolLM2), ``leafe`` and ``grpo`` (warm start + continual LEAFE or GRPO rounds with a learning
+curve), ``warmstart`` (demonstrations -> ``sft`` only), ``explore-only`` (one LEAFE pass from Base) and
+``tiny`` (the tiny random model; the end-to-end test). Each preset's run id is its own name, so two presets
+never share a run directory.
 """
 
 from __future__ import annotations
@@ -243,6 +244,20 @@ def _warm_learner(kinds: list[str]) -> dict[str, Any]:
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {
+        # make run: the whole method, small enough for 2 idle cores: the expert's demonstrations (warm
+        # start, sft), one round of LEAFE trees on 8 train rooms, a validation point after each, and
+        # Pass@k on 16 held-out test rooms before and after with a paired interval per k.
+        "materializer": "warm-leafe",
+        "budget_minutes": 12.0,
+        "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
+        "explore": {"tasks": 8, "rounds": 1, "demos": 96},
+        "online_eval": {"every_rounds": 1, "tasks": 8, "samples": 4, "ks": [1, 2, 4]},
+        "eval": {"tasks": 16, "samples": 4, "ks": [1, 2, 4]},
+        "actor": {"explorer": _EXPLORE, "rollout": _COMPACT},
+        "learner": _warm_learner(["sft", "cf", "reh"]),
+    },
+    "explore-only": {
+        # The one-pass LEAFE run from Base (the former default): 8 trees, no warm start.
         "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
         "explore": {"tasks": 8},
         "eval": {"tasks": 12, "samples": 8, "ks": [1, 2, 4, 8]},

@@ -34,9 +34,11 @@ def test_service_sections_are_typed_and_validated_up_front(tmp_path: Path) -> No
 
 def test_learner_section_starts_from_its_preset_and_the_durable_is_used() -> None:
     """[learner] fields override the ``learner_preset``'s trainer settings, the rest stays the preset's."""
-    cfg = resolve_run_config("default", overrides={"learner_preset": "paper", "learner.durable": "lrn-x"})
+    cfg = resolve_run_config(
+        "explore-only", overrides={"learner_preset": "paper", "learner.durable": "lrn-x"}
+    )
     assert cfg.learner.trainer.optim.lr == 1e-6  # paper
-    assert cfg.learner.trainer.batch.global_batch == 16  # the default preset's own override
+    assert cfg.learner.trainer.batch.global_batch == 16  # the preset's own override
     assert cfg.learner.durable == "lrn-x"
 
 
@@ -51,3 +53,16 @@ def test_materializer_and_learner_kinds_must_agree() -> None:
         resolve_run_config("tiny", overrides={"replayer.materializer": "rft"})
     with pytest.raises(ConfigError, match="unknown preset 'huge'"):
         resolve_run_config("huge")
+
+
+def test_the_validation_slice_is_disjoint_from_the_pool_and_the_demonstrations() -> None:
+    """The learning curve is measured on train tasks nothing trains on: by default right after the pool
+    and the demonstrations; an offset overlapping either is refused naming both ranges."""
+    cfg = resolve_run_config("leafe")
+    start, _ = cfg.validation_slice()
+    assert start >= max(cfg.explore.offset + cfg.explore.tasks, cfg.explore.demo_offset + cfg.explore.demos)
+    for offset, what in ((4, "explore pool"), (90, "demonstrations")):
+        with pytest.raises(ConfigError, match=what):
+            resolve_run_config("leafe", overrides={"online_eval.offset": offset})
+    with pytest.raises(ConfigError, match="every k must be <= samples"):
+        resolve_run_config("leafe", overrides={"online_eval.ks": [1, 8]})

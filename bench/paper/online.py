@@ -1,0 +1,175 @@
+"""The online comparison: ``leafe run`` directories side by side (online LEAFE vs online GRPO, ...).
+
+Each run directory holds ``report.json`` (``services/run/report.py``). This script puts their final
+held-out evaluations side by side with paired bootstrap intervals (the runs must have evaluated the same
+tasks with the same seeds: the presets do), their learning curves in one figure, and where each run's time
+went: episodes, samples and learner steps per minute, pushes, the mean policy lag of trained samples.
+
+    .venv/bin/python -m bench.paper.online runs/leafe runs/grpo --out bench/results/online_table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from actors.passk import paired_difference
+from learner.weight_store import version_index
+
+__all__ = ["compare_runs", "main", "throughput"]
+
+
+def _final_eval(report: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    after = [label for label in report["evals"] if label.startswith("after-")]
+    if not after:
+        raise ValueError(f"run {report['run_id']!r} has no after-evaluation")
+    return after[-1], report["evals"][after[-1]]
+
+
+def _mean_lag(histogram: dict[str, int]) -> float | None:
+    """Mean policy lag from the report's per-bucket counts (a bucket ``lo-hi`` counts as its middle)."""
+    total = sum(histogram.values())
+    if not total:
+        return None
+    acc = 0.0
+    for name, n in histogram.items():
+        if name.startswith(">"):
+            mid = float(name[1:]) + 1
+        elif "-" in name:
+            lo, hi = name.split("-")
+            mid = (float(lo) + float(hi)) / 2
+        else:
+            mid = float(name)
+        acc += mid * n
+    return round(acc / total, 2)
+
+
+def throughput(report: dict[str, Any]) -> dict[str, Any]:
+    """Where a run's time went."""
+    minutes = max(1e-9, report["timings"].get("total", 0.0) / 60)
+    run = report["run"]
+    samples = sum(run["samples"].values())
+    episodes = sum(r["episodes"] for r in report.get("rounds", [])) or run["episodes"]
+    return {
+        "wall_min": round(minutes, 1),
+        "stage_s": report["timings"],
+        "episodes_per_min": round(episodes / minutes, 2),
+        "samples_per_min": round(samples / minutes, 2),
+        "learner_steps_per_min": round(run["learner_step"] / minutes, 2),
+        "pushes": version_index(run["weights_version"]) or 0,
+        "mean_policy_lag": _mean_lag(report.get("policy_lag", {})),
+        "stale_dropped": report.get("stale_dropped", 0),
+        "samples": run["samples"],
+    }
+
+
+def compare_runs(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Final Pass@k per run, each pair's paired difference per k, and each run's throughput."""
+    finals = {name: _final_eval(r) for name, r in reports.items()}
+    rows = {
+        name: {
+            "label": label,
+            "passk": ev["passk"],
+            "before": reports[name]["evals"].get("before", {}).get("passk"),
+        }
+        for name, (label, ev) in finals.items()
+    }
+    names = list(reports)
+    pairs = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            ea, eb = finals[a][1], finals[b][1]
+            if sorted(ea["successes"]) != sorted(eb["successes"]):
+                raise ValueError(f"{a} and {b} evaluated different tasks: no paired comparison")
+            ks = sorted({int(k) for k in ea["passk"]} & {int(k) for k in eb["passk"]})
+            for k in ks:
+                d = paired_difference(ea["successes"], eb["successes"], k)
+                verdict = (
+                    "tie (within noise)"
+                    if d.within_noise
+                    else (f"{a} better" if d.diff > 0 else f"{b} better")
+                )
+                pairs.append(
+                    {"a": a, "b": b, "k": k, "diff": d.diff, "lo": d.lo, "hi": d.hi, "verdict": verdict}
+                )
+    return {
+        "rows": rows,
+        "pairs": pairs,
+        "throughput": {name: throughput(r) for name, r in reports.items()},
+        "curves": {name: r.get("curve", []) for name, r in reports.items()},
+    }
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    ks = sorted({int(k) for row in result["rows"].values() for k in row["passk"]})
+    lines = ["# Online runs side by side", "", "| run | " + " | ".join(f"Pass@{k}" for k in ks) + " |"]
+    lines.append("|---|" + "---|" * len(ks))
+    for name, row in result["rows"].items():
+        cells = [f"{100 * float(row['passk'].get(str(k), row['passk'].get(k, 0.0))):.1f}" for k in ks]
+        lines.append(f"| {name} ({row['label']}) | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "| comparison | k | difference (points) | 95% interval | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for p in result["pairs"]:
+        lines.append(
+            f"| {p['a']} - {p['b']} | {p['k']} | {100 * p['diff']:+.1f} | [{100 * p['lo']:+.1f}, "
+            f"{100 * p['hi']:+.1f}] | {p['verdict']} |"
+        )
+    lines += [
+        "",
+        "| run | min | episodes/min | samples/min | learner steps/min | pushes | mean lag | stale |",
+    ]
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for name, t in result["throughput"].items():
+        lines.append(
+            f"| {name} | {t['wall_min']} | {t['episodes_per_min']} | {t['samples_per_min']} | "
+            f"{t['learner_steps_per_min']} | {t['pushes']} | {t['mean_policy_lag']} | {t['stale_dropped']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _plot(result: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, points in result["curves"].items():
+        if points:
+            ax.plot(
+                [p["wall_s"] / 60 for p in points],
+                [100 * p["passk"]["1"] for p in points],
+                marker="o",
+                label=name,
+            )
+    ax.set_xlabel("wall time (min)")
+    ax.set_ylabel("validation Pass@1 (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", type=Path, help="leafe run directories (each with report.json)")
+    p.add_argument("--out", type=Path, required=True, help="output stem: writes .md, .json and .png")
+    args = p.parse_args(argv)
+    reports = {d.name: json.loads((d / "report.json").read_text()) for d in args.runs}
+    result = compare_runs(reports)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(_markdown(result))
+    _plot(result, args.out.with_suffix(".png"))
+    print(_markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

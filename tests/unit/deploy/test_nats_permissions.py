@@ -161,6 +161,7 @@ def _who(action: str, subject: str) -> set[str]:
         ("publish", "$JS.API.CONSUMER.MSG.NEXT.LEAFE_SAMPLES.learner-r1", {"learner", "admin"}),
         ("publish", "$JS.API.STREAM.MSG.GET.LEAFE_WEIGHTS", {"actor", "weight-sync", "admin"}),
         ("publish", "$JS.API.CONSUMER.CREATE.LEAFE_WEIGHTS.x", {"admin"}),
+        ("publish", "$JS.FC.LEAFE_EVENTS.abc.def", {"admin"}),  # ordered consumers' flow control
     ],
 )
 def test_each_role_may_do_exactly_its_part(action: str, subject: str, roles: set[str]) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from protocol.subjects import events_filter
@@ -29,7 +27,7 @@ async def test_an_ordered_follower_reads_a_long_log_as_the_admin(
         while got < n:
             await sub.next_msg(timeout=10.0)
             got += 1
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
     finally:
         await sub.unsubscribe()

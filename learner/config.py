@@ -70,6 +70,11 @@ class OptimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Steps of the cosine schedule; 0 = the offline trainer computes it from the data and epochs."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
+    scale_partial_batches: bool = False
+    """A step on fewer samples than ``global_batch`` uses ``lr * samples / global_batch``. AdamW's step size
+    does not shrink with the batch, so without this one sample taken after ``max_batch_wait_s`` moves the
+    weights as far as a full batch, in a far noisier direction. Off for offline training (only an epoch's
+    last batch is partial; reproductions stay bit-identical); on in ``leafe run``'s warm-start presets."""
 
 
 class BatchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

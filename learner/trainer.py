@@ -225,7 +225,7 @@ class Trainer:
 
         tokens = kind_tokens(items)
         plan = plan_micro_batches(items, self.env.world_size, self.config.batch)
-        lr = float(self.scheduler.get_last_lr()[0])
+        lr = float(self.scheduler.get_last_lr()[0]) * self._lr_scale(len(items))
         sums = StepSums()
         for m, shares in enumerate(plan):
             mb = self._collate([items[i] for i in shares[self.env.rank]])
@@ -233,16 +233,29 @@ class Trainer:
             sums += self._micro_step(mb, tokens)
         grad_norm = 0.0
         if plan:
-            grad_norm = self._clip_and_step()
+            grad_norm = self._clip_and_step(self._lr_scale(len(items)))  # == lr above / the schedule's
         sums = sums.all_reduce(self.env)
         return self._stats(sums, tokens, items, skipped, len(plan), grad_norm, lr, time.perf_counter() - t0)
 
-    def _clip_and_step(self) -> float:
+    def _lr_scale(self, samples: int) -> float:
+        """``samples / global_batch`` for a partial batch when ``scale_partial_batches``, else 1."""
+        full = self.config.batch.global_batch
+        if not self.config.optim.scale_partial_batches or samples >= full:
+            return 1.0
+        return samples / full
+
+    def _clip_and_step(self, lr_scale: float = 1.0) -> float:
         max_norm = self.config.optim.max_grad_norm
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
         full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        if lr_scale != 1.0:  # this step only: the schedule's own lr is restored before it advances
+            for group in self.optimizer.param_groups:
+                group["lr"] *= lr_scale
         self.optimizer.step()
+        if lr_scale != 1.0:
+            for group in self.optimizer.param_groups:
+                group["lr"] /= lr_scale
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1

@@ -196,3 +196,26 @@ def test_grpo_with_kl_reports_a_growing_kl_to_the_reference(dist_env, tiny_dir: 
     second = trainer.train_step(batch)
     assert first.kl == pytest.approx(0.0, abs=1e-7)
     assert second.kl is not None and second.kl > 0
+
+
+def test_a_partial_batch_takes_a_proportionally_smaller_step_when_asked(dist_env, tiny_dir: Path) -> None:
+    """``scale_partial_batches``: one sample of a global batch of 8 moves every weight 1/8 as far as the
+    same step unscaled (AdamW's first step is lr * sign-like, whatever the batch); a full batch is
+    unchanged, and the schedule's lr is back in place for the next step."""
+    import msgspec
+
+    one = make_samples(1)
+    deltas = {}
+    for scale in (False, True):
+        cfg = _cfg()
+        cfg = msgspec.structs.replace(
+            cfg, optim=msgspec.structs.replace(cfg.optim, warmup_steps=0, scale_partial_batches=scale)
+        )
+        trainer = Trainer(cfg, tiny_dir, dist_env)
+        before = _params(trainer)
+        stats = trainer.train_step(one)
+        after = _params(trainer)
+        deltas[scale] = torch.cat([(after[k] - before[k]).flatten() for k in before]).abs().sum()
+        assert stats.lr == pytest.approx(1e-3 / (8 if scale else 1))
+        assert trainer.scheduler.get_last_lr()[0] == pytest.approx(trainer.optimizer.param_groups[0]["lr"])
+    assert float(deltas[True] / deltas[False]) == pytest.approx(1 / 8, rel=0.02)

@@ -7,25 +7,30 @@ set -euo pipefail
 src=$(git rev-parse --show-toplevel)
 commit=$(git -C "$src" rev-parse --short HEAD)
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+logs="$src/runs/readme-times"  # the logs and make run's run directory are kept here (runs/ is not tracked)
+rm -rf "$logs" && mkdir -p "$logs"
+trap 'cp -r "$work/leafe/runs/default" "$logs/" 2>/dev/null; rm -rf "$work"' EXIT
 git clone -q "$src" "$work/leafe"
 cd "$work/leafe"
 # The set-up reuses the machine's pip cache like a second clone would; the model cache is the clone's own.
 t0=$(date +%s); make setup >/dev/null; t1=$(date +%s)
 .venv/bin/python -c "from learner.model_io import default_model_dir; default_model_dir()" >/dev/null 2>&1 || true
-t2=$(date +%s); make run ARGS="--no-live" > "$work/run.log" 2>&1; t3=$(date +%s)
-t4=$(date +%s); make test > "$work/test.log" 2>&1; t5=$(date +%s)
+t2=$(date +%s); run_rc=0; make run ARGS="--no-live" > "$logs/run.log" 2>&1 || run_rc=$?; t3=$(date +%s)
+t4=$(date +%s); test_rc=0; make test > "$logs/test.log" 2>&1 || test_rc=$?; t5=$(date +%s)
 report=runs/default/report.json
-python3 - "$src/bench/results/readme_times.json" "$commit" "$((t1 - t0))" "$((t3 - t2))" "$((t5 - t4))" "$report" <<'PY'
+python3 - "$src/bench/results/readme_times.json" "$commit" "$((t1 - t0))" "$((t3 - t2))" "$((t5 - t4))" "$report" "$run_rc" "$test_rc" "$logs/test.log" <<'PY'
 import datetime, json, os, sys
-out, commit, setup, run, test, report = sys.argv[1:]
+out, commit, setup, run, test, report, run_rc, test_rc, test_log = sys.argv[1:]
+summary = [line for line in open(test_log).read().splitlines() if " passed" in line or "FAILED" in line][-12:]
 r = json.load(open(report)) if os.path.exists(report) else {}
 passk = {c["k"]: [c["diff"], c["lo"], c["hi"]] for c in r.get("comparisons", [])}
 data = {
     "date": datetime.date.today().isoformat(), "commit": commit, "cores": os.cpu_count(),
     "loadavg_before": os.getloadavg(), "setup_s": int(setup), "make_run_s": int(run), "make_test_s": int(test),
     "make_run_stage_s": r.get("timings", {}), "make_run_passk_diff": passk,
+    "make_run_rc": int(run_rc), "make_test_rc": int(test_rc), "make_test_summary": summary,
 }
 json.dump(data, open(out, "w"), indent=1)
 print(json.dumps(data, indent=1))
 PY
+exit $(( run_rc || test_rc ))

@@ -234,7 +234,7 @@ def _warm_learner(kinds: list[str]) -> dict[str, Any]:
         "kinds": kinds,
         "max_batch_wait_s": 10.0,
         "trainer": {
-            "optim": {"lr": 5e-5},
+            "optim": {"lr": 5e-5, "scale_partial_batches": True},
             "push_every": 4,
             "checkpoint_every": 4,
             "batch": {"global_batch": 16},

@@ -49,56 +49,53 @@ def lag_histogram(cumulative: Mapping[str, float]) -> dict[str, int]:
     return out
 
 
-def plot_curve(points: Sequence[Mapping[str, Any]], out: Path, *, title: str = "Learning curve") -> Path:
-    """Pass@k and unparseable answers on the validation slice against the learner step."""
+def _axes() -> tuple[Any, Any]:
+    """A headless (Agg) figure and its axes, the size every report figure has."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt.subplots(figsize=(6, 4))
+
+
+def _finish(fig: Any, ax: Any, out: Path, *, xlabel: str, ylabel: str, title: str) -> Path:
+    """Percent axis 0..100, grid, legend; saved to ``out`` and closed."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 100)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_curve(points: Sequence[Mapping[str, Any]], out: Path, *, title: str = "Learning curve") -> Path:
+    """Pass@k and unparseable answers on the validation slice against the learner step."""
     steps = [int(p["learner_step"]) for p in points]
     rows: list[dict[int, float]] = [{int(k): float(v) for k, v in p["passk"].items()} for p in points]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _axes()
     for k in sorted({k for row in rows for k in row}):
         ax.plot(steps, [100 * row.get(k, 0.0) for row in rows], marker="o", label=f"Pass@{k}")
     unparseable = [100 * float(p["parse_failure_rate"]) for p in points]
     ax.plot(steps, unparseable, "k--", marker="x", label="unparseable")
-    ax.set_xlabel("learner step")
-    ax.set_ylabel("% on the validation slice")
-    ax.set_ylim(0, 100)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _finish(fig, ax, out, xlabel="learner step", ylabel="% on the validation slice", title=title)
 
 
 def plot_passk(table: Mapping[str, Mapping[int, float]], out: Path, *, title: str = "Pass@k") -> Path:
     """Pass@k curves (log2 k on x), one line per model/method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _axes()
     for name, row in table.items():
         ks = sorted(row)
         ax.plot(ks, [100 * row[k] for k in ks], marker="o", label=name)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("k")
-    ax.set_ylabel("Pass@k (%)")
-    ax.set_ylim(0, 100)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _finish(fig, ax, out, xlabel="k", ylabel="Pass@k (%)", title=title)
 
 
 def plot_tree(events: Sequence[EpisodeEvent], out: Path) -> Path:

@@ -49,11 +49,13 @@ EngineFactory = Callable[..., GenerationEngine]
 
 @pytest.fixture
 def make_engine(tokenizer: Any, sharp_state: dict[str, torch.Tensor]) -> Iterator[EngineFactory]:
-    """``make_engine(cache_tokens=None, max_batch=16)``: a started engine over the peaked tiny model
-    (``cache_tokens=None``: no prefix cache); stopped after the test."""
+    """``make_engine(cache_tokens=None, max_batch=16, batch_wait_s=0.005)``: a started engine over the peaked
+    tiny model (``cache_tokens=None``: no prefix cache); stopped after the test."""
     engines: list[GenerationEngine] = []
 
-    def make(cache_tokens: int | None = None, max_batch: int = 16) -> GenerationEngine:
+    def make(
+        cache_tokens: int | None = None, max_batch: int = 16, batch_wait_s: float = 0.005
+    ) -> GenerationEngine:
         model = load_model(tiny_model_dir())
         model.load_state_dict(sharp_state)
         engine = GenerationEngine(
@@ -61,6 +63,7 @@ def make_engine(tokenizer: Any, sharp_state: dict[str, torch.Tensor]) -> Iterato
             StopChecker(tokenizer, frozenset({int(tokenizer.eos_token_id)})),
             pad_id=int(tokenizer.pad_token_id),
             max_batch=max_batch,
+            batch_wait_s=batch_wait_s,
             prefix_cache=PrefixCache(cache_tokens) if cache_tokens else None,
         )
         engine.start()

@@ -88,7 +88,9 @@ def test_concurrent_requests_sharing_prefixes(make_engine: EngineFactory) -> Non
         *(tokens(n, seed=50 + n) for n in (7, 26, 61)),
     ]
     cold = alone(make_engine(cache_tokens=None), prompts, 10)
-    engine = make_engine(cache_tokens=10_000)
+    # A wide admission window: the 12 requests are submitted one by one, and on a loaded machine the test
+    # thread can take longer than the default 5 ms to submit them (the 4 identical ones then split).
+    engine = make_engine(cache_tokens=10_000, batch_wait_s=0.5)
     generate(engine, [[*shared, 7]], 2)  # caches the shared prefix
     before = engine.stats.shared_tokens
     warm = generate(engine, prompts, 10)

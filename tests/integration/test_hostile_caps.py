@@ -12,15 +12,13 @@ offline rebuild, and a second redrive publishes nothing.
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from actors.fake_episodes import EventWriter
-from learner.model_io import HFChatTokenizer, tiny_model_dir
+from learner.model_io import HFChatTokenizer
 from protocol.events import EpisodeEvent, EpisodeFinished, EpisodeStarted, Outcome, Step
-from services.bus import connect, ensure_streams
 from services.replay import stream_event_count
 from tests.support.hostile import flood_starts, publish_each, started_fields, step_fields
 from tests.support.replaying import (
@@ -35,21 +33,6 @@ from tests.support.replaying import (
 )
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(cache_dir: Path) -> HFChatTokenizer:
-    """The tiny model's tokenizer (SmolLM2's, 49,152 ids)."""
-    return HFChatTokenizer.from_dir(tiny_model_dir(cache_dir))
-
-
-@pytest.fixture
-async def js(nats_url: str) -> Any:
-    """A JetStream context on its own connection, streams ensured."""
-    nc = await connect(nats_url)
-    await ensure_streams(nc.jetstream())
-    yield nc.jetstream()
-    await nc.close()
 
 
 def one_step_episode(run_id: str, name: str, token_ids: list[int]) -> list[EpisodeEvent]:

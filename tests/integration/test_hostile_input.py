@@ -33,7 +33,7 @@ from protocol.codec import CODEC_HEADER, MSG_ID_HEADER, encode
 from protocol.config import ConfigError
 from protocol.events import EpisodeStarted, Step
 from protocol.subjects import EVENTS, MAX_PAYLOAD, event_subject
-from services.bus import ERROR_HEADER, Publisher, connect, ensure_streams
+from services.bus import ERROR_HEADER, Publisher, ensure_streams
 from services.bus.dead_letters import (
     ORIGINAL_BYTES_HEADER,
     ORIGINAL_SEQ_HEADER,
@@ -75,21 +75,6 @@ from tests.support.replaying import (
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(cache_dir: Path) -> HFChatTokenizer:
-    """The tiny model's tokenizer (SmolLM2's), shared by the log builders and the folds."""
-    return HFChatTokenizer.from_dir(tiny_model_dir(cache_dir))
-
-
-@pytest.fixture
-async def js(nats_url: str) -> Any:
-    """A JetStream context on its own connection, streams ensured."""
-    nc = await connect(nats_url)
-    await ensure_streams(nc.jetstream())
-    yield nc.jetstream()
-    await nc.close()
 
 
 async def test_a_chain_of_1200_branches_is_folded_online_in_recovery_and_by_leafe_replay(

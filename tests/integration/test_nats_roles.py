@@ -114,11 +114,6 @@ async def test_the_actor_serves_tasks_under_its_own_identity(
     assert (info.num_pending, info.num_ack_pending) == (0, 0)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_dir: Path) -> HFChatTokenizer:
-    return HFChatTokenizer.from_dir(tiny_dir)
-
-
 async def test_the_replayer_folds_and_recovers_under_its_own_identity(
     nats_roles: dict[str, NatsOptions], admin_client: RoleClient, run_id: str, tokenizer: HFChatTokenizer
 ) -> None:

@@ -38,12 +38,6 @@ from tests.support.replaying import (
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(cache_dir: Path) -> HFChatTokenizer:
-    """The tiny model's tokenizer (SmolLM2's), shared by the log builder and the folds."""
-    return HFChatTokenizer.from_dir(tiny_model_dir(cache_dir))
-
-
 @pytest.mark.parametrize("name", ["leafe", "grpo"])
 async def test_replayer_killed_and_restarted_matches_offline_rebuild(
     nats_url: str, run_id: str, name: str, tokenizer: HFChatTokenizer

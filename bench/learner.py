@@ -41,7 +41,6 @@ import copy
 import json
 import os
 import platform
-import random
 import statistics
 import sys
 import tempfile
@@ -55,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from actors.client import SGLangClient
+from bench.learner_samples import MAX_COMPLETION, MAX_PROMPT, agent_samples
 from learner.batching import MicroBatch
 from learner.config import BatchConfig, OptimConfig, TrainerConfig
 from learner.distributed import DistEnv, init_distributed
@@ -63,7 +63,7 @@ from learner.losses import token_logprobs
 from learner.model_io import resolve_model
 from learner.trainer import Trainer
 from protocol import WeightsPublished, weights_subject
-from protocol.samples import ChatMessage, Sample
+from protocol.samples import Sample
 from services.bus import Publisher, connect, ensure_streams
 from services.bus.nats_server import EmbeddedNats
 from services.inference.server import InferenceConfig, InferenceServer
@@ -77,35 +77,6 @@ SIZES = {  # mode -> throughput model, samples, global batch, micro-batch token 
     "quick": ("tiny", 256, 64, 4096, "smollm2-135m-instruct"),
     "full": ("smollm2-135m-instruct", 32, 16, 2048, "smollm2-135m-instruct"),  # the cpu preset's batch
 }
-MAX_PROMPT, MAX_COMPLETION = 600, 40
-
-
-def agent_samples(
-    n: int, vocab: int, seed: int = 0, *, prompt: tuple[int, int] = (150, MAX_PROMPT)
-) -> list[Sample]:
-    """Variable-length samples shaped like agent steps (long history prompt, short action); prompts of
-    ``prompt`` tokens (inclusive range; ``--smoke`` uses short ones)."""
-    r = random.Random(seed)
-    out = []
-    for i in range(n):
-        p, c = r.randint(*prompt), r.randint(5, MAX_COMPLETION)
-        out.append(
-            Sample(
-                sample_id=f"bench.{i}",
-                run_id="bench",
-                kind="cf" if i % 3 else "reh",
-                materializer="bench/1",
-                env="bench",
-                task_id="t",
-                episode_id=f"e{i}",
-                messages=[ChatMessage(role="user", content="."), ChatMessage(role="assistant", content=".")],
-                target_turn=1,
-                prompt_ids=[r.randrange(2, vocab) for _ in range(p)],
-                completion_ids=[r.randrange(2, vocab) for _ in range(c)],
-                policy_version="default",
-            )
-        )
-    return out
 
 
 class FullLogitsTrainer(Trainer):

@@ -1,0 +1,40 @@
+"""Synthetic training samples shaped like agent steps, for ``bench/learner.py`` (not a benchmark area)."""
+
+from __future__ import annotations
+
+import random
+
+from protocol.samples import ChatMessage, Sample
+
+__all__ = ["MAX_COMPLETION", "MAX_PROMPT", "agent_samples"]
+
+MAX_PROMPT, MAX_COMPLETION = 600, 40
+"""Longest prompt and completion (tokens) of a generated sample."""
+
+
+def agent_samples(
+    n: int, vocab: int, seed: int = 0, *, prompt: tuple[int, int] = (150, MAX_PROMPT)
+) -> list[Sample]:
+    """Variable-length samples shaped like agent steps (long history prompt, short action); prompts of
+    ``prompt`` tokens (inclusive range; ``--smoke`` uses short ones)."""
+    r = random.Random(seed)
+    out = []
+    for i in range(n):
+        p, c = r.randint(*prompt), r.randint(5, MAX_COMPLETION)
+        out.append(
+            Sample(
+                sample_id=f"bench.{i}",
+                run_id="bench",
+                kind="cf" if i % 3 else "reh",
+                materializer="bench/1",
+                env="bench",
+                task_id="t",
+                episode_id=f"e{i}",
+                messages=[ChatMessage(role="user", content="."), ChatMessage(role="assistant", content=".")],
+                target_turn=1,
+                prompt_ids=[r.randrange(2, vocab) for _ in range(p)],
+                completion_ids=[r.randrange(2, vocab) for _ in range(c)],
+                policy_version="default",
+            )
+        )
+    return out

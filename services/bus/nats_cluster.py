@@ -14,15 +14,20 @@ nodes; ``leafe nats --store DIR --cluster 3`` runs one by hand.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+import structlog
+
 from services.bus.nats_server import ClusterRoutes, EmbeddedNats, NatsServerError, free_port
 
 __all__ = ["NatsCluster"]
+
+log = structlog.get_logger(__name__)
 
 
 class NatsCluster:
@@ -32,15 +37,23 @@ class NatsCluster:
         if size < 1:
             raise ValueError(f"a cluster needs at least one node, got size={size}")
         self.root = Path(root)
+        self._size, self._host, self._name = size, host, name
+        self.nodes = self._plan()
+
+    def _plan(self) -> list[EmbeddedNats]:
+        """Nodes on freshly picked free ports (a port free when picked can be taken before its node binds)."""
+        host, size = self._host, self._size
         route_ports = [free_port(host) for _ in range(size)]
         routes = tuple(f"nats-route://{host}:{p}" for p in route_ports)
-        self.nodes = [
+        return [
             EmbeddedNats(
                 self.root / f"n{i}",
                 host=host,
                 log_file=self.root / f"n{i}.log",
                 server_name=f"n{i}",
-                cluster=ClusterRoutes(name=name, port=route_ports[i], routes=routes[:i] + routes[i + 1 :]),
+                cluster=ClusterRoutes(
+                    name=self._name, port=route_ports[i], routes=routes[:i] + routes[i + 1 :]
+                ),
                 monitor_port=free_port(host),
             )
             for i in range(size)
@@ -58,12 +71,25 @@ class NatsCluster:
                 return i
         raise KeyError(f"no node named {server_name!r} in {[n.server_name for n in self.nodes]}")
 
-    def start(self, timeout_s: float = 60.0) -> NatsCluster:
-        """Start every node, then wait until each reports JetStream healthy (a meta leader elected)."""
+    def start(self, timeout_s: float = 60.0, attempts: int = 3) -> NatsCluster:
+        """Start every node, then wait until each reports JetStream healthy (a meta leader elected). A
+        node that cannot bind a port another process took since it was picked makes the whole cluster
+        start again on new ports (up to ``attempts`` times; the stores are empty at first start)."""
         self.root.mkdir(parents=True, exist_ok=True)
+        for attempt in range(1, attempts + 1):
+            try:
+                for node in self.nodes:
+                    node.start(timeout_s)
+                break
+            except NatsServerError as e:
+                self.stop()
+                if attempt == attempts or "in use" not in self._log_tails():
+                    raise
+                log.warning("nats.cluster.port_taken", attempt=attempt, error=str(e)[:200])
+                shutil.rmtree(self.root, ignore_errors=True)  # the first start's stores and logs
+                self.root.mkdir(parents=True, exist_ok=True)
+                self.nodes = self._plan()
         try:
-            for node in self.nodes:
-                node.start(timeout_s)
             deadline = time.monotonic() + timeout_s
             for i in range(len(self.nodes)):
                 self.wait_healthy(i, max(1.0, deadline - time.monotonic()))
@@ -105,6 +131,14 @@ class NatsCluster:
         if not isinstance(data, dict):
             raise NatsServerError(f"unexpected /jsz answer from n{i}: {data!r}")
         return data
+
+    def _log_tails(self) -> str:
+        tails = []
+        for node in self.nodes:
+            path = node.log_file
+            if path is not None and path.is_file():
+                tails.append(path.read_text(encoding="utf-8", errors="replace")[-2000:])
+        return "\n".join(tails)
 
     def kill(self, i: int) -> None:
         """SIGKILL node ``i`` (its store keeps what it had written)."""

@@ -169,3 +169,18 @@ def test_cluster_url_lists_every_node(tmp_path: Path) -> None:
     assert cluster.index_of("n2") == 2
     with pytest.raises(KeyError, match="n7"):
         cluster.index_of("n7")
+
+
+def test_a_route_port_taken_before_its_node_binds_restarts_the_cluster_on_new_ports(tmp_path: Path) -> None:
+    """A port that was free when picked but taken by the time its node binds (seen in make test) makes
+    the cluster start again on fresh ports instead of failing the test that needed it."""
+    import socket
+
+    cluster = NatsCluster(tmp_path / "nats", size=3)
+    taken = cluster.nodes[2].cluster.port  # type: ignore[union-attr]
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        with cluster:
+            assert all(node.cluster.port != taken for node in cluster.nodes)  # type: ignore[union-attr]
+            assert all(cluster.health(i)[0] for i in range(3))

@@ -75,6 +75,21 @@ class OptimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     does not shrink with the batch, so without this one sample taken after ``max_batch_wait_s`` moves the
     weights as far as a full batch, in a far noisier direction. Off for offline training (only an epoch's
     last batch is partial; reproductions stay bit-identical); on in ``leafe run``'s warm-start presets."""
+    lr_by_kind: dict[str, float] = msgspec.field(default_factory=dict)
+    """Peak lr per sample kind (``sft``, ``cf``, ``reh``, ``grpo``, ...), for one online run that trains
+    phases the offline protocol trains with different lrs (the warm start's ``sft`` at 5e-5, then LEAFE at
+    3e-5 or GRPO at 1e-5). A step's lr is the schedule's times the mean of ``lr_by_kind[kind] / lr`` over its
+    samples (kinds not listed: 1). Empty = one lr for every kind."""
+
+    def __post_init__(self) -> None:
+        from learner.losses import LOSS_TERM
+
+        bad = {k: v for k, v in self.lr_by_kind.items() if k not in LOSS_TERM or not v > 0}
+        if bad:
+            raise ValueError(
+                f"optim.lr_by_kind {bad}: every key must be a sample kind ({', '.join(LOSS_TERM)}) "
+                "and every lr > 0"
+            )
 
 
 class BatchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

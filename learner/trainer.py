@@ -225,7 +225,10 @@ class Trainer:
 
         tokens = kind_tokens(items)
         plan = plan_micro_batches(items, self.env.world_size, self.config.batch)
-        lr = float(self.scheduler.get_last_lr()[0]) * self._lr_scale(len(items))
+        dropped = {sid for sid, _ in skipped}
+        used = [s for s in samples if s.sample_id not in dropped]
+        scale = self._lr_scale(len(items)) * self._kind_scale(used)
+        lr = float(self.scheduler.get_last_lr()[0]) * scale
         sums = StepSums()
         for m, shares in enumerate(plan):
             mb = self._collate([items[i] for i in shares[self.env.rank]])
@@ -233,7 +236,7 @@ class Trainer:
             sums += self._micro_step(mb, tokens)
         grad_norm = 0.0
         if plan:
-            grad_norm = self._clip_and_step(self._lr_scale(len(items)))  # == lr above / the schedule's
+            grad_norm = self._clip_and_step(scale)  # == lr above / the schedule's
         sums = sums.all_reduce(self.env)
         return self._stats(sums, tokens, items, skipped, len(plan), grad_norm, lr, time.perf_counter() - t0)
 
@@ -243,6 +246,13 @@ class Trainer:
         if not self.config.optim.scale_partial_batches or samples >= full:
             return 1.0
         return samples / full
+
+    def _kind_scale(self, samples: Sequence[Sample]) -> float:
+        """Mean of ``lr_by_kind[kind] / lr`` over the step's samples (1 when ``lr_by_kind`` is empty)."""
+        optim = self.config.optim
+        if not optim.lr_by_kind or not samples:
+            return 1.0
+        return sum(optim.lr_by_kind.get(s.kind, optim.lr) / optim.lr for s in samples) / len(samples)
 
     def _clip_and_step(self, lr_scale: float = 1.0) -> float:
         max_norm = self.config.optim.max_grad_norm

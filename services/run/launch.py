@@ -137,6 +137,7 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
                 "inference",
                 *("--model", str(ctx.model_dir), "--port", str(port)),
                 *("--max-batch", str(cfg.services.inference_max_batch)),
+                *("--dtype", cfg.services.inference_dtype),
                 *("--threads", str(fixed or plan.inference_alone)),
                 *("--api-key-file", ctx.engine_key_file, "--weights-root", str(ctx.run_dir / "weights")),
             ],

@@ -76,8 +76,14 @@ class ExploreSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     reads demonstrations: ``warm-leafe``, ``warm-grpo`` or ``sft``)."""
     demo_offset: int = 0
     """First train task of the demonstrations."""
+    demo_epochs: int = 1
+    """Passes over the demonstrations in the warm start: each pass is submitted again under its own keys
+    (``demo-e<k>``), so the learner trains every demonstration this many times (the offline warm start's
+    epochs)."""
 
     def __post_init__(self) -> None:
+        if self.demo_epochs < 1:
+            raise ValueError(f"explore.demo_epochs = {self.demo_epochs}: must be >= 1")
         if self.rounds < 0:
             raise ValueError(f"explore.rounds = {self.rounds}: must be >= 0 (0 = until the budget)")
 
@@ -141,6 +147,9 @@ class ServicesSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     inference_threads: int = 0
     """CPU inference server torch threads; 0 = from the thread plan (``services/threads.py``): every free
     core while the learner is idle (the evaluations), the cores the learner leaves while both work."""
+    inference_dtype: Literal["float32", "bfloat16"] = "float32"
+    """CPU inference server dtype: ``float32`` (small weight updates are not rounded away) or ``bfloat16``
+    (~2x faster prefill on CPU; the paper table served in bf16, so a run compared with its rows uses it)."""
     learner_threads: int = 0
     """Learner torch threads (``OMP_NUM_THREADS``); 0 = from the thread plan (half the free cores, >= 1)."""
     learner: bool = True

@@ -26,13 +26,14 @@ import structlog
 from actors.evaluate import EvalResult
 from envs.registry import make_env
 from protocol.events import EpisodeFinished, EpisodeStarted
+from protocol.tasks import TaskAssignment
 from services.eventlog.transfer import iter_stream_events
 from services.run.context import RunContext
 from services.run.drain import wait_trained, watch
 from services.run.presets import RunConfig
 from services.tasks import make_assignments, submit
 
-__all__ = ["CurvePoint", "RoundRecord", "explore_rounds", "task_ids"]
+__all__ = ["CurvePoint", "RoundRecord", "demo_assignments", "explore_rounds", "task_ids"]
 
 log = structlog.get_logger(__name__)
 Evaluate = Callable[[str, list[str], int, list[int], int], Awaitable[EvalResult]]
@@ -99,17 +100,30 @@ async def finished_task_keys(ctx: RunContext) -> set[str]:
     return done
 
 
+def demo_assignments(cfg: RunConfig) -> list[TaskAssignment]:
+    """The warm start's demonstrations, ``explore.demo_epochs`` passes under distinct keys (pass 0 keeps
+    the one-pass keys, so older run directories resume)."""
+    ex = cfg.explore
+    demo_tasks = task_ids(cfg, "train", ex.demo_offset, ex.demos)
+    return [
+        a
+        for e in range(ex.demo_epochs)
+        for a in make_assignments(
+            run_id=cfg.run_id,
+            env=cfg.env.name,
+            task_ids=demo_tasks,
+            mode="demo",
+            split="train",
+            prefix="demo" if e == 0 else f"demo-e{e}",
+            env_options=cfg.env.options,
+        )
+    ]
+
+
 async def _warm_start(ctx: RunContext, read_learner: Callable[[], Awaitable[None]], deadline: float) -> None:
     """The expert's demonstrations through the log, then wait until the learner trained them."""
-    cfg, ex = ctx.config, ctx.config.explore
-    batch = make_assignments(
-        run_id=cfg.run_id,
-        env=cfg.env.name,
-        task_ids=task_ids(cfg, "train", ex.demo_offset, ex.demos),
-        mode="demo",
-        split="train",
-        env_options=cfg.env.options,
-    )
+    cfg = ctx.config
+    batch = demo_assignments(cfg)
     keys = [a.task_key for a in batch]
     done = await finished_task_keys(ctx)
     n = await submit(ctx.jetstream, batch, skip=done)

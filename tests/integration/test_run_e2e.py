@@ -121,6 +121,7 @@ def test_tiny_run_end_to_end(tmp_path: Path, cache_dir: Path) -> None:
     _check_observability(run_dir, first.stderr, report["run"]["learner_step"])
     _assert_no_credential_in_logs(run_dir)
     _check_continual(run_dir, report)
+    _check_offline_eval_equals_the_runs(run_dir, report, tmp_path / "offline-eval")
 
 
 def _check_continual(run_dir: Path, report: dict[str, Any]) -> None:
@@ -156,3 +157,50 @@ def test_tiny_run_resumes_without_redoing_finished_work(tmp_path: Path, cache_di
     assert second.returncode == 0, second.stderr[-4000:]
     assert _explore_episodes(run_dir) == n_explore, "a resumed run re-explored finished tasks"
     assert (run_dir / "eval" / "before.json").read_bytes() == before
+
+
+def _offline_eval(model: Path, label: str, result: dict[str, Any], out: Path) -> dict[str, Any]:
+    """``leafe eval`` (its own in-process server) of ``model`` on exactly the run's tasks, samples and seed."""
+    from services.run.presets import resolve_run_config
+    from services.run.stages import rollout_overrides
+
+    cfg = resolve_run_config("tiny")
+    split, ids = result["split"], result["task_ids"]
+    first = int(ids[0].rsplit("/", 1)[1])
+    assert ids == [f"sokoban/{split}/{first + i}" for i in range(len(ids))], ids
+    argv = [
+        sys.executable, "-m", "services.cli", "eval", "--model", str(model), "--label", label,
+        "--split", split, "--task-offset", str(first), "--tasks", str(len(ids)),
+        "--samples", str(result["samples"]), "--k", ",".join(str(k) for k in result["passk"]),
+        "--seed", str(cfg.eval.seed if split == "test" else cfg.online_eval.seed),
+        "--concurrency", str(cfg.eval.concurrency), "--out", str(out), "--no-progress",
+        *(a for k, v in cfg.env.options.items() for a in ("--env-option", f"{k}={v}")),
+        *(a for k, v in rollout_overrides(cfg).items() for a in ("--rollout-option", f"{k}={v}")),
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (offline,) = json.loads((out / "eval.json").read_text())["results"]
+    return offline  # type: ignore[no-any-return]
+
+
+def _check_offline_eval_equals_the_runs(run_dir: Path, report: dict[str, Any], out: Path) -> None:
+    """The run's own evaluations (the online evaluator's curve points and the after-evaluation share one
+    code path) equal an offline ``leafe eval`` of the same weights on the same tasks and seeds: the same
+    success of every sample, and the same steps, unparseable answers and prompt tokens (which follow
+    every sampled token), so the curve can be read against any offline row. Checked for the final
+    version and for every curve point served by one version whose weights are still in the store."""
+    store = run_dir / "weights"
+    final = f"after-{report['run']['weights_version']}"
+    checked = [final]
+    for point in report["curve"]:
+        version = point["weight_version"]
+        if point["policy_versions"] == [version] and (store / version).is_dir():
+            checked.append(f"val-r{point['round']}")
+    for label in checked:
+        run = json.loads((run_dir / "eval" / f"{label}.json").read_text())
+        (version,) = run["policy_versions"]
+        offline = _offline_eval(store / version, label, run, out / label)
+        assert offline["policy_versions"] == [version]
+        for field in ("task_ids", "successes", "passk", "mean_steps", "parse_failure_rate"):
+            assert offline[field] == run[field], (label, field, offline[field], run[field])
+        assert offline["mean_prompt_tokens"] == pytest.approx(run["mean_prompt_tokens"]), label

@@ -219,3 +219,37 @@ def test_a_partial_batch_takes_a_proportionally_smaller_step_when_asked(dist_env
         assert stats.lr == pytest.approx(1e-3 / (8 if scale else 1))
         assert trainer.scheduler.get_last_lr()[0] == pytest.approx(trainer.optimizer.param_groups[0]["lr"])
     assert float(deltas[True] / deltas[False]) == pytest.approx(1 / 8, rel=0.02)
+
+
+def test_lr_by_kind_sets_each_kinds_step_size(dist_env, tiny_dir: Path) -> None:
+    """``lr_by_kind``: a step on ``sft`` samples at 4x the base lr moves the weights 4x as far as the same
+    step at the base lr (AdamW's first step scales with lr); a mixed batch gets the samples' mean lr; the
+    schedule's own lr is unchanged afterwards."""
+    import msgspec
+
+    batch = [msgspec.structs.replace(s, kind="sft") for s in make_samples(8)]
+    deltas = {}
+    for by_kind in ({}, {"sft": 4e-3}):
+        cfg = _cfg()
+        cfg = msgspec.structs.replace(
+            cfg,
+            optim=msgspec.structs.replace(cfg.optim, warmup_steps=0, schedule="constant", lr_by_kind=by_kind),
+        )
+        trainer = Trainer(cfg, tiny_dir, dist_env)
+        before = _params(trainer)
+        stats = trainer.train_step(batch)
+        after = _params(trainer)
+        deltas[bool(by_kind)] = torch.cat([(after[k] - before[k]).flatten() for k in before]).abs().sum()
+        assert stats.lr == pytest.approx(4e-3 if by_kind else 1e-3)
+        assert trainer.scheduler.get_last_lr()[0] == pytest.approx(1e-3)
+        # 2 sft samples at 4e-3, 6 cf samples at the base 1e-3
+        mixed = [*batch[:2], *make_samples(6, start=100, kinds=("cf",))]
+        assert trainer.train_step(mixed).lr == pytest.approx((2 * 4e-3 + 6e-3) / 8 if by_kind else 1e-3)
+    assert float(deltas[True] / deltas[False]) == pytest.approx(4.0, rel=0.05)
+
+
+def test_lr_by_kind_refuses_unknown_kinds_and_non_positive_lrs() -> None:
+    with pytest.raises(ValueError, match="sample kind"):
+        OptimConfig(lr=1e-5, lr_by_kind={"sf": 5e-5})
+    with pytest.raises(ValueError, match="> 0"):
+        OptimConfig(lr=1e-5, lr_by_kind={"sft": 0.0})

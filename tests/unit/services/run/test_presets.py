@@ -66,3 +66,18 @@ def test_the_validation_slice_is_disjoint_from_the_pool_and_the_demonstrations()
             resolve_run_config("leafe", overrides={"online_eval.offset": offset})
     with pytest.raises(ConfigError, match="every k must be <= samples"):
         resolve_run_config("leafe", overrides={"online_eval.ks": [1, 8]})
+
+
+def test_demo_epochs_submit_every_demonstration_once_per_epoch_under_distinct_keys() -> None:
+    """``explore.demo_epochs = 2``: each demonstration task twice (the learner trains it twice), with keys
+    JetStream's dedupe keeps apart; pass 0 keeps the one-pass keys (older run directories resume)."""
+    from services.run.rounds import demo_assignments
+
+    one = demo_assignments(resolve_run_config("leafe"))
+    two = demo_assignments(resolve_run_config("leafe", overrides={"explore.demo_epochs": 2}))
+    assert len(two) == 2 * len(one) == 2 * 96
+    assert [a.task_key for a in two[: len(one)]] == [a.task_key for a in one]
+    assert len({a.task_key for a in two}) == len(two)
+    assert [a.task_id for a in two[len(one) :]] == [a.task_id for a in one]
+    with pytest.raises(ConfigError, match="demo_epochs"):
+        resolve_run_config("leafe", overrides={"explore.demo_epochs": 0})

@@ -30,6 +30,17 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["LEAFE_CACHE"] = str(config._tmp_path_factory.mktemp("leafe-cache"))  # type: ignore[attr-defined]
 
 
+@pytest.fixture(autouse=True)
+def _fresh_logging() -> Iterator[None]:
+    """structlog's defaults after every test: a CLI called in-process (``replay.main`` configures level
+    ``error``) must not leave its configuration to later tests, whose ``capture_logs`` would then miss
+    warnings (an order-dependent failure of test_fileformat after test_replayer)."""
+    yield
+    import structlog
+
+    structlog.reset_defaults()
+
+
 @pytest.fixture(scope="session")
 def anyio_backend() -> str:
     """nats-py is asyncio-only."""

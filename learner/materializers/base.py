@@ -15,8 +15,10 @@ logged with context and counted in :class:`FoldStats`, never fatal.
 
 Lifecycle (``learner.materializers.lifecycle``): an episode whose mode, split or prompt format gives no
 samples is never opened (its events are dropped, counted). Others are held from ``EpisodeStarted`` until
-released: at ``EpisodeFinished``, or when closed as abandoned by :meth:`Materializer.close_stale` (online,
-by idle time) or :meth:`Materializer.close_all` (end of an offline log); closing never produces samples
+released: at ``EpisodeFinished``, or when closed as abandoned: by :meth:`Materializer.close_stale` (online,
+by idle time), by the ``EpisodeStarted`` of a later delivery attempt of the same task (its earlier attempt
+lost the task: its actor crashed or stalled past the ack wait; at the same event online and offline, so
+both decide alike), or by :meth:`Materializer.close_all` (end of an offline log); closing never produces samples
 from a branch without ``Outcome``. :meth:`Materializer.drain_released` lists the episodes whose events
 will never be needed again (the replayer acks their anchors then). ``limits`` (:class:`OpenLimits`) caps
 held episodes per run and per actor, and the bytes they hold: an ``EpisodeStarted`` past a cap is refused,
@@ -89,6 +91,8 @@ class Materializer(SampleBuilder):
         self.prompts = PromptCache(tokenizer, self.options.prompt_cache)
         self.stats = FoldStats()
         self._episodes: dict[str, EpisodeTree] = {}
+        self._attempts: dict[str, str] = {}
+        """Task key -> the open episode of its latest delivery attempt."""
         self._ledger = Ledger(self.options.closed_memory)
         self.vocab_size = vocab_size_of(tokenizer)
         """Token ids must be below this (the tokenizer's vocabulary)."""
@@ -261,10 +265,27 @@ class Materializer(SampleBuilder):
         tree = EpisodeTree.start(
             event, now, max_branches=opts.max_branches, max_events=opts.max_episode_events
         )
+        superseded = self._supersede(event)
         self._episodes[event.episode_id] = tree
+        self._attempts.setdefault(event.task_key, event.episode_id)  # (an older attempt never replaces)
         self._ledger.hold(event)
         self.stats.episodes_started += 1
-        return self._on_started(tree)
+        return superseded + self._on_started(tree)
+
+    def _supersede(self, event: EpisodeStarted) -> list[Sample]:
+        """Close the open earlier attempt of ``event``'s task as abandoned: the task was delivered again,
+        so that attempt will not finish here (its late events are ignored as stragglers)."""
+        earlier = self._episodes.get(self._attempts.get(event.task_key, ""))
+        if earlier is None or earlier.started.attempt >= event.attempt:
+            return []
+        del self._attempts[event.task_key]  # (closing it below would too; the new attempt takes its place)
+        self.stats.episodes_superseded += 1
+        log.info(
+            "replay.episode.superseded",
+            episode_id=earlier.started.episode_id[:80],
+            by=event.episode_id[:80],
+        )
+        return self._abandon(earlier)
 
     def _apply_closed(self, event: EpisodeEvent, closed: Closed) -> list[Sample]:
         match closed.ending:
@@ -321,5 +342,7 @@ class Materializer(SampleBuilder):
     def _close(self, tree: EpisodeTree, closed: Closed) -> list[Sample]:
         eid = tree.started.episode_id
         del self._episodes[eid]
+        if self._attempts.get(tree.started.task_key) == eid:
+            del self._attempts[tree.started.task_key]
         self._ledger.remember(eid, closed)
         return self._on_closed(tree, closed.ending == "abandoned")

@@ -67,6 +67,8 @@ class FoldStats:
     episodes_started: int = 0
     episodes_finished: int = 0
     episodes_abandoned: int = 0
+    episodes_superseded: int = 0
+    """Of the abandoned: closed when a later delivery attempt of the same task started."""
     samples: dict[str, int] = field(default_factory=dict)
     prompts_verified: int = 0
     prompt_mismatches: int = 0

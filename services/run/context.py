@@ -105,6 +105,6 @@ class RunContext:
             env = {"LEAFE_ENGINE_API_KEY_FILE": self.engine_key_file, **(env or {})}
         if self.role_nats:
             env = {**dict.fromkeys(_IDENTITY_VARIABLES, ""), **(env or {})}
-        proc = ServiceProcess(name, argv, self.run_dir / "logs" / f"{name}.log", env)
+        proc = ServiceProcess(name, argv, self.run_dir / "logs" / f"{name}.log", env, run_dir=self.run_dir)
         self.services[name] = proc
         return proc

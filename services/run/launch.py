@@ -42,6 +42,7 @@ from services.bus.nats_server import EmbeddedNats, free_port
 from services.config import tomlable
 from services.inference.auth import read_api_key
 from services.run.context import RunContext
+from services.run.orphans import record_child
 from services.run.supervisor import wait_http_ok
 from services.streams import durables_for_run
 from services.threads import free_cores, plan_threads
@@ -107,6 +108,8 @@ def _start_nats(ctx: RunContext, stack: AsyncExitStack) -> None:
     log_file = ctx.run_dir / "logs" / "nats.log"
     server = EmbeddedNats(ctx.run_dir / "nats", log_file=log_file, users=users).start()
     stack.callback(server.stop)
+    if server.pid is not None:
+        record_child(ctx.run_dir, "nats", server.pid)
     ctx.nats_server, ctx.role_nats = server, role_options(server.url, keys)
     ctx.nats = ctx.role_nats["admin"]
 

@@ -39,6 +39,7 @@ from rich.console import Console
 
 from protocol.config import ConfigError
 from services.run.context import RunContext
+from services.run.orphans import RunLocked
 from services.run.presets import PRESETS, RunConfig, resolve_run_config
 from services.run.stages import run_stages
 from services.run.supervisor import ServiceError
@@ -103,7 +104,7 @@ def main(argv: list[str]) -> int:
     started = time.time()
     try:
         run_dir = asyncio.run(run(config, live=not args.no_live, console=console, fresh=args.fresh))
-    except ConfigError as e:  # e.g. the run directory belongs to another run
+    except (ConfigError, RunLocked) as e:  # the run directory belongs to another run, or it is running
         console.print(f"[red]leafe run: {e}[/red]")
         return 2
     except ServiceError as e:

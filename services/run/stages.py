@@ -5,9 +5,11 @@ drain, evaluate, finish. Each stage is a short coroutine over a shared :class:`R
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -24,6 +26,7 @@ from services.logsetup import configure_logging
 from services.run.context import RunContext
 from services.run.drain import drain, save_metrics
 from services.run.launch import check_identity, engine_threads, prepare_run_dir, start_infra, start_pipeline
+from services.run.orphans import lock_run, reap_orphans
 from services.run.presets import RunConfig
 from services.run.progress import RunProgress
 from services.run.report import finish
@@ -205,6 +208,18 @@ async def _stages(ctx: RunContext) -> None:
 async def run_stages(ctx: RunContext, *, fresh: bool = False) -> None:
     """All stages, with every child process stopped on the way out (also on Ctrl-C and errors)."""
     cfg = ctx.config
+    lock = lock_run(Path(cfg.runs_dir), cfg.run_id)  # held until this process exits, however it exits
+    try:
+        await _run_locked(ctx, fresh=fresh)
+    finally:
+        os.close(lock)
+
+
+async def _run_locked(ctx: RunContext, *, fresh: bool) -> None:
+    cfg = ctx.config
+    orphans = reap_orphans(ctx.run_dir)  # a killed supervisor's children, before anything touches the dir
+    if orphans:
+        ctx.console.print(f"stopped what a killed supervisor left running: {', '.join(orphans)}")
     check_identity(ctx, fresh=fresh)
     prepare_run_dir(ctx)
     configure_logging(json=True, file=ctx.run_dir / "logs" / "run.jsonl")

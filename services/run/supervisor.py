@@ -16,6 +16,8 @@ from pathlib import Path
 import aiohttp
 import structlog
 
+from services.run.orphans import record_child
+
 __all__ = ["ServiceError", "ServiceProcess", "restart_crashed", "wait_http_ok"]
 
 log = structlog.get_logger(__name__)
@@ -28,8 +30,17 @@ class ServiceError(RuntimeError):
 class ServiceProcess:
     """One ``leafe <verb> ...`` child process."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        run_dir: Path | None = None,
+    ):
         self.name = name
+        self.run_dir = run_dir
+        """Where the pid is recorded (``services/run/orphans.py``); ``None``: not recorded."""
         self.argv = [sys.executable, "-m", "services.cli", *argv]
         self.log_path = log_path
         self.env = {**os.environ, **(env or {})}
@@ -56,6 +67,8 @@ class ServiceProcess:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.argv, stdout=out, stderr=asyncio.subprocess.STDOUT, env=self.env, start_new_session=True
             )
+        if self.run_dir is not None:
+            record_child(self.run_dir, self.name, self.proc.pid)
         log.info("run.service.started", service=self.name, pid=self.proc.pid, log=str(self.log_path))
         return self
 

@@ -153,7 +153,12 @@ MODES = {"leafe": "explore", "grpo": "rollout", "rft": "rollout"}
 def unfinished(events: list[EpisodeEvent], name: str = "leafe") -> int:
     """Episodes in ``events`` that materializer ``name`` holds and that have no EpisodeFinished: the
     anchors a settled replayer still holds (episodes it ignores hold none)."""
-    held = {e.episode_id for e in events if isinstance(e, EpisodeStarted) and e.mode == MODES[name]}
+    starts = [e for e in events if isinstance(e, EpisodeStarted) and e.mode == MODES[name]]
+    newest = {}
+    for e in starts:
+        newest[e.task_key] = max(newest.get(e.task_key, e.attempt), e.attempt)
+    # an attempt is released (not held) once a later attempt of its task started: superseded
+    held = {e.episode_id for e in starts if e.attempt == newest[e.task_key]}
     return len(held - {e.episode_id for e in events if isinstance(e, EpisodeFinished)})
 
 

@@ -313,3 +313,28 @@ def test_a_new_event_after_episode_finished_is_rejected_but_a_redelivery_is_igno
     with pytest.raises(ReplayError, match="after the episode's EpisodeFinished"):
         m.apply(straggler)
     assert m.stats.rejected == 1
+
+
+def test_a_later_attempt_of_the_same_task_closes_the_earlier_one_as_abandoned() -> None:
+    """An actor killed mid-episode leaves attempt 1 open; when the task's redelivery starts attempt 2, the
+    fold closes attempt 1 at once (released, its stragglers ignored) instead of holding it, and the
+    replayer's anchor, until the idle timeout (an hour by default). An older attempt never closes a newer."""
+    m = make_materializer("leafe", TOK)
+    first = Tree("k.a1", task_key="k", attempt=1)
+    m.apply(first.events[0], now=0.0)
+    m.apply(first.step("b0"), now=1.0)
+    second = Tree("k.a2", task_key="k", attempt=2)
+    m.apply(second.events[0], now=2.0)
+    assert not m.is_open("k.a1") and m.is_open("k.a2") and m.open_episodes == 1
+    assert m.stats.episodes_abandoned == m.stats.episodes_superseded == 1
+    assert m.drain_released() == ["k.a1"]
+    assert m.apply(first.step("b0"), now=3.0) == [] and m.stats.after_close == 1
+    late = Tree("k.a0", task_key="k", attempt=0)  # an older attempt's start arriving late
+    m.apply(late.events[0], now=4.0)
+    assert m.is_open("k.a2") and m.is_open("k.a0") and m.stats.episodes_superseded == 1
+    other = Tree("j.a2", task_key="j", attempt=2)
+    m.apply(other.events[0], now=5.0)
+    assert m.is_open("k.a2") and m.is_open("j.a2")
+    newest = Tree("k.a3", task_key="k", attempt=3)  # still supersedes attempt 2, not the late attempt 0
+    m.apply(newest.events[0], now=6.0)
+    assert not m.is_open("k.a2") and m.is_open("k.a0") and m.is_open("k.a3")

@@ -6,6 +6,9 @@ tasks with the same seeds: the presets do), their learning curves in one figure,
 went: episodes, samples and learner steps per minute, pushes, the mean policy lag of trained samples.
 
     .venv/bin/python -m bench.paper.online runs/leafe runs/grpo --out bench/results/online_table
+    # with rows of the offline paper table (the runs must have evaluated its test tasks and seeds):
+    .venv/bin/python -m bench.paper.online runs/online-paper-leafe runs/online-paper-grpo \
+        --paper bench/results/paper_table.json --rows leafe,grpo,sft --out bench/results/online_paper
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 from actors.passk import paired_difference
 from learner.weight_store import version_index
 
-__all__ = ["compare_runs", "main", "throughput"]
+__all__ = ["compare_runs", "main", "offline_rows", "throughput"]
 
 
 def _final_eval(report: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -65,21 +68,55 @@ def throughput(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def compare_runs(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Final Pass@k per run, each pair's paired difference per k, and each run's throughput."""
+def offline_rows(paper_json: Path, rows: list[str]) -> dict[str, dict[str, Any]]:
+    """Rows of the offline paper table (``bench/results/paper_table.json``): each row's test evaluation
+    (``eval-<row>``: per-task successes, so an online run evaluated on the same tasks and seeds pairs with
+    it) and its weights cost in minutes (every phase its weights needed, as the table counts it)."""
+    table = json.loads(paper_json.read_text())
+    deps = {p["name"]: p["deps"] for p in table["plan"]}
+    out = {}
+    for row in rows:
+        phase = f"eval-{row}"
+        if phase not in table["phases"]:
+            raise ValueError(f"{paper_json} has no finished {phase!r}: rows are {sorted(deps)}")
+        need, todo = set(), list(deps[phase])
+        while todo:
+            name = todo.pop()
+            if name not in need:
+                need.add(name)
+                todo += deps[name]
+        cost_s = sum(float(table["phases"][n].get("wall_s", 0.0)) for n in need if n in table["phases"])
+        out[f"offline-{row}"] = {"eval": table["phases"][phase], "cost_min": round(cost_s / 60, 1)}
+    return out
+
+
+def compare_runs(
+    reports: dict[str, dict[str, Any]], offline: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Final Pass@k per run (and per offline row), each pair's paired difference per k, and each run's
+    throughput."""
     finals = {name: _final_eval(r) for name, r in reports.items()}
+    finals |= {name: (row["eval"]["label"], row["eval"]) for name, row in (offline or {}).items()}
     rows = {
         name: {
             "label": label,
             "passk": ev["passk"],
-            "before": reports[name]["evals"].get("before", {}).get("passk"),
+            "before": reports[name]["evals"].get("before", {}).get("passk") if name in reports else None,
+            "wall_min": (
+                round(reports[name]["timings"].get("total", 0.0) / 60, 1)
+                if name in reports
+                else (offline or {})[name]["cost_min"]
+            ),
+            "seed": ev.get("seed"),
         }
         for name, (label, ev) in finals.items()
     }
-    names = list(reports)
+    names = list(finals)
     pairs = []
     for i, a in enumerate(names):
         for b in names[i + 1 :]:
+            if a not in reports and b not in reports:
+                continue  # two offline rows: the paper table has their comparison
             ea, eb = finals[a][1], finals[b][1]
             if sorted(ea["successes"]) != sorted(eb["successes"]):
                 raise ValueError(f"{a} and {b} evaluated different tasks: no paired comparison")
@@ -104,11 +141,20 @@ def compare_runs(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def _markdown(result: dict[str, Any]) -> str:
     ks = sorted({int(k) for row in result["rows"].values() for k in row["passk"]})
-    lines = ["# Online runs side by side", "", "| run | " + " | ".join(f"Pass@{k}" for k in ks) + " |"]
-    lines.append("|---|" + "---|" * len(ks))
+    lines = [
+        "# Online runs side by side",
+        "",
+        "| run | wall min | " + " | ".join(f"Pass@{k}" for k in ks) + " |",
+    ]
+    lines.append("|---|---|" + "---|" * len(ks))
     for name, row in result["rows"].items():
-        cells = [f"{100 * float(row['passk'].get(str(k), row['passk'].get(k, 0.0))):.1f}" for k in ks]
-        lines.append(f"| {name} ({row['label']}) | " + " | ".join(cells) + " |")
+        cells = [
+            f"{100 * float(v):.1f}"
+            if (v := row["passk"].get(str(k), row["passk"].get(k))) is not None
+            else ""
+            for k in ks
+        ]
+        lines.append(f"| {name} ({row['label']}) | {row['wall_min']} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "| comparison | k | difference (points) | 95% interval | verdict |",
@@ -138,7 +184,7 @@ def _plot(result: dict[str, Any], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (ax, test) = plt.subplots(1, 2, figsize=(11, 4))
     for name, points in result["curves"].items():
         if points:
             ax.plot(
@@ -149,8 +195,20 @@ def _plot(result: dict[str, Any], out: Path) -> None:
             )
     ax.set_xlabel("wall time (min)")
     ax.set_ylabel("validation Pass@1 (%)")
+    ax.set_title("learning curves (validation slice)", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    for name, row in result["rows"].items():
+        p1 = 100 * float(row["passk"].get("1", row["passk"].get(1, 0.0)))
+        offline = name not in result["curves"]
+        test.scatter([row["wall_min"]], [p1], marker="s" if offline else "o", label=name)
+        if offline:
+            test.axhline(p1, linestyle="--", linewidth=0.8, color=test.collections[-1].get_facecolor()[0])
+    test.set_xlabel("wall time to the weights (min; offline: the table's weights cost)")
+    test.set_ylabel("test Pass@1 (%)")
+    test.set_title("held-out test Pass@1 (same tasks and seeds)", fontsize=9)
+    test.grid(alpha=0.3)
+    test.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -160,9 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="leafe run directories (each with report.json)")
     p.add_argument("--out", type=Path, required=True, help="output stem: writes .md, .json and .png")
+    p.add_argument("--paper", type=Path, default=None, help="paper_table.json whose rows join the comparison")
+    p.add_argument("--rows", default="leafe,grpo,sft", help="with --paper: its rows (comma-separated)")
     args = p.parse_args(argv)
     reports = {d.name: json.loads((d / "report.json").read_text()) for d in args.runs}
-    result = compare_runs(reports)
+    offline = offline_rows(args.paper, args.rows.split(",")) if args.paper else None
+    result = compare_runs(reports, offline)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(_markdown(result))

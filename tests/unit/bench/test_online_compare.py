@@ -62,3 +62,40 @@ def test_runs_on_different_tasks_are_refused_and_the_cli_writes_three_files(tmp_
         (tmp_path / name / "report.json").write_text(json.dumps(_report(name, 0.5)))
     assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "out" / "t")]) == 0
     assert all((tmp_path / "out" / f"t.{ext}").is_file() for ext in ("md", "json", "png"))
+
+
+def test_offline_paper_rows_pair_with_the_runs_and_carry_their_weights_cost(tmp_path: Path) -> None:
+    """--paper: a row of paper_table.json joins as ``offline-<row>``, paired task by task with each run
+    (never with another offline row), its wall time the sum of the phases its weights needed."""
+    ev = _report("x", 0.2)["evals"]["after-v000004"]
+    table = {
+        "plan": [
+            {"name": "sft", "deps": []},
+            {"name": "grpo", "deps": ["sft"]},
+            {"name": "eval-grpo", "deps": ["grpo"]},
+            {"name": "eval-sft", "deps": ["sft"]},
+        ],
+        "phases": {
+            "sft": {"wall_s": 600.0},
+            "grpo": {"wall_s": 1200.0},
+            "eval-grpo": {**ev, "label": "eval-grpo", "wall_s": 300.0},
+            "eval-sft": {**ev, "label": "eval-sft", "wall_s": 300.0},
+        },
+    }
+    paper = tmp_path / "paper_table.json"
+    paper.write_text(json.dumps(table))
+    from bench.paper.online import offline_rows
+
+    rows = offline_rows(paper, ["grpo", "sft"])
+    assert rows["offline-grpo"]["cost_min"] == 30.0 and rows["offline-sft"]["cost_min"] == 10.0
+    r = compare_runs({"leafe": _report("leafe", 0.8)}, rows)
+    assert {(p["a"], p["b"]) for p in r["pairs"]} == {("leafe", "offline-grpo"), ("leafe", "offline-sft")}
+    assert next(p for p in r["pairs"] if p["b"] == "offline-grpo")["verdict"] == "leafe better"
+    assert r["rows"]["offline-grpo"]["wall_min"] == 30.0
+    with pytest.raises(ValueError, match="no finished 'eval-rft'"):
+        offline_rows(paper, ["rft"])
+    (tmp_path / "leafe").mkdir()
+    (tmp_path / "leafe" / "report.json").write_text(json.dumps(_report("leafe", 0.8)))
+    out = tmp_path / "out" / "t"
+    assert main([str(tmp_path / "leafe"), "--paper", str(paper), "--rows", "grpo", "--out", str(out)]) == 0
+    assert "offline-grpo" in out.with_suffix(".md").read_text() and out.with_suffix(".png").is_file()

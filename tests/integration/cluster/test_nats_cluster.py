@@ -48,7 +48,7 @@ async def _first_ack_after(js: object, killed_at: float) -> float:
         n += 1
         try:
             await js.publish(  # type: ignore[attr-defined]
-                event_subject(RUN, "probe"),
+                event_subject(RUN, "probe", "a0"),
                 b"probe",
                 headers={MSG_ID_HEADER: f"{RUN}.probe.{n}"},
                 timeout=0.5,

@@ -72,7 +72,7 @@ async def _stored_ids(url: str, deadline_s: float = 60.0) -> list[str]:
                     nc.jetstream(), stream=EVENTS.name, filter_subject=f"leafe.{RUN}.>"
                 )
             ]
-            return [(m.headers or {})[MSG_ID_HEADER] for m in msgs if m.subject.split(".")[-1] != "probe"]
+            return [(m.headers or {})[MSG_ID_HEADER] for m in msgs if m.subject.split(".")[3] != "probe"]
         except (TimeoutError, nats.errors.TimeoutError):
             if time.monotonic() > deadline:
                 raise

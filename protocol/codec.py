@@ -7,8 +7,15 @@ codec version) raises :class:`ProtocolError` naming what was wrong; no other exc
 :func:`admit_event` is what an event message must pass before a fold sees it, online (the replayer) and
 offline (``leafe replay``) alike, so both decide the same: at most ``Admission.max_event_bytes`` on the
 wire, a ``Leafe-Codec`` header (``require_codec_header``; off only to read logs written before it), a
-decodable body, a subject ``leafe.<run>.events.<kind>`` whose run and kind are the event's, and the event
-id ``<episode_id>.<seq:06d>`` (``EpisodeStarted`` at seq 0).
+decodable body, a subject ``leafe.<run>.events.<kind>.<actor>`` whose run, kind and actor are the event's,
+and the event id ``<episode_id>.<seq:06d>`` (``EpisodeStarted`` at seq 0).
+
+The actor token is the publisher's identity (NATS pins each actor's credentials to its own token), so an
+admitted event's ``actor_id`` is always that identity, and the per-actor open-episode caps that key on it
+cannot be dodged by writing other ids in payloads: a payload ``actor_id`` other than the token is refused
+(``forged_actor``). An event on a legacy subject without the token (a log written before it) is admitted
+with its ``actor_id`` replaced by :data:`~protocol.subjects.LEGACY_ACTOR`: its payload names no identity
+anyone vouched for, so all such events share one identity and one cap.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import msgspec
 
 from protocol.events import EpisodeEvent, EpisodeStarted, WeightsPublished, event_id_for
 from protocol.samples import Sample
-from protocol.subjects import EVENTS, event_subject_parts
+from protocol.subjects import EVENTS, LEGACY_ACTOR, event_subject_parts
 from protocol.tasks import TaskAssignment
 
 __all__ = [
@@ -60,9 +67,18 @@ class ProtocolError(ValueError):
         self.category = category
 
 
-REFUSALS = ("undecodable", "oversized", "no_codec_header", "wrong_subject", "wrong_run", "forged_id")
+REFUSALS = (
+    "undecodable",
+    "oversized",
+    "no_codec_header",
+    "wrong_subject",
+    "wrong_run",
+    "forged_id",
+    "forged_actor",
+)
 """Categories of :class:`ProtocolError`: not decodable; over the size limit; no ``Leafe-Codec`` header;
-published on another kind's subject; on another run's subject; an event id that is not its own."""
+published on another kind's subject; on another run's subject; an event id that is not its own; an
+``actor_id`` that is not its subject's actor token."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -152,7 +168,7 @@ def admit_event(
         raise ProtocolError(what, f"no {CODEC_HEADER} header (require_codec_header is on)", "no_codec_header")
     event = decode_event(data, version)
     try:
-        run, kind = event_subject_parts(subject)
+        run, kind, actor = event_subject_parts(subject)
     except ValueError as e:
         raise ProtocolError(what, str(e), "wrong_subject") from None
     tag = type(event).__struct_config__.tag
@@ -163,6 +179,14 @@ def admit_event(
     if run != event.run_id:
         raise ProtocolError(
             what, f"run_id {_short(event.run_id)} published on run {_short(run)}'s subject", "wrong_run"
+        )
+    if actor == LEGACY_ACTOR and subject.count(".") == 3:
+        event = msgspec.structs.replace(event, actor_id=LEGACY_ACTOR)
+    elif actor != event.actor_id:
+        raise ProtocolError(
+            what,
+            f"actor_id {_short(event.actor_id)} published on actor {_short(actor)}'s subject",
+            "forged_actor",
         )
     expected = event_id_for(event.episode_id, event.seq)
     if event.event_id != expected or event.seq < 0 or (isinstance(event, EpisodeStarted) and event.seq != 0):

@@ -1,8 +1,14 @@
 """Subjects and stream specifications, as data.
 
-Subjects: ``leafe.<run>.events.<kind>``, ``leafe.<run>.tasks``, ``leafe.<run>.samples.<kind>``,
+Subjects: ``leafe.<run>.events.<kind>.<actor>``, ``leafe.<run>.tasks``, ``leafe.<run>.samples.<kind>``,
 ``leafe.<run>.weights``, ``leafe.<run>.dead.<stream>``. ``services/bus/`` turns :data:`STREAMS` into
 JetStream streams; nothing here talks to NATS.
+
+An event subject ends in its publisher's actor id: NATS permissions pin each actor's credentials to its
+own token (:func:`actor_events_subjects`), so the token is an identity the publisher cannot forge, where
+the payload's ``actor_id`` is whatever the publisher wrote. Logs written before the token have
+``leafe.<run>.events.<kind>``: :func:`event_subject_parts` reads them as published by
+:data:`LEGACY_ACTOR`, one identity for all of them (an actor may not take that name).
 
 Sizes are decided here, up front: every server runs with ``max_payload`` = :data:`MAX_PAYLOAD` (the
 embedded server, ``deploy/base/nats/nats.conf``), and each stream's :attr:`StreamSpec.max_msg_bytes`
@@ -23,6 +29,7 @@ __all__ = [
     "DEAD_LETTERS",
     "DEAD_LETTER_HEADROOM",
     "EVENTS",
+    "LEGACY_ACTOR",
     "MAX_PAYLOAD",
     "SAMPLES",
     "STREAMS",
@@ -30,6 +37,7 @@ __all__ = [
     "WEIGHTS",
     "InvalidRunId",
     "StreamSpec",
+    "actor_events_subjects",
     "actors_durable",
     "dead_letter_subject",
     "event_subject",
@@ -41,6 +49,7 @@ __all__ = [
     "samples_filter",
     "stream_for_subject",
     "task_subject",
+    "validate_actor_id",
     "validate_run_id",
     "weights_subject",
 ]
@@ -50,6 +59,8 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 DAY = 24 * 3600.0
 MAX_PAYLOAD = 8 * 1024 * 1024
 """The servers' ``max_payload`` (bytes, headers included): a larger message closes the connection."""
+LEGACY_ACTOR = "legacy"
+"""The publisher identity of an event on a subject without an actor token (written before it existed)."""
 DEAD_LETTER_HEADROOM = 16 * 1024
 """Bytes kept free under :data:`MAX_PAYLOAD` for the headers a dead letter adds (reason <= 512 chars)."""
 
@@ -68,15 +79,39 @@ def validate_run_id(run_id: str) -> str:
     return run_id
 
 
+def validate_actor_id(actor_id: str) -> str:
+    """Return ``actor_id`` if it can be an actor's subject token (a run id's rules) and is not
+    :data:`LEGACY_ACTOR` (the identity of tokenless legacy events), else raise naming it."""
+    if not isinstance(actor_id, str) or not _RUN_ID.fullmatch(actor_id):
+        raise InvalidRunId(
+            f"invalid actor id {actor_id!r}: use 1-64 characters from [A-Za-z0-9_-], starting with a letter "
+            "or digit (it is the last token of the actor's event subjects)"
+        )
+    if actor_id == LEGACY_ACTOR:
+        raise InvalidRunId(f"invalid actor id {actor_id!r}: reserved for events of logs without actor tokens")
+    return actor_id
+
+
+def _actor_token(actor_id: str) -> str:
+    if not isinstance(actor_id, str) or not _RUN_ID.fullmatch(actor_id):
+        raise InvalidRunId(f"invalid actor token {actor_id!r}: use 1-64 characters from [A-Za-z0-9_-]")
+    return actor_id
+
+
 def _token(kind: str, what: str) -> str:
     if not _TOKEN.fullmatch(kind):
         raise InvalidRunId(f"invalid {what} {kind!r}: use 1-64 characters from [A-Za-z0-9_-]")
     return kind
 
 
-def event_subject(run_id: str, kind: str) -> str:
-    """Subject of an episode event, e.g. ``leafe.r1.events.step``."""
-    return f"leafe.{validate_run_id(run_id)}.events.{_token(kind, 'event kind')}"
+def event_subject(run_id: str, kind: str, actor_id: str) -> str:
+    """Subject of an episode event published by ``actor_id``, e.g. ``leafe.r1.events.step.a0``."""
+    return f"leafe.{validate_run_id(run_id)}.events.{_token(kind, 'event kind')}.{_actor_token(actor_id)}"
+
+
+def actor_events_subjects(run_id: str, actor_id: str) -> str:
+    """What ``actor_id``'s credentials may publish events on: ``leafe.<run>.events.*.<actor>``."""
+    return f"leafe.{validate_run_id(run_id)}.events.*.{validate_actor_id(actor_id)}"
 
 
 def task_subject(run_id: str) -> str:
@@ -99,12 +134,17 @@ def dead_letter_subject(run_id: str, stream: str) -> str:
     return f"leafe.{validate_run_id(run_id)}.dead.{_token(stream.lower(), 'stream')}"
 
 
-def event_subject_parts(subject: str) -> tuple[str, str]:
-    """``(run_id, kind)`` of an event subject ``leafe.<run>.events.<kind>``; ``ValueError`` otherwise."""
+def event_subject_parts(subject: str) -> tuple[str, str, str]:
+    """``(run_id, kind, actor)`` of an event subject ``leafe.<run>.events.<kind>.<actor>``, or of a legacy
+    ``leafe.<run>.events.<kind>`` (actor :data:`LEGACY_ACTOR`); ``ValueError`` otherwise."""
     parts = subject.split(".")
-    if len(parts) != 4 or parts[0] != "leafe" or parts[2] != "events":
+    if len(parts) not in (4, 5) or parts[0] != "leafe" or parts[2] != "events":
         raise ValueError(f"not an event subject: {subject[:200]!r}")
-    return parts[1], parts[3]
+    if len(parts) == 4:
+        return parts[1], parts[3], LEGACY_ACTOR
+    if not _RUN_ID.fullmatch(parts[4]):
+        raise ValueError(f"not an actor token: {parts[4][:80]!r} in {subject[:200]!r}")
+    return parts[1], parts[3], parts[4]
 
 
 def events_filter(run_id: str) -> str:

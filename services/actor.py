@@ -3,7 +3,11 @@
     leafe actor --nats nats://127.0.0.1:4222 --run r1 --engine http://127.0.0.1:30000 --model tiny \\
         [--config actor.toml] [--concurrency 8] [--metrics-port 9464]
 
-The service itself (work queue, acks, keepalives, drain) is ``services/actor_service.py``. SIGTERM or
+The service itself (work queue, acks, keepalives, drain) is ``services/actor_service.py``. The actor id is
+the last token of every event subject it publishes on, and NATS lets each actor's credentials publish on
+its own id only (``services/bus/auth.py``): credentials ``actor.<id>`` (user, or seed file
+``actor.<id>.nk``) give the id; ``--actor-id`` may repeat it, never differ from it. Without such
+credentials (a test server, an admin) the id is ``--actor-id``, else ``<host>-<pid>``. SIGTERM or
 Ctrl-C: stop fetching, let running episodes finish for ``drain_timeout_s``, nak the rest.
 In-process (tests, benchmarks): ``await run_actor(nats=..., run_id=..., engine=..., tokenizer=...)``.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import signal
 import socket
 from contextlib import AsyncExitStack
@@ -24,13 +29,15 @@ from actors.config import ActorServiceConfig
 from actors.engine import Engine
 from actors.env_pool import EnvFactory
 from protocol.prompt import ChatTokenizer
+from protocol.subjects import validate_actor_id
 from services.actor_service import ActorService, ActorStats
 from services.bus import NatsOptions, add_nats_arguments, connect, nats_options
+from services.bus.connection import credential_actor_id
 from services.config import dump_config, load_config
 from services.logsetup import configure_logging
 from services.metrics import ActorMetrics, add_metrics_arguments, serve_metrics
 
-__all__ = ["default_actor_id", "main", "run_actor"]
+__all__ = ["default_actor_id", "main", "resolve_actor_id", "run_actor"]
 
 log = structlog.get_logger(__name__)
 
@@ -53,7 +60,7 @@ async def run_actor(
     if engine is None and not engine_urls:
         raise ValueError("run_actor needs an engine or at least one engine URL")
     opts = NatsOptions(url=nats) if isinstance(nats, str) else nats
-    actor_id = actor_id or default_actor_id()
+    actor_id = resolve_actor_id(opts, actor_id)
     async with AsyncExitStack() as stack:
         nc = await connect(opts, name=f"leafe-actor-{actor_id}")
         stack.push_async_callback(nc.close)
@@ -80,8 +87,21 @@ async def run_actor(
 
 
 def default_actor_id() -> str:
-    """``<host>-<pid>``."""
-    return f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
+    """``<host>-<pid>`` (characters a subject token may not hold replaced by ``-``)."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0]).strip("-_") or "actor"
+    return f"{host[:48]}-{os.getpid()}"
+
+
+def resolve_actor_id(opts: NatsOptions, actor_id: str | None) -> str:
+    """The id to publish as: the credentials' (``actor.<id>``), which ``actor_id`` may only repeat, else
+    ``actor_id``, else :func:`default_actor_id`; checked as a subject token (``InvalidRunId`` names it)."""
+    pinned = credential_actor_id(opts)
+    if pinned is not None and actor_id and actor_id != pinned:
+        raise ValueError(
+            f"actor id {actor_id!r} differs from the one the NATS credentials are pinned to ({pinned!r}): "
+            "the server would refuse every event; drop --actor-id or use the actor's own credentials"
+        )
+    return validate_actor_id(pinned or actor_id or default_actor_id())
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,7 +112,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m-instruct", help="tokenizer: model dir, 'tiny' or default")
     p.add_argument("--config", default=None, help="ActorServiceConfig TOML file")
     p.add_argument("--concurrency", type=int, default=None, help="episodes at once (overrides the config)")
-    p.add_argument("--actor-id", default=None, help="actor id in events (default host-pid)")
+    p.add_argument(
+        "--actor-id",
+        default=None,
+        help="actor id in events (default: the credentials' actor.<id>, else host-pid)",
+    )
     p.add_argument("--max-tasks", type=int, default=None, help="exit after this many tasks")
     p.add_argument("--log-level", default="info")
     add_metrics_arguments(p)
@@ -106,6 +130,7 @@ def main(argv: list[str]) -> int:
     configure_logging(json=True, level=args.log_level)
     try:
         nats = nats_options(args)
+        actor_id = resolve_actor_id(nats, args.actor_id)
         config = load_config(
             ActorServiceConfig, files=[args.config], overrides={"concurrency": args.concurrency}
         )
@@ -132,7 +157,7 @@ def main(argv: list[str]) -> int:
             tokenizer=tokenizer,
             engine_urls=urls,
             config=config,
-            actor_id=args.actor_id,
+            actor_id=actor_id,
             stop=stop,
             max_tasks=args.max_tasks,
             metrics=metrics,

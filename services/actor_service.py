@@ -47,6 +47,7 @@ from protocol.subjects import (
     actors_durable,
     dead_letter_subject,
     task_subject,
+    validate_actor_id,
     validate_run_id,
     weights_subject,
 )
@@ -84,7 +85,7 @@ class ActorService:
         self.js = nc.jetstream()
         self.run_id = validate_run_id(run_id)
         self.config = config
-        self.actor_id = actor_id
+        self.actor_id = validate_actor_id(actor_id)
         self.max_tasks = max_tasks
         self.streams_timeout_s = streams_timeout_s
         self.pool = EnvPool(env_factory or make_env, max_idle=config.env_pool_size)
@@ -103,7 +104,7 @@ class ActorService:
             config=config,
             pool=self.pool,
             run_id=self.run_id,
-            actor_id=actor_id,
+            actor_id=self.actor_id,
             stats=self.stats,
             metrics=self.metrics,
             probe=self.probe,

@@ -35,7 +35,9 @@ class ReplayerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Episodes held at once (each holds its anchor); an EpisodeStarted past it is dead-lettered.
     ``max_open_episodes + batch`` must fit in ``max_ack_pending``, so anchors never stall the consumer."""
     max_open_per_actor: int = 1024
-    """Episodes one ``actor_id`` may hold at once (an actor runs tens); past it, dead-lettered."""
+    """Episodes one actor may hold at once (an actor runs tens); past it, dead-lettered. Keyed on the
+    events' subject token, which NATS pins to the publisher's credentials (``protocol.codec.admit_event``:
+    ``actor_id`` must equal it; tokenless legacy events are all actor ``legacy``)."""
     max_open_bytes: int = DEFAULT_MAX_OPEN_BYTES
     """Bytes the held episodes' events may take together (``learner.materializers.lifecycle.event_bytes``:
     text and token ids, about their size in memory); an EpisodeStarted past it is dead-lettered, and

@@ -97,7 +97,7 @@ async def _pick(js: Any, run_id: str, letter: Msg, stats: RedriveStats, admissio
     subject = h.get(ORIGINAL_SUBJECT_HEADER, "")
     try:
         seq = int(h.get(ORIGINAL_SEQ_HEADER, ""))
-        run, _ = event_subject_parts(subject)
+        run, _, _ = event_subject_parts(subject)
     except ValueError as e:
         return _skip(stats, letter, f"no events subject or seq: {e}")
     if h.get(ORIGINAL_STREAM_HEADER) != EVENTS.name or run != run_id:

@@ -29,8 +29,10 @@ per (run, materializer): the durable consumer is its identity.
 
 Bad input (see the "Trust" section of ``docs/architecture.md``): every message passes
 ``protocol.codec.admit_event`` first (size <= ``max_event_bytes``, a ``Leafe-Codec`` header, a
-decodable body, subject run and kind equal to the event's, event id ``<episode>.<seq>``), or
-``services.bus.Consumer`` dead-letters it. An event the fold rejects (``ReplayError``: unknown branch,
+decodable body, subject run, kind and actor token equal to the event's, event id ``<episode>.<seq>``),
+or ``services.bus.Consumer`` dead-letters it. The actor token is the publisher's NATS identity, so
+``max_open_per_actor`` caps what each credential can hold open, whatever its payloads say. An event
+the fold rejects (``ReplayError``: unknown branch,
 Branch before its Reflection, a conflicting copy of an applied id, an episode past ``max_open_episodes``,
 ``max_open_per_actor`` or ``max_open_bytes``, a token id outside the tokenizer's vocabulary...) is
 dead-lettered with the reason; an exception while folding an episode (``EpisodeFailed``) dead-letters

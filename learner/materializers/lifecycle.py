@@ -89,7 +89,8 @@ class OpenLimits:
     max_open: int | None = None
     """Held episodes of the whole fold (one run)."""
     max_per_actor: int | None = None
-    """Held episodes per ``actor_id``."""
+    """Held episodes per ``actor_id`` (admitted events' ``actor_id`` is their publisher's NATS identity,
+    ``protocol.codec.admit_event``)."""
     max_bytes: int | None = None
     """:func:`event_bytes` of every event of the held episodes, together."""
 

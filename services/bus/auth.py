@@ -7,7 +7,13 @@ runs with the same rights on a laptop as in a cluster. Each role gets a fresh nk
 seed goes to ``<dir>/<role>.nk`` (mode 0600 in a 0700 directory), the public key into the server config.
 A service is given its own seed file only (``--nats-nkey``); ``leafe run``'s supervisor uses ``admin``.
 
-    keys = write_role_keys(run_dir / "nats-keys")
+Actors are the exception: every actor process is a user of its own, ``actor.<id>`` (seed file
+``actor.<id>.nk``), whose permissions are the ``actor`` role's with ``{actor}`` replaced by its id: it may
+publish events only on ``leafe.*.events.*.<id>`` and read only its inboxes ``_INBOX_actor.<id>``. The
+event subject's last token is thus an identity no actor can forge (the replayer caps open episodes per
+that token, ``protocol.codec.admit_event``). There is no shared ``actor`` user.
+
+    keys = write_role_keys(run_dir / "nats-keys", key_names(["r1-actor-0", "r1-actor-1"]))
     server = EmbeddedNats(store, users=nkey_users(keys, load_permissions())).start()
     options = role_options(server.url, keys)          # {"actor": NatsOptions(url, nkey=...), ...}
 """
@@ -23,17 +29,22 @@ from typing import Any
 import msgspec
 import nkeys
 
+from protocol.subjects import validate_actor_id
 from services.bus.connection import ROLES, NatsOptions, inbox_prefix
 
 __all__ = [
+    "ACTOR_PLACEHOLDER",
     "PERMISSIONS_FILE",
     "ROLES",
     "NatsUser",
     "RoleKey",
     "ServerTls",
+    "actor_key_name",
     "authorization_config",
+    "key_names",
     "load_permissions",
     "nkey_users",
+    "permissions_for",
     "role_options",
     "tls_config",
     "write_role_keys",
@@ -41,6 +52,8 @@ __all__ = [
 
 PERMISSIONS_FILE = Path(__file__).resolve().parents[2] / "deploy" / "base" / "nats" / "permissions.json"
 """The per-role permissions, in the source tree (the container image runs no embedded server)."""
+ACTOR_PLACEHOLDER = "{actor}"
+"""Stands for an actor's id in the ``actor`` role's subjects of permissions.json."""
 
 
 class NatsUser(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -81,7 +94,7 @@ class RoleKey(msgspec.Struct, frozen=True, kw_only=True):
     """A role's generated nkey: where its seed is and its public key (the seed itself is never held)."""
 
     role: str
-    """The role of permissions.json."""
+    """The role of permissions.json, or ``actor.<id>`` for one actor's own user."""
     seed_file: str
     """Path of the seed file (mode 0600)."""
     public_key: str
@@ -101,6 +114,42 @@ def load_permissions(path: Path = PERMISSIONS_FILE) -> dict[str, dict[str, Any]]
     return table
 
 
+def actor_key_name(actor_id: str) -> str:
+    """The user (and seed file stem) of one actor: ``actor.<id>`` (the id checked as a subject token)."""
+    return f"actor.{validate_actor_id(actor_id)}"
+
+
+def key_names(actor_ids: Iterable[str]) -> list[str]:
+    """Every role but the shared ``actor`` (which has no user), and one ``actor.<id>`` per actor."""
+    return [*(r for r in ROLES if r != "actor"), *(actor_key_name(a) for a in actor_ids)]
+
+
+def _substituted(value: Any, actor_id: str) -> Any:
+    if isinstance(value, str):
+        return value.replace(ACTOR_PLACEHOLDER, actor_id)
+    if isinstance(value, list):
+        return [_substituted(v, actor_id) for v in value]
+    if isinstance(value, dict):
+        return {k: _substituted(v, actor_id) for k, v in value.items()}
+    return value
+
+
+def permissions_for(name: str, permissions: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+    """The permissions of user ``name``: a role's, or for ``actor.<id>`` the actor role's with
+    ``{actor}`` replaced by the id; the shared ``actor`` is refused (it would publish as any actor)."""
+    role, dot, actor_id = name.partition(".")
+    if role == "actor":
+        if not dot:
+            raise ValueError(
+                "the actor role has no shared user: give each actor its own, actor.<id> (key_names), so "
+                "its events are pinned to its id"
+            )
+        return _substituted(permissions["actor"], validate_actor_id(actor_id))  # type: ignore[no-any-return]
+    if dot or role not in permissions:
+        raise ValueError(f"no NATS role {name!r} (roles: {sorted(permissions)}, or actor.<id>)")
+    return permissions[role]
+
+
 def _write_secret(path: Path, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -110,8 +159,10 @@ def _write_secret(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def write_role_keys(directory: Path, roles: Iterable[str] = ROLES) -> dict[str, RoleKey]:
-    """A fresh user nkey per role; each seed in ``directory/<role>.nk`` (0600, directory 0700)."""
+def write_role_keys(directory: Path, roles: Iterable[str] | None = None) -> dict[str, RoleKey]:
+    """A fresh user nkey per name of ``roles`` (default :func:`key_names` of no actor: every role but the
+    shared ``actor``); each seed in ``directory/<name>.nk`` (0600, directory 0700)."""
+    roles = key_names(()) if roles is None else roles
     directory.mkdir(parents=True, exist_ok=True)
     directory.chmod(0o700)
     keys: dict[str, RoleKey] = {}
@@ -126,8 +177,11 @@ def write_role_keys(directory: Path, roles: Iterable[str] = ROLES) -> dict[str, 
 
 
 def nkey_users(keys: Mapping[str, RoleKey], permissions: Mapping[str, dict[str, Any]]) -> list[NatsUser]:
-    """One nkey user per role of ``keys``, with that role's permissions."""
-    return [NatsUser(nkey=key.public_key, permissions=permissions[role]) for role, key in keys.items()]
+    """One nkey user per role of ``keys``, with that role's permissions (:func:`permissions_for`)."""
+    return [
+        NatsUser(nkey=key.public_key, permissions=permissions_for(role, permissions))
+        for role, key in keys.items()
+    ]
 
 
 def role_options(url: str, keys: Mapping[str, RoleKey], **options: Any) -> dict[str, NatsOptions]:

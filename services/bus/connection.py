@@ -29,6 +29,11 @@ may subscribe only to its own prefix, ``_INBOX_<role>`` (permissions.json), and 
 taken from the identity when ``--nats-inbox-prefix`` is not given: the user name, or the nkey seed file's
 name ``<role>.nk`` (how ``leafe run`` and deploy/ name them); the admin and any other identity keep
 nats-py's ``_INBOX`` (the admin's permissions allow ``_INBOX.>``, which no service prefix falls under).
+
+Actors: each actor has credentials of its own, pinned to its actor id (``services/bus/auth.py``): the
+user ``actor.<id>``, or the seed file ``actor.<id>.nk``. Such an actor's inboxes are under
+``_INBOX_actor.<id>`` (one actor cannot read another's deliveries) and :func:`credential_actor_id` is the
+id ``leafe actor`` publishes as (the server refuses event subjects with any other actor token).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ __all__ = [
     "add_nats_arguments",
     "confined_role",
     "connect",
+    "credential_actor_id",
     "inbox_prefix",
     "nats_options",
     "redact",
@@ -109,12 +115,27 @@ class NatsOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 _PREFIX = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 
 
+def _identity_name(opts: NatsOptions) -> str:
+    """The user name, or the nkey seed file's name without ``.nk`` (``actor``, ``actor.a0``), else ``""``."""
+    return opts.user or (Path(opts.nkey).name.removesuffix(".nk") if opts.nkey.endswith(".nk") else "")
+
+
+def credential_actor_id(opts: NatsOptions) -> str | None:
+    """The actor id ``opts``' credentials are pinned to (user or seed file ``actor.<id>``), else None."""
+    role, dot, actor = _identity_name(opts).partition(".")
+    return actor if role == "actor" and dot and actor else None
+
+
 def inbox_prefix(opts: NatsOptions) -> str:
     """The inbox prefix ``opts`` connects with: the explicit one, else ``_INBOX_<role>`` for a service role
-    named by the user name or the nkey seed file (``<role>.nk``), else nats-py's ``_INBOX``."""
+    named by the user name or the nkey seed file (``<role>.nk``; ``_INBOX_actor.<id>`` for an actor's own
+    credentials, ``actor.<id>``), else nats-py's ``_INBOX``."""
     if opts.inbox_prefix:
         return opts.inbox_prefix
-    role = opts.user or (Path(opts.nkey).name.removesuffix(".nk") if opts.nkey.endswith(".nk") else "")
+    actor = credential_actor_id(opts)
+    if actor is not None and _PREFIX.fullmatch(actor):
+        return f"{DEFAULT_INBOX_PREFIX}_actor.{actor}"
+    role = _identity_name(opts)
     return f"{DEFAULT_INBOX_PREFIX}_{role}" if role in SERVICE_ROLES else DEFAULT_INBOX_PREFIX
 
 
@@ -180,7 +201,7 @@ def confined_role(nc: Client) -> str | None:
     """The service role a connection is confined to (its inbox prefix is ``_INBOX_<role>``), else None
     (the admin, or an identity of its own): such a connection may not create or change consumers."""
     prefix = bytes(nc._inbox_prefix).decode()
-    role = prefix.removeprefix(f"{DEFAULT_INBOX_PREFIX}_")
+    role = prefix.removeprefix(f"{DEFAULT_INBOX_PREFIX}_").split(".", 1)[0]
     return role if role != prefix and role in SERVICE_ROLES else None
 
 

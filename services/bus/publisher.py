@@ -90,7 +90,7 @@ class Publisher:
         self._acked_since_flush = 0
         self._dups_since_flush = 0
         self._first_dup: str | None = None
-        self._subjects: dict[tuple[str, type], str] = {}
+        self._subjects: dict[tuple[str, type, str], str] = {}
         self._max_msg_bytes = max_msg_bytes
         self._limits: dict[str, int] = {}
         self.published = 0
@@ -111,12 +111,13 @@ class Publisher:
         await self.publish_raw(subject, encode(msg), headers)
 
     async def publish_event(self, event: EpisodeEvent) -> None:
-        """Publish an episode event on ``leafe.<run>.events.<kind>``."""
-        key = (event.run_id, type(event))
+        """Publish an episode event on ``leafe.<run>.events.<kind>.<actor_id>`` (the server refuses a token
+        other than the connection's own actor id)."""
+        key = (event.run_id, type(event), event.actor_id)
         subject = self._subjects.get(key)
         if subject is None:
             kind = type(event).__struct_config__.tag
-            subject = self._subjects[key] = event_subject(event.run_id, str(kind))
+            subject = self._subjects[key] = event_subject(event.run_id, str(kind), event.actor_id)
         await self.publish(subject, event)
 
     def limit(self, subject: str) -> int:

@@ -358,7 +358,7 @@ def record_for(event: EpisodeEvent, stream_seq: int) -> LogRecord:
     kind = str(type(event).__struct_config__.tag)
     headers = {MSG_ID_HEADER: event.event_id, CODEC_HEADER: CODEC_VERSION}
     return LogRecord(
-        subject=event_subject(event.run_id, kind),
+        subject=event_subject(event.run_id, kind, event.actor_id),
         headers=headers,
         data=encode(event),
         stream_seq=stream_seq,

@@ -9,12 +9,15 @@ stores it once. ``run_id=NEWRUN`` rewrites subjects and each event's ``run_id``,
 duplicate of it. The file format is ``services/eventlog/fileformat.py``.
 
 A log file is input from outside, so import admits each record exactly as the replayer does
-(``protocol.codec.admit_event``: an event of the file's run on its own kind's events subject, its id
-``<episode_id>.<seq>``), and allows only the headers the Publisher writes, with a ``Nats-Msg-Id`` that is
-the event's own id: a record on any other subject (the JetStream API, another run's samples) or a dedupe id
-borrowed from another event raises :class:`ImportRefusedError` in the verification pass, before anything is
-published. Import creates nothing: it runs as the ``log-import`` role of permissions.json, which may publish
-events and read its own inbox (the acks), nothing else; ``leafe streams ensure`` makes the streams.
+(``protocol.codec.admit_event``: an event of the file's run on its own kind's events subject, with its
+actor's token, its id ``<episode_id>.<seq>``), and allows only the headers the Publisher writes, with a
+``Nats-Msg-Id`` that is the event's own id: a record on any other subject (the JetStream API, another run's
+samples) or a dedupe id borrowed from another event raises :class:`ImportRefusedError` in the verification
+pass, before anything is published. A record of a log written before actor tokens
+(``leafe.<run>.events.<kind>``) keeps its subject, and the replayer counts it as actor ``legacy``; moved to
+another run, it is published on the ``legacy`` token with that ``actor_id``. Import creates nothing: it runs
+as the ``log-import`` role of permissions.json, which may publish events (on any actor token: importing is an
+operator's act) and read its own inbox (the acks), nothing else; ``leafe streams ensure`` makes the streams.
 """
 
 from __future__ import annotations
@@ -144,7 +147,7 @@ def _renamed(event: EpisodeEvent, run_id: str) -> tuple[str, bytes, dict[str, st
     event = msgspec.structs.replace(event, run_id=run_id)
     kind = type(event).__struct_config__.tag
     headers = {MSG_ID_HEADER: f"{event.event_id}@{run_id}", CODEC_HEADER: CODEC_VERSION}
-    return event_subject(run_id, str(kind)), encode(event), headers
+    return event_subject(run_id, str(kind), event.actor_id), encode(event), headers
 
 
 def _admit_all(

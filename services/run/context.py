@@ -87,8 +87,9 @@ class RunContext:
         return self.run_dir / "tensorboard"
 
     def nats_args(self, role: str) -> list[str]:
-        """``--nats``, the role's own identity on the embedded server (none with an external server: the
-        services inherit the ``LEAFE_NATS_*`` variables) and ``--run``."""
+        """``--nats``, the role's own identity on the embedded server (``role``: a role, or ``actor.<id>``
+        for one actor; none with an external server: the services inherit the ``LEAFE_NATS_*`` variables)
+        and ``--run``."""
         args = ["--nats", self.nats.url, "--run", self.config.run_id]
         if self.role_nats:
             args += ["--nats-nkey", self.role_nats[role].nkey]

@@ -2,7 +2,9 @@
 
 The embedded nats-server runs with authorization on, from deploy's permissions.json (services/bus/auth.py):
 fresh nkeys per start, each role's seed in ``<run dir>/nats-keys/<role>.nk`` (0600). The supervisor is the
-admin (it alone creates the streams, before any service starts); each service gets its role's seed file.
+admin (it alone creates the streams, before any service starts); each service gets its role's seed file,
+and each actor one of its own, ``actor.<id>.nk``, pinned to its actor id ``<run>-actor-<i>`` (it can
+publish events on no other actor's subject token).
 
 A run directory is bound to what produced its log: the model, the environment and the materializer
 (:meth:`RunConfig.identity`, saved in ``identity.json`` on the first start). Resuming it with any of
@@ -37,7 +39,14 @@ from services.bus import (
     ensure_streams,
     nats_options,
 )
-from services.bus.auth import load_permissions, nkey_users, role_options, write_role_keys
+from services.bus.auth import (
+    actor_key_name,
+    key_names,
+    load_permissions,
+    nkey_users,
+    role_options,
+    write_role_keys,
+)
 from services.bus.nats_server import EmbeddedNats, free_port
 from services.config import tomlable
 from services.inference.auth import read_api_key
@@ -47,7 +56,14 @@ from services.run.supervisor import wait_http_ok
 from services.streams import durables_for_run
 from services.threads import free_cores, plan_threads
 
-__all__ = ["check_identity", "engine_threads", "prepare_run_dir", "start_infra", "start_pipeline"]
+__all__ = [
+    "actor_ids",
+    "check_identity",
+    "engine_threads",
+    "prepare_run_dir",
+    "start_infra",
+    "start_pipeline",
+]
 
 log = structlog.get_logger(__name__)
 IDENTITY = "identity.json"
@@ -93,6 +109,11 @@ def prepare_run_dir(ctx: RunContext) -> None:
         (conf / f"{name}.toml").write_text(tomli_w.dumps(tomlable(table)), encoding="utf-8")
 
 
+def actor_ids(ctx: RunContext) -> list[str]:
+    """The run's actor ids, ``<run>-actor-<i>``: each its own NATS user and events subject token."""
+    return [f"{ctx.config.run_id}-actor-{i}" for i in range(ctx.config.services.actors)]
+
+
 def _external_nats(url: str) -> NatsOptions:
     """An external server: the identity and TLS files of the ``LEAFE_NATS_*`` variables (an admin's, as
     the supervisor creates the streams); the services inherit the same variables."""
@@ -102,8 +123,9 @@ def _external_nats(url: str) -> NatsOptions:
 
 
 def _start_nats(ctx: RunContext, stack: AsyncExitStack) -> None:
-    """The embedded server with one nkey user per role (permissions.json); the supervisor is admin."""
-    keys = write_role_keys(ctx.run_dir / "nats-keys")
+    """The embedded server with one nkey user per role (permissions.json) and per actor; the supervisor is
+    admin."""
+    keys = write_role_keys(ctx.run_dir / "nats-keys", key_names(actor_ids(ctx)))
     users = nkey_users(keys, load_permissions())
     log_file = ctx.run_dir / "logs" / "nats.log"
     server = EmbeddedNats(ctx.run_dir / "nats", log_file=log_file, users=users).start()
@@ -222,12 +244,12 @@ async def start_pipeline(ctx: RunContext) -> None:
         await ctx.service("learner", learner, env=threads).start()
         servers = [a for url in ctx.engine_urls for a in ("--server", url)]
         await ctx.service("weight-sync", ["weight-sync", *ctx.nats_args("weight-sync"), *servers]).start()
-    for i in range(cfg.services.actors):
+    for i, actor_id in enumerate(actor_ids(ctx)):
         actor = [
             "actor",
-            *ctx.nats_args("actor"),
+            *ctx.nats_args(actor_key_name(actor_id)),
             *("--engine", ",".join(ctx.engine_urls), "--model", model, "--config", str(conf / "actor.toml")),
-            *("--concurrency", str(cfg.services.actor_concurrency), "--actor-id", f"{cfg.run_id}-actor-{i}"),
+            *("--concurrency", str(cfg.services.actor_concurrency), "--actor-id", actor_id),
         ]
         await ctx.service(f"actor-{i}", actor).start()
     urls = ", ".join(f"{name} {url}" for name, url in ctx.metrics_urls.items())

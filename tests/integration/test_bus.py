@@ -108,7 +108,9 @@ async def test_10k_events_are_consumed_as_published_in_order_per_subject(nc: Cli
     assert [d.value for d in got] == events
     by_subject: dict[str, list[EpisodeEvent]] = defaultdict(list)
     for event in events:
-        by_subject[event_subject(run_id, str(type(event).__struct_config__.tag))].append(event)
+        by_subject[event_subject(run_id, str(type(event).__struct_config__.tag), event.actor_id)].append(
+            event
+        )
     assert {s: [d.value for d in got if d.subject == s] for s in by_subject} == by_subject
     assert [d.stream_seq for d in got] == sorted(d.stream_seq for d in got)
     info = await js.consumer_info("LEAFE_EVENTS", run_id)
@@ -152,7 +154,7 @@ async def test_malformed_payloads_are_dead_lettered_with_the_reason(nc: Client, 
     """Undecodable messages go to the dead-letter subject with Leafe-Error + origin headers, and are acked."""
     js = nc.jetstream()
     good = make_episode(run_id, f"{run_id}-ep")[1]
-    subject = event_subject(run_id, "step")
+    subject = event_subject(run_id, "step", good.actor_id)
     async with Publisher(js) as pub:
         await pub.publish_raw(subject, b"\xc1garbage", {MSG_ID_HEADER: "bad-1", CODEC_HEADER: "1"})
         await pub.publish_raw(subject, encode(good), {MSG_ID_HEADER: "bad-2", CODEC_HEADER: "99"})
@@ -179,7 +181,7 @@ async def test_a_failed_dead_letter_raises_and_hands_the_batch_back(nc: Client, 
     good = make_episode(run_id, f"{run_id}-ep")[1]
     async with Publisher(js) as pub:
         await pub.publish_event(good)
-        await pub.publish_raw(event_subject(run_id, "step"), b"\xc1", {MSG_ID_HEADER: f"{run_id}-bad"})
+        await pub.publish_raw(event_subject(run_id, "step", "a0"), b"\xc1", {MSG_ID_HEADER: f"{run_id}-bad"})
     broken = Consumer(
         js,
         stream="LEAFE_EVENTS",

@@ -142,12 +142,13 @@ async def test_messages_at_the_servers_max_payload_are_dead_lettered_truncated_w
         seq=1,
     )
     big_step = pad_to(ghost, "raw_text", total=MAX_PAYLOAD, headers=headers_of(ghost))
+    subject = event_subject(run_id, "step", "mallory")
     with pytest.raises(BadRequestError, match="message size exceeds maximum allowed"):
-        await publish_raw(js, event_subject(run_id, "step"), junk, junk_headers)  # the server's own limit
+        await publish_raw(js, subject, junk, junk_headers)  # the server's own limit
     async with events_limit_lifted(js):
         originals = {
-            await publish_raw(js, event_subject(run_id, "step"), junk, junk_headers): junk,
-            await publish_raw(js, event_subject(run_id, "step"), big_step, headers_of(ghost)): big_step,
+            await publish_raw(js, subject, junk, junk_headers): junk,
+            await publish_raw(js, subject, big_step, headers_of(ghost)): big_step,
         }
     await publish(js, valid[5:])
     async with Running(nats_url, run_id, "leafe", tokenizer) as r:
@@ -316,7 +317,8 @@ async def test_conflicts_forged_ids_wrong_subjects_and_missing_codec_headers_are
 ) -> None:
     """Each of these is dead-lettered with its reason and changes no valid sample: a second, different
     copy of an applied event id; an event id that is not ``<episode>.<seq>``; a Step on the outcome
-    subject; a message without ``Leafe-Codec``; an event of another run."""
+    subject; a message without ``Leafe-Codec``; an event of another run; an event of actor ``mallory`` on
+    another actor's subject token."""
     valid = make_log(run_id, tokenizer, episodes=4, groups=0)
     at = next(i for i, e in enumerate(valid) if isinstance(e, Step) and e.t == 1)
     step = valid[at]
@@ -326,13 +328,15 @@ async def test_conflicts_forged_ids_wrong_subjects_and_missing_codec_headers_are
     later = w.emit(Step, **step_fields("b0", 1))
     forged = msgspec.structs.replace(later, event_id=f"{run_id}-forged")
     other_run = msgspec.structs.replace(later, run_id=f"{run_id}x")
-    step_subject = event_subject(run_id, "step")
+    step_subject = event_subject(run_id, "step", "mallory")
+    own = event_subject(run_id, "step", copy.actor_id)
     cases = {
-        "conflict": (step_subject, encode(copy), headers_of(copy, **{MSG_ID_HEADER: f"{run_id}-x1"})),
+        "conflict": (own, encode(copy), headers_of(copy, **{MSG_ID_HEADER: f"{run_id}-x1"})),
         "event id": (step_subject, encode(forged), headers_of(forged)),
-        "subject": (event_subject(run_id, "outcome"), encode(later), headers_of(later)),
+        "subject": (event_subject(run_id, "outcome", "mallory"), encode(later), headers_of(later)),
         "Leafe-Codec": (step_subject, encode(later), {MSG_ID_HEADER: f"{run_id}-x2"}),
         "run": (step_subject, encode(other_run), headers_of(other_run, **{MSG_ID_HEADER: f"{run_id}-x3"})),
+        "actor": (own, encode(later), headers_of(later, **{MSG_ID_HEADER: f"{run_id}-x4"})),
     }
     await publish(js, valid[: at + 1])
     seqs = {"conflict": await publish_raw(js, *cases.pop("conflict"))}  # while its episode is open

@@ -14,15 +14,18 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from nats.js.api import StreamConfig
 
 from protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, encode
 from protocol.events import EpisodeEvent
+from protocol.subjects import LEGACY_ACTOR, event_subject
 from services.bus import NatsOptions, connect
 from services.eventlog.cli import main
 from services.eventlog.fileformat import LogRecord, LogWriter, record_for
 from services.eventlog.transfer import ImportRefusedError, import_log, iter_stream_records
+from services.replay import stream_events
 from tests.integration.test_log_tools import restore_logging  # noqa: F401 (a fixture)
 from tests.support.nats_auth import RoleClient, stored
 from tests.support.strategies import make_episode
@@ -40,6 +43,10 @@ def crafted_log(path: Path, run_id: str, extra: list[LogRecord]) -> list[Episode
         for record in extra:
             writer.write(record)
     return events
+
+
+def kind_of(event: EpisodeEvent) -> str:
+    return str(type(event).__struct_config__.tag)
 
 
 def raw(subject: str, data: bytes, msg_id: str, seq: int = 99) -> LogRecord:
@@ -148,3 +155,30 @@ async def test_the_log_import_role_imports_events_and_can_do_nothing_else(
     assert [r.headers[MSG_ID_HEADER] async for r in iter_stream_records(admin_client.js, run_id)] == [
         e.event_id for e in events
     ]
+
+
+@anyio
+async def test_a_log_written_before_actor_tokens_imports_and_replays_as_actor_legacy(
+    nats_roles: dict[str, NatsOptions], admin_client: RoleClient, run_id: str, tmp_path: Path
+) -> None:
+    """Records on ``leafe.<run>.events.<kind>`` (every log exported before subjects named their actor)
+    import as they are, and the replayer's admission reads them as actor ``legacy`` (their payload ids
+    vouched for by nobody); moved to another run they are published on the ``legacy`` token."""
+    events = make_episode(run_id, f"{run_id}-ep0")
+    path = tmp_path / "legacy.leafelog"
+    with LogWriter(path, run_id=run_id) as writer:
+        for seq, event in enumerate(events, start=1):
+            record = record_for(event, seq)
+            writer.write(msgspec.structs.replace(record, subject=record.subject.rsplit(".", 1)[0]))
+    async with RoleClient(nats_roles["log-import"]) as client:
+        assert (await import_log(client.js, path)).stored == len(events)
+        moved = f"{run_id}-moved"
+        assert (await import_log(client.js, path, run_id=moved)).stored == len(events)
+        assert client.violations == []
+    subjects = [r.subject async for r in iter_stream_records(admin_client.js, run_id)]
+    assert subjects == [f"leafe.{run_id}.events.{kind_of(e)}" for e in events]
+    replayed = [e async for e in stream_events(admin_client.js, run_id)]
+    assert replayed == [msgspec.structs.replace(e, actor_id=LEGACY_ACTOR) for e in events]
+    subjects = [r.subject async for r in iter_stream_records(admin_client.js, moved)]
+    assert subjects == [event_subject(moved, kind_of(e), LEGACY_ACTOR) for e in events]
+    assert {e.actor_id async for e in stream_events(admin_client.js, moved)} == {LEGACY_ACTOR}

@@ -177,7 +177,7 @@ def test_log_file_round_trip_without_a_server(tmp_path: Path) -> None:
         assert write_events(tmp_path / name, events, run_id="r1") == len(events)
         assert list(read_events(tmp_path / name)) == events
         subjects = [subject for subject, headers, _ in iter_log_file(tmp_path / name)]
-        assert subjects[0] == "leafe.r1.events.episode_started"
+        assert subjects[0] == f"leafe.r1.events.episode_started.{events[0].actor_id}"
         header = read_log_header(tmp_path / name)
         assert (header.run_id, header.stream, header.format) == ("r1", "LEAFE_EVENTS", 2)
     assert (tmp_path / "a.leafelog.gz").stat().st_size < (tmp_path / "a.leafelog").stat().st_size

@@ -102,18 +102,19 @@ async def _healthz(metrics_url: str) -> tuple[int, str]:
 async def _bad_messages(js: Any, run_id: str) -> None:
     """One undecodable message and one event of another run on this run's events subject."""
     await js.publish(
-        event_subject(run_id, "step"),
+        event_subject(run_id, "step", "junk"),
         b"\x00 not an event",
         headers={MSG_ID_HEADER: f"{run_id}-junk", CODEC_HEADER: CODEC_VERSION},
     )
     async for msg in read_stream(
-        js, stream="LEAFE_EVENTS", filter_subject=event_subject(run_id, "episode_started")
+        js, stream="LEAFE_EVENTS", filter_subject=f"leafe.{run_id}.events.episode_started.*"
     ):
         event = decode_event(msg.data, (msg.headers or {}).get(CODEC_HEADER))
         assert isinstance(event, EpisodeStarted)
         alien = msgspec.structs.replace(event, run_id="another-run", event_id=f"{event.event_id}-alien")
         headers = {MSG_ID_HEADER: alien.event_id, CODEC_HEADER: CODEC_VERSION}
-        await js.publish(event_subject(run_id, "episode_started"), encode(alien), headers=headers)
+        subject = event_subject(run_id, "episode_started", alien.actor_id)
+        await js.publish(subject, encode(alien), headers=headers)
         return
 
 

@@ -13,21 +13,24 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from nats.errors import NoServersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 from nats.js.errors import NotFoundError
 
-from protocol.subjects import EVENTS, SAMPLES, TASKS, WEIGHTS
+from protocol.codec import encode, headers_for
+from protocol.subjects import EVENTS, SAMPLES, TASKS, WEIGHTS, event_subject
 from services import actor_service, learner_service, replayer_service, weight_sync_service
-from services.bus import NatsOptions, connect, ensure_durables, wait_for_streams
+from services.bus import NatsOptions, Publisher, connect, ensure_durables, wait_for_streams
 from services.bus.auth import write_role_keys
 from services.bus.durables import DurableSpec, consumer_config
 from services.bus.nats_server import EmbeddedNats
 from services.bus.pull import Puller
 from services.streams import durables_for_run
 from tests.support.nats_auth import RoleClient, stored
+from tests.support.strategies import make_episode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 
@@ -152,7 +155,14 @@ DENIED = [
     ("weight-sync", "publish", "leafe.{run}.dead.leafe_tasks"),
     ("weight-sync", "create-consumer", WEIGHTS.name),
     ("weight-sync", "get-msg", EVENTS.name),
-    # inboxes: pull deliveries and JetStream API replies; each role reads only its own prefix
+    # an actor (`actor` is actor-0's own user) publishes events on its own subject token only
+    ("actor", "publish", "leafe.{run}.events.step.actor-1"),
+    ("actor", "publish", "leafe.{run}.events.episode_started.forged-9"),
+    ("actor", "publish", "leafe.{run}.events.step"),
+    ("actor", "publish", "leafe.{run}.events.step.actor-0.x"),
+    # inboxes: pull deliveries and JetStream API replies; each role (each actor) reads only its own prefix
+    ("actor", "subscribe", "_INBOX_actor.actor-1.>"),
+    ("actor", "subscribe", "_INBOX_actor.>"),
     ("actor", "subscribe", "_INBOX_learner.>"),
     ("actor", "subscribe", "_INBOX.>"),
     ("actor", "subscribe", ">"),
@@ -248,7 +258,7 @@ async def test_each_role_pulls_and_asks_jetstream_through_its_own_inbox(
     on the learner's prefix, is refused and sees nothing (it once read the learner's pulled samples on
     ``_INBOX.>``)."""
     for role, opts in nats_roles.items():
-        want = b"_INBOX" if role == "admin" else f"_INBOX_{role}".encode()
+        want = {"admin": b"_INBOX", "actor": b"_INBOX_actor.actor-0"}.get(role, f"_INBOX_{role}".encode())
         async with RoleClient(opts) as client:
             assert bytes(client.nc._inbox_prefix) == want and client.nc.new_inbox().startswith(want.decode())
             if role != "log-import":  # it may ask the JetStream API nothing at all
@@ -280,6 +290,35 @@ async def test_each_role_pulls_and_asks_jetstream_through_its_own_inbox(
             assert seen == [] and learner.violations == []
     finally:
         await admin_client.js.delete_consumer(SAMPLES.name, durable)
+
+
+async def test_each_actor_publishes_events_only_under_its_own_id(
+    nats_roles: dict[str, NatsOptions], admin_client: RoleClient, run_id: str
+) -> None:
+    """Two actors, each with its own nkey user (``actor.<id>``, as ``leafe run`` makes them): each one's
+    events are stored on its own subject token; actor-0 publishing actor-1's event (the Publisher puts it
+    on actor-1's token) or a made-up token is refused by the server, and nothing is stored, so the token the
+    replayer caps open episodes by is one no actor can forge."""
+    theirs = msgspec.structs.replace(make_episode(run_id, f"{run_id}-b")[0], actor_id="actor-1")
+    mine = make_episode(run_id, f"{run_id}-a")[0]
+    assert mine.actor_id == "actor-0"
+    async with RoleClient(nats_roles["actor.actor-0"]) as a, RoleClient(nats_roles["actor.actor-1"]) as b:
+        for client, event in ((a, mine), (b, theirs)):
+            async with Publisher(client.js) as pub:
+                await pub.publish_event(event)
+            assert (
+                await stored(admin_client.js, event_subject(run_id, "episode_started", event.actor_id)) == 1
+            )
+        forged = make_episode(run_id, f"{run_id}-f")[0]
+        for token in ("actor-1", "mallory"):
+            subject = event_subject(run_id, "episode_started", token)
+            await a.nc.publish(
+                subject, encode(msgspec.structs.replace(forged, actor_id=token)), headers=headers_for(forged)
+            )
+            assert await a.violated(subject), (token, a.violations)
+        assert b.violations == []
+    assert await stored(admin_client.js, event_subject(run_id, "episode_started", "actor-1")) == 1
+    assert await stored(admin_client.js, event_subject(run_id, "episode_started", "mallory")) == 0
 
 
 def _changed(spec: DurableSpec, change: str) -> tuple[ConsumerConfig, str]:

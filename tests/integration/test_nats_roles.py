@@ -92,7 +92,7 @@ async def test_the_actor_serves_tasks_under_its_own_identity(
             engine=ScriptedEngine(),
             tokenizer=ByteChatTokenizer(),
             config=config,
-            actor_id="least-privilege",
+            actor_id="actor-0",  # its credentials are actor.actor-0: events on its own token only
             env_factory=lambda name, **kw: CorridorEnv(),
             max_tasks=len(tasks),
             streams_timeout_s=5.0,

@@ -15,7 +15,15 @@ from nats.errors import NoServersError
 
 from protocol.subjects import EVENTS
 from services.bus import NatsOptions, connect, ensure_streams
-from services.bus.auth import NatsUser, ServerTls, load_permissions, nkey_users, role_options, write_role_keys
+from services.bus.auth import (
+    NatsUser,
+    ServerTls,
+    key_names,
+    load_permissions,
+    nkey_users,
+    role_options,
+    write_role_keys,
+)
 from services.bus.nats_server import EmbeddedNats
 from tests.support.tls import Pki, make_pki
 
@@ -31,7 +39,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 def tls_server(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[tuple[EmbeddedNats, dict]]:
     """A server with mutual TLS and the roles' nkey users; yields it and each role's options (with TLS)."""
     store = tmp_path_factory.mktemp("tls-js")
-    keys = write_role_keys(tmp_path_factory.mktemp("tls-keys"))
+    keys = write_role_keys(tmp_path_factory.mktemp("tls-keys"), key_names(["a0"]))
     users: list[NatsUser] = nkey_users(keys, load_permissions())
     tls = ServerTls(cert_file=str(pki.server_cert), key_file=str(pki.server_key), ca_file=str(pki.ca))
     with EmbeddedNats(store, log_file=store / "nats.log", users=users, tls=tls) as server:
@@ -46,8 +54,8 @@ async def test_a_client_with_the_ca_and_its_certificate_connects_and_publishes(
     _, roles = tls_server
     admin = await connect(roles["admin"])
     await ensure_streams(admin.jetstream())
-    actor = await connect(roles["actor"])
-    ack = await actor.jetstream().publish("leafe.tls.events.step", b"over tls")
+    actor = await connect(roles["actor.a0"])
+    ack = await actor.jetstream().publish("leafe.tls.events.step.a0", b"over tls")
     assert ack.stream == EVENTS.name
     stored = await admin.jetstream().get_msg(EVENTS.name, seq=ack.seq)
     assert stored.data == b"over tls"
@@ -88,7 +96,9 @@ async def test_clients_without_the_ca_or_a_certificate_are_refused(
         errors.append(str(e))
 
     with pytest.raises((NoServersError, ConnectionError)):
-        await connect(msgspec.structs.replace(roles["actor"], **changes), connect_attempts=1, error_cb=seen)
+        await connect(
+            msgspec.structs.replace(roles["actor.a0"], **changes), connect_attempts=1, error_cb=seen
+        )
     assert any(re.search(refusal, e) for e in errors), (who, errors)
 
 

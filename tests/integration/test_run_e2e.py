@@ -84,14 +84,15 @@ def _check_observability(run_dir: Path, stderr: str, learner_step: int) -> None:
 
 
 def _assert_no_credential_in_logs(run_dir: Path) -> None:
-    """The run's NATS ran with one nkey user per role (seeds 0600 in nats-keys/), and no log file holds
-    a seed: neither a role's own nor anything shaped like one (``SU`` + 56 base32 characters)."""
+    """The run's NATS ran with one nkey user per role and one per actor, ``actor.<id>`` (seeds 0600 in
+    nats-keys/), and no log file holds a seed: neither a role's own nor anything shaped like one (``SU`` +
+    56 base32 characters)."""
     seeds = {p.stem: p for p in (run_dir / "nats-keys").iterdir()}
-    assert set(seeds) == set(ROLES)
+    assert set(seeds) == set(ROLES) - {"actor"} | {f"actor.{run_dir.name}-actor-0"}
     assert all(p.stat().st_mode & 0o077 == 0 for p in seeds.values())
     secrets = [p.read_text(encoding="utf-8").strip() for p in seeds.values()]
     assert all(SEED_PATTERN.fullmatch(s) for s in secrets)
-    assert (run_dir / "nats" / "nats-server.conf").read_text().count("nkey:") == len(ROLES)
+    assert (run_dir / "nats" / "nats-server.conf").read_text().count("nkey:") == len(seeds)
     logs = [p for p in (run_dir / "logs").rglob("*") if p.is_file()]
     assert {"run.jsonl", "nats.log", "actor-0.log", "replayer.log", "learner.log"} <= {p.name for p in logs}
     for path in logs:

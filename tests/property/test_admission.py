@@ -30,6 +30,7 @@ from protocol.events import EpisodeEvent, EpisodeStarted, event_id_for
 from protocol.subjects import (
     DEAD_LETTERS,
     EVENTS,
+    LEGACY_ACTOR,
     SAMPLES,
     TASKS,
     WEIGHTS,
@@ -47,7 +48,7 @@ from services.bus.dead_letters import (
     TRUNCATED_HEADER,
     dead_letter_message,
 )
-from tests.support.strategies import episode_events, run_ids
+from tests.support.strategies import actor_ids, episode_events, run_ids
 
 SETTINGS = settings(max_examples=200, deadline=None)
 KINDS = ["episode_started", "step", "reflection", "rollback", "branch", "outcome", "episode_finished"]
@@ -65,6 +66,9 @@ def wellformed(event: EpisodeEvent) -> EpisodeEvent:
 
 subjects = st.one_of(
     st.builds(lambda r, k: f"leafe.{r}.events.{k}", run_ids, st.sampled_from([*KINDS, "x"])),
+    st.builds(
+        lambda r, k, a: f"leafe.{r}.events.{k}.{a}", run_ids, st.sampled_from([*KINDS, "x"]), actor_ids
+    ),
     st.text(max_size=60),
 )
 headers = st.none() | st.dictionaries(
@@ -80,13 +84,13 @@ bodies = st.one_of(
 def test_admission_raises_only_protocol_errors_and_admits_only_consistent_events(
     subject: str, hdrs: dict[str, str] | None, data: bytes
 ) -> None:
-    """Any message: a ProtocolError, or an event whose run and kind are its subject's and whose id is
-    ``<episode>.<seq>``."""
+    """Any message: a ProtocolError, or an event whose run, kind and actor are its subject's (actor
+    ``legacy`` for a tokenless subject) and whose id is ``<episode>.<seq>``."""
     try:
         event = admit_event(subject, hdrs, data)
     except ProtocolError:
         return
-    assert event_subject_parts(subject) == (event.run_id, kind_of(event))
+    assert event_subject_parts(subject) == (event.run_id, kind_of(event), event.actor_id)
     assert (
         event.event_id == event_id_for(event.episode_id, event.seq) and hdrs and hdrs.get(CODEC_HEADER) == "1"
     )
@@ -99,13 +103,13 @@ def test_every_event_the_publisher_sends_is_admitted_unchanged(event: EpisodeEve
     as itself; the same bytes on another kind's subject, without Leafe-Codec, or over a smaller limit are
     refused naming the rule."""
     data, hdrs = encode(event), headers_for(event)
-    subject = event_subject(event.run_id, kind_of(event))
+    subject = event_subject(event.run_id, kind_of(event), event.actor_id)
     if message_bytes(data, hdrs) > EVENTS.max_msg_bytes:
         return
     assert admit_event(subject, hdrs, data) == event
     other = next(k for k in KINDS if k != kind_of(event))
     with pytest.raises(ProtocolError, match="subject kind"):
-        admit_event(event_subject(event.run_id, other), hdrs, data)
+        admit_event(event_subject(event.run_id, other, event.actor_id), hdrs, data)
     with pytest.raises(ProtocolError, match=CODEC_HEADER):
         admit_event(subject, {MSG_ID_HEADER: event.event_id}, data)
     assert admit_event(subject, {}, data, Admission(require_codec_header=False)) == event
@@ -117,10 +121,27 @@ def test_every_event_the_publisher_sends_is_admitted_unchanged(event: EpisodeEve
 
 
 @SETTINGS
+@given(event=episode_events.map(wellformed), other=actor_ids)
+def test_an_actor_id_other_than_the_subjects_actor_token_is_refused(event: EpisodeEvent, other: str) -> None:
+    """The subject's actor token is the publisher's identity: an event naming another actor is refused as
+    ``forged_actor`` naming both; on a legacy tokenless subject it is admitted as actor ``legacy``."""
+    data, hdrs = encode(event), headers_for(event)
+    if message_bytes(data, hdrs) > EVENTS.max_msg_bytes:
+        return
+    kind = kind_of(event)
+    if other != event.actor_id:
+        with pytest.raises(ProtocolError, match="published on actor") as info:
+            admit_event(event_subject(event.run_id, kind, other), hdrs, data)
+        assert info.value.category == "forged_actor" and repr(other) in info.value.reason
+    legacy = admit_event(f"leafe.{event.run_id}.events.{kind}", hdrs, data)
+    assert legacy == msgspec.structs.replace(event, actor_id=LEGACY_ACTOR)
+
+
+@SETTINGS
 @given(run=run_ids, kind=st.sampled_from(["cf", "reh", "grpo"]))
 def test_every_subject_maps_to_its_stream(run: str, kind: str) -> None:
     """Publishers find each subject's size limit through the stream that captures it."""
-    assert stream_for_subject(event_subject(run, "step")) is EVENTS
+    assert stream_for_subject(event_subject(run, "step", run)) is EVENTS
     assert stream_for_subject(sample_subject(run, kind)) is SAMPLES
     assert stream_for_subject(task_subject(run)) is TASKS
     assert stream_for_subject(weights_subject(run)) is WEIGHTS

@@ -119,7 +119,8 @@ def test_unknown_codec_version_is_rejected_by_name(event: EpisodeEvent, version:
 def test_subject_builders_reject_invalid_run_ids(run_id: str) -> None:
     """Every subject builder rejects a run id that would break NATS subjects, quoting it in the message."""
     builders = (
-        lambda r: event_subject(r, "step"),
+        lambda r: event_subject(r, "step", "a0"),
+        lambda r: event_subject("r1", "step", r),
         task_subject,
         lambda r: sample_subject(r, "cf"),
         weights_subject,
@@ -137,7 +138,7 @@ def test_subject_builders_reject_invalid_run_ids(run_id: str) -> None:
 def test_subject_builders_accept_valid_run_ids(run_id: str) -> None:
     """A valid run id becomes exactly the second token of every subject (no wildcard, no extra dot)."""
     for subject in (
-        event_subject(run_id, "step"),
+        event_subject(run_id, "step", "a0"),
         task_subject(run_id),
         sample_subject(run_id, "cf"),
         weights_subject(run_id),

@@ -158,7 +158,7 @@ async def publish_each(js: Any, events: list[EpisodeEvent]) -> list[int]:
     """Publish ``events`` one by one with the Publisher's headers, bypassing its checks; their seqs."""
     out = []
     for e in events:
-        subject = event_subject(e.run_id, str(type(e).__struct_config__.tag))
+        subject = event_subject(e.run_id, str(type(e).__struct_config__.tag), e.actor_id)
         out.append(await publish_raw(js, subject, encode(e), headers_of(e)))
     return out
 

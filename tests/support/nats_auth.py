@@ -2,6 +2,9 @@
 ``leafe run`` does too), plus one password user with the admin's permissions whose URL ``nats_url`` hands to
 the tests that are not about permissions (a URL carrying credentials reaches every verb and subprocess
 unchanged: ``connect(url)``, ``--nats URL``, ``$LEAFE_NATS_URL``). The fixtures are in tests/conftest.py.
+
+Each actor is a user of its own (``actor.<id>``, publishing events only on its id's subject token), as
+``leafe run`` makes them: the server has :data:`TEST_ACTORS`, and ``options(url)["actor"]`` is the first.
 """
 
 from __future__ import annotations
@@ -15,9 +18,21 @@ from pathlib import Path
 from typing import Any
 
 from services.bus import NatsOptions, connect
-from services.bus.auth import NatsUser, RoleKey, load_permissions, nkey_users, role_options, write_role_keys
+from services.bus.auth import (
+    NatsUser,
+    RoleKey,
+    actor_key_name,
+    key_names,
+    load_permissions,
+    nkey_users,
+    role_options,
+    write_role_keys,
+)
 
-__all__ = ["SEED_PATTERN", "NatsIdentities", "RoleClient", "make_identities", "stored"]
+__all__ = ["SEED_PATTERN", "TEST_ACTORS", "NatsIdentities", "RoleClient", "make_identities", "stored"]
+
+TEST_ACTORS = ("actor-0", "actor-1")
+"""The actors with users of their own on the test server (``actor-0`` is the fake episodes' default)."""
 
 SEED_PATTERN = re.compile(r"SU[A-Z2-7]{56}")
 """An encoded user nkey seed (``SU`` + base32): what must never appear in a log."""
@@ -28,7 +43,7 @@ class NatsIdentities:
     """The users of the test server and how to reach it as each of them."""
 
     keys: dict[str, RoleKey]
-    """Each role's nkey (seed file and public key)."""
+    """Each role's nkey (seed file and public key), and each test actor's (``actor.<id>``)."""
     admin_password: str
     """Password of the ``admin`` password user (the ``nats_url`` identity)."""
     permissions: dict[str, dict[str, Any]]
@@ -40,8 +55,10 @@ class NatsIdentities:
         return [*nkey_users(self.keys, self.permissions), admin]
 
     def options(self, url: str) -> dict[str, NatsOptions]:
-        """Each role's client options on the server at ``url`` (its seed file)."""
-        return role_options(url, self.keys)
+        """Each role's client options on the server at ``url`` (its seed file); ``actor.<id>`` for each of
+        :data:`TEST_ACTORS`, and ``actor`` for the first of them."""
+        options = role_options(url, self.keys)
+        return {**options, "actor": options[actor_key_name(TEST_ACTORS[0])]}
 
     def admin_url(self, url: str) -> str:
         """``url`` carrying the admin password user's credentials."""
@@ -58,7 +75,7 @@ def make_identities(directory: Path) -> NatsIdentities:
     """Fresh nkeys for every role in ``directory`` and a random admin password."""
     permissions = load_permissions()
     return NatsIdentities(
-        keys=write_role_keys(directory, permissions.keys()),
+        keys=write_role_keys(directory, key_names(TEST_ACTORS)),
         admin_password=secrets.token_urlsafe(24),
         permissions=permissions,
     )

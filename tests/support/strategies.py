@@ -74,6 +74,8 @@ invalid_run_ids = st.one_of(
 )
 """Run ids that must be rejected: empty, too long, leading ``_``/``-``, dots, spaces, wildcards, unicode."""
 ids = st.text(_ID_CHARS, min_size=1, max_size=40)
+actor_ids = run_ids.filter(lambda a: a != "legacy")
+"""Actor ids: what may be an event subject's actor token (a run id's rules, not the reserved ``legacy``)."""
 texts = st.text(max_size=200)
 small = st.integers(0, 2**31 - 1)
 i64 = st.integers(-(2**63), 2**63 - 1)
@@ -89,7 +91,7 @@ def _base() -> dict[str, st.SearchStrategy[Any]]:
         "event_id": ids,
         "run_id": run_ids,
         "episode_id": ids,
-        "actor_id": ids,
+        "actor_id": actor_ids,
         "seq": small,
         "policy_version": texts,
         "ts": floats,

@@ -10,6 +10,13 @@ after every change to permissions.json (stdlib only, from the repository root):
 Each role becomes one nkey user whose public key is the variable ``<ROLE>_NKEY`` (e.g. ``WEIGHT_SYNC_NKEY``),
 an environment variable of nats-server from Secret nats-auth; the role's pods hold the matching seed (Secret
 leafe-nats-<role>, mounted as ``<role>.nk``), as ``leafe run`` gives each of its services one.
+
+Except the actor: there is no shared actor user. Each of :data:`ACTOR_SLOTS` actor pods (the StatefulSet's
+``actor-0`` ... ``actor-<N-1>``, whose pod name is its actor id) is a user of its own, ``ACTOR_<i>_NKEY``,
+with the actor role's permissions where ``{actor}`` is ``actor-<i>``: it publishes events only on
+``leafe.*.events.*.actor-<i>`` and reads only ``_INBOX_actor.actor-<i>``, so no actor can publish under
+another's identity (the replayer caps open episodes per that identity). Its seed is key ``actor-<i>`` of
+Secret leafe-nats-actors, which an init container copies to ``actor.actor-<i>.nk`` for that pod alone.
 """
 
 from __future__ import annotations
@@ -22,11 +29,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "permissions.json"
 TARGET = HERE / "authorization.conf"
+ACTOR_SLOTS = 16
+"""Actor pods that have a NATS user (``actor-0`` ... ``actor-15``): the most actor replicas (keda-actors'
+maxReplicaCount). Raising it needs that many more keys in Secrets nats-auth and leafe-nats-actors."""
+ACTOR_PLACEHOLDER = "{actor}"
 _HEADER = """\
 # GENERATED from permissions.json by sync_permissions.py: edit permissions.json, then run
 #   python deploy/base/nats/sync_permissions.py
 # (tests/unit/deploy checks that the two agree). One NATS nkey user per role, with exactly the subjects
-# that role uses; every public key is an environment variable <ROLE>_NKEY of nats-server (Secret nats-auth).
+# that role uses, and one per actor pod (ACTOR_<i>: events only under its own id, actor-<i>); every public
+# key is an environment variable <ROLE>_NKEY of nats-server (Secret nats-auth).
 """
 
 
@@ -35,15 +47,31 @@ def variable(role: str) -> str:
     return role.upper().replace("-", "_")
 
 
+def actor_id(slot: int) -> str:
+    """The actor id of StatefulSet pod ``slot``: its pod name."""
+    return f"actor-{slot}"
+
+
+def users(
+    permissions: dict[str, dict[str, dict[str, list[str]]]],
+) -> dict[str, dict[str, dict[str, list[str]]]]:
+    """User variable prefix -> permissions: each role but ``actor``, and ``ACTOR_<i>`` per actor slot."""
+    out = {variable(role): perms for role, perms in permissions.items() if role != "actor"}
+    template = json.dumps(permissions["actor"])
+    for slot in range(ACTOR_SLOTS):
+        out[f"ACTOR_{slot}"] = json.loads(template.replace(ACTOR_PLACEHOLDER, actor_id(slot)))
+    return out
+
+
 def render(permissions: dict[str, dict[str, dict[str, list[str]]]]) -> str:
     """The authorization.conf text for a role -> permissions mapping."""
+    table = users(permissions)
     lines = [_HEADER, "authorization {"]
-    for role, perms in permissions.items():
+    for v, perms in table.items():
         body = json.dumps(perms, indent=2).replace("\n", "\n  ")
-        lines.append(f"  {variable(role)}_PERMISSIONS = {body}")
+        lines.append(f"  {v}_PERMISSIONS = {body}")
     lines.append("  users = [")
-    for role in permissions:
-        v = variable(role)
+    for v in table:
         lines.append(f"    {{nkey: ${v}_NKEY, permissions: ${v}_PERMISSIONS}}")
     lines += ["  ]", "}", ""]
     return "\n".join(lines)

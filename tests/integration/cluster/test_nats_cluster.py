@@ -48,7 +48,7 @@ async def _first_ack_after(js: object, killed_at: float) -> float:
         n += 1
         try:
             await js.publish(  # type: ignore[attr-defined]
-                event_subject(RUN, "probe"),
+                event_subject(RUN, "probe", "a0"),
                 b"probe",
                 headers={MSG_ID_HEADER: f"{RUN}.probe.{n}"},
                 timeout=0.5,
@@ -72,7 +72,7 @@ async def _stored_ids(url: str, deadline_s: float = 60.0) -> list[str]:
                     nc.jetstream(), stream=EVENTS.name, filter_subject=f"leafe.{RUN}.>"
                 )
             ]
-            return [(m.headers or {})[MSG_ID_HEADER] for m in msgs if m.subject.split(".")[-1] != "probe"]
+            return [(m.headers or {})[MSG_ID_HEADER] for m in msgs if m.subject.split(".")[3] != "probe"]
         except (TimeoutError, nats.errors.TimeoutError):
             if time.monotonic() > deadline:
                 raise

@@ -143,16 +143,19 @@ def test_dashboard_shows_the_loop() -> None:
 
 
 def test_keda_scales_the_actors_on_their_runs_task_consumer(stacks: Stacks) -> None:
-    """The ScaledObject targets Deployment actor with the nats-jetstream scaler on stream LEAFE_TASKS and the
-    consumer the actors really use (`<ActorServiceConfig.durable>-<run>`), at the monitoring endpoint of the
-    overlay's namespace; KEDA owns the replica count (none left in the Deployment)."""
+    """The ScaledObject targets StatefulSet actor (at most its 16 NATS users' worth of pods) with the
+    nats-jetstream scaler on stream LEAFE_TASKS and the consumer the actors really use
+    (`<ActorServiceConfig.durable>-<run>`), at the monitoring endpoint of the overlay's namespace; KEDA owns
+    the replica count (none left in the StatefulSet)."""
     from actors.config import ActorServiceConfig
 
     for (overlay, combo), docs in stacks.items():
         if "keda-actors" not in combo:
             continue
         scaled = find(docs, "ScaledObject", "actor")
-        assert scaled["spec"]["scaleTargetRef"] == {"name": "actor"}
+        target = {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "actor"}
+        assert scaled["spec"]["scaleTargetRef"] == target
+        assert scaled["spec"]["maxReplicaCount"] <= 16
         [trigger] = scaled["spec"]["triggers"]
         run = config_map_value(docs, "leafe-env", "LEAFE_RUN_ID")
         assert trigger["type"] == "nats-jetstream"
@@ -166,7 +169,7 @@ def test_keda_scales_the_actors_on_their_runs_task_consumer(stacks: Stacks) -> N
             "useHttps": "false",
         }
         assert int(trigger["metadata"]["lagThreshold"]) >= 1
-        assert "replicas" not in find(docs, "Deployment", "actor")["spec"]
+        assert "replicas" not in find(docs, "StatefulSet", "actor")["spec"]
         assert scaled["metadata"]["namespace"] == NAMESPACES[overlay]
 
 

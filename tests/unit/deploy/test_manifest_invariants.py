@@ -250,7 +250,7 @@ def test_run_config_files_decode_into_the_service_config_types(rendered: dict[st
     configs: dict[str, Any] = {
         key: load_config(type_, overrides=tomllib.loads(data[key])) for key, type_ in _config_types().items()
     }
-    actor_pod = find(rendered["gpu"], "Deployment", "actor")["spec"]["template"]["spec"]
+    actor_pod = find(rendered["gpu"], "StatefulSet", "actor")["spec"]["template"]["spec"]
     grace = actor_pod["terminationGracePeriodSeconds"]
     assert configs["actor.toml"].drain_timeout_s < grace  # episodes drain before the kubelet kills the pod
     assert configs["learner.toml"].stop_after_steps == 0  # a StatefulSet service runs until stopped

@@ -88,7 +88,7 @@ def test_every_kustomization_renders_the_expected_workloads(
     streams Job; each replay kustomization runs the replay Job alone; components add no workload."""
     common = {
         "nats": "StatefulSet",
-        "actor": "Deployment",
+        "actor": "StatefulSet",  # for its stable pod names: each pod's actor id and NATS user
         "replayer": "Deployment",
         "learner": "StatefulSet",
         "leafe-streams": "Job",
@@ -155,7 +155,7 @@ def test_every_component_combination_renders_documents_that_match_the_schema(sta
 
 def test_schema_validation_rejects_broken_manifests(rendered: dict[str, Docs]) -> None:
     """A wrong type (replicas as a string) and a misspelt field (strict mode) are both rejected."""
-    actor = find(rendered["dev"], "Deployment", "actor")
+    actor = find(rendered["dev"], "StatefulSet", "actor")
     kubernetes_validate.validate(actor, K8S_VERSION, strict=True)
     wrong_type = copy.deepcopy(actor)
     wrong_type["spec"]["replicas"] = "two"
@@ -274,7 +274,8 @@ def test_nats_clients_use_their_role_nkey_seed_from_a_mounted_file(
 ) -> None:
     """Each NATS-using container gets LEAFE_NATS_URL (no credentials) from ConfigMap leafe-nats and
     LEAFE_NATS_NKEY naming its role's seed file ``<role>.nk`` (the name gives the role's inbox prefix),
-    mounted from Secret leafe-nats-<role>, key seed; no user name or password."""
+    mounted from Secret leafe-nats-<role>, key seed; no user name or password. An actor pod's seed is its own
+    (``actor.$(POD_NAME).nk``, the pod name its actor id): see the next test."""
     docs, checked = rendered[name], 0
     for c in containers(docs):
         invocation = leafe_invocation(c.argv)
@@ -287,8 +288,13 @@ def test_nats_clients_use_their_role_nkey_seed_from_a_mounted_file(
             c.spec["envFrom"]
         ), c.where
         seed_file = env_value(c, "LEAFE_NATS_NKEY")
-        assert seed_file == f"/var/run/secrets/leafe/nats/{role}.nk", c.where
-        assert mounted_secret_file(c, seed_file) == (f"leafe-nats-{role}", "seed"), c.where
+        if role == "actor":
+            assert seed_file == "/var/run/secrets/leafe/nats/actor.$(POD_NAME).nk", c.where
+            assert c.argv[c.argv.index("--actor-id") + 1] == "$(POD_NAME)", c.where
+            assert mounted_secret_file(c, seed_file) is None, c.where  # an emptyDir its init container fills
+        else:
+            assert seed_file == f"/var/run/secrets/leafe/nats/{role}.nk", c.where
+            assert mounted_secret_file(c, seed_file) == (f"leafe-nats-{role}", "seed"), c.where
         assert not {"LEAFE_NATS_USER", "LEAFE_NATS_PASSWORD_FILE"} & {e["name"] for e in c.spec["env"]}, (
             c.where
         )
@@ -297,6 +303,40 @@ def test_nats_clients_use_their_role_nkey_seed_from_a_mounted_file(
         )
         checked += 1
     assert checked >= 1
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_each_actor_pod_holds_only_its_own_nats_seed(rendered: dict[str, Docs], name: str) -> None:
+    """The actor StatefulSet's pods are actor-<i>, each a NATS user of its own: the init container copies
+    key ``$(POD_NAME)`` of Secret leafe-nats-actors (mounted in it alone) into a memory volume as
+    ``actor.$(POD_NAME).nk``, the file the actor container reads; the actor container mounts no Secret of
+    NATS seeds, so the model-written code it runs can reach no other actor's identity."""
+    docs = rendered[name]
+    actor = find(docs, "StatefulSet", "actor")
+    pod = actor["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    [init] = pod["initContainers"]
+    assert init["command"] == [
+        "cp",
+        "/var/run/secrets/leafe/nats-actors/$(POD_NAME)",
+        "/var/run/secrets/leafe/nats/actor.$(POD_NAME).nk",
+    ]
+    assert init["env"] == [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+    init_mounts = {m["mountPath"]: m["name"] for m in init["volumeMounts"]}
+    assert (
+        volumes[init_mounts["/var/run/secrets/leafe/nats-actors"]]["secret"]["secretName"]
+        == "leafe-nats-actors"
+    )
+    own = init_mounts["/var/run/secrets/leafe/nats"]
+    assert volumes[own]["emptyDir"]["medium"] == "Memory"
+    [main] = pod["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in main["volumeMounts"]}
+    assert mounts[own] == "/var/run/secrets/leafe/nats"
+    seeds = {
+        n for n, v in volumes.items() if v.get("secret", {}).get("secretName", "").startswith("leafe-nats-")
+    }
+    assert seeds == {init_mounts["/var/run/secrets/leafe/nats-actors"]} and not seeds & set(mounts)
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in main["env"]
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)

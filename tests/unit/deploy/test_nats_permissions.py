@@ -10,6 +10,7 @@ Run: ``.venv/bin/python -m pytest tests/unit/deploy -q``.
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
 import re
 import shutil
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from services.bus.auth import permissions_for
 from tests.support.manifests import (
     DEPLOY,
     KUSTOMIZATIONS,
@@ -34,6 +36,18 @@ from tests.support.policies import nats_allows, subject_matches
 
 Docs = list[dict[str, Any]]
 PERMISSIONS: dict[str, Any] = json.loads((DEPLOY / "base/nats/permissions.json").read_text(encoding="utf-8"))
+_spec = importlib.util.spec_from_file_location("sync_permissions", DEPLOY / "base/nats/sync_permissions.py")
+assert _spec is not None and _spec.loader is not None
+SYNC = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(SYNC)
+ACTOR_IDS = [f"actor-{i}" for i in range(SYNC.ACTOR_SLOTS)]
+"""The actor StatefulSet's pod names: each pod's actor id and NATS user (``ACTOR_<i>``)."""
+USERS: dict[str, Any] = {
+    **{role.upper().replace("-", "_"): perms for role, perms in PERMISSIONS.items() if role != "actor"},
+    **{f"ACTOR_{i}": permissions_for(f"actor.{a}", PERMISSIONS) for i, a in enumerate(ACTOR_IDS)},
+}
+"""Every NATS user of the cluster (its variable prefix) and its permissions, as services/bus/auth.py (what
+``leafe run`` and the tests' server use) derives them: the roles, and one pinned user per actor pod."""
 _USER = re.compile(r"\{nkey: \$(\w+)_NKEY, permissions: \$(\w+)\}")
 
 
@@ -53,17 +67,21 @@ def _parse_authorization(text: str) -> tuple[dict[str, Any], dict[str, tuple[str
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_server_authorization_equals_permissions_json(rendered: dict[str, Docs], overlay: str) -> None:
-    """The rendered authorization.conf defines one nkey user per role of permissions.json, whose public key
-    is a variable of its own (<ROLE>_NKEY), with exactly the role's permissions; no password user is left;
-    nats.conf includes it."""
+    """The rendered authorization.conf defines one nkey user per role of permissions.json but the actor, and
+    one per actor pod (ACTOR_<i>, its events pinned to actor-<i>), whose public key is a variable of its own
+    (<USER>_NKEY), with exactly the permissions services/bus/auth.py gives it; no shared actor user and no
+    password user is left; nats.conf includes it."""
     docs = rendered[overlay]
     variables, users = _parse_authorization(config_map_value(docs, "nats-config", "authorization.conf"))
     text = config_map_value(docs, "nats-config", "authorization.conf")
-    assert set(users) == {_variable(role) for role in PERMISSIONS} and "password" not in text
-    for role, perms in PERMISSIONS.items():
-        nkey, permissions = users[_variable(role)]
-        assert (nkey, permissions) == (f"{_variable(role)}_NKEY", f"{_variable(role)}_PERMISSIONS")
-        assert variables[permissions] == perms, role
+    assert set(users) == set(USERS) and "password" not in text and "ACTOR" not in users
+    for user, perms in USERS.items():
+        nkey, permissions = users[user]
+        assert (nkey, permissions) == (f"{user}_NKEY", f"{user}_PERMISSIONS")
+        assert variables[permissions] == perms, user
+    assert [s for s in variables["ACTOR_3_PERMISSIONS"]["publish"]["allow"] if ".events." in s] == [
+        "leafe.*.events.*.actor-3"
+    ]
     assert re.search(
         r"^include authorization\.conf$", config_map_value(docs, "nats-config", "nats.conf"), re.M
     )
@@ -80,26 +98,34 @@ def test_the_generator_agrees_with_the_committed_authorization_conf() -> None:
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_every_user_the_manifests_use_is_a_role(rendered: dict[str, Docs], name: str) -> None:
-    """LEAFE_NATS_NKEY always names a role's seed file (``<role>.nk``, a role of permissions.json); no client
-    uses a password; dev generates every role's nkey on both sides: the public key in the server's env, and
-    in the client Secret the seed of exactly that key."""
+    """LEAFE_NATS_NKEY always names a role's seed file (``<role>.nk``, a role of permissions.json), or in the
+    actor pods ``actor.$(POD_NAME).nk``, the pod's own user; no client uses a password; dev generates every
+    user's nkey on both sides: the public key in the server's env, and in the client Secret the seed of
+    exactly that key (the actors' in leafe-nats-actors, key actor-<i>)."""
     docs = rendered[name]
     for c in containers(docs):
         names = {e["name"]: e.get("value") for e in c.spec.get("env") or []}
         assert not {"LEAFE_NATS_USER", "LEAFE_NATS_PASSWORD_FILE"} & set(names), c.where
         if "LEAFE_NATS_NKEY" in names:
-            assert Path(names["LEAFE_NATS_NKEY"]).name.removesuffix(".nk") in PERMISSIONS, c.where
+            stem = Path(names["LEAFE_NATS_NKEY"]).name.removesuffix(".nk")
+            assert stem in set(PERMISSIONS) - {"actor"} or stem == "actor.$(POD_NAME)", c.where
     if name == "dev":
         import nkeys
 
         server = {
             k: base64.b64decode(v).decode() for k, v in find(docs, "Secret", "nats-auth")["data"].items()
         }
-        assert set(server) == {f"{_variable(role)}_NKEY" for role in PERMISSIONS}
-        for role in PERMISSIONS:
-            seed = base64.b64decode(find(docs, "Secret", f"leafe-nats-{role}")["data"]["seed"])
+        assert set(server) == {f"{user}_NKEY" for user in USERS}
+        actors = find(docs, "Secret", "leafe-nats-actors")["data"]
+        assert set(actors) == set(ACTOR_IDS)
+        for user in USERS:
+            if user.startswith("ACTOR_"):
+                seed = base64.b64decode(actors[f"actor-{user.removeprefix('ACTOR_')}"])
+            else:
+                role = next(r for r in PERMISSIONS if _variable(r) == user)
+                seed = base64.b64decode(find(docs, "Secret", f"leafe-nats-{role}")["data"]["seed"])
             public = nkeys.from_seed(bytearray(seed)).public_key.decode()
-            assert public == server[f"{_variable(role)}_NKEY"] and public.startswith("U"), role
+            assert public == server[f"{user}_NKEY"] and public.startswith("U"), user
     assert set(NATS_ROLES.values()) <= set(PERMISSIONS)
 
 
@@ -117,13 +143,19 @@ def test_subject_matching_follows_nats_wildcards() -> None:
 
 
 def _who(action: str, subject: str) -> set[str]:
-    return {role for role, perms in PERMISSIONS.items() if nats_allows(perms, action, subject)}
+    """The roles allowed ``action`` on ``subject``; ``actor`` is the user of pod actor-0."""
+    table = {**PERMISSIONS, "actor": permissions_for("actor.actor-0", PERMISSIONS)}
+    return {role for role, perms in table.items() if nats_allows(perms, action, subject)}
 
 
 @pytest.mark.parametrize(
     ("action", "subject", "roles"),
     [
-        ("publish", "leafe.r1.events.step", {"actor", "log-import", "admin"}),
+        ("publish", "leafe.r1.events.step.actor-0", {"actor", "log-import", "admin"}),
+        ("publish", "leafe.r1.events.episode_started.actor-0", {"actor", "log-import", "admin"}),
+        ("publish", "leafe.r1.events.step.actor-1", {"log-import", "admin"}),
+        ("publish", "leafe.r1.events.step", {"log-import", "admin"}),
+        ("publish", "leafe.r1.events.step.actor-0.x", {"log-import", "admin"}),
         ("publish", "leafe.r1.tasks", {"admin"}),
         ("publish", "leafe.r1.samples.cf", {"replayer", "admin"}),
         ("publish", "leafe.r1.weights", {"learner", "admin"}),
@@ -134,7 +166,13 @@ def _who(action: str, subject: str) -> set[str]:
         ("subscribe", "leafe.r1.samples.cf", {"admin"}),
         ("subscribe", "leafe.r1.events.step", {"admin"}),
         ("subscribe", "_INBOX.abc.1", {"admin"}),
-        *(("subscribe", f"_INBOX_{role}.abc.1", {role}) for role in PERMISSIONS if role != "admin"),
+        *(
+            ("subscribe", f"_INBOX_{role}.abc.1", {role})
+            for role in PERMISSIONS
+            if role not in ("admin", "actor")
+        ),
+        ("subscribe", "_INBOX_actor.actor-0.abc.1", {"actor"}),
+        ("subscribe", "_INBOX_actor.actor-1.abc.1", set()),
         ("subscribe", "_INBOX_admin.abc.1", set()),
         ("publish", "$JS.API.STREAM.CREATE.LEAFE_EVENTS", {"admin"}),
         ("publish", "$JS.API.STREAM.UPDATE.LEAFE_TASKS", {"admin"}),
@@ -223,10 +261,10 @@ def test_nats_config_is_accepted_by_nats_server(
         import nkeys
 
         env = {
-            f"{_variable(role)}_NKEY": nkeys.from_seed(
+            f"{user}_NKEY": nkeys.from_seed(
                 bytearray(nkeys.encode_seed(bytes([i]) * 32, nkeys.PREFIX_BYTE_USER))
             ).public_key.decode()
-            for i, role in enumerate(PERMISSIONS)
+            for i, user in enumerate(USERS)
         }
     proc = subprocess.run(
         [str(find_nats_server()), "-c", str(config_dir / "nats.conf"), "-t"],
@@ -243,4 +281,4 @@ def test_nats_config_is_accepted_by_nats_server(
         timeout=30,
         env={"POD_NAME": "nats-0"},
     )
-    assert missing.returncode != 0 and "ACTOR_NKEY" in missing.stdout + missing.stderr
+    assert missing.returncode != 0 and "_NKEY" in missing.stdout + missing.stderr

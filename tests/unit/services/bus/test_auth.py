@@ -16,9 +16,12 @@ from services.bus.auth import (
     ROLES,
     NatsUser,
     ServerTls,
+    actor_key_name,
     authorization_config,
+    key_names,
     load_permissions,
     nkey_users,
+    permissions_for,
     role_options,
     tls_config,
     write_role_keys,
@@ -30,7 +33,7 @@ def test_each_role_gets_a_private_seed_matching_its_public_key(tmp_path: Path) -
     """One seed file per role, mode 0600 in a 0700 directory, holding a user seed (SU...) whose public key
     is the one the server config names; a second call makes new keys (no key outlives a start)."""
     keys = write_role_keys(tmp_path / "keys")
-    assert set(keys) == set(ROLES)
+    assert set(keys) == set(ROLES) - {"actor"}  # actors have users of their own (below)
     assert stat.S_IMODE((tmp_path / "keys").stat().st_mode) == 0o700
     for role, key in keys.items():
         path = Path(key.seed_file)
@@ -54,13 +57,13 @@ def test_role_options_give_each_role_its_own_seed_only(tmp_path: Path) -> None:
 def test_the_server_accepts_the_generated_config(tmp_path: Path) -> None:
     """permissions.json's roles as nkey users, a password user, and a TLS block pass `nats-server -t`."""
     users = [
-        *nkey_users(write_role_keys(tmp_path / "keys"), load_permissions()),
+        *nkey_users(write_role_keys(tmp_path / "keys", key_names(["a0", "a1"])), load_permissions()),
         NatsUser(user="admin", password="pw", permissions=load_permissions()["admin"]),
     ]
     for name in ("a.crt", "a.key", "ca.crt"):
         (tmp_path / name).write_text("placeholder", encoding="utf-8")
     text = authorization_config(users)
-    assert text.count("nkey:") == len(ROLES) and 'user: "admin", password: "pw"' in text
+    assert text.count("nkey:") == len(ROLES) - 1 + 2 and 'user: "admin", password: "pw"' in text
     conf = tmp_path / "nats.conf"
     conf.write_text('listen: "127.0.0.1:4222"\n' + text, encoding="utf-8")
     proc = subprocess.run([str(find_nats_server()), "-c", str(conf), "-t"], capture_output=True, timeout=30)
@@ -111,5 +114,34 @@ def test_each_service_role_gets_an_inbox_prefix_of_its_own() -> None:
     assert inbox_prefix(NatsOptions(url=url, nkey="/k/me.seed")) == "_INBOX"
     assert inbox_prefix(NatsOptions(url=url)) == "_INBOX"
     assert inbox_prefix(NatsOptions(url=url, nkey="/k/actor.nk", inbox_prefix="_I.x")) == "_I.x"
+    assert inbox_prefix(NatsOptions(url=url, nkey="/k/actor.r1-actor-0.nk")) == "_INBOX_actor.r1-actor-0"
+    assert inbox_prefix(NatsOptions(url=url, user="actor.a1", password_file="/p")) == "_INBOX_actor.a1"
     with pytest.raises(ValueError, match="inbox_prefix"):
         NatsOptions(url=url, inbox_prefix="_INBOX.>")
+
+
+def test_each_actor_is_a_user_pinned_to_its_own_event_token(tmp_path: Path) -> None:
+    """``actor.<id>`` gets the actor role's permissions with ``{actor}`` replaced by its id: events only on
+    ``leafe.*.events.*.<id>``, inboxes only ``_INBOX_actor.<id>``; there is no shared actor user, and an id
+    that is no subject token (a dot, a wildcard, the reserved ``legacy``) is refused naming it."""
+    from services.bus.connection import NatsOptions, credential_actor_id
+
+    table = load_permissions()
+    perms = permissions_for(actor_key_name("r1-actor-3"), table)
+    events = [s for s in perms["publish"]["allow"] if ".events." in s]
+    assert events == ["leafe.*.events.*.r1-actor-3"]
+    assert "_INBOX_actor.r1-actor-3.>" in perms["subscribe"]["allow"]
+    assert "{actor}" not in json.dumps(perms) and "{actor}" in json.dumps(table["actor"])
+    with pytest.raises(ValueError, match="no shared user"):
+        permissions_for("actor", table)
+    for bad in ("a.b", "*", ">", "legacy", "-x", ""):
+        with pytest.raises(ValueError, match="invalid actor id"):
+            actor_key_name(bad)
+    keys = write_role_keys(tmp_path, key_names(["a0"]))
+    assert Path(keys["actor.a0"].seed_file).name == "actor.a0.nk"
+    opts = role_options("nats://h:4222", keys)["actor.a0"]
+    assert (
+        credential_actor_id(opts) == "a0"
+        and credential_actor_id(role_options("nats://h", keys)["learner"]) is None
+    )
+    assert credential_actor_id(NatsOptions(url="nats://h", nkey="/k/actor.nk")) is None

@@ -59,9 +59,10 @@ def test_each_service_is_started_with_its_own_role_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the embedded server, every child gets `--nats-nkey` of its own role (the replayer the
-    replayer's seed, ...; the supervisor keeps admin), and no identity inherited from LEAFE_NATS_*."""
-    from services.bus.auth import role_options, write_role_keys
-    from services.run.launch import start_pipeline
+    replayer's seed, ...; the supervisor keeps admin), each actor the seed of its own user ``actor.<id>``
+    with that id as ``--actor-id``, and no identity inherited from LEAFE_NATS_*."""
+    from services.bus.auth import key_names, role_options, write_role_keys
+    from services.run.launch import actor_ids, start_pipeline
     from services.run.supervisor import ServiceProcess
 
     async def started(self: ServiceProcess) -> ServiceProcess:  # record the command, spawn nothing
@@ -69,15 +70,20 @@ def test_each_service_is_started_with_its_own_role_only(
 
     monkeypatch.setattr(ServiceProcess, "start", started)
     monkeypatch.setenv("LEAFE_NATS_CREDS", "/inherited/admin.creds")
-    ctx = _ctx(tmp_path)
-    keys = write_role_keys(tmp_path / "keys")
+    ctx = _ctx(tmp_path, **{"services.actors": 2})
+    ids = actor_ids(ctx)
+    keys = write_role_keys(tmp_path / "keys", key_names(ids))
     ctx.role_nats = role_options("nats://127.0.0.1:4222", keys)
     ctx.nats, ctx.model_dir, ctx.engine_urls = ctx.role_nats["admin"], tmp_path, ["http://127.0.0.1:1"]
     asyncio.run(start_pipeline(ctx))
-    roles = {"replayer": "replayer", "learner": "learner", "weight-sync": "weight-sync", "actor-0": "actor"}
+    roles = {"replayer": "replayer", "learner": "learner", "weight-sync": "weight-sync"}
+    roles |= {f"actor-{i}": f"actor.{actor_id}" for i, actor_id in enumerate(ids)}
+    assert len(ids) >= 1 and len(set(keys[f"actor.{a}"].public_key for a in ids)) == len(ids)
     assert set(ctx.services) == set(roles)
     for name, role in roles.items():
         argv = ctx.services[name].argv
         assert argv[argv.index("--nats-nkey") + 1] == keys[role].seed_file, name
         assert argv[argv.index("--nats") + 1] == "nats://127.0.0.1:4222"
         assert ctx.services[name].env["LEAFE_NATS_CREDS"] == "", name
+        if role.startswith("actor."):
+            assert argv[argv.index("--actor-id") + 1] == role.removeprefix("actor."), name

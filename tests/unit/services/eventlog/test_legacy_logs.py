@@ -1,0 +1,54 @@
+"""Logs written before event subjects named their actor (``leafe.<run>.events.<kind>``, e.g. every file of
+bench/results/paper_logs/) still replay: each record is admitted, as actor ``legacy``, and their episodes
+share that one identity's open-episode cap, which a real run's log never comes near."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from actors.fakes import ByteChatTokenizer
+from learner.materializers import OpenLimits, make_materializer
+from learner.materializers.tree import ReplayError
+from protocol.codec import admit_event, decode_event, encode, headers_for
+from protocol.events import EpisodeFinished, EpisodeStarted
+from protocol.subjects import LEGACY_ACTOR, event_subject
+from services.eventlog.fileformat import iter_log_file
+from services.replay import ReplayConfig, file_events
+from tests.support.hostile import flood_starts
+
+PAPER_LOGS = sorted((Path(__file__).resolve().parents[4] / "bench/results/paper_logs").rglob("*.leafelog.gz"))
+
+
+@pytest.mark.parametrize("path", PAPER_LOGS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_paper_log_replays_with_each_event_as_actor_legacy(path: Path) -> None:
+    """Every record of the committed paper logs is admitted (``leafe replay`` reads them so), as the event
+    its bytes hold with ``actor_id`` ``legacy``; the most episodes any of them holds open at once stays far
+    below the default ``max_open_per_actor``, so one shared legacy identity caps nothing."""
+    raw = [decode_event(data, headers.get("Leafe-Codec")) for _, headers, data in iter_log_file(path)]
+    admitted = list(file_events(path))
+    assert admitted == [msgspec.structs.replace(e, actor_id=LEGACY_ACTOR) for e in raw]
+    open_now, most = 0, 0
+    for event in raw:
+        open_now += isinstance(event, EpisodeStarted) - isinstance(event, EpisodeFinished)
+        most = max(most, open_now)
+    assert 0 < most < ReplayConfig().max_open_per_actor // 4, most
+    assert len(PAPER_LOGS) >= 20
+
+
+def test_legacy_events_share_one_cap_and_leave_other_actors_theirs() -> None:
+    """Tokenless events naming three actors count as actor ``legacy`` alone: past its cap they are refused
+    naming it, while an actor publishing on its own token still opens episodes."""
+    fold = make_materializer("leafe", ByteChatTokenizer())
+    fold.limits = OpenLimits(max_open=10, max_per_actor=2)
+    starts = [e for a in ("a0", "a1", "a2") for e in flood_starts("r1", 1, actor_id=a)]
+    legacy = [admit_event("leafe.r1.events.episode_started", headers_for(e), encode(e)) for e in starts]
+    fold.apply(legacy[0])
+    fold.apply(legacy[1])
+    with pytest.raises(ReplayError, match=r"actor 'legacy' already holds 2 .*max_open_per_actor = 2"):
+        fold.apply(legacy[2])
+    [mine] = flood_starts("r1", 1, actor_id="b0")
+    fold.apply(admit_event(event_subject("r1", "episode_started", "b0"), headers_for(mine), encode(mine)))
+    assert fold.held_episodes == 3

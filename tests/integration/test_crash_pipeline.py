@@ -49,8 +49,10 @@ async def _started(ctx: RunContext, names: set[str], timeout_s: float = 300) -> 
 
 
 async def test_sigkill_every_service_loses_and_duplicates_nothing(tmp_path: Path, cache_dir: Path) -> None:
-    """Random SIGKILLs of actor, replayer, learner and nats-server during a tiny run: the stream's sample
-    ids equal the offline rebuild (report.json says identical) and the learner consumed every sample."""
+    """Random SIGKILLs of actor, replayer, learner and nats-server during a tiny run of two continual
+    rounds: both rounds finish, the stream's sample ids equal the offline rebuild (report.json says
+    identical) and the learner consumed every sample. (SIGKILL of the supervisor itself:
+    test_run_supervisor_kill.py.)"""
     overrides = {
         "runs_dir": str(tmp_path),
         "run_id": "chaos",
@@ -71,6 +73,8 @@ async def test_sigkill_every_service_loses_and_duplicates_nothing(tmp_path: Path
     assert {"actor-0", "replayer", "learner", "nats"} <= set(kills)
     report = json.loads((ctx.run_dir / "report.json").read_text())
     assert report["dataset"]["identical"], report
+    # the tiny preset's two continual rounds both ran to the end through the kills
+    assert [r["round"] for r in report["rounds"]] == [0, 1] and all(r["finished"] for r in report["rounds"])
     assert ctx.progress is not None and set(ctx.explore_keys) <= ctx.progress.finished_keys, report
     assert ctx.progress.samples, "no samples were produced; the test would prove nothing"
     with EmbeddedNats(ctx.run_dir / "nats") as server:  # the run's own store, reopened

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from actors.config import ExplorerConfig
@@ -123,3 +124,32 @@ async def test_oracle_labels_on_an_env_without_an_oracle_is_refused() -> None:
             sink=ListSink(),
             spec=spec("corridor/train/00001"),
         )
+
+
+async def test_oracle_labels_change_nothing_but_the_labels() -> None:
+    """The same episode with and without labels: identical events once the label fields are cleared (the
+    oracle touches neither the env, nor the sampling seeds, nor the tree)."""
+
+    async def run(labels: bool) -> list:
+        env = SokobanEnv(ROOMS)
+        engine = ScriptedEngine(default_action="<action>down</action>")
+        sink = ListSink()
+        config = ExplorerConfig.for_env("sokoban", {"oracle_labels": labels, "horizon": 4, "k": 2})
+        await Explorer(
+            engine=engine,
+            tokenizer=ByteChatTokenizer(),
+            env=env,
+            config=config,
+            sink=sink,
+            spec=spec(env.tasks("train")[1]),
+            clock=lambda: 0.0,
+        ).run()
+        return sink.events
+
+    plain, labelled = await run(False), await run(True)
+    assert any(isinstance(e, Reflection) and e.oracle_tau is not None for e in labelled)
+    cleared = [
+        msgspec.structs.replace(e, oracle_tau=None, oracle_experience="") if isinstance(e, Reflection) else e
+        for e in labelled
+    ]
+    assert cleared == plain

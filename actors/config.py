@@ -38,6 +38,8 @@ Per-environment defaults and why (paper silent on all of them; see the report in
   ends first the branch ends ``env_done`` and the reflection trigger is ``failure``.
 - ``reflection_source = "oracle"`` (an ablation, sokoban and humaneval only: ``envs.registry.ORACLE_ENVS``)
   lets the environment's oracle name tau and e instead of the policy; any other env is a config error.
+  ``oracle_labels = true`` (same envs) keeps the policy's reflections and records the oracle's verdict
+  beside each one (the labels of the reflection warm start, ``learner/materializers/reflect.py``).
 
 Demonstration episodes (mode ``demo``) take their prompt settings from the env's :class:`RolloutConfig`
 and the rest from ``actors.demo_config.DemoConfig`` (the ``[demo.<env>]`` tables).
@@ -164,6 +166,11 @@ class ExplorerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     reflection_source: ReflectionSourceName = "model"
     """Who names tau and e: the policy (``model``, LEAFE) or the environment's oracle (``oracle``, an
     ablation: the solver or the visible-test feedback; ``envs.registry.ORACLE_ENVS`` only)."""
+    oracle_labels: bool = False
+    """With model reflections, also ask the environment's oracle for its tau and e on the same history and
+    record them in the Reflection (``oracle_tau``, ``oracle_experience``): labels for the reflection warm
+    start (the ``reflect`` materializer) and the tau-agreement audit. The branch still follows the model's
+    tau and e. ``envs.registry.ORACLE_ENVS`` only; meaningless with ``reflection_source = "oracle"``."""
     return_logprob: bool = False
     """Ask the engine for behaviour logprobs of actions."""
     env_in_thread: bool = False
@@ -185,16 +192,27 @@ class ExplorerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         for name in ("history_window", "reflect_history_window"):
             _check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
+        _check(
+            not (self.oracle_labels and self.reflection_source == "oracle"),
+            "oracle_labels",
+            self.oracle_labels,
+            "labels model reflections; with reflection_source = 'oracle' the oracle already names tau and e",
+        )
 
     @classmethod
     def for_env(cls, env: str, overrides: Override | None = None) -> ExplorerConfig:
         """The documented defaults of ``env`` with ``overrides`` applied (errors name env and field)."""
         config: ExplorerConfig = _resolve(cls, env, overrides)
-        if config.reflection_source == "oracle" and env != "*" and env not in ORACLE_ENVS:
-            raise ConfigError(
-                f"invalid ExplorerConfig (from env {env!r}): reflection_source = 'oracle' but {env!r} has no "
-                f"reflection oracle (only {sorted(ORACLE_ENVS)})"
-            )
+        for name, wants in (
+            ("reflection_source", config.reflection_source == "oracle"),
+            ("oracle_labels", config.oracle_labels),
+        ):
+            if wants and env != "*" and env not in ORACLE_ENVS:
+                value = getattr(config, name)
+                raise ConfigError(
+                    f"invalid ExplorerConfig (from env {env!r}): {name} = {value!r} but {env!r} has no "
+                    f"reflection oracle (only {sorted(ORACLE_ENVS)})"
+                )
         return config
 
     def action_params(self, seed: int | None = None) -> SamplingParams:

@@ -22,7 +22,9 @@ feedback says why); rollback replay skips those. An ``EnvError`` ends the episod
 Outcome; an ``EngineError`` propagates (the episode stays unfinished, i.e. abandoned, and is retried).
 ``policy_version`` is always the per-completion ``weight_version`` of the latest completion; EpisodeStarted
 is held back until the first one, so an episode whose first generation fails leaves no events.
-With ``reflection_source = "oracle"`` the environment's oracle names tau and e (``actors/oracle.py``).
+With ``reflection_source = "oracle"`` the environment's oracle names tau and e (``actors/oracle.py``); with
+``oracle_labels`` the policy names them and the oracle's verdict on the same history is recorded beside
+(``Reflection.oracle_tau``, ``oracle_experience``: labels for the reflection warm start).
 
 Run one in-process: ``await Explorer(engine=..., tokenizer=..., env=..., config=ExplorerConfig.for_env(
 "sokoban"), sink=ListSink(), spec=EpisodeSpec(...)).run()``.
@@ -43,8 +45,7 @@ from actors.config import ExplorerConfig
 from actors.engine import ENGINE_AFFINITY, Completion, Engine, EngineError, SamplingParams
 from actors.episode import EpisodeRecorder, EpisodeSpec, EpisodeSummary, EventSink
 from actors.oracle import oracle_parsed
-from actors.parsing import invalid_action_feedback, parse_action, parse_reflection
-from actors.prompts import render_reflection_messages
+from actors.parsing import ParsedReflection, invalid_action_feedback, parse_action, parse_reflection
 from envs.base import Env, EnvError, Transition, rollback_to
 from envs.registry import reflection_oracle
 from protocol.events import (
@@ -60,6 +61,7 @@ from protocol.events import (
     Step,
 )
 from protocol.prompt import PROMPT_FORMAT, ChatTokenizer, HistoryEntry, prompt_sha256, render_messages
+from protocol.reflection import render_reflection_messages
 
 __all__ = ["Explorer", "PathStep"]
 
@@ -135,7 +137,8 @@ class Explorer:
         self.rec = EpisodeRecorder(
             sink, run_id=spec.run_id, episode_id=spec.episode_id, actor_id=spec.actor_id, **kwargs
         )
-        self.oracle = reflection_oracle(env) if config.reflection_source == "oracle" else None
+        wants_oracle = config.reflection_source == "oracle" or config.oracle_labels
+        self.oracle = reflection_oracle(env) if wants_oracle else None
         self.n = _Counters()
         self.task = ""
         self.o0 = ""
@@ -319,10 +322,12 @@ class Explorer:
         if not b.path or not self._can_branch_from(b):
             return
         at_t, history = len(b.path), [s.entry for s in b.path]
-        if self.oracle is not None:
-            verdict = await self._env(self.oracle.oracle_reflection, self.spec.task_id, history)
-            raw, ids = verdict.experience, []
-            parsed = oracle_parsed(verdict, at_t, self.cfg.max_experience_chars)
+        label, oracle_raw = await self._oracle_verdict(history) if self.oracle is not None else (None, "")
+        sha = ""
+        if self.cfg.reflection_source == "oracle":
+            assert label is not None
+            parsed, raw, ids = label, oracle_raw, []
+            label = None  # the verdict is the reflection itself, not a label beside it
         else:
             messages = render_reflection_messages(
                 instructions=self.env.instructions,
@@ -333,6 +338,7 @@ class Explorer:
                 history_window=self.cfg.reflect_history_window,
             )
             ids = self.tokenizer.encode_chat(messages)
+            sha = prompt_sha256(ids)
             completion = await self._generate(ids, self._params(reflect=True), False)
             raw, ids = completion.text, list(completion.output_ids)
             parsed = parse_reflection(raw, at_t, max_experience_chars=self.cfg.max_experience_chars)
@@ -349,11 +355,21 @@ class Explorer:
             parse_ok=parsed.parse_ok,
             flags=list(parsed.flags),
             source=self.cfg.reflection_source,
+            oracle_tau=label.tau if label is not None else None,
+            oracle_experience=label.experience if label is not None else "",
+            prompt_sha256=sha,
         )
         if parsed.experience:
             tau = 0 if self.cfg.restart_from == "start" else parsed.tau  # IR restarts the whole attempt
             self.n.queue.append(_Request(b, tau, parsed.experience, event.event_id))
         self.log.debug("actor.reflection", branch_id=b.branch_id, trigger=trigger, tau=parsed.tau)
+
+    async def _oracle_verdict(self, history: list[HistoryEntry]) -> tuple[ParsedReflection, str]:
+        """The environment oracle's tau and e on ``history`` in the explorer's terms (clamped, cut), and its
+        e as the oracle wrote it (an oracle-source Reflection's ``raw_text``)."""
+        assert self.oracle is not None
+        verdict = await self._env(self.oracle.oracle_reflection, self.spec.task_id, history)
+        return oracle_parsed(verdict, len(history), self.cfg.max_experience_chars), verdict.experience
 
     async def _open(self, req: _Request) -> _Branch | None:
         parent, tau = req.parent, req.tau

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from actors.engine import Completion, SamplingParams
-from actors.prompts import REFLECTION_QUESTION
 from envs.base import EnvError, Reset, Transition
 from protocol.prompt import ChatTokenizer
+from protocol.reflection import REFLECTION_QUESTION
 from protocol.samples import ChatMessage
 
 __all__ = ["ByteChatTokenizer", "CorridorEnv", "EngineCall", "ScriptedEngine"]

@@ -26,10 +26,13 @@ from typing import Literal
 
 import msgspec
 
+from protocol.reflection import ANSWER_TAG, format_reflection
+
 __all__ = [
     "ActionMethod",
     "ParsedAction",
     "ParsedReflection",
+    "format_reflection",
     "invalid_action_feedback",
     "parse_action",
     "parse_reflection",
@@ -44,7 +47,7 @@ _STEP_TAG = re.compile(r"<step>\s*(-?\d+)\s*(?:</step>|$)", re.IGNORECASE)
 _STEP_WORD = re.compile(r"\bstep\s*(?:#|no\.?|number)?\s*:?\s*(-?\d+)", re.IGNORECASE)
 _INT = re.compile(r"(?<![\w.])-?\d+(?![\w.])")
 _EXP_TAG = re.compile(r"<experience>(.*?)(?:</experience>|$)", re.IGNORECASE | re.DOTALL)
-_ANY_TAG = re.compile(r"</?\s*(?:step|experience|action)\s*>", re.IGNORECASE)
+_ANY_TAG = ANSWER_TAG
 _EXP_PREFIX = re.compile(r"^\s*(?:experience|lesson)\s*:\s*", re.IGNORECASE)
 _TRAILING = " \t\n.!,;:'\"`"
 

@@ -200,6 +200,14 @@ class Reflection(EpisodeEventBase, frozen=True, kw_only=True, tag="reflection"):
     """Parse notes: ``tau_missing``, ``tau_clamped``, ``experience_missing``..."""
     source: ReflectionSource = "model"
     """Who wrote tau and e (``oracle`` marks the oracle-reflection ablation; see :data:`ReflectionSource`)."""
+    oracle_tau: int | None = None
+    """The oracle's tau for the same history (``ExplorerConfig.oracle_labels``: a label beside a model
+    reflection, clamped like ``tau``); ``None`` when the oracle was not asked. The branch follows ``tau``."""
+    oracle_experience: str = ""
+    """The oracle's e for the same history (empty: not asked, or the oracle found no mistake)."""
+    prompt_sha256: str = ""
+    """sha256 of the reflection prompt's token ids sent to the engine (``protocol.prompt.prompt_sha256``;
+    empty when no prompt was sent: oracle reflections, older logs)."""
 
 
 class Rollback(EpisodeEventBase, frozen=True, kw_only=True, tag="rollback"):

@@ -273,7 +273,8 @@ def _grpo(cfg: PaperConfig) -> list[Phase]:
 
 def _methods(cfg: PaperConfig) -> list[Phase]:
     lf, n = cfg.leafe, cfg.leafe.explore_samples
-    oracle = {**lf.explorer, "reflection_source": "oracle"}
+    # oracle_labels label model reflections; the oracle row's reflections are the oracle's own
+    oracle = {**{k: v for k, v in lf.explorer.items() if k != "oracle_labels"}, "reflection_source": "oracle"}
     early_demo = {
         "alternatives": cfg.early.alternatives,
         "self_reflection": True,

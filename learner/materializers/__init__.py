@@ -11,6 +11,7 @@
 | `sft`   | ``sft``: every expert step of successful demonstrations (mode ``demo``, train split only) |
 | `iwm`   | ``iwm``: (state, the policy's alternative action) -> the observation it led to, plus ``sft`` |
 | `sr`    | ``sr``: state -> the policy's explanation of why the expert action is better + that action, plus ``sft`` |
+| `reflect` | ``sft``: oracle-labelled reflections -> ``<step>tau</step><experience>e</experience>`` (warm start) |
 | `warm-leafe` | ``sft`` from demonstrations, then ``cf`` and ``reh`` from explore trees (one run, ``warm.py``) |
 | `warm-grpo`  | ``sft`` from demonstrations, then ``grpo`` from grouped rollouts (the online baseline)      |
 """
@@ -26,6 +27,7 @@ from learner.materializers.folding import Folder, FoldResult, fold_events, write
 from learner.materializers.grpo import GrpoMaterializer, GrpoOptions
 from learner.materializers.leafe import LeafeMaterializer, LeafeOptions
 from learner.materializers.lifecycle import OpenLimits
+from learner.materializers.reflect import ReflectMaterializer, ReflectOptions
 from learner.materializers.rft import RftMaterializer, RftOptions
 from learner.materializers.sft import SftMaterializer, SftOptions
 from learner.materializers.tree import EpisodeFailed, EpisodeTree, ReplayError
@@ -51,6 +53,8 @@ __all__ = [
     "Materializer",
     "MaterializerConfigError",
     "OpenLimits",
+    "ReflectMaterializer",
+    "ReflectOptions",
     "ReplayError",
     "RftMaterializer",
     "RftOptions",
@@ -71,6 +75,7 @@ MATERIALIZERS: dict[str, type[Materializer]] = {
     "sft": SftMaterializer,
     "iwm": IwmMaterializer,
     "sr": SrMaterializer,
+    "reflect": ReflectMaterializer,
     "warm-leafe": WarmLeafeMaterializer,
     "warm-grpo": WarmGrpoMaterializer,
 }
@@ -83,6 +88,7 @@ SAMPLE_KINDS: dict[str, tuple[str, ...]] = {
     "sft": ("sft",),
     "iwm": ("iwm", "sft"),
     "sr": ("sr", "sft"),
+    "reflect": ("sft",),
     "warm-leafe": ("sft", "cf", "reh"),
     "warm-grpo": ("sft", "grpo"),
 }

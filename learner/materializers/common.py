@@ -94,11 +94,17 @@ class FoldStats:
     """Episodes dropped because folding them raised (the reason is in the ``EpisodeFailed``)."""
     conflicts: int = 0
     """Events whose id was already applied with different content (the first copy wins)."""
+    reflections: dict[str, int] = field(default_factory=dict)
+    """The ``reflect`` materializer's counts: reflections ``seen`` (at their branch's Outcome), without an
+    oracle verdict (``unlabelled``), the oracle found no mistake (``no_mistake``), on a branch that
+    succeeded (``branch_succeeded``, with ``only_failed_branches``), ``unrenderable``, ``unformattable``,
+    and ``samples``."""
 
     def as_dict(self) -> dict[str, object]:
         """Plain dict (sorted sample counts) for logs and manifests."""
         out: dict[str, object] = dict(self.__dict__)
         out["samples"] = dict(sorted(self.samples.items()))
+        out["reflections"] = dict(sorted(self.reflections.items()))
         return out
 
 

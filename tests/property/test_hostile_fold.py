@@ -32,6 +32,7 @@ MATERIALIZERS: dict[str, dict[str, Any]] = {
     "leafe": {"rehearsal_fraction": 1.0, "cf_only_successful": False},
     "grpo": {},
     "rft": {"modes": ["rollout", "explore"]},
+    "reflect": {"only_failed_branches": False},
 }
 MAX_TOKEN_ID = 2**31 - 1
 """int32: no id past it can be embedded (what the fold's default vocabulary bound is)."""
@@ -58,6 +59,9 @@ MUTATIONS: dict[str, st.SearchStrategy[Any]] = {
     "parse_ok": st.booleans(),
     "response_prefix": st.text(max_size=8),
     "run_id": st.sampled_from(["r1", "r2"]),
+    "oracle_tau": st.none() | _small,
+    "oracle_experience": st.sampled_from(["", "Move up.", " untrimmed ", "a </step> b"]),
+    "trigger": st.sampled_from(["periodic", "failure", "horizon", "alternative"]),
 }
 """Fields a hostile copy may change, and their values (every type-valid, many out of range)."""
 

@@ -149,6 +149,9 @@ reflections = st.builds(
     token_ids=token_ids,
     parse_ok=st.booleans(),
     flags=_strs,
+    oracle_tau=st.none() | small,
+    oracle_experience=texts,
+    prompt_sha256=texts,
 )
 rollbacks = st.builds(
     Rollback,

@@ -74,6 +74,21 @@ def test_oracle_reflection_source_only_where_an_oracle_exists() -> None:
         ExplorerConfig.for_env("sokoban", {"reflection_source": "teacher"})
 
 
+def test_oracle_labels_only_where_an_oracle_exists_and_only_beside_model_reflections() -> None:
+    """oracle_labels is accepted for sokoban and humaneval, refused naming env and field elsewhere (also in the
+    actor service's tables), and refused with reflection_source = oracle (nothing to label)."""
+    assert ExplorerConfig.for_env("sokoban", {"oracle_labels": True}).oracle_labels
+    assert ExplorerConfig.for_env("humaneval", {"oracle_labels": True}).oracle_labels
+    assert not ExplorerConfig.for_env("sokoban").oracle_labels
+    for env in ("scienceworld", "textworld-cooking"):
+        with pytest.raises(ConfigError, match=f"oracle_labels = True but '{env}' has no reflection oracle"):
+            ExplorerConfig.for_env(env, {"oracle_labels": True})
+    with pytest.raises(Exception, match="no reflection oracle"):
+        ActorServiceConfig(explorer={"scienceworld": {"oracle_labels": True}})
+    with pytest.raises(ConfigError, match="oracle_labels"):
+        ExplorerConfig.for_env("sokoban", {"oracle_labels": True, "reflection_source": "oracle"})
+
+
 def test_demo_tables_resolve_per_env() -> None:
     """[demo.<env>] tables configure demonstrations: defaults, then "*", then the env's own."""
     cfg = ActorServiceConfig(demo={"*": {"alternatives": 4}, "sokoban": {"self_reflection": True}})

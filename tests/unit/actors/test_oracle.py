@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from actors.config import ExplorerConfig
@@ -11,7 +12,7 @@ from actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
 from envs.base import EnvError
 from envs.sokoban import SokobanConfig, SokobanEnv
 from protocol.events import Branch, Reflection, Step
-from protocol.prompt import HistoryEntry
+from protocol.prompt import HistoryEntry, prompt_sha256
 
 pytestmark = pytest.mark.anyio
 ROOMS = SokobanConfig(height=7, width=7, min_solution_len=3, max_solution_len=6, max_steps=20)
@@ -65,3 +66,90 @@ async def test_an_env_without_an_oracle_is_refused_when_the_explorer_is_built() 
             sink=ListSink(),
             spec=spec("corridor/train/00001"),
         )
+
+
+async def test_oracle_labels_sit_beside_model_reflections_and_the_branch_follows_the_model() -> None:
+    """With ``oracle_labels`` the policy still reflects (its request reaches the engine, its tau and e open
+    the branch), and each Reflection also carries the oracle's verdict on the same logged history and the
+    digest of the reflection prompt the engine was sent."""
+    env = SokobanEnv(ROOMS)
+    task_id = env.tasks("train")[0]
+    model_answer = "<step>2</step><experience>Push the box first.</experience>"
+    engine = ScriptedEngine(default_action="<action>down</action>", default_reflection=model_answer)
+    sink = ListSink()
+    config = ExplorerConfig.for_env("sokoban", {"oracle_labels": True, "horizon": 4, "k": 0})
+    await Explorer(
+        engine=engine, tokenizer=ByteChatTokenizer(), env=env, config=config, sink=sink, spec=spec(task_id)
+    ).run()
+    reflections = [e for e in sink.events if isinstance(e, Reflection)]
+    requests = [c for c in engine.calls if c.kind == "reflection"]
+    assert reflections and len(requests) == len(reflections)
+    steps = [e for e in sink.events if isinstance(e, Step)]
+    for refl, request in zip(reflections, requests, strict=True):
+        assert refl.source == "model" and refl.raw_text == model_answer and refl.token_ids
+        assert (refl.tau, refl.experience) == (2, "Push the box first.")
+        path = [s for s in steps if s.branch_id == refl.branch_id and s.seq < refl.seq]
+        history = [HistoryEntry(s.action, s.raw_text, s.observation, s.feedback) for s in path]
+        verdict = env.oracle_reflection(task_id, history)
+        assert verdict.experience and refl.oracle_experience == verdict.experience
+        assert refl.oracle_tau == verdict.tau and refl.oracle_tau != refl.tau
+        assert refl.prompt_sha256 == prompt_sha256(request.input_ids)
+    branch = next(e for e in sink.events if isinstance(e, Branch))
+    assert (branch.tau, branch.experience) == (2, "Push the box first.")
+
+
+async def test_without_oracle_labels_model_reflections_carry_no_verdict() -> None:
+    """The default: no oracle is asked; the new fields keep their defaults (what old logs decode to)."""
+    env = SokobanEnv(ROOMS)
+    task_id = env.tasks("train")[0]
+    engine = ScriptedEngine(default_action="<action>down</action>")
+    sink = ListSink()
+    config = ExplorerConfig.for_env("sokoban", {"horizon": 4, "k": 0})
+    await Explorer(
+        engine=engine, tokenizer=ByteChatTokenizer(), env=env, config=config, sink=sink, spec=spec(task_id)
+    ).run()
+    reflections = [e for e in sink.events if isinstance(e, Reflection)]
+    assert reflections
+    assert all(r.oracle_tau is None and r.oracle_experience == "" and r.prompt_sha256 for r in reflections)
+
+
+async def test_oracle_labels_on_an_env_without_an_oracle_is_refused() -> None:
+    """The corridor has no oracle: labels cannot be asked for."""
+    with pytest.raises(EnvError, match="no reflection oracle"):
+        Explorer(
+            engine=ScriptedEngine(),
+            tokenizer=ByteChatTokenizer(),
+            env=CorridorEnv(),
+            config=ExplorerConfig(oracle_labels=True),
+            sink=ListSink(),
+            spec=spec("corridor/train/00001"),
+        )
+
+
+async def test_oracle_labels_change_nothing_but_the_labels() -> None:
+    """The same episode with and without labels: identical events once the label fields are cleared (the
+    oracle touches neither the env, nor the sampling seeds, nor the tree)."""
+
+    async def run(labels: bool) -> list:
+        env = SokobanEnv(ROOMS)
+        engine = ScriptedEngine(default_action="<action>down</action>")
+        sink = ListSink()
+        config = ExplorerConfig.for_env("sokoban", {"oracle_labels": labels, "horizon": 4, "k": 2})
+        await Explorer(
+            engine=engine,
+            tokenizer=ByteChatTokenizer(),
+            env=env,
+            config=config,
+            sink=sink,
+            spec=spec(env.tasks("train")[1]),
+            clock=lambda: 0.0,
+        ).run()
+        return sink.events
+
+    plain, labelled = await run(False), await run(True)
+    assert any(isinstance(e, Reflection) and e.oracle_tau is not None for e in labelled)
+    cleared = [
+        msgspec.structs.replace(e, oracle_tau=None, oracle_experience="") if isinstance(e, Reflection) else e
+        for e in labelled
+    ]
+    assert cleared == plain

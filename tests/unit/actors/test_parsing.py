@@ -6,7 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.parsing import ParsedAction, invalid_action_feedback, parse_action, parse_reflection
+from actors.parsing import (
+    ParsedAction,
+    format_reflection,
+    invalid_action_feedback,
+    parse_action,
+    parse_reflection,
+)
+from protocol.reflection import ANSWER_TAG
 
 MOVES = ["up", "down", "left", "right"]
 
@@ -152,3 +159,33 @@ def test_reflection_tau_always_in_range(text: str, at_t: int) -> None:
     r = parse_reflection(text, at_t)
     assert 0 <= r.tau < at_t
     assert (r.experience == "") == ("experience_missing" in r.flags)
+
+
+_experiences = st.text(
+    alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=120
+).map(lambda text: " ".join(text.split()))
+
+
+@given(at_t=st.integers(1, 40), data=st.data(), raw=_experiences)
+@settings(max_examples=200, deadline=None)
+def test_format_reflection_parses_back_to_the_same_tau_and_e(
+    at_t: int, data: st.DataObject, raw: str
+) -> None:
+    """Every label the warm start trains on is read back by the parser exactly: tau and e, parse_ok, no flags."""
+    tau = data.draw(st.integers(0, at_t - 1))
+    if not raw or ANSWER_TAG.search(raw):
+        with pytest.raises(ValueError, match="experience"):
+            format_reflection(tau, raw)
+        return
+    parsed = parse_reflection(format_reflection(tau, raw), at_t, max_experience_chars=max(len(raw), 1))
+    assert (parsed.tau, parsed.experience, parsed.parse_ok, parsed.flags) == (tau, raw, True, [])
+
+
+def test_format_reflection_refuses_what_would_not_parse_back() -> None:
+    """A negative tau, untrimmed whitespace or an answer tag inside e would be read back differently."""
+    assert (
+        format_reflection(2, "Move left first.") == "<step>2</step><experience>Move left first.</experience>"
+    )
+    for tau, e in ((-1, "x"), (0, " padded"), (0, "two  spaces"), (0, ""), (0, "a </experience> b")):
+        with pytest.raises(ValueError):
+            format_reflection(tau, e)

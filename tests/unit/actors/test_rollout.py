@@ -7,10 +7,10 @@ import pytest
 from actors.config import RolloutConfig
 from actors.episode import EpisodeRecorder, EpisodeSpec, ListSink
 from actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
-from actors.prompts import REFLECTION_QUESTION, render_reflection_messages
 from actors.rollout import run_rollout, run_rollouts
 from protocol.events import Outcome, Step
 from protocol.prompt import HistoryEntry, render_messages
+from protocol.reflection import REFLECTION_QUESTION, render_reflection_messages
 from tests.support.event_checks import check_episode
 
 SPEC = EpisodeSpec(

@@ -5,10 +5,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from actors.config import ExplorerConfig
 from bench.paper.config import PaperConfig
 from bench.paper.phases import GRPO_ROUND_SEEDS, CollectSpec, EvalSpec, TrainSpec, closure, plan
 from bench.paper.select import Candidate, choose_best, choose_sft
@@ -127,3 +129,17 @@ def test_best_choice_and_whether_it_beats_the_start() -> None:
     assert choose_best(cands, start=_c("sft", 0.35)).rule_met
     flat = choose_best(cands, start=_c("sft", 0.45))
     assert flat.chosen.name == "r2" and not flat.rule_met and "does NOT beat" in flat.why
+
+
+def test_oracle_labels_on_the_leafe_explorer_stay_off_the_oracle_row(small_cfg: PaperConfig) -> None:
+    """``[leafe] explorer = {oracle_labels = true}`` labels the model row's trees (for the reflection warm
+    start and its audit); the oracle row, whose reflections are the oracle's own, must not carry it (the
+    explorer refuses both at once)."""
+    leafe = msgspec.structs.replace(
+        small_cfg.leafe, explorer={**small_cfg.leafe.explorer, "oracle_labels": True}
+    )
+    by = {p.name: p.spec for p in plan(msgspec.structs.replace(small_cfg, leafe=leafe))}
+    oracle, model = by["explore-grpo-oracle"], by["explore-grpo"]
+    assert isinstance(model, CollectSpec) and model.explorer["oracle_labels"] is True
+    assert isinstance(oracle, CollectSpec) and "oracle_labels" not in oracle.explorer
+    ExplorerConfig.for_env("sokoban", dict(oracle.explorer))

@@ -18,7 +18,7 @@ from protocol.codec import (
     headers_for,
     message_id,
 )
-from protocol.events import Outcome, Step, WeightsPublished
+from protocol.events import Outcome, Reflection, Step, WeightsPublished
 from protocol.samples import ChatMessage, Sample
 from protocol.tasks import TaskAssignment
 from tests.support.strategies import make_episode
@@ -114,6 +114,21 @@ def test_old_payload_without_defaulted_fields_still_decodes() -> None:
     step = decode_event(msgspec.msgpack.encode(doc))
     assert isinstance(step, Step)
     assert step.logprobs is None and step.reward == 0.0 and step.policy_version == "default"
+
+
+def test_old_reflection_without_oracle_labels_or_prompt_digest_decodes() -> None:
+    """A Reflection written before oracle labels existed decodes with no verdict and no prompt digest."""
+    refl = next(e for e in make_episode("r1", "ep1") if isinstance(e, Reflection))
+    doc = msgspec.to_builtins(refl)
+    for name in ("oracle_tau", "oracle_experience", "prompt_sha256"):
+        doc.pop(name)
+    old = decode_event(msgspec.msgpack.encode(doc))
+    assert isinstance(old, Reflection) and old == refl
+    assert old.oracle_tau is None and old.oracle_experience == "" and old.prompt_sha256 == ""
+    labelled = msgspec.structs.replace(
+        refl, oracle_tau=0, oracle_experience="Push first.", prompt_sha256="ab"
+    )
+    assert decode_event(encode(labelled)) == labelled
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,73 @@
+"""bench/paper/reflect_audit.py: tau agreement and rolled-back successes, on the real explorer's events and
+on the shipped model-reflection log (read only, well under a second)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from actors.config import ExplorerConfig
+from actors.episode import EpisodeSpec, ListSink
+from actors.explorer import Explorer
+from actors.fakes import ByteChatTokenizer, ScriptedEngine
+from bench.paper.reflect_audit import audit_events, audit_log, main, reflection_rows
+from envs.sokoban import SokobanConfig, SokobanEnv
+from protocol.events import Branch, EpisodeEvent, Reflection
+
+LOGS = Path(__file__).resolve().parents[3] / "bench/results/paper_logs/full"
+ROOMS = SokobanConfig(height=7, width=7, min_solution_len=3, max_solution_len=6, max_steps=20)
+
+
+async def _labelled_run(model_tau: int) -> list[EpisodeEvent]:
+    """A policy that only moves down (never solves) and blames step ``model_tau``; the oracle blames 0."""
+    env = SokobanEnv(ROOMS)
+    task_id = env.tasks("train")[0]
+    answer = f"<step>{model_tau}</step><experience>Push the box first.</experience>"
+    engine = ScriptedEngine(default_action="<action>down</action>", default_reflection=answer)
+    sink = ListSink()
+    spec = EpisodeSpec(
+        run_id="r1", episode_id="a1", actor_id="a", task_key="k", env="sokoban", task_id=task_id
+    )
+    config = ExplorerConfig.for_env("sokoban", {"oracle_labels": True, "horizon": 4, "k": 0})
+    await Explorer(
+        engine=engine, tokenizer=ByteChatTokenizer(), env=env, config=config, sink=sink, spec=spec
+    ).run()
+    return sink.events
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("model_tau", "agree"), [(0, True), (2, False)])
+async def test_tau_agreement_and_branch_outcomes_of_labelled_model_reflections(
+    model_tau: int, agree: bool
+) -> None:
+    """Every model reflection is labelled; tau agrees with the oracle's (0) exactly when the model says 0;
+    each opened branch is joined to its Outcome (none succeeds: the policy only moves down)."""
+    events = await _labelled_run(model_tau)
+    n = sum(isinstance(e, Reflection) for e in events)
+    opened = sum(isinstance(e, Branch) for e in events)
+    assert n >= 2 and opened >= 1
+    model = audit_events(events)["model"]
+    assert (model["reflections"], model["parsed"], model["labelled"], model["labelled_mistake"]) == (
+        n,
+        n,
+        n,
+        n,
+    )
+    assert model["tau_agree" if agree else "tau_disagree"] == n and model["tau_agree_share"] == float(agree)
+    assert (model["branches"], model["branches_succeeded"]) == (opened, 0)
+    rows = reflection_rows(events)
+    assert [r["opened_branch"] is not None for r in rows].count(True) == opened
+    assert all(r["branch_success"] is False for r in rows if r["opened_branch"] is not None)
+
+
+def test_the_shipped_model_log_gives_the_issues_22_of_295(capsys: pytest.CaptureFixture[str]) -> None:
+    """The #24 figure: 22 of 295 rolled-back branches solved; not one of the 334 model answers parsed cleanly
+    (all fell back to untagged forms), and the log carries no oracle labels."""
+    path = LOGS / "explore-grpo.leafelog.gz"
+    model = audit_log(path)["model"]
+    assert (model["branches"], model["branches_succeeded"]) == (295, 22)
+    assert (model["reflections"], model["parsed"], model.get("labelled", 0)) == (334, 0, 0)
+    assert main([str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["branches_succeeded"] == 22

@@ -13,11 +13,11 @@ from nats.js.errors import NotFoundError
 
 from actors.client import SGLangClient
 from protocol.subjects import EVENTS, SAMPLES, learner_durable, replayer_durable
-from services.metrics import scrape
+from services.metrics import parse_samples, scrape
 from services.run.context import RunContext
 from services.run.supervisor import restart_crashed
 
-__all__ = ["MAX_RESTARTS", "drain", "save_metrics", "wait_trained", "watch"]
+__all__ = ["MAX_RESTARTS", "drain", "folded_all", "save_metrics", "wait_trained", "watch"]
 
 log = structlog.get_logger(__name__)
 MAX_RESTARTS = 3
@@ -91,7 +91,7 @@ async def wait_trained(
 
     async def replayer_done() -> bool:
         state = await _consumer_state(ctx, EVENTS.name, replayer)
-        return state is not None and state[0] == 0 and state[1] == 0
+        return state is not None and folded_all(state[0], state[1], await _replayer_open(ctx))
 
     folded = await _wait_until(ctx, "the replayer to fold every event", replayer_done, replayer_timeout_s)
     if "learner" not in ctx.services:
@@ -105,6 +105,27 @@ async def wait_trained(
 
     trained = await _wait_until(ctx, "the learner to train every sample", learner_done, learner_timeout_s)
     return folded and trained
+
+
+def folded_all(pending: int, ack_pending: int, open_episodes: int | None) -> bool:
+    """The replayer folded every event of the log: nothing left to deliver, and nothing unacked but the
+    anchors it holds, one per open episode (``services/replayer_service.py``). Episodes left open when
+    the actors stopped (a budget cut mid-episode) will never finish, so waiting for ``ack_pending == 0``
+    only ran into the timeout; the log's end closes them as abandoned, online as offline.
+    ``open_episodes`` ``None`` (the replayer's metrics unreadable): only ``ack_pending == 0`` counts."""
+    return pending == 0 and ack_pending == (open_episodes or 0)
+
+
+async def _replayer_open(ctx: RunContext) -> int | None:
+    """``leafe_replayer_open_episodes`` from the replayer's /metrics (``None`` if unreadable)."""
+    url = ctx.metrics_urls.get("replayer")
+    if url is None:
+        return None
+    try:
+        return int(parse_samples(await scrape(url)).get("leafe_replayer_open_episodes", 0))
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        log.info("run.drain.replayer_metrics", error=f"{type(e).__name__}: {e}")
+        return None
 
 
 async def save_metrics(ctx: RunContext, name: str) -> None:

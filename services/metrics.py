@@ -216,6 +216,11 @@ class ReplayerMetrics:
             registry=r,
         )
         self.open_episodes = Gauge("leafe_replayer_open_episodes", "Episodes the fold holds open", registry=r)
+        self.held_anchors = Gauge(
+            "leafe_replayer_held_anchors",
+            "Anchors (open episodes' EpisodeStarted) held unacked; all else delivered is acked when idle",
+            registry=r,
+        )
         self.consumer_lag = Gauge(
             "leafe_replayer_consumer_lag",
             "Events not yet delivered to the replayer (num_pending)",

@@ -133,6 +133,7 @@ class Replayer:
         self.metrics = metrics or ReplayerMetrics()
         """Prometheus metrics (``services/metrics.py``); served by ``leafe replayer --metrics-port``."""
         self.metrics.open_episodes.set_function(lambda: self.fold.open_episodes)
+        self.metrics.held_anchors.set_function(lambda: len(self.anchors))
         self.probe = Probe("replayer", stale_after_s=max(300.0, 4 * config.ack_wait_s))
         """``/healthz`` (``services/probes.py``): progress is a fetch returning (a batch or nothing)."""
         attach(self.metrics.registry, self.probe)

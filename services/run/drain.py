@@ -107,22 +107,22 @@ async def wait_trained(
     return folded and trained
 
 
-def folded_all(pending: int, ack_pending: int, open_episodes: int | None) -> bool:
+def folded_all(pending: int, ack_pending: int, held_anchors: int | None) -> bool:
     """The replayer folded every event of the log: nothing left to deliver, and nothing unacked but the
     anchors it holds, one per open episode (``services/replayer_service.py``). Episodes left open when
     the actors stopped (a budget cut mid-episode) will never finish, so waiting for ``ack_pending == 0``
     only ran into the timeout; the log's end closes them as abandoned, online as offline.
-    ``open_episodes`` ``None`` (the replayer's metrics unreadable): only ``ack_pending == 0`` counts."""
-    return pending == 0 and ack_pending == (open_episodes or 0)
+    ``held_anchors`` ``None`` (the replayer's metrics unreadable): only ``ack_pending == 0`` counts."""
+    return pending == 0 and ack_pending == (held_anchors or 0)
 
 
 async def _replayer_open(ctx: RunContext) -> int | None:
-    """``leafe_replayer_open_episodes`` from the replayer's /metrics (``None`` if unreadable)."""
+    """``leafe_replayer_held_anchors`` from the replayer's /metrics (``None`` if unreadable)."""
     url = ctx.metrics_urls.get("replayer")
     if url is None:
         return None
     try:
-        return int(parse_samples(await scrape(url)).get("leafe_replayer_open_episodes", 0))
+        return int(parse_samples(await scrape(url)).get("leafe_replayer_held_anchors", 0))
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:
         log.info("run.drain.replayer_metrics", error=f"{type(e).__name__}: {e}")
         return None

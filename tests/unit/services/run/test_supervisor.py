@@ -44,7 +44,7 @@ async def test_a_crashed_service_is_restarted_up_to_the_limit(tmp_path: Path) ->
 
 
 def test_the_drain_counts_held_anchors_of_open_episodes_as_folded() -> None:
-    """Everything delivered and nothing unacked but one anchor per open episode: folded. An unacked
+    """Everything delivered and nothing unacked but the anchors the replayer holds: folded. An unacked
     event beyond the anchors, or undelivered events, are not; without the replayer's count only 0 is."""
     from services.run.drain import folded_all
 

@@ -92,6 +92,8 @@ def test_offline_paper_rows_pair_with_the_runs_and_carry_their_weights_cost(tmp_
     assert {(p["a"], p["b"]) for p in r["pairs"]} == {("leafe", "offline-grpo"), ("leafe", "offline-sft")}
     assert next(p for p in r["pairs"] if p["b"] == "offline-grpo")["verdict"] == "leafe better"
     assert r["rows"]["offline-grpo"]["wall_min"] == 30.0
+    timed = _report("leafe", 0.8) | {"timings": {"total": 900.0, "eval_before": 120.0, "eval_after": 180.0}}
+    assert compare_runs({"leafe": timed})["rows"]["leafe"]["wall_min"] == 10.0  # evaluations left out
     with pytest.raises(ValueError, match="no finished 'eval-rft'"):
         offline_rows(paper, ["rft"])
     (tmp_path / "leafe").mkdir()

@@ -149,7 +149,7 @@ def _markdown(result: dict[str, Any]) -> str:
     lines = [
         "# Online runs side by side",
         "",
-        "| run | wall min | " + " | ".join(f"Pass@{k}" for k in ks) + " |",
+        "| run | min to the weights | " + " | ".join(f"Pass@{k}" for k in ks) + " |",
     ]
     lines.append("|---|---|" + "---|" * len(ks))
     for name, row in result["rows"].items():

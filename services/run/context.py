@@ -13,6 +13,7 @@ from rich.console import Console
 from actors.evaluate import EvalResult
 from services.bus import NatsOptions
 from services.bus.nats_server import EmbeddedNats, free_port
+from services.metrics import RunMetrics
 from services.run.presets import RunConfig
 from services.run.progress import RunProgress
 from services.run.supervisor import ServiceProcess
@@ -65,6 +66,8 @@ class RunContext:
     """``services.run.rounds.RoundRecord`` of each explore round so far."""
     curve: list[Any] = field(default_factory=list)
     """``services.run.rounds.CurvePoint`` of each validation evaluation so far (the learning curve)."""
+    run_metrics: RunMetrics = field(default_factory=RunMetrics)
+    """The supervisor's own /metrics (``metrics_urls["run"]``): the learning curve's last point."""
     learner_threads: int = 1
     """The learner's ``OMP_NUM_THREADS`` (from the plan unless fixed)."""
     threads: ThreadPlan | None = None

@@ -205,6 +205,7 @@ async def _curve_point(ctx: RunContext, r: int, evaluate: Evaluate, started: flo
         eval_wall_s=round(result.wall_s, 1),
     )
     ctx.curve.append(point)
+    ctx.run_metrics.point(point.passk, point.parse_failure_rate, step)
     scores = ", ".join(f"pass@{k} {100 * v:.1f}%" for k, v in point.passk.items())
     ctx.console.print(
         f"validation after round {r} (learner step {step}, {point.weight_version}): {scores}, "

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 import structlog
+from prometheus_client import generate_latest
 from rich.live import Live
 
 from actors.client import SGLangClient
@@ -21,8 +22,10 @@ from actors.evaluate import EvalRequest, EvalResult, evaluate
 from learner.model_io import HFChatTokenizer
 from services.actor_service import PublisherSink
 from services.bus import Publisher
+from services.bus.nats_server import free_port
 from services.eval_scalars import write_curve_scalars, write_passk_scalars
 from services.logsetup import configure_logging
+from services.metrics import serve_metrics
 from services.run.context import RunContext
 from services.run.drain import drain, save_metrics
 from services.run.launch import check_identity, engine_threads, prepare_run_dir, start_infra, start_pipeline
@@ -230,6 +233,10 @@ async def _run_locked(ctx: RunContext, *, fresh: bool) -> None:
     started = ctx.started = time.monotonic()
     async with AsyncExitStack() as stack:
         await start_infra(ctx, stack)
+        server = serve_metrics(free_port(), ctx.run_metrics.registry, host="127.0.0.1")
+        if server is not None:
+            stack.callback(server.close)
+            ctx.metrics_urls["run"] = f"http://127.0.0.1:{server.port}/metrics"
         ctx.progress = RunProgress(run_id=cfg.run_id)
         follow_stop = asyncio.Event()
         follower = asyncio.create_task(_follow(ctx, follow_stop))
@@ -237,6 +244,8 @@ async def _run_locked(ctx: RunContext, *, fresh: bool) -> None:
         try:
             await _stages(ctx)
             await save_metrics(ctx, "inference")  # the other services' were saved as they stopped
+            (ctx.run_dir / "metrics").mkdir(exist_ok=True)
+            (ctx.run_dir / "metrics" / "run.prom").write_bytes(generate_latest(ctx.run_metrics.registry))
             ctx.stage = "finishing"
             ctx.timings["total"] = time.monotonic() - started
             await finish(ctx)

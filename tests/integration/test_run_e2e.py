@@ -75,7 +75,7 @@ def _check_observability(run_dir: Path, stderr: str, learner_step: int) -> None:
     assert [step for step, _ in losses] == list(range(1, learner_step + 1)), losses
     assert all(loss > 0 for _, loss in losses)
     last = {p.stem: parse_samples(p.read_text()) for p in (run_dir / "metrics").glob("*.prom")}
-    assert set(last) == {"actor-0", "replayer", "learner", "weight-sync", "inference"}, set(last)
+    assert set(last) == {"actor-0", "replayer", "learner", "weight-sync", "inference", "run"}, set(last)
     assert sum(v for k, v in last["actor-0"].items() if k.startswith("leafe_actor_episodes_total")) >= 2
     assert last["replayer"]["leafe_replayer_events_total"] > 0
     assert last["learner"]["leafe_learner_step"] == learner_step
@@ -141,6 +141,10 @@ def _check_continual(run_dir: Path, report: dict[str, Any]) -> None:
     assert curve[0]["learner_step"] <= curve[1]["learner_step"]
     assert all(set(p["passk"]) == {"1", "2"} for p in curve)
     assert (run_dir / "learning_curve.png").is_file() and (run_dir / "eval" / "val-r1.json").is_file()
+    run_metrics = parse_samples((run_dir / "metrics" / "run.prom").read_text())  # the supervisor's /metrics
+    assert run_metrics["leafe_run_validation_points_total"] == len(curve)
+    assert run_metrics['leafe_run_validation_passk{k="1"}'] == curve[-1]["passk"]["1"]
+    assert run_metrics["leafe_run_validation_learner_step"] == curve[-1]["learner_step"]
     lines = (run_dir / "logs" / "learner.log").read_text().splitlines()
     steps = [json.loads(line) for line in lines if line.startswith("{")]
     trained = sum(e["samples"] for e in steps if e.get("event") == "learner.step")

@@ -72,7 +72,10 @@ def test_duplicate_deliveries_add_nothing(streams: list, name: str, data: st.Dat
     assert a == b
     # copies of events of episodes the materializer ignores (eval, other modes) are dropped with them
     ignored = fold.stats.ignored_events - clean.stats.ignored_events  # type: ignore[attr-defined]
-    assert fold.stats.duplicates + fold.stats.after_close + ignored == len(noisy) - len(events)  # type: ignore[attr-defined]
+    # ... and copies of a superseded attempt's events after a later attempt of its task started count as
+    # stragglers (after_close), as its own late events already do in the clean fold
+    late = fold.stats.after_close - clean.stats.after_close  # type: ignore[attr-defined]
+    assert fold.stats.duplicates + late + ignored == len(noisy) - len(events)  # type: ignore[attr-defined]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -56,7 +56,8 @@ def test_leafe_nats_stops_its_server_on_sigterm_and_ctrl_c(tmp_path: Path, sig: 
         servers = _children(proc.pid)
         assert servers, "no nats-server child found"
         os.kill(proc.pid, sig)
-        assert proc.wait(timeout=30) == 0
+        code = proc.wait(timeout=30)
+        assert code == 0, (code, proc.stdout.read().decode(errors="replace")[-3000:] if proc.stdout else "")
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in servers) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -43,6 +43,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--cluster", type=int, default=0, metavar="N", help="run N clustered nodes instead")
     args = parser.parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    # Ctrl-C explicitly too: a process started in the background by a shell inherits SIGINT ignored, and
+    # Python then never raises KeyboardInterrupt (this test hung under `make test &`)
+    previous_int = signal.signal(signal.SIGINT, _on_sigterm)
     try:
         if args.cluster:
             cluster = NatsCluster(args.store, size=args.cluster, host=args.host)
@@ -71,3 +74,4 @@ def main(argv: list[str]) -> int:
         return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)

@@ -35,6 +35,11 @@ class InferenceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Weights and activations of the served model (SGLang's ``--dtype``). ``bfloat16`` about doubles CPU
     prefill where the CPU has AVX512-BF16/AMX (measured 282 -> 599 tokens/s on one Zen 4 core); sampling
     and logprobs are computed in float32 either way, and weight updates are cast to this dtype."""
+    cpu_kernels: bool = True
+    """Serve through ``services/inference/kernels.py``: linear layers on oneDNN with weights reordered once
+    (2.1-3x aten's float32 MKL path on AMD CPUs) and bfloat16 decode attention as grouped matmuls; each is
+    checked against the plain forward at start and left out, with the reason logged, where it cannot serve.
+    ``/get_server_info`` reports what was installed."""
     prefix_cache_tokens: int = 16384
     """Token budget of the prefix cache: prompt KV kept for reuse by later prompts with the same prefix,
     least recently used first out (0 = off). SmolLM2 needs ~46 KB per token in float32 (~23 KB in

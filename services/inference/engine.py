@@ -30,6 +30,7 @@ import structlog
 import torch
 
 from services.inference.decode import DecodeBatch, GenSequence, StopChecker
+from services.inference.kernels import repack
 from services.inference.kv import KVLayout
 from services.inference.prefill import Prefilled, PrefillRow, plan_chunks, prefill
 from services.inference.prefix import PrefixCache, PrefixMatch
@@ -352,6 +353,7 @@ class GenerationEngine:
         try:
             if swap.state is not None:
                 self.model.load_state_dict(swap.state, strict=True, assign=True)
+                repack(self.model)  # oneDNN layers hold a reordered copy of each weight: rebuild it
                 if self.prefix is not None:
                     self.prefix.clear()
                 self.stats.swaps += 1

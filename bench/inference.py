@@ -19,7 +19,16 @@ Figures (saved to bench/results/inference.json), all measured in this process on
    requests those episodes sent (same prompts, same completion lengths);
 4. weight reload: ``/update_weights_from_disk`` round trip (manifest check + read + validation + swap)
    against a plain safetensors load of the same file into memory (``safetensors.torch.load`` of its
-   bytes; ``load_file`` alone only maps the file lazily and is reported too).
+   bytes; ``load_file`` alone only maps the file lazily and is reported too);
+5. recorded workload: the committed recording of the actors' Sokoban evaluation requests
+   (bench/workloads/sokoban_agent.json) replayed with the same token ids, seeds and completion lengths
+   (``--smoke``: a workload recorded on the spot with the tiny model).
+
+Side by side with a peer engine (vLLM CPU; install and start it as docs/benchmarks.md says), only that
+section, merged as ``peer`` into the result file:
+
+    .venv/bin/python -m bench.inference --peer http://127.0.0.1:8011 [--pairs 3] [--pin-core 1]
+    .venv/bin/python -m bench.inference --record-workload   # re-record the workload (a few minutes)
 """
 
 from __future__ import annotations
@@ -44,6 +53,8 @@ from safetensors.torch import load, load_file
 from actors.client import SGLangClient, parse_completions
 from actors.engine import Completion, SamplingParams
 from actors.evaluate import EvalRequest, evaluate
+from bench.inference_peer import PAPER_ROOMS, peer_section, record_workload
+from bench.inference_replay import SGLangTarget, load_workload, replay
 from bench.inference_workload import agent_requests, chat_prompt, ideal_prefix_share
 from envs.registry import make_env
 from learner.model_io import (
@@ -196,10 +207,6 @@ def agent_workload(
     return out
 
 
-PAPER_ROOMS = {"height": 5, "width": 5, "num_boxes": 1, "max_solution_len": 3, "max_steps": 8}
-"""bench/paper_table.py's ``full`` scale rooms (its evaluation: horizon 8, history window 2)."""
-
-
 class RecordingClient(SGLangClient):
     """The actors' client, remembering each request's prompt and completion length."""
 
@@ -272,6 +279,24 @@ def agent_rollouts(handle: ServerThread, model: Any, tok: Any, scale: str) -> di
     return out
 
 
+def recorded_workload(handle: ServerThread, scale: str) -> dict[str, Any]:
+    """The recorded agent workload replayed through this process's server (the peer section's workload;
+    ``smoke``: recorded here with the tiny model, which checks the recorder too)."""
+    if scale == "smoke":
+        path = Path(tempfile.gettempdir()) / "sokoban_agent_tiny.json"
+        record_workload(path, model="tiny", tasks=1, samples=2)
+        reqs, meta = load_workload(path)
+    else:
+        reqs, meta = load_workload()
+    out = asyncio.run(replay(SGLangTarget(handle.url), reqs, limit=pick(scale, None, 64, None)))
+    out["workload_ideal_prefix_share"] = meta["ideal_prefix_share"]
+    print(
+        f"  recorded workload ({out['requests']} requests): {out['completion_tokens_per_s']:.1f} tok/s, "
+        f"latency {out['latency_mean_s']:.2f} s, prefix reuse {out['prefix_cache_share']:.0%}"
+    )
+    return out
+
+
 def reload_latency(handle: ServerThread, model: Any, model_dir: Path, scale: str) -> dict[str, Any]:
     engine = handle.server.engine if handle.server else None
     assert engine is not None
@@ -324,7 +349,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="default smollm2-135m-instruct (--smoke: tiny)")
     p.add_argument("--threads", type=int, default=0, help="torch threads for both sides (0 = torch default)")
     p.add_argument("--out", type=Path, default=None, help=f"result file (default {RESULTS})")
+    p.add_argument("--peer", metavar="URL", help="only: A/B/A against this OpenAI-compatible peer (vLLM)")
+    p.add_argument("--pairs", type=int, default=3, help="--peer: peer runs (ours runs one more)")
+    p.add_argument("--limit", type=int, default=None, help="--peer: replay only the first N requests")
+    p.add_argument("--ours-url", default=None, help="--peer: our server already running (else started)")
+    p.add_argument("--pin-core", type=int, default=1, help="--peer: core our started server is pinned to")
+    p.add_argument("--record-workload", action="store_true", help="only: re-record the agent workload")
     a = p.parse_args(argv)
+    if a.record_workload:
+        print(json.dumps(record_workload(), indent=1))
+        return 0
+    if a.peer:
+        return peer_section(a, a.out or RESULTS)
     scale = "smoke" if a.smoke else "quick" if a.quick else "full"
     name = a.model or ("tiny" if a.smoke else "smollm2-135m-instruct")
     out = a.out or (SMOKE_OUT if a.smoke else RESULTS)
@@ -350,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         results["agent_unrelated"] = agent_workload(handle, model, tok, scale, episodes=False)
         results["agent_episodes"] = agent_workload(handle, model, tok, scale, episodes=True)
         results["agent_rollouts"] = agent_rollouts(handle, model, tok, scale)
+        results["recorded_workload"] = recorded_workload(handle, scale)
         results["weight_reload"] = reload_latency(handle, model, model_dir, scale)
     finally:
         handle.stop()

@@ -79,6 +79,11 @@ def check_inference(r: dict[str, Any]) -> None:
         share(r, f"{part}.prefill_share", f"{part}.prefix_cache_share", f"{part}.ideal_prefix_share")
     # The agent rollouts are real evaluate() episodes (the section that once rotted).
     positive(r, "agent_rollouts.episodes", "agent_rollouts.prompt_tokens_mean")
+    # The recorded agent workload (recorded on the spot with the tiny model, then replayed): exactly the
+    # recorded completion lengths came back, and the episodes' shared prefixes were reused.
+    positive(r, "recorded_workload.requests", "recorded_workload.completion_tokens_per_s")
+    positive(r, "recorded_workload.latency_mean_s", "recorded_workload.prefix_cache_share")
+    share(r, "recorded_workload.not_recomputed_share", "recorded_workload.workload_ideal_prefix_share")
     positive(r, "weight_reload.reload_s", "weight_reload.plain_load_s", "weight_reload.bytes")
 
 

@@ -22,7 +22,11 @@ Figures (saved to bench/results/inference.json), all measured in this process on
    bytes; ``load_file`` alone only maps the file lazily and is reported too);
 5. recorded workload: the committed recording of the actors' Sokoban evaluation requests
    (bench/workloads/sokoban_agent.json) replayed with the same token ids, seeds and completion lengths
-   (``--smoke``: a workload recorded on the spot with the tiny model).
+   (``--smoke``: a workload recorded on the spot with the tiny model);
+6. decode floor: one engine-style decode step (16 rows, 300 columns) in float32 and bfloat16, with the
+   server's kernels and without (aten), its breakdown (linear, attention, other ops, Python overhead,
+   sampling) and its distance from the compute and memory floors measured here (``--floor``: only this
+   section, merged into the result file; bench/inference_floor.py).
 
 Side by side with a peer engine (vLLM CPU; install and start it as docs/benchmarks.md says), only that
 section, merged as ``peer`` into the result file:
@@ -53,6 +57,7 @@ from safetensors.torch import load, load_file
 from actors.client import SGLangClient, parse_completions
 from actors.engine import Completion, SamplingParams
 from actors.evaluate import EvalRequest, evaluate
+from bench.inference_floor import floor_section
 from bench.inference_peer import PAPER_ROOMS, peer_section, record_workload
 from bench.inference_replay import SGLangTarget, load_workload, replay
 from bench.inference_workload import agent_requests, chat_prompt, ideal_prefix_share
@@ -355,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ours-url", default=None, help="--peer: our server already running (else started)")
     p.add_argument("--pin-core", type=int, default=1, help="--peer: core our started server is pinned to")
     p.add_argument("--record-workload", action="store_true", help="only: re-record the agent workload")
+    p.add_argument("--floor", action="store_true", help="only: the decode_floor section, merged into --out")
     a = p.parse_args(argv)
     if a.record_workload:
         print(json.dumps(record_workload(), indent=1))
@@ -367,6 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     model_dir = resolve_model(name)
+    if a.floor:
+        merged = json.loads(out.read_text()) if out.exists() else {}
+        merged["decode_floor"] = floor_section(model_dir, pick(scale, 2, 10, 30), pick(scale, 40, 300, 300))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(merged, indent=1))
+        print(json.dumps(merged["decode_floor"], indent=1))
+        return 0
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir)
     handle = start_in_thread(
@@ -388,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         results["agent_rollouts"] = agent_rollouts(handle, model, tok, scale)
         results["recorded_workload"] = recorded_workload(handle, scale)
         results["weight_reload"] = reload_latency(handle, model, model_dir, scale)
+        results["decode_floor"] = floor_section(model_dir, pick(scale, 2, 10, 30), pick(scale, 40, 300, 300))
     finally:
         handle.stop()
     results["loadavg_after"] = os.getloadavg()[0]

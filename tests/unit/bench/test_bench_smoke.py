@@ -85,6 +85,18 @@ def check_inference(r: dict[str, Any]) -> None:
     positive(r, "recorded_workload.latency_mean_s", "recorded_workload.prefix_cache_share")
     share(r, "recorded_workload.not_recomputed_share", "recorded_workload.workload_ideal_prefix_share")
     positive(r, "weight_reload.reload_s", "weight_reload.plain_load_s", "weight_reload.bytes")
+    # The decode step against its floors, with the server's kernels installed (oneDNN linear layers).
+    for dtype in ("float32", "bfloat16"):
+        part = f"decode_floor.{dtype}"
+        positive(
+            r,
+            f"{part}.step_ms",
+            f"{part}.step_ms_aten",
+            f"{part}.compute_floor_ms",
+            f"{part}.memory_floor_ms",
+        )
+        positive(r, f"{part}.matmul_gflops", f"{part}.read_gb_per_s", f"{part}.breakdown_ms.linear")
+    assert _get(r, "decode_floor.float32.kernels.linear") == "onednn", _get(r, "decode_floor.float32.kernels")
 
 
 def check_actor(r: dict[str, Any]) -> None:

@@ -6,9 +6,8 @@ columns marked in the batch's ``[rows, columns]`` mask; every row writes its nex
 column ``write``, so a decode step appends one column without copying the cache (transformers'
 ``DynamicLayer`` concatenates, copying every layer's KV on every step). Columns past ``write`` are
 spare capacity, masked for every row; the model sees the full width, so keys and values reach attention
-as contiguous tensors (the bf16 matmul of a strided view is ~4x slower on CPU). Attention itself is the
-model's SDPA: a hand-written decode attention (two matmuls over grouped KV heads) measured no faster in
-float32, and in bfloat16 its bf16-rounded scores moved served logprobs ~4x further from a bf16 forward.
+as contiguous tensors (the bf16 matmul of a strided view is ~4x slower on CPU). Attention over it is the
+model's (SDPA), or with the server's kernels (``services/inference/kernels.py``) grouped matmuls at decode.
 """
 
 from __future__ import annotations

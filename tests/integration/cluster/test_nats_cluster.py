@@ -18,6 +18,7 @@ from protocol.events import EpisodeEvent
 from protocol.subjects import EVENTS, STREAMS, event_subject
 from services.bus import Publisher, PublishError, connect, ensure_streams, read_stream
 from services.bus.nats_cluster import NatsCluster
+from services.bus.pull import ConsumerError
 from tests.support.cluster import replicas_current, stream_leader
 from tests.support.strategies import make_episode
 
@@ -60,8 +61,9 @@ async def _first_ack_after(js: object, killed_at: float) -> float:
 
 async def _stored_ids(url: str, deadline_s: float = 60.0) -> list[str]:
     """Every stored event id. Right after a node's restart the cluster may not yet answer the read's
-    consumer create within the client's timeout (seen: nats: timeout in make test), so that is retried;
-    the stored data is what the test judges, not how fast the first read is."""
+    consumer create within the client's timeout (seen: nats: timeout in make test), or the new consumer
+    may deliver nothing for 10 s (seen: ConsumerError "after 0 of 2801 messages"), so the whole read is
+    retried; the stored data is what the test judges, not how fast the first read is."""
     deadline = time.monotonic() + deadline_s
     while True:
         nc = await connect(url)
@@ -73,7 +75,7 @@ async def _stored_ids(url: str, deadline_s: float = 60.0) -> list[str]:
                 )
             ]
             return [(m.headers or {})[MSG_ID_HEADER] for m in msgs if m.subject.split(".")[3] != "probe"]
-        except (TimeoutError, nats.errors.TimeoutError):
+        except (TimeoutError, nats.errors.TimeoutError, ConsumerError):
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(1.0)

@@ -13,6 +13,7 @@ trap 'cp -r "$work/leafe/runs/default" "$logs/" 2>/dev/null; rm -rf "$work"' EXI
 git clone -q "$src" "$work/leafe"
 cd "$work/leafe"
 # The set-up reuses the machine's pip cache like a second clone would; the model cache is the clone's own.
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)  # before anything runs (the machine should be idle)
 t0=$(date +%s); make setup >/dev/null; t1=$(date +%s)
 .venv/bin/python -c "from learner.model_io import default_model_dir; default_model_dir()" >/dev/null 2>&1 || true
 t2=$(date +%s); run_rc=0; make run ARGS="--no-live" > "$logs/run.log" 2>&1 || run_rc=$?; t3=$(date +%s)
@@ -20,15 +21,15 @@ t4=$(date +%s); test_rc=0
 if [ -z "${SKIP_TEST:-}" ]; then make test > "$logs/test.log" 2>&1 || test_rc=$?; else echo "skipped (SKIP_TEST)" > "$logs/test.log"; fi
 t5=$(date +%s)
 report=runs/default/report.json
-python3 - "$src/bench/results/readme_times.json" "$commit" "$((t1 - t0))" "$((t3 - t2))" "$((t5 - t4))" "$report" "$run_rc" "$test_rc" "$logs/test.log" <<'PY'
+python3 - "$src/bench/results/readme_times.json" "$commit" "$((t1 - t0))" "$((t3 - t2))" "$((t5 - t4))" "$report" "$run_rc" "$test_rc" "$logs/test.log" "$load_before" <<'PY'
 import datetime, json, os, sys
-out, commit, setup, run, test, report, run_rc, test_rc, test_log = sys.argv[1:]
+out, commit, setup, run, test, report, run_rc, test_rc, test_log, load_before = sys.argv[1:]
 summary = [line for line in open(test_log).read().splitlines() if " passed" in line or "FAILED" in line][-12:]
 r = json.load(open(report)) if os.path.exists(report) else {}
 passk = {c["k"]: [c["diff"], c["lo"], c["hi"]] for c in r.get("comparisons", [])}
 data = {
     "date": datetime.date.today().isoformat(), "commit": commit, "cores": os.cpu_count(),
-    "loadavg_before": os.getloadavg(), "setup_s": int(setup), "make_run_s": int(run), "make_test_s": int(test),
+    "loadavg_before": [float(x) for x in load_before.split()], "loadavg_after": os.getloadavg(), "setup_s": int(setup), "make_run_s": int(run), "make_test_s": int(test),
     "make_run_stage_s": r.get("timings", {}), "make_run_passk_diff": passk,
     "make_run_rc": int(run_rc), "make_test_rc": int(test_rc), "make_test_summary": summary,
 }

@@ -56,9 +56,9 @@ from safetensors.torch import load, load_file
 
 from actors.client import SGLangClient, parse_completions
 from actors.engine import Completion, SamplingParams
-from actors.evaluate import EvalRequest, evaluate
+from actors.evaluate import evaluate
 from bench.inference_floor import floor_section
-from bench.inference_peer import PAPER_ROOMS, peer_section, record_workload
+from bench.inference_peer import PAPER_ROOMS, paper_rollouts, peer_section, record_workload
 from bench.inference_replay import SGLangTarget, load_workload, replay
 from bench.inference_workload import agent_requests, chat_prompt, ideal_prefix_share
 from envs.registry import make_env
@@ -246,11 +246,7 @@ def agent_rollouts(handle: ServerThread, model: Any, tok: Any, scale: str) -> di
     engine.flush_cache()
     before = dict(engine.describe())
     client = RecordingClient(handle.url)
-    request = EvalRequest(
-        env="sokoban", env_options=PAPER_ROOMS, task_ids=task_ids, split="test", samples=samples, ks=[1],
-        run_id="bench", label="bench", concurrency=16, seed=12345,
-        rollout_overrides={"horizon": 8, "history_window": 2},
-    )  # fmt: skip
+    request = paper_rollouts(task_ids, samples)
 
     async def run() -> Any:
         async with client:

@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from actors.evaluate import EvalRequest
 from bench.inference_replay import (
     WORKLOAD,
     OpenAITarget,
@@ -36,11 +37,20 @@ from bench.inference_replay import (
     save_workload,
 )
 
-__all__ = ["PAPER_ROOMS", "ours_pinned", "peer_ab", "peer_section", "record_workload"]
+__all__ = ["PAPER_ROOMS", "ours_pinned", "paper_rollouts", "peer_ab", "peer_section", "record_workload"]
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_ROOMS = {"height": 5, "width": 5, "num_boxes": 1, "max_solution_len": 3, "max_steps": 8}
 """bench/paper_table.py's ``full`` scale rooms (its evaluation: horizon 8, history window 2)."""
+
+
+def paper_rollouts(task_ids: list[str], samples: int) -> EvalRequest:
+    """Evaluation rollouts with the paper table's settings, 16 in flight (the agent workload's shape)."""
+    return EvalRequest(
+        env="sokoban", env_options=PAPER_ROOMS, task_ids=task_ids, split="test", samples=samples, ks=[1],
+        run_id="bench", label="bench", concurrency=16, seed=12345,
+        rollout_overrides={"horizon": 8, "history_window": 2},
+    )  # fmt: skip
 
 
 def record_workload(
@@ -49,7 +59,7 @@ def record_workload(
     """Record Sokoban evaluation rollouts (``tasks`` test tasks x ``samples``, 16 in flight, horizon 8,
     history window 2) sent through our server (bf16, one thread) and save them to ``out``; returns the
     recording's meta. 4 x 8 gives about 256 requests (most episodes use all 8 turns)."""
-    from actors.evaluate import EvalRequest, evaluate
+    from actors.evaluate import evaluate
     from envs.registry import make_env
     from learner.model_io import HFChatTokenizer, load_tokenizer, resolve_model
     from services.inference.local import start_in_thread
@@ -62,11 +72,7 @@ def record_workload(
     config = InferenceConfig(model=str(model_dir), port=0, max_batch=16, dtype="bfloat16", threads=1)
     handle = start_in_thread(config)
     client = RecordingClient(handle.url)
-    request = EvalRequest(
-        env="sokoban", env_options=PAPER_ROOMS, task_ids=task_ids, split="test", samples=samples, ks=[1],
-        run_id="bench", label="bench", concurrency=16, seed=12345,
-        rollout_overrides={"horizon": 8, "history_window": 2},
-    )  # fmt: skip
+    request = paper_rollouts(task_ids, samples)
 
     async def run() -> Any:
         async with client:

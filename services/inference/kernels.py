@@ -43,7 +43,7 @@ ATTENTION = "leafe_cpu"
 
 _BATCH_HINT = 16
 """Rows oneDNN is told to expect when it picks the weight layout (the server's default ``max_batch``; the
-layout serves any row count, prefill's hundreds of rows included: 2.1x aten at 256 rows with this hint)."""
+layout serves any row count: a 8 x 256-token float32 prefill ran 1.9x aten with this hint)."""
 
 
 class PackedLinear(torch.nn.Linear):

@@ -11,6 +11,7 @@ the identical code path with ``world_size == 1``.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -83,6 +84,8 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 1800.0) -
         if chosen == "nccl":
             torch.cuda.set_device(local_rank)
         timeout = timedelta(seconds=timeout_s)
+        if world_size > 1 and not faulthandler.is_enabled():
+            faulthandler.enable()  # a rank killed by a signal (SIGABRT, SIGSEGV) prints where each thread was
         if world_size == 1 and "MASTER_ADDR" not in os.environ:
             # One plain-python rank: an in-process store, no ports, same collectives.
             dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -100,9 +103,17 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 1800.0) -
     )
 
 
-def shutdown(env: DistEnv) -> None:
-    """Destroy the default group if :func:`init_distributed` created it."""
+def shutdown(env: DistEnv, *, clean: bool = True) -> None:
+    """Destroy the default group if :func:`init_distributed` created it.
+
+    On a ``clean`` exit every rank first meets at a barrier, so no rank tears its group down while another
+    still works after the last collective (rank 0 writing the export): a gloo rank of ``leafe train`` that
+    destroyed its group early aborted once in CI at exit ("terminate called without an active exception",
+    SIGABRT after ``train.finished``). After an error there is no barrier: the other ranks may never come.
+    """
     if env.owns_group and dist.is_initialized():
+        if clean:
+            barrier(env)
         dist.destroy_process_group()
 
 
@@ -110,10 +121,12 @@ def shutdown(env: DistEnv) -> None:
 def distributed_env(backend: str | None = None) -> Iterator[DistEnv]:
     """``init_distributed`` for the duration of a ``with`` block."""
     env = init_distributed(backend)
+    clean = False
     try:
         yield env
+        clean = True
     finally:
-        shutdown(env)
+        shutdown(env, clean=clean)
 
 
 def barrier(env: DistEnv) -> None:

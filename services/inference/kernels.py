@@ -10,13 +10,18 @@ Both replace a slow default of torch 2.13's CPU build on this machine (one Zen 5
   non-persistent buffer, which :func:`repack` rebuilds after every weight swap (a stale copy would serve
   the old weights: the engine repacks before it resumes, and a test checks it).
 - **Decode attention.** torch's CPU SDPA at one query token costs ~4.7 ms per layer in bfloat16 (16 rows,
-  340 columns, in cache), more than the whole layer's matmuls. Here a query token's attention is two
-  grouped-query matmuls with float32 scores, softmax and value sum: ~0.8 ms, and closer to a float64
-  reference than SDPA's (mean error 6.1e-4 vs 7.0e-4). In the model's decode step (16 rows, 300 columns)
-  that is 52-57 ms against SDPA's 60-65 in bfloat16 and 69-72 against 76-80 in float32. Keeping a bfloat16
-  model's KV in float32 (no conversion per step) measured no faster (56-69 ms): the step is bound by
-  reading the KV, ~10 GB/s through 48 small matmuls per layer, which only a fused kernel would fix.
-  Prefill (several query tokens) keeps SDPA.
+  340 columns, in cache), more than the whole layer's matmuls. As two grouped-query matmuls with float32
+  scores, softmax and value sum (``grouped_decode_attention``) it is ~0.8 ms, and closer to a float64
+  reference than SDPA's (mean error 6.1e-4 vs 7.0e-4): in the model's decode step (16 rows, 300 columns)
+  52-57 ms against SDPA's 60-65 in bfloat16. That is still bound by reading the KV, ~10 GB/s through 48
+  small matmuls per layer and a float32 copy of the keys and values (keeping a bfloat16 model's KV in
+  float32 measured no faster). ``csrc/decode_attention.c`` fuses it: one pass over the key rows and one
+  over the value rows, each converted in registers and used by every head of its group, masked columns
+  skipped. It is compiled once per machine with the system C compiler into ``$LEAFE_CACHE/kernels``
+  (``-march=native``: the file name carries a hash of the source, flags, compiler and CPU flags) and
+  called through ctypes, which releases the GIL. Without a compiler, or if its output differs from the
+  exact attention at start, the grouped matmuls serve and the reason is reported. Prefill (several query
+  tokens) keeps SDPA.
 
 The kernels are checked against the plain forward when installed (:func:`accelerate`): a layer whose
 reordered output differs from ``F.linear`` beyond float rounding, or a build without oneDNN, keeps aten's
@@ -25,6 +30,15 @@ path and the reason is logged and returned.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -34,12 +48,30 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-__all__ = ["ATTENTION", "PackedLinear", "accelerate", "repack"]
+__all__ = ["ATTENTION", "FUSED_ATTENTION", "PackedLinear", "accelerate", "fused_library", "repack"]
 
 log = structlog.get_logger(__name__)
 
 ATTENTION = "leafe_cpu"
-"""Name of the attention implementation registered with transformers (masks as for ``sdpa``)."""
+"""Attention registered with transformers (masks as for ``sdpa``): grouped matmuls at decode, SDPA else."""
+
+FUSED_ATTENTION = "leafe_cpu_fused"
+"""The same with decode through the compiled kernel (``csrc/decode_attention.c``)."""
+
+_CSRC = Path(__file__).parent / "csrc" / "decode_attention.c"
+_CFLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp-simd",
+    "-fno-math-errno",
+    # reassociation, so dot products reduce as a tree (~1.5-2x); not -ffast-math: the kernel tests for -inf
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-std=c11",
+    "-shared",
+    "-fPIC",
+)
 
 _BATCH_HINT = 16
 """Rows oneDNN is told to expect when it picks the weight layout (the server's default ``max_batch``; the
@@ -97,7 +129,7 @@ def repack(model: torch.nn.Module) -> int:
     return count
 
 
-def decode_attention(
+def grouped_decode_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -123,12 +155,163 @@ def decode_attention(
     return out.reshape(bsz, 1, heads, dim), None
 
 
-AttentionInterface.register(ATTENTION, decode_attention)
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _kernel_dir() -> Path:
+    return Path(os.environ.get("LEAFE_CACHE") or "~/.cache/leafe").expanduser() / "kernels"
+
+
+@functools.cache
+def fused_library() -> ctypes.CDLL | str:
+    """The compiled decode-attention kernel, built on first use; or why it cannot be had here."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        return "no C compiler (cc or gcc) on PATH"
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        source = _CSRC.read_bytes()
+        key = hashlib.sha256(
+            b"\0".join([source, " ".join(_CFLAGS).encode(), version.encode(), _cpu_flags().encode()])
+        ).hexdigest()[:16]
+        target = _kernel_dir() / f"decode_attention-{key}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                built = Path(tmp) / target.name
+                proc = subprocess.run(
+                    [cc, *_CFLAGS, str(_CSRC), "-o", str(built), "-lm"],
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                if proc.returncode != 0:
+                    return f"{cc} failed to compile {_CSRC.name}: {proc.stderr.strip()[-500:]}"
+                built.replace(target)  # atomic: another process may build the same file at once
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"could not build or load {_CSRC.name}: {e}"
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for name in ("decode_attention_f32", "decode_attention_bf16"):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ptr] * 5 + [i64] * 13 + [ctypes.c_float, ptr]
+    return lib
+
+
+_FUSED_DTYPES = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
+
+
+def fused_decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """One query token's attention through the compiled kernel: ``query [B, H, 1, D]``, ``key, value
+    [B, KV, W, D]``, boolean ``attention_mask`` broadcastable to ``[B, 1, 1, W]``; returns ``[B, 1, H, D]``."""
+    lib = fused_library()
+    if isinstance(lib, str):
+        raise RuntimeError(lib)
+    bsz, heads, _, dim = query.shape
+    kv_heads, width = key.shape[1], key.shape[2]
+    q = query.reshape(bsz, heads, dim).contiguous()
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    out = torch.empty((bsz, 1, heads, dim), dtype=query.dtype)
+    scratch = torch.empty((heads // kv_heads) * width, dtype=torch.float32)
+    if attention_mask is None:
+        mask_ptr, msb, msw = None, 0, 0
+    else:
+        m = attention_mask.expand(bsz, 1, 1, width)[:, 0, 0, :]
+        mask_ptr, msb, msw = m.data_ptr(), m.stride(0), m.stride(1)
+    rc = getattr(lib, _FUSED_DTYPES[query.dtype])(
+        q.data_ptr(),
+        key.data_ptr(),
+        value.data_ptr(),
+        mask_ptr,
+        out.data_ptr(),
+        bsz,
+        heads,
+        kv_heads,
+        width,
+        dim,
+        *key.stride()[:3],
+        *value.stride()[:3],
+        msb,
+        msw,
+        scaling,
+        scratch.data_ptr(),
+    )
+    if rc != 0:
+        raise ValueError(f"decode kernel refused heads={heads} kv_heads={kv_heads} head_dim={dim}")
+    return out
+
+
+def fused_decode_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention: the compiled kernel for one query token, as ``grouped_decode_attention``
+    otherwise (shapes, dtypes or options the kernel does not take)."""
+    plain = attention_mask is None or attention_mask.dtype == torch.bool
+    if (
+        query.shape[2] != 1
+        or dropout
+        or kwargs.get("softcap")
+        or not plain
+        or query.dtype not in _FUSED_DTYPES
+        or not (query.dtype == key.dtype == value.dtype)
+    ):
+        return grouped_decode_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return fused_decode(query, key, value, attention_mask, scale), None
+
+
+decode_attention = grouped_decode_attention  # the name tests and the floor bench import
+
+AttentionInterface.register(ATTENTION, grouped_decode_attention)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+AttentionInterface.register(FUSED_ATTENTION, fused_decode_attention)
+AttentionMaskInterface.register(FUSED_ATTENTION, sdpa_mask)
 
 
-def accelerate(model: torch.nn.Module) -> dict[str, Any]:
-    """Install the kernels into ``model`` (in place); returns what was installed and why not otherwise."""
+def _fused_agrees() -> str | None:
+    """Why the compiled kernel may not serve (None when it matches the exact attention here)."""
+    lib = fused_library()
+    if isinstance(lib, str):
+        return lib
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 6, 1, 32, generator=gen)
+    k, v = (torch.randn(3, 2, 20, 32, generator=gen) for _ in range(2))
+    mask = torch.rand(3, 1, 1, 20, generator=gen) > 0.3
+    mask[..., -1] = True
+    want = F.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1), attn_mask=mask
+    ).transpose(1, 2)
+    got = fused_decode(q, k, v, mask, 32**-0.5)
+    if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5):
+        return "the compiled decode kernel's output differs from exact attention on this machine"
+    return None
+
+
+def accelerate(model: torch.nn.Module, *, fused: bool = True) -> dict[str, Any]:
+    """Install the kernels into ``model`` (in place); returns what was installed and why not otherwise.
+    ``fused=False`` keeps decode attention on the grouped matmuls (for comparisons)."""
     dtype = next(model.parameters()).dtype
     applied: dict[str, Any] = {
         "dtype": str(dtype).removeprefix("torch."),
@@ -147,7 +330,12 @@ def accelerate(model: torch.nn.Module) -> dict[str, Any]:
         applied["linear_reason"] = reason
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "_attn_implementation", None) == "sdpa":
-        model.set_attn_implementation(ATTENTION)  # type: ignore[operator]
-        applied["attention"] = "grouped decode, sdpa prefill"
+        why_not = _fused_agrees() if fused else "not requested"
+        if why_not is None:
+            model.set_attn_implementation(FUSED_ATTENTION)  # type: ignore[operator]
+            applied["attention"] = "fused decode (compiled), sdpa prefill"
+        else:
+            model.set_attn_implementation(ATTENTION)  # type: ignore[operator]
+            applied.update(attention="grouped decode, sdpa prefill", attention_reason=why_not)
     log.info("inference.kernels", **applied)
     return applied

@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from learner.model_io import load_model, tiny_model_dir
+from services.inference import kernels
 from services.inference.decode import GenSequence, GenSpec, StopChecker
 from services.inference.engine import GenerationEngine
-from services.inference.kernels import PackedLinear, accelerate, decode_attention
+from services.inference.kernels import PackedLinear, accelerate, decode_attention, fused_decode
 from tests.unit.services.inference.conftest import perturbed_state
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
@@ -79,6 +80,68 @@ def test_decode_attention_is_as_close_to_exact_as_sdpa() -> None:
     err_sdpa = (sdpa.double() - exact).abs().mean()
     assert err_ours <= err_sdpa * 1.1, (err_ours, err_sdpa)
     assert (ours.double() - exact).abs().max() < 2e-2
+
+
+needs_compiler = pytest.mark.skipif(
+    isinstance(kernels.fused_library(), str), reason="the decode kernel cannot be compiled here"
+)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 128), (6, 2, 16), (4, 4, 64)])
+def test_compiled_decode_attention_matches_exact_attention(
+    dtype: torch.dtype, heads: int, kv_heads: int, dim: int
+) -> None:
+    """Every head group and head size the kernel specializes (and the generic one); masked gaps; keys and
+    values as the arena hands them (a strided view of its first rows); a row with every column masked."""
+    gen = torch.Generator().manual_seed(heads * dim)
+    bsz, width = 5, 37
+    q = torch.randn(bsz, heads, 1, dim, generator=gen).to(dtype)
+    arena = torch.randn(2, bsz + 2, kv_heads, width, dim, generator=gen).to(dtype)
+    k, v = arena[0, :bsz], arena[1, :bsz]  # rows of a larger arena: not contiguous as a whole
+    mask = torch.rand(bsz, 1, 1, width, generator=gen) > 0.4
+    mask[:, :, :, -1] = True
+    mask[1, :, :, :20] = False  # a leading gap, as rows that joined later have
+    mask[4] = False  # nothing to attend to: zeros, not NaN
+    groups = heads // kv_heads
+    exact = F.scaled_dot_product_attention(
+        q.double(),
+        k.double().repeat_interleave(groups, 1),
+        v.double().repeat_interleave(groups, 1),
+        attn_mask=mask,
+    ).transpose(1, 2)
+    exact[4] = 0.0
+    got = fused_decode(q, k, v, mask, dim**-0.5)
+    assert got.shape == (bsz, 1, heads, dim) and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), exact, rtol=1e-4, atol=1e-5)
+    else:  # rounding of q, k, v to bfloat16 is in the exact reference too: what is left is the output's
+        assert (got.double() - exact).abs().max() <= 2**-8 * exact.abs().max() + 1e-3
+    assert torch.equal(got[4], torch.zeros_like(got[4]))
+
+
+def test_without_a_compiler_grouped_attention_serves_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, sharp_state: dict[str, torch.Tensor]
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    kernels.fused_library.cache_clear()
+    try:
+        model = _model(sharp_state)
+        applied = accelerate(model)
+    finally:
+        kernels.fused_library.cache_clear()
+    assert applied["attention"] == "grouped decode, sdpa prefill"
+    assert "/nonexistent/cc" in applied["attention_reason"]
+    assert model.config._attn_implementation == kernels.ATTENTION
+
+
+@needs_compiler
+def test_accelerate_installs_the_compiled_kernel_and_reports_it(sharp_state: dict[str, torch.Tensor]) -> None:
+    model = _model(sharp_state)
+    applied = accelerate(model)
+    assert applied["attention"].startswith("fused decode")
+    assert model.config._attn_implementation == kernels.FUSED_ATTENTION
 
 
 def _engine(model: Any, tokenizer: Any) -> GenerationEngine:

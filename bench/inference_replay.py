@@ -169,10 +169,12 @@ class SGLangTarget:
     async def counters(self, http: aiohttp.ClientSession) -> dict[str, float]:
         async with http.get(self.url + "/get_server_info") as resp:
             state = (await resp.json())["internal_states"][0]
+        times = ("prefill_s", "decode_s", "prefill_cpu_s", "decode_cpu_s", "prefill_calls", "decode_steps")
         return {
             "cached_tokens": state["cached_tokens"],
             "prefilled_tokens": state["prefill_tokens"],
             "shared_tokens": state.get("shared_tokens", 0),
+            **{k: state[k] for k in times if k in state},  # where our server's time went
         }
 
 
@@ -261,7 +263,7 @@ def _reuse(target: Target, before: dict[str, float], after: dict[str, float], pr
     """Prompt tokens served from the engine's prefix cache, by its own counters (None where it has none).
     Ours also prefills an identical prompt once for the requests admitted with it (``shared_tokens``):
     ``not_recomputed_share`` counts those too. vLLM's counters are tokens (queries = prompt tokens)."""
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    d = {k: round(after.get(k, 0.0) - before.get(k, 0.0), 3) for k in after}
     if isinstance(target, SGLangTarget):
         return {
             "prefix_cache_share": round(d["cached_tokens"] / prompt, 3),

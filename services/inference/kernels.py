@@ -20,8 +20,12 @@ Both replace a slow default of torch 2.13's CPU build on this machine (one Zen 5
   skipped. It is compiled once per machine with the system C compiler into ``$LEAFE_CACHE/kernels``
   (``-march=native``: the file name carries a hash of the source, flags, compiler and CPU flags) and
   called through ctypes, which releases the GIL. Without a compiler, or if its output differs from the
-  exact attention at start, the grouped matmuls serve and the reason is reported. Prefill (several query
-  tokens) keeps SDPA.
+  exact attention at start, the grouped matmuls serve and the reason is reported.
+- **Prefill attention** (several query tokens, transformers' boolean causal and padding mask) is in the
+  same file: per row and KV head, the group's queries are transposed so that 4 key rows x 64 queries
+  accumulate in registers (no horizontal sums), softmax runs down each query's column, and the values are
+  summed the same way. On 6 rows x 60 new tokens over 280 columns it takes 2.2-2.3 ms per layer against
+  SDPA's 3.3-3.6 (flash kernel, ~55 GFLOP/s here), in float32 arithmetic whatever the model's dtype.
 
 The kernels are checked against the plain forward when installed (:func:`accelerate`): a layer whose
 reordered output differs from ``F.linear`` beyond float rounding, or a build without oneDNN, keeps aten's
@@ -48,7 +52,16 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-__all__ = ["ATTENTION", "FUSED_ATTENTION", "PackedLinear", "accelerate", "fused_library", "repack"]
+__all__ = [
+    "ATTENTION",
+    "FUSED_ATTENTION",
+    "PackedLinear",
+    "accelerate",
+    "fused_decode",
+    "fused_library",
+    "fused_prefill",
+    "repack",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -68,7 +81,8 @@ _CFLAGS = (
     "-fassociative-math",
     "-fno-signed-zeros",
     "-fno-trapping-math",
-    "-std=c11",
+    "-ffp-contract=fast",
+    "-std=gnu11",  # GCC's vector extension (the prefill kernel's register accumulators)
     "-shared",
     "-fPIC",
 )
@@ -203,6 +217,10 @@ def fused_library() -> ctypes.CDLL | str:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ptr] * 5 + [i64] * 13 + [ctypes.c_float, ptr]
+    for name in ("prefill_attention_f32", "prefill_attention_bf16"):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ptr] * 5 + [i64] * 15 + [ctypes.c_float, ptr]
     return lib
 
 
@@ -256,6 +274,49 @@ def fused_decode(
     return out
 
 
+def fused_prefill(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Several query tokens' attention through the compiled kernel: ``query [B, H, S, D]`` (any strides
+    with the last one 1), ``key, value [B, KV, W, D]``, boolean ``attention_mask [B, 1, S, W]`` (causal
+    and padding, as transformers builds it); returns ``[B, S, H, D]``, zeros for a query with nothing to
+    attend to (a left-padding token)."""
+    lib = fused_library()
+    if isinstance(lib, str):
+        raise RuntimeError(lib)
+    bsz, heads, q_len, dim = query.shape
+    kv_heads, width = key.shape[1], key.shape[2]
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    mask_t = attention_mask.expand(bsz, 1, q_len, width)[:, 0].transpose(1, 2).contiguous()  # [B, W, S]
+    cols = -(-(heads // kv_heads) * q_len // 64) * 64
+    scratch = torch.empty(dim * cols + width * cols + 2 * cols + 2 * width * dim, dtype=torch.float32)
+    out = torch.empty((bsz, q_len, heads, dim), dtype=query.dtype)
+    name = "prefill_attention_f32" if query.dtype == torch.float32 else "prefill_attention_bf16"
+    rc = getattr(lib, name)(
+        query.data_ptr(),
+        key.data_ptr(),
+        value.data_ptr(),
+        mask_t.data_ptr(),
+        out.data_ptr(),
+        bsz,
+        heads,
+        kv_heads,
+        q_len,
+        width,
+        dim,
+        *query.stride()[:3],
+        *key.stride()[:3],
+        *value.stride()[:3],
+        scaling,
+        scratch.data_ptr(),
+    )
+    if rc != 0:
+        raise ValueError(f"prefill kernel refused heads={heads} kv_heads={kv_heads} head_dim={dim}")
+    return out
+
+
 def fused_decode_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -266,20 +327,24 @@ def fused_decode_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention: the compiled kernel for one query token, as ``grouped_decode_attention``
-    otherwise (shapes, dtypes or options the kernel does not take)."""
-    plain = attention_mask is None or attention_mask.dtype == torch.bool
+    """transformers attention through the compiled kernels: decode (one query token) and prefill (several,
+    with transformers' boolean mask); ``grouped_decode_attention`` for what they do not take (no mask,
+    dropout, softcap, other dtypes, a head size not a multiple of 4)."""
+    plain = attention_mask is not None and attention_mask.dtype == torch.bool
     if (
-        query.shape[2] != 1
-        or dropout
+        dropout
         or kwargs.get("softcap")
-        or not plain
         or query.dtype not in _FUSED_DTYPES
         or not (query.dtype == key.dtype == value.dtype)
+        or (query.shape[2] != 1 and (not plain or query.shape[-1] % 4))
+        or (query.shape[2] == 1 and attention_mask is not None and not plain)
     ):
         return grouped_decode_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return fused_decode(query, key, value, attention_mask, scale), None
+    if query.shape[2] == 1:
+        return fused_decode(query, key, value, attention_mask, scale), None
+    assert attention_mask is not None
+    return fused_prefill(query, key, value, attention_mask, scale), None
 
 
 decode_attention = grouped_decode_attention  # the name tests and the floor bench import
@@ -306,6 +371,13 @@ def _fused_agrees() -> str | None:
     got = fused_decode(q, k, v, mask, 32**-0.5)
     if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5):
         return "the compiled decode kernel's output differs from exact attention on this machine"
+    q = torch.randn(3, 6, 5, 32, generator=gen)
+    causal = torch.ones(5, 20, dtype=torch.bool).tril(15)[None, None].expand(3, 1, 5, 20)
+    want = F.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1), attn_mask=causal
+    ).transpose(1, 2)
+    if not torch.allclose(fused_prefill(q, k, v, causal, 32**-0.5).double(), want, rtol=1e-4, atol=1e-5):
+        return "the compiled prefill kernel's output differs from exact attention on this machine"
     return None
 
 
@@ -333,7 +405,7 @@ def accelerate(model: torch.nn.Module, *, fused: bool = True) -> dict[str, Any]:
         why_not = _fused_agrees() if fused else "not requested"
         if why_not is None:
             model.set_attn_implementation(FUSED_ATTENTION)  # type: ignore[operator]
-            applied["attention"] = "fused decode (compiled), sdpa prefill"
+            applied["attention"] = "fused decode and prefill (compiled)"
         else:
             model.set_attn_implementation(ATTENTION)  # type: ignore[operator]
             applied.update(attention="grouped decode, sdpa prefill", attention_reason=why_not)

@@ -13,7 +13,7 @@ from learner.model_io import load_model, tiny_model_dir
 from services.inference import kernels
 from services.inference.decode import GenSequence, GenSpec, StopChecker
 from services.inference.engine import GenerationEngine
-from services.inference.kernels import PackedLinear, accelerate, decode_attention, fused_decode
+from services.inference.kernels import PackedLinear, accelerate, decode_attention, fused_decode, fused_prefill
 from tests.unit.services.inference.conftest import perturbed_state
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
@@ -121,6 +121,45 @@ def test_compiled_decode_attention_matches_exact_attention(
     assert torch.equal(got[4], torch.zeros_like(got[4]))
 
 
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "q_len"), [(9, 3, 64, 7), (4, 2, 16, 40), (2, 2, 128, 3)]
+)
+def test_compiled_prefill_attention_matches_exact_attention(
+    dtype: torch.dtype, heads: int, kv_heads: int, dim: int, q_len: int
+) -> None:
+    """The engine's prefill layout: a cached prefix, a masked gap, left-padded new tokens under a causal
+    mask; queries as the projection hands them (a transposed view); query blocks that do not fill the
+    kernel's 64 columns; padding queries with nothing to attend to get zeros."""
+    gen = torch.Generator().manual_seed(heads * dim + q_len)
+    bsz, cached = 3, 11
+    width = cached + q_len
+    q = torch.randn(bsz, q_len, heads, dim, generator=gen).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(bsz, kv_heads, width, dim, generator=gen).to(dtype) for _ in range(2))
+    mask = torch.zeros(bsz, 1, q_len, width, dtype=torch.bool)
+    for i in range(q_len):
+        mask[:, :, i, : cached + i + 1] = True  # causal over the cached prefix and the new tokens
+    mask[1, :, :, :4] = False  # row 1 caches a shorter prefix: its leading columns are a gap
+    mask[2, :, :2] = False  # row 2 has 2 fewer new tokens: its first 2 queries are left padding
+    mask[2, :, :, cached : cached + 2] = False
+    groups = heads // kv_heads
+    exact = F.scaled_dot_product_attention(
+        q.double(),
+        k.double().repeat_interleave(groups, 1),
+        v.double().repeat_interleave(groups, 1),
+        attn_mask=mask,
+    ).transpose(1, 2)
+    exact[2, :2] = 0.0
+    got = fused_prefill(q, k, v, mask, dim**-0.5)
+    assert got.shape == (bsz, q_len, heads, dim) and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), exact, rtol=1e-4, atol=1e-5)
+    else:
+        assert (got.double() - exact).abs().max() <= 2**-8 * exact.abs().max() + 1e-3
+    assert torch.equal(got[2, :2], torch.zeros_like(got[2, :2]))
+
+
 def test_without_a_compiler_grouped_attention_serves_and_says_why(
     monkeypatch: pytest.MonkeyPatch, sharp_state: dict[str, torch.Tensor]
 ) -> None:
@@ -140,7 +179,7 @@ def test_without_a_compiler_grouped_attention_serves_and_says_why(
 def test_accelerate_installs_the_compiled_kernel_and_reports_it(sharp_state: dict[str, torch.Tensor]) -> None:
     model = _model(sharp_state)
     applied = accelerate(model)
-    assert applied["attention"].startswith("fused decode")
+    assert applied["attention"] == "fused decode and prefill (compiled)"
     assert model.config._attn_implementation == kernels.FUSED_ATTENTION
 
 

@@ -173,13 +173,24 @@ def peer_ab(
     model: str = "smollm2-135m-instruct",
     pin_core: int | None = 1,
     workload: Path = WORKLOAD,
+    pause_s: float = 5.0,
 ) -> dict[str, Any]:
     """Interleaved A/B/A: ours, peer, ours, peer, ..., ours (``pairs`` peer runs bracketed by ``pairs + 1``
     runs of ours), each from an empty prefix cache. Ratio ``i`` is ours/peer completion tokens/s with
-    ours the mean of the two runs around peer run ``i`` (drift on the machine cancels to first order)."""
+    ours the mean of the two runs around peer run ``i`` (drift on the machine cancels to first order). Each
+    run starts ``pause_s`` after the last ended: both servers share the pinned core, and vLLM CPU's worker
+    keeps spinning on it for 2-3 s after its burst (measured with top), which would bill our next run."""
     if ours_url is None:
         with ours_pinned(model, pin_core) as url:
-            out = peer_ab(peer_url, pairs=pairs, limit=limit, ours_url=url, model=model, workload=workload)
+            out = peer_ab(
+                peer_url,
+                pairs=pairs,
+                limit=limit,
+                ours_url=url,
+                model=model,
+                workload=workload,
+                pause_s=pause_s,
+            )
         return {
             **out,
             "ours_pinned_core": pin_core,
@@ -193,6 +204,7 @@ def peer_ab(
     runs: dict[str, list[dict[str, Any]]] = {"ours": [], "peer": []}
     for i in range(2 * pairs + 1):
         target = ours if i % 2 == 0 else peer
+        time.sleep(pause_s)  # vLLM CPU's worker spins at 100% of its core for ~2-3 s after a burst
         row = asyncio.run(replay(target, reqs, limit=limit))
         row["loadavg"] = round(os.getloadavg()[0], 2)
         runs[target.name].append(row)

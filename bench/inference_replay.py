@@ -282,7 +282,10 @@ async def replay(
     episodes at once, started in recorded order, each episode's turns one after another."""
     episodes = episodes_of(requests, limit)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    # idle connections closed by us after 2 s, before uvicorn's 5 s keep-alive closes them under a request
+    # (vLLM's server did once: "Server disconnected" mid-run)
+    connector = aiohttp.TCPConnector(keepalive_timeout=2.0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         if isinstance(target, OpenAITarget):
             await target.prepare(http)
         await target.reset(http)

@@ -33,9 +33,7 @@ Run one in-process: ``await Explorer(engine=..., tokenizer=..., env=..., config=
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
@@ -46,6 +44,7 @@ from actors.engine import ENGINE_AFFINITY, Completion, Engine, EngineError, Samp
 from actors.episode import EpisodeRecorder, EpisodeSpec, EpisodeSummary, EventSink
 from actors.oracle import oracle_parsed
 from actors.parsing import ParsedReflection, invalid_action_feedback, parse_action, parse_reflection
+from actors.tree import PathStep, TreeBranch, TreeCounters, TreeRequest
 from envs.base import Env, EnvError, Transition, rollback_to
 from envs.registry import reflection_oracle
 from protocol.events import (
@@ -68,50 +67,6 @@ __all__ = ["Explorer", "PathStep"]
 log = structlog.get_logger(__name__)
 R = TypeVar("R")
 E = TypeVar("E", bound=msgspec.Struct)
-
-
-@dataclass(slots=True, frozen=True)
-class PathStep:
-    """One step on a branch's path, as the agent's history shows it plus its outcome."""
-
-    entry: HistoryEntry
-    score: float
-    done: bool
-    success: bool
-
-
-@dataclass(slots=True)
-class _Branch:
-    branch_id: str
-    depth: int
-    tau: int
-    experience: str | None
-    path: list[PathStep]
-    snapshots: list[Any]
-    """``snapshots[t]``: env state after t actions of ``path`` (empty when snapshots are unsupported)."""
-
-
-@dataclass(slots=True, frozen=True)
-class _Request:
-    parent: _Branch
-    tau: int
-    experience: str
-    reflection_event_id: str
-
-
-@dataclass(slots=True)
-class _Counters:
-    actions: int = 0
-    reflections: int = 0
-    replay_steps: int = 0
-    parse_failures: int = 0
-    branches: int = 0
-    calls: int = 0
-    diverged: int = 0
-    success: bool = False
-    stopped: bool = False
-    error: str = ""
-    queue: deque[_Request] = field(default_factory=deque)
 
 
 class Explorer:
@@ -139,7 +94,7 @@ class Explorer:
         )
         wants_oracle = config.reflection_source == "oracle" or config.oracle_labels
         self.oracle = reflection_oracle(env) if wants_oracle else None
-        self.n = _Counters()
+        self.n = TreeCounters()
         self.task = ""
         self.o0 = ""
         self._started: dict[str, Any] | None = None  # EpisodeStarted's fields until :meth:`_emit`
@@ -164,7 +119,7 @@ class Explorer:
             return await asyncio.to_thread(fn, *args)
         return fn(*args)
 
-    async def _start(self) -> _Branch:
+    async def _start(self) -> TreeBranch:
         reset = await self._env(self.env.reset, self.spec.task_id)
         self.task, self.o0 = reset.task, reset.observation
         s = self.spec
@@ -188,7 +143,7 @@ class Explorer:
         )
         snaps = [await self._env(self.env.snapshot)] if self.env.supports_snapshot else []
         self.n.branches = 1
-        return _Branch(ROOT_BRANCH, depth=0, tau=0, experience=None, path=[], snapshots=snaps)
+        return TreeBranch(ROOT_BRANCH, depth=0, tau=0, experience=None, path=[], snapshots=snaps)
 
     async def _emit(self, cls: type[E], **fields: Any) -> E:
         """Emit through the recorder, EpisodeStarted first: it is held back until the episode's first
@@ -214,7 +169,7 @@ class Explorer:
         seed = (self.spec.seed * 1_000_003 + self.n.calls) % (2**31) if self.cfg.seeded_sampling else None
         return self.cfg.reflection_params(seed) if reflect else self.cfg.action_params(seed)
 
-    async def _run_branch(self, b: _Branch) -> None:
+    async def _run_branch(self, b: TreeBranch) -> None:
         reason: OutcomeReason | None = None
         while reason is None:
             if self.n.actions >= self.cfg.max_actions:
@@ -239,7 +194,7 @@ class Explorer:
             await self._reflect(b, "failure" if reason == "env_done" else "horizon")
         await self._outcome(b, reason)
 
-    async def _outcome(self, b: _Branch, reason: OutcomeReason) -> None:
+    async def _outcome(self, b: TreeBranch, reason: OutcomeReason) -> None:
         last = b.path[-1] if b.path else None
         success = reason == "success"
         if success:
@@ -256,7 +211,7 @@ class Explorer:
         )
         self.log.debug("actor.branch.ended", branch_id=b.branch_id, reason=reason, steps=len(b.path))
 
-    def _prompt_ids(self, b: _Branch) -> tuple[list[int], bool]:
+    def _prompt_ids(self, b: TreeBranch) -> tuple[list[int], bool]:
         t = len(b.path)
         in_ctx = bool(b.experience) and (self.cfg.experience_scope == "branch" or t == b.tau)
         messages = render_messages(
@@ -269,7 +224,7 @@ class Explorer:
         )
         return self.tokenizer.encode_chat(messages, self.cfg.response_prefix), in_ctx
 
-    async def _act(self, b: _Branch) -> PathStep:
+    async def _act(self, b: TreeBranch) -> PathStep:
         ids, in_ctx = self._prompt_ids(b)
         completion = await self._generate(ids, self._params(reflect=False), self.cfg.return_logprob)
         valid = await self._env(self.env.valid_actions)
@@ -309,7 +264,7 @@ class Explorer:
         b.path.append(step)
         return step
 
-    def _can_branch_from(self, b: _Branch) -> bool:
+    def _can_branch_from(self, b: TreeBranch) -> bool:
         n, c = self.n, self.cfg
         return (
             not n.stopped
@@ -318,7 +273,7 @@ class Explorer:
             and n.actions < c.max_actions
         )
 
-    async def _reflect(self, b: _Branch, trigger: ReflectionTrigger) -> None:
+    async def _reflect(self, b: TreeBranch, trigger: ReflectionTrigger) -> None:
         if not b.path or not self._can_branch_from(b):
             return
         at_t, history = len(b.path), [s.entry for s in b.path]
@@ -361,7 +316,7 @@ class Explorer:
         )
         if parsed.experience:
             tau = 0 if self.cfg.restart_from == "start" else parsed.tau  # IR restarts the whole attempt
-            self.n.queue.append(_Request(b, tau, parsed.experience, event.event_id))
+            self.n.queue.append(TreeRequest(b, tau, parsed.experience, event.event_id))
         self.log.debug("actor.reflection", branch_id=b.branch_id, trigger=trigger, tau=parsed.tau)
 
     async def _oracle_verdict(self, history: list[HistoryEntry]) -> tuple[ParsedReflection, str]:
@@ -371,7 +326,7 @@ class Explorer:
         verdict = await self._env(self.oracle.oracle_reflection, self.spec.task_id, history)
         return oracle_parsed(verdict, len(history), self.cfg.max_experience_chars), verdict.experience
 
-    async def _open(self, req: _Request) -> _Branch | None:
+    async def _open(self, req: TreeRequest) -> TreeBranch | None:
         parent, tau = req.parent, req.tau
         prefix = parent.path[:tau]
         snap = parent.snapshots[tau] if self.env.supports_snapshot else None
@@ -390,7 +345,7 @@ class Explorer:
         await self._emit(
             Rollback, from_branch=parent.branch_id, tau=tau, method=res.method, replay_steps=res.replay_steps
         )
-        branch = _Branch(
+        branch = TreeBranch(
             f"b{self.n.branches}",
             depth=parent.depth + 1,
             tau=tau,

@@ -49,6 +49,7 @@ __all__ = [
     "FUSED_ATTENTION",
     "PackedLinear",
     "accelerate",
+    "exact_attention",
     "fused_decode",
     "fused_library",
     "fused_prefill",
@@ -183,6 +184,20 @@ AttentionInterface.register(FUSED_ATTENTION, fused_decode_attention)
 AttentionMaskInterface.register(FUSED_ATTENTION, sdpa_mask)
 
 
+def exact_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """The reference the kernels are checked against: SDPA in float64 with each KV head repeated for its
+    query heads; ``[B, S, H, D]``."""
+    groups = query.shape[1] // key.shape[1]
+    return F.scaled_dot_product_attention(
+        query.double(),
+        key.double().repeat_interleave(groups, 1),
+        value.double().repeat_interleave(groups, 1),
+        attn_mask=mask,
+    ).transpose(1, 2)
+
+
 def _fused_agrees() -> str | None:
     """Why the compiled kernel may not serve (None when it matches the exact attention here)."""
     lib = fused_library()
@@ -193,17 +208,12 @@ def _fused_agrees() -> str | None:
     k, v = (torch.randn(3, 2, 20, 32, generator=gen) for _ in range(2))
     mask = torch.rand(3, 1, 1, 20, generator=gen) > 0.3
     mask[..., -1] = True
-    want = F.scaled_dot_product_attention(
-        q.double(), k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1), attn_mask=mask
-    ).transpose(1, 2)
     got = fused_decode(q, k, v, mask, 32**-0.5)
-    if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5):
+    if not torch.allclose(got.double(), exact_attention(q, k, v, mask), rtol=1e-4, atol=1e-5):
         return "the compiled decode kernel's output differs from exact attention on this machine"
     q = torch.randn(3, 6, 5, 32, generator=gen)
     causal = torch.ones(5, 20, dtype=torch.bool).tril(15)[None, None].expand(3, 1, 5, 20)
-    want = F.scaled_dot_product_attention(
-        q.double(), k.double().repeat_interleave(3, 1), v.double().repeat_interleave(3, 1), attn_mask=causal
-    ).transpose(1, 2)
+    want = exact_attention(q, k, v, causal)
     if not torch.allclose(fused_prefill(q, k, v, causal, 32**-0.5).double(), want, rtol=1e-4, atol=1e-5):
         return "the compiled prefill kernel's output differs from exact attention on this machine"
     return None

@@ -13,7 +13,14 @@ from learner.model_io import load_model, tiny_model_dir
 from services.inference import kernels
 from services.inference.decode import GenSequence, GenSpec, StopChecker
 from services.inference.engine import GenerationEngine
-from services.inference.kernels import PackedLinear, accelerate, decode_attention, fused_decode, fused_prefill
+from services.inference.kernels import (
+    PackedLinear,
+    accelerate,
+    decode_attention,
+    exact_attention,
+    fused_decode,
+    fused_prefill,
+)
 from tests.unit.services.inference.conftest import perturbed_state
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
@@ -65,13 +72,7 @@ def test_decode_attention_is_as_close_to_exact_as_sdpa() -> None:
     k, v = (torch.randn(bsz, kv_heads, width, dim, generator=gen).bfloat16() for _ in range(2))
     mask = torch.rand(bsz, 1, 1, width, generator=gen) > 0.3
     mask[:, :, :, -1] = True
-    groups = heads // kv_heads
-    exact = F.scaled_dot_product_attention(
-        q.double(),
-        k.double().repeat_interleave(groups, 1),
-        v.double().repeat_interleave(groups, 1),
-        attn_mask=mask,
-    ).transpose(1, 2)
+    exact = exact_attention(q, k, v, mask)
     sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
     module = torch.nn.Module()
     ours, _ = decode_attention(module, q, k, v, mask, scaling=dim**-0.5)
@@ -104,13 +105,7 @@ def test_compiled_decode_attention_matches_exact_attention(
     mask[:, :, :, -1] = True
     mask[1, :, :, :20] = False  # a leading gap, as rows that joined later have
     mask[4] = False  # nothing to attend to: zeros, not NaN
-    groups = heads // kv_heads
-    exact = F.scaled_dot_product_attention(
-        q.double(),
-        k.double().repeat_interleave(groups, 1),
-        v.double().repeat_interleave(groups, 1),
-        attn_mask=mask,
-    ).transpose(1, 2)
+    exact = exact_attention(q, k, v, mask)
     exact[4] = 0.0
     got = fused_decode(q, k, v, mask, dim**-0.5)
     assert got.shape == (bsz, 1, heads, dim) and got.dtype == dtype
@@ -143,13 +138,7 @@ def test_compiled_prefill_attention_matches_exact_attention(
     mask[1, :, :, :4] = False  # row 1 caches a shorter prefix: its leading columns are a gap
     mask[2, :, :2] = False  # row 2 has 2 fewer new tokens: its first 2 queries are left padding
     mask[2, :, :, cached : cached + 2] = False
-    groups = heads // kv_heads
-    exact = F.scaled_dot_product_attention(
-        q.double(),
-        k.double().repeat_interleave(groups, 1),
-        v.double().repeat_interleave(groups, 1),
-        attn_mask=mask,
-    ).transpose(1, 2)
+    exact = exact_attention(q, k, v, mask)
     exact[2, :2] = 0.0
     got = fused_prefill(q, k, v, mask, dim**-0.5)
     assert got.shape == (bsz, q_len, heads, dim) and got.dtype == dtype

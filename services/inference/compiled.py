@@ -100,6 +100,18 @@ def fused_library() -> ctypes.CDLL | str:
 FUSED_DTYPES = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
 
 
+def _loaded() -> ctypes.CDLL:
+    lib = fused_library()
+    if isinstance(lib, str):
+        raise RuntimeError(lib)
+    return lib
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its rows are contiguous (the kernels take any other strides), else a copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def fused_decode(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -109,14 +121,11 @@ def fused_decode(
 ) -> torch.Tensor:
     """One query token's attention through the compiled kernel: ``query [B, H, 1, D]``, ``key, value
     [B, KV, W, D]``, boolean ``attention_mask`` broadcastable to ``[B, 1, 1, W]``; returns ``[B, 1, H, D]``."""
-    lib = fused_library()
-    if isinstance(lib, str):
-        raise RuntimeError(lib)
+    lib = _loaded()
     bsz, heads, _, dim = query.shape
     kv_heads, width = key.shape[1], key.shape[2]
     q = query.reshape(bsz, heads, dim).contiguous()
-    key = key if key.stride(-1) == 1 else key.contiguous()
-    value = value if value.stride(-1) == 1 else value.contiguous()
+    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
     out = torch.empty((bsz, 1, heads, dim), dtype=query.dtype)
     scratch = torch.empty((heads // kv_heads) * width, dtype=torch.float32)
     if attention_mask is None:
@@ -154,20 +163,15 @@ def fused_prefill(
     with the last one 1), ``key, value [B, KV, W, D]``, boolean ``attention_mask [B, 1, S, W]`` (causal
     and padding, as transformers builds it); returns ``[B, S, H, D]``, zeros for a query with nothing to
     attend to (a left-padding token)."""
-    lib = fused_library()
-    if isinstance(lib, str):
-        raise RuntimeError(lib)
+    lib = _loaded()
     bsz, heads, q_len, dim = query.shape
     kv_heads, width = key.shape[1], key.shape[2]
-    query = query if query.stride(-1) == 1 else query.contiguous()
-    key = key if key.stride(-1) == 1 else key.contiguous()
-    value = value if value.stride(-1) == 1 else value.contiguous()
+    query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
     mask_t = attention_mask.expand(bsz, 1, q_len, width)[:, 0].transpose(1, 2).contiguous()  # [B, W, S]
     cols = -(-(heads // kv_heads) * q_len // 64) * 64
     scratch = torch.empty(dim * cols + width * cols + 2 * cols + 2 * width * dim, dtype=torch.float32)
     out = torch.empty((bsz, q_len, heads, dim), dtype=query.dtype)
-    name = "prefill_attention_f32" if query.dtype == torch.float32 else "prefill_attention_bf16"
-    rc = getattr(lib, name)(
+    rc = getattr(lib, FUSED_DTYPES[query.dtype].replace("decode_", "prefill_"))(
         query.data_ptr(),
         key.data_ptr(),
         value.data_ptr(),

@@ -58,7 +58,7 @@ async def test_sigkill_mid_publish_keeps_acked_events_and_reports_the_rest(tmp_p
     try:
         js = nc.jetstream()
         await ensure_streams(js)
-        pub = Publisher(js, max_pending=256, ack_timeout_s=3.0)
+        pub = Publisher(js, max_pending=256, ack_timeout_s=3.0, retries=0)
         task = asyncio.create_task(_publish_all(pub, events, reported))
         while pub.acked < 500 and not task.done():  # noqa: ASYNC110 (polling a counter the publisher owns)
             await asyncio.sleep(0.005)
@@ -89,5 +89,42 @@ async def test_sigkill_mid_publish_keeps_acked_events_and_reports_the_rest(tmp_p
             await nc.close()
         stored = await _stored_ids(server.url)
         assert sorted(stored) == sorted(ids)
+    finally:
+        server.stop()
+
+
+async def test_sigkill_mid_publish_with_retries_stores_every_event_once_and_reports_nothing(
+    tmp_path: Path,
+) -> None:
+    """The default publisher republishes what had no ack once the server is back (Msg-Id dedupe makes
+    that safe): after SIGKILL + restart every event is stored exactly once and flush raises nothing."""
+    store = tmp_path / "js"
+    server = EmbeddedNats(store, log_file=tmp_path / "nats.log").start()
+    events = [e for i in range(N_EPISODES) for e in make_episode(RUN, f"ep{i:04d}", obs_chars=900)]
+    ids = [e.event_id for e in events]
+    reported: dict[str, str] = {}
+    nc = await connect(server.url)
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        pub = Publisher(js, max_pending=256, ack_timeout_s=3.0)
+        task = asyncio.create_task(_publish_all(pub, events, reported))
+        while pub.acked < 500 and not task.done():  # noqa: ASYNC110 (polling a counter the publisher owns)
+            await asyncio.sleep(0.005)
+        server.kill()
+        killed_at = pub.published
+        await asyncio.sleep(0.5)
+        server = EmbeddedNats(store, port=server.port, log_file=tmp_path / "nats.log").start()
+        await asyncio.wait_for(task, 90)
+    finally:
+        await nc.close()
+    try:
+        assert killed_at < len(events), "the kill came after the last publish; nothing was tested"
+        assert not reported, sorted(reported.items())[:5]
+        stored = await _stored_ids(server.url)
+        assert len(stored) == len(set(stored)), "an event was stored twice"
+        assert sorted(stored) == sorted(ids)
+        assert pub.acked == len(ids), "every event ends acked exactly once"
+        assert pub.republished > 0, "nothing was republished; the kill lost no ack and tested nothing"
     finally:
         server.stop()

@@ -1,8 +1,10 @@
 """``leafe eval``: Pass@k of one or more models or weight versions, side by side.
 
 For each ``--model`` (``tiny``, ``smollm2-135m-instruct`` or an HF directory such as an exported weight
-version) an in-process CPU inference server is started, ``actors.evaluate.evaluate`` runs n plain
-``mode="eval"`` rollouts of every task through it (the actors' client and prompts), and the server is
+version) CPU inference servers are started, one child process per free core with one thread each
+(``services/inference/fleet.py``; ``--servers N`` sets how many, ``--in-process`` serves from this
+process with ``--threads``), ``actors.evaluate.evaluate`` runs n plain ``mode="eval"`` rollouts of every
+task through them (the actors' client and prompts, episodes spread by affinity), and the servers are
 stopped. With ``--engine URL[,URL]`` the running servers (SGLang or ``leafe inference``) are evaluated once
 instead. The output directory gets ``eval.json`` (every figure), ``eval.md`` (the Pass@k table and a line
 per model: wall time, parse failures, prompt tokens per step) and ``passk.png`` (the curves); the table is
@@ -23,7 +25,7 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +36,8 @@ import structlog
 
 from actors.client import SGLangClient
 from actors.engine import Engine, EngineError
-from actors.episode import EpisodeSummary, EventSink
-from actors.evaluate import EvalRequest, EvalResult, EvalSample, evaluate
+from actors.episode import EventSink
+from actors.evaluate import EvalRequest, EvalResult, evaluate
 from envs.base import EnvError
 from envs.registry import make_env
 from protocol.prompt import ChatTokenizer
@@ -44,6 +46,7 @@ from protocol.tasks import task_slug
 from services.actor_service import PublisherSink
 from services.bus import Publisher, add_nats_arguments, connect, nats_options, wait_for_streams
 from services.config import parse_key_value
+from services.eval_progress import EvalProgress
 from services.eval_scalars import write_passk_scalars
 from services.logsetup import configure_logging
 
@@ -120,7 +123,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--task-offset", type=int, default=0, help="first task index of the split")
     p.add_argument("--samples", type=int, default=16, help="n: rollouts per task (default 16)")
     p.add_argument("--k", type=_ks, default=[1, 2, 4, 8, 16], help="k values, e.g. 1,2,4,8,16")
-    p.add_argument("--concurrency", type=int, default=16, help="rollouts in flight at once (default 16)")
+    p.add_argument(
+        "--concurrency", type=int, default=0, help="rollouts in flight at once (0 = 16 per server)"
+    )
     p.add_argument("--seed", type=int, default=0, help="base sampling seed")
     p.add_argument(
         "--seeds-honoured",
@@ -133,9 +138,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tensorboard-dir", type=Path, default=None, help="Pass@k scalars (default <out>/tensorboard)"
     )
-    p.add_argument("--max-batch", type=int, default=0, help="in-process server batch (0 = --concurrency)")
     p.add_argument(
-        "--threads", type=int, default=0, help="in-process server torch threads (0 = the free cores)"
+        "--max-batch", type=int, default=0, help="batch per server (0 = its share of --concurrency)"
+    )
+    p.add_argument(
+        "--servers",
+        type=int,
+        default=0,
+        help="server processes, one core and thread each (0 = the free cores)",
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="serving dtype")
+    p.add_argument("--in-process", action="store_true", help="one server in this process (tests, debugging)")
+    p.add_argument(
+        "--threads", type=int, default=0, help="--in-process server torch threads (0 = the free cores)"
     )
     p.add_argument("--run", default=None, help="run id of the episodes (default eval)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -183,6 +198,7 @@ async def _engine_for(
 ) -> AsyncIterator[tuple[Engine, ChatTokenizer]]:
     """An engine and the matching tokenizer: a fresh in-process server for a model, else the URLs."""
     from learner.model_io import HFChatTokenizer, resolve_model
+    from services.inference.fleet import FleetConfig, ServerFleet
     from services.inference.server import InferenceConfig, InferenceServer
 
     if target.model is None:
@@ -195,11 +211,29 @@ async def _engine_for(
             yield client, HFChatTokenizer.from_dir(resolve_model(name))
         return
     path = resolve_model(target.model)
+    if not args.in_process:
+        fleet = FleetConfig(
+            model=str(path),
+            servers=args.servers,
+            dtype=args.dtype,
+            max_batch=args.max_batch or -(-args.concurrency // args.servers),
+            served_model_name=target.label,
+            weight_version=_manifest_version(path),
+        )
+        async with (
+            ServerFleet(fleet) as servers,
+            SGLangClient(
+                servers.urls, timeout_s=args.request_timeout, api_key_file=servers.api_key_file
+            ) as client,
+        ):
+            yield client, HFChatTokenizer.from_dir(path)
+        return
     config = InferenceConfig(
         model=str(path),
         port=0,
         max_batch=args.max_batch or args.concurrency,
         threads=_threads(args.threads),
+        dtype=args.dtype,
         served_model_name=target.label,
         weight_version=_manifest_version(path),
     )
@@ -210,48 +244,28 @@ async def _engine_for(
         yield client, HFChatTokenizer.from_dir(path)
 
 
+def _size_servers(args: argparse.Namespace) -> None:
+    """Fill in ``--servers`` (0: one per free core; 1 with ``--in-process``; the URLs with ``--engine``)
+    and ``--concurrency`` (0: 16 per server), and log what was chosen and why."""
+    from services.threads import free_cores
+
+    why = "as requested"
+    if args.engine:
+        args.servers, why = len([u for u in args.engine.split(",") if u.strip()]), "one per --engine URL"
+    elif args.in_process:
+        args.servers, why = 1, "--in-process"
+    elif args.servers == 0:
+        args.servers, why = free_cores()
+    args.concurrency = args.concurrency or 16 * args.servers
+    log.info("eval.servers", servers=args.servers, concurrency=args.concurrency, why=why)
+
+
 def _threads(requested: int) -> int:
     from services.threads import default_threads
 
     threads, why = default_threads(requested)
     log.info("eval.threads", threads=threads, why=why)
     return threads
-
-
-class _Progress:
-    """Rich progress bars on stderr, one per model (a no-op when disabled)."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.bar: Any = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(
-                TextColumn("{task.description:<16}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("rollouts  {task.fields[solved]} solved"),
-                TimeElapsedColumn(),
-                console=Console(stderr=True),
-            )
-            self.bar.start()
-
-    def track(self, label: str, total: int) -> Callable[[EvalSample, EpisodeSummary], None]:
-        if self.bar is None:
-            return lambda item, summary: None
-        task = self.bar.add_task(label, total=total, solved=0)
-        solved = [0]
-
-        def advance(item: EvalSample, summary: EpisodeSummary) -> None:
-            solved[0] += summary.success
-            self.bar.update(task, advance=1, solved=solved[0])
-
-        return advance
-
-    def stop(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
 
 
 async def _open_publisher(stack: AsyncExitStack, args: argparse.Namespace) -> Publisher | None:
@@ -271,7 +285,7 @@ async def run_eval(args: argparse.Namespace, task_ids: Sequence[str], ks: list[i
     targets = targets_from_args(args)
     env_options, overrides = dict(args.env_option), dict(args.rollout_option)
     results: list[EvalResult] = []
-    progress = _Progress(not args.no_progress and sys.stderr.isatty())
+    progress = EvalProgress(not args.no_progress, live=sys.stderr.isatty())
     try:
         async with AsyncExitStack() as stack:
             publisher = await _open_publisher(stack, args)
@@ -365,9 +379,10 @@ def main(argv: list[str]) -> int:
     configure_logging(json=False, level=args.log_level)
     if args.nats and not args.run:
         p.error("--nats needs --run (the run whose log receives the eval episodes)")
-    if min(args.tasks, args.samples, args.concurrency) < 1:
+    if min(args.tasks, args.samples, args.concurrency + 1, args.servers + 1) < 1:
         counts = f"--tasks {args.tasks}, --samples {args.samples}, --concurrency {args.concurrency}"
-        p.error(f"{counts}: each must be >= 1")
+        p.error(f"{counts}, --servers {args.servers}: each must be >= 1 (or 0 for the last two)")
+    _size_servers(args)
     ks = [k for k in args.k if k <= args.samples]
     if not ks:
         p.error(f"every --k {args.k} exceeds --samples {args.samples}")

@@ -1,5 +1,5 @@
-"""``leafe eval`` end to end: the real CLI with the tiny model on Sokoban, an in-process inference server per
-model, two models side by side, and the eval episodes published to a real nats-server."""
+"""``leafe eval`` end to end: the real CLI with the tiny model on Sokoban, two inference server processes
+per model, two models side by side, and the eval episodes published to a real nats-server."""
 
 from __future__ import annotations
 
@@ -73,8 +73,8 @@ def test_eval_cli_compares_two_models_writes_files_and_publishes(
         "1,2,4",
         "--concurrency",
         "4",
-        "--threads",
-        "1",
+        "--servers",
+        "2",
         "--rollout-option",
         "horizon=6",
         "--out",

@@ -7,6 +7,7 @@ then restarted on the same store directory and port while the client reconnects.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -47,18 +48,29 @@ async def _publish_all(pub: Publisher, events: list[EpisodeEvent], reported: dic
         reported.update(e.reasons)
 
 
-async def test_sigkill_mid_publish_keeps_acked_events_and_reports_the_rest(tmp_path: Path) -> None:
-    """After SIGKILL + restart on the same store, every event not reported as unacked is stored, once."""
+@dataclass
+class KilledRun:
+    """What publishing through a SIGKILL of the server left: the restarted server and the figures."""
+
+    server: EmbeddedNats
+    pub: Publisher
+    events: list[EpisodeEvent]
+    reported: dict[str, str]
+    killed_at: int
+
+
+async def _publish_through_a_kill(tmp_path: Path, retries: int) -> KilledRun:
+    """Stream every event through a Publisher, SIGKILL the server once 500 are acked, restart it on the
+    same store and port, and let the publisher finish (the client reconnects)."""
     store = tmp_path / "js"
     server = EmbeddedNats(store, log_file=tmp_path / "nats.log").start()
     events = [e for i in range(N_EPISODES) for e in make_episode(RUN, f"ep{i:04d}", obs_chars=900)]
-    ids = [e.event_id for e in events]
     reported: dict[str, str] = {}
     nc = await connect(server.url)
     try:
         js = nc.jetstream()
         await ensure_streams(js)
-        pub = Publisher(js, max_pending=256, ack_timeout_s=3.0, retries=0)
+        pub = Publisher(js, max_pending=256, ack_timeout_s=3.0, retries=retries)
         task = asyncio.create_task(_publish_all(pub, events, reported))
         while pub.acked < 500 and not task.done():  # noqa: ASYNC110 (polling a counter the publisher owns)
             await asyncio.sleep(0.005)
@@ -66,9 +78,20 @@ async def test_sigkill_mid_publish_keeps_acked_events_and_reports_the_rest(tmp_p
         killed_at = pub.published
         await asyncio.sleep(0.5)
         server = EmbeddedNats(store, port=server.port, log_file=tmp_path / "nats.log").start()
-        await asyncio.wait_for(task, 60)
+        await asyncio.wait_for(task, 90)
+    except BaseException:
+        server.stop()
+        raise
     finally:
         await nc.close()
+    return KilledRun(server, pub, events, reported, killed_at)
+
+
+async def test_sigkill_mid_publish_keeps_acked_events_and_reports_the_rest(tmp_path: Path) -> None:
+    """After SIGKILL + restart on the same store, every event not reported as unacked is stored, once."""
+    run = await _publish_through_a_kill(tmp_path, retries=0)
+    server, pub, events, reported, killed_at = run.server, run.pub, run.events, run.reported, run.killed_at
+    ids = [e.event_id for e in events]
     try:
         stored = await _stored_ids(server.url)
         assert len(stored) == len(set(stored)), "an event was stored twice"
@@ -98,26 +121,9 @@ async def test_sigkill_mid_publish_with_retries_stores_every_event_once_and_repo
 ) -> None:
     """The default publisher republishes what had no ack once the server is back (Msg-Id dedupe makes
     that safe): after SIGKILL + restart every event is stored exactly once and flush raises nothing."""
-    store = tmp_path / "js"
-    server = EmbeddedNats(store, log_file=tmp_path / "nats.log").start()
-    events = [e for i in range(N_EPISODES) for e in make_episode(RUN, f"ep{i:04d}", obs_chars=900)]
+    run = await _publish_through_a_kill(tmp_path, retries=2)
+    server, pub, events, reported, killed_at = run.server, run.pub, run.events, run.reported, run.killed_at
     ids = [e.event_id for e in events]
-    reported: dict[str, str] = {}
-    nc = await connect(server.url)
-    try:
-        js = nc.jetstream()
-        await ensure_streams(js)
-        pub = Publisher(js, max_pending=256, ack_timeout_s=3.0)
-        task = asyncio.create_task(_publish_all(pub, events, reported))
-        while pub.acked < 500 and not task.done():  # noqa: ASYNC110 (polling a counter the publisher owns)
-            await asyncio.sleep(0.005)
-        server.kill()
-        killed_at = pub.published
-        await asyncio.sleep(0.5)
-        server = EmbeddedNats(store, port=server.port, log_file=tmp_path / "nats.log").start()
-        await asyncio.wait_for(task, 90)
-    finally:
-        await nc.close()
     try:
         assert killed_at < len(events), "the kill came after the last publish; nothing was tested"
         assert not reported, sorted(reported.items())[:5]

@@ -239,6 +239,27 @@ def test_flat_distributions_still_filter_exactly() -> None:
     assert set(freq.nonzero()[:, 0].tolist()) <= best
 
 
+def _full_gumbel_choice(logits: torch.Tensor, spec: GenSpec) -> int:
+    """The reference: Gumbel noise over the whole vocabulary from the row's seeded generator."""
+    assert spec.seed is not None
+    generator = torch.Generator().manual_seed(spec.seed)  # as GenSequence seeds it
+    uniform = torch.rand(logits.shape[-1], generator=generator).clamp_(min=1e-20, max=1.0 - 1e-7)
+    return int(torch.argmax(logits.float() / spec.temperature - torch.log(-torch.log(uniform))))
+
+
+@pytest.mark.parametrize("scale", [0.01, 1.0, 5.0, 30.0])
+def test_a_seeded_sample_is_the_gumbel_max_of_the_seeds_uniforms(scale: float) -> None:
+    """The sampling contract that makes seeded runs reproducible across engines' batches and versions:
+    the token is ``argmax(logits / T - log(-log(u)))`` with ``u`` the seed's uniforms over the whole
+    vocabulary (SmolLM2's 49,152 tokens), for flat, peaked and very peaked logits."""
+    vocab, draws = 49152, 48
+    logits = torch.randn(draws, vocab, generator=torch.Generator().manual_seed(7)) * scale
+    specs = [GenSpec(temperature=t, seed=s) for s, t in zip(range(draws), [0.7, 1.0, 1.3] * 16, strict=True)]
+    seqs = [GenSequence(prompt=[1], spec=spec) for spec in specs]
+    tokens, _ = choose_tokens(logits, seqs)
+    assert tokens == [_full_gumbel_choice(logits[i], spec) for i, spec in enumerate(specs)]
+
+
 # ---- prefill grouping ----------------------------------------------------------------------------------
 def test_prefill_chunks_bound_padding() -> None:
     """Distinct prompts are grouped by the number of tokens they still need (after their cached prefix),

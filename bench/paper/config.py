@@ -176,7 +176,7 @@ class ServingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     concurrency: int = 16
     """Episodes in flight (the server batches them)."""
     engines: list[str] = msgspec.field(default_factory=list)
-    """External SGLang URLs (GPU); empty = in-process CPU servers."""
+    """External SGLang URLs (GPU); empty = CPU server processes (`services/inference/fleet.py`)."""
     collect_timeout_s: float = 3600.0
     """Longest one collection phase may run."""
 

@@ -268,12 +268,18 @@ async def evaluate_model(
     return out
 
 
-async def server_stats(url: str) -> dict[str, Any]:
+async def server_stats(url: str, api_key_file: str = "") -> dict[str, Any]:
     """The inference server's own counters (``/get_server_info`` ``internal_states``) for the report."""
     import aiohttp
 
+    from services.inference.auth import read_api_key
+
+    headers = {"Authorization": f"Bearer {read_api_key(api_key_file)}"} if api_key_file else {}
     try:
-        async with aiohttp.ClientSession() as session, session.get(f"{url}/get_server_info") as resp:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"{url}/get_server_info", headers=headers) as resp,
+        ):
             info = await resp.json()
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:
         return {"error": f"{type(e).__name__}: {e}"}

@@ -196,7 +196,7 @@ async def run_experiment(cfg: PaperConfig, work: Path, results: Path, max_minute
     from learner.model_io import HFChatTokenizer, resolve_model
     from services.bus import connect, ensure_streams
     from services.bus.nats_server import EmbeddedNats
-    from services.inference.server import InferenceConfig, InferenceServer
+    from services.inference.fleet import FleetConfig, ServerFleet
 
     started = time.monotonic()
     deadline = started + 60 * max_minutes
@@ -210,20 +210,21 @@ async def run_experiment(cfg: PaperConfig, work: Path, results: Path, max_minute
         base = await asyncio.to_thread(resolve_model, cfg.model)
         runner.base_model = str(base)
         urls = list(cfg.serving.engines)
-        s = cfg.serving
-        for _ in range(0 if urls else s.servers):
-            server_cfg = InferenceConfig(
+        s, key_file = cfg.serving, ""
+        if not urls:  # one server process per core (services/inference/fleet.py), not in this process
+            fleet = FleetConfig(
                 model=str(base),
-                port=0,
+                servers=s.servers,
+                dtype=s.dtype,
                 max_batch=s.concurrency,
                 threads=s.threads,
-                dtype=s.dtype,
-                served_model_name="paper-table",  # type: ignore[arg-type]
+                served_model_name="paper-table",
                 weight_version="base",
-                weights_root=str(work),
+                extra_args=("--weights-root", str(work)),
             )
-            urls.append((await stack.enter_async_context(InferenceServer(server_cfg))).url)
-        engine = await stack.enter_async_context(SGLangClient(urls))
+            servers = await stack.enter_async_context(ServerFleet(fleet))
+            urls, key_file = list(servers.urls), servers.api_key_file
+        engine = await stack.enter_async_context(SGLangClient(urls, api_key_file=key_file))
         nc = await connect(nats.url, name="paper-table")
         stack.push_async_callback(nc.drain)
         js = nc.jetstream()
@@ -245,7 +246,7 @@ async def run_experiment(cfg: PaperConfig, work: Path, results: Path, max_minute
         finally:
             wall = time.monotonic() - started
             runner.state.invocations.append({"wall_s": wall, "max_minutes": max_minutes})
-            runner.state.inference = await lib.server_stats(urls[0])
+            runner.state.inference = await lib.server_stats(urls[0], key_file)
             _save_invocations(work, wall, max_minutes, runner.state)
             runner.report()
 

@@ -50,6 +50,8 @@ class FleetConfig:
     """Per server."""
     served_model_name: str = ""
     weight_version: str = "default"
+    threads: int = 1
+    """Torch threads per server (1: a core each, no OpenMP pool spinning on decode-sized matmuls)."""
     cores: tuple[int, ...] = ()
     """Core of each server (``sched_setaffinity``); empty = this process's usable cores, in order."""
     start_timeout_s: float = 300.0
@@ -89,8 +91,10 @@ class ServerFleet:
             usable = sorted(os.sched_getaffinity(0))
         except (AttributeError, OSError):
             return [None] * cfg.servers
-        if len(usable) < cfg.servers:
-            return [None] * cfg.servers  # more servers than cores: let the scheduler place them
+        if cfg.threads != 1 or len(usable) < cfg.servers:
+            return [
+                None
+            ] * cfg.servers  # several threads, or more servers than cores: the scheduler places them
         return [usable[i] for i in range(cfg.servers)]
 
     def _argv(self, i: int) -> list[str]:
@@ -98,7 +102,7 @@ class ServerFleet:
         return [
             sys.executable,
             *("-m", "services.cli", "inference", "--model", cfg.model, "--port", "0"),
-            *("--threads", "1", "--dtype", cfg.dtype, "--max-batch", str(cfg.max_batch)),
+            *("--threads", str(cfg.threads), "--dtype", cfg.dtype, "--max-batch", str(cfg.max_batch)),
             *("--served-model-name", cfg.served_model_name or Path(cfg.model).name),
             *("--weight-version", cfg.weight_version, "--api-key-file", self.api_key_file),
             *("--log-level", "warning"),
@@ -113,7 +117,8 @@ class ServerFleet:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(secrets.token_urlsafe(32) + "\n")
         self.api_key_file = str(key)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        threads = str(self.config.threads)
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         for i, core in enumerate(self._cores()):
             log_path = self._dir / f"server-{i}.log"
             self._logs.append(log_path)

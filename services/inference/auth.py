@@ -9,13 +9,15 @@ process listing and no environment a sandboxed child could read.
 from __future__ import annotations
 
 import hmac
+import os
+import secrets
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-__all__ = ["OPEN_ROUTES", "api_key_middleware", "read_api_key"]
+__all__ = ["OPEN_ROUTES", "api_key_middleware", "read_api_key", "write_api_key"]
 
 OPEN_ROUTES = frozenset({"/health", "/ready"})
 """Routes answered without the key (probes)."""
@@ -32,6 +34,16 @@ def read_api_key(path: str) -> str:
     if not key:
         raise ValueError(f"the API key file {path!r} is empty")
     return key
+
+
+def write_api_key(path: Path) -> Path:
+    """A fresh random key in ``path`` (mode 0600, its directory 0700); kept if it exists (a resumed run)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not path.is_file():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    return path
 
 
 def api_key_middleware(key: str) -> Middleware:

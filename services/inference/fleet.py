@@ -5,8 +5,9 @@ One server per core with one torch thread each is what uses a small CPU well: me
 Base's Sokoban evaluation (8 tasks x 16 samples, float32), one in-process server with 2 threads took
 553 s, two pinned processes with one thread each 238 s. An in-process server shares the GIL with the
 client's event loop and its two OpenMP threads spin on decode-sized matmuls; separate processes share
-nothing. Each child gets its own API key file (0600, in a private temporary directory, removed at stop)
-and is pinned to its core where the affinity can be set.
+nothing. Each child gets its own API key file (0600, in a private temporary directory, removed at stop),
+is pinned to its core where the affinity can be set, and is sent SIGTERM by the kernel if this process
+dies without stopping it.
 
     async with ServerFleet(FleetConfig(model=str(path), servers=2, dtype="float32")) as fleet:
         async with SGLangClient(fleet.urls, api_key_file=fleet.api_key_file) as client: ...
@@ -16,16 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
-import secrets
 import shutil
 import signal
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
+
+from services.inference.auth import write_api_key
 
 __all__ = ["FleetConfig", "FleetError", "ServerFleet"]
 
@@ -33,6 +37,13 @@ log = structlog.get_logger(__name__)
 
 SERVING = "leafe inference: serving on "
 """The line ``leafe inference`` prints on stdout once it accepts requests (``services/inference/main.py``)."""
+
+
+_PR_SET_PDEATHSIG = 1
+try:
+    _PRCTL: Any = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: the servers still stop with the fleet, only not on SIGKILL
+    _PRCTL = None
 
 
 class FleetError(RuntimeError):
@@ -91,13 +102,11 @@ class ServerFleet:
             usable = sorted(os.sched_getaffinity(0))
         except (AttributeError, OSError):
             return [None] * cfg.servers
-        if cfg.threads != 1 or len(usable) < cfg.servers:
-            return [
-                None
-            ] * cfg.servers  # several threads, or more servers than cores: the scheduler places them
+        if cfg.threads != 1 or len(usable) < cfg.servers:  # the scheduler places them
+            return [None] * cfg.servers
         return [usable[i] for i in range(cfg.servers)]
 
-    def _argv(self, i: int) -> list[str]:
+    def _argv(self) -> list[str]:
         cfg = self.config
         return [
             sys.executable,
@@ -112,11 +121,7 @@ class ServerFleet:
     async def start(self) -> list[str]:
         """Spawn every server and wait until each prints its URL; returns the URLs."""
         self._dir = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="leafe-fleet-"))
-        key = self._dir / "engine-api-key"
-        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(secrets.token_urlsafe(32) + "\n")
-        self.api_key_file = str(key)
+        self.api_key_file = str(write_api_key(self._dir / "engine-api-key"))
         threads = str(self.config.threads)
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         for i, core in enumerate(self._cores()):
@@ -124,11 +129,12 @@ class ServerFleet:
             self._logs.append(log_path)
             with log_path.open("ab") as err:
                 proc = await asyncio.create_subprocess_exec(
-                    *self._argv(i),
+                    *self._argv(),
                     stdout=asyncio.subprocess.PIPE,
                     stderr=err,
                     env=env,
-                    start_new_session=True,
+                    start_new_session=True,  # a Ctrl-C reaches this process, which stops them
+                    preexec_fn=_die_with_parent,
                 )
             self._procs.append(proc)
             if core is not None:
@@ -181,6 +187,14 @@ class ServerFleet:
         if self._dir is not None:
             await asyncio.to_thread(shutil.rmtree, self._dir, True)
             self._dir = None
+
+
+def _die_with_parent() -> None:
+    """In the child before ``exec``: SIGTERM when this process dies, however it dies (Linux's
+    ``PR_SET_PDEATHSIG``), so a SIGKILLed ``leafe eval`` leaves no server behind. Only a call resolved
+    before the fork runs here."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 async def _drain(stream: asyncio.StreamReader) -> None:

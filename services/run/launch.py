@@ -17,11 +17,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import secrets
 import shutil
 from contextlib import AsyncExitStack
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -49,7 +46,7 @@ from services.bus.auth import (
 )
 from services.bus.nats_server import EmbeddedNats, free_port
 from services.config import tomlable
-from services.inference.auth import read_api_key
+from services.inference.auth import read_api_key, write_api_key
 from services.run.context import RunContext
 from services.run.orphans import record_child
 from services.run.supervisor import wait_http_ok
@@ -155,7 +152,7 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
         fixed = cfg.services.inference_threads
         ctx.threads = None if fixed > 0 else plan
         port = free_port()
-        ctx.engine_key_file = str(_secret_file(ctx.run_dir / "secrets" / "engine-api-key"))
+        ctx.engine_key_file = str(write_api_key(ctx.run_dir / "secrets" / "engine-api-key"))
         inference = ctx.service(
             "inference",
             [
@@ -210,16 +207,6 @@ async def engine_threads(ctx: RunContext, *, shared: bool) -> None:
         log.warning("run.threads.failed", threads=threads, error=f"{type(e).__name__}: {e}")
         return
     log.info("run.threads.engine", threads=threads, learner_busy=shared)
-
-
-def _secret_file(path: Path) -> Path:
-    """A fresh random secret in ``path`` (mode 0600, directory 0700); kept if it exists (a resumed run)."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if not path.is_file():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(secrets.token_urlsafe(32) + "\n")
-    return path
 
 
 async def start_pipeline(ctx: RunContext) -> None:

@@ -4,6 +4,9 @@ each behind the fleet's API key; a server that cannot start fails with its log, 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import aiohttp
@@ -65,3 +68,34 @@ async def test_a_server_that_cannot_start_fails_the_fleet_with_its_log(tmp_path:
         async with ServerFleet(FleetConfig(model=str(tmp_path / "no-such-model"), servers=1)):
             pass
     assert "no-such-model" in str(e.value)
+
+
+_PARENT = """
+import asyncio, sys
+from services.inference.fleet import FleetConfig, ServerFleet
+
+async def main():
+    async with ServerFleet(FleetConfig(model="tiny", servers=1, max_batch=1)) as fleet:
+        print("PID", fleet._procs[0].pid, flush=True)
+        await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def test_a_sigkilled_parent_leaves_no_server_behind() -> None:
+    """The kernel sends each server SIGTERM when the process that started the fleet dies (SIGKILL leaves
+    it no chance to stop them), so a killed ``leafe eval`` does not leak servers."""
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = next(int(line.split()[1]) for line in parent.stdout if line.startswith("PID "))
+        assert not _gone(child)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 60
+        while not _gone(child) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _gone(child), f"server {child} outlived its killed parent"
+    finally:
+        parent.kill()

@@ -58,6 +58,8 @@ class RunContext:
     engine_key_file: str = ""
     """The API key file of the inference server the run started ('' for external engines: then the
     clients use ``$LEAFE_ENGINE_API_KEY_FILE``); children get it in their environment."""
+    engine_services: list[str] = field(default_factory=list)
+    """Names of the run's own CPU inference servers in ``services`` (``inference``, ``inference-1``, ...)."""
     metrics_urls: dict[str, str] = field(default_factory=dict)
     """Each service's Prometheus /metrics URL (the supervisor reads the learner's progress there)."""
     started: float = 0.0

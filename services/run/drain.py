@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 
 import aiohttp
 import structlog
@@ -148,10 +149,14 @@ async def _wait_weights_served(ctx: RunContext) -> None:
     progress = ctx.progress
     assert progress is not None
     await asyncio.sleep(1.0)  # the final WeightsPublished reaches the follower
-    async with SGLangClient(ctx.engine_urls, api_key_file=ctx.engine_key_file) as engine:
+    async with AsyncExitStack() as stack:
+        engines = [
+            await stack.enter_async_context(SGLangClient(url, api_key_file=ctx.engine_key_file))
+            for url in ctx.engine_urls
+        ]
 
-        async def served() -> bool:
+        async def served() -> bool:  # every server: the evaluation after may go to any of them
             want = progress.weights_version
-            return want == "default" or await engine.weight_version() == want
+            return want == "default" or all([await e.weight_version() == want for e in engines])
 
-        await _wait_until(ctx, f"the inference server to serve {progress.weights_version}", served, 180)
+        await _wait_until(ctx, f"the inference servers to serve {progress.weights_version}", served, 180)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 from contextlib import AsyncExitStack
 from typing import Any
@@ -49,9 +50,10 @@ from services.config import tomlable
 from services.inference.auth import read_api_key, write_api_key
 from services.run.context import RunContext
 from services.run.orphans import record_child
+from services.run.presets import MAX_AUTO_SERVERS
 from services.run.supervisor import wait_http_ok
 from services.streams import durables_for_run
-from services.threads import free_cores, plan_threads
+from services.threads import ThreadPlan, free_cores, plan_threads
 
 __all__ = [
     "actor_ids",
@@ -149,25 +151,7 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
     log.info("run.threads", plan=plan.__dict__, why=why)
     ctx.learner_threads = plan.learner
     if not ctx.engine_urls:
-        fixed = cfg.services.inference_threads
-        ctx.threads = None if fixed > 0 else plan
-        port = free_port()
-        ctx.engine_key_file = str(write_api_key(ctx.run_dir / "secrets" / "engine-api-key"))
-        inference = ctx.service(
-            "inference",
-            [
-                "inference",
-                *("--model", str(ctx.model_dir), "--port", str(port)),
-                *("--max-batch", str(cfg.services.inference_max_batch)),
-                *("--dtype", cfg.services.inference_dtype),
-                *("--threads", str(fixed or plan.inference_alone)),
-                *("--api-key-file", ctx.engine_key_file, "--weights-root", str(ctx.run_dir / "weights")),
-            ],
-        )
-        await inference.start()
-        stack.push_async_callback(inference.stop)
-        ctx.engine_urls = [f"http://127.0.0.1:{port}"]
-        await wait_http_ok(f"{ctx.engine_urls[0]}/health", inference)
+        await _start_engines(ctx, stack, plan)
     nc = await connect(ctx.nats, name=f"leafe-run-{cfg.run_id}")
     stack.push_async_callback(nc.drain)
     ctx.js = nc.jetstream()
@@ -184,29 +168,81 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
     await ensure_durables(ctx.js, durables)
 
 
+async def _start_engines(ctx: RunContext, stack: AsyncExitStack, plan: ThreadPlan) -> None:
+    """The run's CPU inference servers (``services.inference_servers``), behind one API key."""
+    svc = ctx.config.services
+    servers = svc.inference_servers or min(plan.cores, MAX_AUTO_SERVERS)
+    ctx.threads = None if svc.inference_threads > 0 else plan
+    threads = svc.inference_threads or max(1, plan.inference_alone // servers)
+    ctx.engine_key_file = str(write_api_key(ctx.run_dir / "secrets" / "engine-api-key"))
+    started = []
+    for i in range(servers):
+        port = free_port()
+        name = "inference" if i == 0 else f"inference-{i}"
+        inference = ctx.service(
+            name,
+            [
+                "inference",
+                *("--model", str(ctx.model_dir), "--port", str(port)),
+                *("--max-batch", str(svc.inference_max_batch)),
+                *("--dtype", svc.inference_dtype),
+                *("--threads", str(threads)),
+                *("--api-key-file", ctx.engine_key_file, "--weights-root", str(ctx.run_dir / "weights")),
+            ],
+        )
+        await inference.start()
+        stack.push_async_callback(inference.stop)
+        ctx.engine_services.append(name)
+        ctx.engine_urls.append(f"http://127.0.0.1:{port}")
+        started.append(inference)
+    for url, inference in zip(ctx.engine_urls, started, strict=True):
+        await wait_http_ok(f"{url}/health", inference)
+
+
 async def engine_threads(ctx: RunContext, *, shared: bool) -> None:
-    """Resize the run's CPU inference server to the plan: ``shared`` while the learner works, every free
-    core while it is idle. A no-op for external engines or a fixed ``inference_threads``; a failure is
-    logged and the run goes on with the old count (a slower run, never a wrong one)."""
+    """Fit the run's CPU inference servers to the plan: ``shared`` while the learner works (pinned to the
+    cores it leaves, when there are several servers), every free core while it is idle. A no-op for
+    external engines or a fixed ``inference_threads``; a failure is logged and the run goes on with the
+    old placement (a slower run, never a wrong one)."""
     plan = ctx.threads
     if plan is None or not ctx.engine_urls:
         return
-    threads = plan.inference_shared if shared else plan.inference_alone
+    cores = plan.inference_shared if shared else plan.inference_alone
+    threads = max(1, cores // len(ctx.engine_urls))
+    if len(ctx.engine_services) > 1:
+        _pin_engines(ctx, cores if shared else 0)
     headers = {}
     if ctx.engine_key_file:
         key = await asyncio.to_thread(read_api_key, ctx.engine_key_file)
         headers["Authorization"] = f"Bearer {key}"
     try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s,
-            s.post(f"{ctx.engine_urls[0]}/set_threads", json={"threads": threads}, headers=headers) as r,
-        ):
-            if r.status != 200:
-                raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+            for url in ctx.engine_urls:
+                async with s.post(f"{url}/set_threads", json={"threads": threads}, headers=headers) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"{url}: HTTP {r.status}: {(await r.text())[:200]}")
     except (aiohttp.ClientError, TimeoutError, RuntimeError) as e:
         log.warning("run.threads.failed", threads=threads, error=f"{type(e).__name__}: {e}")
         return
-    log.info("run.threads.engine", threads=threads, learner_busy=shared)
+    log.info("run.threads.engine", threads=threads, servers=len(ctx.engine_urls), learner_busy=shared)
+
+
+def _pin_engines(ctx: RunContext, cores: int) -> None:
+    """Pin every local inference server to the last ``cores`` usable cores (the learner, unpinned, takes
+    the others), or let them run anywhere (``cores`` = 0)."""
+    try:
+        usable = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return
+    allowed = set(usable[-cores:]) if cores else set(usable)
+    for name in ctx.engine_services:
+        proc = ctx.services[name].proc
+        if proc is None or proc.returncode is not None:
+            continue
+        try:
+            os.sched_setaffinity(proc.pid, allowed)
+        except OSError as e:  # a placement, not a requirement
+            log.warning("run.threads.pin_failed", service=name, error=str(e))
 
 
 async def start_pipeline(ctx: RunContext) -> None:

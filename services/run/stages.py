@@ -243,7 +243,8 @@ async def _run_locked(ctx: RunContext, *, fresh: bool) -> None:
         display = asyncio.create_task(_display(ctx))
         try:
             await _stages(ctx)
-            await save_metrics(ctx, "inference")  # the other services' were saved as they stopped
+            for name in ctx.engine_services:  # the other services' were saved as they stopped
+                await save_metrics(ctx, name)
             (ctx.run_dir / "metrics").mkdir(exist_ok=True)
             (ctx.run_dir / "metrics" / "run.prom").write_bytes(generate_latest(ctx.run_metrics.registry))
             ctx.stage = "finishing"

@@ -75,12 +75,20 @@ def _check_observability(run_dir: Path, stderr: str, learner_step: int) -> None:
     assert [step for step, _ in losses] == list(range(1, learner_step + 1)), losses
     assert all(loss > 0 for _, loss in losses)
     last = {p.stem: parse_samples(p.read_text()) for p in (run_dir / "metrics").glob("*.prom")}
-    assert set(last) == {"actor-0", "replayer", "learner", "weight-sync", "inference", "run"}, set(last)
+    assert set(last) == {
+        "actor-0",
+        "replayer",
+        "learner",
+        "weight-sync",
+        "inference",
+        "inference-1",
+        "run",
+    }, set(last)
     assert sum(v for k, v in last["actor-0"].items() if k.startswith("leafe_actor_episodes_total")) >= 2
     assert last["replayer"]["leafe_replayer_events_total"] > 0
     assert last["learner"]["leafe_learner_step"] == learner_step
     assert max(v for k, v in last["weight-sync"].items() if k.startswith("leafe_weight_sync_version")) >= 1
-    assert last["inference"]["leafe_inference_decode_tokens_total"] > 0
+    assert sum(last[s]["leafe_inference_decode_tokens_total"] for s in ("inference", "inference-1")) > 0
 
 
 def _assert_no_credential_in_logs(run_dir: Path) -> None:

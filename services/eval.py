@@ -150,7 +150,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="serving dtype")
     p.add_argument("--in-process", action="store_true", help="one server in this process (tests, debugging)")
     p.add_argument(
-        "--threads", type=int, default=0, help="--in-process server torch threads (0 = the free cores)"
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per server (0 = 1 per server process; --in-process: the free cores)",
     )
     p.add_argument("--run", default=None, help="run id of the episodes (default eval)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -217,6 +220,7 @@ async def _engine_for(
             servers=args.servers,
             dtype=args.dtype,
             max_batch=args.max_batch or -(-args.concurrency // args.servers),
+            threads=args.threads or 1,
             served_model_name=target.label,
             weight_version=_manifest_version(path),
         )

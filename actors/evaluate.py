@@ -16,7 +16,7 @@ request = EvalRequest(env="sokoban", task_ids=["sokoban/test/0", "sokoban/test/1
 result = await evaluate(request, engine=client, tokenizer=tok)
 result.passk[4], result.successes["sokoban/test/0"]
 ```
-``leafe eval`` (``services/eval.py``) wraps this with servers, files and a table.
+``leafe eval`` (``services/eval/main.py``) wraps this with servers, files and a table.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ from protocol.events import EpisodeEvent
 from protocol.prompt import ChatTokenizer
 from protocol.subjects import task_subject
 from protocol.tasks import TaskAssignment
-from services.actor_service import ActorService, PublisherSink
+from services.actor.service import ActorService, PublisherSink
 from services.bus import Publisher, connect, ensure_streams
 from services.bus.nats_server import EmbeddedNats
 from services.inference.prefix import PrefixCache

@@ -11,7 +11,7 @@ Stages: *serve* starts ``python -m sglang.launch_server --model-path DIR --port 
 ``/ready``) in front of it when that python has it (else a note), and the actors' traffic goes through
 it; *explore* runs ``--episodes`` LEAFE trees on small Sokoban rooms through
 ``actors.explorer.Explorer`` and ``SGLangClient`` (generated tokens/s); *train* folds the events with the
-``leafe`` materializer into a dataset and runs ``torchrun --nproc_per_node=N -m services.train`` in bf16
+``leafe`` materializer into a dataset and runs ``torchrun --nproc_per_node=N -m services.learner.train`` in bf16
 over NCCL (trained tokens/s after the first step; MFU = 6 * params * tokens/s / (N * peak bf16 FLOP/s),
 attention FLOPs left out, so a slight underestimate); *push* calls ``/update_weights_from_disk`` with a new
 ``weight_version`` and checks the served one; *verify* asks for a greedy completion of a fixed prompt with

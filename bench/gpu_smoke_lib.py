@@ -165,7 +165,7 @@ def train_command(
         "torch.distributed.run",
         f"--nproc_per_node={gpus}",
         "-m",
-        "services.train",
+        "services.learner.train",
     ]
     flags = f"--preset paper --backend nccl --max-steps {steps} --global-batch {batch} --lr {lr}"
     rest = "--checkpoint-every 0 --push-every 0 --export-dtype bf16 --no-resume"

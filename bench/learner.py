@@ -68,7 +68,7 @@ from services.bus import Publisher, connect, ensure_streams
 from services.bus.nats_server import EmbeddedNats
 from services.inference.server import InferenceConfig, InferenceServer
 from services.logsetup import configure_logging
-from services.weight_sync_service import WeightSync, WeightSyncConfig
+from services.weight_sync.service import WeightSync, WeightSyncConfig
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learner.json"
 SMOKE_OUT = Path(tempfile.gettempdir()) / "leafe-bench-smoke" / "learner.json"

@@ -167,7 +167,7 @@ async def time_service(n_events: int, tokenizer: ChatTokenizer) -> dict[str, Any
     from protocol.subjects import replayer_durable as durable_name
     from services.bus import Publisher, connect, ensure_streams
     from services.bus.nats_server import EmbeddedNats
-    from services.replayer_service import Replayer, ReplayerConfig
+    from services.replayer.service import Replayer, ReplayerConfig
 
     events = [e for c in synthetic_chunks(n_events, seed=7, tokenizer=tokenizer) for e in c]
     unfinished = len(

@@ -1,6 +1,6 @@
 """Pure bookkeeping of the online learner: the ordered sample buffer and the staleness rule.
 
-The service (``services/learner.py``) feeds stream deliveries in; :meth:`SampleBuffer.take` hands back
+The service (``services/learner/main.py``) feeds stream deliveries in; :meth:`SampleBuffer.take` hands back
 the next global batch in **stream-sequence order**, together with every delivery it consumed (trained,
 stale or of a kind this learner does not train) and the highest sequence consumed. Because batches are
 always cut from the lowest sequences, "every sequence <= ``samples_seq`` was consumed" holds at each

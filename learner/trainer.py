@@ -13,7 +13,7 @@ on the last micro-batch of the step. Micro-batches are left-padded rows or packe
         stats = trainer.train_step(samples)          # StepStats: loss, per-kind losses, tokens, lr ...
         trainer.export(store / "v000001", version="v000001")
 
-Run multi-rank with ``torchrun --nproc_per_node=2 -m services.train ...``.
+Run multi-rank with ``torchrun --nproc_per_node=2 -m services.learner.train ...``.
 """
 
 from __future__ import annotations

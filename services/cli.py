@@ -13,18 +13,18 @@ __all__ = ["VERBS", "main"]
 
 VERBS: dict[str, tuple[str, str]] = {
     "run": ("services.run.main", "run the whole pipeline on one machine (the main job)"),
-    "actor": ("services.actor", "actor service: pull tasks, explore/roll out, publish events"),
-    "replayer": ("services.replayer", "replayer service: events -> samples, continuously"),
-    "learner": ("services.learner", "learner service: samples -> FSDP training -> weight pushes"),
-    "weight-sync": ("services.weight_sync", "follow WeightsPublished and reload every inference server"),
+    "actor": ("services.actor.main", "actor service: pull tasks, explore/roll out, publish events"),
+    "replayer": ("services.replayer.main", "replayer service: events -> samples, continuously"),
+    "learner": ("services.learner.main", "learner service: samples -> FSDP training -> weight pushes"),
+    "weight-sync": ("services.weight_sync.main", "follow WeightsPublished and reload every inference server"),
     "inference": ("services.inference.main", "CPU inference server with SGLang's native HTTP API"),
-    "tasks": ("services.tasks", "submit task assignments to a run's work queue"),
-    "streams": ("services.streams", "create, update or check the JetStream streams (NATS admin)"),
-    "replay": ("services.replay", "rebuild a dataset from an event log (stream or exported file)"),
-    "train": ("services.train", "train offline on rebuilt dataset shards"),
-    "eval": ("services.eval", "Pass@k evaluation of one or more models/weight versions"),
+    "tasks": ("services.admin.tasks", "submit task assignments to a run's work queue"),
+    "streams": ("services.admin.streams", "create, update or check the JetStream streams (NATS admin)"),
+    "replay": ("services.replayer.replay", "rebuild a dataset from an event log (stream or exported file)"),
+    "train": ("services.learner.train", "train offline on rebuilt dataset shards"),
+    "eval": ("services.eval.main", "Pass@k evaluation of one or more models/weight versions"),
     "log": ("services.eventlog.cli", "export, import or inspect an event log"),
-    "nats": ("services.nats", "run an embedded nats-server with JetStream (for local use)"),
+    "nats": ("services.admin.nats", "run an embedded nats-server with JetStream (for local use)"),
 }
 
 

@@ -1,7 +1,7 @@
 """The one configuration loader: a preset, then TOML files, then command-line overrides, into one Struct.
 
 Every verb's settings are a msgspec Struct defined next to what they configure (``actors.config``,
-``learner.config``, ``services.replayer.ReplayerConfig``, ``services.run.presets.RunConfig`` ...), and
+``learner.config``, ``services.replayer.config.ReplayerConfig``, ``services.run.presets.RunConfig`` ...), and
 every verb builds it the same way::
 
     cfg = load_config(LearnerConfig, preset=learner_preset("cpu"), files=[args.config],

@@ -153,9 +153,9 @@ async def collect(
     until every one finished (or ``timeout_s``), export the run's log to ``<logs>/<name>.leafelog.gz``;
     returns budget, success and tree figures from the log."""
     from actors.config import ActorServiceConfig
-    from services.actor import run_actor
+    from services.actor.main import run_actor
+    from services.admin.tasks import make_assignments, submit
     from services.eventlog.transfer import export_run
-    from services.tasks import make_assignments, submit
 
     batch = make_assignments(
         run_id=run_id,
@@ -242,7 +242,7 @@ async def evaluate_model(
 ) -> dict[str, Any]:
     """Pass@k of ``model`` on ``task_ids`` through the servers; the episodes go to ``run_id``'s log."""
     from actors.evaluate import EvalRequest, evaluate
-    from services.actor_service import PublisherSink
+    from services.actor.service import PublisherSink
     from services.bus import Publisher
 
     await load_weights(ctx, model, version)

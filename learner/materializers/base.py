@@ -2,8 +2,8 @@
 
 A materializer turns the event log into training samples as a pure fold: ``samples = m.apply(event)``
 updates explicit in-memory state (one :class:`~learner.materializers.tree.EpisodeTree` per open
-episode) and returns the samples that event completed. No I/O happens here; ``services/replayer.py``
-(online) and ``services/replay.py`` (offline) feed it events and ship what it returns. Subclasses
+episode) and returns the samples that event completed. No I/O happens here; ``services/replayer/main.py``
+(online) and ``services/replayer/replay.py`` (offline) feed it events and ship what it returns. Subclasses
 (``leafe``, ``grpo``, ``rft``) only decide *which* steps become samples, through the hooks
 ``_on_started``, ``_on_outcome``, ``_on_finished`` and ``_on_closed``.
 

@@ -16,7 +16,7 @@ first bytes and ``Leafe-Truncated`` is set; the original stays in its stream at 
 (a sample too large to store is rebuilt from its source events by ``leafe replay``).
 
 Redrive: ``leafe replayer redrive`` publishes the originals of chosen dead letters again on their subject
-with ``Leafe-Redrive`` (the original's seq), once their cause is gone (``services/replayer_redrive.py``).
+with ``Leafe-Redrive`` (the original's seq), once their cause is gone (``services/replayer/redrive.py``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``leafe run`` and the tests use :class:`EmbeddedNats`; deployments point ``LEAFE_NATS_URL`` at a cluster.
 A node of a local cluster is an :class:`EmbeddedNats` with a :class:`ClusterRoutes` (see
-``services/bus/nats_cluster.py``). Run one by hand with ``leafe nats`` (``services/nats.py``). Given
+``services/bus/nats_cluster.py``). Run one by hand with ``leafe nats`` (``services/admin/nats.py``). Given
 ``users`` (services/bus/auth.py: one nkey user per role, from deploy's permissions.json) the server refuses
 anyone else and holds each user to its permissions; given ``tls`` it speaks TLS only (and asks clients for
 a certificate when it has a CA).

@@ -110,7 +110,7 @@ async def wait_trained(
 
 def folded_all(pending: int, ack_pending: int, held_anchors: int | None) -> bool:
     """The replayer folded every event of the log: nothing left to deliver, and nothing unacked but the
-    anchors it holds, one per open episode (``services/replayer_service.py``). Episodes left open when
+    anchors it holds, one per open episode (``services/replayer/service.py``). Episodes left open when
     the actors stopped (a budget cut mid-episode) will never finish, so waiting for ``ack_pending == 0``
     only ran into the timeout; the log's end closes them as abandoned, online as offline.
     ``held_anchors`` ``None`` (the replayer's metrics unreadable): only ``ack_pending == 0`` counts."""

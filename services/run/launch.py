@@ -29,6 +29,7 @@ import tomli_w
 
 from learner.model_io import resolve_model
 from protocol.config import ConfigError, dump_config
+from services.admin.streams import durables_for_run
 from services.bus import (
     NatsOptions,
     add_nats_arguments,
@@ -52,7 +53,6 @@ from services.run.context import RunContext
 from services.run.orphans import record_child
 from services.run.presets import MAX_AUTO_SERVERS
 from services.run.supervisor import wait_http_ok
-from services.streams import durables_for_run
 from services.threads import ThreadPlan, free_cores, plan_threads
 
 __all__ = [

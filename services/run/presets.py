@@ -25,7 +25,7 @@ from learner.materializers import SAMPLE_KINDS
 from protocol.config import ConfigError, convert_config, dotted, dump_config, merge_tables
 from protocol.subjects import validate_run_id
 from services.config import read_toml
-from services.replayer_config import ReplayerConfig
+from services.replayer.config import ReplayerConfig
 
 __all__ = [
     "PRESETS",

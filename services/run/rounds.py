@@ -27,11 +27,11 @@ from actors.evaluate import EvalResult
 from envs.registry import make_env
 from protocol.events import EpisodeFinished, EpisodeStarted
 from protocol.tasks import TaskAssignment
+from services.admin.tasks import make_assignments, submit
 from services.eventlog.transfer import iter_stream_events
 from services.run.context import RunContext
 from services.run.drain import wait_trained, watch
 from services.run.presets import RunConfig
-from services.tasks import make_assignments, submit
 
 __all__ = ["CurvePoint", "RoundRecord", "demo_assignments", "explore_rounds", "task_ids"]
 

@@ -20,10 +20,10 @@ from rich.live import Live
 from actors.client import SGLangClient
 from actors.evaluate import EvalRequest, EvalResult, evaluate
 from learner.model_io import HFChatTokenizer
-from services.actor_service import PublisherSink
+from services.actor.service import PublisherSink
 from services.bus import Publisher
 from services.bus.nats_server import free_port
-from services.eval_scalars import write_curve_scalars, write_passk_scalars
+from services.eval.scalars import write_curve_scalars, write_passk_scalars
 from services.logsetup import configure_logging
 from services.metrics import serve_metrics
 from services.run.context import RunContext

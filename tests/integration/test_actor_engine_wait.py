@@ -20,7 +20,7 @@ from actors.client import SGLangClient, SGLangClientConfig
 from actors.config import ActorServiceConfig
 from actors.fakes import ByteChatTokenizer
 from protocol.events import EpisodeFinished
-from services.actor_service import ActorService
+from services.actor.service import ActorService
 from services.bus import connect, ensure_streams
 from tests.integration.test_actor_service import corridor_factory, corridor_tasks
 from tests.support.actor_service import read_events, submit, tasks_left, until

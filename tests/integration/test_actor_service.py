@@ -17,8 +17,8 @@ from actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
 from protocol.events import Branch, EpisodeFinished, EpisodeStarted, Step, WeightsPublished
 from protocol.subjects import weights_subject
 from protocol.tasks import TaskAssignment
-from services.actor import run_actor
-from services.actor_service import ActorService
+from services.actor.main import run_actor
+from services.actor.service import ActorService
 from services.bus import Publisher, connect, ensure_streams
 from tests.support.actor_service import read_events, submit, tasks_left, until
 from tests.support.event_checks import check_episode
@@ -93,7 +93,7 @@ async def test_actor_serves_tasks_end_to_end(nats_url: str, run_id: str) -> None
 async def test_demo_tasks_become_demonstration_episodes(nats_url: str, run_id: str) -> None:
     """``--mode demo`` assignments are served by the demonstration runner: one complete demo episode per
     task with the expert's steps, and the configured Early Experience alternatives off its path."""
-    from services.tasks import make_assignments
+    from services.admin.tasks import make_assignments
     from tests.support.demos import ProposalEngine, check_demo_episode
 
     nc = await connect(nats_url)

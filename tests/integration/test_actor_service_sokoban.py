@@ -16,7 +16,7 @@ from actors.config import ActorServiceConfig
 from protocol.events import Branch, EpisodeFinished, Step
 from protocol.prompt import ChatTokenizer, prompt_sha256
 from protocol.tasks import TaskAssignment
-from services.actor_service import ActorService
+from services.actor.service import ActorService
 from services.bus import connect, ensure_streams
 from services.config import load_config
 from tests.support.actor_service import read_events, submit, tasks_left

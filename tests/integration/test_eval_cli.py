@@ -14,7 +14,7 @@ import pytest
 from learner.model_io import export_weights, load_model, tiny_model_dir
 from protocol.events import EpisodeFinished, EpisodeStarted, Step
 from services.cli import main as leafe
-from services.eval import EvalReport
+from services.eval.main import EvalReport
 from services.inference.local import start_in_thread
 from services.inference.server import InferenceConfig
 
@@ -34,7 +34,7 @@ def _table(markdown: str) -> dict[str, list[float]]:
 
 async def _published(nats_url: str, run_id: str) -> list[object]:
     from services.bus import connect
-    from services.replay import stream_events
+    from services.replayer.replay import stream_events
 
     nc = await connect(nats_url, name="test-eval")
     try:

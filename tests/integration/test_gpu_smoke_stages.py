@@ -31,7 +31,7 @@ async def test_gpu_smoke_stages_on_cpu(tiny_dir: Path, tmp_path: Path) -> None:
         flags = (
             "--preset cpu --max-steps 3 --global-batch 4 --lr 1e-2 --export-dtype fp32 --no-resume".split()
         )
-        train = [sys.executable, "-m", "services.train", *paths, *flags]
+        train = [sys.executable, "-m", "services.learner.train", *paths, *flags]
         done = await asyncio.to_thread(
             subprocess.run, train, capture_output=True, text=True, timeout=300, check=False
         )

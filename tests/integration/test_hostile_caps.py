@@ -19,7 +19,7 @@ import pytest
 from actors.fake_episodes import EventWriter
 from learner.model_io import HFChatTokenizer
 from protocol.events import EpisodeEvent, EpisodeFinished, EpisodeStarted, Outcome, Step
-from services.replay import stream_event_count
+from services.replayer.replay import stream_event_count
 from tests.support.hostile import flood_starts, publish_each, started_fields, step_fields
 from tests.support.replaying import (
     Running,
@@ -71,7 +71,7 @@ async def test_valid_episodes_locked_out_by_a_flood_are_folded_after_a_redrive(
     js: Any, nats_url: str, run_id: str, tokenizer: HFChatTokenizer
 ) -> None:
     """The lockout (see the module docstring), then `leafe replayer redrive` once the flood is stale."""
-    from services import replayer
+    from services.replayer.main import main as replayer
 
     flood = [e for i in range(60) for e in flood_starts(run_id, 1, actor_id=f"flood{i}")]
     valid = make_log(run_id, tokenizer, episodes=4, groups=0)

@@ -1,4 +1,4 @@
-"""FSDP2 over 2 gloo ranks (``torchrun -m services.train``) against the same run on 1 plain-python rank:
+"""FSDP2 over 2 gloo ranks (``torchrun -m services.learner.train``) against the same run on 1 plain-python rank:
 same per-step losses and the same final weights, with uneven micro-batch shares (dummy rows) included."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _torchrun(data: Path, model: Path, out: Path, cfg_path: Path) -> subprocess.
         "--nproc_per_node=2",
         f"--master-port={free_port()}",
         "-m",
-        "services.train",
+        "services.learner.train",
         "--data",
         str(data),
         "--model",
@@ -110,7 +110,7 @@ micro_batch_tokens = 48
 async def test_online_learner_on_two_ranks(
     nats_url: str, run_id: str, tiny_dir: Path, tmp_path: Path
 ) -> None:
-    """`torchrun -m services.learner` on 2 ranks: rank 0 reads the stream and broadcasts each batch, both
+    """`torchrun -m services.learner.main` on 2 ranks: rank 0 reads the stream and broadcasts each batch, both
     ranks train, checkpoint and export together; the push is announced on LEAFE_WEIGHTS."""
     from protocol import decode_weights, weights_subject
     from protocol.subjects import WEIGHTS
@@ -127,7 +127,7 @@ async def test_online_learner_on_two_ranks(
         "--nproc_per_node=2",
         f"--master-port={free_port()}",
         "-m",
-        "services.learner",
+        "services.learner.main",
         "--nats",
         nats_url,
         "--run-id",

@@ -57,7 +57,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(dist_env, tiny_dir: Pa
     cmd = [
         sys.executable,
         "-m",
-        "services.train",
+        "services.learner.train",
         "--data",
         str(data),
         "--model",

@@ -1,4 +1,4 @@
-"""The online learner (services/learner_service.py) against a real nats-server: training from the samples
+"""The online learner (services/learner/service.py) against a real nats-server: training from the samples
 stream in sequence order, staleness and kind filtering, checkpoint-then-ack, pushes with
 ``WeightsPublished``, and a crash + restart that neither loses nor double-trains a sample."""
 
@@ -17,7 +17,7 @@ from learner.trainer import StepStats, Trainer
 from protocol import decode_weights, weights_subject
 from protocol.subjects import SAMPLES, WEIGHTS
 from services.bus import connect
-from services.learner_service import OnlineLearner
+from services.learner.service import OnlineLearner
 from tests.support.learner import make_sample, publish_samples
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixtures("one_thread")]

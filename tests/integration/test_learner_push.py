@@ -19,8 +19,8 @@ from learner.config import BatchConfig, LearnerConfig, OptimConfig, TrainerConfi
 from learner.executor import Executor
 from learner.trainer import Trainer
 from services.inference.server import InferenceConfig, InferenceServer
-from services.learner_service import OnlineLearner
-from services.weight_sync_service import WeightSync, WeightSyncConfig
+from services.learner.service import OnlineLearner
+from services.weight_sync.service import WeightSync, WeightSyncConfig
 from tests.support.learner import make_sample, publish_samples
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixtures("one_thread")]

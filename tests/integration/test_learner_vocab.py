@@ -17,7 +17,7 @@ from learner.trainer import StepStats, Trainer
 from protocol.subjects import DEAD_LETTERS, SAMPLES, dead_letter_subject
 from services.bus import connect, read_stream
 from services.bus.dead_letters import ERROR_HEADER, ORIGINAL_SEQ_HEADER
-from services.learner_service import OnlineLearner
+from services.learner.service import OnlineLearner
 from tests.support.learner import make_sample, publish_samples
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixtures("one_thread")]

@@ -1,4 +1,4 @@
-"""``leafe weight-sync`` (services/weight_sync.py) against a real nats-server and a real CPU inference
+"""``leafe weight-sync`` (services/weight_sync/main.py) against a real nats-server and a real CPU inference
 server: the latest announcement is applied on start, and an export whose manifest does not match the
 announced sha256 is never sent to a server."""
 
@@ -16,7 +16,7 @@ from learner.model_io import export_weights, load_model
 from protocol import WeightsPublished, weights_subject
 from services.bus import Publisher, connect, ensure_streams
 from services.inference.server import InferenceConfig, InferenceServer
-from services.weight_sync_service import WeightSync, WeightSyncConfig
+from services.weight_sync.service import WeightSync, WeightSyncConfig
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 

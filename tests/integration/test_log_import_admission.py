@@ -25,7 +25,7 @@ from services.bus import NatsOptions, connect
 from services.eventlog.cli import main
 from services.eventlog.fileformat import LogRecord, LogWriter, record_for
 from services.eventlog.transfer import ImportRefusedError, import_log, iter_stream_records
-from services.replay import stream_events
+from services.replayer.replay import stream_events
 from tests.integration.test_log_tools import restore_logging  # noqa: F401 (a fixture)
 from tests.support.nats_auth import RoleClient, stored
 from tests.support.strategies import make_episode

@@ -31,11 +31,11 @@ from protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, decode_ev
 from protocol.events import EpisodeStarted
 from protocol.subjects import event_subject, task_subject
 from protocol.tasks import TaskAssignment
-from services.actor_service import ActorService
+from services.actor.service import ActorService
 from services.bus import Publisher, connect, ensure_streams, read_stream
 from services.bus.nats_server import free_port
 from services.inference.server import InferenceConfig, InferenceServer
-from services.learner_service import OnlineLearner
+from services.learner.service import OnlineLearner
 from services.metrics import (
     ActorMetrics,
     InferenceCollector,
@@ -47,8 +47,8 @@ from services.metrics import (
     scrape,
     serve_metrics,
 )
-from services.replayer_service import Replayer, ReplayerConfig
-from services.weight_sync_service import WeightSync, WeightSyncConfig
+from services.replayer.service import Replayer, ReplayerConfig
+from services.weight_sync.service import WeightSync, WeightSyncConfig
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 TASKS = 4

@@ -2,7 +2,7 @@
 deploy/base/nats/permissions.json: the actor (its durable on the tasks, events, a dead letter, the weights
 announcements), the replayer (events, recovery reads after a crash, samples), the learner (samples, a push)
 and weight sync (the latest announcement and new ones), without one operation refused. The durables are the
-admin's (``leafe streams ensure --run``: :func:`services.streams.durables_for_run`); each service binds its
+admin's (``leafe streams ensure --run``: :func:`services.admin.streams.durables_for_run`); each service binds its
 own, waiting for it when it is not there yet.
 """
 
@@ -31,14 +31,14 @@ from protocol.codec import decode_sample
 from protocol.subjects import EVENTS, SAMPLES, TASKS, WEIGHTS, dead_letter_subject, task_subject
 from protocol.subjects import replayer_durable as replayer_durable_name
 from protocol.tasks import TaskAssignment
-from services import replayer_service
-from services.actor_service import ActorService
+from services.actor.service import ActorService
+from services.admin.streams import durables_for_run
 from services.bus import NatsOptions, Publisher, ensure_durables, read_stream, wait_for_streams
-from services.learner_service import OnlineLearner
-from services.replay import stream_events
-from services.replayer_service import Replayer, ReplayerConfig
-from services.streams import durables_for_run
-from services.weight_sync_service import WeightSync, WeightSyncConfig
+from services.learner.service import OnlineLearner
+from services.replayer.main import service as replayer_service
+from services.replayer.replay import stream_events
+from services.replayer.service import Replayer, ReplayerConfig
+from services.weight_sync.service import WeightSync, WeightSyncConfig
 from tests.support.learner import make_sample, publish_samples
 from tests.support.nats_auth import RoleClient, stored
 

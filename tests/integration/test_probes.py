@@ -13,7 +13,7 @@ import pytest
 
 from actors.config import ActorServiceConfig
 from actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
-from services.actor_service import ActorService
+from services.actor.service import ActorService
 from services.bus import connect, ensure_streams
 from services.bus.nats_server import EmbeddedNats, free_port
 from services.metrics import MetricsServer, serve_metrics

@@ -15,7 +15,7 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from protocol.subjects import STREAMS, WEIGHTS
-from services import streams
+from services.admin import streams
 from services.bus import StreamsMissingError, connect, ensure_streams, stream_config, wait_for_streams
 from services.bus.nats_server import EmbeddedNats
 

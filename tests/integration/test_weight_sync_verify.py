@@ -11,7 +11,7 @@ import pytest
 
 from learner.model_io import export_weights, load_model
 from protocol import WeightsPublished
-from services.weight_sync_service import WeightSync, WeightSyncConfig
+from services.weight_sync.service import WeightSync, WeightSyncConfig
 from tests.unit.actors.test_client_contract import fixture, replay
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixtures("one_thread")]

@@ -34,8 +34,8 @@ from services.bus.dead_letters import (
     ORIGINAL_STREAM_HEADER,
     SAMPLE_ID_HEADER,
 )
-from services.replay import stream_events
-from services.replayer_service import Replayer, ReplayerConfig
+from services.replayer.replay import stream_events
+from services.replayer.service import Replayer, ReplayerConfig
 
 __all__ = [
     "MODES",

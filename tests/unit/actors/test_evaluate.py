@@ -13,7 +13,7 @@ from actors.episode import ListSink
 from actors.evaluate import EvalRequest, EvalResult, evaluate
 from actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
 from protocol.events import EpisodeStarted, Step
-from services.tasks import make_assignments
+from services.admin.tasks import make_assignments
 from tests.support.event_checks import check_episode
 
 pytestmark = pytest.mark.anyio

@@ -59,7 +59,7 @@ def test_preflight_names_what_is_missing() -> None:
 def test_train_command_parses_with_leafe_train_and_runs_bf16_over_nccl(tmp_path: Path) -> None:
     """The torchrun command's trainer flags are accepted by ``leafe train``'s parser, and the config file
     it passes gives bf16 over the paper preset."""
-    from services.train import build_parser, resolve
+    from services.learner.train import build_parser, resolve
 
     cfg = tmp_path / "train.toml"
     cfg.write_text(TRAIN_TOML, encoding="utf-8")
@@ -67,7 +67,7 @@ def test_train_command_parses_with_leafe_train_and_runs_bf16_over_nccl(tmp_path:
         tmp_path / "d", tmp_path / "m", tmp_path / "o", cfg, gpus=2, steps=4, batch=16, lr=1e-4
     )
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node=2", "-m"]
-    args = build_parser().parse_args(cmd[cmd.index("services.train") + 1 :])
+    args = build_parser().parse_args(cmd[cmd.index("services.learner.train") + 1 :])
     assert (args.backend, args.max_steps, args.global_batch, args.lr, args.preset) == (
         "nccl",
         4,

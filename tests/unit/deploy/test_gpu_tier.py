@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from actors.config import ActorServiceConfig
-from services.weight_sync_service import WeightSyncConfig
+from services.weight_sync.service import WeightSyncConfig
 from tests.support.manifests import DEPLOY, config_map_value, container_named, find
 
 Docs = list[dict[str, Any]]

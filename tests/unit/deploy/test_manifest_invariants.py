@@ -208,7 +208,7 @@ def test_dev_keeps_every_pod_of_the_weight_volume_on_one_node(rendered: dict[str
 def _config_types() -> dict[str, type]:
     from actors.config import ActorServiceConfig
     from learner.config import LearnerConfig
-    from services.replayer_service import ReplayerConfig
+    from services.replayer.service import ReplayerConfig
 
     return {"actor.toml": ActorServiceConfig, "replayer.toml": ReplayerConfig, "learner.toml": LearnerConfig}
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from services.learner_service import PROBE_STALE_S
+from services.learner.service import PROBE_STALE_S
 from tests.support.manifests import (
     DEPLOY,
     OVERLAYS,

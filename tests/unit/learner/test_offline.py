@@ -1,4 +1,4 @@
-"""Unit tests of learner/offline.py and ``leafe train`` (services/train.py) on one rank."""
+"""Unit tests of learner/offline.py and ``leafe train`` (services/learner/train.py) on one rank."""
 
 from __future__ import annotations
 

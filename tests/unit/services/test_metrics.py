@@ -219,7 +219,7 @@ def test_the_endpoint_serves_parseable_metrics_and_is_off_by_default(monkeypatch
 async def test_replayer_lag_is_the_durables_num_pending() -> None:
     """The replayer's housekeeping sets ``leafe_replayer_consumer_lag`` from its durable's ``num_pending``,
     and a failed consumer-info read leaves the last value instead of stopping the replayer."""
-    from services.replayer_service import Replayer, ReplayerConfig
+    from services.replayer.service import Replayer, ReplayerConfig
 
     class FakeJs:
         def __init__(self) -> None:

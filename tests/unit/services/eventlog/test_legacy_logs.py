@@ -16,7 +16,7 @@ from protocol.codec import admit_event, decode_event, encode, headers_for
 from protocol.events import EpisodeFinished, EpisodeStarted
 from protocol.subjects import LEGACY_ACTOR, event_subject
 from services.eventlog.fileformat import iter_log_file
-from services.replay import ReplayConfig, file_events
+from services.replayer.replay import ReplayConfig, file_events
 from tests.support.hostile import flood_starts
 
 PAPER_LOGS = sorted((Path(__file__).resolve().parents[4] / "bench/results/paper_logs").rglob("*.leafelog.gz"))

@@ -45,7 +45,7 @@ def test_prepare_writes_every_service_config_that_its_service_accepts(tmp_path: 
     from actors.config import ActorServiceConfig
     from learner.config import LearnerConfig
     from services.config import load_config
-    from services.replayer_service import ReplayerConfig
+    from services.replayer.service import ReplayerConfig
 
     ctx = _ctx(tmp_path)
     prepare_run_dir(ctx)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from protocol.subjects import InvalidRunId
-from services.actor import default_actor_id, resolve_actor_id
+from services.actor.main import default_actor_id, resolve_actor_id
 from services.bus import NatsOptions
 
 URL = "nats://127.0.0.1:4222"

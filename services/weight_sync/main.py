@@ -5,7 +5,7 @@
     leafe weight-sync ... --config weight-sync.toml     # WeightSyncConfig fields; flags override
     leafe weight-sync ... --metrics-port 9465           # Prometheus /metrics (leafe_weight_sync_*)
 
-How it reconciles is described in ``services/weight_sync_service.py``.
+How it reconciles is described in ``services/weight_sync/service.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from services.bus import NatsOptions, add_nats_arguments, nats_options
 from services.config import dump_config, load_config
 from services.logsetup import configure_logging
 from services.metrics import WeightSyncMetrics, add_metrics_arguments, serve_metrics
-from services.weight_sync_service import WeightSync, WeightSyncConfig
+from services.weight_sync.service import WeightSync, WeightSyncConfig
 
 __all__ = ["main"]
 

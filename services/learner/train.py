@@ -1,7 +1,7 @@
 """``leafe train``: offline Stage-2 training on rebuilt dataset shards (``leafe replay`` output).
 
     leafe train --data runs/r1/dataset --model smollm2-135m-instruct --out runs/r1/train --preset cpu
-    torchrun --nproc_per_node=2 -m services.train --data DIR --model DIR --out DIR     # FSDP2 over 2 ranks
+    torchrun --nproc_per_node=2 -m services.learner.train --data DIR --model DIR --out DIR     # FSDP2 over 2 ranks
 
 Writes under ``--out``: ``checkpoints/`` (DCP; a rerun resumes from the latest unless ``--no-resume``),
 ``weights/v<N>/`` every ``push_every`` steps, ``final/`` (HF safetensors + manifest) at the end,

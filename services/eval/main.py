@@ -43,11 +43,11 @@ from envs.registry import make_env
 from protocol.prompt import ChatTokenizer
 from protocol.subjects import EVENTS, validate_run_id
 from protocol.tasks import task_slug
-from services.actor_service import PublisherSink
+from services.actor.service import PublisherSink
 from services.bus import Publisher, add_nats_arguments, connect, nats_options, wait_for_streams
 from services.config import parse_key_value
-from services.eval_progress import EvalProgress
-from services.eval_scalars import write_passk_scalars
+from services.eval.progress import EvalProgress
+from services.eval.scalars import write_passk_scalars
 from services.logsetup import configure_logging
 
 __all__ = [

@@ -1,14 +1,14 @@
-"""``leafe eval`` sizing (services/eval.py): how many server processes and rollouts in flight by default,
-and the progress line printed away from a terminal (services/eval_progress.py)."""
+"""``leafe eval`` sizing (services/eval/main.py): how many server processes and rollouts in flight by default,
+and the progress line printed away from a terminal (services/eval/progress.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from actors.episode import EpisodeSummary
-from services import eval as leafe_eval
-from services import eval_progress
-from services.eval_progress import EvalProgress
+from services.eval.main import main as leafe_eval
+from services.eval.main import progress as eval_progress
+from services.eval.progress import EvalProgress
 
 
 def _args(argv: list[str]) -> object:

@@ -8,7 +8,7 @@
 ```
 
 :class:`ActorService` owns fetching, concurrency and shutdown; :class:`EpisodeRunner`
-(``services/actor_episode.py``) serves one
+(``services/actor/episode.py``) serves one
 delivery: open a Publisher, run the explorer (``mode = explore``), one plain rollout
 (``rollout``/``eval``) or the expert's demonstration (``demo``, ``actors/demo.py``) on a pooled env,
 flush (every event acked by JetStream), then ack the task, extending its AckWait with in-progress acks
@@ -52,7 +52,7 @@ from protocol.subjects import (
     weights_subject,
 )
 from protocol.tasks import TaskAssignment
-from services.actor_episode import ActorStats, EpisodeRunner, PublisherSink
+from services.actor.episode import ActorStats, EpisodeRunner, PublisherSink
 from services.bus import Consumer, Delivery, wait_for_streams
 from services.metrics import ActorMetrics
 from services.probes import Probe, attach

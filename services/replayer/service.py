@@ -38,11 +38,11 @@ Branch before its Reflection, a conflicting copy of an applied id, an episode pa
 dead-lettered with the reason; an exception while folding an episode (``EpisodeFailed``) dead-letters
 that event and the episode's anchor, and its later events follow. A
 sample over the samples limit (``max_sample_bytes``) is dead-lettered instead of stored
-(``services.sample_sink``). Dead letters are stored before their message is acked, under ids that make
+(``services.replayer.sample_sink``). Dead letters are stored before their message is acked, under ids that make
 a redo after a crash a no-op (``services.bus.dead_letters``); recovery folds the same events through the
 same checks, so a restarted process rejects what the crashed one rejected. Episodes without activity for
 ``stale_timeout_s`` are closed as abandoned. Episodes refused for a cap can be folded later: ``leafe
-replayer redrive`` (``services/replayer_redrive.py``) publishes their dead-lettered events again with
+replayer redrive`` (``services/replayer/redrive.py``) publishes their dead-lettered events again with
 ``Leafe-Redrive``, and an EpisodeStarted carrying it is tried against the caps anew (``_readmit``; in
 recovery too, so a restart decides the same). SIGTERM/SIGINT: finish the batch in hand, then exit.
 """
@@ -77,8 +77,8 @@ from services.bus.consumer import dead_letter_of
 from services.bus.dead_letters import ERROR_HEADER, REDRIVE_HEADER, publish_dead_letter
 from services.metrics import ReplayerMetrics
 from services.probes import Probe, attach
-from services.replayer_config import ReplayerConfig, ReplayerStats
-from services.sample_sink import ReplayerError, SampleSink
+from services.replayer.config import ReplayerConfig, ReplayerStats
+from services.replayer.sample_sink import ReplayerError, SampleSink
 
 __all__ = ["Replayer", "ReplayerConfig", "ReplayerError", "ReplayerStats", "serve"]
 

@@ -5,7 +5,7 @@ demonstration (``demo``) or one plain rollout (``rollout``/``eval``) on a pooled
 acked by JetStream), then acks the task, extending its AckWait with in-progress acks meanwhile.
 Cancellation (drain, shutdown) naks at once; a sandbox that cannot isolate or an event over the size limit
 terminates the task at once (they would fail again); any other error naks with a delay and terminates
-the task on its ``max_attempts``-th delivery. The fetching side is ``services/actor_service.py``.
+the task on its ``max_attempts``-th delivery. The fetching side is ``services/actor/service.py``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     leafe actor --nats nats://127.0.0.1:4222 --run r1 --engine http://127.0.0.1:30000 --model tiny \\
         [--config actor.toml] [--concurrency 8] [--metrics-port 9464]
 
-The service itself (work queue, acks, keepalives, drain) is ``services/actor_service.py``. The actor id is
+The service itself (work queue, acks, keepalives, drain) is ``services/actor/service.py``. The actor id is
 the last token of every event subject it publishes on, and NATS lets each actor's credentials publish on
 its own id only (``services/bus/auth.py``): credentials ``actor.<id>`` (user, or seed file
 ``actor.<id>.nk``) give the id; ``--actor-id`` may repeat it, never differ from it. Without such
@@ -30,7 +30,7 @@ from actors.engine import Engine
 from actors.env_pool import EnvFactory
 from protocol.prompt import ChatTokenizer
 from protocol.subjects import validate_actor_id
-from services.actor_service import ActorService, ActorStats
+from services.actor.service import ActorService, ActorStats
 from services.bus import NatsOptions, add_nats_arguments, connect, nats_options
 from services.bus.connection import credential_actor_id
 from services.config import dump_config, load_config

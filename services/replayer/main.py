@@ -3,14 +3,14 @@
     leafe replayer --nats URL --run RUN --materializer leafe [--model DIR] [--config replayer.toml] \\
         [--metrics-port 9464]
 
-The ack protocol that makes it restartable at any moment is described in ``services/replayer_service.py``.
+The ack protocol that makes it restartable at any moment is described in ``services/replayer/service.py``.
 Run exactly one replayer per (run, materializer): its durable consumer is its identity. SIGTERM/SIGINT:
 finish the batch in hand, then exit.
 
     leafe replayer redrive --nats URL --run RUN [--reason TEXT] [--dry-run]
 
 publishes again the events dead-lettered because a cap was reached, once the cause is gone
-(``services/replayer_redrive.py``).
+(``services/replayer/redrive.py``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from services.bus import add_nats_arguments, nats_options
 from services.config import dump_config, load_config
 from services.logsetup import configure_logging
 from services.metrics import ReplayerMetrics, add_metrics_arguments, serve_metrics
-from services.replayer_config import ReplayerConfig
-from services.replayer_service import serve
+from services.replayer.config import ReplayerConfig
+from services.replayer.service import serve
 
 __all__ = ["main"]
 
@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     """Entry point of ``leafe replayer`` (and of ``leafe replayer redrive``)."""
     if argv[:1] == ["redrive"]:
-        from services.replayer_redrive import main as redrive_main
+        from services.replayer.redrive import main as redrive_main
 
         return redrive_main(argv[1:])
     p = _parser()

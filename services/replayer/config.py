@@ -1,4 +1,4 @@
-"""Configuration and counters of the online replayer (``leafe replayer``, ``services/replayer_service.py``)."""
+"""Configuration and counters of the online replayer (``leafe replayer``, ``services/replayer/service.py``)."""
 
 from __future__ import annotations
 

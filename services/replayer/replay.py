@@ -45,7 +45,7 @@ from services.bus import NatsOptions, add_nats_arguments, connect, nats_options,
 from services.config import load_config
 from services.eventlog.fileformat import LogFileError, iter_log_file
 from services.logsetup import configure_logging
-from services.replayer_config import DEFAULT_MAX_OPEN_BYTES
+from services.replayer.config import DEFAULT_MAX_OPEN_BYTES
 
 __all__ = ["ReplayConfig", "file_events", "main", "resolve_config", "stream_event_count", "stream_events"]
 

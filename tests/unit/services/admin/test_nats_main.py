@@ -1,4 +1,4 @@
-"""``leafe nats`` (services/nats.py) stops its nats-server child on SIGTERM as on Ctrl-C: a supervisor or
+"""``leafe nats`` (services/admin/nats.py) stops its nats-server child on SIGTERM as on Ctrl-C: a supervisor or
 a pod's termination never leaves a server running."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from services.bus.nats_server import free_port
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def _children(pid: int) -> list[int]:

@@ -3,13 +3,13 @@
     leafe learner --nats nats://127.0.0.1:4222 --run r1 --model smollm2-135m-instruct \\
         --store runs/r1/weights --checkpoint-dir runs/r1/learner [--preset cpu] [--config learner.toml] \\
         [--metrics-port 9464] [--tensorboard-dir runs/r1/tensorboard/learner]
-    torchrun --nproc_per_node=2 -m services.learner --run-id r1 ...  # rank 0 reads the stream, all train
+    torchrun --nproc_per_node=2 -m services.learner.main --run-id r1 ...  # rank 0 reads the stream, all train
 
 (Under torchrun spell the run ``--run-id``: torchrun's own parser would take ``--run`` as an abbreviation
 of its ``--run-path``.)
 
 The loop itself (ordering, acks, exactly-once relative to checkpoints, pushes) is described in
-``services/learner_service.py``. SIGTERM/SIGINT stop it gracefully: the current step finishes, a final
+``services/learner/service.py``. SIGTERM/SIGINT stop it gracefully: the current step finishes, a final
 checkpoint is written and everything it covers is acked.
 """
 
@@ -108,7 +108,7 @@ def run_learner(
     from learner.model_io import resolve_model
     from learner.scalars import open_scalar_writer
     from learner.trainer import Trainer
-    from services.learner_service import OnlineLearner
+    from services.learner.service import OnlineLearner
 
     model_dir = resolve_model(model)
     trainer = Trainer(cfg.trainer, model_dir, env)

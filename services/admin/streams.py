@@ -49,7 +49,7 @@ from services.bus import (
     nats_options,
 )
 from services.logsetup import configure_logging
-from services.replayer_config import ReplayerConfig
+from services.replayer.config import ReplayerConfig
 
 __all__ = ["durables_for_run", "main"]
 

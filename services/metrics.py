@@ -10,12 +10,14 @@ process-global default, so in-process tests and services never collide) and serv
 - learner ``leafe_learner_*``: steps, loss by term, tokens/s, dropped samples, policy lag, checkpoint
   and push durations, the step and the samples sequence reached;
 - weight-sync ``leafe_weight_sync_*``: served version per engine, update durations, failures per engine;
-- inference ``leafe_inference_*``: queue depth, decode batch size, prefill/decode/prefix-cache-hit tokens.
+- inference ``leafe_inference_*``: queue depth, decode batch size, prefill/decode/prefix-cache-hit tokens;
+- run ``leafe_run_validation_*``: the learning curve of ``leafe run``'s online evaluator.
 
 deploy/components/monitoring/metrics.txt lists exactly :func:`metric_names` (a test checks it). Label values
 come from small fixed sets (``EPISODE_OUTCOMES``, ``DEAD_LETTER_REASONS``, loss terms, sample kinds,
 engine URLs), never from free text. Under torchrun only ``LOCAL_RANK`` 0 binds the port (one per pod).
-``leafe run`` reads the learner's progress with :func:`scrape`.
+``leafe run``'s own ``leafe_run_*`` (:class:`RunMetrics`) are here too; it reads the services' with
+``services.run.metrics.scrape``.
 """
 
 from __future__ import annotations
@@ -23,11 +25,9 @@ from __future__ import annotations
 import argparse
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import structlog
 from prometheus_client import (
     CollectorRegistry,
@@ -37,10 +37,8 @@ from prometheus_client import (
     disable_created_metrics,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
-from actors.engine import Completion, Engine, SamplingParams
 from learner.weight_store import version_index
 from protocol.codec import REFUSALS
 from protocol.events import Branch, EpisodeEvent, Reflection, Rollback, Step
@@ -58,12 +56,10 @@ __all__ = [
     "LearnerMetrics",
     "MetricsServer",
     "ReplayerMetrics",
-    "TimedEngine",
+    "RunMetrics",
     "WeightSyncMetrics",
     "add_metrics_arguments",
     "metric_names",
-    "parse_samples",
-    "scrape",
     "serve_metrics",
 ]
 
@@ -89,8 +85,6 @@ _SECONDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 """Buckets of every duration histogram: CPU generation and checkpoints take seconds to minutes."""
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 """Buckets of ``leafe_inference_batch_size``."""
-_SCRAPE_TIMEOUT_S = 3.0
-
 
 def add_metrics_arguments(p: argparse.ArgumentParser) -> None:
     """``--metrics-port`` (0 = no metrics endpoint, the default) and ``--metrics-host``."""
@@ -176,28 +170,6 @@ class ActorMetrics:
         if outcome not in EPISODE_OUTCOMES:
             raise ValueError(f"episode outcome {outcome!r} is not one of {EPISODE_OUTCOMES}")
         self.episodes.labels(mode=mode, outcome=outcome).inc()
-
-
-class TimedEngine:
-    """An :class:`Engine` that records each ``generate`` call's duration in a histogram."""
-
-    def __init__(self, engine: Engine, latency: Histogram) -> None:
-        self.engine = engine
-        self.latency = latency
-
-    async def generate(
-        self, input_ids: list[int], params: SamplingParams, *, n: int = 1, return_logprob: bool = False
-    ) -> list[Completion]:
-        """The wrapped engine's ``generate``, timed (failed calls too)."""
-        t0 = time.perf_counter()
-        try:
-            return await self.engine.generate(input_ids, params, n=n, return_logprob=return_logprob)
-        finally:
-            self.latency.observe(time.perf_counter() - t0)
-
-    async def weight_version(self) -> str:
-        """The wrapped engine's version."""
-        return await self.engine.weight_version()
 
 
 class ReplayerMetrics:
@@ -345,6 +317,37 @@ class WeightSyncMetrics:
             self.version.labels(engine=engine).set(index)
 
 
+class RunMetrics:
+    """``leafe_run_validation_*``: the learning curve of ``leafe run``'s online evaluator (served by the
+    supervisor; ``services/run/rounds.py`` sets them at every curve point)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.passk = Gauge(
+            "leafe_run_validation_passk",
+            "Pass@k of the served version on the validation slice, last curve point",
+            ["k"],
+            registry=r,
+        )
+        self.unparseable = Gauge(
+            "leafe_run_validation_unparseable",
+            "Unparseable answers on the validation slice, last curve point (fraction)",
+            registry=r,
+        )
+        self.learner_step = Gauge(
+            "leafe_run_validation_learner_step", "Learner step of the last curve point", registry=r
+        )
+        self.points = Counter("leafe_run_validation_points_total", "Curve points measured", registry=r)
+
+    def point(self, passk: dict[int, float], unparseable: float, learner_step: int) -> None:
+        """A new curve point."""
+        for k, v in passk.items():
+            self.passk.labels(k=str(k)).set(v)
+        self.unparseable.set(unparseable)
+        self.learner_step.set(learner_step)
+        self.points.inc()
+
+
 class InferenceCollector:
     """``leafe_inference_*`` read at scrape time from the engine's own counters: ``state`` returns
     ``GenerationEngine.describe()`` (what ``/get_server_info`` shows as ``internal_states``), or ``None``
@@ -392,29 +395,8 @@ def _exposition_names(registry: CollectorRegistry) -> set[str]:
 def metric_names() -> list[str]:
     """Every ``leafe_*`` metric name as Prometheus shows it (counters with ``_total``), sorted."""
     names: set[str] = set()
-    from services.run.metrics import RunMetrics  # (the supervisor's; services.run imports this module)
-
     for cls in (ActorMetrics, ReplayerMetrics, LearnerMetrics, WeightSyncMetrics, RunMetrics):
         names |= _exposition_names(cls().registry)
     inference = CollectorRegistry()
     inference.register(InferenceCollector(lambda: None))
     return sorted(names | _exposition_names(inference))
-
-
-def parse_samples(text: str) -> dict[str, float]:
-    """Prometheus text -> ``{sample: value}``, a sample written ``name{label="value",...}`` (labels
-    sorted) or ``name`` when it has none."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
-    return out
-
-
-async def scrape(url: str) -> str:
-    """GET a /metrics endpoint's text (raises ``aiohttp.ClientError`` or ``TimeoutError``)."""
-    timeout = aiohttp.ClientTimeout(total=_SCRAPE_TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as resp:
-        resp.raise_for_status()
-        return await resp.text()

@@ -16,11 +16,12 @@ import time
 import msgspec
 import structlog
 from nats.js import JetStreamContext
+from prometheus_client import Histogram
 
 from actors.client import EngineUnavailable
 from actors.config import ActorServiceConfig
 from actors.demo import DemoRunner
-from actors.engine import Engine
+from actors.engine import Completion, Engine, SamplingParams
 from actors.env_pool import EnvPool
 from actors.episode import EpisodeSpec, EpisodeSummary
 from actors.explorer import Explorer
@@ -31,7 +32,7 @@ from protocol.events import EpisodeEvent
 from protocol.prompt import ChatTokenizer
 from protocol.tasks import TaskAssignment, episode_id_for
 from services.bus import Delivery, MessageTooLargeError, Publisher
-from services.metrics import ActorMetrics, TimedEngine
+from services.metrics import ActorMetrics
 from services.probes import Probe
 
 __all__ = ["ActorStats", "EpisodeRunner", "PublisherSink"]
@@ -39,6 +40,29 @@ __all__ = ["ActorStats", "EpisodeRunner", "PublisherSink"]
 log = structlog.get_logger(__name__)
 _OUTAGES_KEPT = 10_000
 """Task keys whose engine outages an actor remembers (oldest forgotten first)."""
+
+
+
+class TimedEngine:
+    """An :class:`Engine` that records each ``generate`` call's duration in a histogram."""
+
+    def __init__(self, engine: Engine, latency: Histogram) -> None:
+        self.engine = engine
+        self.latency = latency
+
+    async def generate(
+        self, input_ids: list[int], params: SamplingParams, *, n: int = 1, return_logprob: bool = False
+    ) -> list[Completion]:
+        """The wrapped engine's ``generate``, timed (failed calls too)."""
+        t0 = time.perf_counter()
+        try:
+            return await self.engine.generate(input_ids, params, n=n, return_logprob=return_logprob)
+        finally:
+            self.latency.observe(time.perf_counter() - t0)
+
+    async def weight_version(self) -> str:
+        """The wrapped engine's version."""
+        return await self.engine.weight_version()
 
 
 class ActorStats(msgspec.Struct, kw_only=True):

@@ -13,7 +13,7 @@ from rich.console import Console
 from actors.evaluate import EvalResult
 from services.bus import NatsOptions
 from services.bus.nats_server import EmbeddedNats, free_port
-from services.run.metrics import RunMetrics
+from services.metrics import RunMetrics
 from services.run.presets import RunConfig
 from services.run.progress import RunProgress
 from services.run.supervisor import ServiceProcess

@@ -14,8 +14,8 @@ from nats.js.errors import NotFoundError
 
 from actors.client import SGLangClient
 from protocol.subjects import EVENTS, SAMPLES, learner_durable, replayer_durable
-from services.metrics import parse_samples, scrape
 from services.run.context import RunContext
+from services.run.metrics import parse_samples, scrape
 from services.run.supervisor import restart_crashed
 
 __all__ = ["MAX_RESTARTS", "drain", "folded_all", "save_metrics", "wait_trained", "watch"]

@@ -1,38 +1,31 @@
-"""``leafe run``'s own metrics (the supervisor serves them on its /metrics, ``metrics_urls["run"]``)."""
+"""How ``leafe run`` reads its services' Prometheus metrics (progress, drain): :func:`scrape` a /metrics
+endpoint and :func:`parse_samples` its text. Its own metrics (``RunMetrics``) are in ``services/metrics.py``
+with every other service's."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["RunMetrics"]
+__all__ = ["parse_samples", "scrape"]
+
+_SCRAPE_TIMEOUT_S = 3.0
 
 
-class RunMetrics:
-    """``leafe_run_validation_*``: the learning curve of ``leafe run``'s online evaluator (served by the
-    supervisor; ``services/run/rounds.py`` sets them at every curve point)."""
+def parse_samples(text: str) -> dict[str, float]:
+    """Prometheus text -> ``{sample: value}``, a sample written ``name{label="value",...}`` (labels
+    sorted) or ``name`` when it has none."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
+    return out
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = r = registry or CollectorRegistry()
-        self.passk = Gauge(
-            "leafe_run_validation_passk",
-            "Pass@k of the served version on the validation slice, last curve point",
-            ["k"],
-            registry=r,
-        )
-        self.unparseable = Gauge(
-            "leafe_run_validation_unparseable",
-            "Unparseable answers on the validation slice, last curve point (fraction)",
-            registry=r,
-        )
-        self.learner_step = Gauge(
-            "leafe_run_validation_learner_step", "Learner step of the last curve point", registry=r
-        )
-        self.points = Counter("leafe_run_validation_points_total", "Curve points measured", registry=r)
 
-    def point(self, passk: dict[int, float], unparseable: float, learner_step: int) -> None:
-        """A new curve point."""
-        for k, v in passk.items():
-            self.passk.labels(k=str(k)).set(v)
-        self.unparseable.set(unparseable)
-        self.learner_step.set(learner_step)
-        self.points.inc()
+async def scrape(url: str) -> str:
+    """GET a /metrics endpoint's text (raises ``aiohttp.ClientError`` or ``TimeoutError``)."""
+    timeout = aiohttp.ClientTimeout(total=_SCRAPE_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as resp:
+        resp.raise_for_status()
+        return await resp.text()

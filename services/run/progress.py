@@ -25,7 +25,7 @@ from rich.table import Table
 from protocol import EpisodeFinished, EpisodeStarted, Outcome, Step, decode_event, decode_weights
 from protocol.events import Branch, Reflection, Rollback
 from protocol.subjects import events_filter, samples_filter
-from services.metrics import parse_samples, scrape
+from services.run.metrics import parse_samples, scrape
 
 __all__ = ["RunProgress"]
 

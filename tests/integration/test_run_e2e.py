@@ -17,7 +17,7 @@ import pytest
 from protocol.events import EpisodeStarted
 from services.bus.auth import ROLES
 from services.eventlog.fileformat import read_events
-from services.metrics import parse_samples
+from services.run.metrics import parse_samples
 from tests.support.nats_auth import SEED_PATTERN
 
 pytestmark = pytest.mark.integration

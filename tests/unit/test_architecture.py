@@ -174,3 +174,38 @@ def test_bench_does_not_import_tests() -> None:
                     f"{path.name} imports {a.name}" for a in node.names if a.name.split(".")[0] == "tests"
                 ]
     assert bad == []
+
+
+SERVICE_ROLES = ("actor", "replayer", "learner", "weight_sync", "eval", "admin")
+"""``services/`` packages named as deploy/ runs them; each imports only what is below it."""
+
+
+def _services_level(module: str) -> int:
+    """0: what every role shares (the top modules, ``bus``, ``eventlog``, ``inference``); 1: a role;
+    2: ``run`` (the supervisor that starts the roles); 3: ``cli`` (imports every verb lazily)."""
+    part = module.split(".")[1] if module.count(".") else ""
+    if part == "run":
+        return 2
+    if part == "cli":
+        return 3
+    return 1 if part in SERVICE_ROLES else 0
+
+
+def test_services_has_no_role_module_at_its_top_level() -> None:
+    """Every deployable role is a package of its own; only what all roles share stays at the top."""
+    shared = {"__init__", "cli", "config", "figures", "logsetup", "metrics", "probes", "threads"}
+    top = {p.stem for p in (ROOT / "services").glob("*.py")}
+    assert top <= shared, sorted(top - shared)
+    assert all((ROOT / "services" / role / "__init__.py").is_file() for role in SERVICE_ROLES)
+
+
+def test_services_never_import_upwards() -> None:
+    """Shared modules import no role, a role imports no ``run``: a role can be deployed without the
+    supervisor, and the shared infrastructure without any role."""
+    bad = []
+    for module in (m for m in MODULES if m.startswith("services.")):
+        for name in _imports(module):
+            target = _resolve(name)
+            if target and target.startswith("services.") and _services_level(target) > _services_level(module):
+                bad.append(f"{module} imports {target}")
+    assert bad == []

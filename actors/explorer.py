@@ -24,7 +24,8 @@ Outcome; an ``EngineError`` propagates (the episode stays unfinished, i.e. aband
 is held back until the first one, so an episode whose first generation fails leaves no events.
 With ``reflection_source = "oracle"`` the environment's oracle names tau and e (``actors/oracle.py``); with
 ``oracle_labels`` the policy names them and the oracle's verdict on the same history is recorded beside
-(``Reflection.oracle_tau``, ``oracle_experience``: labels for the reflection warm start).
+(``Reflection.oracle_tau``, ``oracle_experience``: labels for the reflection warm start); the verdict
+itself is ``actors/reflect.py``'s.
 
 Run one in-process: ``await Explorer(engine=..., tokenizer=..., env=..., config=ExplorerConfig.for_env(
 "sokoban"), sink=ListSink(), spec=EpisodeSpec(...)).run()``.
@@ -42,11 +43,10 @@ import structlog
 from actors.config import ExplorerConfig
 from actors.engine import ENGINE_AFFINITY, Completion, Engine, EngineError, SamplingParams
 from actors.episode import EpisodeRecorder, EpisodeSpec, EpisodeSummary, EventSink
-from actors.oracle import oracle_parsed
-from actors.parsing import ParsedReflection, invalid_action_feedback, parse_action, parse_reflection
+from actors.parsing import invalid_action_feedback, parse_action
+from actors.reflect import Reflector
 from actors.tree import PathStep, TreeBranch, TreeCounters, TreeRequest
 from envs.base import Env, EnvError, Transition, rollback_to
-from envs.registry import reflection_oracle
 from protocol.events import (
     ROOT_BRANCH,
     Branch,
@@ -60,7 +60,6 @@ from protocol.events import (
     Step,
 )
 from protocol.prompt import PROMPT_FORMAT, ChatTokenizer, HistoryEntry, prompt_sha256, render_messages
-from protocol.reflection import render_reflection_messages
 
 __all__ = ["Explorer", "PathStep"]
 
@@ -92,8 +91,15 @@ class Explorer:
         self.rec = EpisodeRecorder(
             sink, run_id=spec.run_id, episode_id=spec.episode_id, actor_id=spec.actor_id, **kwargs
         )
-        wants_oracle = config.reflection_source == "oracle" or config.oracle_labels
-        self.oracle = reflection_oracle(env) if wants_oracle else None
+        self.reflector = Reflector(
+            env=env,
+            tokenizer=tokenizer,
+            config=config,
+            task_id=spec.task_id,
+            generate=self._generate,
+            params=lambda: self._params(reflect=True),
+            run_env=self._env,
+        )
         self.n = TreeCounters()
         self.task = ""
         self.o0 = ""
@@ -276,55 +282,29 @@ class Explorer:
     async def _reflect(self, b: TreeBranch, trigger: ReflectionTrigger) -> None:
         if not b.path or not self._can_branch_from(b):
             return
-        at_t, history = len(b.path), [s.entry for s in b.path]
-        label, oracle_raw = await self._oracle_verdict(history) if self.oracle is not None else (None, "")
-        sha = ""
-        if self.cfg.reflection_source == "oracle":
-            assert label is not None
-            parsed, raw, ids = label, oracle_raw, []
-            label = None  # the verdict is the reflection itself, not a label beside it
-        else:
-            messages = render_reflection_messages(
-                instructions=self.env.instructions,
-                task=self.task,
-                history=history,
-                observation=history[-1].observation,
-                trigger=trigger,
-                history_window=self.cfg.reflect_history_window,
-            )
-            ids = self.tokenizer.encode_chat(messages)
-            sha = prompt_sha256(ids)
-            completion = await self._generate(ids, self._params(reflect=True), False)
-            raw, ids = completion.text, list(completion.output_ids)
-            parsed = parse_reflection(raw, at_t, max_experience_chars=self.cfg.max_experience_chars)
+        history = [s.entry for s in b.path]
+        v = await self.reflector.reflect(self.task, history, trigger)
         self.n.reflections += 1
         event = await self._emit(
             Reflection,
             branch_id=b.branch_id,
-            at_t=at_t,
+            at_t=len(history),
             trigger=trigger,
-            tau=parsed.tau,
-            experience=parsed.experience,
-            raw_text=raw,
-            token_ids=ids,
-            parse_ok=parsed.parse_ok,
-            flags=list(parsed.flags),
+            tau=v.parsed.tau,
+            experience=v.parsed.experience,
+            raw_text=v.raw_text,
+            token_ids=v.token_ids,
+            parse_ok=v.parsed.parse_ok,
+            flags=list(v.parsed.flags),
             source=self.cfg.reflection_source,
-            oracle_tau=label.tau if label is not None else None,
-            oracle_experience=label.experience if label is not None else "",
-            prompt_sha256=sha,
+            oracle_tau=v.label.tau if v.label is not None else None,
+            oracle_experience=v.label.experience if v.label is not None else "",
+            prompt_sha256=v.prompt_sha256,
         )
-        if parsed.experience:
-            tau = 0 if self.cfg.restart_from == "start" else parsed.tau  # IR restarts the whole attempt
-            self.n.queue.append(TreeRequest(b, tau, parsed.experience, event.event_id))
-        self.log.debug("actor.reflection", branch_id=b.branch_id, trigger=trigger, tau=parsed.tau)
-
-    async def _oracle_verdict(self, history: list[HistoryEntry]) -> tuple[ParsedReflection, str]:
-        """The environment oracle's tau and e on ``history`` in the explorer's terms (clamped, cut), and its
-        e as the oracle wrote it (an oracle-source Reflection's ``raw_text``)."""
-        assert self.oracle is not None
-        verdict = await self._env(self.oracle.oracle_reflection, self.spec.task_id, history)
-        return oracle_parsed(verdict, len(history), self.cfg.max_experience_chars), verdict.experience
+        if v.parsed.experience:
+            tau = 0 if self.cfg.restart_from == "start" else v.parsed.tau  # IR restarts the whole attempt
+            self.n.queue.append(TreeRequest(b, tau, v.parsed.experience, event.event_id))
+        self.log.debug("actor.reflection", branch_id=b.branch_id, trigger=trigger, tau=v.parsed.tau)
 
     async def _open(self, req: TreeRequest) -> TreeBranch | None:
         parent, tau = req.parent, req.tau

@@ -86,6 +86,7 @@ _SECONDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 """Buckets of ``leafe_inference_batch_size``."""
 
+
 def add_metrics_arguments(p: argparse.ArgumentParser) -> None:
     """``--metrics-port`` (0 = no metrics endpoint, the default) and ``--metrics-host``."""
     p.add_argument(

@@ -42,7 +42,6 @@ _OUTAGES_KEPT = 10_000
 """Task keys whose engine outages an actor remembers (oldest forgotten first)."""
 
 
-
 class TimedEngine:
     """An :class:`Engine` that records each ``generate`` call's duration in a histogram."""
 

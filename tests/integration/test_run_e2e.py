@@ -6,7 +6,6 @@ slow (a second full run) and runs with ``make test-slow``."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,29 +17,16 @@ from protocol.events import EpisodeStarted
 from services.bus.auth import ROLES
 from services.eventlog.fileformat import read_events
 from services.run.metrics import parse_samples
+from tests.support.leafe_run import leafe_run_argv, leafe_run_env
 from tests.support.nats_auth import SEED_PATTERN
 
 pytestmark = pytest.mark.integration
 
 
 def _leafe_run(runs: Path, run_id: str, cache_dir: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "LEAFE_CACHE": str(cache_dir)}
-    env.pop("LEAFE_NATS_URL", None)
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "run",
-            "--preset",
-            "tiny",
-            "--runs-dir",
-            str(runs),
-            "--run-id",
-            run_id,
-            "--no-live",
-        ],
-        env=env,
+        leafe_run_argv(runs, "--run-id", run_id, "--no-live"),
+        env=leafe_run_env(cache_dir),
         capture_output=True,
         text=True,
         timeout=900,

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 
 from protocol.events import EpisodeFinished, EpisodeStarted
 from services.eventlog.fileformat import read_events
+from tests.support.leafe_run import leafe_run_argv, leafe_run_env
 
 pytestmark = pytest.mark.integration
 
@@ -39,24 +39,7 @@ ack_wait_s = 10.0
 def _argv(runs: Path) -> list[str]:
     config = runs / "fast.toml"
     config.write_text(_FAST)
-    return [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "run",
-        "--preset",
-        "tiny",
-        "--runs-dir",
-        str(runs),
-        "--config",
-        str(config),
-    ]
-
-
-def _env(cache_dir: Path) -> dict[str, str]:
-    env = {**os.environ, "LEAFE_CACHE": str(cache_dir)}
-    env.pop("LEAFE_NATS_URL", None)
-    return env
+    return leafe_run_argv(runs, "--config", str(config))
 
 
 def _processes_of(run_dir: Path) -> dict[int, str]:
@@ -92,12 +75,18 @@ def test_a_killed_supervisors_children_are_stopped_and_the_rerun_resumes(
     runs, run_dir = tmp_path, tmp_path / "tiny"
     stderr = tmp_path / "first.stderr"
     with stderr.open("wb") as err:
-        first = subprocess.Popen([*_argv(runs), "--no-live"], env=_env(cache_dir), stderr=err, stdout=err)
+        first = subprocess.Popen(
+            [*_argv(runs), "--no-live"], env=leafe_run_env(cache_dir), stderr=err, stdout=err
+        )
     try:
         _wait_for(stderr, "round 0: submitted", first)
         # a second supervisor of a live run is refused (it would start a second set of services)
         refused = subprocess.run(
-            [*_argv(runs), "--no-live"], env=_env(cache_dir), capture_output=True, text=True, timeout=120
+            [*_argv(runs), "--no-live"],
+            env=leafe_run_env(cache_dir),
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert refused.returncode == 2 and "already running" in refused.stderr, refused.stderr[-2000:]
         first.send_signal(signal.SIGKILL)
@@ -107,7 +96,11 @@ def test_a_killed_supervisors_children_are_stopped_and_the_rerun_resumes(
         assert any(" actor" in c for c in orphans.values()), orphans
 
         second = subprocess.run(
-            [*_argv(runs), "--no-live"], env=_env(cache_dir), capture_output=True, text=True, timeout=900
+            [*_argv(runs), "--no-live"],
+            env=leafe_run_env(cache_dir),
+            capture_output=True,
+            text=True,
+            timeout=900,
         )
         assert second.returncode == 0, second.stderr[-4000:]
         assert "stopped what a killed supervisor left running" in second.stderr, second.stderr[-3000:]

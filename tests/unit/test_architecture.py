@@ -206,6 +206,10 @@ def test_services_never_import_upwards() -> None:
     for module in (m for m in MODULES if m.startswith("services.")):
         for name in _imports(module):
             target = _resolve(name)
-            if target and target.startswith("services.") and _services_level(target) > _services_level(module):
+            if (
+                target
+                and target.startswith("services.")
+                and _services_level(target) > _services_level(module)
+            ):
                 bad.append(f"{module} imports {target}")
     assert bad == []

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from actors.client import AFFINITY_SLACK, SGLangClient
+from actors.client import SGLangClient
 from actors.engine import ENGINE_AFFINITY
+from actors.server_pool import AFFINITY_SLACK
 
 
 def _picks(client: SGLangClient, key: str | None, n: int = 20) -> set[str]:

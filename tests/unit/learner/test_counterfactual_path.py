@@ -23,24 +23,19 @@ import pytest
 import torch
 
 from actors.config import ExplorerConfig
-from actors.episode import EpisodeSpec, ListSink
-from actors.explorer import Explorer
 from actors.fakes import ScriptedEngine
-from envs.registry import make_env
 from envs.sokoban import SokobanEnv
-from envs.sokoban_expert import optimal_distance
-from envs.sokoban_solver import apply_move, solve
+from envs.sokoban_solver import apply_move
 from learner.batching import collate, kind_tokens, to_items
 from learner.losses import IGNORE, KIND_INDEX, distill_loss, token_logprobs
-from learner.materializers import make_materializer
 from learner.model_io import HFChatTokenizer
 from protocol.events import Branch, EpisodeEvent, Outcome, Step
 from protocol.prompt import prompt_sha256
 from protocol.samples import Sample
+from tests.support.sokoban_episodes import explore, fold, plan, sokoban_env, worse_move
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_thread")]
 
-MOVES = ("up", "down", "left", "right")
 _FIX = re.compile(r"move (up|down|left|right) instead")
 
 
@@ -67,27 +62,11 @@ class SolverPolicy:
         elif (self.corrected and self.fail_branch) or (self.mistakes and not self.corrected):
             return "I am not sure."
         elif self.corrected or (snap.player, snap.boxes) == (snap.room.player, snap.room.boxes):
-            move = _plan(snap.room, snap.player, snap.boxes)[0]
+            move = plan(snap.room, snap.player, snap.boxes)[0]
         else:
-            move = _worse_move(snap.room, snap.player, snap.boxes)
+            move = worse_move(snap.room, snap.player, snap.boxes)
             self.mistakes.append(move)
         return f"<action>{move}</action>"
-
-
-def _plan(room: Any, player: int, boxes: frozenset[int]) -> list[str]:
-    plan = solve(room.with_state(player, boxes))
-    assert plan is not None, "the policy only ever leaves solvable states"
-    return plan
-
-
-def _worse_move(room: Any, player: int, boxes: frozenset[int]) -> str:
-    """A move after which the room is still solvable but needs more moves (None when there is none)."""
-    dist = optimal_distance(room, player, boxes)
-    for move in MOVES:
-        nxt_player, nxt_boxes, _ = apply_move(room, player, boxes, move)
-        if dist < optimal_distance(room, nxt_player, nxt_boxes) < 10**6:
-            return move
-    return ""
 
 
 def _room_with_a_mistake(env: SokobanEnv) -> str:
@@ -95,30 +74,17 @@ def _room_with_a_mistake(env: SokobanEnv) -> str:
     after the solver's first move."""
     for task_id in env.tasks("train")[:200]:
         room = env.room(task_id).room
-        plan = _plan(room, room.player, room.boxes)
-        if len(plan) < 3:
+        moves = plan(room, room.player, room.boxes)
+        if len(moves) < 3:
             continue
-        player, boxes, _ = apply_move(room, room.player, room.boxes, plan[0])
-        if _worse_move(room, player, boxes):
+        player, boxes, _ = apply_move(room, room.player, room.boxes, moves[0])
+        if worse_move(room, player, boxes):
             return task_id
     raise AssertionError("no suitable room among the first 200")
 
 
 async def _explore(tok: HFChatTokenizer, **policy: Any) -> tuple[list[EpisodeEvent], ScriptedEngine]:
-    env = make_env("sokoban", height=5, width=5, num_boxes=1, max_solution_len=3, max_steps=12)
-    assert isinstance(env, SokobanEnv)
-    task_id = _room_with_a_mistake(env)
-    engine = ScriptedEngine(script=SolverPolicy(env, **policy), tokenizer=tok)
-    sink = ListSink()
-    spec = EpisodeSpec(
-        run_id="r1",
-        episode_id="cf-path.a1",
-        actor_id="actor-0",
-        task_key="cf-path",
-        env="sokoban",
-        task_id=task_id,
-        seed=0,
-    )
+    env = sokoban_env()
     config = ExplorerConfig(
         k=0,
         max_depth=1,
@@ -127,14 +93,14 @@ async def _explore(tok: HFChatTokenizer, **policy: Any) -> tuple[list[EpisodeEve
         experience_scope="first_step",
         history_window=2,
     )
-    await Explorer(engine=engine, tokenizer=tok, env=env, config=config, sink=sink, spec=spec).run()
-    return sink.events, engine
+    task_id = _room_with_a_mistake(env)
+    return await explore(
+        tok, env, SolverPolicy(env, **policy), task_id=task_id, name="cf-path", config=config
+    )
 
 
 def _fold(tok: HFChatTokenizer, events: list[EpisodeEvent], **options: Any) -> tuple[list[Sample], Any]:
-    m = make_materializer("leafe", tok, **options)
-    samples = [s for e in events for s in m.apply(e)]
-    return samples + m.close_all(), m
+    return fold(tok, "leafe", events, **options)
 
 
 @pytest.fixture(scope="module")

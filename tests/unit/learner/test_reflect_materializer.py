@@ -16,14 +16,9 @@ from typing import Any
 import pytest
 
 from actors.config import ExplorerConfig
-from actors.episode import EpisodeSpec, ListSink
-from actors.explorer import Explorer
 from actors.fakes import ScriptedEngine
 from actors.parsing import parse_reflection
-from envs.registry import make_env
 from envs.sokoban import SokobanEnv
-from envs.sokoban_expert import optimal_distance
-from envs.sokoban_solver import apply_move, solve
 from learner.batching import collate, to_items
 from learner.losses import IGNORE
 from learner.materializers import SAMPLE_KINDS, MaterializerConfigError, make_materializer
@@ -31,20 +26,11 @@ from learner.model_io import HFChatTokenizer
 from protocol.answers import end_of_turn_id
 from protocol.events import EpisodeEvent, Outcome, Reflection
 from protocol.samples import Sample
+from tests.support.sokoban_episodes import explore, fold, plan, sokoban_env, worse_move
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_thread")]
 
-MOVES = ("up", "down", "left", "right")
 NOISE = "<step>0</step><experience>This is not a step.</experience>"
-
-
-def _worse_move(room: Any, player: int, boxes: frozenset[int]) -> str:
-    dist = optimal_distance(room, player, boxes)
-    for move in MOVES:
-        nxt_player, nxt_boxes, _ = apply_move(room, player, boxes, move)
-        if dist < optimal_distance(room, nxt_player, nxt_boxes) < 10**6:
-            return move
-    return ""
 
 
 class MistakePolicy:
@@ -62,18 +48,16 @@ class MistakePolicy:
         at_start = (player, boxes) == (room.player, room.boxes)
         if "Lesson from an earlier attempt" not in prompt and at_start and not self.mistakes:
             self.mistakes += 1
-            return f"<action>{_worse_move(room, player, boxes)}</action>"
+            return f"<action>{worse_move(room, player, boxes)}</action>"
         if "Lesson from an earlier attempt" in prompt or self.recover:
-            plan = solve(room.with_state(player, boxes))
-            assert plan
-            return f"<action>{plan[0]}</action>"
+            return f"<action>{plan(room, player, boxes)[0]}</action>"
         return "I am not sure."
 
 
 def _room(env: SokobanEnv) -> str:
     for task_id in env.tasks("train")[:200]:
         room = env.room(task_id).room
-        if _worse_move(room, room.player, room.boxes):
+        if worse_move(room, room.player, room.boxes):
             return task_id
     raise AssertionError("no room with a solvable detour among the first 200")
 
@@ -81,28 +65,14 @@ def _room(env: SokobanEnv) -> str:
 async def _explore(
     tok: HFChatTokenizer, *, recover: bool = False, **cfg: Any
 ) -> tuple[list[EpisodeEvent], ScriptedEngine]:
-    env = make_env("sokoban", height=5, width=5, num_boxes=1, max_solution_len=3, max_steps=12)
-    assert isinstance(env, SokobanEnv)
-    engine = ScriptedEngine(script=MistakePolicy(env, recover=recover), tokenizer=tok)
-    sink = ListSink()
-    spec = EpisodeSpec(
-        run_id="r1",
-        episode_id="reflect.a1",
-        actor_id="actor-0",
-        task_key="reflect",
-        env="sokoban",
-        task_id=_room(env),
-        seed=0,
-    )
+    env = sokoban_env()
     config = ExplorerConfig(**{"k": 0, "max_depth": 1, "horizon": 6, **cfg})
-    await Explorer(engine=engine, tokenizer=tok, env=env, config=config, sink=sink, spec=spec).run()
-    return sink.events, engine
+    policy = MistakePolicy(env, recover=recover)
+    return await explore(tok, env, policy, task_id=_room(env), name="reflect", config=config)
 
 
 def _fold(tok: HFChatTokenizer, events: list[EpisodeEvent], **options: Any) -> tuple[list[Sample], Any]:
-    m = make_materializer("reflect", tok, **options)
-    samples = [s for e in events for s in m.apply(e)]
-    return samples + m.close_all(), m
+    return fold(tok, "reflect", events, **options)
 
 
 @pytest.fixture(scope="module")

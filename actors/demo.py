@@ -179,25 +179,16 @@ class DemoRunner:
         reset = await self._env(self.env.reset, self.spec.task_id)
         self.task = reset.task
         self.rec.policy_version = EXPERT_VERSION
-        s, r = self.spec, self.rollout
+        r = self.rollout
         await self.rec.emit(
             EpisodeStarted,
-            task_key=s.task_key,
-            env=s.env,
-            task_id=s.task_id,
-            split=s.split,
-            seed=s.seed,
-            mode=s.mode,
+            **self.spec.started_fields(),
             task=reset.task,
             observation=reset.observation,
             instructions=self.env.instructions,
             prompt_format=PROMPT_FORMAT,
             history_window=r.history_window,
             response_prefix=r.response_prefix,
-            group_id=s.group_id,
-            group_size=s.group_size,
-            config_digest=s.config_digest,
-            attempt=s.attempt,
         )
         return reset.observation
 

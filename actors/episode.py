@@ -71,6 +71,22 @@ class EpisodeSpec(msgspec.Struct, frozen=True, kw_only=True):
     config_digest: str = ""
     """sha256 of the resolved config."""
 
+    def started_fields(self) -> dict[str, Any]:
+        """The fields of this episode's ``EpisodeStarted`` that come from the spec (the recorder fills in
+        the ids, the caller what the environment and the prompt settings say)."""
+        return {
+            "task_key": self.task_key,
+            "env": self.env,
+            "task_id": self.task_id,
+            "split": self.split,
+            "seed": self.seed,
+            "mode": self.mode,
+            "group_id": self.group_id,
+            "group_size": self.group_size,
+            "config_digest": self.config_digest,
+            "attempt": self.attempt,
+        }
+
 
 class EpisodeSummary(msgspec.Struct, frozen=True, kw_only=True):
     """What an episode did (the figures of its ``EpisodeFinished``)."""
@@ -93,6 +109,29 @@ class EpisodeSummary(msgspec.Struct, frozen=True, kw_only=True):
     """Events emitted."""
     error: str = ""
     """Env error text when a branch ended with ``reason == "error"``."""
+
+
+class Stamp(Protocol):
+    """Who an episode's events come from: what every event of it carries besides its own fields."""
+
+    run_id: str
+    episode_id: str
+    actor_id: str
+    policy_version: str
+
+
+def stamp_event(cls: type[E], who: Stamp, seq: int, ts: float, **fields: Any) -> E:
+    """``cls(**fields)`` with the common fields: event id, run, episode, actor, seq, policy version, ts."""
+    return cls(
+        event_id=event_id_for(who.episode_id, seq),
+        run_id=who.run_id,
+        episode_id=who.episode_id,
+        actor_id=who.actor_id,
+        seq=seq,
+        policy_version=who.policy_version,
+        ts=ts,
+        **fields,
+    )
 
 
 class EpisodeRecorder:
@@ -119,15 +158,6 @@ class EpisodeRecorder:
         """Build ``cls(**fields)`` with the common fields filled in, emit it, and return it."""
         seq = self.seq
         self.seq += 1
-        event = cls(
-            event_id=event_id_for(self.episode_id, seq),
-            run_id=self.run_id,
-            episode_id=self.episode_id,
-            actor_id=self.actor_id,
-            seq=seq,
-            policy_version=self.policy_version,
-            ts=self.clock(),
-            **fields,
-        )
+        event = stamp_event(cls, self, seq, self.clock(), **fields)
         await self.sink.emit(event)  # type: ignore[arg-type]
         return event

@@ -128,24 +128,14 @@ class Explorer:
     async def _start(self) -> TreeBranch:
         reset = await self._env(self.env.reset, self.spec.task_id)
         self.task, self.o0 = reset.task, reset.observation
-        s = self.spec
         self._started = dict(
-            task_key=s.task_key,
-            env=s.env,
-            task_id=s.task_id,
-            split=s.split,
-            seed=s.seed,
-            mode=s.mode,
+            **self.spec.started_fields(),
             task=self.task,
             observation=self.o0,
             instructions=self.env.instructions,
             prompt_format=PROMPT_FORMAT,
             history_window=self.cfg.history_window,
             response_prefix=self.cfg.response_prefix,
-            group_id=s.group_id,
-            group_size=s.group_size,
-            config_digest=s.config_digest,
-            attempt=s.attempt,
         )
         snaps = [await self._env(self.env.snapshot)] if self.env.supports_snapshot else []
         self.n.branches = 1

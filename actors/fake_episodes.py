@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.episode import stamp_event
 from protocol.events import (
     ROOT_BRANCH,
     Branch,
@@ -31,7 +32,6 @@ from protocol.events import (
     Reflection,
     Rollback,
     Step,
-    event_id_for,
 )
 from protocol.prompt import ChatTokenizer, HistoryEntry, prompt_sha256, render_messages
 
@@ -83,16 +83,7 @@ class EventWriter:
 
     def emit(self, cls: type[Any], **fields: Any) -> Any:
         seq = len(self.events)
-        event = cls(
-            event_id=event_id_for(self.episode_id, seq),
-            run_id=self.run_id,
-            episode_id=self.episode_id,
-            actor_id=self.actor_id,
-            seq=seq,
-            policy_version=self.policy_version,
-            ts=1.7e9 + seq,
-            **fields,
-        )
+        event = stamp_event(cls, self, seq, 1.7e9 + seq, **fields)
         self.events.append(event)
         return event
 

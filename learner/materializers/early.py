@@ -108,24 +108,17 @@ class _EarlyExperience(Materializer):
         sid = sample_id_for(self.tag, kind, sources)
         if sid in tree.emitted:
             return None
-        tree.emitted.add(sid)
-        self.stats.samples[kind] = self.stats.samples.get(kind, 0) + 1
-        s = tree.started
-        return Sample(
-            sample_id=sid,
-            run_id=s.run_id,
+        return self.finish_sample(
+            tree,
+            sid,
             kind=kind,
-            materializer=self.tag,
-            env=s.env,
-            task_id=s.task_id,
-            episode_id=s.episode_id,
-            messages=[*messages, ChatMessage(role="assistant", content=answer)],
-            target_turn=len(messages),
+            messages=messages,
+            answer=answer,
             prompt_ids=prompt_ids,
             completion_ids=completion_ids,
             policy_version=policy_version,
             weight=self.options.weight,
-            source_event_ids=sorted(sources),
+            sources=sources,
         )
 
     @staticmethod

@@ -166,25 +166,18 @@ class ReflectMaterializer(Materializer):
             return None
         if not any(stop and text.endswith(stop) for stop in self.options.reflect_stop):
             completion = [*completion, self.eot]
-        tree.emitted.add(sid)
         self._count("samples")
-        self.stats.samples["sft"] = self.stats.samples.get("sft", 0) + 1
-        s = tree.started
-        return Sample(
-            sample_id=sid,
-            run_id=s.run_id,
+        return self.finish_sample(
+            tree,
+            sid,
             kind="sft",
-            materializer=self.tag,
-            env=s.env,
-            task_id=s.task_id,
-            episode_id=s.episode_id,
-            messages=[*messages, ChatMessage(role="assistant", content=text)],
-            target_turn=len(messages),
+            messages=messages,
+            answer=text,
             prompt_ids=prompt_ids,
             completion_ids=completion,
             policy_version=event.policy_version,
             weight=self.options.weight,
-            source_event_ids=sorted(sources),
+            sources=sources,
         )
 
     def _verify_reflection(self, event: Reflection, prompt_ids: list[int]) -> None:

@@ -105,6 +105,37 @@ class SampleBuilder:
                 else self.prompts.encode(self.render(tree, entries[:t], observation, sent_e), prefix)
             )
             self._verify(tree, target, sent_ids)
+        return self.finish_sample(
+            tree,
+            sid,
+            kind=kind,
+            messages=messages,
+            answer=prefix + target.raw_text,
+            prompt_ids=prompt_ids,
+            completion_ids=target.token_ids,
+            policy_version=target.policy_version,
+            weight=weight,
+            sources=source_event_ids,
+            **extra,
+        )
+
+    def finish_sample(
+        self,
+        tree: EpisodeTree,
+        sid: str,
+        *,
+        kind: SampleKind,
+        messages: Sequence[ChatMessage],
+        answer: str,
+        prompt_ids: list[int],
+        completion_ids: list[int],
+        policy_version: str,
+        weight: float,
+        sources: Sequence[str],
+        **extra: Any,
+    ) -> Sample:
+        """The chat-formatted sample ``messages`` -> ``answer`` (exact ids), recorded as emitted by
+        ``tree`` and counted: the one way every materializer makes a sample."""
         tree.emitted.add(sid)
         self.stats.samples[kind] = self.stats.samples.get(kind, 0) + 1
         s = tree.started
@@ -116,13 +147,13 @@ class SampleBuilder:
             env=s.env,
             task_id=s.task_id,
             episode_id=s.episode_id,
-            messages=[*messages, ChatMessage(role="assistant", content=prefix + target.raw_text)],
+            messages=[*messages, ChatMessage(role="assistant", content=answer)],
             target_turn=len(messages),
             prompt_ids=prompt_ids,
-            completion_ids=target.token_ids,
-            policy_version=target.policy_version,
+            completion_ids=completion_ids,
+            policy_version=policy_version,
             weight=weight,
-            source_event_ids=sorted(source_event_ids),
+            source_event_ids=sorted(sources),
             **extra,
         )
 

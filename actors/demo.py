@@ -300,29 +300,15 @@ class DemoRunner:
             error=error,
         )
         counts = early.counts if early is not None else None
-        branches = 1 + (counts.branches if counts else 0)
-        actions = len(self.history) + (counts.branches if counts else 0)
-        reflections = counts.reflections if counts else 0
-        replay_steps = counts.replay_steps if counts else 0
-        await self.rec.emit(
-            EpisodeFinished,
+        figures: dict[str, Any] = dict(
             success=success,
-            branches=branches,
-            actions=actions,
-            reflections=reflections,
-            replay_steps=replay_steps,
+            branches=1 + (counts.branches if counts else 0),
+            actions=len(self.history) + (counts.branches if counts else 0),
+            reflections=counts.reflections if counts else 0,
+            replay_steps=counts.replay_steps if counts else 0,
             parse_failures=self.parse_failures,
         )
-        summary = EpisodeSummary(
-            episode_id=self.spec.episode_id,
-            success=success,
-            branches=branches,
-            actions=actions,
-            reflections=reflections,
-            replay_steps=replay_steps,
-            parse_failures=self.parse_failures,
-            events=self.rec.seq,
-            error=error,
-        )
+        await self.rec.emit(EpisodeFinished, **figures)
+        summary = EpisodeSummary(episode_id=self.spec.episode_id, events=self.rec.seq, error=error, **figures)
         self.log.info("actor.demo.finished", steps=len(self.history), **(counts.as_log() if counts else {}))
         return summary

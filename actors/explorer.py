@@ -337,8 +337,7 @@ class Explorer:
 
     async def _finish(self) -> EpisodeSummary:
         n = self.n
-        await self._emit(
-            EpisodeFinished,
+        figures: dict[str, Any] = dict(
             success=n.success,
             branches=n.branches,
             actions=n.actions,
@@ -346,16 +345,9 @@ class Explorer:
             replay_steps=n.replay_steps,
             parse_failures=n.parse_failures,
         )
+        await self._emit(EpisodeFinished, **figures)
         summary = EpisodeSummary(
-            episode_id=self.spec.episode_id,
-            success=n.success,
-            branches=n.branches,
-            actions=n.actions,
-            reflections=n.reflections,
-            replay_steps=n.replay_steps,
-            parse_failures=n.parse_failures,
-            events=self.rec.seq,
-            error=n.error,
+            episode_id=self.spec.episode_id, events=self.rec.seq, error=n.error, **figures
         )
         self.log.info("actor.episode.finished", **msgspec.structs.asdict(summary))
         return summary

@@ -157,7 +157,11 @@ class ExplorerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     experience_scope: ExperienceScope = "branch"
     """``branch``: e stays in every prompt of its branch; ``first_step``: only in a'_tau's prompt."""
     stop_on_first_success: bool = True
-    """End the episode (drop queued branch requests) once any branch succeeds."""
+    """End the episode (drop queued branch requests) once any branch succeeds. The paper keeps exploring
+    until the attempt budget (``false``), collecting up to ``max_corrections`` counterfactuals per tree."""
+    max_corrections: int = 0
+    """End the episode once this many rolled-back branches have succeeded (each one is a counterfactual
+    instance; the paper keeps 3 per task); 0 = no limit. Matters with ``stop_on_first_success = false``."""
     restart_from: Literal["tau", "start"] = "tau"
     """``tau``: LEAFE, roll back to the step the reflection names; ``start``: iterative refinement (the
     paper's IR baseline), every branch restarts the task from step 0 with e in context."""
@@ -184,6 +188,9 @@ class ExplorerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         _check(self.max_branches >= 1, "max_branches", self.max_branches, "must be >= 1 (the root)")
         _check(self.max_actions >= 1, "max_actions", self.max_actions, "must be >= 1")
         _check(self.horizon >= 1, "horizon", self.horizon, "must be >= 1")
+        _check(
+            self.max_corrections >= 0, "max_corrections", self.max_corrections, "must be >= 0 (0 = no limit)"
+        )
         for name in ("temperature", "reflect_temperature"):
             _check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         for name in ("top_p", "reflect_top_p"):

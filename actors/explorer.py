@@ -194,8 +194,11 @@ class Explorer:
         last = b.path[-1] if b.path else None
         success = reason == "success"
         if success:
-            self.n.success = True
-            self.n.stopped = self.n.stopped or self.cfg.stop_on_first_success
+            n, c = self.n, self.cfg
+            n.success = True
+            n.corrections += b.branch_id != ROOT_BRANCH
+            enough = bool(c.max_corrections) and n.corrections >= c.max_corrections
+            n.stopped = n.stopped or c.stop_on_first_success or enough
         await self._emit(
             Outcome,
             branch_id=b.branch_id,
@@ -289,11 +292,17 @@ class Explorer:
             source=self.cfg.reflection_source,
             oracle_tau=v.label.tau if v.label is not None else None,
             oracle_experience=v.label.experience if v.label is not None else "",
+            oracle_action=v.oracle_action,
             prompt_sha256=v.prompt_sha256,
         )
         if v.parsed.experience:
             tau = 0 if self.cfg.restart_from == "start" else v.parsed.tau  # IR restarts the whole attempt
-            self.n.queue.append(TreeRequest(b, tau, v.parsed.experience, event.event_id))
+            key = (b.branch_id, tau, v.parsed.experience)
+            if key in self.n.requested:  # the same correction again (periodic reflections repeat themselves)
+                self.n.duplicates += 1
+            else:
+                self.n.requested.add(key)
+                self.n.queue.append(TreeRequest(b, tau, v.parsed.experience, event.event_id))
         self.log.debug("actor.reflection", branch_id=b.branch_id, trigger=trigger, tau=v.parsed.tau)
 
     async def _open(self, req: TreeRequest) -> TreeBranch | None:
@@ -349,5 +358,6 @@ class Explorer:
         summary = EpisodeSummary(
             episode_id=self.spec.episode_id, events=self.rec.seq, error=n.error, **figures
         )
-        self.log.info("actor.episode.finished", **msgspec.structs.asdict(summary))
+        extra = {"corrections": n.corrections, "duplicate_requests": n.duplicates}
+        self.log.info("actor.episode.finished", **msgspec.structs.asdict(summary), **extra)
         return summary

@@ -41,6 +41,8 @@ class Verdict:
     """The reflection prompt's hash (empty for an oracle reflection)."""
     label: ParsedReflection | None
     """The oracle's verdict beside a policy reflection (``oracle_labels``), else None."""
+    oracle_action: str = ""
+    """The action the oracle's verdict names as the fix (either source), empty when it names none."""
 
 
 class Reflector:
@@ -72,11 +74,18 @@ class Reflector:
     async def reflect(self, task: str, history: list[HistoryEntry], trigger: ReflectionTrigger) -> Verdict:
         """The verdict on ``history`` (at least one step)."""
         at_t = len(history)
-        label, oracle_raw = await self._oracle_verdict(history) if self.oracle is not None else (None, "")
+        label, oracle_raw, fix = await self._oracle_verdict(history) if self.oracle else (None, "", "")
         if self.cfg.reflection_source == "oracle":
             assert label is not None
             # The verdict is the reflection itself, not a label beside it.
-            return Verdict(parsed=label, raw_text=oracle_raw, token_ids=[], prompt_sha256="", label=None)
+            return Verdict(
+                parsed=label,
+                raw_text=oracle_raw,
+                token_ids=[],
+                prompt_sha256="",
+                label=None,
+                oracle_action=fix,
+            )
         messages = render_reflection_messages(
             instructions=self.env.instructions,
             task=task,
@@ -94,11 +103,13 @@ class Reflector:
             token_ids=list(completion.output_ids),
             prompt_sha256=prompt_sha256(ids),
             label=label,
+            oracle_action=fix,
         )
 
-    async def _oracle_verdict(self, history: list[HistoryEntry]) -> tuple[ParsedReflection, str]:
-        """The environment oracle's tau and e on ``history`` in the explorer's terms (clamped, cut), and its
-        e as the oracle wrote it (an oracle-source Reflection's ``raw_text``)."""
+    async def _oracle_verdict(self, history: list[HistoryEntry]) -> tuple[ParsedReflection, str, str]:
+        """The environment oracle's tau and e on ``history`` in the explorer's terms (clamped, cut), its e
+        as the oracle wrote it (an oracle-source Reflection's ``raw_text``), and the action it names."""
         assert self.oracle is not None
         verdict = await self._run_env(self.oracle.oracle_reflection, self.task_id, history)
-        return oracle_parsed(verdict, len(history), self.cfg.max_experience_chars), verdict.experience
+        parsed = oracle_parsed(verdict, len(history), self.cfg.max_experience_chars)
+        return parsed, verdict.experience, verdict.action if parsed.experience else ""

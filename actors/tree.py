@@ -58,6 +58,12 @@ class TreeCounters:
     calls: int = 0
     diverged: int = 0
     success: bool = False
+    corrections: int = 0
+    """Rolled-back branches that succeeded (counterfactual instances)."""
+    duplicates: int = 0
+    """Reflections not queued: their (parent, tau, e) was already requested."""
     stopped: bool = False
     error: str = ""
     queue: deque[TreeRequest] = field(default_factory=deque)
+    requested: set[tuple[str, int, str]] = field(default_factory=set)
+    """(parent branch, tau, e) of every request queued, so no two branches repeat one."""

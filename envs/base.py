@@ -131,6 +131,8 @@ class OracleReflection(msgspec.Struct, frozen=True, kw_only=True):
     """The first faulty step (0-based index into the history it was given)."""
     experience: str
     """What went wrong at tau and what to do instead; empty when the path holds no mistake."""
+    action: str = ""
+    """The action ``experience`` names as the fix (empty when it names none)."""
 
 
 @runtime_checkable

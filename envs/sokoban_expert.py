@@ -86,4 +86,4 @@ def _reflection(room: Room, tau: int, what: str, state: tuple[int, frozenset[int
     if not plan:  # the state before the first growing step was solvable by construction
         raise ValueError(f"no optimal move from the state before step {tau}")
     experience = f"At step {tau}, {what}. From the position before that step, move {plan[0]} instead."
-    return OracleReflection(tau=tau, experience=experience)
+    return OracleReflection(tau=tau, experience=experience, action=plan[0])

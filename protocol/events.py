@@ -205,6 +205,10 @@ class Reflection(EpisodeEventBase, frozen=True, kw_only=True, tag="reflection"):
     reflection, clamped like ``tau``); ``None`` when the oracle was not asked. The branch follows ``tau``."""
     oracle_experience: str = ""
     """The oracle's e for the same history (empty: not asked, or the oracle found no mistake)."""
+    oracle_action: str = ""
+    """The action the oracle's verdict names as the fix (its e's "do X instead"), whether the verdict is this
+    reflection (``source = "oracle"``) or a label beside it; empty when the oracle was not asked, found no
+    mistake or names no action. The ``follow`` materializer's target."""
     prompt_sha256: str = ""
     """sha256 of the reflection prompt's token ids sent to the engine (``protocol.prompt.prompt_sha256``;
     empty when no prompt was sent: oracle reflections, older logs)."""

@@ -183,7 +183,8 @@ async def test_action_budget_ends_the_branch_with_reason_budget() -> None:
 
 async def test_branch_budget_counts_queued_requests_and_stops_reflecting() -> None:
     """With max_branches=3, at most two reflections yield requests; no reflection is wasted after that."""
-    engine = ScriptedEngine(default_action=WAIT)
+    lessons = [f"<step>0</step><experience>lesson {i}</experience>" for i in range(5)]
+    engine = ScriptedEngine(default_action=WAIT, reflections=lessons)
     events, summary = await explore(engine, k=1, horizon=3, max_branches=3, max_depth=5)
     assert summary.branches == 3
     assert sum(isinstance(e, Reflection) for e in events) == 2
@@ -229,6 +230,40 @@ async def test_first_success_stops_the_episode_unless_configured_otherwise() -> 
         engine = ScriptedEngine(actions=script, reflections=["<step>0</step><experience>e</experience>"])
         _, summary = await explore(engine, k=1, max_branches=2, stop_on_first_success=stop)
         assert summary.success and summary.branches == expect_branches, stop
+
+
+def _lesson_follower(kind: str, prompt: str) -> str:
+    """Waits at the root; goes right whenever a lesson is in its prompt."""
+    return RIGHT if "lesson" in prompt else WAIT
+
+
+async def test_without_stopping_at_first_success_the_tree_ends_after_max_corrections() -> None:
+    """The paper's Stage 1: successful branches do not end the tree; it ends once ``max_corrections``
+    rolled-back branches succeeded (queued requests after that are dropped, never opened)."""
+    lessons = [f"<step>0</step><experience>lesson {i}</experience>" for i in range(4)]
+    for limit, opened in ((2, 3), (0, 5)):
+        engine = ScriptedEngine(script=None, reflections=lessons)
+        engine.script = lambda kind, prompt: (
+            _lesson_follower(kind, prompt) if kind == "action" else lessons[len(engine.calls) % 4]
+        )
+        cfg = dict(k=2, horizon=8, max_depth=1, max_branches=10, stop_on_first_success=False)
+        events, summary = await explore(engine, max_corrections=limit, **cfg)
+        wins = [o for o in events if isinstance(o, Outcome) and o.success]
+        assert summary.branches == opened, limit
+        assert len(wins) == opened - 1 and all(o.branch_id != "b0" for o in wins)
+
+
+async def test_a_repeated_correction_is_requested_once() -> None:
+    """Periodic reflections that name the same tau and e on the same branch open one branch, not four
+    (a duplicate would only repeat its sibling's attempt)."""
+    engine = ScriptedEngine(
+        default_action=WAIT, default_reflection="<step>0</step><experience>same</experience>"
+    )
+    events, summary = await explore(engine, k=2, horizon=8, max_depth=1, max_branches=10)
+    reflections = [e for e in events if isinstance(e, Reflection) and e.branch_id == "b0"]
+    branches = [e for e in events if isinstance(e, Branch)]
+    assert len(reflections) == 4 and len(branches) == 1 and summary.branches == 2
+    assert branches[0].reflection_event_id == reflections[0].event_id
 
 
 async def test_env_error_ends_the_episode_with_an_error_outcome() -> None:

@@ -49,6 +49,7 @@ async def test_oracle_reflections_come_from_the_solver_not_the_model() -> None:
             verdict.experience,
         ) and refl.raw_text == verdict.experience
         assert "moving down" in refl.experience or "no valid move" in refl.experience
+        assert refl.oracle_action == verdict.action and f"move {verdict.action} instead" in refl.experience
     branch = next(e for e in sink.events if isinstance(e, Branch))
     first = next(s for s in steps if s.branch_id == branch.branch_id)
     assert branch.tau == reflections[0].tau and first.experience_in_context
@@ -93,6 +94,7 @@ async def test_oracle_labels_sit_beside_model_reflections_and_the_branch_follows
         verdict = env.oracle_reflection(task_id, history)
         assert verdict.experience and refl.oracle_experience == verdict.experience
         assert refl.oracle_tau == verdict.tau and refl.oracle_tau != refl.tau
+        assert refl.oracle_action == verdict.action and f"move {verdict.action} instead" in verdict.experience
         assert refl.prompt_sha256 == prompt_sha256(request.input_ids)
     branch = next(e for e in sink.events if isinstance(e, Branch))
     assert (branch.tau, branch.experience) == (2, "Push the box first.")
@@ -149,7 +151,9 @@ async def test_oracle_labels_change_nothing_but_the_labels() -> None:
     plain, labelled = await run(False), await run(True)
     assert any(isinstance(e, Reflection) and e.oracle_tau is not None for e in labelled)
     cleared = [
-        msgspec.structs.replace(e, oracle_tau=None, oracle_experience="") if isinstance(e, Reflection) else e
+        msgspec.structs.replace(e, oracle_tau=None, oracle_experience="", oracle_action="")
+        if isinstance(e, Reflection)
+        else e
         for e in labelled
     ]
     assert cleared == plain

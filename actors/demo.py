@@ -38,20 +38,20 @@ mode="demo"), rollout=RolloutConfig.for_env("sokoban"), demo=DemoConfig(), sink=
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import structlog
 
 from actors.config import RolloutConfig
-from actors.demo_config import AnswerFormat, DemoConfig
+from actors.demo_config import DemoConfig
 from actors.early import AlternativeExplorer, ExpertState
 from actors.engine import Engine
 from actors.episode import EpisodeRecorder, EpisodeSpec, EpisodeSummary, EventSink
 from actors.parsing import parse_action
 from envs.base import Env, EnvError, Transition, require_train_split
 from envs.registry import demonstrator
-from protocol.answers import answer_ids, end_of_turn_id
+from protocol.answers import ExpertAnswer, end_of_turn_id, expert_answer
 from protocol.events import (
     EXPERT_VERSION,
     ROOT_BRANCH,
@@ -62,45 +62,11 @@ from protocol.events import (
     Step,
 )
 from protocol.prompt import PROMPT_FORMAT, ChatTokenizer, HistoryEntry, prompt_sha256, render_messages
-from protocol.samples import ChatMessage
 
-__all__ = ["DemoRunner", "ExpertAnswer", "expert_answer"]
+__all__ = ["DemoRunner", "ExpertAnswer", "expert_answer"]  # the last two from protocol.answers
 
 log = structlog.get_logger(__name__)
 R = TypeVar("R")
-
-
-class ExpertAnswer(NamedTuple):
-    """An expert action written as the policy's completion, in the engine's shape."""
-
-    text: str
-    """Completion text as an engine returns it (a matched stop string cut off)."""
-    token_ids: list[int]
-    """Exact completion ids (stop string included; end-of-turn appended when no stop string ends it)."""
-
-
-def expert_answer(
-    action: str,
-    *,
-    answer_format: AnswerFormat,
-    response_prefix: str,
-    stop: Sequence[str],
-    tokenizer: ChatTokenizer,
-    messages: Sequence[ChatMessage],
-    eot: int,
-) -> ExpertAnswer:
-    """``action`` as the completion of ``messages`` + ``response_prefix`` (see the module docstring)."""
-    full = f"<action>{action}</action>" if answer_format == "tag" else f"```python\n{action.rstrip()}\n```"
-    if not full.startswith(response_prefix):
-        raise ValueError(f"answer {full[:40]!r} does not start with the response prefix {response_prefix!r}")
-    completion = full[len(response_prefix) :]
-    hits = sorted((completion.find(s), s) for s in stop if s and s in completion)
-    if hits:
-        at, matched = hits[0]
-        ids = answer_ids(tokenizer, messages, response_prefix, completion[: at + len(matched)])
-        return ExpertAnswer(text=completion[:at], token_ids=ids)
-    ids = answer_ids(tokenizer, messages, response_prefix, completion)
-    return ExpertAnswer(text=completion, token_ids=[*ids, eot])
 
 
 def _same(a: str | None, b: str) -> bool:

@@ -17,15 +17,13 @@ block).
 
 from __future__ import annotations
 
-from typing import Literal
-
 import msgspec
 
+from protocol.answers import AnswerFormat
 from protocol.config import convert_config, merge_tables
 
 __all__ = ["DEMO_DEFAULTS", "AnswerFormat", "DemoConfig"]
 
-AnswerFormat = Literal["tag", "fence"]
 DemoOverride = dict[str, int | float | str | bool | list[str]]
 
 

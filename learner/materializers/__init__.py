@@ -12,6 +12,7 @@
 | `iwm`   | ``iwm``: (state, the policy's alternative action) -> the observation it led to, plus ``sft`` |
 | `sr`    | ``sr``: state -> the policy's explanation of why the expert action is better + that action, plus ``sft`` |
 | `reflect` | ``sft``: oracle-labelled reflections -> ``<step>tau</step><experience>e</experience>`` (warm start) |
+| `follow` | ``sft``: the history at the oracle's tau with its e -> the move e names (warm start: act on e) |
 | `warm-leafe` | ``sft`` from demonstrations, then ``cf`` and ``reh`` from explore trees (one run, ``warm.py``) |
 | `warm-grpo`  | ``sft`` from demonstrations, then ``grpo`` from grouped rollouts (the online baseline)      |
 """
@@ -24,6 +25,7 @@ from learner.materializers.base import Materializer
 from learner.materializers.common import CommonOptions, FoldStats, sample_id_for
 from learner.materializers.early import IwmMaterializer, IwmOptions, SrMaterializer, SrOptions
 from learner.materializers.folding import Folder, FoldResult, fold_events, write_folded
+from learner.materializers.follow import FollowMaterializer, FollowOptions
 from learner.materializers.grpo import GrpoMaterializer, GrpoOptions
 from learner.materializers.leafe import LeafeMaterializer, LeafeOptions
 from learner.materializers.lifecycle import OpenLimits
@@ -44,6 +46,8 @@ __all__ = [
     "FoldResult",
     "FoldStats",
     "Folder",
+    "FollowMaterializer",
+    "FollowOptions",
     "GrpoMaterializer",
     "GrpoOptions",
     "IwmMaterializer",
@@ -76,6 +80,7 @@ MATERIALIZERS: dict[str, type[Materializer]] = {
     "iwm": IwmMaterializer,
     "sr": SrMaterializer,
     "reflect": ReflectMaterializer,
+    "follow": FollowMaterializer,
     "warm-leafe": WarmLeafeMaterializer,
     "warm-grpo": WarmGrpoMaterializer,
 }
@@ -89,6 +94,7 @@ SAMPLE_KINDS: dict[str, tuple[str, ...]] = {
     "iwm": ("iwm", "sft"),
     "sr": ("sr", "sft"),
     "reflect": ("sft",),
+    "follow": ("sft",),
     "warm-leafe": ("sft", "cf", "reh"),
     "warm-grpo": ("sft", "grpo"),
 }

@@ -99,12 +99,16 @@ class FoldStats:
     oracle verdict (``unlabelled``), the oracle found no mistake (``no_mistake``), on a branch that
     succeeded (``branch_succeeded``, with ``only_failed_branches``), ``unrenderable``, ``unformattable``,
     and ``samples``."""
+    follow: dict[str, int] = field(default_factory=dict)
+    """The ``follow`` materializer's counts: reflections ``seen``, without a verdict naming an action
+    (``no_named_action``), ``unrenderable``, ``duplicate_prompt``, ``unformattable`` and ``samples``."""
 
     def as_dict(self) -> dict[str, object]:
         """Plain dict (sorted sample counts) for logs and manifests."""
         out: dict[str, object] = dict(self.__dict__)
         out["samples"] = dict(sorted(self.samples.items()))
         out["reflections"] = dict(sorted(self.reflections.items()))
+        out["follow"] = dict(sorted(self.follow.items()))
         return out
 
 

@@ -6,8 +6,10 @@
   its exact token ids. This is the paper's core idea: the correction produced with e in context becomes
   the policy's reflex without it.
 - **D_reh** (kind ``reh``): ``(q + h_t, a_t)`` for the steps of successful paths (inherited prefix plus the
-  branch's own steps; prompts rebuilt without e). A seeded fraction is kept (paper: 20%), decided per
-  target step by hashing ``(seed, step event id)``, so the choice does not depend on event order. A step
+  branch's own steps; prompts rebuilt without e). A seeded fraction is kept, decided by hashing ``(seed,
+  key)`` so the choice does not depend on event order: with ``rehearsal_unit = "path"`` the key is the
+  successful branch's Outcome and a kept path gives all its steps (the paper: "a random 20% of successful
+  rollouts"); with ``"step"`` (the default, as earlier logs were replayed) each step is its own key. A step
   shared by two successful paths yields one sample.
 
 Samples are emitted at the branch's ``Outcome`` (everything they need is in the log by then), weighted
@@ -16,7 +18,7 @@ Samples are emitted at the branch's ``Outcome`` (everything they need is in the 
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -37,7 +39,10 @@ class LeafeOptions(CommonOptions, frozen=True, kw_only=True, forbid_unknown_fiel
     the very move the reflection blamed, so the sample corrects nothing (its steps still count for
     rehearsal). Off by default, as in the paper, which keeps every successful branch."""
     rehearsal_fraction: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.2
-    """Fraction of the steps of successful paths kept for D_reh (paper: 20%)."""
+    """Fraction of the successful paths (or of their steps, see ``rehearsal_unit``) kept for D_reh (paper:
+    20% of successful rollouts)."""
+    rehearsal_unit: Literal["step", "path"] = "step"
+    """What the fraction selects: whole successful paths (``path``, the paper) or single steps (``step``)."""
     rehearsal_seed: int = 0
     """Seed of the rehearsal selection."""
     cf_weight: float = 1.0
@@ -92,11 +97,16 @@ class LeafeMaterializer(Materializer):
     def _rehearsal(self, tree: EpisodeTree, node: BranchNode) -> list[Sample]:
         opts = self.options
         path = tree.path(node.branch_id)
-        chosen = [
-            t
-            for t, s in enumerate(path)
-            if selected_fraction(opts.rehearsal_seed, s.event_id, opts.rehearsal_fraction)
-        ]
+        if opts.rehearsal_unit == "path":
+            assert node.outcome is not None
+            keep = selected_fraction(opts.rehearsal_seed, node.outcome.event_id, opts.rehearsal_fraction)
+            chosen = list(range(len(path))) if keep else []
+        else:
+            chosen = [
+                t
+                for t, s in enumerate(path)
+                if selected_fraction(opts.rehearsal_seed, s.event_id, opts.rehearsal_fraction)
+            ]
         if not chosen:
             return []
         entries = path_entries(path[: chosen[-1]])

@@ -91,6 +91,20 @@ def test_rehearsal_fraction_is_seeded_and_per_step() -> None:
     assert ids(none) == set()
 
 
+def test_rehearsal_by_path_keeps_whole_successful_paths() -> None:
+    """``rehearsal_unit = "path"`` (the paper's "20% of successful rollouts"): a seed keeps every step of
+    the successful path or none of them, and over many seeds about the configured fraction of paths."""
+    tree, ev = corrected_tree()
+    whole = [ev["s0"].token_ids, ev["a1"].token_ids, ev["a2"].token_ids]
+    kept = 0
+    for seed in range(200):
+        samples, _ = fold(tree.events, rehearsal_fraction=0.25, rehearsal_seed=seed, rehearsal_unit="path")
+        reh = sorted((s for s in samples if s.kind == "reh"), key=lambda s: len(s.source_event_ids))
+        assert [s.completion_ids for s in reh] in ([], whole), seed
+        kept += bool(reh)
+    assert 25 <= kept <= 75  # Binomial(200, 0.25): mean 50, sd ~6
+
+
 def test_failed_branch_gives_no_counterfactual_unless_configured() -> None:
     """By default only successful branches give D_cf; cf_only_successful=False keeps failed ones too."""
     tree = Tree()

@@ -71,7 +71,7 @@ async def test_valid_episodes_locked_out_by_a_flood_are_folded_after_a_redrive(
     js: Any, nats_url: str, run_id: str, tokenizer: HFChatTokenizer
 ) -> None:
     """The lockout (see the module docstring), then `leafe replayer redrive` once the flood is stale."""
-    from services.replayer.main import main as replayer
+    from services.replayer import main as replayer
 
     flood = [e for i in range(60) for e in flood_starts(run_id, 1, actor_id=f"flood{i}")]
     valid = make_log(run_id, tokenizer, episodes=4, groups=0)

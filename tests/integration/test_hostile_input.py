@@ -99,7 +99,7 @@ async def test_a_chain_of_1200_branches_is_folded_online_in_recovery_and_by_leaf
     deep = [s for s in await published_samples(js, run_id) if s.episode_id == f"{run_id}-chain"]
     assert [s.kind for s in deep if s.kind == "cf"] == ["cf"]
 
-    from services.replayer.main import replay
+    from services.replayer import replay
 
     argv = ["--from", nats_url, "--run", run_id, "--model", str(tiny_model_dir(cache_dir)), "--no-progress"]
     cfg = tmp_path / "replay.toml"

@@ -320,7 +320,7 @@ def test_leafe_replay_of_a_file_cut_at_a_frame_boundary_fails_in_one_line(
 ) -> None:
     """Today the cut file replays with exit 0 and fewer samples; now: exit 1, one line, no dataset."""
     from learner.model_io import tiny_model_dir
-    from services.replayer.main import replay
+    from services.replayer import replay
 
     path = tmp_path / "run.leafelog"
     write_events(path, episodes("r1", n=3), run_id="r1")

@@ -43,11 +43,10 @@ from services.metrics import (
     MetricsServer,
     ReplayerMetrics,
     WeightSyncMetrics,
-    parse_samples,
-    scrape,
     serve_metrics,
 )
 from services.replayer.service import Replayer, ReplayerConfig
+from services.run.metrics import parse_samples, scrape
 from services.weight_sync.service import WeightSync, WeightSyncConfig
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixtures("one_thread")]

@@ -22,16 +22,16 @@ from nats.js.errors import NotFoundError
 
 from protocol.codec import encode, headers_for
 from protocol.subjects import EVENTS, SAMPLES, TASKS, WEIGHTS, event_subject
-from services.actor.main import service as actor_service
+from services.actor import service as actor_service
 from services.admin.streams import durables_for_run
 from services.bus import NatsOptions, Publisher, connect, ensure_durables, wait_for_streams
 from services.bus.auth import write_role_keys
 from services.bus.durables import DurableSpec, consumer_config
 from services.bus.nats_server import EmbeddedNats
 from services.bus.pull import Puller
-from services.learner.main import service as learner_service
-from services.replayer.main import service as replayer_service
-from services.weight_sync.main import service as weight_sync_service
+from services.learner import service as learner_service
+from services.replayer import service as replayer_service
+from services.weight_sync import service as weight_sync_service
 from tests.support.nats_auth import RoleClient, stored
 from tests.support.strategies import make_episode
 

@@ -35,7 +35,7 @@ from services.actor.service import ActorService
 from services.admin.streams import durables_for_run
 from services.bus import NatsOptions, Publisher, ensure_durables, read_stream, wait_for_streams
 from services.learner.service import OnlineLearner
-from services.replayer.main import service as replayer_service
+from services.replayer import service as replayer_service
 from services.replayer.replay import stream_events
 from services.replayer.service import Replayer, ReplayerConfig
 from services.weight_sync.service import WeightSync, WeightSyncConfig

@@ -156,7 +156,7 @@ def test_replayer_process_sigkilled_matches_leafe_replay(
 ) -> None:
     """`leafe replayer` SIGKILLed twice mid-stream and restarted ends with exactly the ids that
     `leafe replay` writes for the same log; SIGTERM then stops it cleanly (exit 0)."""
-    from services.replayer.main import replay
+    from services.replayer import replay
 
     model = tiny_model_dir(cache_dir)
     cfg = tmp_path / "replayer.toml"
@@ -242,7 +242,7 @@ def test_leafe_replay_from_file_equals_replay_from_stream(
     """`leafe replay` of an exported log file and of the stream write byte-identical datasets."""
     from learner.dataset import read_manifest
     from services.eventlog.transfer import export_run
-    from services.replayer.main import replay
+    from services.replayer import replay
 
     events = make_log(run_id, tokenizer, episodes=16, groups=1)  # enough samples for two shards
     log_file = tmp_path / "run.leafelog"

@@ -232,20 +232,25 @@ async def test_first_success_stops_the_episode_unless_configured_otherwise() -> 
         assert summary.success and summary.branches == expect_branches, stop
 
 
-def _lesson_follower(kind: str, prompt: str) -> str:
-    """Waits at the root; goes right whenever a lesson is in its prompt."""
-    return RIGHT if "lesson" in prompt else WAIT
+class LessonFollower:
+    """Waits at the root and goes right whenever a lesson is in its prompt; each reflection names a new
+    lesson (lesson 0, lesson 1, ...)."""
+
+    def __init__(self) -> None:
+        self.lessons = 0
+
+    def __call__(self, kind: str, prompt: str) -> str:
+        if kind == "action":
+            return RIGHT if "lesson" in prompt else WAIT
+        self.lessons += 1
+        return f"<step>0</step><experience>lesson {self.lessons}</experience>"
 
 
 async def test_without_stopping_at_first_success_the_tree_ends_after_max_corrections() -> None:
     """The paper's Stage 1: successful branches do not end the tree; it ends once ``max_corrections``
     rolled-back branches succeeded (queued requests after that are dropped, never opened)."""
-    lessons = [f"<step>0</step><experience>lesson {i}</experience>" for i in range(4)]
     for limit, opened in ((2, 3), (0, 5)):
-        engine = ScriptedEngine(script=None, reflections=lessons)
-        engine.script = lambda kind, prompt: (
-            _lesson_follower(kind, prompt) if kind == "action" else lessons[len(engine.calls) % 4]
-        )
+        engine = ScriptedEngine(script=LessonFollower())
         cfg = dict(k=2, horizon=8, max_depth=1, max_branches=10, stop_on_first_success=False)
         events, summary = await explore(engine, max_corrections=limit, **cfg)
         wins = [o for o in events if isinstance(o, Outcome) and o.success]

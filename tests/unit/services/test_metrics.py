@@ -17,18 +17,18 @@ from actors.engine import EngineError, SamplingParams
 from actors.fake_episodes import ExploreSpec, build_explore_episode
 from actors.fakes import ScriptedEngine
 from protocol.events import Branch, Reflection, Rollback, Step
+from services.actor.episode import TimedEngine
 from services.bus.nats_server import free_port
 from services.metrics import (
     ActorMetrics,
     InferenceCollector,
     LearnerMetrics,
     ReplayerMetrics,
-    TimedEngine,
     WeightSyncMetrics,
     metric_names,
-    parse_samples,
     serve_metrics,
 )
+from services.run.metrics import parse_samples
 
 MONITORING = Path(__file__).resolve().parents[3] / "deploy" / "components" / "monitoring"
 

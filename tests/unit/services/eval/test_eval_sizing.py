@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from actors.episode import EpisodeSummary
-from services.eval.main import main as leafe_eval
-from services.eval.main import progress as eval_progress
+from services.eval import main as leafe_eval
+from services.eval import progress as eval_progress
 from services.eval.progress import EvalProgress
 
 

@@ -100,8 +100,9 @@ class FoldStats:
     succeeded (``branch_succeeded``, with ``only_failed_branches``), ``unrenderable``, ``unformattable``,
     and ``samples``."""
     follow: dict[str, int] = field(default_factory=dict)
-    """The ``follow`` materializer's counts: reflections ``seen``, without a verdict naming an action
-    (``no_named_action``), ``unrenderable``, ``duplicate_prompt``, ``unformattable`` and ``samples``."""
+    """The ``follow`` materializer's counts: reflections passed over (no verdict naming an action:
+    ``no_named_action``; ``unrenderable``; the same prompt again: ``duplicate_prompt``), verdicts ``seen``,
+    ``unformattable`` and ``samples``."""
 
     def as_dict(self) -> dict[str, object]:
         """Plain dict (sorted sample counts) for logs and manifests."""

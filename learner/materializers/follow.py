@@ -23,6 +23,8 @@ verdict is in the log then, for the check); abandoned episodes give none. Counts
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 import structlog
 
@@ -30,11 +32,11 @@ from learner.materializers.base import CommonOptions, Materializer, fast_prompt_
 from learner.materializers.common import sample_id_for
 from learner.materializers.tree import EpisodeTree
 from protocol.answers import AnswerFormat, AnswerTokenError, end_of_turn_id, expert_answer
-from protocol.events import Branch, Reflection, Step
+from protocol.events import Branch, EpisodeEvent, Reflection, Step
 from protocol.prompt import ChatTokenizer
 from protocol.samples import Sample
 
-__all__ = ["FollowMaterializer", "FollowOptions"]
+__all__ = ["FollowMaterializer", "FollowOptions", "FollowProbe", "follow_probes"]
 
 log = structlog.get_logger("learner.materializers")
 
@@ -69,48 +71,30 @@ class FollowMaterializer(Materializer):
         self.tokenizer = tokenizer
         self.eot = end_of_turn_id(tokenizer)
 
-    def _count(self, what: str) -> None:
-        self.stats.follow[what] = self.stats.follow.get(what, 0) + 1
+    def _count(self, what: str, n: int = 1) -> None:
+        self.stats.follow[what] = self.stats.follow.get(what, 0) + n
 
     def _on_finished(self, tree: EpisodeTree) -> list[Sample]:
-        events = sorted(tree.seen.values(), key=lambda e: e.seq)
-        reflections = [e for e in events if isinstance(e, Reflection)]
-        first_steps = _first_steps_of_branches(events)
+        probes, skipped = follow_probes(tree)
+        for what, n in skipped.items():
+            self._count(what, n)
         out: list[Sample] = []
-        prompts: set[tuple[str, ...]] = set()
-        for event in reflections:
-            sample = self._sample(tree, event, first_steps.get(event.event_id), prompts)
+        for probe in probes:
+            sample = self._sample(tree, probe)
             if sample is not None:
                 out.append(sample)
         return out
 
-    def _sample(
-        self, tree: EpisodeTree, event: Reflection, opened: Step | None, prompts: set[tuple[str, ...]]
-    ) -> Sample | None:
+    def _sample(self, tree: EpisodeTree, probe: FollowProbe) -> Sample | None:
         self._count("seen")
-        tau = event.tau if event.source == "oracle" else event.oracle_tau
-        e = event.experience if event.source == "oracle" else event.oracle_experience
-        if tau is None or not e or not event.oracle_action:
-            self._count("no_named_action")
-            return None
-        path = tree.path(event.branch_id)[: event.at_t]
-        if len(path) != event.at_t or not 0 <= tau < len(path):
-            self._count("unrenderable")
-            return None
-        prefix = path[:tau]
-        key = (tree.started.event_id, *(s.event_id for s in prefix), e, event.oracle_action)
-        if key in prompts:
-            self._count("duplicate_prompt")
-            return None
-        prompts.add(key)
-        messages = self.render(tree, path_entries(prefix), tree.observation(path, tau), e)
+        messages = self.render(tree, path_entries(probe.prefix), probe.observation, probe.experience)
         s = tree.started
         prompt_ids = self.prompts.encode(messages, s.response_prefix)
-        if opened is not None and opened.experience_in_context and self.options.verify_prompts:
-            self._verify_opened(opened, prompt_ids)
+        if probe.opened is not None and probe.opened.experience_in_context and self.options.verify_prompts:
+            self._verify_opened(probe.opened, prompt_ids)
         try:
             answer = expert_answer(
-                event.oracle_action,
+                probe.action,
                 answer_format=self.options.answer_format,
                 response_prefix=s.response_prefix,
                 stop=self.options.action_stop,
@@ -120,9 +104,11 @@ class FollowMaterializer(Materializer):
             )
         except (ValueError, AnswerTokenError) as err:
             self._count("unformattable")
-            log.warning("replay.follow.unformattable", event_id=event.event_id, error=str(err)[:200])
+            log.warning(
+                "replay.follow.unformattable", event_id=probe.reflection.event_id, error=str(err)[:200]
+            )
             return None
-        sources = [s.event_id, *(x.event_id for x in prefix), event.event_id]
+        sources = [s.event_id, *(x.event_id for x in probe.prefix), probe.reflection.event_id]
         self._count("samples")
         return self.finish_sample(
             tree,
@@ -132,7 +118,7 @@ class FollowMaterializer(Materializer):
             answer=s.response_prefix + answer.text,
             prompt_ids=prompt_ids,
             completion_ids=answer.token_ids,
-            policy_version=event.policy_version,
+            policy_version=probe.reflection.policy_version,
             weight=self.options.weight,
             sources=sources,
         )
@@ -148,7 +134,71 @@ class FollowMaterializer(Materializer):
             log.warning("replay.follow.prompt_mismatch", episode_id=step.episode_id, event_id=step.event_id)
 
 
-def _first_steps_of_branches(events: list) -> dict[str, Step]:
+@dataclass(frozen=True)
+class FollowProbe:
+    """One oracle verdict that names an action, with the state it speaks about: what a follow sample is
+    built from, and what ``bench/paper/follow_audit.py`` samples the policy at (with e, without, a placebo)."""
+
+    reflection: Reflection
+    """The reflection carrying the verdict (its own, or a label beside a model reflection)."""
+    prefix: list[Step]
+    """The reflected branch's first ``tau`` steps (the oracle's tau): the history at tau."""
+    observation: str
+    """o_tau, the observation the step at tau was taken from."""
+    experience: str
+    """The oracle's e (as the explorer puts it in context)."""
+    action: str
+    """The action e names as the fix."""
+    blamed: str | None
+    """The action the branch took at tau, the one e corrects (``None``: an unparseable answer)."""
+    opened: Step | None
+    """The first step of the branch this verdict opened, when it opened one (oracle reflections)."""
+    own_prefix: list[Step] | None = None
+    """For a model reflection: the history at the model's own tau (its e's state); else ``None``."""
+
+
+def follow_probes(tree: EpisodeTree) -> tuple[list[FollowProbe], dict[str, int]]:
+    """Every distinct verdict of a finished episode that names an action (in event order), and how many
+    reflections were passed over and why (``no_named_action``, ``unrenderable``, ``duplicate_prompt``)."""
+    events = sorted(tree.seen.values(), key=lambda e: e.seq)
+    first_steps = _first_steps_of_branches(events)
+    probes: list[FollowProbe] = []
+    skipped: dict[str, int] = {}
+    seen: set[tuple[str, ...]] = set()
+    for event in (e for e in events if isinstance(e, Reflection)):
+        tau = event.tau if event.source == "oracle" else event.oracle_tau
+        e = event.experience if event.source == "oracle" else event.oracle_experience
+        path = tree.path(event.branch_id)[: event.at_t]
+        why = ""
+        if tau is None or not e or not event.oracle_action:
+            why = "no_named_action"
+        elif len(path) != event.at_t or not 0 <= tau < len(path):
+            why = "unrenderable"
+        else:
+            key = (tree.started.event_id, *(s.event_id for s in path[:tau]), e, event.oracle_action)
+            why = "duplicate_prompt" if key in seen else ""
+            seen.add(key)
+        if why:
+            skipped[why] = skipped.get(why, 0) + 1
+            continue
+        assert tau is not None
+        own = path[: event.tau] if event.source == "model" and event.tau < len(path) else None
+        probes.append(
+            FollowProbe(
+                reflection=event,
+                prefix=path[:tau],
+                observation=tree.observation(path, tau),
+                experience=e,
+                action=event.oracle_action,
+                blamed=path[tau].action,
+                opened=first_steps.get(event.event_id),
+                own_prefix=own,
+            )
+        )
+    return probes, skipped
+
+
+def _first_steps_of_branches(events: list[EpisodeEvent]) -> dict[str, Step]:
     """Reflection event id -> the first step of the branch it opened (the step at the branch's tau)."""
     opened = {e.branch_id: e for e in events if isinstance(e, Branch)}
     out: dict[str, Step] = {}

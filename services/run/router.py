@@ -1,0 +1,147 @@
+"""sglang-router 0.3.2 in front of inference servers: the gpu overlay's topology (actors -> router -> engines)
+on one machine, so requests, seeds, readiness, weight versions and reloads go through the real router in CI
+and in ``leafe run`` with ``services.router = true``.
+
+    router = await open_router(["http://127.0.0.1:30001", "http://127.0.0.1:30002"], log_path)
+    router.url            # what actors and evaluations use as their one engine URL
+    await router.stop()
+
+The flags are deploy/components/sglang/router.yaml's (cache-aware routing, workers checked on the cheap
+``/ready``, 3 misses of 5 s, 2 attempts per request) with the workers given as URLs instead of discovered
+as pods. Weight sync and the drain keep talking to each server: the router has no
+``/update_weights_from_disk`` and answers ``/get_model_info`` from its first healthy worker. The router gets
+no ``--api-key`` here: it passes the clients' ``Authorization`` header on to the servers, which check it
+(a key on its command line would be visible to every local user in ``ps``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+import structlog
+
+from services.bus.nats_server import free_port
+from services.run.supervisor import ServiceError, ServiceProcess
+
+__all__ = [
+    "ROUTER_VERSION",
+    "RouterProcess",
+    "open_router",
+    "router_available",
+    "router_command",
+]
+
+log = structlog.get_logger(__name__)
+
+ROUTER_VERSION = "0.3.2"
+"""The sglang-router release deploy/ runs (the Dockerfile's router stage) and the dev extra pins."""
+
+
+def router_available() -> bool:
+    """Whether this interpreter can run the router (``pip install sglang-router==0.3.2``)."""
+    return importlib.util.find_spec("sglang_router") is not None
+
+
+def router_command(
+    workers: Sequence[str],
+    *,
+    port: int,
+    prometheus_port: int,
+    host: str = "127.0.0.1",
+    health_interval_s: int = 10,
+    python: str = sys.executable,
+) -> list[str]:
+    """The router's launch: deploy's flags (router.yaml) with ``workers`` as URLs."""
+    flags = {
+        "--host": host,
+        "--port": str(port),
+        "--policy": "cache_aware",
+        "--health-check-endpoint": "/ready",
+        "--health-check-interval-secs": str(health_interval_s),
+        "--health-check-timeout-secs": "5",
+        "--health-failure-threshold": "3",
+        "--retry-max-retries": "2",
+        "--prometheus-host": host,
+        "--prometheus-port": str(prometheus_port),
+        "--log-level": "warn",
+    }
+    argv = [python, "-m", "sglang_router.launch_router", "--worker-urls", *workers]
+    return argv + [token for pair in flags.items() for token in pair]
+
+
+class RouterProcess(ServiceProcess):
+    """The router as a supervised child: logged, recorded, restarted like the ``leafe`` services."""
+
+    def __init__(
+        self, command: list[str], log_path: Path, *, url: str, metrics_url: str, run_dir: Path | None = None
+    ) -> None:
+        super().__init__("router", [], log_path, run_dir=run_dir)
+        self.argv = command  # not a `leafe` verb: the router's own launch
+        self.url = url
+        """Where clients send requests."""
+        self.metrics_url = metrics_url
+        """Its Prometheus endpoint (``smg_*`` series)."""
+
+    async def healthy_workers(self) -> int | None:
+        """``healthy_workers`` of its ``/readiness`` (``None``: no answer)."""
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http,
+                http.get(f"{self.url}/readiness") as resp,
+            ):
+                body = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        return int(body.get("healthy_workers", 0)) if isinstance(body, dict) else None
+
+    async def wait_workers(self, count: int, timeout_s: float = 60.0) -> None:
+        """Wait until ``count`` workers are healthy; :class:`ServiceError` with the log tail if it dies or
+        times out."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while (await self.healthy_workers() or 0) < count:
+            self.check()
+            if asyncio.get_running_loop().time() > deadline:
+                raise ServiceError(
+                    f"the router did not report {count} healthy workers within {timeout_s:.0f}s; "
+                    f"see {self.log_path}:\n{self.tail()}"
+                )
+            await asyncio.sleep(0.25)
+
+
+async def open_router(
+    workers: Sequence[str],
+    log_path: Path,
+    *,
+    run_dir: Path | None = None,
+    health_interval_s: int = 10,
+    timeout_s: float = 60.0,
+) -> RouterProcess:
+    """Start the router in front of ``workers`` and wait until every one is healthy behind it."""
+    if not router_available():
+        raise ServiceError(
+            f"sglang_router is not importable by {sys.executable}: pip install sglang-router=={ROUTER_VERSION}"
+        )
+    port, prometheus_port = free_port(), free_port()
+    command = router_command(
+        workers, port=port, prometheus_port=prometheus_port, health_interval_s=health_interval_s
+    )
+    router = RouterProcess(
+        command,
+        log_path,
+        url=f"http://127.0.0.1:{port}",
+        metrics_url=f"http://127.0.0.1:{prometheus_port}/metrics",
+        run_dir=run_dir,
+    )
+    await router.start()
+    try:
+        await router.wait_workers(len(workers), timeout_s)
+    except BaseException:
+        await router.stop(5.0)
+        raise
+    log.info("run.router.ready", url=router.url, workers=list(workers))
+    return router

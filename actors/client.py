@@ -40,10 +40,11 @@ from actors.server_pool import (
 )
 from actors.sglang_wire import (
     Aborted,
+    GenerateOutput,
     UpdateResult,
     decode_outputs,
     error_message,
-    generate_payload,
+    generate_payloads,
     parse_completions,
     raise_if_aborted,
     split_seeds,
@@ -129,21 +130,34 @@ class SGLangClient(ServerPool):
             raise EngineError("generate needs a non-empty prompt (input_ids=[])")
         if n < 1:
             raise EngineError(f"n must be >= 1, got {n}")
-        payload = generate_payload(input_ids, params, n, return_logprob)
-        for attempt in range(self.config.abort_retries + 1):
-            outs = decode_outputs(await self.generate_raw(payload, timeout_s=timeout_s))
-            try:
-                raise_if_aborted(outs)
-                break
-            except Aborted as e:
-                log.warning("engine.generate.aborted", attempt=attempt + 1, error=str(e))
-                if not e.retryable or attempt == self.config.abort_retries:
-                    raise EngineError(f"{e} (after {attempt + 1} attempt(s))") from None
-                await asyncio.sleep(min(self.config.max_backoff_s, self.config.backoff_s * 2**attempt))
+        payloads = generate_payloads(input_ids, params, n, return_logprob)
+        tasks = [asyncio.ensure_future(self._generate_one(p, timeout_s)) for p in payloads]
+        try:
+            outs = [out for part in await asyncio.gather(*tasks) for out in part]
+        except BaseException:  # one request failed: the others' samples would be of no use
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         completions = [to_completion(o) for o in outs]
         if len(completions) != n:
             raise EngineError(f"asked for n={n} completions, the server returned {len(completions)}")
         return completions
+
+    async def _generate_one(self, payload: dict[str, Any], timeout_s: float | None) -> list[GenerateOutput]:
+        """One ``/generate`` request's results, sent again while the server aborts it (``abort_retries``)."""
+        attempt = 0
+        while True:
+            outs = decode_outputs(await self.generate_raw(payload, timeout_s=timeout_s))
+            try:
+                raise_if_aborted(outs)
+                return outs
+            except Aborted as e:
+                attempt += 1
+                log.warning("engine.generate.aborted", attempt=attempt, error=str(e))
+                if not e.retryable or attempt > self.config.abort_retries:
+                    raise EngineError(f"{e} (after {attempt} attempt(s))") from None
+            await asyncio.sleep(min(self.config.max_backoff_s, self.config.backoff_s * 2 ** (attempt - 1)))
 
     async def model_info(self) -> dict[str, Any]:
         """``/model_info`` of the least-loaded reachable server (``/get_model_info`` where the first is

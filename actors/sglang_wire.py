@@ -19,7 +19,7 @@ __all__ = [
     "UpdateResult",
     "decode_outputs",
     "error_message",
-    "generate_payload",
+    "generate_payloads",
     "parse_completions",
     "raise_if_aborted",
     "split_seeds",
@@ -173,21 +173,26 @@ def split_seeds(seed: int, n: int) -> list[int]:
     return [(seed + i * 1_000_033) % 2**31 for i in range(n)]
 
 
-def generate_payload(
+def generate_payloads(
     input_ids: list[int], params: SamplingParams, n: int, return_logprob: bool
-) -> dict[str, Any]:
-    """The ``/generate`` body for ``n`` samples of one prompt. Without a seed: one prompt with ``n``. With a
-    seed and ``n > 1``: a batch of ``n`` copies of the prompt, each with its own seed, since SGLang (with
-    ``--enable-deterministic-inference``) gives all ``n`` samples of one request the same seed, i.e. ``n``
-    identical completions; a batch keeps the shared prefix in one request and answers in input order."""
+) -> list[dict[str, Any]]:
+    """The ``/generate`` bodies for ``n`` samples of one prompt. Without a seed: one request with ``n``.
+    With a seed and ``n > 1``: ``n`` requests of one sample, each with its own seed. Not one request with
+    ``n`` (SGLang, with ``--enable-deterministic-inference``, gives all ``n`` samples of one request the
+    same seed: ``n`` identical completions), and not a batch with a list of ``sampling_params`` (one per
+    prompt: SGLang takes it, sglang-router 0.3.2 refuses it with 422, "sampling_params[0]: invalid type").
+    The copies share their prompt, so the engine's prefix cache (and the router's cache-aware routing)
+    still computes it once."""
     sampling = params.to_sglang()
     if n == 1 or params.sampling_seed is None:
         if n > 1:
             sampling["n"] = n
-        return {"input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": return_logprob}
-    per_prompt = [{**sampling, "sampling_seed": s} for s in split_seeds(params.sampling_seed, n)]
-    return {
-        "input_ids": [list(input_ids) for _ in range(n)],
-        "sampling_params": per_prompt,
-        "return_logprob": return_logprob,
-    }
+        return [{"input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": return_logprob}]
+    return [
+        {
+            "input_ids": list(input_ids),
+            "sampling_params": {**sampling, "sampling_seed": seed},
+            "return_logprob": return_logprob,
+        }
+        for seed in split_seeds(params.sampling_seed, n)
+    ]

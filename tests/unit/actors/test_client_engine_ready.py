@@ -39,17 +39,25 @@ async def test_an_unreachable_engine_raises_engine_unavailable() -> None:
             await c.generate([1], SamplingParams())
 
 
-async def test_n_samples_with_a_seed_get_distinct_seeds_in_one_batch() -> None:
+async def test_n_samples_with_a_seed_are_n_requests_with_distinct_seeds() -> None:
     """``n > 1`` with a seed is never one request with a shared ``sampling_seed`` (SGLang would return n
-    identical samples): it is a batch of n prompts, each with its own seed; without a seed it stays ``n``."""
+    identical samples) nor a batch with a list of ``sampling_params`` (sglang-router 0.3.2 answers 422):
+    it is n requests of one sample, each with one ``sampling_params`` object and its own seed; without a
+    seed it stays one request with ``n``."""
+    async with (
+        replay({"/generate": (200, fixture("generate_stop_eos.json"))}) as rep,
+        fast_client([rep.url]) as c,
+    ):
+        three = await c.generate([4, 5], SamplingParams(sampling_seed=11), n=3)
+    assert len(three) == 3
+    bodies = [body for _, body in rep.requests]
+    assert all(b["input_ids"] == [4, 5] and isinstance(b["sampling_params"], dict) for b in bodies)
+    seeds = [b["sampling_params"]["sampling_seed"] for b in bodies]
+    assert sorted(seeds) == sorted(set(seeds)) and 11 in seeds and len(seeds) == 3
+    assert all("n" not in b["sampling_params"] for b in bodies)
     async with replay({"/generate": (200, fixture("generate_n2.json"))}) as rep, fast_client([rep.url]) as c:
-        two = await c.generate([4, 5], SamplingParams(sampling_seed=11), n=2)
         await c.generate([4, 5], SamplingParams(), n=2)
-    assert len(two) == 2
-    seeded, unseeded = (body for _, body in rep.requests)
-    assert seeded["input_ids"] == [[4, 5], [4, 5]] and all("n" not in p for p in seeded["sampling_params"])
-    seeds = [p["sampling_seed"] for p in seeded["sampling_params"]]
-    assert len(set(seeds)) == 2 and seeds[0] == 11
+    [(_, unseeded)] = rep.requests
     assert unseeded["sampling_params"]["n"] == 2 and "sampling_seed" not in unseeded["sampling_params"]
 
 

@@ -4,6 +4,7 @@
     leafe weight-sync ... --once         # apply the latest version, report, exit 1 if any server failed
     leafe weight-sync ... --config weight-sync.toml     # WeightSyncConfig fields; flags override
     leafe weight-sync ... --metrics-port 9465           # Prometheus /metrics (leafe_weight_sync_*)
+    leafe weight-sync ... --engine-lock /run/leafe/engine/reload.lock   # read by the engine's liveness probe
 
 How it reconciles is described in ``services/weight_sync/service.py``.
 """
@@ -40,6 +41,11 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="check the export against the announcement: every file (default), the manifest sha256 only, or off",
     )
+    p.add_argument(
+        "--engine-lock",
+        default=None,
+        help="file held locked while the server loads, read by the engine's liveness probe (one per pod)",
+    )
     p.add_argument("--once", action="store_true", help="apply the latest version and exit (1 if any failed)")
     p.add_argument("--log-level", default="info")
     add_metrics_arguments(p)
@@ -51,7 +57,12 @@ def main(argv: list[str]) -> int:
     p = _parser()
     a = p.parse_args(argv)
     configure_logging(json=True, level=a.log_level)
-    overrides = {"servers": a.server, "reconcile_interval_s": a.reconcile_interval, "verify": a.verify}
+    overrides = {
+        "servers": a.server,
+        "reconcile_interval_s": a.reconcile_interval,
+        "verify": a.verify,
+        "engine_lock": a.engine_lock,
+    }
     try:
         nats = nats_options(a)
         cfg = load_config(WeightSyncConfig, files=[a.config], overrides=overrides)

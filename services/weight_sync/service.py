@@ -35,6 +35,7 @@ from protocol.codec import CODEC_HEADER, ProtocolError
 from protocol.subjects import WEIGHTS
 from services.bus import NatsOptions, connect, wait_for_streams
 from services.metrics import WeightSyncMetrics
+from services.weight_sync.lease import LoadSlots
 
 __all__ = ["SyncResult", "WeightSync", "WeightSyncConfig"]
 
@@ -59,6 +60,25 @@ class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     announcement and every file against the manifest (``files``, the default: SGLang's rollback after a
     failed load re-reads the *new* path, so a bad file must never reach it), only the manifest
     (``manifest``), or nothing (``off``). Each version is hashed once, not at every reconcile."""
+    reload_lease: bool = True
+    """Load one server at a time among every weight sync sharing the store (``<store>/.in_use/reload/lease``,
+    when the store is visible here): SGLang pods' sidecars all react to the same announcement, and servers
+    that reload together all stop serving together. This weight sync's own servers load one at a time
+    regardless."""
+    lease_ttl_s: float = 60.0
+    """A lease not refreshed for this long is taken over (its holder died mid-load); a holder refreshes it
+    every quarter of this while its server loads."""
+    lease_poll_s: float = 1.0
+    """How often a weight sync waiting for the lease tries again."""
+    engine_lock: str = ""
+    """A file held locked (``flock``) while the server loads, with the load's deadline in it: the engine's
+    liveness probe (deploy/components/sglang/liveness.py) then answers alive instead of asking SGLang for a
+    generation. Empty: none (``leafe inference`` never generates for ``/health``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("reconcile_interval_s", "update_timeout_s", "lease_ttl_s", "lease_poll_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
 
 class SyncResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,6 +90,8 @@ class SyncResult(msgspec.Struct, frozen=True, kw_only=True):
     message: str
     seconds: float
     """Duration of the update call."""
+    started_at: float = 0.0
+    """When the update call began (``time.time()``): with ``seconds``, when the server was loading."""
 
 
 def _sha256(path: Path) -> str:
@@ -108,6 +130,13 @@ class WeightSync:
         self._wake = asyncio.Event()
         self._checked: dict[tuple[str, str, str], bool] = {}
         """The verdict of ``_verified`` on the desired export (version, uri, manifest sha256)."""
+        self.slots = LoadSlots(
+            holder=f"{self.host}|{','.join(self.clients)}",
+            lease_ttl_s=cfg.lease_ttl_s if cfg.reload_lease else None,
+            engine_lock=cfg.engine_lock,
+            load_deadline_s=cfg.update_timeout_s + 60.0,
+        )
+        """Who may load now (services/weight_sync/lease.py)."""
 
     def offer(self, event: WeightsPublished) -> None:
         """A new announcement: becomes the desired state if it is newer. One without the manifest's
@@ -163,7 +192,7 @@ class WeightSync:
         return True
 
     async def _update(self, url: str, event: WeightsPublished) -> SyncResult:
-        t0 = time.perf_counter()
+        started_at, t0 = time.time(), time.perf_counter()
         [r] = await self.clients[url].update_weights_from_disk(
             event.uri, event.version, timeout_s=self.cfg.update_timeout_s
         )
@@ -173,6 +202,7 @@ class WeightSync:
             success=r.success,
             message=r.message,
             seconds=time.perf_counter() - t0,
+            started_at=started_at,
         )
         self.results[url] = res
         self.metrics.push_seconds.observe(res.seconds)
@@ -223,28 +253,41 @@ class WeightSync:
                 )
 
     async def sync(self, *, refresh: bool = False) -> dict[str, SyncResult]:
-        """Bring every server to the desired version now; returns this round's per-server results."""
+        """Bring every server to the desired version now, one load at a time; returns this round's
+        per-server results (a server waiting for the store's reload lease has none yet)."""
         event = self.desired
         if event is None or not await self._verified(event):
             return {}
+        done: dict[str, SyncResult] = {}
+        for url in await self._behind(event, refresh=refresh):
+            async with self.slots.take(url, event.version, Path(event.uri).parent) as granted:
+                if not granted:  # another weight sync's server loads: ask again soon
+                    self.retry_at[url] = time.monotonic() + self.cfg.lease_poll_s
+                    break
+                done[url] = await self._update(url, event)  # the others keep serving meanwhile
+        return done
 
-        async def one(url: str) -> SyncResult | None:
+    async def _behind(self, event: WeightsPublished, *, refresh: bool) -> list[str]:
+        """The servers not known to serve ``event``'s version (asked again with ``refresh``), unless
+        they wait for a retry."""
+
+        async def one(url: str) -> bool:
             if time.monotonic() < self.retry_at.get(url, 0.0):
-                return None
+                return False
             if refresh or url not in self.served:
                 actual = await self._actual(url)
                 if actual is None:
-                    return None
+                    return False
                 self.served[url] = actual
                 self.metrics.served(url, actual)
             if self.served[url] == event.version:
                 if refresh:
                     self._mark_in_use(url, event)  # confirmed again: keep the marker fresh
-                return None
-            return await self._update(url, event)
+                return False
+            return True
 
-        done = await asyncio.gather(*(one(u) for u in self.clients))
-        return {r.url: r for r in done if r is not None}
+        flags = await asyncio.gather(*(one(u) for u in self.clients))
+        return [url for url, behind in zip(self.clients, flags, strict=True) if behind]
 
     def report(self) -> dict[str, str]:
         """Each server's known version (``unknown``: never answered), logged as ``weight_sync.report``."""

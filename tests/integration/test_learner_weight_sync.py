@@ -120,6 +120,6 @@ async def test_markers_are_named_by_host_and_url(
     await _announce(nats_url, run_id, tiny_dir, store / "v000001", "v000001", None)
     sync = WeightSync(WeightSyncConfig(servers=[server]), run_id=run_id)
     assert await asyncio.wait_for(sync.run(nats_url, asyncio.Event(), once=True), 60)
-    markers = list((store / IN_USE_DIR).iterdir())
+    markers = [p for p in (store / IN_USE_DIR).iterdir() if p.is_file()]  # reload/ holds the lease
     assert in_use_versions(store) == {"v000001"} and len(markers) == 1
     assert markers[0].name.startswith(re.sub(r"[^A-Za-z0-9_.-]+", "_", sync.host))

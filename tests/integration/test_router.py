@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +17,12 @@ import pytest
 from actors.client import SGLangClient
 from actors.engine import SamplingParams
 from learner.model_io import export_weights, load_model
-from protocol import WeightsPublished
+from protocol import WeightsPublished, weights_subject
+from services.bus import NatsOptions, Publisher, connect
 from services.inference.auth import write_api_key
 from services.inference.server import InferenceConfig, InferenceServer
 from services.run.router import RouterProcess, open_router, router_available
+from services.weight_sync.service import WeightSync, WeightSyncConfig
 
 pytestmark = [
     pytest.mark.anyio,
@@ -101,6 +103,55 @@ async def test_readiness_and_versions_through_the_router(topology: Topology) -> 
     assert versions == {"v000001"}
 
 
+async def test_a_push_under_load_keeps_serving(
+    topology: Topology, nats_roles: dict[str, NatsOptions], run_id: str
+) -> None:
+    """Both engines' weight syncs get the same WeightsPublished while generations go through the router:
+    the engines load one after the other (never both at once), the router has a healthy worker at every
+    probe, no generation fails, and the completions after the push carry the new version."""
+    syncs = [
+        WeightSync(WeightSyncConfig(servers=[url], reconcile_interval_s=1.0), run_id=run_id)
+        for url in topology.engines
+    ]
+    stop = asyncio.Event()
+    followers = [asyncio.create_task(s.run(nats_roles["weight-sync"], stop)) for s in syncs]
+    probes: list[int | None] = []
+    failures: list[str] = []
+    generated = 0
+    async with topology.client() as client:
+
+        async def generate() -> None:
+            nonlocal generated
+            while not stop.is_set():
+                try:
+                    await client.generate(PROMPT, _short())
+                    generated += 1
+                except Exception as e:  # the count of failures is what this test is about
+                    failures.append(f"{type(e).__name__}: {e}")
+
+        async def probe() -> None:
+            while not stop.is_set():
+                probes.append(await topology.router.healthy_workers())
+                await asyncio.sleep(0.1)
+
+        loops = [asyncio.create_task(generate()) for _ in range(4)] + [asyncio.create_task(probe())]
+        await asyncio.sleep(1.0)
+        event = await asyncio.to_thread(
+            _export, topology.model, topology.store / "v000001", "v000001", run_id
+        )
+        await _publish(nats_roles["learner"], event)
+        await _until(lambda: all(s.converged() for s in syncs), 30.0)
+        await asyncio.sleep(0.5)
+        stop.set()
+        await asyncio.gather(*loops, *followers)
+        after = await client.generate(PROMPT, _short(), n=4)
+    assert not failures, failures[:3]
+    assert generated > 0 and probes and all(p is not None and p >= 1 for p in probes), probes
+    spans = sorted((r.started_at, r.started_at + r.seconds) for s in syncs for r in s.results.values())
+    assert len(spans) == 2 and spans[0][1] <= spans[1][0], f"both engines loaded at once: {spans}"
+    assert {c.weight_version for c in after} == {"v000001"}
+
+
 def _short() -> SamplingParams:
     return SamplingParams(max_new_tokens=4, temperature=1.0)
 
@@ -119,3 +170,20 @@ def _export(model: Path, out: Path, version: str, run_id: str = "r") -> WeightsP
         base_model="tiny",
         ts=time.time(),
     )
+
+
+async def _publish(learner: NatsOptions, event: WeightsPublished) -> None:
+    nc = await connect(learner)
+    try:
+        async with Publisher(nc.jetstream()) as pub:
+            await pub.publish(weights_subject(event.run_id), event)
+    finally:
+        await nc.close()
+
+
+async def _until(done: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not done within {timeout_s} s")
+        await asyncio.sleep(0.1)

@@ -22,7 +22,16 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["REPO", "epoch_weights", "filter_samples", "kind_counts", "replay", "train"]
+__all__ = [
+    "REPO",
+    "combine",
+    "epoch_weights",
+    "filter_samples",
+    "global_batch",
+    "kind_counts",
+    "replay",
+    "train",
+]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,6 +100,27 @@ def filter_samples(src: Path, dst: Path, *, kinds: Sequence[str] = (), task_ids:
     return n
 
 
+def combine(parts: Sequence[Path], dst: Path) -> int:
+    """Every sample of the datasets ``parts``, in order, into one shard under ``dst``; returns how many."""
+    dst.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with (dst / "part-0.jsonl").open("wb") as f:
+        for part in parts:
+            for s in _iter(part):
+                f.write(msgspec.json.encode(s) + b"\n")
+                n += 1
+    return n
+
+
+def global_batch(preset: str, trainer: Mapping[str, Any]) -> int:
+    """Samples per optimizer step of a training with this preset and ``[trainer]`` table."""
+    from learner.config import train_preset
+
+    return int(
+        trainer.get("batch", {}).get("global_batch") or train_preset(preset).trainer.batch.global_batch
+    )
+
+
 def kind_counts(data: Path) -> dict[str, int]:
     """Samples per kind in a dataset."""
     out: dict[str, int] = {}
@@ -138,15 +168,11 @@ async def train(
     (``final`` and, with ``export_epochs``, one directory per epoch)."""
     import tomli_w
 
-    from learner.config import train_preset
-
     t0 = time.monotonic()
-    global_batch = int(
-        trainer.get("batch", {}).get("global_batch") or train_preset(preset).trainer.batch.global_batch
-    )
+    batch = global_batch(preset, trainer)
     table: dict[str, Any] = {"trainer": {**trainer, "checkpoint_every": 0, "push_every": 0}}
     if export_epochs:
-        table["trainer"].update(push_every=math.ceil(samples / global_batch), retain_versions=epochs + 1)
+        table["trainer"].update(push_every=math.ceil(samples / batch), retain_versions=epochs + 1)
     table.update({"max_steps": max_steps} if max_steps else {})
     conf = _write(out / "train.toml", tomli_w.dumps(table))
     args = ["train", "--data", str(data), "--model", str(model), "--out", str(out), "--preset", preset]
@@ -158,8 +184,7 @@ async def train(
     if not keep_checkpoints:
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
     weights = {
-        str(e): str(epoch_weights(out, samples, global_batch, e, epochs, max_steps))
-        for e in range(1, epochs + 1)
+        str(e): str(epoch_weights(out, samples, batch, e, epochs, max_steps)) for e in range(1, epochs + 1)
     }
     if not export_epochs:
         weights = {str(epochs): str(out / "final")}
@@ -175,5 +200,5 @@ async def train(
         "trained_samples": sum(int(r.get("samples", 0)) for r in rows),
         "train_wall_s": time.monotonic() - t0,
         "config": table,
-        "global_batch": global_batch,
+        "global_batch": batch,
     }

@@ -28,9 +28,12 @@ from services.config import load_config
 
 __all__ = [
     "BENCH",
+    "EFFECT_ROWS",
     "FULL_POWER",
+    "ROLLOUT_KEYS",
     "ROWS",
     "EarlyConfig",
+    "EffectConfig",
     "GrpoConfig",
     "LeafeConfig",
     "PaperConfig",
@@ -58,6 +61,20 @@ ROWS: dict[str, str] = {
     "sft-reseed": "Base + SFT, other sampling seeds (noise check)",
 }
 """Row label -> the name the report prints, in table order. The oracle row is an ablation, never "LEAFE"."""
+
+EFFECT_ROWS: dict[str, str] = {
+    "warm": "Warm start (demonstrations + reflections + following e)",
+    "grpo": "GRPO (from the warm start)",
+    "reh": "L_reh only (model-e trees)",
+    "leafe": "LEAFE (model e)",
+    "reh-oracle": "L_reh only (oracle-e trees)",
+    "leafe-oracle": "LEAFE with oracle e (ablation)",
+}
+"""The rows of the ``effect`` protocol (issue #33): every row starts from the one shared warm start."""
+
+ROLLOUT_KEYS = ("horizon", "history_window")
+"""Keys of a room variant that set the rollout (not the environment): a variant may choose its horizon and
+the history window of its prompts (chosen on validation with the room difficulty)."""
 
 FULL_POWER = (64, 16)
 """The ``full`` scale's minimum test tasks x samples per row (the issue's power requirement)."""
@@ -89,6 +106,8 @@ class WarmStartConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """... and a validation Pass@1 in this range (room to improve)."""
     pass1_target: float = 0.30
     """Among the candidates that meet both, the one with Pass@1 closest to this wins (ties: cheaper)."""
+    max_passk: float = 1.0
+    """... and a validation Pass@k at the largest k of at most this (rooms where large k can show)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.variants), "warm.variants", self.variants, "need at least one room variant")
@@ -164,6 +183,60 @@ class LeafeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         )
 
 
+class EffectConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The ``effect`` protocol (issue #33, ``bench/paper/effect.py``): a warm start that teaches the policy to
+    act on e, a follow-rate gate, then every row from it. Train ranges (disjoint from the others, checked)."""
+
+    label_offset: int = 3000
+    """First train index of the rooms whose labelled trees give the warm start's reflection and follow data."""
+    label_tasks: int = 64
+    """Label rooms."""
+    label_samples: int = 2
+    """Trees per label room."""
+    label_explorer: Options = msgspec.field(default_factory=dict)
+    """``ExplorerConfig`` overrides of the label and audit trees (``oracle_labels`` is set by the protocol)."""
+    audit_offset: int = 4000
+    """First train index of the rooms the follow audit samples at (never trained on)."""
+    audit_tasks: int = 32
+    """Audit rooms (one labelled tree each, from the warm start)."""
+    audit_samples: int = 8
+    """Answers sampled per verdict and condition."""
+    follow_gate: float = 0.70
+    """The follow rate the warm start must reach (with the oracle's e, above its share without e); below
+    it the rows are not run and the report says why."""
+    warm_epochs: int = 2
+    """Epochs of the shared warm start (each is a candidate, chosen on validation)."""
+    warm_lr: float = 5e-5
+    """Its learning rate."""
+    explorer: Options = msgspec.field(default_factory=dict)
+    """``ExplorerConfig`` overrides of Stage 1 (both reflection sources)."""
+    explore_samples: int = 1
+    """Stage-1 trees per RL task."""
+    row_steps: int = 40
+    """Optimizer steps of every distillation row (LEAFE, L_reh: equal steps)."""
+    row_lr: float = 3e-5
+    """Their learning rate."""
+    beta: float = 1.0
+    """Weight of L_reh in LEAFE."""
+    rehearsal_fraction: float = 0.2
+    """Share of successful paths kept for D_reh (the paper's 20% of successful rollouts)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "label_tasks",
+            "label_samples",
+            "audit_tasks",
+            "audit_samples",
+            "warm_epochs",
+            "row_steps",
+        ):
+            _require(getattr(self, name) >= 1, f"effect.{name}", getattr(self, name), "must be >= 1")
+        _require(0 < self.follow_gate <= 1, "effect.follow_gate", self.follow_gate, "in (0, 1]")
+        for key in ("reflection_source", "oracle_labels"):
+            for field in ("label_explorer", "explorer"):
+                _require(key not in getattr(self, field), f"effect.{field}", key, "is set by the protocol")
+
+
 class ServingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The inference servers collection and evaluation run on."""
 
@@ -230,6 +303,9 @@ class PaperConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ``bench/results/paper_logs/<name>/``."""
     report_name: str = "paper_table"
     """File stem of the report under ``--results``."""
+    protocol: Literal["table", "effect"] = "table"
+    """``table``: the paper table (``bench/paper/phases.py``); ``effect``: LEAFE's own effect from one shared
+    warm start that acts on e (issue #33, ``bench/paper/effect.py``)."""
     model: str = "smollm2-135m-instruct"
     """Base model (``learner.model_io.resolve_model``)."""
     env: str = "sokoban"
@@ -286,6 +362,8 @@ class PaperConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Training children."""
     probe: ProbeConfig = msgspec.field(default_factory=ProbeConfig)
     """Cost probe of a second environment."""
+    effect: EffectConfig = msgspec.field(default_factory=EffectConfig)
+    """The ``effect`` protocol's settings (unused by ``table``)."""
     notes: str = ""
     """Free text printed in the report."""
 
@@ -293,8 +371,9 @@ class PaperConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         _require(
             self.name.replace("-", "").isalnum(), "name", self.name, "must be key-safe (letters, digits, -)"
         )
-        unknown = sorted(set(self.rows) - set(ROWS))
-        _require(not unknown, "rows", unknown, f"unknown row(s); known: {', '.join(ROWS)}")
+        known = self.row_names
+        unknown = sorted(set(self.rows) - set(known))
+        _require(not unknown, "rows", unknown, f"unknown row(s); known: {', '.join(known)}")
         _require(bool(self.rows), "rows", self.rows, "need at least one row")
         for field in ("demo_offset", "train_offset", "val_offset", "test_offset"):
             _require(getattr(self, field) >= 0, field, getattr(self, field), "must be >= 0")
@@ -319,7 +398,15 @@ class PaperConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         val = range(self.val_offset, self.val_offset + self.val_tasks)
         demos = range(self.demo_offset, self.demo_offset + max(self.warm.demo_counts))
         rl = range(self.train_offset, self.train_offset + self.train_tasks)
-        for name, other in (("demonstration", demos), ("RL", rl)):
+        ranges = [("demonstration", demos), ("RL", rl)]
+        if self.protocol == "effect":
+            fx = self.effect
+            labels = range(fx.label_offset, fx.label_offset + fx.label_tasks)
+            audit = range(fx.audit_offset, fx.audit_offset + fx.audit_tasks)
+            ranges += [("label", labels), ("audit", audit)]
+            for (na, a), (nb, b) in [(x, y) for i, x in enumerate(ranges) for y in ranges[i + 1 :]]:
+                _require(not set(a) & set(b), "effect ranges", (na, nb), "train ranges must be disjoint")
+        for name, other in ranges:
             overlap = set(val) & set(other)
             _require(
                 not overlap,
@@ -328,6 +415,11 @@ class PaperConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 f"the validation slice {val.start}..{val.stop - 1} overlaps the {name} tasks "
                 f"{other.start}..{other.stop - 1} (train indices {sorted(overlap)[:3]}...)",
             )
+
+    @property
+    def row_names(self) -> dict[str, str]:
+        """This protocol's rows: label -> the name the report prints."""
+        return EFFECT_ROWS if self.protocol == "effect" else ROWS
 
     @property
     def prefix(self) -> str:

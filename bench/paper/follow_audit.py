@@ -40,7 +40,7 @@ from protocol.prompt import ChatTokenizer, HistoryEntry, render_messages
 from protocol.samples import Sample
 from services.eventlog.fileformat import read_events
 
-__all__ = ["CONDITIONS", "AuditItem", "audit_items", "run_audit", "summarize"]
+__all__ = ["CONDITIONS", "AuditItem", "audit_items", "audit_phase", "run_audit", "summarize", "write_report"]
 
 CONDITIONS = ("oracle", "none", "placebo", "own")
 
@@ -289,3 +289,50 @@ def write_report(summary: dict[str, Any], out: Path, *, title: str) -> None:
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)
     plt.close(fig)
+
+
+async def audit_phase(
+    ctx: Any,
+    *,
+    log: Path,
+    env_options: dict[str, Any],
+    rollout: dict[str, Any],
+    samples: int,
+    gate: float,
+    seed: int,
+    out: Path,
+) -> dict[str, Any]:
+    """The audit as a phase of the paper runner (``bench/paper/steps.py``): the engine serves the audited
+    weights already; actions and sampling come from the environment's explorer defaults with ``rollout``."""
+    from actors.config import ExplorerConfig
+    from envs.registry import make_env
+
+    env = make_env(ctx.env, **env_options)
+    try:
+        env.reset(env.tasks("train")[0])
+        valid = env.valid_actions()
+        if not valid:
+            raise ValueError(f"{ctx.env} has no finite action set: the follow audit counts named moves")
+        actions = list(valid)
+    finally:
+        env.close()
+    explorer = ExplorerConfig.for_env(ctx.env, dict(rollout))
+    items = audit_items(log, ctx.tokenizer, actions, seed=seed)
+    await run_audit(
+        ctx.engine,
+        items,
+        samples=samples,
+        params=explorer.action_params(),
+        response_prefix=explorer.response_prefix,
+        actions=actions,
+        seed=seed,
+        concurrency=ctx.concurrency,
+    )
+    summary = summarize(items, gate=gate)
+    write_report(summary, out, title=f"Follow audit ({log.name}, {len(items)} verdicts x {samples} answers)")
+    return {
+        "gate": summary["gate"],
+        "summary": summary,
+        "log": str(log),
+        "report": str(out.with_suffix(".md")),
+    }

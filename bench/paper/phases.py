@@ -31,16 +31,21 @@ from bench.paper.config import PaperConfig
 __all__ = [
     "COMPARISONS",
     "GRPO_ROUND_SEEDS",
+    "AuditSpec",
     "CollectSpec",
     "EvalSpec",
+    "MixPart",
     "Phase",
     "ProbeSpec",
     "SelectSpec",
     "TrainSpec",
     "closure",
+    "comparisons_of",
+    "grpo_phases",
     "plan",
     "refs_of",
     "row_phase",
+    "warm_phases",
 ]
 
 Options = dict[str, Any]
@@ -53,8 +58,9 @@ class CollectSpec(msgspec.Struct, frozen=True, kw_only=True, tag="collect"):
     """Episode mode."""
     model: str
     """Weights served while collecting (a reference)."""
-    tasks: Literal["demos", "demos-chosen", "rl"]
-    """All demonstration tasks, the chosen count of them, or the RL tasks."""
+    tasks: Literal["demos", "demos-chosen", "rl", "labels", "audit"]
+    """All demonstration tasks, the chosen count of them, the RL tasks, or the ``effect`` protocol's label
+    or audit rooms."""
     samples: int = 1
     """Episodes per task (a GRPO group, trees per task)."""
     match_actions_of: str = ""
@@ -70,11 +76,23 @@ class CollectSpec(msgspec.Struct, frozen=True, kw_only=True, tag="collect"):
     changed policy would replay the previous round's trajectories)."""
 
 
+class MixPart(msgspec.Struct, frozen=True, kw_only=True):
+    """One more dataset of a training: another log replayed with another materializer."""
+
+    data: str
+    """The collection phase whose exported log is replayed."""
+    materializer: str
+    """Materializer name."""
+    options: Options = msgspec.field(default_factory=dict)
+    """Materializer options."""
+
+
 class TrainSpec(msgspec.Struct, frozen=True, kw_only=True, tag="train"):
     """``leafe replay --from <exported log>`` then ``leafe train``."""
 
     data: str
-    """The collection phase whose exported log is replayed."""
+    """The collection phase whose exported log is replayed (``demos:chosen``: the chosen variant's
+    demonstrations)."""
     materializer: str
     """Materializer name."""
     start: str
@@ -93,6 +111,11 @@ class TrainSpec(msgspec.Struct, frozen=True, kw_only=True, tag="train"):
     """Export the weights after every epoch (``train:<phase>@<epoch>``)."""
     options: Options = msgspec.field(default_factory=dict)
     """Materializer options."""
+    mix: list[MixPart] = msgspec.field(default_factory=list)
+    """More datasets trained together with the first (each replayed whole)."""
+    steps: int = 0
+    """Exactly this many optimizer steps (epochs as many as it takes; 0 = ``epochs``): equal steps across
+    rows trained on different sample counts."""
 
 
 class EvalSpec(msgspec.Struct, frozen=True, kw_only=True, tag="eval"):
@@ -115,17 +138,29 @@ class EvalSpec(msgspec.Struct, frozen=True, kw_only=True, tag="eval"):
 class SelectSpec(msgspec.Struct, frozen=True, kw_only=True, tag="select"):
     """A choice made on validation results only (``bench/paper/select.py``)."""
 
-    what: Literal["sft", "grpo-lr", "grpo"]
+    what: Literal["sft", "grpo-lr", "grpo", "warm"]
     """What is chosen."""
     candidates: list[str]
     """Validation phases (or, for ``grpo``, round 1's select phase) compared."""
+    start: str = "sft"
+    """``grpo``: the weights the rounds started from (``sft`` or ``warm``), the baseline of the choice."""
 
 
 class ProbeSpec(msgspec.Struct, frozen=True, kw_only=True, tag="probe"):
     """Base on a few test tasks of a second environment: the cost per episode."""
 
 
-Spec = CollectSpec | TrainSpec | EvalSpec | SelectSpec | ProbeSpec
+class AuditSpec(msgspec.Struct, frozen=True, kw_only=True, tag="audit"):
+    """The follow audit (``bench/paper/follow_audit.py``) of some weights at the verdicts of a collection;
+    its result carries the gate (``gate.passed``): phases after it are blocked when it is not met."""
+
+    model: str
+    """Weights audited (a reference)."""
+    data: str
+    """The labelled explore collection whose verdicts are the audit's states."""
+
+
+Spec = CollectSpec | TrainSpec | EvalSpec | SelectSpec | ProbeSpec | AuditSpec
 
 
 class Phase(msgspec.Struct, frozen=True, kw_only=True):
@@ -137,11 +172,13 @@ class Phase(msgspec.Struct, frozen=True, kw_only=True):
     """Group shown in the report (``warm start``, ``GRPO`` ...)."""
     spec: Spec
     """What it does."""
+    after: list[str] = msgspec.field(default_factory=list)
+    """Phases that must have finished first although nothing is read from them (a gate)."""
 
     @property
     def deps(self) -> list[str]:
-        """Phases whose results this one reads (from its references)."""
-        return refs_of(self.spec)
+        """Phases whose results this one reads (from its references), then ``after``."""
+        return list(dict.fromkeys(refs_of(self.spec) + self.after))
 
 
 GRPO_ROUND_SEEDS = 1_000_000
@@ -164,6 +201,15 @@ COMPARISONS: list[tuple[str, str]] = [
 """Paired comparisons (row a - row b) with intervals and a verdict each, in report order."""
 
 
+def comparisons_of(cfg: PaperConfig) -> list[tuple[str, str]]:
+    """The paired comparisons of ``cfg``'s protocol (``effect``: ``bench/paper/effect.py``)."""
+    if cfg.protocol == "effect":
+        from bench.paper.effect import EFFECT_COMPARISONS
+
+        return EFFECT_COMPARISONS
+    return COMPARISONS
+
+
 def _model_deps(ref: str) -> list[str]:
     if ref == "base":
         return []
@@ -171,6 +217,8 @@ def _model_deps(ref: str) -> list[str]:
         return ["select-sft"]
     if ref == "grpo":
         return ["select-grpo"]
+    if ref == "warm":
+        return ["select-warm"]
     if ref == "grpo-r1":
         return ["grpo-r1-select"]
     if ref.startswith("grpo-r"):
@@ -189,13 +237,16 @@ def refs_of(spec: Spec) -> list[str]:
         deps += [spec.match_actions_of] if spec.match_actions_of else []
         deps += [chosen] if not spec.variant or spec.tasks == "demos-chosen" else []
     elif isinstance(spec, TrainSpec):
-        deps += [spec.data, *_model_deps(spec.start)]
+        deps += [chosen] if spec.data == "demos:chosen" else [spec.data]
+        deps += [part.data for part in spec.mix] + _model_deps(spec.start)
         deps += ["grpo-r1-select"] if spec.lr == "grpo" else []
         deps += [chosen] if "sft" in (spec.epochs, spec.demos) else []
     elif isinstance(spec, EvalSpec):
         deps += _model_deps(spec.model) + ([] if spec.variant else [chosen])
     elif isinstance(spec, SelectSpec):
-        deps += spec.candidates + (["select-sft"] if spec.what == "grpo" else [])
+        deps += spec.candidates + (_model_deps(spec.start) if spec.what == "grpo" else [])
+    elif isinstance(spec, AuditSpec):
+        deps += [*_model_deps(spec.model), spec.data]
     return list(dict.fromkeys(deps))
 
 
@@ -211,15 +262,16 @@ def _e(name: str, stage: str, **kw: Any) -> Phase:
     return Phase(name=name, stage=stage, spec=EvalSpec(**kw))
 
 
-def _s(name: str, stage: str, what: str, candidates: list[str]) -> Phase:
-    return Phase(name=name, stage=stage, spec=SelectSpec(what=what, candidates=candidates))  # type: ignore[arg-type]
+def _s(name: str, stage: str, what: str, candidates: list[str], start: str = "sft") -> Phase:
+    spec = SelectSpec(what=what, candidates=candidates, start=start)  # type: ignore[arg-type]
+    return Phase(name=name, stage=stage, spec=spec)
 
 
 def _test(row: str, model: str, stage: str, **kw: Any) -> Phase:
     return _e(f"eval-{row}", stage, model=model, split="test", row=row, **kw)
 
 
-def _warm(cfg: PaperConfig) -> list[Phase]:
+def warm_phases(cfg: PaperConfig) -> list[Phase]:
     w, stage = cfg.warm, "warm start"
     out = [_c(f"demos-{v}", stage, mode="demo", model="base", tasks="demos", variant=v) for v in w.variants]
     vals = []
@@ -236,14 +288,16 @@ def _warm(cfg: PaperConfig) -> list[Phase]:
     return [*out, _s("select-sft", stage, "sft", vals)]
 
 
-def _grpo(cfg: PaperConfig) -> list[Phase]:
+def grpo_phases(cfg: PaperConfig, start: str = "sft", after: tuple[str, ...] = ()) -> list[Phase]:
+    """GRPO rounds from ``start`` (a weights reference), the round chosen on validation, its test row."""
     g, stage = cfg.grpo, "GRPO"
-    out = [_c("grpo-r1-collect", stage, mode="rollout", model="sft", tasks="rl", samples=g.group)]
+    first = _c("grpo-r1-collect", stage, mode="rollout", model=start, tasks="rl", samples=g.group)
+    out = [msgspec.structs.replace(first, after=list(after))]
     vals = []
     for i, lr in enumerate(g.lrs):
         train = f"grpo-r1-train-lr{i}"
         out.append(
-            _t(train, stage, data="grpo-r1-collect", materializer="grpo", start="sft", lr=lr, epochs=g.epochs)
+            _t(train, stage, data="grpo-r1-collect", materializer="grpo", start=start, lr=lr, epochs=g.epochs)
         )
         vals.append(f"grpo-r1-val-lr{i}")
         out.append(_e(vals[-1], stage, model=f"train:{train}", split="val"))
@@ -268,7 +322,7 @@ def _grpo(cfg: PaperConfig) -> list[Phase]:
         )
         rounds.append(f"grpo-r{r}-val")
         out.append(_e(rounds[-1], stage, model=f"train:grpo-r{r}-train", split="val"))
-    return [*out, _s("select-grpo", stage, "grpo", rounds), _test("grpo", "grpo", stage)]
+    return [*out, _s("select-grpo", stage, "grpo", rounds, start=start), _test("grpo", "grpo", stage)]
 
 
 def _methods(cfg: PaperConfig) -> list[Phase]:
@@ -351,11 +405,19 @@ def closure(phases: list[Phase], wanted: list[str]) -> set[str]:
 
 def plan(cfg: PaperConfig) -> list[Phase]:
     """Every phase ``cfg`` needs, in priority order (dependencies always come first)."""
+    if cfg.protocol == "effect":
+        from bench.paper.effect import plan_effect
+
+        return _checked(plan_effect(cfg))
     main = [_test("base", "base", "main"), _test("sft", "sft", "main")]
-    full = [*_warm(cfg), *main, *_grpo(cfg), *_methods(cfg)]
+    full = [*warm_phases(cfg), *main, *grpo_phases(cfg), *_methods(cfg)]
     extras = _extras(cfg)
     keep = closure(full + extras, [row_phase(r) for r in cfg.rows] + [p.name for p in extras])
-    out = [p for p in full + extras if p.name in keep]
+    return _checked([p for p in full + extras if p.name in keep])
+
+
+def _checked(out: list[Phase]) -> list[Phase]:
+    """``out``, once every phase is known to come after its dependencies."""
     seen: set[str] = set()
     for p in out:
         missing = [d for d in p.deps if d not in seen]

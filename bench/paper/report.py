@@ -17,9 +17,9 @@ import msgspec
 
 from actors.passk import PassKDiff, paired_difference
 from bench.paper import report_tables as t
-from bench.paper.config import ROWS, PaperConfig
+from bench.paper.config import PaperConfig
 from bench.paper.estimate import estimate_lines
-from bench.paper.phases import COMPARISONS, row_phase
+from bench.paper.phases import comparisons_of, row_phase
 
 __all__ = ["CHANGES", "GPU_NEXT", "comparisons", "render", "verdict", "write_report"]
 
@@ -65,7 +65,7 @@ def verdict(d: PassKDiff, a: str, b: str) -> str:
 def comparisons(cfg: PaperConfig, state: Any) -> list[tuple[str, str, int, PassKDiff]]:
     """``(a, b, k, diff)`` for every planned comparison whose two rows are evaluated, at k = 1 and max k."""
     out = []
-    for a, b in COMPARISONS:
+    for a, b in comparisons_of(cfg):
         ra, rb = state.phases.get(row_phase(a)), state.phases.get(row_phase(b))
         if ra is None or rb is None:
             continue
@@ -88,12 +88,13 @@ def _comparison_lines(cfg: PaperConfig, state: Any) -> list[str]:
         "|---|---|---|---|---|",
     ]
     done = comparisons(cfg, state)
+    names = cfg.row_names
     for a, b, k, d in done:
-        v = verdict(d, ROWS[a], ROWS[b])
+        v = verdict(d, names[a], names[b])
         lines.append(
-            f"| {ROWS[a]} - {ROWS[b]} | {k} | {100 * d.diff:+.1f} | [{100 * d.lo:+.1f}, {100 * d.hi:+.1f}] | {v} |"
+            f"| {names[a]} - {names[b]} | {k} | {100 * d.diff:+.1f} | [{100 * d.lo:+.1f}, {100 * d.hi:+.1f}] | {v} |"
         )
-    pending = [f"{ROWS[a]} - {ROWS[b]}" for a, b in COMPARISONS if a in cfg.rows and b in cfg.rows]
+    pending = [f"{names[a]} - {names[b]}" for a, b in comparisons_of(cfg) if a in cfg.rows and b in cfg.rows]
     if not done:
         lines.append(f"| (pending: {'; '.join(pending)}) | 1, {kmax} | | | |")
     return lines
@@ -122,17 +123,6 @@ def _protocol_lines(cfg: PaperConfig, state: Any) -> list[str]:
     ]
 
 
-def _status_lines(state: Any) -> list[str]:
-    out = [f"Phases finished: {len(state.phases)} of {len(state.plan)}."]
-    if state.running:
-        out.append(f"Running now: {state.running}.")
-    out += [f"- **{k} FAILED**: `{v[:400]}`" for k, v in state.failed.items()]
-    out += [f"- {k} blocked: {v}" for k, v in state.blocked.items()]
-    if state.skipped:
-        out.append(f"- Not started (time box; rerun the command to continue): {', '.join(state.skipped)}.")
-    return out
-
-
 def _probe_lines(cfg: PaperConfig, state: Any) -> list[str]:
     if not cfg.probe.env:
         return []
@@ -157,7 +147,7 @@ def render(cfg: PaperConfig, state: Any) -> str:
         f"# Paper table, `{cfg.name}` scale ({cfg.env}, {cfg.model})",
         "",
         "Produced by `bench/paper_table.py` (`docs/experiments.md` says how to reproduce every row).",
-        *_status_lines(state),
+        *t.status_lines(state),
         *([f"Run notes: {cfg.notes}"] if cfg.notes else []),
         "",
         CHANGES,
@@ -250,10 +240,16 @@ def write_report(cfg: PaperConfig, state: Any, results: Path, *, figure: bool = 
     for row in cfg.rows:
         r = state.phases.get(row_phase(row))
         if r is not None:
-            curves[ROWS[row]] = {int(k): v for k, v in r["passk"].items()}
+            curves[cfg.row_names[row]] = {int(k): v for k, v in r["passk"].items()}
     if curves and figure:
         plot_passk(curves, stem.with_suffix(".png"), title=f"Pass@k, {cfg.env} test ({cfg.name} scale)")
-    stem.with_suffix(".md").write_text(render(cfg, state), encoding="utf-8")
+    if cfg.protocol == "effect":
+        from bench.paper.effect_report import render_effect
+
+        md = render_effect(cfg, state, _comparison_lines(cfg, state), _protocol_lines(cfg, state))
+    else:
+        md = render(cfg, state)
+    stem.with_suffix(".md").write_text(md, encoding="utf-8")
     blob = {
         "config": msgspec.to_builtins(cfg),
         "protocol": state.protocol,

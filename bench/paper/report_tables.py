@@ -21,6 +21,7 @@ __all__ = [
     "phase_status",
     "row_costs",
     "rows_table",
+    "status_lines",
     "table3",
     "training_table",
     "tree_table",
@@ -53,11 +54,11 @@ def _minutes(x: float) -> str:
     return f"{x / 60:.1f}"
 
 
-def row_costs(state: Any) -> dict[str, float]:
+def row_costs(cfg: PaperConfig, state: Any) -> dict[str, float]:
     """Row -> seconds of every finished phase its weights needed (collections, trainings, validation
     evaluations and choices; shared phases counted in each row), without its own test evaluation."""
     out = {}
-    for row in ROWS:
+    for row in cfg.row_names:
         phase = row_phase(row)
         if phase not in {p.name for p in state.plan}:
             continue
@@ -74,18 +75,18 @@ def rows_table(cfg: PaperConfig, state: Any) -> list[str]:
         head + " | parse fail | steps/episode | weights cost min | eval min | status |",
         "|---|" + "---|" * (len(ks) + 5),
     ]
-    costs = row_costs(state)
+    costs = row_costs(cfg, state)
     for row in cfg.rows:
         phase = row_phase(row)
         r = state.phases.get(phase)
         if r is None:
             cells = " | ".join("" for _ in ks)
-            lines.append(f"| {ROWS[row]} | {cells} | | | | | {phase_status(state, phase)} |")
+            lines.append(f"| {cfg.row_names[row]} | {cells} | | | | | {phase_status(state, phase)} |")
             continue
         passk = r["passk"]
         cells = " | ".join(pct(passk.get(str(k))) for k in ks)
         lines.append(
-            f"| {ROWS[row]} | {cells} | {pct(r['parse_failure_rate'])} | {r['mean_steps']:.2f} "
+            f"| {cfg.row_names[row]} | {cells} | {pct(r['parse_failure_rate'])} | {r['mean_steps']:.2f} "
             f"| {_minutes(costs.get(row, 0.0))} | {_minutes(float(r['wall_s']))} | done |"
         )
     return lines
@@ -190,9 +191,11 @@ def early_table(state: Any) -> list[str]:
     return lines
 
 
-def tree_table(state: Any) -> list[str]:
+def tree_table(
+    state: Any, runs: tuple[str, ...] = ("explore-grpo", "explore-grpo-oracle", "t3-tree", "t3-ir")
+) -> list[str]:
     """What the Stage-1 trees did, and a few experiences they wrote."""
-    names = [n for n in ("explore-grpo", "explore-grpo-oracle", "t3-tree", "t3-ir") if n in state.phases]
+    names = [n for n in runs if n in state.phases]
     if not names:
         return ["(no exploration finished yet)"]
     lines = [
@@ -336,3 +339,15 @@ def observations(cfg: PaperConfig, state: Any) -> list[str]:
                 f"- {name} had {cf} counterfactual samples for {cfg.train_tasks} RL tasks (the paper: ~3 per task)."
             )
     return out or ["- (nothing flagged)"]
+
+
+def status_lines(state: Any) -> list[str]:
+    """What finished, runs, failed, was blocked or cut by the time box."""
+    out = [f"Phases finished: {len(state.phases)} of {len(state.plan)}."]
+    if state.running:
+        out.append(f"Running now: {state.running}.")
+    out += [f"- **{k} FAILED**: `{v[:400]}`" for k, v in state.failed.items()]
+    out += [f"- {k} blocked: {v}" for k, v in state.blocked.items()]
+    if state.skipped:
+        out.append(f"- Not started (time box; rerun the command to continue): {', '.join(state.skipped)}.")
+    return out

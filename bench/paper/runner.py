@@ -28,12 +28,19 @@ import structlog
 
 from bench.paper import lib
 from bench.paper.config import PaperConfig
-from bench.paper.phases import COMPARISONS, GRPO_ROUND_SEEDS, Phase, plan
+from bench.paper.phases import GRPO_ROUND_SEEDS, Phase, comparisons_of, plan
 from bench.paper.report import write_report
 from bench.paper.repro import repro_script
 from bench.paper.steps import Steps
 
-__all__ = ["Runner", "State", "check_protocol", "protocol_of", "rewrite_report", "run_experiment"]
+__all__ = [
+    "Runner",
+    "State",
+    "check_protocol",
+    "protocol_of",
+    "rewrite_report",
+    "run_experiment",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -71,7 +78,7 @@ def protocol_of(cfg: PaperConfig) -> dict[str, Any]:
             "bootstrap": 0,
         },
         "rows": list(cfg.rows),
-        "comparisons": [[a, b] for a, b in COMPARISONS if a in cfg.rows and b in cfg.rows],
+        "comparisons": [[a, b] for a, b in comparisons_of(cfg) if a in cfg.rows and b in cfg.rows],
         "selection": {
             "sft": {
                 "max_parse_failure": cfg.warm.max_parse_failure,
@@ -80,6 +87,21 @@ def protocol_of(cfg: PaperConfig) -> dict[str, Any]:
             },
             "grpo": "highest validation Pass@1 (lr in round 1, then the round)",
         },
+        **({"effect": _effect_protocol(cfg)} if cfg.protocol == "effect" else {}),
+    }
+
+
+def _effect_protocol(cfg: PaperConfig) -> dict[str, Any]:
+    """What the ``effect`` protocol fixes besides the table's: its train ranges, the gate, equal steps."""
+    fx = cfg.effect
+    return {
+        "label_rooms": {"split": "train", "first": fx.label_offset, "tasks": fx.label_tasks},
+        "audit_rooms": {"split": "train", "first": fx.audit_offset, "tasks": fx.audit_tasks},
+        "follow_gate": fx.follow_gate,
+        "max_passk": cfg.warm.max_passk,
+        "row_steps": fx.row_steps,
+        "explorer": dict(fx.explorer),
+        "warm_start": "Base + (demonstrations, reflect and follow samples); epoch: best validation Pass@1",
     }
 
 
@@ -152,6 +174,12 @@ class Runner:
             result = self.state.phases[dep]
             if "final" in result and not result["final"]:
                 return f"{dep} produced no weights: {result.get('note', '')}"
+            gate = result.get("gate")
+            if gate is not None and not gate["passed"]:
+                return (
+                    f"{dep}: the gate was not met (follow rate {100 * gate['follow_rate']:.1f}% with e, "
+                    f"{100 * gate['without_e']:.1f}% without; required >= {100 * gate['threshold']:.0f}%)"
+                )
         return ""
 
     async def run(self, steps: Steps) -> None:

@@ -9,16 +9,15 @@ results of finished phases and runs it: a collection through the actor service, 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+import math
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from bench.paper import children, lib
-from bench.paper.config import PaperConfig
-from bench.paper.phases import CollectSpec, EvalSpec, Phase, ProbeSpec, SelectSpec, TrainSpec
-from bench.paper.select import Candidate, choose_best, choose_sft
+from bench.paper.choices import Choices
+from bench.paper.phases import AuditSpec, CollectSpec, EvalSpec, Phase, ProbeSpec, SelectSpec, TrainSpec
 
 __all__ = ["Steps", "weights_tag"]
 
@@ -30,66 +29,8 @@ def weights_tag(model: Path) -> str:
     return hashlib.sha256(manifest.read_bytes()).hexdigest()[:8] if manifest.is_file() else "base"
 
 
-class Steps:
-    """Runs phases; ``done(name)`` gives a finished phase's result (``None`` if it has none)."""
-
-    def __init__(
-        self, cfg: PaperConfig, ctx: lib.Ctx, phases: list[Phase], done: Callable[[str], Any]
-    ) -> None:
-        self.cfg, self.ctx, self.done = cfg, ctx, done
-        self.by_name = {p.name: p for p in phases}
-
-    def _need(self, name: str) -> dict[str, Any]:
-        result = self.done(name)
-        if result is None:
-            raise RuntimeError(f"phase {name} has no result")
-        return dict(result)
-
-    # --- references -------------------------------------------------------------------------------
-    def weights(self, ref: str) -> Path:
-        """The weights directory a reference names (see ``bench/paper/phases.py``)."""
-        if ref == "base":
-            return self.ctx.base_model
-        select = {"sft": "select-sft", "grpo": "select-grpo", "grpo-r1": "grpo-r1-select"}.get(ref)
-        if select:
-            return Path(self._need(select)["weights"])
-        if ref.startswith("grpo-r"):
-            return Path(self._need(f"{ref}-train")["final"])
-        phase, _, epoch = ref.removeprefix("train:").partition("@")
-        result = self._need(phase)
-        if not result.get("final"):
-            raise RuntimeError(f"{phase} produced no weights: {result.get('note', '')}")
-        return Path(result["epoch_weights"][epoch] if epoch else result["final"])
-
-    def variant(self, name: str) -> str:
-        """A room variant's name; empty = the one ``select-sft`` chose."""
-        return name or str(self._need("select-sft")["variant"])
-
-    def env_options(self, variant: str) -> dict[str, Any]:
-        """Env options of a room variant (empty = the chosen one)."""
-        return dict(self.cfg.warm.variants[self.variant(variant)])
-
-    def task_ids(self, split: str, offset: int, count: int, options: Mapping[str, Any]) -> list[str]:
-        """``count`` task ids of ``split`` from index ``offset`` (errors say when the split is too short)."""
-        from envs.registry import make_env
-
-        env = make_env(self.ctx.env, **options)
-        try:
-            all_ids = list(env.tasks(split))
-        finally:
-            env.close()
-        out = all_ids[offset : offset + count]
-        if len(out) != count:
-            raise ValueError(
-                f"{split} split has {len(all_ids)} tasks; indices {offset}..{offset + count - 1} asked"
-            )
-        return out
-
-    def _demo_count(self, value: int | str) -> int:
-        return int(self._need("select-sft")["demos"]) if value == "sft" else int(value)
-
-    def _rollout(self) -> dict[str, Any]:
-        return {"horizon": self.cfg.horizon, "history_window": self.cfg.history_window}
+class Steps(Choices):
+    """Runs phases (collections, trainings, evaluations, the audit, choices); results are plain dicts."""
 
     # --- phases -----------------------------------------------------------------------------------
     async def run(self, phase: Phase) -> dict[str, Any]:
@@ -105,6 +46,8 @@ class Steps:
             return self.select(spec)
         if isinstance(spec, ProbeSpec):
             return await self.probe(phase.name)
+        if isinstance(spec, AuditSpec):
+            return await self.audit(phase.name, spec)
         raise TypeError(f"unknown phase spec {spec!r}")
 
     def _samples(self, spec: CollectSpec, tasks: int) -> int:
@@ -119,17 +62,14 @@ class Steps:
         """Episodes on train tasks with the referenced weights; the log is exported."""
         cfg, env = self.cfg, self.ctx.env
         options = self.env_options(spec.variant)
-        if spec.tasks == "rl":
-            ids = self.task_ids("train", cfg.train_offset, cfg.train_tasks, options)
-        else:
-            count = cfg.max_demos if spec.tasks == "demos" else self._demo_count("sft")
-            ids = self.task_ids("train", cfg.demo_offset, count, options)
+        ids = self.task_ids("train", *self._task_range(spec.tasks), options)
         samples = self._samples(spec, len(ids))
         model = self.weights(spec.model)
         tag = weights_tag(model)
         await lib.load_weights(self.ctx, model, tag)
-        explorer = {"horizon": cfg.horizon, "history_window": cfg.history_window, **spec.explorer}
-        actor = {"explorer": {env: explorer}, "rollout": {env: self._rollout()}, "demo": {env: spec.demo}}
+        rollout = self._rollout(spec.variant)
+        explorer = {**rollout, **spec.explorer}
+        actor = {"explorer": {env: explorer}, "rollout": {env: rollout}, "demo": {env: spec.demo}}
         run_id = f"{cfg.prefix}-{name}-{tag}" + (f"-g{samples}" if spec.match_actions_of else "")
         run_id += f"-s{spec.seed_offset}" if spec.seed_offset else ""  # new seeds: new task keys
         out = await lib.collect(
@@ -146,13 +86,11 @@ class Steps:
         )
         return {**out, "model": str(model), "weights_tag": tag, "variant": self.variant(spec.variant)}
 
-    def _lr(self, value: float | str) -> float:
-        return float(self._need("grpo-r1-select")["lr"]) if value == "grpo" else float(value)
-
     async def train(self, name: str, spec: TrainSpec) -> dict[str, Any]:
-        """Rebuild the dataset from the data phase's exported log, filter it, train."""
+        """Rebuild the dataset from the data phase's exported log (and the mix's), filter it, train."""
         cfg, tr, work = self.cfg, self.cfg.training, self.ctx.work / name
-        source = Path(self._need(spec.data)["log_file"])
+        data_phase = f"demos-{self.variant('')}" if spec.data == "demos:chosen" else spec.data
+        source = Path(self._need(data_phase)["log_file"])
         data = work / "dataset"
         total = await children.replay(
             source=source,
@@ -164,19 +102,38 @@ class Steps:
         )
         tasks: list[str] = []
         if spec.demos:
-            options = dict(self._need(spec.data)["env_options"])
+            options = dict(self._need(data_phase)["env_options"])
             tasks = self.task_ids("train", cfg.demo_offset, self._demo_count(spec.demos), options)
         n = total
         if spec.kinds or tasks:
             n = children.filter_samples(data, work / "dataset-filtered", kinds=spec.kinds, task_ids=tasks)
             data = work / "dataset-filtered"
+        parts = [data]
+        for i, part in enumerate(spec.mix):
+            parts.append(work / f"dataset-mix{i}")
+            log_file = Path(self._need(part.data)["log_file"])
+            await children.replay(
+                source=log_file,
+                materializer=part.materializer,
+                model=self.ctx.base_model,
+                out=parts[-1],
+                options=part.options,
+                threads=tr.threads,
+            )
+        if spec.mix:
+            data = work / "dataset-mixed"
+            n = children.combine(parts, data)
         epochs = int(self._need("select-sft")["epochs"]) if spec.epochs == "sft" else int(spec.epochs)
+        batch = children.global_batch(tr.preset, self.trainer_table())
+        if spec.steps:  # equal optimizer steps across rows trained on different sample counts
+            epochs = max(1, math.ceil(spec.steps * batch / max(1, n)))
         start = self.weights(spec.start)
         head: dict[str, Any] = {
             "source_log": str(source),
             "replayed": total,
             "samples": n,
             "kinds": children.kind_counts(data),
+            "mix": [{"data": m.data, "materializer": m.materializer} for m in spec.mix],
         }
         head.update(lr=self._lr(spec.lr), epochs=epochs, start=spec.start, demos=len(tasks))
         head["start_weights"] = str(start)
@@ -186,6 +143,7 @@ class Steps:
                 "final": None,
                 "note": f"{spec.materializer} replay gave {n} sample(s) < {tr.min_samples}",
             }
+        max_steps = spec.steps or (0 if spec.export_epochs else tr.max_steps)  # SFT candidates: every epoch
         out = await children.train(
             data=data,
             model=start,
@@ -199,7 +157,7 @@ class Steps:
             export_epochs=spec.export_epochs,
             threads=tr.threads,
             keep_checkpoints=tr.keep_checkpoints,
-            max_steps=0 if spec.export_epochs else tr.max_steps,  # SFT candidates: every epoch counts
+            max_steps=max_steps,
         )
         return {**head, **out}
 
@@ -262,9 +220,28 @@ class Steps:
             ks=cfg.ks,
             seed=seed + spec.seed_offset,
             env_options=options,
-            rollout_overrides={**self._rollout(), **spec.rollout},
+            rollout_overrides={**self._rollout(spec.variant), **spec.rollout},
         )
         return {**out, "model": str(model), "weights_tag": tag, "variant": self.variant(spec.variant)}
+
+    async def audit(self, name: str, spec: AuditSpec) -> dict[str, Any]:
+        """The follow audit of the referenced weights at the verdicts of ``spec.data``'s log; the gate."""
+        from bench.paper.follow_audit import audit_phase
+
+        model = self.weights(spec.model)
+        tag = weights_tag(model)
+        await lib.load_weights(self.ctx, model, tag)
+        out = await audit_phase(
+            self.ctx,
+            log=Path(self._need(spec.data)["log_file"]),
+            env_options=self.env_options(""),
+            rollout=self._rollout(""),
+            samples=self.cfg.effect.audit_samples,
+            gate=self.cfg.effect.follow_gate,
+            seed=self.cfg.seed,
+            out=self.ctx.logs.parent.parent / f"{self.cfg.report_name}_follow_audit",
+        )
+        return {**out, "model": str(model), "weights_tag": tag}
 
     async def probe(self, name: str) -> dict[str, Any]:
         """Base on a few test tasks of the probe environment: seconds per episode."""
@@ -292,79 +269,3 @@ class Steps:
             env=p.env,
         )
         return {**out, "env": p.env, "s_per_episode": out["wall_s"] / max(1, out["episodes"])}
-
-    # --- choices ----------------------------------------------------------------------------------
-    def candidate(self, val_phase: str, **kw: Any) -> Candidate:
-        """The validation result of ``val_phase`` as a :class:`Candidate`."""
-        r = self._need(val_phase)
-        return Candidate(
-            name=val_phase, pass1=float(r["passk"]["1"]), parse_failure=float(r["parse_failure_rate"]), **kw
-        )
-
-    def select(self, spec: SelectSpec) -> dict[str, Any]:
-        """The choice ``spec`` names, from validation results only."""
-        if spec.what == "sft":
-            return self._select_sft(spec.candidates)
-        if spec.what == "grpo-lr":
-            cands = []
-            for v in spec.candidates:
-                train = self.by_name[v].spec.model.removeprefix("train:")  # type: ignore[union-attr]
-                cands.append(self.candidate(v, lr=self._lr(self.by_name[train].spec.lr)))  # type: ignore[union-attr]
-            choice = choose_best(cands)
-            train = self.by_name[choice.chosen.name].spec.model  # type: ignore[union-attr]
-            return self._choice(choice, cands, lr=choice.chosen.lr, weights=str(self.weights(train)), round=1)
-        return self._select_grpo(spec.candidates)
-
-    def _choice(self, choice: Any, cands: list[Candidate], **extra: Any) -> dict[str, Any]:
-        return {
-            "chosen": choice.chosen.name,
-            "rule_met": choice.rule_met,
-            "why": choice.why,
-            "candidates": [msgspec.to_builtins(c) for c in cands],
-            **extra,
-        }
-
-    def _select_sft(self, vals: list[str]) -> dict[str, Any]:
-        cands = []
-        for v in vals:
-            spec = self.by_name[v].spec
-            assert isinstance(spec, EvalSpec)
-            train, _, epoch = spec.model.removeprefix("train:").partition("@")
-            demos = self.by_name[train].spec.demos  # type: ignore[union-attr]
-            if self.done(v) is not None:
-                cands.append(self.candidate(v, variant=spec.variant, demos=int(demos), epochs=int(epoch)))
-        w = self.cfg.warm
-        choice = choose_sft(
-            cands,
-            max_parse_failure=w.max_parse_failure,
-            pass1_range=w.pass1_range,
-            pass1_target=w.pass1_target,
-        )
-        c = choice.chosen
-        weights = self.weights(self.by_name[c.name].spec.model)  # type: ignore[union-attr]
-        return self._choice(
-            choice,
-            cands,
-            variant=c.variant,
-            env_options=dict(w.variants[c.variant]),
-            demos=c.demos,
-            epochs=c.epochs,
-            weights=str(weights),
-            val_phase=c.name,
-        )
-
-    def _select_grpo(self, rounds: list[str]) -> dict[str, Any]:
-        sft = self._need("select-sft")
-        start = self.candidate(sft["val_phase"], round=0)
-        first = self._need(rounds[0])
-        cands = [self.candidate(first["chosen"], round=1, lr=float(first["lr"]))]
-        for r, v in enumerate(rounds[1:], start=2):
-            if self.done(v) is not None:
-                cands.append(self.candidate(v, round=r))
-        choice = choose_best(cands, start=start)
-        k = choice.chosen.round
-        weights = first["weights"] if k == 1 else self._need(f"grpo-r{k}-train")["final"]
-        curve = [msgspec.to_builtins(start)] + [msgspec.to_builtins(c) for c in cands]
-        return self._choice(
-            choice, cands, round=k, weights=str(weights), curve=curve, beats_start=choice.rule_met
-        )

@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from bench.paper.config import PaperConfig, load_paper_config
-from bench.paper.phases import CollectSpec, EvalSpec, Phase, ProbeSpec, SelectSpec, TrainSpec
+from bench.paper.phases import AuditSpec, CollectSpec, EvalSpec, Phase, ProbeSpec, SelectSpec, TrainSpec
 
 TOML = """
 name = "t"
@@ -121,6 +121,8 @@ def _select(spec: SelectSpec) -> dict[str, Any]:
         }
     if spec.what == "grpo-lr":
         return {**base, "lr": 1e-5, "weights": "w/f", "round": 1}
+    if spec.what == "warm":
+        return {**base, "epochs": 1, "weights": "w/1", "val_phase": spec.candidates[0]}
     return {**base, "round": 1, "weights": "w/f", "beats_start": False, "curve": []}
 
 
@@ -133,8 +135,9 @@ class FakeSteps:
         wins: dict[str, float] | None = None,
         fail: tuple[str, ...] = (),
         on_first: Callable[[], None] | None = None,
+        follow: float = 0.9,
     ) -> None:
-        self.wins, self.fail, self.on_first = wins or {}, fail, on_first
+        self.wins, self.fail, self.on_first, self.follow = wins or {}, fail, on_first, follow
         self.calls: list[str] = []
 
     async def run(self, phase: Phase) -> dict[str, Any]:
@@ -152,6 +155,14 @@ class FakeSteps:
             return _train(spec)
         if isinstance(spec, SelectSpec):
             return _select(spec)
+        if isinstance(spec, AuditSpec):
+            gate = {
+                "threshold": 0.7,
+                "follow_rate": self.follow,
+                "without_e": 0.2,
+                "passed": self.follow >= 0.7,
+            }
+            return {"gate": gate, "summary": {"verdicts": 10}, "report": "x.md", "wall_s": 5.0}
         assert isinstance(spec, ProbeSpec)
         return {**_eval(phase.name, EvalSpec(model="base", split="test"), {}), "s_per_episode": 2.0}
 

@@ -1,0 +1,169 @@
+"""The report of the ``effect`` protocol (issue #33): ``<report_name>.md`` from the runner's state.
+
+The same machinery as the paper table's report (``bench/paper/report.py``: rows, paired verdicts, costs),
+with this protocol's sections: the shared warm start and its choice, the follow audit and its gate, the
+Stage-1 trees with their counterfactual counts, and the rows trained from the warm start with equal steps.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+from bench.paper import report_tables as t
+from bench.paper.config import PaperConfig
+
+__all__ = ["render_effect"]
+
+GPU_NEXT = """\
+What I would run on a GPU next: this protocol with SGLang engines and a 1.5B-7B instruct model (Qwen2.5 as
+in the paper), gym-sokoban-size rooms (7x7 to 10x10, 2-3 boxes), 512 label rooms for the warm start, Stage 1
+on 512 RL tasks until ~3 corrections per task (the paper's ~10k distilled samples), GRPO for 10-20 rounds,
+and 128 test tasks x 128 samples, where the paper sees LEAFE's gain at large k."""
+
+
+def _audit_lines(state: Any) -> list[str]:
+    r = state.phases.get("audit-follow")
+    if r is None:
+        return [f"Follow audit: {t.phase_status(state, 'audit-follow')}."]
+    s, g = r["summary"], r["gate"]
+    rows = [
+        ("the oracle's move X, e in context", "named_with_oracle_e"),
+        ("X, no e (the cf input)", "named_without_e"),
+        ("X, placebo e naming Y", "named_with_placebo_e"),
+        ("Y, placebo e naming Y", "placebo_move_with_placebo_e"),
+        ("the blamed move, e in context / no e", "blamed_with_oracle_e"),
+        ("the move the model's own e names, own e in context", "own_named_with_own_e"),
+    ]
+    out = [
+        f"{s['verdicts']} verdicts on audit rooms never trained on (`{r['report']}`).",
+        "",
+        "| chosen move, condition | verdicts | share | 95% interval |",
+        "|---|---|---|---|",
+    ]
+    for label, key in rows:
+        x = s.get(key, {})
+        if x.get("items"):
+            lo, hi = x["interval"]
+            out.append(f"| {label} | {x['items']} | {t.pct(x['share'])} | [{t.pct(lo)}, {t.pct(hi)}] |")
+    verdict = "PASSED" if g["passed"] else "NOT MET: the rows are not run"
+    out += [
+        "",
+        f"**Gate** (>= {t.pct(g['threshold'])}% with e, above its share without): "
+        f"{t.pct(g['follow_rate'])}% vs {t.pct(g['without_e'])}%: **{verdict}**.",
+    ]
+    return out
+
+
+def _warm_start_lines(state: Any) -> list[str]:
+    ph = state.phases
+    out = []
+    tr = ph.get("warm-train")
+    if tr:
+        out.append(
+            f"Shared warm start trained from Base on {tr['samples']} samples ({tr['kinds']}; "
+            f"mix {[m['materializer'] for m in tr.get('mix', [])]}), {tr['epochs']} epochs, lr {tr['lr']}."
+        )
+    lab = ph.get("labels")
+    if lab:
+        out.append(
+            f"Label trees: {lab['episodes']} from W0 on {lab['tasks']} label rooms "
+            f"({lab['tree']['reflections']} reflections)."
+        )
+    sel = ph.get("select-warm")
+    if sel:
+        out.append(f"Choice: {sel['why']} (epoch {sel['epochs']}).")
+    for p in state.plan:
+        if p.name.startswith("val-warm-") and p.name in ph:
+            v = ph[p.name]
+            out.append(
+                f"- {p.name}: val Pass@1 {t.pct(v['passk']['1'])}, Pass@{max(map(int, v['passk']))} "
+                f"{t.pct(v['passk'][str(max(map(int, v['passk'])))])}, parse fail "
+                f"{t.pct(v['parse_failure_rate'])}"
+            )
+    return out or ["(not trained yet)"]
+
+
+def _cf_lines(state: Any) -> list[str]:
+    lines = ["| training | start | samples | kinds | steps | epochs |", "|---|---|---|---|---|---|"]
+    for p in state.plan:
+        r = state.phases.get(p.name)
+        if p.name.startswith("train-") and r:
+            lines.append(
+                f"| {p.name} | {r['start']} | {r['samples']} | {r['kinds']} | {r.get('steps', '-')} "
+                f"| {r['epochs']} |"
+            )
+    return lines
+
+
+def render_effect(cfg: PaperConfig, state: Any, comparison_lines: list[str], protocol: list[str]) -> str:
+    """The markdown report of the ``effect`` protocol."""
+    md = [
+        f"# LEAFE's own effect, `{cfg.name}` ({cfg.env}, {cfg.model})",
+        "",
+        'Produced by `bench/paper_table.py` with `protocol = "effect"` (`bench/paper/effect.py`; '
+        "`docs/experiments.md`).",
+        f"Phases finished: {len(state.phases)} of {len(state.plan)}."
+        + (f" Running: {state.running}." if state.running else ""),
+        *[f"- **{k} FAILED**: `{v[:400]}`" for k, v in state.failed.items()],
+        *[f"- {k} blocked: {v}" for k, v in state.blocked.items()],
+        *([f"- Not started (time box): {', '.join(state.skipped)}."] if state.skipped else []),
+        *([f"Run notes: {cfg.notes}"] if cfg.notes else []),
+        "",
+        "## Protocol (fixed before any evaluation)",
+        "",
+        *protocol,
+        f"- Effect: {json.dumps(state.protocol['protocol'].get('effect', {}))}",
+        "",
+        f"## Pass@k on held-out test tasks ({cfg.test_tasks} tasks x {cfg.eval_samples} samples, %)",
+        "",
+        *t.rows_table(cfg, state),
+        "",
+        "### Paired comparisons and verdicts",
+        "",
+        *comparison_lines,
+        "",
+        "## The follow audit (the gate)",
+        "",
+        *_audit_lines(state),
+        "",
+        "## The shared warm start",
+        "",
+        *t.warm_table(cfg, state),
+        "",
+        *_warm_start_lines(state),
+        "",
+        "## Stage 1 trees (from the warm start)",
+        "",
+        *t.tree_table(state, ("labels", "audit-collect", "explore-model", "explore-oracle")),
+        "",
+        "## Trainings (counterfactual counts per row)",
+        "",
+        *_cf_lines(state),
+        "",
+        "## GRPO rounds (from the warm start)",
+        "",
+        *t.grpo_table(cfg, state),
+        "",
+        "## Collections",
+        "",
+        *t.budget_table(state),
+        "",
+        "## Every phase, wall times",
+        "",
+        *t.wall_table(state),
+        "",
+        "## What I would run on a GPU next",
+        "",
+        GPU_NEXT,
+        "",
+        "## Exact configuration",
+        "",
+        "```json",
+        json.dumps(msgspec.to_builtins(cfg), indent=1),
+        "```",
+        "",
+    ]
+    return "\n".join(md)

@@ -48,6 +48,9 @@ class RunContext:
     role_nats: dict[str, NatsOptions] = field(default_factory=dict)
     """Each role's options on the embedded server (its own nkey seed file); empty with an external one."""
     engine_urls: list[str] = field(default_factory=list)
+    """Every inference server (weight sync and the drain talk to each)."""
+    router_url: str = ""
+    """The sglang router in front of them (``services.router``); '' without one."""
     js: JetStreamContext | None = None
     services: dict[str, ServiceProcess] = field(default_factory=dict)
     progress: RunProgress | None = None
@@ -85,6 +88,11 @@ class RunContext:
         if self.js is None:
             raise RuntimeError("the run has no NATS connection yet")
         return self.js
+
+    @property
+    def client_urls(self) -> list[str]:
+        """Where actors and evaluations send requests: the router when there is one, else every server."""
+        return [self.router_url] if self.router_url else self.engine_urls
 
     @property
     def tensorboard_dir(self) -> Path:

@@ -52,6 +52,7 @@ from services.inference.auth import read_api_key, write_api_key
 from services.run.context import RunContext
 from services.run.orphans import record_child
 from services.run.presets import MAX_AUTO_SERVERS
+from services.run.router import open_router, router_available
 from services.run.supervisor import wait_http_ok
 from services.threads import ThreadPlan, free_cores, plan_threads
 
@@ -138,6 +139,8 @@ def _start_nats(ctx: RunContext, stack: AsyncExitStack) -> None:
 async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
     """NATS (embedded unless a URL is configured), the model, the inference server, the streams."""
     cfg = ctx.config
+    if cfg.services.router and not router_available():
+        raise ConfigError("services.router = true needs sglang-router: pip install sglang-router==0.3.2")
     if cfg.services.nats_url:
         ctx.nats = _external_nats(cfg.services.nats_url)
     else:
@@ -152,6 +155,8 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
     ctx.learner_threads = plan.learner
     if not ctx.engine_urls:
         await _start_engines(ctx, stack, plan)
+    if cfg.services.router:
+        await _start_router(ctx, stack)
     nc = await connect(ctx.nats, name=f"leafe-run-{cfg.run_id}")
     stack.push_async_callback(nc.drain)
     ctx.js = nc.jetstream()
@@ -197,6 +202,15 @@ async def _start_engines(ctx: RunContext, stack: AsyncExitStack, plan: ThreadPla
         started.append(inference)
     for url, inference in zip(ctx.engine_urls, started, strict=True):
         await wait_http_ok(f"{url}/health", inference)
+
+
+async def _start_router(ctx: RunContext, stack: AsyncExitStack) -> None:
+    """sglang-router in front of the servers (``services.router``), supervised like a service."""
+    router = await open_router(ctx.engine_urls, ctx.run_dir / "logs" / "router.log", run_dir=ctx.run_dir)
+    stack.push_async_callback(router.stop)
+    ctx.services[router.name] = router
+    ctx.router_url, ctx.metrics_urls[router.name] = router.url, router.metrics_url
+    ctx.console.print(f"router: {router.url} in front of {len(ctx.engine_urls)} inference server(s)")
 
 
 async def engine_threads(ctx: RunContext, *, shared: bool) -> None:
@@ -271,7 +285,7 @@ async def start_pipeline(ctx: RunContext) -> None:
         actor = [
             "actor",
             *ctx.nats_args(actor_key_name(actor_id)),
-            *("--engine", ",".join(ctx.engine_urls), "--model", model, "--config", str(conf / "actor.toml")),
+            *("--engine", ",".join(ctx.client_urls), "--model", model, "--config", str(conf / "actor.toml")),
             *("--concurrency", str(cfg.services.actor_concurrency), "--actor-id", actor_id),
         ]
         await ctx.service(f"actor-{i}", actor).start()

@@ -163,6 +163,10 @@ class ServicesSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Learner torch threads (``OMP_NUM_THREADS``); 0 = from the thread plan (half the free cores, >= 1)."""
     learner: bool = True
     """Run the continuous learner (and weight sync)."""
+    router: bool = False
+    """Put sglang-router 0.3.2 (the gpu overlay's router, ``pip install sglang-router==0.3.2``) in front of
+    the inference servers: actors and evaluations send every request through it, as on the cluster; weight
+    sync and the drain still talk to each server (``services/run/router.py``)."""
 
 
 class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

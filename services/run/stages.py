@@ -75,7 +75,7 @@ async def _run_eval(
     engine_cfg = cfg.actor.engine
     if ctx.engine_key_file:
         engine_cfg = msgspec.structs.replace(engine_cfg, api_key_file=ctx.engine_key_file)
-    client = SGLangClient.from_config(ctx.engine_urls, engine_cfg)
+    client = SGLangClient.from_config(ctx.client_urls, engine_cfg)
     async with client as engine, Publisher(ctx.jetstream) as pub:
         result = await evaluate(request, engine=engine, tokenizer=tokenizer, sink=PublisherSink(pub))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -243,8 +243,8 @@ async def _run_locked(ctx: RunContext, *, fresh: bool) -> None:
         display = asyncio.create_task(_display(ctx))
         try:
             await _stages(ctx)
-            for name in ctx.engine_services:  # the other services' were saved as they stopped
-                await save_metrics(ctx, name)
+            for name in [*ctx.engine_services, *(["router"] if ctx.router_url else [])]:
+                await save_metrics(ctx, name)  # the other services' were saved as they stopped
             (ctx.run_dir / "metrics").mkdir(exist_ok=True)
             (ctx.run_dir / "metrics" / "run.prom").write_bytes(generate_latest(ctx.run_metrics.registry))
             ctx.stage = "finishing"

@@ -17,15 +17,16 @@ from protocol.events import EpisodeStarted
 from services.bus.auth import ROLES
 from services.eventlog.fileformat import read_events
 from services.run.metrics import parse_samples
+from services.run.router import router_available
 from tests.support.leafe_run import leafe_run_argv, leafe_run_env
 from tests.support.nats_auth import SEED_PATTERN
 
 pytestmark = pytest.mark.integration
 
 
-def _leafe_run(runs: Path, run_id: str, cache_dir: Path) -> subprocess.CompletedProcess[str]:
+def _leafe_run(runs: Path, run_id: str, cache_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        leafe_run_argv(runs, "--run-id", run_id, "--no-live"),
+        leafe_run_argv(runs, "--run-id", run_id, "--no-live", *args),
         env=leafe_run_env(cache_dir),
         capture_output=True,
         text=True,
@@ -61,15 +62,12 @@ def _check_observability(run_dir: Path, stderr: str, learner_step: int) -> None:
     assert [step for step, _ in losses] == list(range(1, learner_step + 1)), losses
     assert all(loss > 0 for _, loss in losses)
     last = {p.stem: parse_samples(p.read_text()) for p in (run_dir / "metrics").glob("*.prom")}
-    assert set(last) == {
-        "actor-0",
-        "replayer",
-        "learner",
-        "weight-sync",
-        "inference",
-        "inference-1",
-        "run",
-    }, set(last)
+    routed = {"router"} if router_available() else set()
+    services = {"actor-0", "replayer", "learner", "weight-sync", "inference", "inference-1", "run"}
+    assert set(last) == services | routed, set(last)
+    if routed:  # every generation of the actors and evaluations went through the router
+        generated = sum(v for k, v in last["router"].items() if k.startswith("smg_router_requests_total"))
+        assert generated > 0, last["router"]
     assert sum(v for k, v in last["actor-0"].items() if k.startswith("leafe_actor_episodes_total")) >= 2
     assert last["replayer"]["leafe_replayer_events_total"] > 0
     assert last["learner"]["leafe_learner_step"] == learner_step
@@ -98,8 +96,11 @@ def _assert_no_credential_in_logs(run_dir: Path) -> None:
 def test_tiny_run_end_to_end(tmp_path: Path, cache_dir: Path) -> None:
     """The tiny run explores, materializes, trains, pushes and serves new weights, evaluates before and
     after (with an interval per k), and its offline-rebuilt dataset equals what the learner consumed; every
-    service ran as its own NATS role and no credential reached a log."""
-    first = _leafe_run(tmp_path, "e2e", cache_dir)
+    service ran as its own NATS role and no credential reached a log. Its actors and evaluations go through
+    sglang-router 0.3.2 (``services.router``, the gpu overlay's topology) when the dev extra installed it."""
+    routed = tmp_path / "router.toml"
+    routed.write_text(f"[services]\nrouter = {'true' if router_available() else 'false'}\n")
+    first = _leafe_run(tmp_path, "e2e", cache_dir, "--config", str(routed))
     run_dir = tmp_path / "e2e"
     assert first.returncode == 0, first.stderr[-4000:]
     report = _report(run_dir)

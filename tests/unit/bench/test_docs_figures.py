@@ -1,0 +1,58 @@
+"""The figures ``docs/experiments.md`` quotes from the registered online comparison come from its results
+files (``bench/results/online_paper.json`` and each run's ``report.json``), not from memory: a figure
+that drifts from the file it reports fails here."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+RESULTS = ROOT / "bench" / "results"
+
+
+def _section() -> str:
+    text = (ROOT / "docs" / "experiments.md").read_text(encoding="utf-8")
+    start = text.index("## The registered online comparison")
+    return text[start : text.index("\n## ", start + 5)]
+
+
+def _report(run: str) -> dict:
+    return json.loads((RESULTS / "online_paper" / run / "report.json").read_text(encoding="utf-8"))
+
+
+def _table_row(section: str, label: str) -> list[str]:
+    line = next(x for x in section.splitlines() if x.startswith(f"| {label} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_the_throughput_table_is_the_runs_reports() -> None:
+    """Learner steps, samples, pushes, lag and stale samples of each run, as its report says."""
+    section = _section().split("**Throughput**", 1)[1]
+    summary = json.loads((RESULTS / "online_paper.json").read_text(encoding="utf-8"))["throughput"]
+    for run, label in (("leafe", "online LEAFE"), ("grpo", "online GRPO")):
+        report, thr = _report(run), summary[f"online-paper-{run}"]
+        cells = _table_row(section, label)
+        assert int(cells[1]) == report["run"]["learner_step"], label
+        counts = dict(re.findall(r"(\w+) ([\d,]+)", cells[2]))
+        assert {k: int(v.replace(",", "")) for k, v in counts.items()} == report["run"]["samples"], label
+        assert int(cells[3]) == round(thr["samples_per_min"]) and int(cells[4]) == thr["pushes"], label
+        assert (
+            float(cells[5]) == thr["mean_policy_lag"]
+            and int(cells[6].replace(",", "")) == thr["stale_dropped"]
+        )
+
+
+def test_round_times_curves_and_warm_starts_are_the_reports() -> None:
+    """GRPO's full rounds (min-max minutes), LEAFE's validation Pass@4 drop after round 0, and both warm
+    starts' seconds, as the reports say."""
+    section = " ".join(_section().split())
+    grpo, leafe = _report("grpo"), _report("leafe")
+    full = [r["wall_s"] / 60 for r in grpo["rounds"] if r["finished"]]
+    assert f"({min(full):.1f}-{max(full):.1f} min each)" in section
+    curve = leafe["curve"]
+    drop = 100 * (curve[0]["passk"]["4"] - curve[1]["passk"]["4"])
+    assert f"dropped {drop:.1f} points after round 0" in section
+    for run, report in (("LEAFE", leafe), ("GRPO", grpo)):
+        assert f"{run} warm start took {report['timings']['warm_start']:.0f} s" in section

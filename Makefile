@@ -8,7 +8,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup run test test-fast test-slow lint bench bench-readme clean
+.PHONY: setup run test test-avx2 test-fast test-slow lint bench bench-readme clean
 
 setup: $(STAMP)
 
@@ -30,8 +30,21 @@ lint: setup
 	$(BIN)/ruff check protocol envs actors learner services tests bench
 	$(BIN)/mypy
 
+# The tests whose path depends on the CPU's instruction set (oneDNN's bf16 linear layers, the compiled
+# kernels, bf16 training) run a second time with the AVX2-only fallback forced, as an AMD Zen 3 host runs
+# them, so that path cannot break unseen on a host with AVX-512 (on a host without avx512f the first pass
+# already ran it). tests/unit/services/inference/test_cpu_paths.py checks that the forcing takes effect.
+ISA_TESTS := tests/unit/services/inference tests/unit/learner/test_precision.py
+FORCE_AVX2 := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+
 test: setup lint
 	$(BIN)/python -m pytest -m "not slow" -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-avx2
+
+test-avx2: setup
+	if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then \
+	  $(FORCE_AVX2) $(BIN)/python -m pytest -m "not slow" -q -p no:cacheprovider $(ISA_TESTS); \
+	else echo "test-avx2: this CPU has no avx512f, the first pass ran the AVX2 path"; fi
 
 test-slow: setup
 	$(BIN)/python -m pytest -m slow -q -p no:cacheprovider $(PYTEST_ARGS)

@@ -2,8 +2,9 @@
 transient failure is retried.
 
 Each request goes to the server with the fewest requests in flight from this client (or the one its
-episode's affinity key prefers). Connection errors (refused, reset, connect timeout) and 502/503/504
-answers are retried on the next server with exponential backoff; a server that failed is avoided for a
+episode's affinity key prefers). Connection errors (refused, reset, connect timeout), 502/503/504
+answers and the sglang router's 500 for a worker it could not reach are retried on the next server with
+exponential backoff; a server that failed is avoided for a
 short cooldown. HTTP 400 (bad request) and a request that times out after connecting are not retried (a
 slow generation would be run twice). When every attempt fails, :class:`EngineUnavailable` names each
 server and why. Timeouts, retries and backoff are :class:`SGLangClientConfig` fields.
@@ -32,6 +33,10 @@ __all__ = ["AFFINITY_SLACK", "EngineUnavailable", "NotFound", "SGLangClientConfi
 log = structlog.get_logger(__name__)
 
 _RETRY_STATUS = frozenset({502, 503, 504})
+_ROUTER_UNREACHED = frozenset({"call_upstream_request_error", "call_upstream_connection_failed"})
+"""sglang-router 0.3.2's ``x-smg-error-code`` when the worker it chose could not be reached (a pod gone or
+restarting, until its health checks drop it): HTTP 500, yet the request never ran; retried like a refused
+connection."""
 
 AFFINITY_SLACK = 8
 """Requests in flight a server may have beyond the least loaded one and still get its affinity keys."""
@@ -173,6 +178,7 @@ class ServerPool:
             async with self._http().request(method, url, json=payload, timeout=t) as resp:
                 body = await resp.read()
                 status = resp.status
+                router_error = resp.headers.get("x-smg-error-code", "")
         except aiohttp.ConnectionTimeoutError as e:
             raise Transient(f"connect timeout after {self.config.connect_timeout_s} s ({e})") from e
         except TimeoutError as e:
@@ -183,7 +189,7 @@ class ServerPool:
             server.in_flight -= 1
         if status == 200:
             return body
-        if status in _RETRY_STATUS:
+        if status in _RETRY_STATUS or router_error in _ROUTER_UNREACHED:
             raise Transient(f"HTTP {status}: {error_message(body)}")
         if status == 404:
             raise NotFound(f"{url} answered HTTP 404: {error_message(body)}")

@@ -66,6 +66,7 @@ def router_command(
         "--health-check-timeout-secs": "5",
         "--health-failure-threshold": "3",
         "--retry-max-retries": "2",
+        "--cb-failure-threshold": "2",
         "--prometheus-host": host,
         "--prometheus-port": str(prometheus_port),
         "--log-level": "warn",

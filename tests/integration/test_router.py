@@ -39,6 +39,7 @@ class Topology:
     """The router in front of two engines, and the API key file every client needs."""
 
     router: RouterProcess
+    servers: list[InferenceServer]
     engines: list[str]
     key_file: str
     store: Path
@@ -60,16 +61,19 @@ async def topology(
     store = tmp_path / "store"
     store.mkdir()
     async with AsyncExitStack() as stack:
-        engines = []
+        servers = []
         for _ in range(2):
             config = InferenceConfig(
                 model=str(tiny_dir), port=0, threads=1, max_batch=4, api_key_file=key_file,
                 weights_root=str(store),
             )  # fmt: skip
-            engines.append((await stack.enter_async_context(InferenceServer(config))).url)
+            servers.append(await stack.enter_async_context(InferenceServer(config)))
+        engines = [server.url for server in servers]
         router = await open_router(engines, tmp_path / "router.log", health_interval_s=1)
         stack.push_async_callback(router.stop, 10.0)
-        yield Topology(router=router, engines=engines, key_file=key_file, store=store, model=tiny_dir)
+        yield Topology(
+            router=router, servers=servers, engines=engines, key_file=key_file, store=store, model=tiny_dir
+        )
 
 
 async def test_seeded_samples_go_through_the_router(topology: Topology) -> None:
@@ -101,6 +105,24 @@ async def test_readiness_and_versions_through_the_router(topology: Topology) -> 
     async with topology.client() as client:
         versions = {c.weight_version for c in await client.generate(PROMPT, _short(), n=4)}
     assert versions == {"v000001"}
+
+
+async def test_an_engine_that_dies_costs_no_request(topology: Topology) -> None:
+    """An engine that goes away under load (a pod evicted, a node lost) fails no request: until the
+    router's checks drop it, the router answers 500 ``call_upstream_request_error`` for the requests it
+    sends there (the prompts cached on it), which the client retries like a refused connection."""
+    failures: list[str] = []
+    async with topology.client() as client:
+        prompts = [[*PROMPT, i] for i in range(8)]
+        for prompt in prompts:  # cached on one engine or the other: cache-aware routing sticks to it
+            await client.generate(prompt, _short())
+        await topology.servers[1].stop()
+        for prompt in prompts:
+            try:
+                await client.generate(prompt, _short())
+            except Exception as e:  # what the test counts
+                failures.append(f"{type(e).__name__}: {e}")
+    assert not failures, failures[:3]
 
 
 async def test_a_push_under_load_keeps_serving(

@@ -17,8 +17,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from envs.base import EnvError, Reset, Transition, play, require_train_split
 from envs.textworld_gen import CookingSpec, ensure_game
 
@@ -35,23 +33,11 @@ take carrot from fridge, slice carrot with knife, cook carrot with stove, invent
 Answer with exactly one command in this format: <action>examine cookbook</action>"""
 
 
-class TextWorldConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Options of ``make_env("textworld-cooking", ...)``. Defaults: the easiest cooking games."""
+class TextWorldConfig(CookingSpec, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Options of ``make_env("textworld-cooking", ...)``: the generator's knobs (``CookingSpec``: recipe,
+    take, go, open, cook, cut, drop, as ``tw-make tw-cooking`` names them) and the catalogue's. Defaults:
+    the easiest cooking games."""
 
-    recipe: int = 1
-    """Ingredients in the recipe (tw-make ``--recipe``)."""
-    take: int = 1
-    """Ingredients to find, <= recipe (``--take``)."""
-    go: int = 1
-    """Rooms: 1, 6, 9 or 12 (``--go``)."""
-    open: bool = False
-    """Containers and doors must be opened (``--open``)."""
-    cook: bool = False
-    """Some ingredients must be cooked (``--cook``)."""
-    cut: bool = False
-    """Some ingredients must be cut (``--cut``)."""
-    drop: bool = False
-    """Limited inventory (``--drop``)."""
     max_steps: int = 20
     """Horizon: env steps per episode (invalid commands count)."""
     seed: int = 0
@@ -73,15 +59,7 @@ class TextWorldConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
     def spec(self) -> CookingSpec:
         """The generator's knobs."""
-        return CookingSpec(
-            recipe=self.recipe,
-            take=self.take,
-            go=self.go,
-            open=self.open,
-            cook=self.cook,
-            cut=self.cut,
-            drop=self.drop,
-        )
+        return CookingSpec(**{name: getattr(self, name) for name in CookingSpec.__struct_fields__})
 
 
 def clean_observation(text: str) -> str:

@@ -59,6 +59,7 @@ from protocol.config import ConfigError, convert_config, merge_tables
 
 __all__ = [
     "ENV_DEFAULTS",
+    "ActionSampling",
     "ActorServiceConfig",
     "ExperienceScope",
     "ExplorerConfig",
@@ -76,11 +77,9 @@ def _check(cond: bool, field: str, value: object, want: str) -> None:
         raise ValueError(f"{field} = {value!r}: {want}")
 
 
-class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A plain rollout (evaluation sample or GRPO group member): no reflection, no rollback."""
+class ActionSampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How an action is sampled: what a plain rollout and an exploration tree share."""
 
-    horizon: int = 20
-    """Maximum policy actions in the episode (invalid actions count)."""
     temperature: float = 1.0
     """Action sampling temperature (0 = greedy)."""
     top_p: float = 1.0
@@ -91,6 +90,13 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Action completion length cap, tokens."""
     action_stop: list[str] = msgspec.field(default_factory=lambda: ["</action>"])
     """Stop strings for actions (the tagged answer ends there; parsing tolerates the cut tag)."""
+
+
+class RolloutConfig(ActionSampling, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A plain rollout (evaluation sample or GRPO group member): no reflection, no rollback."""
+
+    horizon: int = 20
+    """Maximum policy actions in the episode (invalid actions count)."""
     history_window: int = 0
     """Past steps shown in a prompt; 0 = all (``protocol.prompt.render_messages``)."""
     response_prefix: str = ""
@@ -116,7 +122,7 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         return _resolve(cls, env, overrides)
 
 
-class ExplorerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class ExplorerConfig(ActionSampling, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The LEAFE exploration tree (Stage 1 of docs/method.md) of one episode."""
 
     k: int = 5
@@ -130,16 +136,6 @@ class ExplorerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     env steps spent replaying are counted separately and not limited)."""
     horizon: int = 20
     """Maximum length of one branch's path (inherited prefix included)."""
-    temperature: float = 1.0
-    """Action sampling temperature."""
-    top_p: float = 1.0
-    """Action nucleus sampling mass."""
-    top_k: int = -1
-    """Action top-k (-1 = off)."""
-    max_new_tokens: int = 48
-    """Action completion length cap, tokens."""
-    action_stop: list[str] = msgspec.field(default_factory=lambda: ["</action>"])
-    """Stop strings for actions."""
     reflect_temperature: float = 0.7
     """Reflection sampling temperature (lower: a reflection should be a considered answer)."""
     reflect_top_p: float = 1.0

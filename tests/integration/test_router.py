@@ -6,16 +6,18 @@ items 1 and 2). Needs ``sglang-router==0.3.2`` (the dev extra)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from actors.client import SGLangClient
-from actors.engine import SamplingParams
+from actors.engine import EngineError, SamplingParams
 from learner.model_io import export_weights, load_model
 from protocol import WeightsPublished, weights_subject
 from services.bus import NatsOptions, Publisher, connect
@@ -23,6 +25,7 @@ from services.inference.auth import write_api_key
 from services.inference.server import InferenceConfig, InferenceServer
 from services.run.router import RouterProcess, open_router, router_available
 from services.weight_sync.service import WeightSync, WeightSyncConfig
+from tests.support.manifests import DEPLOY
 
 pytestmark = [
     pytest.mark.anyio,
@@ -107,22 +110,71 @@ async def test_readiness_and_versions_through_the_router(topology: Topology) -> 
     assert versions == {"v000001"}
 
 
-async def test_an_engine_that_dies_costs_no_request(topology: Topology) -> None:
-    """An engine that goes away under load (a pod evicted, a node lost) fails no request: until the
-    router's checks drop it, the router answers 500 ``call_upstream_request_error`` for the requests it
-    sends there (the prompts cached on it), which the client retries like a refused connection."""
-    failures: list[str] = []
+@dataclass
+class Traffic:
+    """What the actors would see while something happens to the engines: generations and their failures,
+    and the router's healthy workers probed every 0.1 s."""
+
+    generated: int = 0
+    failures: list[str] = field(default_factory=list)
+    probes: list[int | None] = field(default_factory=list)
+
+
+@asynccontextmanager
+async def traffic(topology: Topology, loops: int = 4) -> AsyncIterator[Traffic]:
+    """``loops`` generation loops through the router and a probe of its healthy workers, for the block; one
+    second of it before the block starts. Each loop's prompts start with a token of their own: cache-aware
+    routing sends a prefix it has not seen to the engine with the smaller tree, so both engines get loops."""
+    seen, stop = Traffic(), asyncio.Event()
     async with topology.client() as client:
-        prompts = [[*PROMPT, i] for i in range(8)]
-        for prompt in prompts:  # cached on one engine or the other: cache-aware routing sticks to it
-            await client.generate(prompt, _short())
+
+        async def generate(loop: int) -> None:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                try:
+                    await client.generate([100 + loop, *PROMPT, i % 3], _short())
+                    seen.generated += 1
+                except Exception as e:  # the count of failures is what these tests are about
+                    seen.failures.append(f"{type(e).__name__}: {e}")
+
+        async def probe() -> None:
+            while not stop.is_set():
+                seen.probes.append(await topology.router.healthy_workers())
+                await asyncio.sleep(0.1)
+
+        tasks = [asyncio.create_task(generate(i)) for i in range(loops)] + [asyncio.create_task(probe())]
+        try:
+            await asyncio.sleep(1.0)
+            yield seen
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+    assert seen.generated > 0 and seen.probes
+
+
+async def test_an_engine_that_dies_costs_no_request(topology: Topology) -> None:
+    """An engine that goes away under load (a pod evicted, a node lost) fails no request and leaves the
+    router a healthy worker throughout: until the router's checks drop it, the router retries elsewhere
+    or answers 500 ``call_upstream_request_error``, which the client retries like a refused connection.
+    The router's /metrics then has every series the dashboard's router panels read (retries and errors
+    included: one request with a wrong API key makes an error)."""
+    async with traffic(topology) as seen:
         await topology.servers[1].stop()
-        for prompt in prompts:
-            try:
-                await client.generate(prompt, _short())
-            except Exception as e:  # what the test counts
-                failures.append(f"{type(e).__name__}: {e}")
-    assert not failures, failures[:3]
+        await asyncio.sleep(4.0)  # the router's checks (every 1 s here, 3 misses) drop it meanwhile
+    assert not seen.failures, seen.failures[:3]
+    assert all(p is not None and p >= 1 for p in seen.probes) and seen.probes[-1] == 1, seen.probes
+    wrong_key = topology.store.parent / "wrong-key"
+    wrong_key.write_text("not-the-key\n")
+    async with SGLangClient(topology.router.url, api_key_file=str(wrong_key), retries=0) as stranger:
+        with pytest.raises(EngineError, match="401"):
+            await stranger.generate(PROMPT, _short())
+    async with aiohttp.ClientSession() as http, http.get(topology.router.metrics_url) as resp:
+        exported = {line.split("{")[0].split(" ")[0] for line in (await resp.text()).splitlines()}
+    dashboard = (DEPLOY / "components" / "monitoring" / "dashboard.json").read_text(encoding="utf-8")
+    used = set(re.findall(r"\bsmg_\w+", dashboard))
+    missing = used - exported
+    assert used and not missing, f"the dashboard reads series the router does not export: {missing}"
 
 
 async def test_a_push_under_load_keeps_serving(
@@ -137,40 +189,21 @@ async def test_a_push_under_load_keeps_serving(
     ]
     stop = asyncio.Event()
     followers = [asyncio.create_task(s.run(nats_roles["weight-sync"], stop)) for s in syncs]
-    probes: list[int | None] = []
-    failures: list[str] = []
-    generated = 0
-    async with topology.client() as client:
-
-        async def generate() -> None:
-            nonlocal generated
-            while not stop.is_set():
-                try:
-                    await client.generate(PROMPT, _short())
-                    generated += 1
-                except Exception as e:  # the count of failures is what this test is about
-                    failures.append(f"{type(e).__name__}: {e}")
-
-        async def probe() -> None:
-            while not stop.is_set():
-                probes.append(await topology.router.healthy_workers())
-                await asyncio.sleep(0.1)
-
-        loops = [asyncio.create_task(generate()) for _ in range(4)] + [asyncio.create_task(probe())]
-        await asyncio.sleep(1.0)
+    async with traffic(topology) as seen:
         event = await asyncio.to_thread(
             _export, topology.model, topology.store / "v000001", "v000001", run_id
         )
         await _publish(nats_roles["learner"], event)
         await _until(lambda: all(s.converged() for s in syncs), 30.0)
         await asyncio.sleep(0.5)
-        stop.set()
-        await asyncio.gather(*loops, *followers)
-        after = await client.generate(PROMPT, _short(), n=4)
-    assert not failures, failures[:3]
-    assert generated > 0 and probes and all(p is not None and p >= 1 for p in probes), probes
+    stop.set()
+    await asyncio.gather(*followers)
+    assert not seen.failures, seen.failures[:3]
+    assert all(p is not None and p >= 1 for p in seen.probes), seen.probes
     spans = sorted((r.started_at, r.started_at + r.seconds) for s in syncs for r in s.results.values())
     assert len(spans) == 2 and spans[0][1] <= spans[1][0], f"both engines loaded at once: {spans}"
+    async with topology.client() as client:
+        after = await client.generate(PROMPT, _short(), n=4)
     assert {c.weight_version for c in after} == {"v000001"}
 
 

@@ -14,7 +14,6 @@ import msgspec
 import pytest
 
 from actors.config import ActorServiceConfig
-from services.weight_sync.service import WeightSyncConfig
 from tests.support.manifests import DEPLOY, config_map_value, container_named, find
 
 Docs = list[dict[str, Any]]
@@ -66,21 +65,70 @@ def test_sglang_rolls_out_without_a_spare_gpu(rendered: dict[str, Docs]) -> None
 
 
 def test_probes_survive_a_weight_reload(rendered: dict[str, Docs]) -> None:
-    """SGLang's startup and readiness use /ready (cheap, auth-exempt, 200 during a reload); liveness calls
-    /health (503 for the whole reload) and tolerates a reload as long as weight sync waits for one; the
-    router checks its workers on /ready, not on the generating /health."""
-    sglang = container_named(rendered["gpu"], "sglang", "sglang").spec
+    """SGLang's startup and readiness use /ready (cheap, auth-exempt); liveness runs deploy's liveness.py
+    (the ConfigMap holds exactly that file) on the lock file the weight-sync sidecar holds while it loads
+    (one emptyDir shared by both containers), so no generating /health lands in a load; its timeout is above
+    the script's own; the router checks its workers on /ready, not on the generating /health."""
+    docs = rendered["gpu"]
+    pod = container_named(docs, "sglang", "sglang")
+    sglang = pod.spec
     for probe in ("startupProbe", "readinessProbe"):
         assert sglang[probe]["httpGet"]["path"] == "/ready", probe
     live = sglang["livenessProbe"]
-    assert live["httpGet"]["path"] == "/health" and live["timeoutSeconds"] > 20
-    budget = live["periodSeconds"] * live["failureThreshold"]
-    assert budget >= WeightSyncConfig().update_timeout_s, budget
+    python, isolated, nosite, script, lock, health = live["exec"]["command"]
+    assert (python, isolated, nosite, health) == ("python3", "-I", "-S", "http://127.0.0.1:30000/health")
+    liveness_py = DEPLOY / "components" / "sglang" / "liveness.py"
+    mounts = {m["mountPath"]: m["name"] for m in sglang["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod.pod["spec"]["volumes"]}
+    probe_dir, name = script.rsplit("/", 1)
+    config_map = volumes[mounts[probe_dir]]["configMap"]["name"]
+    assert find(docs, "ConfigMap", config_map)["data"][name] == liveness_py.read_text(encoding="utf-8")
+    sidecar = container_named(docs, "sglang", "weight-sync")
+    assert _flag(sidecar.argv, "--engine-lock") == lock
+    lock_dir = lock.rsplit("/", 1)[0]
+    shared = {m["name"] for m in sidecar.spec["volumeMounts"] if m["mountPath"] == lock_dir}
+    assert shared == {mounts[lock_dir]} and "emptyDir" in volumes[mounts[lock_dir]]
+    timeout = float(re.search(r"HEALTH_TIMEOUT_S = ([\d.]+)", liveness_py.read_text()).group(1))  # type: ignore[union-attr]
+    assert 20 < timeout < live["timeoutSeconds"]
     assert sglang["startupProbe"]["periodSeconds"] * sglang["startupProbe"]["failureThreshold"] >= 1800
-    router = container_named(rendered["gpu"], "sglang-router", "router")
+    router = container_named(docs, "sglang-router", "router")
     assert _flag(router.argv, "--health-check-endpoint") == "/ready"
     assert router.spec["readinessProbe"]["httpGet"]["path"] == "/readiness"
     assert router.spec["livenessProbe"]["httpGet"]["path"] == "/liveness"
+
+
+def test_ci_runs_the_router_with_the_clusters_flags(rendered: dict[str, Docs]) -> None:
+    """The router that the integration tests and ``leafe run`` start (services/run/router.py) routes, checks
+    workers and retries with exactly the gpu overlay's settings; only how it finds workers, where it
+    listens, its key and its logs differ."""
+    from services.run.router import ROUTER_VERSION as CI_ROUTER_VERSION
+    from services.run.router import router_command
+
+    def flags(argv: list[str]) -> dict[str, str]:
+        pairs = {}
+        for i, token in enumerate(argv):
+            if token.startswith("--") and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                pairs[token] = argv[i + 1]
+        return pairs
+
+    cluster = flags(container_named(rendered["gpu"], "sglang-router", "router").argv)
+    ci = flags(router_command(["http://127.0.0.1:1"], port=2, prometheus_port=3))
+    local_only = {
+        "--host",
+        "--port",
+        "--prometheus-host",
+        "--prometheus-port",
+        "--worker-urls",
+        "--log-level",
+    }
+    cluster_only = {
+        "--selector", "--service-discovery-port", "--service-discovery-namespace", "--api-key",
+        "--shutdown-grace-period-secs",
+    }  # fmt: skip
+    assert {k: v for k, v in ci.items() if k not in local_only} == {
+        k: v for k, v in cluster.items() if k not in local_only | cluster_only
+    }
+    assert CI_ROUTER_VERSION == ROUTER_VERSION
 
 
 def test_one_failing_request_costs_at_most_five_upstream_attempts(rendered: dict[str, Docs]) -> None:

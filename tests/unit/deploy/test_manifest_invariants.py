@@ -23,6 +23,7 @@ from tests.support.manifests import (
     container_named,
     containers,
     env_value,
+    expand_shell,
     find,
     flags_of,
     leafe_invocation,
@@ -58,8 +59,13 @@ _GENERATING = {"/health", "/health_generate"}
 
 
 def _probe_port(probe: dict[str, Any]) -> int | str:
+    """The port a probe checks: an HTTP or TCP probe's, or the one SGLang's liveness.py asks ``/health`` on."""
+    if "exec" in probe:
+        *_, script, _, url = probe["exec"]["command"]
+        assert script.endswith("/liveness.py") and url.endswith("/health"), probe
+        return int(url.removeprefix("http://127.0.0.1:").split("/")[0])
     action = probe.get("httpGet") or probe.get("tcpSocket")
-    assert action, f"probe {probe} is neither httpGet nor tcpSocket"
+    assert action, f"probe {probe} is neither httpGet, tcpSocket nor SGLang's liveness.py"
     return action["port"]
 
 
@@ -68,7 +74,7 @@ def test_servers_have_readiness_and_liveness_probes_on_their_own_ports(
     rendered: dict[str, Docs], overlay: str
 ) -> None:
     """Containers serving HTTP (a port named http or monitor) have readiness and liveness probes on a port
-    they declare; liveness is an HTTP check."""
+    they declare; liveness is an HTTP check (SGLang's, an HTTP check run by liveness.py)."""
     servers = set()
     for c in containers(rendered[overlay]):
         ports = {p["name"]: p["containerPort"] for p in c.spec.get("ports") or []}
@@ -79,20 +85,20 @@ def test_servers_have_readiness_and_liveness_probes_on_their_own_ports(
             assert probe in c.spec, f"{c.where} serves HTTP but has no {probe}"
             port = _probe_port(c.spec[probe])
             assert port in ports or port in ports.values(), f"{c.where}: {probe} port {port}"
-        assert "httpGet" in c.spec["livenessProbe"], c.where
+        assert "httpGet" in c.spec["livenessProbe"] or c.spec["name"] == "sglang", c.where
     expected = {"dev": {"nats", "inference"}, "gpu": {"nats", "sglang", "router"}}[overlay]
     assert servers == expected
 
 
 def test_sglang_startup_and_readiness_never_run_a_generation(rendered: dict[str, Docs]) -> None:
     """SGLang's startup and readiness probes call the cheap /ready (auth-exempt in 0.5.23); only the
-    liveness probe calls the generating /health, rarely, with a timeout beyond SGLang's own 20 s (its
-    budget against weight reloads: tests/unit/deploy/test_gpu_tier.py)."""
+    liveness probe reaches the generating /health, through liveness.py (never during a weight load:
+    tests/unit/deploy/test_gpu_tier.py), rarely, with a timeout beyond SGLang's own 20 s."""
     sglang = container_named(rendered["gpu"], "sglang", "sglang").spec
     for probe in ("startupProbe", "readinessProbe"):
         assert sglang[probe]["httpGet"]["path"] == "/ready", probe
     liveness = sglang["livenessProbe"]
-    assert liveness["httpGet"]["path"] == "/health"
+    assert liveness["exec"]["command"][-1].endswith("/health")
     assert liveness["timeoutSeconds"] > 20 and liveness["periodSeconds"] >= 30
     assert liveness["failureThreshold"] * liveness["periodSeconds"] >= 180  # a busy minute is not a death
     assert sglang["startupProbe"]["failureThreshold"] * sglang["startupProbe"]["periodSeconds"] >= 1800
@@ -159,8 +165,10 @@ def test_weight_store_is_one_volume_at_the_same_path_everywhere(
     rendered: dict[str, Docs], overlay: str
 ) -> None:
     """The learner writes /weights; servers and weight-sync sidecars read that volume there; each sidecar's
-    one writable piece of it is <store>/.in_use, the directory the learner's pruning reads its markers from.
-    gpu's volume is ReadWriteMany, dev's ReadWriteOnce."""
+    one writable piece of it is <store>/.in_use, the directory the learner's pruning reads its markers from;
+    in gpu an init container of the SGLang pod makes that directory (as uid 10001) before the sidecar's
+    subPath mount would make it root's, and writes nothing else. gpu's volume is ReadWriteMany, dev's
+    ReadWriteOnce."""
     docs = rendered[overlay]
     modes = find(docs, "PersistentVolumeClaim", "leafe-weights")["spec"]["accessModes"]
     assert modes == {"gpu": ["ReadWriteMany"], "dev": ["ReadWriteOnce"]}[overlay]
@@ -179,7 +187,10 @@ def test_weight_store_is_one_volume_at_the_same_path_everywhere(
                 continue
             assert mount["mountPath"] == "/weights", c.where
             (readers if mount.get("readOnly") else writers).add(c.spec["name"])
-    assert writers == {"learner"}
+    assert writers == ({"learner", "weights-dirs"} if overlay == "gpu" else {"learner"})
+    if overlay == "gpu":
+        script = expand_shell(container_named(docs, "sglang", "weights-dirs").raw_argv)[1][0]
+        assert script.startswith(f"mkdir -p {store}/.in_use/reload &&") and script.count("mkdir") == 1
     assert {"weight-sync", "sglang" if overlay == "gpu" else "inference", "actor", "replayer"} <= readers
     assert store.startswith("/weights/")
     sidecars = [c for c in containers(docs) if c.spec["name"] == "weight-sync"]

@@ -341,10 +341,13 @@ def test_each_actor_pod_holds_only_its_own_nats_seed(rendered: dict[str, Docs], 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_every_variable_in_a_command_is_defined(rendered: dict[str, Docs], name: str) -> None:
-    """Each $(VAR) in a command is defined for its container (Kubernetes leaves unknown ones verbatim)."""
+    """Each $(VAR) in a command is defined for its container (Kubernetes leaves unknown ones verbatim), and so
+    is each $VAR of a shell script there, but for the script's own variables and HOSTNAME (the pod name)."""
     docs = rendered[name]
     for c in containers(docs):
         used = set(re.findall(r"\$\(([A-Za-z_]\w*)\)", " ".join(c.raw_argv)))
         for script in expand_shell(c.raw_argv)[1]:
-            used |= set(re.findall(r"\$\{?([A-Za-z_]\w*)", script))
+            own = set(re.findall(r"(?:^|[\s;])([A-Za-z_]\w*)=", script))  # assigned in the script
+            runtime = {"HOSTNAME"}  # the pod name, set by the container runtime
+            used |= set(re.findall(r"\$\{?([A-Za-z_]\w*)", script)) - own - runtime
         assert used <= env_names(c, docs), f"{c.where}: undefined {sorted(used - env_names(c, docs))}"

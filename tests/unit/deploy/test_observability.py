@@ -117,15 +117,18 @@ def test_gpu_engines_are_scraped_on_their_own_metrics_endpoints(full_stacks: Sta
 
 def test_dashboard_has_sglang_router_and_jetstream_panels() -> None:
     """The gpu overlay's engines and the log have panels: SGLang's own metrics, the router's per-worker
-    health and load, JetStream consumer backlogs and streams, NATS server totals; all per namespace."""
+    health and load (sglang-router 0.3.2's ``smg_*`` names: tests/integration/test_router.py checks them
+    against its real /metrics), JetStream consumer backlogs and streams, NATS server totals; all per
+    namespace."""
     dashboard = json.loads((DEPLOY / "components/monitoring/dashboard.json").read_text(encoding="utf-8"))
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets") or []]
     for metric in (
         "sglang:num_running_reqs",
         "sglang:generation_tokens_total",
         "sglang:time_to_first_token_seconds_bucket",
-        "sgl_router_worker_health",
-        "sgl_router_processed_requests_total",
+        "smg_worker_health",
+        "smg_worker_cb_outcomes_total",
+        "smg_worker_requests_active",
         "jetstream_consumer_num_pending",
         "jetstream_consumer_num_ack_pending",
         "jetstream_stream_total_messages",

@@ -7,21 +7,24 @@ machines (it says so and exits 2 in a second).
         --sglang-python /opt/sglang/bin/python          # SGLang in its own env (it pins torch 2.14.1)
 
 Stages: *serve* starts ``python -m sglang.launch_server --model-path DIR --port P`` and waits for
-``/model_info``; *route* starts ``sglang_router.launch_router`` (0.3.2, deploy/'s health check on
-``/ready``) in front of it when that python has it (else a note), and the actors' traffic goes through
-it; *explore* runs ``--episodes`` LEAFE trees on small Sokoban rooms through
-``actors.explorer.Explorer`` and ``SGLangClient`` (generated tokens/s); *train* folds the events with the
-``leafe`` materializer into a dataset and runs ``torchrun --nproc_per_node=N -m services.learner.train`` in bf16
-over NCCL (trained tokens/s after the first step; MFU = 6 * params * tokens/s / (N * peak bf16 FLOP/s),
-attention FLOPs left out, so a slight underestimate); *push* calls ``/update_weights_from_disk`` with a new
-``weight_version`` and checks the served one; *verify* asks for a greedy completion of a fixed prompt with
-``return_logprob`` and compares its logprobs with transformers forward passes of the new and the base
-weights (mean |difference| to the new ones <= ``--logprob-tol``, and closer to them than to the base).
+``/model_info``; *route* starts ``sglang_router.launch_router`` (0.3.2 with deploy/'s flags, from that
+python or else this one: the dev extra pins it) in front of it, and the actors' traffic goes through it;
+*explore* runs ``--episodes`` LEAFE trees on small Sokoban rooms through ``actors.explorer.Explorer`` and
+``SGLangClient`` (generated tokens/s); *train* folds the events with the ``leafe`` materializer into a
+dataset and runs ``torchrun --nproc_per_node=N -m services.learner.train`` in bf16 over NCCL (trained
+tokens/s after the first step; MFU = 6 * params * tokens/s / (N * peak bf16 FLOP/s), attention FLOPs left
+out, so a slight underestimate); *push* calls ``/update_weights_from_disk`` with a new ``weight_version``
+and checks the served one; *verify* asks for a greedy completion of a fixed prompt with ``return_logprob``
+and compares its logprobs with transformers forward passes of the new and the base weights (mean
+|difference| to the new ones <= ``--logprob-tol``, and closer to them than to the base).
+
 The push is a *reload under load*: generations keep going (through the router when there is one) and
 SGLang's ``/ready`` and the router's ``/readiness`` are probed every 0.25 s throughout; every probe must
 answer 200 within the router's 5 s health-check timeout and no generation may fail (figures: probes,
-503s, max probe latency, requests and failures during the reload). Through the router, a completion
-after the push must carry the new ``weight_version`` and the router's ``/metrics`` must answer.
+503s, max probe latency, requests and failures during the reload). The engine lock is held during the
+load, as the weight-sync sidecar holds it, and deploy's SGLang liveness probe runs every second: it must
+say alive throughout. Through the router, a completion after the push must carry the new
+``weight_version`` and the router's ``/metrics`` must have the dashboard's ``smg_*`` series.
 
 SGLang and the learner share the GPUs: SGLang gets ``--mem-fraction-static`` of GPU 0's memory. Writes
 ``bench/results/gpu_smoke.json`` (figures and every check, passed or not); exit 1 if a check failed.

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.run.router import ROUTER_VERSION
+from services.run.router import router_command as deployed_router_command
+
 __all__ = [
     "PEAK_BF16_TFLOPS",
     "PROBE_TIMEOUT_S",
@@ -38,8 +41,6 @@ __all__ = [
 
 SGLANG_VERSION = "0.5.23"
 """The SGLang release the client is written against (shared/SGLANG_API.md)."""
-ROUTER_VERSION = "0.3.2"
-"""The sglang-router release deploy/ runs (the Dockerfile's router stage)."""
 PROBE_TIMEOUT_S = 5.0
 """The router's ``--health-check-timeout-secs`` (deploy/components/sglang/router.yaml): a health check
 slower than this is a miss, and 3 misses drop the worker."""
@@ -186,14 +187,11 @@ def router_version(python: str) -> str | None:
 
 
 def router_command(python: str, worker_url: str, port: int, prometheus_port: int) -> list[str]:
-    """sglang-router in front of one worker, with deploy/'s health check (/ready, 5 s timeout, 3 misses;
-    every 2 s here instead of 10 so a short reload is probed) and retries, and its Prometheus port."""
-    flags = (
-        f"--host 127.0.0.1 --port {port} --health-check-endpoint /ready --health-check-interval-secs 2 "
-        f"--health-check-timeout-secs {PROBE_TIMEOUT_S:.0f} --health-failure-threshold 3 "
-        f"--retry-max-retries 2 --prometheus-host 127.0.0.1 --prometheus-port {prometheus_port}"
+    """sglang-router in front of one worker with deploy/'s flags (services/run/router.py, the router CI and
+    ``leafe run`` start), its workers checked every 2 s here instead of 10 so a short reload is probed."""
+    return deployed_router_command(
+        [worker_url], port=port, prometheus_port=prometheus_port, health_interval_s=2, python=python
     )
-    return [python, "-m", "sglang_router.launch_router", "--worker-urls", worker_url, *flags.split()]
 
 
 @dataclass

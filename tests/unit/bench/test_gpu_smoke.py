@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from bench.gpu_smoke import TRAIN_TOML, main
 from bench.gpu_smoke_lib import (
     PROBE_TIMEOUT_S,
+    ROUTER_VERSION,
     SGLANG_VERSION,
     LoadLog,
     ProbeLog,
@@ -186,7 +187,8 @@ def test_probe_and_load_loops_record_every_outcome_until_stopped() -> None:
 
 def test_router_command_matches_the_deployed_health_check() -> None:
     """The router runs in front of one worker with deploy/'s health check on /ready and its timeout, and
-    its own Prometheus port; with sglang-router installed its parser accepts the flags."""
+    its own Prometheus port; this interpreter has the pinned sglang-router (the dev extra), so the smoke
+    run's router stage runs even when SGLang's interpreter lacks it."""
     cmd = router_command("/opt/sglang/bin/python", "http://127.0.0.1:30000", 30001, 30002)
     assert cmd[:3] == ["/opt/sglang/bin/python", "-m", "sglang_router.launch_router"]
     assert cmd[cmd.index("--worker-urls") + 1] == "http://127.0.0.1:30000"
@@ -194,7 +196,7 @@ def test_router_command_matches_the_deployed_health_check() -> None:
     assert flags["--health-check-endpoint"] == "/ready" and flags["--port"] == "30001"
     assert float(flags["--health-check-timeout-secs"]) == PROBE_TIMEOUT_S
     assert flags["--prometheus-port"] == "30002" and flags["--retry-max-retries"] == "2"
-    assert router_version(sys.executable) is None  # this venv has no sglang-router: the stage is skipped
+    assert router_version(sys.executable) == ROUTER_VERSION  # the dev extra's: the stage runs through it
 
 
 def test_router_command_parses_under_sglang_router() -> None:

@@ -18,7 +18,6 @@ import pytest
 
 from actors.client import SGLangClient
 from actors.engine import EngineError, SamplingParams
-from learner.model_io import export_weights, load_model
 from protocol import WeightsPublished, weights_subject
 from services.bus import NatsOptions, Publisher, connect
 from services.inference.auth import write_api_key
@@ -26,6 +25,7 @@ from services.inference.server import InferenceConfig, InferenceServer
 from services.run.router import RouterProcess, open_router, router_available
 from services.weight_sync.service import WeightSync, WeightSyncConfig
 from tests.support.manifests import DEPLOY
+from tests.support.weights import scaled_export
 
 pytestmark = [
     pytest.mark.anyio,
@@ -102,7 +102,7 @@ async def test_readiness_and_versions_through_the_router(topology: Topology) -> 
         assert c.weight_version == "default"
     async with SGLangClient(topology.engines) as direct:
         export = topology.store / "v000001"
-        await asyncio.to_thread(_export, topology.model, export, "v000001")
+        await asyncio.to_thread(scaled_export, topology.model, export, "v000001")
         results = await direct.update_weights_from_disk(str(export), "v000001")
         assert all(r.success for r in results), results
     async with topology.client() as client:
@@ -191,7 +191,7 @@ async def test_a_push_under_load_keeps_serving(
     followers = [asyncio.create_task(s.run(nats_roles["weight-sync"], stop)) for s in syncs]
     async with traffic(topology) as seen:
         event = await asyncio.to_thread(
-            _export, topology.model, topology.store / "v000001", "v000001", run_id
+            scaled_export, topology.model, topology.store / "v000001", "v000001", run_id
         )
         await _publish(nats_roles["learner"], event)
         await _until(lambda: all(s.converged() for s in syncs), 30.0)
@@ -209,22 +209,6 @@ async def test_a_push_under_load_keeps_serving(
 
 def _short() -> SamplingParams:
     return SamplingParams(max_new_tokens=4, temperature=1.0)
-
-
-def _export(model: Path, out: Path, version: str, run_id: str = "r") -> WeightsPublished:
-    """New weights (the model's, scaled) exported to ``out`` as ``version``, and their announcement."""
-    state = {k: v * 1.01 for k, v in load_model(model).state_dict().items()}
-    digest = export_weights(state, out, config_dir=model, version=version)
-    return WeightsPublished(
-        event_id=f"weights.{run_id}.{version}",
-        run_id=run_id,
-        version=version,
-        uri=str(out),
-        manifest_sha256=digest,
-        learner_step=1,
-        base_model="tiny",
-        ts=time.time(),
-    )
 
 
 async def _publish(learner: NatsOptions, event: WeightsPublished) -> None:

@@ -4,32 +4,15 @@ rollback after a failed load re-reads the new path, so a corrupted file must nev
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
-from learner.model_io import export_weights, load_model
-from protocol import WeightsPublished
 from services.weight_sync.service import WeightSync, WeightSyncConfig
+from tests.support.weights import scaled_export
 from tests.unit.actors.test_client_contract import fixture, replay
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
-
-
-def _export(tiny_dir: Path, out: Path, version: str) -> WeightsPublished:
-    state = {k: v * 1.01 for k, v in load_model(tiny_dir).state_dict().items()}
-    digest = export_weights(state, out, config_dir=tiny_dir, version=version)
-    return WeightsPublished(
-        event_id=f"weights.r1.{version}",
-        run_id="r1",
-        version=version,
-        uri=str(out),
-        manifest_sha256=digest,
-        learner_step=1,
-        base_model="tiny",
-        ts=time.time(),
-    )
 
 
 def _corrupt(export: Path) -> Path:
@@ -49,7 +32,7 @@ async def test_a_corrupted_file_is_never_sent_to_the_server(tiny_dir: Path, tmp_
         "/update_weights_from_disk": (200, fixture("update_weights_ok.json")),
     }
     async with replay(routes) as stub:
-        bad = _export(tiny_dir, tmp_path / "v000001", "v000001")
+        bad = scaled_export(tiny_dir, tmp_path / "v000001", "v000001")
         _corrupt(Path(bad.uri))
         sync = WeightSync(WeightSyncConfig(servers=[stub.url]), run_id="r1")
         try:
@@ -57,7 +40,7 @@ async def test_a_corrupted_file_is_never_sent_to_the_server(tiny_dir: Path, tmp_
             assert await sync.sync() == {}
             assert await sync.sync(refresh=True) == {}
             assert "/update_weights_from_disk" not in [p for p, _ in stub.requests]
-            good = _export(tiny_dir, tmp_path / "v000002", "v000002")
+            good = scaled_export(tiny_dir, tmp_path / "v000002", "v000002")
             sync.offer(good)
             results = await sync.sync()
         finally:

@@ -20,8 +20,13 @@ class Choices(Refs):
     def candidate(self, val_phase: str, **kw: Any) -> Candidate:
         """The validation result of ``val_phase`` as a :class:`Candidate`."""
         r = self._need(val_phase)
+        top = str(max(int(k) for k in r["passk"]))
         return Candidate(
-            name=val_phase, pass1=float(r["passk"]["1"]), parse_failure=float(r["parse_failure_rate"]), **kw
+            name=val_phase,
+            pass1=float(r["passk"]["1"]),
+            parse_failure=float(r["parse_failure_rate"]),
+            passk_max=float(r["passk"][top]),
+            **kw,
         )
 
     def select(self, spec: SelectSpec) -> dict[str, Any]:
@@ -64,6 +69,7 @@ class Choices(Refs):
             max_parse_failure=w.max_parse_failure,
             pass1_range=w.pass1_range,
             pass1_target=w.pass1_target,
+            max_passk=w.max_passk,
         )
         c = choice.chosen
         weights = self.weights(self.by_name[c.name].spec.model)  # type: ignore[union-attr]

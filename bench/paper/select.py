@@ -29,6 +29,8 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
     """Validation Pass@1 (fraction)."""
     parse_failure: float
     """Completions with no valid action / all (fraction)."""
+    passk_max: float = 0.0
+    """Validation Pass@k at the largest k evaluated (fraction)."""
     variant: str = ""
     """Room variant (SFT candidates)."""
     demos: int = 0
@@ -62,17 +64,24 @@ def choose_sft(
     max_parse_failure: float,
     pass1_range: Sequence[float],
     pass1_target: float,
+    max_passk: float = 1.0,
 ) -> Choice:
-    """The Base + SFT candidate (see the module docstring)."""
+    """The Base + SFT candidate (see the module docstring); with ``max_passk`` < 1 a candidate must also
+    leave room at large k (validation Pass@k at the largest k at most that)."""
     if not candidates:
         raise ValueError("no SFT candidate has a validation result")
     lo, hi = pass1_range
-    ok = [c for c in candidates if c.parse_failure < max_parse_failure and lo <= c.pass1 <= hi]
+    ok = [
+        c
+        for c in candidates
+        if c.parse_failure < max_parse_failure and lo <= c.pass1 <= hi and c.passk_max <= max_passk
+    ]
+    cap = f" and Pass@k at the largest k <= {100 * max_passk:.0f}%" if max_passk < 1 else ""
     if ok:
         best = min(ok, key=lambda c: (abs(c.pass1 - pass1_target), c.demos, c.epochs))
         why = (
             f"{len(ok)} of {len(candidates)} candidates have < {100 * max_parse_failure:.0f}% unparseable "
-            f"answers and Pass@1 in [{100 * lo:.0f}, {100 * hi:.0f}]%; {best.name} is closest to "
+            f"answers and Pass@1 in [{100 * lo:.0f}, {100 * hi:.0f}]%{cap}; {best.name} is closest to "
             f"{100 * pass1_target:.0f}%"
         )
         return Choice(chosen=best, rule_met=True, why=why)
@@ -81,7 +90,7 @@ def choose_sft(
     )
     why = (
         f"no candidate has < {100 * max_parse_failure:.0f}% unparseable answers and Pass@1 in "
-        f"[{100 * lo:.0f}, {100 * hi:.0f}]%: RULE NOT MET; took {best.name} (Pass@1 closest to the range, "
+        f"[{100 * lo:.0f}, {100 * hi:.0f}]%{cap}: RULE NOT MET; took {best.name} (Pass@1 closest to the range, "
         "then fewest parse failures)"
     )
     return Choice(chosen=best, rule_met=False, why=why)

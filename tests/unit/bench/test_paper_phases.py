@@ -143,3 +143,16 @@ def test_oracle_labels_on_the_leafe_explorer_stay_off_the_oracle_row(small_cfg: 
     assert isinstance(model, CollectSpec) and model.explorer["oracle_labels"] is True
     assert isinstance(oracle, CollectSpec) and "oracle_labels" not in oracle.explorer
     ExplorerConfig.for_env("sokoban", dict(oracle.explorer))
+
+
+def test_the_sft_choice_respects_the_cap_on_pass_at_the_largest_k() -> None:
+    """``warm.max_passk`` (rooms where large k can show): a candidate above the cap does not qualify even
+    when its Pass@1 is closest to the target (the effect protocol's first run chose one at 70.8% > 70%)."""
+    easy = Candidate(name="w2", pass1=0.12, parse_failure=0.01, passk_max=0.708, demos=128, epochs=1)
+    hard = Candidate(name="w0", pass1=0.07, parse_failure=0.004, passk_max=0.417, demos=128, epochs=1)
+    rule = dict(max_parse_failure=0.1, pass1_range=[0.03, 0.6], pass1_target=0.25)
+    assert choose_sft([easy, hard], **rule).chosen.name == "w2"  # no cap: closest to the target
+    capped = choose_sft([easy, hard], **rule, max_passk=0.70)
+    assert capped.chosen.name == "w0" and capped.rule_met and "70%" in capped.why
+    none = choose_sft([easy], **rule, max_passk=0.70)
+    assert not none.rule_met and "RULE NOT MET" in none.why

@@ -6,6 +6,11 @@ stale or of a kind this learner does not train) and the highest sequence consume
 always cut from the lowest sequences, "every sequence <= ``samples_seq`` was consumed" holds at each
 step, which is what a checkpoint records and where a restart resumes.
 
+A phased run (``leafe run``'s ``[explore] schedule = "phased"``) trains each phase's samples only once
+they are all in: :meth:`SampleBuffer.take_release` hands back every delivery up to a released sequence as
+batches cut in **sample-id order**, so a phase trains the same batches however its episodes interleaved in
+the stream (sample ids hash their source events; the order is a fixed shuffle).
+
 Staleness: a sample produced by weight version ``v<k>`` while the learner has pushed ``v<n>`` is
 ``n - k`` versions old; it is dropped when that exceeds ``max_policy_lag``. Versions this learner did not
 name (``version_index`` is None) cannot be judged and are kept (and counted).
@@ -112,25 +117,51 @@ class SampleBuffer(Generic[D]):
         for seq in sorted(self._items):
             if len(out.samples) >= global_batch:
                 break
-            d = self._items.pop(seq)
-            del self._arrived[seq]
-            out.consumed.append(d)
+            self._consume(out, seq, current_index)
             out.max_seq = seq
-            sample = d.value
-            if sample.kind not in self.kinds:
-                out.ignored += 1
-                continue
-            lag = policy_lag(sample.policy_version, current_index)
-            if lag is None:
-                out.unknown_version += 1
-            elif self.max_policy_lag is not None and lag > self.max_policy_lag:
-                out.stale += 1
-                continue
-            else:
-                out.lags.append(lag)
-            out.samples.append(sample)
         self.floor = max(self.floor, out.max_seq)
         return out
+
+    def holds_through(self, seq: int) -> bool:
+        """Every delivery up to ``seq`` has arrived (pull consumers deliver new messages in sequence order,
+        so having seen ``seq`` or beyond means nothing before it is still on its way)."""
+        return self.floor >= seq or any(s >= seq for s in self._items)
+
+    def take_release(self, release_seq: int, global_batch: int, current_index: int) -> list[Batch[D]]:
+        """Pop every delivery up to ``release_seq`` as batches of ``global_batch`` trainable samples (the
+        last one partial) in sample-id order. Only the last batch carries ``max_seq = release_seq``: until
+        the whole release is trained, a checkpoint must not claim any of it. Call once
+        :meth:`holds_through` is true; a release with nothing trainable is one empty batch."""
+        seqs = sorted(
+            (s for s in self._items if s <= release_seq), key=lambda s: (self._items[s].value.sample_id, s)
+        )
+        batches: list[Batch[D]] = [Batch()]
+        for seq in seqs:
+            if len(batches[-1].samples) >= global_batch:
+                batches.append(Batch())
+            self._consume(batches[-1], seq, current_index)
+        batches[-1].max_seq = release_seq
+        self.floor = max(self.floor, release_seq)
+        return batches
+
+    def _consume(self, out: Batch[D], seq: int, current_index: int) -> None:
+        """Move delivery ``seq`` into ``out``: trained, or counted as ignored (kind) or stale (lag)."""
+        d = self._items.pop(seq)
+        del self._arrived[seq]
+        out.consumed.append(d)
+        sample = d.value
+        if sample.kind not in self.kinds:
+            out.ignored += 1
+            return
+        lag = policy_lag(sample.policy_version, current_index)
+        if lag is None:
+            out.unknown_version += 1
+        elif self.max_policy_lag is not None and lag > self.max_policy_lag:
+            out.stale += 1
+            return
+        else:
+            out.lags.append(lag)
+        out.samples.append(sample)
 
     def pop_duplicates(self) -> list[D]:
         """Take the set-aside redeliveries."""

@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="write TensorBoard scalars here (rank 0; needs [tb])",
     )
+    p.add_argument(
+        "--control",
+        type=Path,
+        default=None,
+        help="JSON file leafe run writes: threads, and a phased run's released samples (control.py)",
+    )
     add_metrics_arguments(p)
     return p
 
@@ -101,6 +107,7 @@ def run_learner(
     checkpoint_dir: Path,
     metrics: LearnerMetrics | None = None,
     tensorboard_dir: Path | None = None,
+    control: Path | None = None,
 ) -> Progress:
     """Build the trainer on every rank, resume from the latest checkpoint, then lead (rank 0) or follow."""
     from learner.checkpoint import Progress, load_latest
@@ -108,6 +115,7 @@ def run_learner(
     from learner.model_io import resolve_model
     from learner.scalars import open_scalar_writer
     from learner.trainer import Trainer
+    from services.learner.control import ControlFile
     from services.learner.service import OnlineLearner
 
     model_dir = resolve_model(model)
@@ -128,6 +136,7 @@ def run_learner(
         base_model=str(model),
         metrics=metrics,
         scalars=scalars,
+        control=ControlFile(control),
     )
     try:
         return asyncio.run(_serve(learner))
@@ -171,6 +180,7 @@ def main(argv: list[str]) -> int:
             checkpoint_dir=checkpoint_dir,
             metrics=metrics,
             tensorboard_dir=args.tensorboard_dir,
+            control=args.control,
         )
     if env.is_main:
         log.info("learner.stopped", **dump_config(progress))

@@ -53,6 +53,7 @@ from protocol.samples import Sample
 from protocol.subjects import DEAD_LETTERS, SAMPLES, WEIGHTS, learner_durable, samples_filter
 from services.bus import Consumer, Delivery, NatsOptions, Publisher, connect, wait_for_streams
 from services.bus.connection import confined_role
+from services.learner.control import ControlFile, apply_threads
 from services.metrics import LearnerMetrics
 from services.probes import Probe, attach
 
@@ -141,6 +142,7 @@ class OnlineLearner:
         on_step: StepCallback | None = None,
         metrics: LearnerMetrics | None = None,
         scalars: ScalarWriter | None = None,
+        control: ControlFile | None = None,
     ) -> None:
         self.cfg = cfg
         self.executor = executor
@@ -155,6 +157,8 @@ class OnlineLearner:
         """Prometheus metrics (``services/metrics.py``); served by ``leafe learner --metrics-port``."""
         self.scalars = scalars or NullScalarWriter()
         """TensorBoard scalars of every step (``leafe learner --tensorboard-dir``)."""
+        self.control = control or ControlFile(None)
+        """Threads and, in a phased run, the released samples (``services/learner/control.py``)."""
         self.metrics.progress(step=progress.step, samples_seq=progress.samples_seq)
         self.buffer: SampleBuffer[Delivery[Sample]] = SampleBuffer(
             kinds=cfg.kinds, max_policy_lag=cfg.max_policy_lag
@@ -226,8 +230,13 @@ class OnlineLearner:
                 log.debug(
                     "learner.fetched", count=len(fetched), buffered=len(self.buffer), held=len(self.held)
                 )
-            while not self._done(stop) and self.buffer.ready(
-                tc.batch.global_batch, self.cfg.max_batch_wait_s, self.cfg.min_batch
+            release = self.control.read().release_seq
+            if release is not None:
+                await self._train_release(release, pub)
+            while (
+                release is None
+                and not self._done(stop)
+                and self.buffer.ready(tc.batch.global_batch, self.cfg.max_batch_wait_s, self.cfg.min_batch)
             ):
                 if await self._train(self.buffer.take(tc.batch.global_batch, self.progress.version_index)):
                     await self._after_step(pub)
@@ -236,12 +245,30 @@ class OnlineLearner:
                 await self._checkpoint()  # free JetStream's pending window before it blocks delivery
             await self._keep_followers_alive()
 
+    async def _train_release(self, release_seq: int, pub: Publisher) -> None:
+        """A phased run: once every sample up to ``release_seq`` is here, train them all (sample-id order,
+        ``SampleBuffer.take_release``) with no checkpoint in between, then push (checkpoint only when no
+        step was taken), so that the phase's batches, steps and pushed weights do not depend on timing."""
+        if self.progress.samples_seq >= release_seq or not self.buffer.holds_through(release_seq):
+            return
+        tc, steps = self.cfg.trainer, 0
+        batches = self.buffer.take_release(release_seq, tc.batch.global_batch, self.progress.version_index)
+        for batch in batches:
+            steps += await self._train(batch)
+        log.info("learner.release.trained", release_seq=release_seq, steps=steps, batches=len(batches))
+        await (self._push(pub) if steps else self._checkpoint())
+
     def _held_count(self) -> int:
         return len(self.held) + len(self.buffer)
 
     async def _submit(self, cmd: Any) -> Any:
         self._last_command = time.monotonic()
-        return await asyncio.to_thread(self.executor.submit, cmd)
+        threads = self.control.read().threads
+        return await asyncio.to_thread(self._apply, cmd, threads)
+
+    def _apply(self, cmd: Any, threads: int) -> Any:
+        apply_threads(threads)  # in the thread that runs the command (torch's pools are per thread)
+        return self.executor.submit(cmd)
 
     async def _keep_followers_alive(self) -> None:
         if self.executor.trainer.env.world_size > 1 and time.monotonic() - self._last_command > _NOOP_EVERY_S:

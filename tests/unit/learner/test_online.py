@@ -92,3 +92,33 @@ def test_ready_on_full_batch_or_after_waiting() -> None:
     assert not buf.ready(4, 10.0, 3)
     buf.add([_d(3), _d(4)])
     assert buf.ready(4, 100.0, 1)
+
+
+def test_a_release_trains_the_same_batches_whatever_the_arrival_order() -> None:
+    """A phased release is cut into batches in sample-id order, so two interleavings of one phase's samples
+    in the stream give the same batches; only the last batch claims the released sequence (a checkpoint
+    in between would claim samples not yet trained); later sequences stay buffered."""
+    samples = [make_sample(i, kind="cf" if i % 3 else "reh") for i in range(7)]
+    cuts = []
+    for order in ([0, 1, 2, 3, 4, 5, 6], [5, 2, 6, 0, 3, 1, 4]):
+        buf: SampleBuffer[FakeDelivery] = SampleBuffer(kinds=["cf", "reh"], max_policy_lag=None)
+        buf.add([FakeDelivery(samples[i], 10 + seq) for seq, i in enumerate(order)])
+        buf.add([_d(99)])  # the next phase's first sample
+        assert buf.holds_through(16) and not buf.holds_through(100)
+        batches = buf.take_release(16, 3, current_index=0)
+        cuts.append([[s.sample_id for s in b.samples] for b in batches])
+        assert [b.max_seq for b in batches] == [0, 0, 16] and buf.floor == 16
+        assert [d.stream_seq for d in buf.pending()] == [99]
+    assert cuts[0] == cuts[1]
+    assert [len(c) for c in cuts[0]] == [3, 3, 1]
+    assert [i for c in cuts[0] for i in c] == sorted(s.sample_id for s in samples)
+
+
+def test_an_empty_release_still_moves_the_floor() -> None:
+    """A phase that made no sample (or none this learner trains) is one empty batch claiming the release,
+    so the learner's consumed sequence reaches it and the run goes on."""
+    buf: SampleBuffer[FakeDelivery] = SampleBuffer(kinds=["cf"], max_policy_lag=None)
+    buf.add([_d(4, kind="grpo")])
+    (batch,) = buf.take_release(6, 4, current_index=0)
+    assert batch.samples == [] and batch.ignored == 1 and batch.max_seq == 6 and buf.floor == 6
+    assert buf.holds_through(6)

@@ -5,8 +5,9 @@ while another process kept one of 2 cores busy took 100 s, with 1 thread 23 s), 
 pool to the cores it can actually have. :func:`free_cores` counts the cores this process may run on
 (``sched_getaffinity``) minus those other processes keep busy right now (``/proc/stat`` sampled over a short
 window); :func:`plan_threads` splits them between the CPU inference server and the learner of ``leafe
-run``: the engine gets every free core while the learner is idle (the evaluations), and the two share them
-while both work (exploring, draining, continual rounds).
+run``: the engine gets every free core while the learner is idle (the evaluations, a phased run's rounds),
+the learner gets every free core while the engines idle (the warm start's demonstrations need no engine, a
+phased run trains between rounds), and the two share them while both work (continuous rounds, draining).
 """
 
 from __future__ import annotations
@@ -68,26 +69,35 @@ class ThreadPlan:
     inference_shared: int
     """The CPU inference server while the learner trains (exploring, draining, continual rounds)."""
     learner: int
-    """The learner (``OMP_NUM_THREADS``); it only runs beside the engine."""
+    """The learner (``OMP_NUM_THREADS``) while it trains beside the engine."""
+    learner_alone: int = 0
+    """The learner while the engines idle (0: no learner)."""
 
     def describe(self) -> str:
         """One line for the console and the run's log."""
+        alone = f", learner {self.learner_alone} while the engines idle" if self.learner_alone else ""
         return (
             f"threads on {self.cores} free cores: inference {self.inference_alone} while the learner is "
-            f"idle, inference {self.inference_shared} + learner {self.learner} while both work"
+            f"idle, inference {self.inference_shared} + learner {self.learner} while both work{alone}"
         )
 
 
 def plan_threads(cores: int, *, learner: bool = True, learner_threads: int = 0) -> ThreadPlan:
     """Split ``cores`` between the engine and the learner so that the two never oversubscribe them (on
-    one core both get 1: the only plan there is). ``learner_threads`` > 0 fixes the learner's share."""
+    one core both get 1: the only plan there is); whichever runs alone gets them all. ``learner_threads``
+    > 0 fixes the learner's count in both cases."""
     cores = max(1, cores)
     if not learner:
         return ThreadPlan(cores=cores, inference_alone=cores, inference_shared=cores, learner=0)
     share = learner_threads if learner_threads > 0 else max(1, cores // 2)
     share = min(share, max(1, cores - 1))
+    alone = min(learner_threads, cores) if learner_threads > 0 else cores
     return ThreadPlan(
-        cores=cores, inference_alone=cores, inference_shared=max(1, cores - share), learner=share
+        cores=cores,
+        inference_alone=cores,
+        inference_shared=max(1, cores - share),
+        learner=share,
+        learner_alone=alone,
     )
 
 

@@ -14,21 +14,27 @@ from services.threads import busy_cores, plan_threads
 @given(cores=st.integers(1, 256), learner=st.booleans(), fixed=st.integers(0, 300))
 def test_the_plan_never_oversubscribes(cores: int, learner: bool, fixed: int) -> None:
     """Processes that run at the same time never get more threads than there are free cores (beyond the
-    one thread each that a single core forces), and the engine gets every core while it runs alone."""
+    one thread each that a single core forces), and whichever runs alone gets every core (or the fixed
+    count)."""
     plan = plan_threads(cores, learner=learner, learner_threads=fixed)
     assert plan.inference_alone == cores
     assert plan.inference_shared >= 1
     if learner:
         assert plan.learner >= 1
         assert plan.inference_shared + plan.learner <= max(cores, 2)
+        assert 1 <= plan.learner_alone <= cores
+        assert plan.learner_alone == (min(fixed, cores) if fixed else cores)
     else:
-        assert plan.learner == 0
+        assert plan.learner == plan.learner_alone == 0
 
 
 def test_two_cores_split_one_and_one() -> None:
-    """This machine's shape: two cores while evaluating, one each while learning."""
+    """This machine's shape: two cores while evaluating, one each while both work, and two for the learner
+    while the engines idle (the warm start: 1 thread while the other core idled, before)."""
     plan = plan_threads(2)
     assert (plan.inference_alone, plan.inference_shared, plan.learner) == (2, 1, 1)
+    assert plan.learner_alone == 2
+    assert "learner 2 while the engines idle" in plan.describe()
 
 
 def test_busy_cores_reads_the_share_of_busy_jiffies(tmp_path: Path, monkeypatch: object) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.paper.carry import state_dir
 from bench.paper.config import PaperConfig, load_paper_config, scale_path
 from bench.paper.estimate import estimate_table, unit_costs
 from bench.paper.phases import plan
@@ -56,7 +57,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--estimate", type=Path, default=None, help="estimate this config's wall time from the run"
     )
-    p.add_argument("--fresh", action="store_true", help="move an existing work dir aside and start over")
+    p.add_argument(
+        "--fresh", action="store_true", help="move the work dir and the carried records aside, start over"
+    )
     p.add_argument("--report", action="store_true", help="rewrite the report from the finished phases only")
     return p.parse_args(argv)
 
@@ -108,9 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         rewrite_report(cfg, work, args.results)
         return 0
-    if args.fresh and work.exists():
+    if args.fresh:
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d%H%M%S")
-        work.rename(work.with_name(f"{work.name}.old-{stamp}"))
+        if work.exists():
+            work.rename(work.with_name(f"{work.name}.old-{stamp}"))
+        carried = state_dir(args.results, cfg.name)  # the records carried in the repository, too
+        if carried.exists():
+            carried.rename(carried.with_name(f"state.old-{stamp}"))
     work.mkdir(parents=True, exist_ok=True)
     configure_logging(json=True, level="info", file=work / "paper_table.jsonl")
     asyncio.run(run_experiment(cfg, work, args.results, args.max_minutes))

@@ -9,7 +9,9 @@
 Before any phase runs, the protocol (task ranges, every seed, rows and comparisons) is written to
 ``<work>/protocol.json`` and into the report; a later invocation with another protocol is refused, so no
 evaluation can move the goal posts. Each finished phase leaves ``<work>/<phase>/done.json`` and a rerun
-skips it (resumable). A phase whose dependency failed, was cut or produced no weights is ``blocked``;
+skips it (resumable); the records are carried to the next working period in the repository and a
+restored training is rebuilt from the committed logs when a pending phase needs its weights
+(``bench/paper/carry.py``). A phase whose dependency failed, was cut or produced no weights is ``blocked``;
 after ``--max-minutes`` no phase starts (``skipped``); the plan is in priority order, so the time box
 cuts the least important ones. The report is rewritten after every phase.
 """
@@ -26,11 +28,12 @@ from typing import Any
 import msgspec
 import structlog
 
-from bench.paper import lib
+from bench.paper import carry, lib
 from bench.paper.config import PaperConfig
 from bench.paper.phases import GRPO_ROUND_SEEDS, Phase, comparisons_of, plan
 from bench.paper.report import write_report
 from bench.paper.repro import repro_script
+from bench.paper.specs import TrainSpec
 from bench.paper.steps import Steps
 
 __all__ = [
@@ -147,9 +150,21 @@ class Runner:
     """Walks the plan (see the module docstring)."""
 
     def __init__(
-        self, cfg: PaperConfig, work: Path, results: Path, deadline: float, register: bool = True
+        self,
+        cfg: PaperConfig,
+        work: Path,
+        results: Path,
+        deadline: float,
+        register: bool = True,
+        carried: bool = False,
     ) -> None:
         self.cfg, self.work, self.results, self.deadline = cfg, work, results, deadline
+        self.carried = carried
+        """Carry the phase records in the repository (``bench/paper/carry.py``): restore them before the
+        first phase, save them after each."""
+        self.restored = carry.restore_state(work, results, cfg.name) if carried else []
+        """Phases whose record came from an earlier working period (their weights are not on disk)."""
+        self.rebuilt: set[str] = set()
         protocol = check_protocol(work / "protocol.json", cfg) if register else {"protocol": protocol_of(cfg)}
         self.state = State(plan=plan(cfg), protocol=protocol)
         self.base_model = cfg.model
@@ -203,17 +218,57 @@ class Runner:
         print(f"[paper_table] phase {phase.name} ...", flush=True)
         self.state.running = phase.name
         self.report()
-        t0 = time.monotonic()
         try:
+            await self._rebuild_inputs(phase, steps)
+            t0 = time.monotonic()
             result = await steps.run(phase)
         except Exception as e:  # recorded in the report; phases that do not need it still run
             log.exception("paper.phase.failed", phase=phase.name)
             self.state.failed[phase.name] = f"{type(e).__name__}: {str(e)[-1500:]}"
         else:
             result["wall_s"] = time.monotonic() - t0
-            self.state.phases[phase.name] = lib.save_phase(self.work, phase.name, result)
+            self._save(phase.name, result)
         self.state.running = ""
         self.report()
+
+    def _save(self, name: str, result: dict[str, Any]) -> None:
+        self.state.phases[name] = lib.save_phase(self.work, name, result)
+        if self.carried:
+            carry.save_state(self.work, self.results, self.cfg.name)
+
+    async def _rebuild_inputs(self, phase: Phase, steps: Steps) -> None:
+        """Train again every restored training whose weights ``phase`` reads and that is not on disk."""
+        by_name = {p.name: p for p in self.state.plan}
+        for dep in phase.deps:
+            for path in carry.weight_paths(self.state.phases.get(dep, {})):
+                if path.exists():
+                    continue
+                producer = next(
+                    (
+                        name
+                        for name in self.restored
+                        if isinstance(by_name[name].spec, TrainSpec)
+                        and path in carry.weight_paths(self.state.phases[name])
+                    ),
+                    None,
+                )
+                if producer is not None and producer not in self.rebuilt:
+                    await self._rebuild(by_name[producer], steps)
+
+    async def _rebuild(self, phase: Phase, steps: Steps) -> None:
+        """Train ``phase`` again (its inputs first) from the committed logs; the same weight paths, and
+        the loss curve compared with the recorded one (``rebuilds`` in its result)."""
+        self.rebuilt.add(phase.name)
+        await self._rebuild_inputs(phase, steps)
+        print(f"[paper_table] rebuilding {phase.name} from the committed logs ...", flush=True)
+        old = self.state.phases[phase.name]
+        new = await steps.run(phase)
+        moved = [k for k in carry.WEIGHT_KEYS if new.get(k) != old.get(k)]
+        if moved:
+            raise RuntimeError(f"rebuilding {phase.name} wrote its weights elsewhere ({', '.join(moved)})")
+        agreement = carry.loss_agreement(old, new)
+        print(f"[paper_table] rebuilt {phase.name}: {carry.describe(agreement)}", flush=True)
+        self._save(phase.name, {**old, "rebuilds": [*old.get("rebuilds", []), agreement]})
 
 
 async def run_experiment(cfg: PaperConfig, work: Path, results: Path, max_minutes: float) -> None:
@@ -229,7 +284,11 @@ async def run_experiment(cfg: PaperConfig, work: Path, results: Path, max_minute
     started = time.monotonic()
     deadline = started + 60 * max_minutes
     work.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 (once, before anything runs)
-    runner = Runner(cfg, work, results, deadline)
+    runner = Runner(cfg, work, results, deadline, carried=True)
+    if runner.restored:
+        print(
+            f"[paper_table] restored {len(runner.restored)} finished phase(s) from the repository", flush=True
+        )
     runner.report()
     (work / "config.json").write_bytes(msgspec.json.format(msgspec.json.encode(cfg), indent=1))
     async with AsyncExitStack() as stack:
@@ -276,6 +335,7 @@ async def run_experiment(cfg: PaperConfig, work: Path, results: Path, max_minute
             runner.state.invocations.append({"wall_s": wall, "max_minutes": max_minutes})
             runner.state.inference = await lib.server_stats(urls[0], key_file)
             _save_invocations(work, wall, max_minutes, runner.state)
+            carry.save_state(work, results, cfg.name)
             runner.report()
 
 
@@ -294,7 +354,7 @@ def rewrite_report(cfg: PaperConfig, work: Path, results: Path) -> None:
     service and no phase (the protocol must be the registered one)."""
     from learner.model_io import resolve_model
 
-    runner = Runner(cfg, work, results, deadline=0.0)
+    runner = Runner(cfg, work, results, deadline=0.0, carried=True)
     runner.base_model = str(resolve_model(cfg.model))
     path = work / "invocations.json"
     runner.state.invocations = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []

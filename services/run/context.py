@@ -7,13 +7,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from nats.js import JetStreamContext
 from rich.console import Console
 
 from actors.evaluate import EvalResult
 from services.bus import NatsOptions
 from services.bus.nats_server import EmbeddedNats, free_port
+from services.learner.control import LearnerControl, write_control
 from services.metrics import RunMetrics
+from services.run.plan import RunPlan, plan_stages
 from services.run.presets import RunConfig
 from services.run.progress import RunProgress
 from services.run.supervisor import ServiceProcess
@@ -74,13 +77,30 @@ class RunContext:
     run_metrics: RunMetrics = field(default_factory=RunMetrics)
     """The supervisor's own /metrics (``metrics_urls["run"]``): the learning curve's last point."""
     learner_threads: int = 1
-    """The learner's ``OMP_NUM_THREADS`` (from the plan unless fixed)."""
+    """The learner's ``OMP_NUM_THREADS`` while the engines work too (from the plan unless fixed)."""
+    learner_alone: int = 1
+    """The learner's threads while the engines idle (the warm start, a phased run's training)."""
+    learner_control: LearnerControl = field(default_factory=LearnerControl)
+    """What the learner was last told through ``control_file`` (``services/learner/control.py``)."""
+    cuts: list[str] = field(default_factory=list)
+    """What the wall-clock budget cut, one phrase each (``round 0: 3 of 8 tasks finished``)."""
+    released_samples: int = 0
+    """Trainable samples counted when the learner was last released (a phased run's plan)."""
+    plan: RunPlan = field(init=False)
+    """The work the config plans and the time left (``services/run/plan.py``), followed by :meth:`enter`."""
     threads: ThreadPlan | None = None
     """How the free cores are split between the CPU inference server and the learner (None with external
     engines or fixed ``inference_threads``: then nobody resizes the engine)."""
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.config.runs_dir) / self.config.run_id
+        self.plan = RunPlan(plan_stages(self.config))
+
+    def enter(self, stage: str) -> None:
+        """Start ``stage``: shown on every progress line, and where the plan counts the work."""
+        self.stage = stage
+        if self.progress is not None:
+            self.plan.enter(stage, self.progress)
 
     @property
     def jetstream(self) -> JetStreamContext:
@@ -98,6 +118,16 @@ class RunContext:
     def tensorboard_dir(self) -> Path:
         """Where the learner and the evaluations write TensorBoard scalars (one sub-directory each)."""
         return self.run_dir / "tensorboard"
+
+    @property
+    def control_file(self) -> Path:
+        """The learner's control file (threads; a phased run's released samples)."""
+        return self.run_dir / "learner-control.json"
+
+    def tell_learner(self, **changes: Any) -> None:
+        """Change fields of the learner's control (``threads``, ``release_seq``) and write the file."""
+        self.learner_control = msgspec.structs.replace(self.learner_control, **changes)
+        write_control(self.control_file, self.learner_control)
 
     def nats_args(self, role: str) -> list[str]:
         """``--nats``, the role's own identity on the embedded server (``role``: a role, or ``actor.<id>``

@@ -152,7 +152,7 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
     plan = plan_threads(cores, learner=cfg.services.learner, learner_threads=cfg.services.learner_threads)
     ctx.console.print(f"{plan.describe()} ({why})", markup=False, highlight=False)
     log.info("run.threads", plan=plan.__dict__, why=why)
-    ctx.learner_threads = plan.learner
+    ctx.learner_threads, ctx.learner_alone = plan.learner, plan.learner_alone
     if not ctx.engine_urls:
         await _start_engines(ctx, stack, plan)
     if cfg.services.router:
@@ -275,8 +275,11 @@ async def start_pipeline(ctx: RunContext) -> None:
             *("--checkpoint-dir", str(ctx.run_dir / "learner"), "--preset", cfg.learner_preset),
             *("--config", str(conf / "learner.toml")),
             *("--tensorboard-dir", str(ctx.tensorboard_dir / "learner")),
+            *("--control", str(ctx.control_file)),
         ]
-        await engine_threads(ctx, shared=True)
+        phased = cfg.explore.schedule == "phased"  # the learner waits for each phase (phases.py)
+        ctx.tell_learner(threads=ctx.learner_threads, release_seq=0 if phased else None)
+        await engine_threads(ctx, shared=not phased)
         threads = {"OMP_NUM_THREADS": str(ctx.learner_threads)}
         await ctx.service("learner", learner, env=threads).start()
         servers = [a for url in ctx.engine_urls for a in ("--server", url)]

@@ -51,6 +51,8 @@ class RunProgress(msgspec.Struct, kw_only=True):
     successful_branches: int = 0
     samples: dict[str, int] = msgspec.field(default_factory=dict)
     weights_version: str = "default"
+    weights_step: int = 0
+    """The learner step of the newest published version (0 before any push)."""
     learner_step: int = 0
     lag_buckets: dict[str, float] = msgspec.field(default_factory=dict)
     """The learner's cumulative per-sample policy-lag histogram as scraped (``..._bucket{le="k"}``)."""
@@ -103,7 +105,8 @@ class RunProgress(msgspec.Struct, kw_only=True):
             w = decode_weights(data)
         except ValueError:
             return
-        self.weights_version, self.learner_step = w.version, max(self.learner_step, w.learner_step)
+        self.weights_version, self.weights_step = w.version, w.learner_step
+        self.learner_step = max(self.learner_step, w.learner_step)
 
     def on_learner_metrics(self, samples: Mapping[str, float]) -> None:
         """Take the learner's step, loss and consumed sample sequence from its scraped metrics
@@ -150,12 +153,13 @@ class RunProgress(msgspec.Struct, kw_only=True):
             f"learner step {self.learner_step} loss {loss} weights {self.weights_version}"
         )
 
-    def status_line(self, stage: str, elapsed_s: float) -> str:
-        """``[<stage> <mm:ss>] <summary>`` (``h:mm:ss`` past an hour), for logs and non-terminal output."""
+    def status_line(self, stage: str, elapsed_s: float, plan: str = "") -> str:
+        """``[<stage> <mm:ss> | <plan>] <summary>`` (``h:mm:ss`` past an hour; ``plan``: the stage's work
+        done of planned and the time left, ``RunPlan.line``), for logs and non-terminal output."""
         minutes, seconds = divmod(int(elapsed_s), 60)
         hours, minutes = divmod(minutes, 60)
         clock = f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes:02d}:{seconds:02d}"
-        return f"[{stage} {clock}] {self.summary()}"
+        return f"[{stage} {clock}{' | ' + plan if plan else ''}] {self.summary()}"
 
     def policy_lag(self) -> int | None:
         """Versions between the newest published weights and the weights of the latest step."""
@@ -166,12 +170,14 @@ class RunProgress(msgspec.Struct, kw_only=True):
         a, b = index(self.weights_version), index(self.policy_version)
         return None if a is None or b is None else max(0, a - b)
 
-    def table(self, stage: str) -> Table:
-        """A rich table of the counters."""
+    def table(self, stage: str, plan: str = "") -> Table:
+        """A rich table of the counters (``plan``: work done of planned and time left, a row first)."""
         elapsed = max(1e-6, time.time() - self.started_at)
         t = Table(title=f"leafe run {self.run_id} — {stage}", show_header=False, min_width=60)
         t.add_column("what", style="bold")
         t.add_column("value")
+        if plan:
+            t.add_row("work, time left", plan)
         for mode in sorted(set(self.episodes_started) | set(self.episodes_finished)):
             done, ok = self.episodes_finished.get(mode, 0), self.successes.get(mode, 0)
             rate = f"{100 * ok / done:.0f}%" if done else "-"

@@ -2,10 +2,12 @@
 
 ```
  warm start (explore.demos > 0): demonstrations ──► sft samples ──► learner; wait until trained
+           then (eval.after_warm_start) Pass@k of its weights on the held-out tasks
  round r:  submit pool (seed + r * seed_stride) ──► actors (newest weights their engine serves)
-           wait until every task of round r finished   (learner trains and pushes all along)
+           wait until every task of round r finished   (continuous: learner trains and pushes all along;
+                                                        phased: then it trains the round, services/run/phases.py)
            every N rounds: Pass@k of the served version on the validation slice ──► a curve point
-           stop: explore.rounds reached | max_learner_steps reached | budget_minutes | Ctrl-C
+           stop: explore.rounds reached | max_learner_steps reached | budget_minutes (if set) | Ctrl-C
 ```
 
 Round r's task keys carry ``-r<r>`` (round 0 keeps the one-pass keys, so older run directories resume), so
@@ -17,6 +19,7 @@ competes with them for the engine; its wall time is its cost and is reported wit
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -30,14 +33,18 @@ from protocol.tasks import TaskAssignment
 from services.admin.tasks import make_assignments, submit
 from services.eventlog.transfer import iter_stream_events
 from services.run.context import RunContext
-from services.run.drain import wait_trained, watch
+from services.run.launch import engine_threads
+from services.run.phases import learner_cores, train_phase
 from services.run.presets import RunConfig
+from services.run.waits import wait_trained, watch
 
-__all__ = ["CurvePoint", "RoundRecord", "demo_assignments", "explore_rounds", "task_ids"]
+__all__ = ["CurvePoint", "RoundRecord", "budget_deadline", "demo_assignments", "explore_rounds", "task_ids"]
 
 log = structlog.get_logger(__name__)
 Evaluate = Callable[[str, list[str], int, list[int], int], Awaitable[EvalResult]]
 """``(label, task ids, samples, ks, seed) -> result`` on the run's engine."""
+HeldOut = Callable[[str], Awaitable[None]]
+"""``(label) -> None``: Pass@k on the held-out tasks (``[eval]``), kept in ``ctx.evals``."""
 
 
 class RoundRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -120,19 +127,36 @@ def demo_assignments(cfg: RunConfig) -> list[TaskAssignment]:
     ]
 
 
+def budget_deadline(cfg: RunConfig) -> float:
+    """``time.monotonic()`` at which the budget ends (infinity without one: work bounds the run)."""
+    return time.monotonic() + 60 * cfg.budget_minutes if cfg.budget_minutes > 0 else math.inf
+
+
 async def _warm_start(ctx: RunContext, read_learner: Callable[[], Awaitable[None]], deadline: float) -> None:
-    """The expert's demonstrations through the log, then wait until the learner trained them."""
+    """The expert's demonstrations through the log, then wait until the learner trained them (every free
+    core on the learner: the demonstrations need no engine). Phased: one pass at a time, each trained
+    before the next is submitted."""
     cfg = ctx.config
     batch = demo_assignments(cfg)
-    keys = [a.task_key for a in batch]
-    done = await finished_task_keys(ctx)
-    n = await submit(ctx.jetstream, batch, skip=done)
-    ctx.console.print(f"warm start: submitted {n} demonstrations ({len(done & set(keys))} already done)")
-    ctx.stage = "warm start"
+    phased = cfg.explore.schedule == "phased"
+    passes = cfg.explore.demo_epochs if phased else 1
+    size = len(batch) // passes
     t0 = time.monotonic()
-    if await _wait(ctx, set(keys), deadline):
-        left = max(60.0, deadline - time.monotonic())
-        await wait_trained(ctx, read_learner, replayer_timeout_s=left, learner_timeout_s=left)
+    await learner_cores(ctx, alone=True)
+    for e in range(passes):
+        ctx.enter("warm start")
+        part = batch[e * size : (e + 1) * size]
+        keys = [a.task_key for a in part]
+        done = await finished_task_keys(ctx)
+        n = await submit(ctx.jetstream, part, skip=done)
+        ctx.console.print(f"warm start: submitted {n} demonstrations ({len(done & set(keys))} already done)")
+        if not await _wait(ctx, set(keys), deadline, f"warm start pass {e}"):
+            break
+        if phased:
+            await train_phase(ctx, read_learner, f"warm start pass {e}")
+        else:
+            await wait_trained(ctx, read_learner)
+    await engine_threads(ctx, shared=False)  # trained: the evaluations after it get every core
     ctx.timings["warm_start"] = time.monotonic() - t0
     assert ctx.progress is not None
     ctx.console.print(
@@ -173,14 +197,17 @@ def _last_round(ctx: RunContext, r: int, finished: bool, deadline: float) -> boo
     )
 
 
-async def _wait(ctx: RunContext, keys: set[str], deadline: float) -> bool:
-    """Until every key finished (True), or the budget or a stop (False)."""
+async def _wait(ctx: RunContext, keys: set[str], deadline: float, what: str) -> bool:
+    """Until every key finished (True), or the budget or a stop (False; a budget cut is recorded in
+    ``ctx.cuts`` for the report)."""
     assert ctx.progress is not None
     while not keys <= ctx.progress.finished_keys:
         if ctx.stop.is_set():
             return False
         if time.monotonic() > deadline:
-            ctx.console.print("[yellow]budget reached: draining with tasks left[/yellow]")
+            cut = f"{what}: {len(keys & ctx.progress.finished_keys)} of {len(keys)} tasks finished"
+            ctx.cuts.append(cut)
+            ctx.console.print(f"[yellow]budget reached ({cut}): draining with tasks left[/yellow]")
             return False
         await watch(ctx)
         await asyncio.sleep(1.0)
@@ -215,20 +242,41 @@ async def _curve_point(ctx: RunContext, r: int, evaluate: Evaluate, started: flo
 
 
 async def explore_rounds(
-    ctx: RunContext, evaluate: Evaluate, read_learner: Callable[[], Awaitable[None]], *, started: float
+    ctx: RunContext,
+    evaluate: Evaluate,
+    heldout: HeldOut,
+    read_learner: Callable[[], Awaitable[None]],
+    *,
+    started: float,
 ) -> None:
-    """The warm start (if any), then the pool round after round until a stop condition (see the module
-    docstring)."""
+    """The warm start (if any) and its evaluations, then the pool round after round until a stop
+    condition (see the module docstring)."""
+    cfg, ex, ov = ctx.config, ctx.config.explore, ctx.config.online_eval
+    p = ctx.progress
+    assert p is not None
+    ctx.enter("exploring")
+    deadline = budget_deadline(cfg)
+    if ex.demos:
+        await _warm_start(ctx, read_learner, deadline)
+        if cfg.eval.after_warm_start and p.weights_version != "default" and not ctx.stop.is_set():
+            await heldout(f"warm-{p.weights_version}")
+        if ov.every_rounds and not ctx.stop.is_set():
+            ctx.enter("validation after the warm start")
+            await _curve_point(ctx, -1, evaluate, started)
+        await learner_cores(ctx, alone=False)  # the actors' turn
+    await _rounds(ctx, evaluate, read_learner, deadline, started)
+
+
+async def _rounds(
+    ctx: RunContext,
+    evaluate: Evaluate,
+    read_learner: Callable[[], Awaitable[None]],
+    deadline: float,
+    started: float,
+) -> None:
     ex, ov = ctx.config.explore, ctx.config.online_eval
     p = ctx.progress
     assert p is not None
-    ctx.stage = "exploring"
-    deadline = time.monotonic() + 60 * ctx.config.budget_minutes
-    if ex.demos:
-        await _warm_start(ctx, read_learner, deadline)
-        if ov.every_rounds and not ctx.stop.is_set():
-            ctx.stage = "validation after the warm start"
-            await _curve_point(ctx, -1, evaluate, started)
     r = 0
     while True:
         t0, episodes, wins = (
@@ -238,8 +286,10 @@ async def explore_rounds(
         )
         keys = await submit_round(ctx, r)
         ctx.explore_keys += keys
-        ctx.stage = f"exploring round {r}"
-        finished = await _wait(ctx, set(keys), deadline)
+        ctx.enter(f"exploring round {r}")
+        finished = await _wait(ctx, set(keys), deadline, f"round {r}")
+        if finished and ex.schedule == "phased":
+            await train_phase(ctx, read_learner, f"round {r}")
         record = RoundRecord(
             round=r,
             tasks=len(keys),
@@ -254,7 +304,7 @@ async def explore_rounds(
         log.info("run.round.finished", **msgspec.to_builtins(record))
         last = _last_round(ctx, r, finished, deadline)
         if ov.every_rounds and ((r + 1) % ov.every_rounds == 0 or last) and not ctx.stop.is_set():
-            ctx.stage = f"validation after round {r}"
+            ctx.enter(f"validation after round {r}")
             await _curve_point(ctx, r, evaluate, started)
         if last:
             return

@@ -86,7 +86,7 @@ async def _run_eval(
 async def _evaluate(ctx: RunContext, label: str) -> None:
     """The before/after evaluation on the held-out split."""
     cfg, ev = ctx.config, ctx.config.eval
-    ctx.stage = f"evaluating {label}"
+    ctx.enter(f"evaluating {label}")
     ids = task_ids(cfg, ev.split, 0, ev.tasks)
     fresh = not (ctx.run_dir / "eval" / f"{label}.json").is_file()
     result = await _run_eval(ctx, label, ids, ev.samples, ev.ks, ev.seed, ev.split)
@@ -112,7 +112,10 @@ async def _explore(ctx: RunContext) -> None:
     async def validate(label: str, ids: list[str], samples: int, ks: list[int], seed: int) -> EvalResult:
         return await _validate(ctx, label, ids, samples, ks, seed)
 
-    await explore_rounds(ctx, validate, lambda: _read_learner(ctx), started=ctx.started)
+    async def heldout(label: str) -> None:
+        await _unless_stopped(ctx, _evaluate(ctx, label))
+
+    await explore_rounds(ctx, validate, heldout, lambda: _read_learner(ctx), started=ctx.started)
 
 
 async def _read_learner(ctx: RunContext) -> None:
@@ -130,16 +133,18 @@ async def _display(ctx: RunContext) -> None:
         with Live(ctx.progress.table(ctx.stage), console=ctx.console, refresh_per_second=2) as live:
             while True:
                 await _read_learner(ctx)
-                live.update(ctx.progress.table(ctx.stage))
+                ctx.plan.update(ctx.progress)
+                live.update(ctx.progress.table(ctx.stage, ctx.plan.line()))
                 await asyncio.sleep(1.0)
     last: tuple[str, str] | None = None
     while True:
         await asyncio.sleep(LINE_EVERY_S)
         await _read_learner(ctx)
+        ctx.plan.update(ctx.progress)
         now = (ctx.stage, ctx.progress.summary())
         if now != last:
             last = now
-            line = ctx.progress.status_line(ctx.stage, time.monotonic() - started)
+            line = ctx.progress.status_line(ctx.stage, time.monotonic() - started, ctx.plan.line())
             ctx.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
@@ -247,7 +252,7 @@ async def _run_locked(ctx: RunContext, *, fresh: bool) -> None:
                 await save_metrics(ctx, name)  # the other services' were saved as they stopped
             (ctx.run_dir / "metrics").mkdir(exist_ok=True)
             (ctx.run_dir / "metrics" / "run.prom").write_bytes(generate_latest(ctx.run_metrics.registry))
-            ctx.stage = "finishing"
+            ctx.enter("finishing")
             ctx.timings["total"] = time.monotonic() - started
             await finish(ctx)
         finally:

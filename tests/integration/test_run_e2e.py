@@ -18,7 +18,7 @@ from services.bus.auth import ROLES
 from services.eventlog.fileformat import read_events
 from services.run.metrics import parse_samples
 from services.run.router import router_available
-from tests.support.leafe_run import leafe_run_argv, leafe_run_env
+from tests.support.leafe_run import Throttle, leafe_run_argv, leafe_run_env
 from tests.support.nats_auth import SEED_PATTERN
 
 pytestmark = pytest.mark.integration
@@ -93,28 +93,51 @@ def _assert_no_credential_in_logs(run_dir: Path) -> None:
         assert not SEED_PATTERN.search(text), f"something shaped like an nkey seed is in {path}"
 
 
-def test_tiny_run_end_to_end(tmp_path: Path, cache_dir: Path) -> None:
-    """The tiny run explores, materializes, trains, pushes and serves new weights, evaluates before and
-    after (with an interval per k), and its offline-rebuilt dataset equals what the learner consumed; every
-    service ran as its own NATS role and no credential reached a log. Its actors and evaluations go through
-    sglang-router 0.3.2 (``services.router``, the gpu overlay's topology) when the dev extra installed it."""
-    routed = tmp_path / "router.toml"
+def _tiny_run(runs: Path, cache_dir: Path, *, slow_learner: bool = False) -> tuple[Path, str]:
+    """The tiny preset through sglang-router 0.3.2 (``services.router``, the gpu overlay's topology) when
+    the dev extra installed it; ``slow_learner``: the learner process is stopped 3 s of every 4 (a learner
+    on a 4x slower machine). Returns the run directory and the run's stderr."""
+    runs.mkdir(parents=True, exist_ok=True)
+    routed = runs / "router.toml"
     routed.write_text(f"[services]\nrouter = {'true' if router_available() else 'false'}\n")
-    first = _leafe_run(tmp_path, "e2e", cache_dir, "--config", str(routed))
-    run_dir = tmp_path / "e2e"
-    assert first.returncode == 0, first.stderr[-4000:]
+    with Throttle(runs / "e2e" / "pids" / "learner.pid", enabled=slow_learner) as throttle:
+        done = _leafe_run(runs, "e2e", cache_dir, "--config", str(routed))
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert throttle.stopped_s >= (20 if slow_learner else 0), throttle.stopped_s
+    return runs / "e2e", done.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> tuple[Path, str]:
+    """One tiny run shared by the tests of this module (its run directory and stderr)."""
+    return _tiny_run(tmp_path_factory.mktemp("tiny"), cache_dir)
+
+
+def test_tiny_run_end_to_end(tiny_run: tuple[Path, str], tmp_path: Path) -> None:
+    """The tiny run warms up on demonstrations, explores, materializes, trains, pushes and serves new
+    weights, evaluates before, after the warm start and after the rounds (with a paired interval per k for
+    each part), and its offline-rebuilt dataset equals what the learner consumed; every service ran as its
+    own NATS role and no credential reached a log."""
+    run_dir, stderr = tiny_run
     report = _report(run_dir)
     assert report["dataset"]["identical"] and report["dataset"]["samples"] > 0, report["dataset"]
     assert report["dataset"]["samples"] == report["dataset"]["stream_samples"]
     assert report["run"]["weights_version"] != "default" and report["run"]["learner_step"] > 0
-    labels = set(report["evals"])
-    assert "before" in labels and f"after-{report['run']['weights_version']}" in labels, labels
+    labels = list(report["evals"])
+    assert labels[0] == "before" and labels[-1] == f"after-{report['run']['weights_version']}", labels
+    assert labels[1].startswith("warm-v") and len(labels) == 3, labels
+    assert [(p["part"], p["baseline"], p["label"]) for p in report["parts"]] == [
+        ("warm start", "before", labels[1]),
+        ("LEAFE rounds", labels[1], labels[2]),
+    ]
+    assert all([d["k"] for d in p["diffs"]] == [1, 2] for p in report["parts"])
+    assert report["schedule"] == "phased" and report["budget_minutes"] == 0 and report["cuts"] == []
     assert [c["k"] for c in report["comparisons"]] == [1, 2]
     assert all(c["lo"] <= c["diff"] <= c["hi"] for c in report["comparisons"])
     assert (run_dir / "passk.png").is_file() and (run_dir / "tree.png").is_file()
     assert _explore_episodes(run_dir) >= 2
     assert report["run"]["learner_loss"] is not None  # read from the learner's /metrics
-    _check_observability(run_dir, first.stderr, report["run"]["learner_step"])
+    _check_observability(run_dir, stderr, report["run"]["learner_step"])
     _assert_no_credential_in_logs(run_dir)
     _check_continual(run_dir, report)
     _check_offline_eval_equals_the_runs(run_dir, report, tmp_path / "offline-eval")
@@ -132,8 +155,8 @@ def _check_continual(run_dir: Path, report: dict[str, Any]) -> None:
     ]
     assert len(seeds) == len(set(seeds)) == 4, seeds
     curve = report["curve"]
-    assert [p["round"] for p in curve] == [0, 1], curve
-    assert curve[0]["learner_step"] <= curve[1]["learner_step"]
+    assert [p["round"] for p in curve] == [-1, 0, 1], curve
+    assert curve[0]["learner_step"] <= curve[1]["learner_step"] <= curve[2]["learner_step"]
     assert all(set(p["passk"]) == {"1", "2"} for p in curve)
     assert (run_dir / "learning_curve.png").is_file() and (run_dir / "eval" / "val-r1.json").is_file()
     run_metrics = parse_samples((run_dir / "metrics" / "run.prom").read_text())  # the supervisor's /metrics
@@ -143,7 +166,52 @@ def _check_continual(run_dir: Path, report: dict[str, Any]) -> None:
     lines = (run_dir / "logs" / "learner.log").read_text().splitlines()
     steps = [json.loads(line) for line in lines if line.startswith("{")]
     trained = sum(e["samples"] for e in steps if e.get("event") == "learner.step")
-    assert sum(report["policy_lag"].values()) == trained > 0, (report["policy_lag"], trained)
+    # The expert's demonstrations carry version "expert": trained, but no lag to histogram.
+    expert = sum(e["unknown_version"] for e in steps if e.get("event") == "learner.samples.filtered")
+    lagged = sum(report["policy_lag"].values())
+    assert lagged == trained - expert > 0 and expert > 0, (report["policy_lag"], trained, expert)
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    """The two exports hold equal tensors (not equal files: safetensors writes its metadata header in a
+    hash map's order, so the same weights can hash differently)."""
+    import torch
+    from safetensors.torch import load_file
+
+    x, y = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def _without_clock(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in row.items() if not k.endswith("wall_s")} for row in rows]
+
+
+def test_a_slow_learner_changes_the_time_never_the_result(
+    tiny_run: tuple[Path, str], tmp_path: Path, cache_dir: Path
+) -> None:
+    """Work, not the wall clock, bounds the run: the tiny config again, its learner stopped 3 s of every 4
+    (start-up included), gives the same samples (the rebuilt dataset's digest), the same learner steps,
+    pushes and final weights, the same rounds, and the same figures: every evaluation's successes sample
+    for sample and the learning curve. Before, actors sampled from whatever version the learner had
+    pushed by then, and a 4-minute budget cut the rounds."""
+    fast_dir, _ = tiny_run
+    slow_dir, _ = _tiny_run(tmp_path, cache_dir, slow_learner=True)
+    fast, slow = _report(fast_dir), _report(slow_dir)
+    assert slow["dataset"]["content_sha256"] == fast["dataset"]["content_sha256"], (slow, fast)
+    assert slow["run"]["samples"] == fast["run"]["samples"]
+    version = fast["run"]["weights_version"]
+    assert (slow["run"]["learner_step"], slow["run"]["weights_version"]) == (
+        fast["run"]["learner_step"],
+        version,
+    )
+    assert _same_weights(slow_dir / "weights" / version, fast_dir / "weights" / version)
+    assert list(slow["evals"]) == list(fast["evals"])
+    for label, result in fast["evals"].items():
+        for field in ("successes", "passk", "mean_steps", "parse_failure_rate", "policy_versions"):
+            assert slow["evals"][label][field] == result[field], (label, field)
+    assert _without_clock(slow["rounds"]) == _without_clock(fast["rounds"])
+    assert _without_clock(slow["curve"]) == _without_clock(fast["curve"])
+    assert slow["parts"] == fast["parts"]
 
 
 @pytest.mark.slow
@@ -188,14 +256,16 @@ def _check_offline_eval_equals_the_runs(run_dir: Path, report: dict[str, Any], o
     code path) equal an offline ``leafe eval`` of the same weights on the same tasks and seeds: the same
     success of every sample, and the same steps, unparseable answers and prompt tokens (which follow
     every sampled token), so the curve can be read against any offline row. Checked for the final
-    version and for every curve point served by one version whose weights are still in the store."""
+    version, the warm start's, and every curve point served by one version whose weights are still in
+    the store."""
     store = run_dir / "weights"
     final = f"after-{report['run']['weights_version']}"
-    checked = [final]
+    warm = [label for label in report["evals"] if label.startswith("warm-")]
+    checked = [final, *(label for label in warm if (store / label.removeprefix("warm-")).is_dir())]
     for point in report["curve"]:
         version = point["weight_version"]
         if point["policy_versions"] == [version] and (store / version).is_dir():
-            checked.append(f"val-r{point['round']}")
+            checked.append("val-warm" if point["round"] < 0 else f"val-r{point['round']}")
     for label in checked:
         run = json.loads((run_dir / "eval" / f"{label}.json").read_text())
         (version,) = run["policy_versions"]

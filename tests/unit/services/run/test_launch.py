@@ -33,7 +33,7 @@ def test_resuming_with_another_model_is_refused_with_the_way_out(tmp_path: Path)
         ConfigError, match=r"model was 'tiny', now 'smollm2-135m-instruct'.*--run-id.*--fresh"
     ):
         check_identity(other, fresh=False)
-    with pytest.raises(ConfigError, match="materializer was 'leafe', now 'rft'"):
+    with pytest.raises(ConfigError, match="materializer was 'warm-leafe', now 'rft'"):
         check_identity(_ctx(tmp_path, materializer="rft", **{"learner.kinds": ["rft"]}), fresh=False)
     check_identity(other, fresh=True)
     assert not (other.run_dir / "nats").exists()

@@ -81,3 +81,15 @@ def test_demo_epochs_submit_every_demonstration_once_per_epoch_under_distinct_ke
     assert [a.task_id for a in two[len(one) :]] == [a.task_id for a in one]
     with pytest.raises(ConfigError, match="demo_epochs"):
         resolve_run_config("leafe", overrides={"explore.demo_epochs": 0})
+
+
+def test_the_default_run_is_bounded_by_work_and_an_endless_one_is_refused() -> None:
+    """``make run`` is phased with no wall-clock budget (the same work on any machine; the continual presets
+    keep a budget); rounds until a limit with no limit at all would never stop and is refused."""
+    default = resolve_run_config("default")
+    assert (default.explore.schedule, default.budget_minutes, default.explore.rounds) == ("phased", 0.0, 1)
+    assert default.eval.before and default.eval.after_warm_start and default.eval.after
+    assert resolve_run_config("leafe").explore.schedule == "continuous"
+    with pytest.raises(ConfigError, match="would never stop"):
+        resolve_run_config("default", overrides={"explore.rounds": 0})
+    resolve_run_config("default", overrides={"explore.rounds": 0, "explore.max_learner_steps": 4})

@@ -40,6 +40,13 @@ def test_status_line_reads_as_one_log_line() -> None:
     )
 
 
+def test_status_line_carries_the_plan_inside_its_brackets() -> None:
+    """With a plan the line says, after stage and clock, the work done of planned and the time left
+    (``RunPlan.line``), and the counters follow as before."""
+    line = _progress().status_line("exploring round 0", 192.7, "5/8 episodes, ~01:40 left | run ~04:30 left")
+    assert line.startswith("[exploring round 0 03:12 | 5/8 episodes, ~01:40 left | run ~04:30 left] episodes")
+
+
 def test_status_line_names_modes_when_several_and_shows_hours() -> None:
     """With explore and eval episodes each mode is named; past an hour the clock shows hours; before any
     step or loss the line says so instead of inventing figures."""

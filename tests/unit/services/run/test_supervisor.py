@@ -46,7 +46,7 @@ async def test_a_crashed_service_is_restarted_up_to_the_limit(tmp_path: Path) ->
 def test_the_drain_counts_held_anchors_of_open_episodes_as_folded() -> None:
     """Everything delivered and nothing unacked but the anchors the replayer holds: folded. An unacked
     event beyond the anchors, or undelivered events, are not; without the replayer's count only 0 is."""
-    from services.run.drain import folded_all
+    from services.run.waits import folded_all
 
     assert folded_all(0, 4, 4) and folded_all(0, 0, 0) and folded_all(0, 0, None)
     assert not folded_all(0, 5, 4) and not folded_all(3, 4, 4) and not folded_all(0, 4, None)

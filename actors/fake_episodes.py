@@ -73,7 +73,8 @@ class ExploreSpec:
 
 @dataclass
 class EventWriter:
-    """Stamps events with ids, seq, run and actor like an actor's publisher (``emit(Step, ...)``)."""
+    """Stamps events with ids, seq, run and actor like an actor's publisher (``emit(Step, ...)``); ``seq=``
+    overrides the next sequence number (a forger's events, say)."""
 
     run_id: str
     episode_id: str
@@ -82,7 +83,7 @@ class EventWriter:
     events: list[EpisodeEvent] = field(default_factory=list)
 
     def emit(self, cls: type[Any], **fields: Any) -> Any:
-        seq = len(self.events)
+        seq = fields.pop("seq", len(self.events))
         event = stamp_event(cls, self, seq, 1.7e9 + seq, **fields)
         self.events.append(event)
         return event

@@ -21,8 +21,8 @@ lost the task: its actor crashed or stalled past the ack wait; at the same event
 both decide alike), or by :meth:`Materializer.close_all` (end of an offline log); closing never produces samples
 from a branch without ``Outcome``. :meth:`Materializer.drain_released` lists the episodes whose events
 will never be needed again (the replayer acks their anchors then). ``limits`` (:class:`OpenLimits`) caps
-held episodes per run and per actor, and the bytes they hold: an ``EpisodeStarted`` past a cap is refused,
-an event past ``max_bytes`` rejected.
+held episodes per run and per actor, and the bytes they hold (per run and per publishing actor): an
+``EpisodeStarted`` past a cap is refused, an event past a byte cap rejected, each with its cap's code.
 
 Token ids (``Step.token_ids``, ``Reflection.token_ids``) must lie in the tokenizer's vocabulary
 (``vocab_size``, :func:`~learner.materializers.common.vocab_size_of`): an id that is negative or past it
@@ -222,15 +222,15 @@ class Materializer(SampleBuilder):
             raise
         if isinstance(event, (Step, Reflection)):
             self._check_tokens(event)
-        if self._ledger.limits.max_bytes is None:
+        if not self._ledger.limits.bounds_bytes:
             tree.add(event)
         else:
             size = event_bytes(event)
-            over = self._ledger.over_bytes(size)
+            over = self._ledger.over_bytes(size, event.actor_id)
             if over is not None:
-                raise ReplayError(event, over)
+                raise ReplayError(event, over.reason, over.code)
             tree.add(event)
-            self._ledger.charge(event.episode_id, size)
+            self._ledger.charge(event.episode_id, size, event.actor_id)
         if now > tree.last_active:
             tree.last_active = now
         if isinstance(event, Outcome):
@@ -259,8 +259,10 @@ class Materializer(SampleBuilder):
         refusal = self._ledger.refusal(event)
         if refusal is not None:
             self.stats.episodes_refused += 1
-            self._ledger.remember(event.episode_id, Closed("refused", reason=refusal))
-            raise ReplayError(event, refusal)
+            self._ledger.remember(
+                event.episode_id, Closed("refused", reason=refusal.reason, code=refusal.code)
+            )
+            raise ReplayError(event, refusal.reason, refusal.code)
         opts = self.options
         tree = EpisodeTree.start(
             event, now, max_branches=opts.max_branches, max_events=opts.max_episode_events
@@ -293,7 +295,7 @@ class Materializer(SampleBuilder):
                 self.stats.ignored_events += 1
                 return []
             case "refused" | "failed":
-                raise ReplayError(event, f"its episode was {closed.ending}: {closed.reason}")
+                raise ReplayError(event, f"its episode was {closed.ending}: {closed.reason}", closed.code)
             case "finished" if closed.last_seq is not None and event.seq > closed.last_seq:
                 raise ReplayError(event, f"event after the episode's EpisodeFinished (seq {closed.last_seq})")
         self.stats.after_close += 1  # a redelivery, or a straggler of an abandoned episode
@@ -314,7 +316,7 @@ class Materializer(SampleBuilder):
         reason = f"folding its episode raised {type(error).__name__}: {error}"[:400]
         self.stats.episodes_failed += 1
         tree = self._episodes.pop(event.episode_id, None)
-        self._ledger.remember(event.episode_id, Closed("failed", reason=reason))
+        self._ledger.remember(event.episode_id, Closed("failed", reason=reason, code="episode_failed"))
         log.error(
             "replay.episode.failed",
             episode_id=event.episode_id[:80],

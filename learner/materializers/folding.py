@@ -16,6 +16,7 @@ import structlog
 
 from learner.dataset import DatasetManifest, write_dataset
 from learner.materializers.base import Materializer
+from learner.materializers.lifecycle import CAP_CODES
 from learner.materializers.tree import ReplayError
 from protocol.events import EpisodeEvent
 from protocol.samples import Sample
@@ -62,7 +63,7 @@ class Folder:
             r.samples += self.fold.apply(event)
         except ReplayError as e:
             r.rejected += 1
-            if "(max_open_" in e.reason:  # a cap, not bad input: the summary says so and how to raise it
+            if e.code in CAP_CODES:  # a cap, not bad input: the summary says so and how to raise it
                 r.capped += 1
                 r.first_capped = r.first_capped or e.reason
             log.warning("replay.event.rejected", event_id=event.event_id[:80], reason=e.reason)

@@ -4,11 +4,16 @@ An episode is *held* from its ``EpisodeStarted`` until the fold releases it (fin
 for GRPO its group emitted): the replayer keeps the episode's anchor unacked that long, so the number of
 held episodes is what ``max_ack_pending`` must cover. :class:`OpenLimits` caps it per run and per actor,
 and caps the bytes the held episodes' events take (:func:`event_bytes`, their text and token ids: what
-the fold keeps in memory); an ``EpisodeStarted`` past a cap is refused with the reason (the replayer
-dead-letters it and the rest of its episode), and an event that would take the held bytes past
-``max_open_bytes`` is rejected, so a flood of episodes that never finish can neither hold the consumer
-nor exhaust memory, online or offline (``leafe replay`` applies the same caps). Episodes that can give
-no samples are never held.
+the fold keeps in memory), per run and per publishing actor; an ``EpisodeStarted`` past a cap is refused
+with the reason (the replayer dead-letters it and the rest of its episode), and an event that would take
+the held bytes past ``max_bytes`` or its publisher's past ``max_bytes_per_actor`` is rejected, so a flood
+of episodes that never finish can neither hold the consumer nor exhaust memory, online or offline
+(``leafe replay`` applies the same caps), and one actor's flood fills only its own share. Episodes that
+can give no samples are never held.
+
+Every refusal has a code (:data:`CAP_CODES` for the caps): what ``leafe replayer redrive`` selects dead
+letters by. The reason is text for people and may quote the input (an episode or branch id), so nothing
+decides on it.
 
 Every episode the fold stopped holding is remembered (bounded, oldest forgotten first) with how it ended,
 so later events of it are ignored or rejected consistently:
@@ -30,7 +35,12 @@ from typing import Literal, NamedTuple
 
 from protocol.events import Branch, EpisodeEvent, EpisodeStarted, Reflection, Step
 
-__all__ = ["Closed", "Ledger", "OpenLimits", "event_bytes"]
+__all__ = ["CAP_CODES", "Closed", "Ledger", "OpenLimits", "Refusal", "event_bytes"]
+
+CAP_CODES = frozenset(
+    {"max_open_per_actor", "max_open_episodes", "max_open_bytes", "max_open_bytes_per_actor"}
+)
+"""Refusal codes of the caps: an episode refused for one of them can be folded once the cause is gone."""
 
 _EVENT_OVERHEAD = 256
 """Bytes charged per event besides its text and ids (ids, counters, the tree's bookkeeping)."""
@@ -80,6 +90,17 @@ class Closed(NamedTuple):
     """``finished``: the seq of its EpisodeFinished."""
     reason: str = ""
     """``refused``/``failed``: why."""
+    code: str = ""
+    """``refused``/``failed``: the refusal's code (one of :data:`CAP_CODES`, or ``episode_failed``)."""
+
+
+class Refusal(NamedTuple):
+    """Why an episode or event may not be held now."""
+
+    code: str
+    """One of :data:`CAP_CODES`."""
+    reason: str
+    """The same for people, with the figures."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +114,18 @@ class OpenLimits:
     ``protocol.codec.admit_event``)."""
     max_bytes: int | None = None
     """:func:`event_bytes` of every event of the held episodes, together."""
+    max_bytes_per_actor: int | None = None
+    """:func:`event_bytes` of the events one ``actor_id`` (the publisher's NATS identity) added to held
+    episodes, its own or another's."""
+
+    @property
+    def bounds_bytes(self) -> bool:
+        """Whether held bytes are counted at all."""
+        return self.max_bytes is not None or self.max_bytes_per_actor is not None
+
+
+def _shown(actor: str) -> str:
+    return repr(actor if len(actor) <= 80 else actor[:77] + "...")
 
 
 class Ledger:
@@ -106,44 +139,60 @@ class Ledger:
         """Held episode id -> its actor id."""
         self.per_actor: Counter[str] = Counter()
         self.released: list[str] = []
-        self.bytes: dict[str, int] = {}
-        """Held episode id -> :func:`event_bytes` of its events so far."""
+        self.bytes: dict[str, Counter[str]] = {}
+        """Held episode id -> :func:`event_bytes` of its events so far, by the actor that published them."""
+        self.actor_bytes: Counter[str] = Counter()
+        """Actor id -> bytes its events take in held episodes."""
         self.held_bytes = 0
 
-    def refusal(self, started: EpisodeStarted) -> str | None:
+    def refusal(self, started: EpisodeStarted) -> Refusal | None:
         """Why ``started`` may not be held now (a cap is reached), or ``None``."""
         limits, actor = self.limits, started.actor_id
         if limits.max_per_actor is not None and self.per_actor[actor] >= limits.max_per_actor:
-            shown = actor if len(actor) <= 80 else actor[:77] + "..."
-            return (
-                f"actor {shown!r} already holds {self.per_actor[actor]} open episodes "
-                f"(max_open_per_actor = {limits.max_per_actor})"
+            return Refusal(
+                "max_open_per_actor",
+                f"actor {_shown(actor)} already holds {self.per_actor[actor]} open episodes "
+                f"(max_open_per_actor = {limits.max_per_actor})",
             )
         if limits.max_open is not None and len(self.held) >= limits.max_open:
-            return f"{len(self.held)} episodes are open (max_open_episodes = {limits.max_open})"
-        return self.over_bytes(event_bytes(started))
+            return Refusal(
+                "max_open_episodes",
+                f"{len(self.held)} episodes are open (max_open_episodes = {limits.max_open})",
+            )
+        return self.over_bytes(event_bytes(started), actor)
 
-    def over_bytes(self, size: int) -> str | None:
-        """Why ``size`` more bytes may not be held now (``max_bytes`` would be passed), or ``None``."""
+    def over_bytes(self, size: int, actor: str) -> Refusal | None:
+        """Why ``size`` more bytes published by ``actor`` may not be held now, or ``None``."""
+        mine, cap = self.actor_bytes[actor], self.limits.max_bytes_per_actor
+        if cap is not None and mine + size > cap:
+            return Refusal(
+                "max_open_bytes_per_actor",
+                f"actor {_shown(actor)} holds {mine:,} bytes in open episodes and this event adds {size:,} "
+                f"(max_open_bytes_per_actor = {cap:,})",
+            )
         cap = self.limits.max_bytes
-        if cap is None or self.held_bytes + size <= cap:
-            return None
-        return (
-            f"{self.held_bytes:,} bytes are held by {len(self.held)} open episodes and this event adds "
-            f"{size:,} (max_open_bytes = {cap:,})"
-        )
+        if cap is not None and self.held_bytes + size > cap:
+            return Refusal(
+                "max_open_bytes",
+                f"{self.held_bytes:,} bytes are held by {len(self.held)} open episodes and this event adds "
+                f"{size:,} (max_open_bytes = {cap:,})",
+            )
+        return None
 
     def hold(self, started: EpisodeStarted) -> None:
         """Hold ``started``'s episode until :meth:`release`."""
         self.held[started.episode_id] = started.actor_id
         self.per_actor[started.actor_id] += 1
-        self.bytes[started.episode_id] = 0
-        self.charge(started.episode_id, event_bytes(started))
+        self.bytes[started.episode_id] = Counter()
+        self.charge(started.episode_id, event_bytes(started), started.actor_id)
 
-    def charge(self, episode_id: str, size: int) -> None:
-        """Count ``size`` more bytes held by ``episode_id`` (a held episode; others cost nothing here)."""
-        if episode_id in self.bytes:
-            self.bytes[episode_id] += size
+    def charge(self, episode_id: str, size: int, actor: str) -> None:
+        """Count ``size`` more bytes, published by ``actor``, held by ``episode_id`` (a held episode; others
+        cost nothing here)."""
+        charged = self.bytes.get(episode_id)
+        if charged is not None:
+            charged[actor] += size
+            self.actor_bytes[actor] += size
             self.held_bytes += size
 
     def release(self, episode_id: str) -> None:
@@ -151,7 +200,11 @@ class Ledger:
         actor = self.held.pop(episode_id, None)
         if actor is None:
             return
-        self.held_bytes -= self.bytes.pop(episode_id, 0)
+        for publisher, size in self.bytes.pop(episode_id, Counter()).items():
+            self.held_bytes -= size
+            self.actor_bytes[publisher] -= size
+            if self.actor_bytes[publisher] <= 0:
+                del self.actor_bytes[publisher]
         self.per_actor[actor] -= 1
         if self.per_actor[actor] <= 0:
             del self.per_actor[actor]

@@ -42,18 +42,24 @@ def _short(value: str) -> str:
 
 
 class ReplayError(ValueError):
-    """An event the fold cannot apply (unknown episode/branch, out of order...); ``reason`` says why."""
+    """An event the fold cannot apply (unknown episode/branch, out of order...); ``reason`` says why (text
+    that may quote the input), ``code`` which kind of refusal it is (``rejected``, ``episode_failed`` or a
+    cap's, ``learner.materializers.lifecycle.CAP_CODES``): what tools decide on."""
 
-    def __init__(self, event: EpisodeEvent, reason: str) -> None:
+    def __init__(self, event: EpisodeEvent, reason: str, code: str = "rejected") -> None:
         kind = type(event).__name__
         eid, episode = _short(event.event_id), _short(event.episode_id)
         super().__init__(f"rejected {kind} {eid} of episode {episode}: {reason}")
         self.event = event
         self.reason = reason
+        self.code = code
 
 
 class EpisodeFailed(ReplayError):
     """Folding ``event`` raised an unexpected exception; its episode was dropped (the cause is chained)."""
+
+    def __init__(self, event: EpisodeEvent, reason: str, code: str = "episode_failed") -> None:
+        super().__init__(event, reason, code)
 
 
 def history_entry(step: Step) -> HistoryEntry:

@@ -9,11 +9,14 @@ import msgspec
 
 from protocol.subjects import EVENTS
 
-__all__ = ["DEFAULT_MAX_OPEN_BYTES", "ReplayerConfig", "ReplayerStats"]
+__all__ = ["DEFAULT_MAX_OPEN_BYTES", "DEFAULT_MAX_OPEN_BYTES_PER_ACTOR", "ReplayerConfig", "ReplayerStats"]
 
 DEFAULT_MAX_OPEN_BYTES = 512 * 2**20
 """Default cap on the bytes of held episodes, online and offline (a real run holds tens of MB: an actor
 runs tens of episodes of a few hundred KB each)."""
+DEFAULT_MAX_OPEN_BYTES_PER_ACTOR = DEFAULT_MAX_OPEN_BYTES // 16
+"""Default cap on what one actor's events may hold: 32 MiB, a sixteenth of the run's, as
+``max_open_per_actor`` is of ``max_open_episodes``; so one credential cannot fill the run's cap alone."""
 
 
 class ReplayerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -42,6 +45,9 @@ class ReplayerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Bytes the held episodes' events may take together (``learner.materializers.lifecycle.event_bytes``:
     text and token ids, about their size in memory); an EpisodeStarted past it is dead-lettered, and
     so is any other event that would pass it. Bounds the fold's memory."""
+    max_open_bytes_per_actor: int = DEFAULT_MAX_OPEN_BYTES_PER_ACTOR
+    """Bytes the events one actor published may take in held episodes (keyed, like ``max_open_per_actor``,
+    on the subject token NATS pins to the publisher); past it, its events are dead-lettered, others' not."""
     max_event_bytes: int = EVENTS.max_msg_bytes
     """Largest event message (headers included); larger ones are dead-lettered, never folded."""
     require_codec_header: bool = True
@@ -67,6 +73,7 @@ class ReplayerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             "max_open_episodes",
             "max_open_per_actor",
             "max_open_bytes",
+            "max_open_bytes_per_actor",
             "max_event_bytes",
         ):
             if getattr(self, name) < 1:

@@ -10,7 +10,8 @@ same materializer the online replayer runs (``learner.materializers``), after th
 the replayer published; at the end of the log every still-open episode is closed as abandoned (no
 samples from branches without an Outcome). Records that fail admission and events the fold rejects are
 counted and logged, never fatal. The online replayer's open-episode caps apply here too
-(``max_open_episodes``, ``max_open_per_actor``, ``max_open_bytes``: the fold's memory is bounded by them,
+(``max_open_episodes``, ``max_open_per_actor``, ``max_open_bytes``, ``max_open_bytes_per_actor``: the
+fold's memory is bounded by them,
 whatever the log holds); what they refuse is counted, and named on stderr in one line that says which
 cap to raise. The dataset is written with
 ``learner.dataset.write_dataset``: rebuilding the same log gives byte-identical shards. A damaged or
@@ -45,7 +46,7 @@ from services.bus import NatsOptions, add_nats_arguments, connect, nats_options,
 from services.config import load_config
 from services.eventlog.fileformat import LogFileError, iter_log_file
 from services.logsetup import configure_logging
-from services.replayer.config import DEFAULT_MAX_OPEN_BYTES
+from services.replayer.config import DEFAULT_MAX_OPEN_BYTES, DEFAULT_MAX_OPEN_BYTES_PER_ACTOR
 
 __all__ = ["ReplayConfig", "file_events", "main", "resolve_config", "stream_event_count", "stream_events"]
 
@@ -75,9 +76,17 @@ class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Bytes the held episodes' events may take (``learner.materializers.lifecycle.event_bytes``); an
     event past it is refused. Bounds memory whatever the log holds (a 2.6 MB file of unfinished
     episodes with 1 MB observations took 2.3 GB without it)."""
+    max_open_bytes_per_actor: int = DEFAULT_MAX_OPEN_BYTES_PER_ACTOR
+    """Bytes one ``actor_id``'s events may take in held episodes (as the online replayer's)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_open_episodes", "max_open_per_actor", "max_open_bytes", "shard_size"):
+        for name in (
+            "max_open_episodes",
+            "max_open_per_actor",
+            "max_open_bytes",
+            "max_open_bytes_per_actor",
+            "shard_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be at least 1")
 
@@ -88,6 +97,7 @@ class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             max_open=self.max_open_episodes,
             max_per_actor=self.max_open_per_actor,
             max_bytes=self.max_open_bytes,
+            max_bytes_per_actor=self.max_open_bytes_per_actor,
         )
 
     @property
@@ -281,7 +291,7 @@ def _replay(args: argparse.Namespace, config: ReplayConfig, nats_opts: NatsOptio
         print(
             f"leafe replay: {result.capped} events refused over the open-episode caps "
             f"({fold.stats.episodes_refused} episodes; first: {result.first_capped}); raise max_open_episodes, "
-            "max_open_per_actor or max_open_bytes in --config to fold them",
+            "max_open_per_actor, max_open_bytes or max_open_bytes_per_actor in --config to fold them",
             file=sys.stderr,
         )
     return 0

@@ -31,7 +31,8 @@ Bad input (see the "Trust" section of ``docs/architecture.md``): every message p
 ``protocol.codec.admit_event`` first (size <= ``max_event_bytes``, a ``Leafe-Codec`` header, a
 decodable body, subject run, kind and actor token equal to the event's, event id ``<episode>.<seq>``),
 or ``services.bus.Consumer`` dead-letters it. The actor token is the publisher's NATS identity, so
-``max_open_per_actor`` caps what each credential can hold open, whatever its payloads say. An event
+``max_open_per_actor`` and ``max_open_bytes_per_actor`` cap what each credential can hold open, whatever
+its payloads say. An event
 the fold rejects (``ReplayError``: unknown branch,
 Branch before its Reflection, a conflicting copy of an applied id, an episode past ``max_open_episodes``,
 ``max_open_per_actor`` or ``max_open_bytes``, a token id outside the tokenizer's vocabulary...) is
@@ -115,6 +116,7 @@ class Replayer:
             max_open=config.max_open_episodes,
             max_per_actor=config.max_open_per_actor,
             max_bytes=config.max_open_bytes,
+            max_bytes_per_actor=config.max_open_bytes_per_actor,
         )
         self.sink = SampleSink(
             js,

@@ -151,7 +151,8 @@ class ActorService:
             durable=self.durable,
             filter_subject=task_subject(self.run_id),
             decode=decode_task,
-            dead_letter_subject=dead_letter_subject(self.run_id, TASKS.name),
+            # the actor's own subject: its NATS user may write task dead letters only under its id
+            dead_letter_subject=f"{dead_letter_subject(self.run_id, TASKS.name)}.{self.actor_id}",
             batch=1,
             ack_wait_s=self.config.ack_wait_s,
             max_ack_pending=max(4096, self.config.concurrency),

@@ -4,9 +4,10 @@ A :class:`Consumer` binds a durable, explicitly acked pull consumer and turns me
 :class:`Delivery` objects, through ``decode(data, codec_header)`` or, when given, ``admit(subject,
 headers, data)`` (the replayer's ``protocol.codec.admit_event``: size, headers, subject). Messages that
 fail never reach the caller: they are dead-lettered (``services.bus.dead_letters``: the reason in
-``Leafe-Error``, the original's subject, stream, seq, size and sha256, the body truncated only if it would
-not fit), then acked and counted in ``dead_letters``; a dead letter is stored before its message is
-acked, and storing it again after a crash is a no-op.
+``Leafe-Error``, its ``ProtocolError.category`` in ``Leafe-Error-Code``, the original's subject, stream,
+seq, size and sha256, the body truncated only if it would not fit), then acked and counted in
+``dead_letters``; a dead letter is stored before its message is acked, and storing it again after a crash
+is a no-op (its subject, keyed by the original's seq, holds it already; nobody else may write there).
 
 Pulling goes through :class:`services.bus.pull.Puller` (batched requests, no per-message task). Acks
 are plain publishes on the message's reply subject: they go into the connection's write buffer and
@@ -261,7 +262,7 @@ class Consumer(Generic[T]):
                     value = decode(msg.data, headers.get(CODEC_HEADER) if headers else None)
             except ProtocolError as e:
                 try:
-                    await self._dead_letter(msg, e.reason)
+                    await self._dead_letter(msg, e.reason, e.category)
                     self.dead_letters_by_category[e.category] = (
                         self.dead_letters_by_category.get(e.category, 0) + 1
                     )
@@ -273,8 +274,8 @@ class Consumer(Generic[T]):
             out.append(Delivery(value, msg))
         return out
 
-    async def _dead_letter(self, msg: Msg, reason: str) -> None:
-        letter = dead_letter_of(self._js, msg, reason, self._dead_subject)
+    async def _dead_letter(self, msg: Msg, reason: str, code: str) -> None:
+        letter = dead_letter_of(self._js, msg, reason, self._dead_subject, code=code)
         try:
             await publish_dead_letter(self._js, letter)
         except Exception as e:
@@ -368,8 +369,10 @@ class Consumer(Generic[T]):
                 await delivery.in_progress()
 
 
-def dead_letter_of(js: JetStreamContext, msg: Msg, reason: str, dead_subject: str) -> DeadLetter:
-    """The dead letter of stored message ``msg`` (keyed by its stream and seq; see ``dead_letters``)."""
+def dead_letter_of(
+    js: JetStreamContext, msg: Msg, reason: str, dead_subject: str, *, code: str
+) -> DeadLetter:
+    """The dead letter of stored message ``msg`` (keyed by its seq; see ``dead_letters``), of kind ``code``."""
     meta = msg.metadata
     origin = {
         ORIGINAL_SUBJECT_HEADER: msg.subject,
@@ -380,9 +383,9 @@ def dead_letter_of(js: JetStreamContext, msg: Msg, reason: str, dead_subject: st
         dead_subject,
         msg.data,
         reason,
-        stream=meta.stream,
         key=str(meta.sequence.stream),
         origin=origin,
         max_bytes=dead_letter_limit(js),
         codec=(msg.headers or {}).get(CODEC_HEADER),
+        code=code,
     )

@@ -7,7 +7,7 @@ The ack protocol that makes it restartable at any moment is described in ``servi
 Run exactly one replayer per (run, materializer): its durable consumer is its identity. SIGTERM/SIGINT:
 finish the batch in hand, then exit.
 
-    leafe replayer redrive --nats URL --run RUN [--reason TEXT] [--dry-run]
+    leafe replayer redrive --nats URL --run RUN [--code CAP ...] [--dry-run]
 
 publishes again the events dead-lettered because a cap was reached, once the cause is gone
 (``services/replayer/redrive.py``).

@@ -1,24 +1,31 @@
 """``leafe replayer redrive``: fold again what the replayer dead-lettered for a cause that is gone.
 
-    leafe replayer redrive --nats URL --run RUN [--reason "(max_open_"] [--dry-run]
+    leafe replayer redrive --nats URL --run RUN [--code max_open_episodes ...] [--dry-run]
 
-A flood of episodes that never finish fills ``max_open_episodes`` (or ``max_open_bytes``), and every
-valid episode after it is refused and dead-lettered until the flood is closed as abandoned
-(``stale_timeout_s``). Its events are not lost: each dead letter names its original
-(``Leafe-Original-Subject/-Stream/-Seq``) and carries its bytes (``services.bus.dead_letters``). Once the
-cause is gone, this command publishes the originals of the run's event dead letters whose reason
-contains ``--reason`` (default: a cap was reached, ``(max_open_``; which covers the later events of a
-refused episode, whose reason repeats the cap's) again on their own subject, in original order, with
-``Leafe-Redrive: <original seq>``; the replayer then tries each such episode against the caps anew
-(``Replayer._readmit``). Sample ids depend only on event ids, so a redriven episode gives the samples an
-offline rebuild gives; events that are folded already are duplicates the fold ignores.
+A flood of episodes that never finish fills ``max_open_episodes`` (or a byte cap), and every valid episode
+after it is refused and dead-lettered until the flood is closed as abandoned (``stale_timeout_s``). Its
+events are not lost: each dead letter names its original (``Leafe-Original-Subject/-Stream/-Seq``) and
+carries its bytes (``services.bus.dead_letters``). Once the cause is gone, this command publishes the
+originals of the run's event dead letters whose code (``Leafe-Error-Code``, written by the replayer) is
+one of ``--code`` (default: every cap, ``learner.materializers.lifecycle.CAP_CODES``; which covers the
+later events of a refused episode, whose code repeats the cap's) again on their own subject, in original
+order, with ``Leafe-Redrive: <original seq>``; the replayer then tries each such episode against the caps
+anew (``Replayer._readmit``). Sample ids depend only on event ids, so a redriven episode gives the samples
+an offline rebuild gives; events that are folded already are duplicates the fold ignores. Letters are
+chosen by code, never by their reason's text: a reason can quote what the publisher wrote (a branch id
+``(max_open_...``).
 
 Only what the replayer itself could have received is published again: an original must come from
 ``LEAFE_EVENTS``, lie on an events subject of ``--run``, have the sha256 its letter recorded, and pass
-``protocol.codec.admit_event``; anything else is skipped and counted. Each copy's ``Nats-Msg-Id`` is
-``<run>.redrive.<dead letter seq>``, so running the command twice publishes nothing new (within the
-events stream's duplicate window), while a letter written when a redriven copy was refused again gets its
-own id. Needs a NATS user that may read ``LEAFE_DEAD`` and publish events (the admin).
+``protocol.codec.admit_event``; anything else is skipped and counted. A redriven letter is marked on
+``leafe.<run>.dead.redriven.<letter seq>`` (written once, ``Nats-Expected-Last-Subject-Sequence: 0``),
+and marked letters are not published again, so running the command twice publishes nothing new, while a
+letter written when a redriven copy was refused again is a letter of its own. Only the admin may write
+markers; each copy's ``Nats-Msg-Id`` (``<run>.redrive.<letter seq>.<random>``) is one no publisher can
+predict, so nobody can store it first and make the copy a dropped "duplicate" (a predictable id once
+let any actor empty a redrive). A crash between a copy and its marker publishes that copy once more
+next time: a duplicate event the fold ignores. Needs a NATS user that may read ``LEAFE_DEAD`` and publish
+events and markers (the admin).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import secrets
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -33,28 +41,35 @@ from typing import Any
 import nats.errors as nats_errors
 import structlog
 from nats.aio.msg import Msg
+from nats.js.errors import APIError
 
+from learner.materializers.lifecycle import CAP_CODES
 from protocol.codec import CODEC_HEADER, MSG_ID_HEADER, Admission, ProtocolError, admit_event
 from protocol.subjects import DEAD_LETTERS, EVENTS, dead_letter_subject, event_subject_parts, validate_run_id
 from services.bus import NatsOptions, add_nats_arguments, connect, nats_options, read_stream, redact
 from services.bus.dead_letters import (
-    ERROR_HEADER,
+    ERROR_CODE_HEADER,
+    EXPECTED_EMPTY_HEADER,
     ORIGINAL_SEQ_HEADER,
     ORIGINAL_SHA256_HEADER,
     ORIGINAL_STREAM_HEADER,
     ORIGINAL_SUBJECT_HEADER,
     REDRIVE_HEADER,
     TRUNCATED_HEADER,
+    letters_filter,
 )
 from services.logsetup import configure_logging
 
-__all__ = ["CAP_REASON", "RedriveStats", "main", "redrive"]
+__all__ = ["RedriveStats", "main", "redrive", "redriven_subject"]
 
 log = structlog.get_logger(__name__)
+_WRONG_LAST_SEQUENCE = 10071
+"""JetStream's error code when ``Nats-Expected-Last-Subject-Sequence`` does not hold."""
 
-CAP_REASON = "(max_open_"
-"""What the reasons of cap refusals contain (``max_open_episodes``, ``max_open_per_actor``,
-``max_open_bytes``; ``learner.materializers.lifecycle``)."""
+
+def redriven_subject(run_id: str, letter_seq: int) -> str:
+    """Where redrive marks a dead letter it published again: ``leafe.<run>.dead.redriven.<letter seq>``."""
+    return f"{dead_letter_subject(run_id, 'redriven')}.{int(letter_seq)}"
 
 
 @dataclass
@@ -64,11 +79,11 @@ class RedriveStats:
     letters: int = 0
     """Event dead letters of the run."""
     selected: int = 0
-    """Those whose reason matched."""
+    """Those whose code was asked for."""
     published: int = 0
     """Originals published again (new messages)."""
     already: int = 0
-    """Originals published by an earlier redrive (dropped by the duplicate window)."""
+    """Selected letters an earlier redrive published again (marked), left alone."""
     skipped: int = 0
     """Matched, but not an admissible event of the run (or its original is gone): never published."""
     originals: int = 0
@@ -113,42 +128,68 @@ async def _pick(js: Any, run_id: str, letter: Msg, stats: RedriveStats, admissio
     return seq, subject, data, codec
 
 
+async def _marked(js: Any, run_id: str) -> set[int]:
+    """Letter seqs an earlier redrive marked as published again."""
+    subject = letters_filter(dead_letter_subject(run_id, "redriven"))
+    return {
+        int(m.subject.rsplit(".", 1)[1])
+        async for m in read_stream(js, stream=DEAD_LETTERS.name, filter_subject=subject)
+    }
+
+
+async def _mark(js: Any, run_id: str, letter_seqs: list[int], copy_seq: int) -> None:
+    """Mark each letter as published again (as the copy at ``copy_seq``); one marked already is left."""
+    for letter_seq in letter_seqs:
+        headers = {EXPECTED_EMPTY_HEADER: "0", REDRIVE_HEADER: str(copy_seq)}
+        try:
+            await js.publish(redriven_subject(run_id, letter_seq), b"", headers=headers)
+        except APIError as e:
+            if e.err_code != _WRONG_LAST_SEQUENCE:  # else a concurrent redrive marked it first
+                raise
+
+
 async def redrive(
     js: Any,
     run_id: str,
     *,
-    reason: str = CAP_REASON,
+    codes: frozenset[str] = CAP_CODES,
     dry_run: bool = False,
     admission: Admission = Admission(),
 ) -> RedriveStats:
-    """Publish again the originals of ``run_id``'s event dead letters whose reason contains ``reason``."""
+    """Publish again the originals of ``run_id``'s event dead letters whose code is one of ``codes`` and
+    that no earlier redrive published again."""
     run_id = validate_run_id(run_id)
     stats = RedriveStats()
-    picked: dict[int, tuple[int, str, bytes, str | None]] = {}
-    async for letter in read_stream(
-        js, stream=DEAD_LETTERS.name, filter_subject=dead_letter_subject(run_id, EVENTS.name)
-    ):
+    marked = await _marked(js, run_id)
+    picked: dict[int, tuple[list[int], str, bytes, str | None]] = {}
+    letters = letters_filter(dead_letter_subject(run_id, EVENTS.name))
+    async for letter in read_stream(js, stream=DEAD_LETTERS.name, filter_subject=letters):
         stats.letters += 1
-        if reason not in (letter.headers or {}).get(ERROR_HEADER, ""):
+        if (letter.headers or {}).get(ERROR_CODE_HEADER) not in codes:
             continue
         stats.selected += 1
+        letter_seq = letter.metadata.sequence.stream
+        if letter_seq in marked:
+            stats.already += 1
+            continue
         chosen = await _pick(js, run_id, letter, stats, admission)
         if chosen is not None:
             seq, subject, data, codec = chosen
-            picked.setdefault(seq, (letter.metadata.sequence.stream, subject, data, codec))
+            picked.setdefault(seq, ([], subject, data, codec))[0].append(letter_seq)
     stats.originals = len(picked)
     for seq in sorted(picked):
-        letter_seq, subject, data, codec = picked[seq]
+        letter_seqs, subject, data, codec = picked[seq]
         if dry_run:
             continue
-        headers = {MSG_ID_HEADER: f"{run_id}.redrive.{letter_seq}", REDRIVE_HEADER: str(seq)}
+        headers = {
+            MSG_ID_HEADER: f"{run_id}.redrive.{letter_seqs[0]}.{secrets.token_hex(8)}",
+            REDRIVE_HEADER: str(seq),
+        }
         if codec:
             headers[CODEC_HEADER] = codec
         ack = await js.publish(subject, data, headers=headers)
-        if getattr(ack, "duplicate", False):
-            stats.already += 1
-        else:
-            stats.published += 1
+        await _mark(js, run_id, letter_seqs, ack.seq)
+        stats.published += 1
     log.info("redrive.done", run_id=run_id, dry_run=dry_run, **asdict(stats))
     return stats
 
@@ -162,7 +203,11 @@ def _parser() -> argparse.ArgumentParser:
     add_nats_arguments(p)
     p.add_argument("--run", required=True, help="run whose dead-lettered events are published again")
     p.add_argument(
-        "--reason", default=CAP_REASON, help=f"text the reason must contain (default {CAP_REASON!r})"
+        "--code",
+        action="append",
+        choices=sorted(CAP_CODES),
+        help="refusal code (Leafe-Error-Code) of the letters to publish again; repeat for several "
+        "(default: every cap)",
     )
     p.add_argument("--dry-run", action="store_true", help="count what would be published; publish nothing")
     p.add_argument("--log-level", default="warning", help="log level (default warning)")
@@ -180,19 +225,21 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         p.error(str(e))
     try:
-        stats = asyncio.run(_redrive(opts, args.run, args.reason, args.dry_run))
+        codes = frozenset(args.code or CAP_CODES)
+        stats = asyncio.run(_redrive(opts, args.run, codes, args.dry_run))
     except (OSError, ValueError, nats_errors.Error) as e:
         print(f"leafe replayer redrive: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     done = f"would publish {stats.originals}" if args.dry_run else f"published {stats.published}"
     print(
-        f"redrive {args.run}: {stats.letters} event dead letters, {stats.selected} matching {args.reason!r}; "
+        f"redrive {args.run}: {stats.letters} event dead letters, {stats.selected} with codes "
+        f"{','.join(sorted(codes))}; "
         f"{done}, already published {stats.already}, skipped {stats.skipped}"
     )
     return 0
 
 
-async def _redrive(opts: NatsOptions, run_id: str, reason: str, dry_run: bool) -> RedriveStats:
+async def _redrive(opts: NatsOptions, run_id: str, codes: frozenset[str], dry_run: bool) -> RedriveStats:
     if not opts.url:
         raise ValueError("no NATS URL: pass --nats URL or set LEAFE_NATS_URL")
     try:
@@ -200,6 +247,6 @@ async def _redrive(opts: NatsOptions, run_id: str, reason: str, dry_run: bool) -
     except (OSError, nats_errors.Error) as e:
         raise ConnectionError(f"no NATS connection to {redact(opts.url)}: {type(e).__name__}: {e}") from e
     try:
-        return await redrive(nc.jetstream(), run_id, reason=reason, dry_run=dry_run)
+        return await redrive(nc.jetstream(), run_id, codes=codes, dry_run=dry_run)
     finally:
         await nc.close()

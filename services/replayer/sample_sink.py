@@ -5,10 +5,11 @@ recovery's republish is stored once) and retries what JetStream did not acknowle
 times, then raises :class:`ReplayerError` (the replayer exits; a restart recovers). A sample over the
 samples limit (the stream's ``max_msg_bytes``, the server's ``max_payload``, or ``max_sample_bytes``)
 cannot be stored and retrying cannot help: it is dead-lettered with the reason and the batch goes on.
-Its dead letter goes where all of the replayer's go, ``leafe.<run>.dead.leafe_events`` (the only dead
-subject the ``replayer`` NATS role may publish to, ``deploy/base/nats/permissions.json``), told apart by
-its ``Leafe-Sample-Id`` and ``Leafe-Original-Stream: LEAFE_SAMPLES`` headers and keyed by sample id, so a
-redo is a no-op (``services.bus.dead_letters``). ``leafe replay`` rebuilds such samples into datasets.
+Its dead letter goes where all of the replayer's go, under ``leafe.<run>.dead.leafe_events`` (the only
+dead subjects the ``replayer`` NATS role may publish to, ``deploy/base/nats/permissions.json``), told
+apart by its ``Leafe-Sample-Id`` and ``Leafe-Original-Stream: LEAFE_SAMPLES`` headers and its code
+``sample_too_large``, on a subject keyed by sample id (``...dead.leafe_events.sample-<id>``), so a redo is
+a no-op (``services.bus.dead_letters``). ``leafe replay`` rebuilds such samples into datasets.
 """
 
 from __future__ import annotations
@@ -91,11 +92,11 @@ class SampleSink:
             self.dead_subject,
             encode(sample),
             reason,
-            stream=SAMPLES.name,
-            key=sample.sample_id,
+            key=f"sample-{sample.sample_id}",
             origin=origin,
             max_bytes=dead_letter_limit(self.js),
             codec=CODEC_VERSION,
+            code="sample_too_large",
         )
         if await publish_dead_letter(self.js, letter):
             self.dead_lettered += 1

@@ -32,17 +32,16 @@ Bad input (see the "Trust" section of ``docs/architecture.md``): every message p
 decodable body, subject run, kind and actor token equal to the event's, event id ``<episode>.<seq>``),
 or ``services.bus.Consumer`` dead-letters it. The actor token is the publisher's NATS identity, so
 ``max_open_per_actor`` and ``max_open_bytes_per_actor`` cap what each credential can hold open, whatever
-its payloads say. An event
-the fold rejects (``ReplayError``: unknown branch,
-Branch before its Reflection, a conflicting copy of an applied id, an episode past ``max_open_episodes``,
-``max_open_per_actor`` or ``max_open_bytes``, a token id outside the tokenizer's vocabulary...) is
-dead-lettered with the reason; an exception while folding an episode (``EpisodeFailed``) dead-letters
-that event and the episode's anchor, and its later events follow. A
+its payloads say. An event the fold rejects (``ReplayError``: unknown branch, Branch before its Reflection,
+a conflicting copy of an applied id, an episode past ``max_open_episodes``, ``max_open_per_actor``,
+``max_open_bytes`` or ``max_open_bytes_per_actor``, a token id outside the tokenizer's vocabulary...) is
+dead-lettered with the reason and its code (``ReplayError.code``); an exception while folding an episode
+(``EpisodeFailed``) dead-letters that event and the episode's anchor, and its later events follow. A
 sample over the samples limit (``max_sample_bytes``) is dead-lettered instead of stored
-(``services.replayer.sample_sink``). Dead letters are stored before their message is acked, under ids that make
-a redo after a crash a no-op (``services.bus.dead_letters``); recovery folds the same events through the
-same checks, so a restarted process rejects what the crashed one rejected. Episodes without activity for
-``stale_timeout_s`` are closed as abandoned. Episodes refused for a cap can be folded later: ``leafe
+(``services.replayer.sample_sink``). Dead letters are stored before their message is acked, on subjects
+that make a redo after a crash a no-op (``services.bus.dead_letters``); recovery folds the same events
+through the same checks, so a restarted process rejects what the crashed one rejected. Episodes without
+activity for ``stale_timeout_s`` are closed as abandoned. Episodes refused for a cap can be folded later: ``leafe
 replayer redrive`` (``services/replayer/redrive.py``) publishes their dead-lettered events again with
 ``Leafe-Redrive``, and an EpisodeStarted carrying it is tried against the caps anew (``_readmit``; in
 recovery too, so a restart decides the same). SIGTERM/SIGINT: finish the batch in hand, then exit.
@@ -227,14 +226,14 @@ class Replayer:
         now = time.monotonic()
         samples: list[Sample] = []
         to_ack: list[Any] = []
-        rejected: list[tuple[Any, str]] = []
+        rejected: list[tuple[Any, str, str]] = []
         for d in deliveries:
             event = d.value
             self._readmit(event, d.msg.headers)
             try:
                 samples += self.fold.apply(event, now=now)
             except ReplayError as e:
-                rejected.append((d, self._why(d, e)))
+                rejected.append((d, self._why(d, e), e.code))
                 continue
             if isinstance(event, EpisodeStarted):
                 if self.fold.is_open(event.episode_id):
@@ -247,8 +246,8 @@ class Replayer:
         self.metrics.events.inc(len(deliveries))
         self.stats.batches += 1
         await self._publish(samples)
-        for d, reason in rejected:
-            await self._dead_letter(d, reason)
+        for d, reason, code in rejected:
+            await self._dead_letter(d, reason, code)
             to_ack.append(d)
         for d in to_ack:
             await d.ack()
@@ -284,8 +283,8 @@ class Replayer:
         self.stats.samples_published = self.sink.published
         self.stats.samples_dead_lettered = self.sink.dead_lettered
 
-    async def _dead_letter(self, d: Any, reason: str) -> None:
-        letter = dead_letter_of(self.js, d.msg, reason, self.dead_subject)
+    async def _dead_letter(self, d: Any, reason: str, code: str) -> None:
+        letter = dead_letter_of(self.js, d.msg, reason, self.dead_subject, code=code)
         await publish_dead_letter(self.js, letter)
         self.stats.dead_letters += 1
         self.metrics.dead_letter("wrong_run" if d.value.run_id != self.run_id else "rejected")
@@ -304,7 +303,7 @@ class Replayer:
             if anchor is None:
                 continue
             if reason is not None:
-                await self._dead_letter(anchor, reason)
+                await self._dead_letter(anchor, reason, "episode_failed")
             await anchor.ack()
         self.failed.clear()  # failures of episodes without a held anchor (dead-lettered event by event)
 

@@ -1,5 +1,7 @@
 """The replayer's caps against hostile publishers on a real nats-server: token ids outside the vocabulary,
-and a flood of unfinished episodes under rotating actor ids that fills ``max_open_episodes``.
+a flood of unfinished episodes under rotating actor ids that fills ``max_open_episodes``, and one
+credential's flood of large unfinished episodes, which holds only its own share of the byte cap
+(``max_open_bytes_per_actor``), so the others' episodes are still folded.
 
 The flood case is the issue's lockout at test size: 60 never-finished episodes, each under its own
 ``actor_id`` (the per-actor cap keys on a field the publisher writes, so rotating it evades that cap),
@@ -24,6 +26,7 @@ from tests.support.hostile import flood_starts, publish_each, started_fields, st
 from tests.support.replaying import (
     Running,
     assert_samples_match_offline,
+    dead_letters,
     dead_reasons,
     make_log,
     publish,
@@ -95,3 +98,29 @@ async def test_valid_episodes_locked_out_by_a_flood_are_folded_after_a_redrive(
     before = await stream_event_count(js, run_id)
     assert await asyncio.to_thread(replayer.main, argv) == 0
     assert await stream_event_count(js, run_id) == before, "a second redrive published again"
+
+
+async def test_one_actor_fills_only_its_own_share_of_the_byte_cap(
+    js: Any, nats_url: str, run_id: str, tokenizer: HFChatTokenizer
+) -> None:
+    """One credential (subject token `mallory`) starts 24 episodes of 600 KB that never finish, ahead of
+    valid episodes of `actor-0`, under an 8 MiB run cap: it holds at most its 2 MiB
+    (``max_open_bytes_per_actor``), the rest of its flood is dead-lettered with that code, and every valid
+    episode is folded (samples equal to the offline rebuild). One run-wide counter once let such a flood
+    lock every other actor out."""
+    flood = [
+        w.emit(EpisodeStarted, **started_fields(w.episode_id, observation="x" * 600_000))
+        for w in (EventWriter(run_id, f"{run_id}-big{i}", actor_id="mallory") for i in range(24))
+    ]
+    valid = make_log(run_id, tokenizer, episodes=4, groups=0)
+    await publish_each(js, flood)
+    await publish(js, valid)
+    caps = dict(max_open_bytes=8 * 2**20, max_open_bytes_per_actor=2 * 2**20)
+    async with Running(nats_url, run_id, "leafe", tokenizer, **caps) as r:
+        await wait_for(r.settled(js, 3 + unfinished(valid)), limit_s=120, what="the flood refused")
+        assert r.replayer.fold.open_episodes == 3 + unfinished(valid)
+    letters = await dead_letters(js, run_id)
+    assert len(letters) == 21 and {m.headers["Leafe-Error-Code"] for m in letters} == {
+        "max_open_bytes_per_actor"
+    }
+    await assert_samples_match_offline(js, run_id, tokenizer)

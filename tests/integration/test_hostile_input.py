@@ -168,7 +168,7 @@ async def test_messages_at_the_servers_max_payload_are_dead_lettered_truncated_w
 class CrashBeforeDeadLetter(Replayer):
     """Dies between rejecting an event and dead-lettering it (the point where a crash used to lose it)."""
 
-    async def _dead_letter(self, d: Any, reason: str) -> None:
+    async def _dead_letter(self, d: Any, reason: str, code: str) -> None:
         raise RuntimeError("crashed before the dead letter was stored")
 
 

@@ -16,7 +16,7 @@ from learner.executor import Executor
 from learner.trainer import StepStats, Trainer
 from protocol.subjects import DEAD_LETTERS, SAMPLES, dead_letter_subject
 from services.bus import connect, read_stream
-from services.bus.dead_letters import ERROR_HEADER, ORIGINAL_SEQ_HEADER
+from services.bus.dead_letters import ERROR_HEADER, ORIGINAL_SEQ_HEADER, letters_filter
 from services.learner.service import OnlineLearner
 from tests.support.learner import make_sample, publish_samples
 
@@ -55,7 +55,7 @@ async def test_samples_with_ids_outside_the_vocabulary_are_dead_lettered_not_tra
     await asyncio.wait_for(learner.run(asyncio.Event()), 240)
     assert sorted(trained) == sorted(s.sample_id for s in ok)
     nc = await connect(nats_url)
-    subject = dead_letter_subject(run_id, SAMPLES.name)
+    subject = letters_filter(dead_letter_subject(run_id, SAMPLES.name))
     letters = [m async for m in read_stream(nc.jetstream(), stream=DEAD_LETTERS.name, filter_subject=subject)]
     await nc.close()
     reasons = {int(m.headers[ORIGINAL_SEQ_HEADER]): m.headers[ERROR_HEADER] for m in letters}

@@ -43,6 +43,7 @@ from protocol.subjects import (
     weights_subject,
 )
 from services.bus.dead_letters import (
+    EXPECTED_EMPTY_HEADER,
     ORIGINAL_BYTES_HEADER,
     ORIGINAL_SHA256_HEADER,
     TRUNCATED_HEADER,
@@ -164,13 +165,12 @@ def test_a_dead_letter_always_fits_and_keeps_the_originals_digest(
     """Whatever the reason and origin, the dead letter fits ``limit`` on the wire; its body is the
     original or a marked prefix of it; size and sha256 are the original's."""
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
-    letter = dead_letter_message(
-        "leafe.r.dead.x", data, reason, stream="S", key="7", origin=origin, max_bytes=limit
-    )
+    letter = dead_letter_message("leafe.r.dead.x", data, reason, key="7", origin=origin, max_bytes=limit)
     h: dict[str, Any] = letter.headers
     assert message_bytes(letter.data, h) <= limit
     assert data.startswith(letter.data) and (letter.data == data) == (TRUNCATED_HEADER not in h)
     assert h[ORIGINAL_SHA256_HEADER] == hashlib.sha256(data).hexdigest() and h[ORIGINAL_BYTES_HEADER] == str(
         size
     )
-    assert h[MSG_ID_HEADER] == "dead.S.7" and all(v.isascii() and "\n" not in v for v in h.values())
+    assert letter.subject == "leafe.r.dead.x.7" and MSG_ID_HEADER not in h
+    assert h[EXPECTED_EMPTY_HEADER] == "0" and all(v.isascii() and "\n" not in v for v in h.values())

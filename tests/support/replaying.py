@@ -33,6 +33,7 @@ from services.bus.dead_letters import (
     ORIGINAL_SEQ_HEADER,
     ORIGINAL_STREAM_HEADER,
     SAMPLE_ID_HEADER,
+    letters_filter,
 )
 from services.replayer.replay import stream_events
 from services.replayer.service import Replayer, ReplayerConfig
@@ -96,7 +97,7 @@ async def published_samples(js: Any, run_id: str) -> list[Sample]:
 
 async def dead_letters(js: Any, run_id: str, stream: str = EVENTS.name) -> list[Msg]:
     """The run's dead letters of ``stream``, in order."""
-    subject = dead_letter_subject(run_id, stream)
+    subject = letters_filter(dead_letter_subject(run_id, stream))
     return [m async for m in read_stream(js, stream="LEAFE_DEAD", filter_subject=subject)]
 
 

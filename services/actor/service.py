@@ -4,7 +4,8 @@
  LEAFE_TASKS ──fetch (durable actors-<run>, shared)──► up to C episodes ──events──► Publisher ──► LEAFE_EVENTS
       ▲   in_progress every N s while an episode runs       │ flush (every event acked by JetStream)
       └────────── ack ◄──────────────────────────────────────┘ then ack the task
- LEAFE_WEIGHTS ──(core subscription)──► latest announced version (logs; events carry the engine's own)
+ LEAFE_WEIGHTS ──(last message, re-read at most every 10 s)──► latest announced version (logs; events carry
+                                                               the engine's own)
 ```
 
 :class:`ActorService` owns fetching, concurrency and shutdown; :class:`EpisodeRunner`
@@ -25,12 +26,10 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import Any
 
 import msgspec
 import structlog
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from actors.config import ActorServiceConfig
@@ -62,6 +61,8 @@ __all__ = ["ActorService", "ActorStats", "EpisodeRunner", "PublisherSink"]
 log = structlog.get_logger(__name__)
 STREAMS_USED = (TASKS.name, EVENTS.name, WEIGHTS.name, DEAD_LETTERS.name)
 """The streams the actor waits for on start (made by `leafe streams ensure`; it may not create them)."""
+_WEIGHTS_POLL_S = 10.0
+"""How often the latest weights announcement is read (it is informational: events carry the engine's)."""
 
 
 class ActorService:
@@ -118,6 +119,7 @@ class ActorService:
         self.engine_waiting = False
         """True while the fetch loop holds back because the engine is not ready."""
         self._ready_checked = -math.inf
+        self._weights_checked = -math.inf
 
     async def run(self, stop: asyncio.Event | None = None) -> ActorStats:
         """Serve tasks until ``stop`` is set (or ``max_tasks`` were taken), then drain; returns stats."""
@@ -126,7 +128,7 @@ class ActorService:
         consumer = self._consumer()
         await consumer.start()
         self.probe.bound(self.durable)
-        weights_sub = await self._follow_weights()
+        await self._refresh_weights()
         log.info(
             "actor.started", run_id=self.run_id, actor_id=self.actor_id, concurrency=self.config.concurrency
         )
@@ -138,7 +140,6 @@ class ActorService:
             self.probe.unbound()
             if self._running:  # cancelled from outside: abandon what is left
                 await self._abandon_running()
-            await weights_sub.unsubscribe()
             await consumer.close()
             self.pool.close()
         log.info("actor.stopped", **msgspec.structs.asdict(self.stats))
@@ -167,6 +168,7 @@ class ActorService:
                     continue
                 if not await self._engine_ready(stop):
                     break
+                await self._refresh_weights()
                 deliveries = await consumer.fetch(self.config.fetch_timeout_s)
                 self.probe.progress()
                 for delivery in deliveries:
@@ -238,25 +240,23 @@ class ActorService:
             log.warning("actor.abandoning", episodes=len(tasks))
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _follow_weights(self) -> Any:
-        subject = weights_subject(self.run_id)
-
-        def note(data: bytes, headers: dict[str, str] | None) -> None:
-            try:
-                w = decode_weights(data, (headers or {}).get(CODEC_HEADER))
-            except ProtocolError as e:
-                log.warning("actor.weights.undecodable", error=str(e))
-                return
+    async def _refresh_weights(self) -> None:
+        """The run's latest ``WeightsPublished``, read at most every ``_WEIGHTS_POLL_S``. Read, not
+        subscribed: a subscriber receives the learner's publish with its reply inbox, and an actor may answer
+        what it receives (its NATS user acks tasks through ``allow_responses``), so it subscribes to nothing."""
+        now = time.monotonic()
+        if now - self._weights_checked < _WEIGHTS_POLL_S:
+            return
+        self._weights_checked = now
+        try:
+            last = await self.js.get_last_msg(WEIGHTS.name, weights_subject(self.run_id))
+        except NotFoundError:
+            return  # no weights announced yet: the base model is being served
+        try:
+            w = decode_weights(last.data or b"", (last.headers or {}).get(CODEC_HEADER))
+        except ProtocolError as e:
+            log.warning("actor.weights.undecodable", error=str(e))
+            return
+        if w.version != self.latest_weights:
             self.latest_weights = w.version
             log.info("actor.weights.published", version=w.version, learner_step=w.learner_step)
-
-        try:
-            last = await self.js.get_last_msg(WEIGHTS.name, subject)
-            note(last.data or b"", last.headers)
-        except NotFoundError:
-            pass  # no weights announced yet: the base model is being served
-
-        async def on_msg(msg: Msg) -> None:
-            note(msg.data, msg.headers)
-
-        return await self.nc.subscribe(subject, cb=on_msg)

@@ -8,13 +8,17 @@ seed goes to ``<dir>/<role>.nk`` (mode 0600 in a 0700 directory), the public key
 A service is given its own seed file only (``--nats-nkey``); ``leafe run``'s supervisor uses ``admin``.
 
 Actors are the exception: every actor process is a user of its own, ``actor.<id>`` (seed file
-``actor.<id>.nk``), whose permissions are the ``actor`` role's with ``{actor}`` replaced by its id: it may
-publish events only on ``leafe.*.events.*.<id>`` and read only its inboxes ``_INBOX_actor.<id>``. The
-event subject's last token is thus an identity no actor can forge (the replayer caps open episodes per
-that token, ``protocol.codec.admit_event``). There is no shared ``actor`` user.
+``actor.<id>.nk``), whose permissions are the ``actor`` role's with ``{actor}`` replaced by its id and
+``{run}`` by the run it serves: it may publish events only on ``leafe.<run>.events.*.<id>``, pull only the
+run's task durable ``actors-<run>``, ack only the tasks delivered to it (``allow_responses``, no
+``$JS.ACK`` subject of its own) and read only its inboxes ``_INBOX_actor.<id>``. The event subject's last
+token is thus an identity no actor can forge (the replayer caps open episodes per that token,
+``protocol.codec.admit_event``). There is no shared ``actor`` user. A user for any run
+(``run=ANY_RUN``: every subject token naming the run becomes ``*``) is what the test suite's shared server
+and the cluster's generated config without ``--run`` use.
 
     keys = write_role_keys(run_dir / "nats-keys", key_names(["r1-actor-0", "r1-actor-1"]))
-    server = EmbeddedNats(store, users=nkey_users(keys, load_permissions())).start()
+    server = EmbeddedNats(store, users=nkey_users(keys, load_permissions(), run="r1")).start()
     options = role_options(server.url, keys)          # {"actor": NatsOptions(url, nkey=...), ...}
 """
 
@@ -29,13 +33,15 @@ from typing import Any
 import msgspec
 import nkeys
 
-from protocol.subjects import validate_actor_id
+from protocol.subjects import validate_actor_id, validate_run_id
 from services.bus.connection import ROLES, NatsOptions, inbox_prefix
 
 __all__ = [
     "ACTOR_PLACEHOLDER",
+    "ANY_RUN",
     "PERMISSIONS_FILE",
     "ROLES",
+    "RUN_PLACEHOLDER",
     "NatsUser",
     "RoleKey",
     "ServerTls",
@@ -54,6 +60,10 @@ PERMISSIONS_FILE = Path(__file__).resolve().parents[2] / "deploy" / "base" / "na
 """The per-role permissions, in the source tree (the container image runs no embedded server)."""
 ACTOR_PLACEHOLDER = "{actor}"
 """Stands for an actor's id in the ``actor`` role's subjects of permissions.json."""
+RUN_PLACEHOLDER = "{run}"
+"""Stands for the run an actor serves in the ``actor`` role's subjects (inside a token: ``actors-{run}``)."""
+ANY_RUN = "*"
+"""``run`` of an actor user that serves every run: each token holding :data:`RUN_PLACEHOLDER` becomes ``*``."""
 
 
 class NatsUser(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -124,19 +134,30 @@ def key_names(actor_ids: Iterable[str]) -> list[str]:
     return [*(r for r in ROLES if r != "actor"), *(actor_key_name(a) for a in actor_ids)]
 
 
-def _substituted(value: Any, actor_id: str) -> Any:
+def _subject(text: str, actor_id: str, run: str) -> str:
+    """``{actor}`` and ``{run}`` filled in, token by token: a token naming the run is the run's own, or
+    ``*`` for :data:`ANY_RUN` (``actors-{run}`` cannot be half a wildcard)."""
+    tokens = [
+        (ANY_RUN if run == ANY_RUN else t.replace(RUN_PLACEHOLDER, run)) if RUN_PLACEHOLDER in t else t
+        for t in text.split(".")
+    ]
+    return ".".join(tokens).replace(ACTOR_PLACEHOLDER, actor_id)
+
+
+def _substituted(value: Any, actor_id: str, run: str) -> Any:
     if isinstance(value, str):
-        return value.replace(ACTOR_PLACEHOLDER, actor_id)
+        return _subject(value, actor_id, run)
     if isinstance(value, list):
-        return [_substituted(v, actor_id) for v in value]
+        return [_substituted(v, actor_id, run) for v in value]
     if isinstance(value, dict):
-        return {k: _substituted(v, actor_id) for k, v in value.items()}
+        return {k: _substituted(v, actor_id, run) for k, v in value.items()}
     return value
 
 
-def permissions_for(name: str, permissions: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
-    """The permissions of user ``name``: a role's, or for ``actor.<id>`` the actor role's with
-    ``{actor}`` replaced by the id; the shared ``actor`` is refused (it would publish as any actor)."""
+def permissions_for(name: str, permissions: Mapping[str, dict[str, Any]], *, run: str) -> dict[str, Any]:
+    """The permissions of user ``name``: a role's, or for ``actor.<id>`` the actor role's with ``{actor}``
+    replaced by the id and ``{run}`` by ``run`` (:data:`ANY_RUN`: any run); the shared ``actor`` is
+    refused (it would publish as any actor)."""
     role, dot, actor_id = name.partition(".")
     if role == "actor":
         if not dot:
@@ -144,7 +165,8 @@ def permissions_for(name: str, permissions: Mapping[str, dict[str, Any]]) -> dic
                 "the actor role has no shared user: give each actor its own, actor.<id> (key_names), so "
                 "its events are pinned to its id"
             )
-        return _substituted(permissions["actor"], validate_actor_id(actor_id))  # type: ignore[no-any-return]
+        pinned = run if run == ANY_RUN else validate_run_id(run)
+        return _substituted(permissions["actor"], validate_actor_id(actor_id), pinned)  # type: ignore[no-any-return]
     if dot or role not in permissions:
         raise ValueError(f"no NATS role {name!r} (roles: {sorted(permissions)}, or actor.<id>)")
     return permissions[role]
@@ -176,10 +198,13 @@ def write_role_keys(directory: Path, roles: Iterable[str] | None = None) -> dict
     return keys
 
 
-def nkey_users(keys: Mapping[str, RoleKey], permissions: Mapping[str, dict[str, Any]]) -> list[NatsUser]:
-    """One nkey user per role of ``keys``, with that role's permissions (:func:`permissions_for`)."""
+def nkey_users(
+    keys: Mapping[str, RoleKey], permissions: Mapping[str, dict[str, Any]], *, run: str
+) -> list[NatsUser]:
+    """One nkey user per role of ``keys``, with that role's permissions (:func:`permissions_for`); the
+    actors' pinned to ``run`` (:data:`ANY_RUN`: a server shared by many runs, e.g. the test suite's)."""
     return [
-        NatsUser(nkey=key.public_key, permissions=permissions_for(role, permissions))
+        NatsUser(nkey=key.public_key, permissions=permissions_for(role, permissions, run=run))
         for role, key in keys.items()
     ]
 

@@ -126,7 +126,7 @@ def _start_nats(ctx: RunContext, stack: AsyncExitStack) -> None:
     """The embedded server with one nkey user per role (permissions.json) and per actor; the supervisor is
     admin."""
     keys = write_role_keys(ctx.run_dir / "nats-keys", key_names(actor_ids(ctx)))
-    users = nkey_users(keys, load_permissions())
+    users = nkey_users(keys, load_permissions(), run=ctx.config.run_id)  # each actor pinned to this run
     log_file = ctx.run_dir / "logs" / "nats.log"
     server = EmbeddedNats(ctx.run_dir / "nats", log_file=log_file, users=users).start()
     stack.callback(server.stop)

@@ -40,7 +40,7 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[t
     """A server with mutual TLS and the roles' nkey users; yields it and each role's options (with TLS)."""
     store = tmp_path_factory.mktemp("tls-js")
     keys = write_role_keys(tmp_path_factory.mktemp("tls-keys"), key_names(["a0"]))
-    users: list[NatsUser] = nkey_users(keys, load_permissions())
+    users: list[NatsUser] = nkey_users(keys, load_permissions(), run="tls")
     tls = ServerTls(cert_file=str(pki.server_cert), key_file=str(pki.server_key), ca_file=str(pki.ca))
     with EmbeddedNats(store, log_file=store / "nats.log", users=users, tls=tls) as server:
         files = {"tls_ca": str(pki.ca), "tls_cert": str(pki.client_cert), "tls_key": str(pki.client_key)}

@@ -5,6 +5,8 @@ unchanged: ``connect(url)``, ``--nats URL``, ``$LEAFE_NATS_URL``). The fixtures 
 
 Each actor is a user of its own (``actor.<id>``, publishing events only on its id's subject token), as
 ``leafe run`` makes them: the server has :data:`TEST_ACTORS`, and ``options(url)["actor"]`` is the first.
+Unlike ``leafe run``'s, they serve any run (``ANY_RUN``: every test has a run id of its own); pinning an
+actor to its run is tests/integration/test_hostile_tasks.py, on a server of its own.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from services.bus import NatsOptions, connect
 from services.bus.auth import (
+    ANY_RUN,
     NatsUser,
     RoleKey,
     actor_key_name,
@@ -52,7 +55,7 @@ class NatsIdentities:
     def users(self) -> list[NatsUser]:
         """Every role as an nkey user, and ``admin`` with a password."""
         admin = NatsUser(user="admin", password=self.admin_password, permissions=self.permissions["admin"])
-        return [*nkey_users(self.keys, self.permissions), admin]
+        return [*nkey_users(self.keys, self.permissions, run=ANY_RUN), admin]
 
     def options(self, url: str) -> dict[str, NatsOptions]:
         """Each role's client options on the server at ``url`` (its seed file); ``actor.<id>`` for each of

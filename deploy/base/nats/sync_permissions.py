@@ -6,6 +6,7 @@ after every change to permissions.json (stdlib only, from the repository root):
 
     python deploy/base/nats/sync_permissions.py           # rewrite authorization.conf
     python deploy/base/nats/sync_permissions.py --check   # exit 1 if authorization.conf is out of date
+    python deploy/base/nats/sync_permissions.py --run dev --out /tmp/authorization.conf  # actors pinned to dev
 
 Each role becomes one nkey user whose public key is the variable ``<ROLE>_NKEY`` (e.g. ``WEIGHT_SYNC_NKEY``),
 an environment variable of nats-server from Secret nats-auth; the role's pods hold the matching seed (Secret
@@ -17,14 +18,21 @@ with the actor role's permissions where ``{actor}`` is ``actor-<i>``: it publish
 ``leafe.*.events.*.actor-<i>`` and reads only ``_INBOX_actor.actor-<i>``, so no actor can publish under
 another's identity (the replayer caps open episodes per that identity). Its seed is key ``actor-<i>`` of
 Secret leafe-nats-actors, which an init container copies to ``actor.actor-<i>.nk`` for that pod alone.
+
+The committed file serves any run: every subject token naming the run (``{run}``, e.g. ``actors-{run}``) is
+``*``, so an actor pod may publish events into, and pull the task durable of, any run of the cluster (as
+before run pinning). ``--run RUN --out FILE`` writes the same users pinned to one run, as ``leafe run``
+pins its actors: mount that file as the nats-config's authorization.conf where a cluster serves one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "permissions.json"
@@ -33,6 +41,8 @@ ACTOR_SLOTS = 16
 """Actor pods that have a NATS user (``actor-0`` ... ``actor-15``): the most actor replicas (keda-actors'
 maxReplicaCount). Raising it needs that many more keys in Secrets nats-auth and leafe-nats-actors."""
 ACTOR_PLACEHOLDER = "{actor}"
+RUN_PLACEHOLDER = "{run}"
+ANY_RUN = "*"
 _HEADER = """\
 # GENERATED from permissions.json by sync_permissions.py: edit permissions.json, then run
 #   python deploy/base/nats/sync_permissions.py
@@ -52,20 +62,33 @@ def actor_id(slot: int) -> str:
     return f"actor-{slot}"
 
 
-def users(
-    permissions: dict[str, dict[str, dict[str, list[str]]]],
-) -> dict[str, dict[str, dict[str, list[str]]]]:
+def pinned(value: Any, actor: str, run: str) -> Any:
+    """``value`` (an actor role's permissions) with ``{actor}`` and ``{run}`` filled in, token by token as
+    services/bus/auth.py does: a token naming the run becomes the run, or ``*`` for any run."""
+    if isinstance(value, dict):
+        return {k: pinned(v, actor, run) for k, v in value.items()}
+    if isinstance(value, list):
+        return [pinned(v, actor, run) for v in value]
+    if not isinstance(value, str):
+        return value
+    tokens = [
+        (run if run == ANY_RUN else t.replace(RUN_PLACEHOLDER, run)) if RUN_PLACEHOLDER in t else t
+        for t in value.split(".")
+    ]
+    return ".".join(tokens).replace(ACTOR_PLACEHOLDER, actor)
+
+
+def users(permissions: dict[str, Any], run: str = ANY_RUN) -> dict[str, Any]:
     """User variable prefix -> permissions: each role but ``actor``, and ``ACTOR_<i>`` per actor slot."""
     out = {variable(role): perms for role, perms in permissions.items() if role != "actor"}
-    template = json.dumps(permissions["actor"])
     for slot in range(ACTOR_SLOTS):
-        out[f"ACTOR_{slot}"] = json.loads(template.replace(ACTOR_PLACEHOLDER, actor_id(slot)))
+        out[f"ACTOR_{slot}"] = pinned(permissions["actor"], actor_id(slot), run)
     return out
 
 
-def render(permissions: dict[str, dict[str, dict[str, list[str]]]]) -> str:
-    """The authorization.conf text for a role -> permissions mapping."""
-    table = users(permissions)
+def render(permissions: dict[str, Any], run: str = ANY_RUN) -> str:
+    """The authorization.conf text for a role -> permissions mapping (actors pinned to ``run``)."""
+    table = users(permissions, run)
     lines = [_HEADER, "authorization {"]
     for v, perms in table.items():
         body = json.dumps(perms, indent=2).replace("\n", "\n  ")
@@ -81,15 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     """Rewrite authorization.conf, or with ``--check`` report whether it is up to date."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if authorization.conf is out of date")
+    parser.add_argument("--run", default=ANY_RUN, help="pin every actor user to this run (default: any run)")
+    parser.add_argument("--out", type=Path, help="write here instead (required with --run)")
     args = parser.parse_args(argv)
-    text = render(json.loads(SOURCE.read_text(encoding="utf-8")))
+    if args.run != ANY_RUN and (args.out is None or args.check):
+        parser.error("--run writes a file of its own: give --out FILE (the committed file serves any run)")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}|\*", args.run):
+        parser.error(f"invalid run id {args.run!r}")
+    text = render(json.loads(SOURCE.read_text(encoding="utf-8")), args.run)
     if args.check:
         current = TARGET.read_text(encoding="utf-8") if TARGET.exists() else ""
         if current != text:
             print(f"{TARGET} is out of date: run python {Path(__file__).name}", file=sys.stderr)
             return 1
         return 0
-    TARGET.write_text(text, encoding="utf-8")
+    (args.out or TARGET).write_text(text, encoding="utf-8")
     return 0
 
 

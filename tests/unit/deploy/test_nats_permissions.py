@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from services.bus.auth import permissions_for
+from services.bus.auth import ANY_RUN, permissions_for
 from tests.support.manifests import (
     DEPLOY,
     KUSTOMIZATIONS,
@@ -44,7 +44,9 @@ ACTOR_IDS = [f"actor-{i}" for i in range(SYNC.ACTOR_SLOTS)]
 """The actor StatefulSet's pod names: each pod's actor id and NATS user (``ACTOR_<i>``)."""
 USERS: dict[str, Any] = {
     **{role.upper().replace("-", "_"): perms for role, perms in PERMISSIONS.items() if role != "actor"},
-    **{f"ACTOR_{i}": permissions_for(f"actor.{a}", PERMISSIONS) for i, a in enumerate(ACTOR_IDS)},
+    **{
+        f"ACTOR_{i}": permissions_for(f"actor.{a}", PERMISSIONS, run=ANY_RUN) for i, a in enumerate(ACTOR_IDS)
+    },
 }
 """Every NATS user of the cluster (its variable prefix) and its permissions, as services/bus/auth.py (what
 ``leafe run`` and the tests' server use) derives them: the roles, and one pinned user per actor pod."""
@@ -144,7 +146,7 @@ def test_subject_matching_follows_nats_wildcards() -> None:
 
 def _who(action: str, subject: str) -> set[str]:
     """The roles allowed ``action`` on ``subject``; ``actor`` is the user of pod actor-0."""
-    table = {**PERMISSIONS, "actor": permissions_for("actor.actor-0", PERMISSIONS)}
+    table = {**PERMISSIONS, "actor": permissions_for("actor.actor-0", PERMISSIONS, run="r1")}
     return {role for role, perms in table.items() if nats_allows(perms, action, subject)}
 
 
@@ -165,7 +167,8 @@ def _who(action: str, subject: str) -> set[str]:
         ("publish", "leafe.r1.dead.leafe_tasks", {"admin"}),
         ("publish", "leafe.r1.dead.leafe_samples.7", {"learner", "admin"}),
         ("publish", "leafe.r1.dead.redriven.7", {"admin"}),
-        ("subscribe", "leafe.r1.weights", {"actor", "weight-sync", "admin"}),
+        ("publish", "leafe.r2.events.step.actor-0", {"log-import", "admin"}),
+        ("subscribe", "leafe.r1.weights", {"weight-sync", "admin"}),
         ("subscribe", "leafe.r1.samples.cf", {"admin"}),
         ("subscribe", "leafe.r1.events.step", {"admin"}),
         ("subscribe", "_INBOX.abc.1", {"admin"}),
@@ -188,7 +191,8 @@ def _who(action: str, subject: str) -> set[str]:
         ("publish", "$JS.API.CONSUMER.CREATE.LEAFE_TASKS", {"admin"}),
         ("publish", "$JS.API.CONSUMER.INFO.LEAFE_TASKS.actors-r1", {"actor", "admin"}),
         ("publish", "$JS.API.CONSUMER.MSG.NEXT.LEAFE_TASKS.actors-r1", {"actor", "admin"}),
-        ("publish", "$JS.ACK.LEAFE_TASKS.actors-r1.1.2.3.4.5", {"actor", "admin"}),
+        ("publish", "$JS.API.CONSUMER.MSG.NEXT.LEAFE_TASKS.actors-r2", {"admin"}),
+        ("publish", "$JS.ACK.LEAFE_TASKS.actors-r1.1.2.3.4.5", {"admin"}),  # actors: responses only
         (
             "publish",
             "$JS.API.CONSUMER.CREATE.LEAFE_EVENTS.replayer-r1-leafe.leafe.r1.events.>",
@@ -206,8 +210,9 @@ def _who(action: str, subject: str) -> set[str]:
     ],
 )
 def test_each_role_may_do_exactly_its_part(action: str, subject: str, roles: set[str]) -> None:
-    """Who may publish or subscribe where (a run id `r1`; the rules hold for every run): events from actors,
-    samples from the replayer, weights from the learner, tasks and stream administration from admin only."""
+    """Who may publish or subscribe where (a run id `r1`; the actor pinned to it): events from actors,
+    samples from the replayer, weights from the learner, tasks and stream administration from admin only;
+    an actor acks only as a response to a delivery it received (``allow_responses``), never by subject."""
     assert _who(action, subject) == roles
 
 

@@ -12,6 +12,7 @@ import nkeys
 import pytest
 
 from services.bus.auth import (
+    ANY_RUN,
     PERMISSIONS_FILE,
     ROLES,
     NatsUser,
@@ -57,7 +58,9 @@ def test_role_options_give_each_role_its_own_seed_only(tmp_path: Path) -> None:
 def test_the_server_accepts_the_generated_config(tmp_path: Path) -> None:
     """permissions.json's roles as nkey users, a password user, and a TLS block pass `nats-server -t`."""
     users = [
-        *nkey_users(write_role_keys(tmp_path / "keys", key_names(["a0", "a1"])), load_permissions()),
+        *nkey_users(
+            write_role_keys(tmp_path / "keys", key_names(["a0", "a1"])), load_permissions(), run="r1"
+        ),
         NatsUser(user="admin", password="pw", permissions=load_permissions()["admin"]),
     ]
     for name in ("a.crt", "a.key", "ca.crt"):
@@ -121,19 +124,29 @@ def test_each_service_role_gets_an_inbox_prefix_of_its_own() -> None:
 
 
 def test_each_actor_is_a_user_pinned_to_its_own_event_token(tmp_path: Path) -> None:
-    """``actor.<id>`` gets the actor role's permissions with ``{actor}`` replaced by its id: events only on
-    ``leafe.*.events.*.<id>``, inboxes only ``_INBOX_actor.<id>``; there is no shared actor user, and an id
-    that is no subject token (a dot, a wildcard, the reserved ``legacy``) is refused naming it."""
+    """``actor.<id>`` gets the actor role's permissions with ``{actor}`` replaced by its id and ``{run}`` by
+    its run: events only on ``leafe.<run>.events.*.<id>``, the task durable ``actors-<run>`` only, inboxes
+    only ``_INBOX_actor.<id>``, acks only as responses; for any run (``ANY_RUN``) each token naming the run
+    is ``*``. There is no shared actor user, and an id that is no subject token (a dot, a wildcard, the
+    reserved ``legacy``) or a run that is none is refused naming it."""
     from services.bus.connection import NatsOptions, credential_actor_id
 
     table = load_permissions()
-    perms = permissions_for(actor_key_name("r1-actor-3"), table)
+    perms = permissions_for(actor_key_name("r1-actor-3"), table, run="r1")
     events = [s for s in perms["publish"]["allow"] if ".events." in s]
-    assert events == ["leafe.*.events.*.r1-actor-3"]
-    assert "_INBOX_actor.r1-actor-3.>" in perms["subscribe"]["allow"]
+    assert events == ["leafe.r1.events.*.r1-actor-3"]
+    assert "$JS.API.CONSUMER.MSG.NEXT.LEAFE_TASKS.actors-r1" in perms["publish"]["allow"]
+    assert perms["subscribe"]["allow"] == ["_INBOX_actor.r1-actor-3.>"]
+    assert perms["allow_responses"] == {"max": -1, "expires": "24h"}
+    assert not [s for s in perms["publish"]["allow"] if s.startswith("$JS.ACK")]
     assert "{actor}" not in json.dumps(perms) and "{actor}" in json.dumps(table["actor"])
+    assert "{run}" not in json.dumps(perms) and "{run}" in json.dumps(table["actor"])
+    anyrun = permissions_for(actor_key_name("a0"), table, run=ANY_RUN)["publish"]["allow"]
+    assert "leafe.*.events.*.a0" in anyrun and "$JS.API.CONSUMER.MSG.NEXT.LEAFE_TASKS.*" in anyrun
     with pytest.raises(ValueError, match="no shared user"):
-        permissions_for("actor", table)
+        permissions_for("actor", table, run="r1")
+    with pytest.raises(ValueError, match="invalid run id"):
+        permissions_for(actor_key_name("a0"), table, run="r1.>")
     for bad in ("a.b", "*", ">", "legacy", "-x", ""):
         with pytest.raises(ValueError, match="invalid actor id"):
             actor_key_name(bad)

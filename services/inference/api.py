@@ -5,6 +5,7 @@ SGLang response bodies out. Every rejection is a :class:`RequestError` whose mes
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,9 +19,11 @@ __all__ = [
     "MAX_N",
     "MAX_PROMPTS",
     "MAX_SEQUENCES",
+    "MAX_TEXT_CONTEXTS",
     "PromptJob",
     "RequestError",
     "copy_seed",
+    "decode_json",
     "error_body",
     "output_body",
     "parse_generate",
@@ -34,6 +37,8 @@ MAX_PROMPTS = 256
 """Most prompts in one batched ``/generate`` call."""
 MAX_SEQUENCES = 1024
 """Most sequences one call may start (prompts x n): each holds KV memory while it decodes."""
+MAX_TEXT_CONTEXTS = 4
+"""A request's texts together may hold at most this many prompts' bound of bytes (``max_text_bytes``)."""
 
 
 class RequestError(ValueError):
@@ -169,18 +174,42 @@ def _as_batch(
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise RequestError("text must be a string or a list of strings.")
         _check_count(len(texts))
-        for t in texts:  # before any tokenizing: a huge text costs seconds of CPU to tokenize
-            size = len(t.encode("utf-8", "surrogatepass"))  # ~1 ms per MB, unlike tokenizing
-            if size > max_text_bytes:
-                raise RequestError(
-                    f"A text of {size} bytes is longer than the model's context can hold (at most "
-                    f"{max_text_bytes} bytes: the context length times the longest token's bytes)."
-                )
+        _check_text_bytes(texts, max_text_bytes)
         return [encode(t) for t in texts], isinstance(text, list)
     if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
         _check_count(len(ids))
         return list(ids), True
     return [ids], False
+
+
+def _check_text_bytes(texts: list[str], max_text_bytes: int) -> None:
+    """Before any tokenizing (about 1.7 s of CPU per MB): each text and all of them together are bounded by
+    their UTF-8 size, which takes ~1 ms per MB to measure."""
+    total = 0
+    for t in texts:
+        size = len(t.encode("utf-8", "surrogatepass"))
+        if size > max_text_bytes:
+            raise RequestError(
+                f"A text of {size} bytes is longer than the model's context can hold (at most "
+                f"{max_text_bytes} bytes: the context length times the longest token's bytes)."
+            )
+        total += size
+    if total > MAX_TEXT_CONTEXTS * max_text_bytes:
+        raise RequestError(
+            f"The request's texts of {total} bytes together are more than one request may tokenize (at most "
+            f"{MAX_TEXT_CONTEXTS * max_text_bytes} bytes: {MAX_TEXT_CONTEXTS} prompts at their bound)."
+        )
+
+
+def decode_json(raw: bytes) -> Any:
+    """The JSON value of a request body; malformed, or nested deeper than Python's decoder recurses, is a
+    :class:`RequestError` (a 400), never an exception that becomes a 500."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"invalid JSON: {e}") from None
+    except RecursionError:
+        raise RequestError("invalid JSON: nested too deeply to decode") from None
 
 
 def _check_count(prompts: int) -> None:
@@ -223,7 +252,9 @@ def parse_generate(
 
     Bounded before any work: ``n`` by :data:`MAX_N`, prompts by :data:`MAX_PROMPTS`, prompts x n by
     :data:`MAX_SEQUENCES`, and each text by ``max_text_bytes`` before it is tokenized (a text longer
-    than the context length times the longest token's bytes cannot fit the context anyway)."""
+    than the context length times the longest token's bytes cannot fit the context anyway), all texts
+    together by :data:`MAX_TEXT_CONTEXTS` times that. ``encode`` may take seconds within those bounds:
+    the server calls this off its event loop."""
     if not isinstance(body, dict):
         raise RequestError("The request body must be a JSON object.")
     if body.get("stream"):

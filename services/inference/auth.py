@@ -1,9 +1,12 @@
-"""Who may use the CPU inference server: an API key, as SGLang's ``--api-key`` (``Authorization: Bearer``).
+"""Who may use the CPU inference server: an API key, as SGLang's ``--api-key`` (``Authorization: Bearer``),
+and an admin key for the routes that steer the server itself, as SGLang's ``--admin-api-key``.
 
 With a key configured every route needs it except the probes (``/health``, ``/ready``), exactly as SGLang
-leaves only its health routes open; a missing or wrong key is HTTP 401 with an SGLang-shaped body. The key
-comes from a file (``--api-key-file``), never from the command line or the environment, so it shows in no
-process listing and no environment a sandboxed child could read.
+leaves only its health routes open; a missing or wrong key is HTTP 401 with an SGLang-shaped body. The
+admin routes (:data:`ADMIN_ROUTES`: ``/set_threads``, which every actor's key could once use to stall
+generation) need the admin key instead, and are refused (403) on a server without one. Keys come from
+files (``--api-key-file``, ``--admin-key-file``), never from the command line or the environment, so they
+show in no process listing and no environment a sandboxed child could read.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-__all__ = ["OPEN_ROUTES", "api_key_middleware", "read_api_key", "write_api_key"]
+__all__ = ["ADMIN_ROUTES", "OPEN_ROUTES", "key_middleware", "read_api_key", "write_api_key"]
 
 OPEN_ROUTES = frozenset({"/health", "/ready"})
 """Routes answered without the key (probes)."""
+ADMIN_ROUTES = frozenset({"/set_threads"})
+"""Routes that need the admin key (the API key, which every actor holds, is not enough)."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -46,19 +51,26 @@ def write_api_key(path: Path) -> Path:
     return path
 
 
-def api_key_middleware(key: str) -> Middleware:
-    """An aiohttp middleware refusing every request but the probes without ``Authorization: Bearer key``."""
-    expected = f"Bearer {key}".encode()
+def _refused(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def key_middleware(api_key: str, admin_key: str) -> Middleware:
+    """An aiohttp middleware: :data:`ADMIN_ROUTES` need ``Authorization: Bearer admin_key`` (403 without an
+    admin key), every other route but the probes ``Bearer api_key`` (none needed when ``api_key`` is empty)."""
+    expected = f"Bearer {api_key}".encode()
+    admin = f"Bearer {admin_key}".encode()
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in OPEN_ROUTES:
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                body = {
-                    "error": {"message": "Unauthorized: a valid Authorization: Bearer <api key> is required"}
-                }
-                return web.json_response(body, status=401)
+        given = request.headers.get("Authorization", "").encode()
+        if request.path in ADMIN_ROUTES:
+            if not admin_key:
+                return _refused(403, f"{request.path} needs the server's admin key; none is configured")
+            if not hmac.compare_digest(given, admin):
+                return _refused(401, "Unauthorized: a valid Authorization: Bearer <admin key> is required")
+        elif api_key and request.path not in OPEN_ROUTES and not hmac.compare_digest(given, expected):
+            return _refused(401, "Unauthorized: a valid Authorization: Bearer <api key> is required")
         return await handler(request)
 
     return check

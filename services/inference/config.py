@@ -47,6 +47,9 @@ class InferenceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     api_key_file: str = ""
     """File holding the API key every route but ``/health`` and ``/ready`` requires (SGLang's ``--api-key``,
     sent as ``Authorization: Bearer``); empty = no key (a warning at start)."""
+    admin_key_file: str = ""
+    """File holding the admin key that ``/set_threads`` requires instead of the API key (SGLang's
+    ``--admin-api-key``); empty = that route is refused."""
     weights_root: str = ""
     """``/update_weights_from_disk`` loads only directories under this one (symlinks and ``..`` resolved),
     and only with a ``manifest.json`` whose sha256s match; empty = weight updates are refused."""

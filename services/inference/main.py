@@ -39,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--weight-version", default=None)
     p.add_argument("--api-key-file", default=None, help="file with the API key (Authorization: Bearer)")
+    p.add_argument("--admin-key-file", default=None, help="file with the admin key (/set_threads)")
     p.add_argument("--weights-root", default=None, help="weight updates load only exports under this dir")
     p.add_argument("--log-level", default="info")
     add_metrics_arguments(p)

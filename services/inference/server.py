@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import threading
 import time
@@ -37,8 +38,16 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from services.inference.api import RequestError, copy_seed, error_body, output_body, parse_generate
-from services.inference.auth import api_key_middleware, read_api_key
+from services.inference.api import (
+    PromptJob,
+    RequestError,
+    copy_seed,
+    decode_json,
+    error_body,
+    output_body,
+    parse_generate,
+)
+from services.inference.auth import key_middleware, read_api_key
 from services.inference.config import InferenceConfig
 from services.inference.decode import GenSequence, StopChecker
 from services.inference.engine import EngineClosed, GenerationEngine
@@ -73,6 +82,13 @@ def _json(body: Any, status: int = 200) -> web.Response:
     return web.json_response(body, status=status, dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
 
+async def _json_body(request: web.Request) -> Any:
+    """The request's JSON value (:func:`decode_json`: a :class:`RequestError` when it is none); a large
+    body is decoded off the event loop."""
+    raw = await request.read()
+    return decode_json(raw) if len(raw) <= 1 << 20 else await asyncio.to_thread(decode_json, raw)
+
+
 @web.middleware
 async def _sglang_errors(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -92,6 +108,7 @@ class InferenceServer:
     def __init__(self, config: InferenceConfig) -> None:
         self.config = config
         self.api_key = read_api_key(config.api_key_file) if config.api_key_file else ""
+        self.admin_key = read_api_key(config.admin_key_file) if config.admin_key_file else ""
         self.weights_root = Path(config.weights_root) if config.weights_root else None
         self.engine: GenerationEngine | None = None
         self.url = ""
@@ -150,8 +167,8 @@ class InferenceServer:
 
     def app(self) -> web.Application:
         """The aiohttp application (routes bound to this server)."""
-        auth = [api_key_middleware(self.api_key)] if self.api_key else []
-        app = web.Application(middlewares=[*auth, _sglang_errors], client_max_size=64 << 20)
+        auth = key_middleware(self.api_key, self.admin_key)
+        app = web.Application(middlewares=[auth, _sglang_errors], client_max_size=64 << 20)
         r = app.router
         r.add_route("POST", "/generate", self._generate)
         r.add_route("PUT", "/generate", self._generate)
@@ -204,22 +221,22 @@ class InferenceServer:
         log.info("inference.server.stopped", url=self.url)
 
     # ---- handlers ---------------------------------------------------------------------------------
-    def _encode(self, text: str) -> list[int]:
-        return [int(t) for t in self._tokenizer.encode(text)]
+    def _parse_generate(self, raw: bytes) -> tuple[list[PromptJob], bool]:
+        return parse_generate(
+            decode_json(raw),
+            encode=lambda text: [int(t) for t in self._tokenizer.encode(text)],
+            vocab_size=self._vocab_size,
+            context_len=self._context_len,
+            max_text_bytes=self._max_text_bytes,
+        )
 
     async def _generate(self, request: web.Request) -> web.Response:
         engine = self.engine
         assert engine is not None
-        try:
-            body = await request.json()
-            jobs, batched = parse_generate(
-                body,
-                encode=self._encode,
-                vocab_size=self._vocab_size,
-                context_len=self._context_len,
-                max_text_bytes=self._max_text_bytes,
-            )
-        except (RequestError, json.JSONDecodeError) as e:
+        raw = await request.read()
+        try:  # off the event loop: decoding and tokenizing a bounded request still take up to seconds
+            jobs, batched = await asyncio.to_thread(self._parse_generate, raw)
+        except RequestError as e:
             log.info("inference.request.rejected", reason=str(e))
             return _json(error_body(str(e)), status=400)
         seqs: list[list[GenSequence]] = []
@@ -257,9 +274,9 @@ class InferenceServer:
         engine = self.engine
         assert engine is not None
         try:
-            body = await request.json()
-        except json.JSONDecodeError as e:
-            return _json({"success": False, "message": f"invalid JSON: {e}", "num_paused_requests": 0}, 400)
+            body = await _json_body(request)
+        except RequestError as e:
+            return _json({"success": False, "message": str(e), "num_paused_requests": 0}, 400)
         if not isinstance(body, dict):
             return _json(
                 {"success": False, "message": "body must be a JSON object", "num_paused_requests": 0}, 400
@@ -304,9 +321,9 @@ class InferenceServer:
         engine = self.engine
         assert engine is not None
         try:
-            body = await request.json()
-        except json.JSONDecodeError as e:
-            return _json({"success": False, "message": f"invalid JSON: {e}"}, 400)
+            body = await _json_body(request)
+        except RequestError as e:
+            return _json({"success": False, "message": str(e)}, 400)
         version = body.get("new_version") if isinstance(body, dict) else None
         if not isinstance(version, str) or not version:
             return _json(
@@ -351,17 +368,18 @@ class InferenceServer:
         return web.Response(status=200 if ok else 503)
 
     async def _set_threads(self, request: web.Request) -> web.Response:
-        """``{"threads": n}``: the engine's intra-op threads from its next step on (an admin route)."""
+        """``{"threads": n}``: the engine's intra-op threads from its next step on, at most the cores this
+        process may use (an admin route: ``auth.ADMIN_ROUTES``)."""
         assert self.engine is not None
         try:
-            body = await request.json()
-        except json.JSONDecodeError as e:
-            return _json({"success": False, "message": f"invalid JSON: {e}"}, 400)
+            body = await _json_body(request)
+        except RequestError as e:
+            return _json({"success": False, "message": str(e)}, 400)
         threads = body.get("threads") if isinstance(body, dict) else None
-        if type(threads) is not int or not 1 <= threads <= 1024:
-            return _json(
-                {"success": False, "message": f"threads must be an int in 1..1024: {threads!r}"}, 400
-            )
+        usable = len(os.sched_getaffinity(0))
+        if type(threads) is not int or not 1 <= threads <= usable:
+            message = f"threads must be an int in 1..{usable} (the cores this process may use): {threads!r}"
+            return _json({"success": False, "message": message}, 400)
         self.engine.set_threads(threads)
         return _json({"success": True, "message": f"threads set to {threads} from the next step"})
 

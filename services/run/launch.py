@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -173,6 +174,11 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
     await ensure_durables(ctx.js, durables)
 
 
+def _engine_admin_key(ctx: RunContext) -> Path:
+    """The run's CPU servers' admin key (``/set_threads``), which no actor is given."""
+    return ctx.run_dir / "secrets" / "engine-admin-key"
+
+
 async def _start_engines(ctx: RunContext, stack: AsyncExitStack, plan: ThreadPlan) -> None:
     """The run's CPU inference servers (``services.inference_servers``), behind one API key."""
     svc = ctx.config.services
@@ -180,6 +186,7 @@ async def _start_engines(ctx: RunContext, stack: AsyncExitStack, plan: ThreadPla
     ctx.threads = None if svc.inference_threads > 0 else plan
     threads = svc.inference_threads or max(1, plan.inference_alone // servers)
     ctx.engine_key_file = str(write_api_key(ctx.run_dir / "secrets" / "engine-api-key"))
+    admin_key_file = str(write_api_key(_engine_admin_key(ctx)))  # /set_threads: the supervisor's alone
     started = []
     for i in range(servers):
         port = free_port()
@@ -192,7 +199,8 @@ async def _start_engines(ctx: RunContext, stack: AsyncExitStack, plan: ThreadPla
                 *("--max-batch", str(svc.inference_max_batch)),
                 *("--dtype", svc.inference_dtype),
                 *("--threads", str(threads)),
-                *("--api-key-file", ctx.engine_key_file, "--weights-root", str(ctx.run_dir / "weights")),
+                *("--api-key-file", ctx.engine_key_file, "--admin-key-file", admin_key_file),
+                *("--weights-root", str(ctx.run_dir / "weights")),
             ],
         )
         await inference.start()
@@ -226,8 +234,8 @@ async def engine_threads(ctx: RunContext, *, shared: bool) -> None:
     if len(ctx.engine_services) > 1:
         _pin_engines(ctx, cores if shared else 0)
     headers = {}
-    if ctx.engine_key_file:
-        key = await asyncio.to_thread(read_api_key, ctx.engine_key_file)
+    if ctx.engine_key_file:  # the run's own servers: they have its admin key
+        key = await asyncio.to_thread(read_api_key, str(_engine_admin_key(ctx)))
         headers["Authorization"] = f"Bearer {key}"
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:

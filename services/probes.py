@@ -17,13 +17,16 @@ registry's ``/metrics`` as before plus ``/healthz`` of the probe :func:`attach`-
 none is: the process has no NATS loop to check (learner ranks other than global rank 0, whose local rank 0
 serves metrics too; the learner's rank 0 before it built its loop; weight-sync sidecars). The probe is read
 from the server's thread: it only reads attributes the service's event loop sets (no I/O, no lock), so a probe
-costs microseconds and answers even while the loop is busy. deploy/base wires it as the pods' liveness and
+costs microseconds and answers even while the loop is busy. Each connection gets a thread for at most
+:data:`IDLE_TIMEOUT_S` between reads, and at most :data:`MAX_CONNECTIONS` at once (idle connections once
+held a thread each for as long as they stayed open). deploy/base wires it as the pods' liveness and
 readiness probes.
 """
 
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -34,9 +37,13 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-__all__ = ["HEALTH_PATH", "Probe", "attach", "probe_of", "start_server"]
+__all__ = ["HEALTH_PATH", "IDLE_TIMEOUT_S", "MAX_CONNECTIONS", "Probe", "attach", "probe_of", "start_server"]
 
 HEALTH_PATH = "/healthz"
+IDLE_TIMEOUT_S = 3.0
+"""A connection that sends nothing for this long is closed (kubelet and Prometheus send at once)."""
+MAX_CONNECTIONS = 64
+"""Connections served at once (a thread each); one past it is closed at once instead of queued."""
 _PROBES: weakref.WeakKeyDictionary[CollectorRegistry, Probe] = weakref.WeakKeyDictionary()
 
 
@@ -117,10 +124,40 @@ def _app(registry: CollectorRegistry) -> Callable[..., Iterable[bytes]]:
 
 
 class _Server(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most :data:`MAX_CONNECTIONS` of them."""
+
     daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # at the cap: closed now, never a thread waiting for bytes
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """An idle connection timing out or a client hanging up is no error worth a traceback."""
+        if not isinstance(sys.exc_info()[1], (TimeoutError, ConnectionError)):
+            super().handle_error(request, client_address)
 
 
 class _Quiet(WSGIRequestHandler):
+    timeout = IDLE_TIMEOUT_S
+    """Socket timeout of each read: an idle or trickling connection is closed, its thread freed."""
+
     def log_message(self, format: str, *args: Any) -> None:
         """Probes every few seconds are not worth a log line."""
 

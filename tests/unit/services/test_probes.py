@@ -3,6 +3,9 @@ tests/integration/test_probes.py drops a real connection)."""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -12,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from services.bus.nats_server import free_port
 from services.metrics import MetricsServer, serve_metrics
-from services.probes import Probe, attach
+from services.probes import IDLE_TIMEOUT_S, MAX_CONNECTIONS, Probe, attach
 
 
 class _Conn:
@@ -98,3 +101,25 @@ def test_metrics_server_answers_healthz_from_the_attached_probe(
     assert status == 200 and text.startswith("actor: ok") and text.count("\n") == 1
     clock.now += 11
     assert _get(url + "/healthz") == (503, "actor: no progress for 11 s (limit 10 s)\n")
+
+
+def test_idle_connections_are_bounded_and_time_out(served: tuple[str, CollectorRegistry]) -> None:
+    """100 connections that never send a request: at most ``MAX_CONNECTIONS`` threads serve them at once
+    (the rest are closed at once), each is closed after ``IDLE_TIMEOUT_S``, and then /healthz answers.
+    Without either, 164 idle connections held 170 threads for as long as they stayed open."""
+    url, _ = served
+    port = int(url.rsplit(":", 1)[1])
+    before = threading.active_count()
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=IDLE_TIMEOUT_S + 5) for _ in range(100)]
+    try:
+        time.sleep(0.5)
+        assert threading.active_count() - before <= MAX_CONNECTIONS
+        assert [s.recv(1) for s in socks] == [b""] * 100  # every one closed by the server
+        deadline = time.monotonic() + 5
+        while threading.active_count() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threading.active_count() == before
+    finally:
+        for s in socks:
+            s.close()
+    assert _get(url + "/healthz")[0] == 200

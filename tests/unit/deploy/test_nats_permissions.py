@@ -98,6 +98,24 @@ def test_the_generator_agrees_with_the_committed_authorization_conf() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+def test_the_generator_pins_actors_to_one_run_as_leafe_run_does(tmp_path: Path) -> None:
+    """`sync_permissions.py --run r1 --out FILE` gives each actor pod exactly what services/bus/auth.py gives
+    an actor pinned to r1 (its run's events and durable only), and leaves the other roles as committed;
+    `--run` without `--out` is refused (the committed file serves any run)."""
+    script, out = DEPLOY / "base/nats/sync_permissions.py", tmp_path / "authorization.conf"
+    proc = subprocess.run([sys.executable, str(script), "--run", "r1", "--out", str(out)], timeout=60)
+    assert proc.returncode == 0 and out.read_text() == SYNC.render(PERMISSIONS, "r1")
+    table = SYNC.users(PERMISSIONS, "r1")
+    for i, actor in enumerate(ACTOR_IDS):
+        assert table[f"ACTOR_{i}"] == permissions_for(f"actor.{actor}", PERMISSIONS, run="r1")
+    assert {k: v for k, v in table.items() if not k.startswith("ACTOR_")} == {
+        k: v for k, v in USERS.items() if not k.startswith("ACTOR_")
+    }
+    assert not nats_allows(table["ACTOR_0"], "publish", "$JS.API.CONSUMER.MSG.NEXT.LEAFE_TASKS.actors-r2")
+    refused = subprocess.run([sys.executable, str(script), "--run", "r1"], capture_output=True, timeout=60)
+    assert refused.returncode == 2
+
+
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_every_user_the_manifests_use_is_a_role(rendered: dict[str, Docs], name: str) -> None:
     """LEAFE_NATS_NKEY always names a role's seed file (``<role>.nk``, a role of permissions.json), or in the

@@ -23,9 +23,10 @@ and marked letters are not published again, so running the command twice publish
 letter written when a redriven copy was refused again is a letter of its own. Only the admin may write
 markers; each copy's ``Nats-Msg-Id`` (``<run>.redrive.<letter seq>.<random>``) is one no publisher can
 predict, so nobody can store it first and make the copy a dropped "duplicate" (a predictable id once
-let any actor empty a redrive). A crash between a copy and its marker publishes that copy once more
-next time: a duplicate event the fold ignores. Needs a NATS user that may read ``LEAFE_DEAD`` and publish
-events and markers (the admin).
+let any actor empty a redrive). The markers are written once every copy is out, so an episode's copies go
+out back to back (within ``stale_timeout_s`` of each other); a crash in between publishes those copies
+once more next time: duplicate events the fold ignores. Needs a NATS user that may read ``LEAFE_DEAD``
+and publish events and markers (the admin).
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ async def redrive(
             seq, subject, data, codec = chosen
             picked.setdefault(seq, ([], subject, data, codec))[0].append(letter_seq)
     stats.originals = len(picked)
+    copies: list[tuple[list[int], int]] = []
     for seq in sorted(picked):
         letter_seqs, subject, data, codec = picked[seq]
         if dry_run:
@@ -188,8 +190,10 @@ async def redrive(
         if codec:
             headers[CODEC_HEADER] = codec
         ack = await js.publish(subject, data, headers=headers)
-        await _mark(js, run_id, letter_seqs, ack.seq)
+        copies.append((letter_seqs, ack.seq))
         stats.published += 1
+    for letter_seqs, copy_seq in copies:  # after every copy: an episode's copies go out back to back
+        await _mark(js, run_id, letter_seqs, copy_seq)
     log.info("redrive.done", run_id=run_id, dry_run=dry_run, **asdict(stats))
     return stats
 

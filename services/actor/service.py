@@ -198,7 +198,8 @@ class ActorService:
             self.engine_waiting = True
             self.probe.progress()  # waiting for a loading engine is this loop's work, not a hang
             try:
-                await asyncio.wait_for(stop.wait(), self.config.engine.ready_poll_s)
+                async with asyncio.timeout(self.config.engine.ready_poll_s):
+                    await stop.wait()
                 return False
             except TimeoutError:
                 pass

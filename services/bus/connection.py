@@ -290,7 +290,8 @@ async def connect(
     kwargs.update(options)
     limit = _first_connect_limit(kwargs)
     try:
-        nc = await asyncio.wait_for(nats.connect(**kwargs), limit)
+        async with asyncio.timeout(limit):  # not wait_for: 3.11's drops a cancel that meets the connect
+            nc = await nats.connect(**kwargs)
     except TimeoutError:
         why = last_error[0] if last_error else "no answer"
         raise ConnectionError(f"no NATS connection to {shown} within {limit:g}s; last error: {why}") from None

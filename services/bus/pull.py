@@ -98,7 +98,14 @@ class Puller:
             log.warning("bus.pull.status", consumer=self._where, status=text)
 
     async def pull(self, batch: int, timeout: float) -> list[Msg]:  # noqa: ASYNC109
-        """Up to ``batch`` messages; waits up to ``timeout`` s only when none are available."""
+        """Up to ``batch`` messages; waits up to ``timeout`` s only when none are available.
+
+        Raises CancelledError when this task was cancelled and the cancel got lost on its way (Python
+        3.11's ``asyncio.wait_for``, which nats-py's request still uses, returns the result of a call
+        whose reply met the cancel): every consumer loop pulls, so no loop outlives its cancel."""
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise asyncio.CancelledError(f"{self._where}: cancelled while a bus call completed")
         if not self._buffer:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
@@ -144,7 +151,9 @@ class Puller:
                 wait = min(wait, _IDLE_GAP_S)
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), wait)
+                # asyncio.timeout, not wait_for: 3.11's wait_for drops a cancel that meets the wake-up
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()
             except TimeoutError:
                 if req.received:
                     return

@@ -174,7 +174,8 @@ class ServerFleet:
                     proc.send_signal(signal.SIGTERM)
         for proc in self._procs:
             try:
-                await asyncio.wait_for(proc.wait(), grace_s)
+                async with asyncio.timeout(grace_s):
+                    await proc.wait()
             except TimeoutError:
                 log.warning("fleet.server.kill", pid=proc.pid, after_s=grace_s)
                 with contextlib.suppress(ProcessLookupError):

@@ -96,7 +96,8 @@ class ServiceProcess:
         if proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                await asyncio.wait_for(proc.wait(), grace_s)
+                async with asyncio.timeout(grace_s):
+                    await proc.wait()
             except TimeoutError:
                 log.warning("run.service.kill", service=self.name, after_s=grace_s)
                 proc.kill()

@@ -62,7 +62,7 @@ async def test_a_cancel_swallowed_elsewhere_stops_the_next_pull() -> None:
     answer: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
     async def loop() -> str:
-        await asyncio.wait_for(answer, 5)  # noqa: TID251  (the swallowing call, as nats-py makes it)
+        await asyncio.wait_for(answer, 5)  # the swallowing call, as nats-py makes it
         await puller.pull(4, 0.05)
         return "pulled on"
 

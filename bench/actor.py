@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import random
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from actors.episode import EpisodeSpec, ListSink
 from actors.explorer import Explorer
 from actors.fakes import ByteChatTokenizer, ScriptedEngine
 from actors.rollout import run_rollout
+from bench.host import host_record
 from envs.sokoban import SokobanConfig, SokobanEnv
 from learner.model_io import HFChatTokenizer, tiny_model_dir
 from protocol.events import EpisodeEvent
@@ -327,6 +327,7 @@ def main() -> None:
     args = p.parse_args()
     scale = "smoke" if args.smoke else "quick" if args.quick else "full"
     out = args.out or (SMOKE_OUT if args.smoke else RESULTS)
+    host = host_record()
     with tempfile.TemporaryDirectory() as store:
         # As in the service: JSON logs at info (per-episode lines; per-step lines are debug, filtered).
         configure_logging(json=True, level="info", file=Path(store) / "bench.log")
@@ -335,12 +336,8 @@ def main() -> None:
             results = asyncio.run(bench(server.url, scale))
         finally:
             server.stop()
-    results["meta"] = {
-        "quick": args.quick,
-        "smoke": args.smoke,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-    }
+    results["meta"] = {"quick": args.quick, "smoke": args.smoke}
+    results["host"] = host
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1, sort_keys=True))
     ov = results["overhead_at_100ms"]

@@ -33,6 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.host import host_record
 from envs.base import Env, rollback_to
 from envs.registry import make_env
 
@@ -261,9 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=4, help="episodes per task (--probe-model)")
     args = parser.parse_args(argv)
     if args.probe_model:
+        host = host_record()
         rows = probe_model(args.rooms, args.samples)
         out = Path(__file__).parent / "results" / "envs_difficulty.json"
-        out.write_text(json.dumps({"rooms": args.rooms, "samples": args.samples, "results": rows}, indent=2))
+        record = {"rooms": args.rooms, "samples": args.samples, "host": host, "results": rows}
+        out.write_text(json.dumps(record, indent=2))
         print(f"wrote {out}")
         return 0
     plans: dict[str, Callable[[], dict]] = {
@@ -287,11 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(only) - set(plans))
     if unknown:
         parser.error(f"--only {args.only}: unknown env(s) {unknown}; known: {sorted(plans)}")
+    host = host_record()
     results = {name: plans[name]() for name in only}
     report(results)
     out = args.out or (SMOKE_OUT if args.smoke else RESULTS)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"quick": args.quick, "smoke": args.smoke, "results": results}, indent=2))
+    record = {"quick": args.quick, "smoke": args.smoke, "host": host, "results": results}
+    out.write_text(json.dumps(record, indent=2))
     print(f"\nwrote {out}")
     return 0
 

@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -39,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nats.js.api import AckPolicy, ConsumerConfig
 
+from bench.host import host_record
 from protocol import Step, decode_event, encode
 from protocol.subjects import dead_letter_subject, events_filter
 from services.bus import Consumer, Publisher, connect, ensure_streams
@@ -196,11 +195,6 @@ async def bench(n: int, chunk: int) -> dict:
             "publish_ge_0.7x_raw": rates["typed_publish"] >= 0.7 * rates["raw_publish"],
             "consume_beats_naive": rates["typed_consume"] > rates["raw_consume_naive"],
         },
-        "machine": {
-            "cpus": os.cpu_count(),
-            "loadavg_1m": os.getloadavg()[0],
-            "python": platform.python_version(),
-        },
     }
 
 
@@ -219,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out or (SMOKE_OUT if args.smoke else RESULTS)
     n = SMOKE_N if args.smoke else 10_000 if args.quick else args.n
     chunk = n // 2 if args.smoke else min(args.chunk, n)
-    result = {"smoke": args.smoke, **asyncio.run(bench(n, chunk))}
+    host = host_record()
+    result = {"smoke": args.smoke, "host": host, **asyncio.run(bench(n, chunk))}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     rates, ratios = result["events_per_s"], result["ratios"]

@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -59,6 +58,7 @@ from bench.gpu_smoke_lib import (
     train_command,
 )
 from bench.gpu_smoke_router import reload_under_load, routed, router_metrics
+from bench.host import host_record
 
 __all__ = ["Report", "build_dataset", "explore", "main", "parameter_count", "push_and_verify"]
 
@@ -290,7 +290,7 @@ def run(args: argparse.Namespace, report: Report) -> None:
     cuda = (available, torch.cuda.device_count() if available else 0)
     version = preflight(args.sglang_python, gpus=args.gpus, cuda=cuda)
     device = torch.cuda.get_device_name(0)
-    report.figures.update(sglang=version, device=device, torch=torch.__version__, host=platform.node())
+    report.figures.update(sglang=version, device=device, torch=torch.__version__, host=host_record())
     model_dir = resolve_model(args.model)
     url = f"http://127.0.0.1:{args.port}"
     work = Path(tempfile.mkdtemp(prefix="gpu-smoke-"))

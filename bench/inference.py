@@ -57,6 +57,7 @@ from safetensors.torch import load, load_file
 from actors.client import SGLangClient, parse_completions
 from actors.engine import Completion, SamplingParams
 from actors.evaluate import evaluate
+from bench.host import host_record
 from bench.inference_floor import floor_section
 from bench.inference_peer import PAPER_ROOMS, paper_rollouts, peer_section, record_workload
 from bench.inference_replay import SGLangTarget, load_workload, replay
@@ -371,7 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model(name)
     if a.floor:
         merged = json.loads(out.read_text()) if out.exists() else {}
-        merged["decode_floor"] = floor_section(model_dir, pick(scale, 2, 10, 30), pick(scale, 40, 300, 300))
+        host = host_record()  # a merged section carries its own: the others may come from another host
+        floor = floor_section(model_dir, pick(scale, 2, 10, 30), pick(scale, 40, 300, 300))
+        merged["decode_floor"] = {"host": host, **floor}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(merged, indent=1))
         print(json.dumps(merged["decode_floor"], indent=1))
@@ -385,9 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": name,
         "quick": a.quick,
         "smoke": a.smoke,
-        "torch_threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "loadavg_before": os.getloadavg()[0],
+        "host": host_record(),
     }
     try:
         print(f"inference bench: {name}, {torch.get_num_threads()} torch threads, {scale}")

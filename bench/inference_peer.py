@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.evaluate import EvalRequest
+from bench.host import host_record
 from bench.inference_replay import (
     WORKLOAD,
     OpenAITarget,
@@ -240,11 +241,10 @@ def peer_section(a: argparse.Namespace, out: Path) -> int:
     """``--peer``: only the A/B/A side by side, merged as ``peer`` into ``out`` (other sections kept)."""
     results = json.loads(out.read_text()) if out.exists() else {}
     print(f"inference bench: ours vs peer {a.peer}, {a.pairs} pairs, ours pinned to core {a.pin_core}")
-    load = os.getloadavg()[0]
+    host = host_record()
     row = peer_ab(a.peer, pairs=a.pairs, limit=a.limit, ours_url=a.ours_url, pin_core=a.pin_core)
     when = datetime.now(UTC).isoformat(timespec="seconds")
-    results["peer"] = {"measured_at": when, "commit": _commit(), "cpus": os.cpu_count(),
-                       "loadavg_before": load, **row}  # fmt: skip
+    results["peer"] = {"measured_at": when, "host": host, **row}
     ratio = row["ratio_tokens_per_s"]
     print(f"  ours/peer completion tokens/s: {ratio['mean']:.2f} (pairs {ratio['pairs']})")
     out.parent.mkdir(parents=True, exist_ok=True)

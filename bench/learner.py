@@ -14,6 +14,9 @@
 | push                | trainer export (bf16 + manifest) -> WeightsPublished -> weight-sync -> 2 CPU        |
 |                     | inference servers report the version (median of repeats, fresh servers each time)  |
 | raw_save_load       | baseline: safetensors save_file + load_file + load_state_dict of the same weights   |
+| memory              | peak RSS of the learner before / after the chunked LM head and activation          |
+|                     | checkpointing, with the loss check (``bench/learner_memory.py``; SmolLM2 in        |
+|                     | quick and full mode; ``--memory-only`` reruns just this part)                      |
 
 Samples look like agent data: prompts of 150-600 tokens, completions of 5-40 tokens, cf/reh mixed.
 Throughput counts real (non-pad) tokens per second of optimizer-step wall time; every row trains the
@@ -39,8 +42,6 @@ import argparse
 import asyncio
 import copy
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -54,11 +55,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from actors.client import SGLangClient
+from bench.host import host_record
+from bench.learner_memory import memory_part
 from bench.learner_samples import MAX_COMPLETION, MAX_PROMPT, agent_samples
 from learner.batching import MicroBatch
 from learner.config import BatchConfig, OptimConfig, TrainerConfig
 from learner.distributed import DistEnv, init_distributed
-from learner.fsdp import cpu_has_native_bf16, resolve_precision
+from learner.fsdp import resolve_precision
 from learner.losses import token_logprobs
 from learner.model_io import resolve_model
 from learner.trainer import Trainer
@@ -77,6 +80,9 @@ SIZES = {  # mode -> throughput model, samples, global batch, micro-batch token 
     "quick": ("tiny", 256, 64, 4096, "smollm2-135m-instruct"),
     "full": ("smollm2-135m-instruct", 32, 16, 2048, "smollm2-135m-instruct"),  # the cpu preset's batch
 }
+MEMORY = {"smoke": ("tiny", 4, (20, 80))}
+"""Mode -> the memory part's model, samples per step and prompt lengths (default: SmolLM2, the cpu
+preset's global batch of 16, agent-like prompts of 150-600 tokens)."""
 
 
 class FullLogitsTrainer(Trainer):
@@ -338,6 +344,7 @@ def _args() -> argparse.Namespace:
         "--push-only", action="store_true", help="rerun the push part; keep the saved throughput"
     )
     part.add_argument("--throughput-only", action="store_true", help="rerun throughput; keep the saved push")
+    part.add_argument("--memory-only", action="store_true", help="rerun the memory part; keep the rest")
     p.add_argument("--log-level", default="warning", help="info shows each server's load time")
     return p.parse_args()
 
@@ -350,6 +357,12 @@ def main() -> int:
     mode = "smoke" if a.smoke else "quick" if a.quick else "full"
     out = a.out or (SMOKE_OUT if a.smoke else RESULTS)
     saved = load_saved(out, mode)
+    host = host_record()
+    if a.memory_only:  # the memory part carries its own host: the saved figures may come from another
+        memory = memory_part(*MEMORY.get(mode, ("smollm2-135m-instruct", 16, (150, MAX_PROMPT))))
+        save_result(out, mode, (saved or {}) | {"memory": memory})
+        print(f"wrote {out}")
+        return 0
     tp_name, default_n, gb, budget, push_name = SIZES[mode]
     smol = resolve_model(push_name)
     throughput_model = resolve_model(tp_name)
@@ -370,6 +383,8 @@ def main() -> int:
         print("push latency: (saved results)", flush=True)
     else:
         push, raw = _push_part(smol, env, repeats)
+    print("peak memory: before / after the chunked head and activation checkpointing", flush=True)
+    memory = memory_part(*MEMORY.get(mode, ("smollm2-135m-instruct", 16, (150, MAX_PROMPT))))
     ratios = _ratios(tp, push, raw)
     result = {
         "mode": mode,
@@ -382,13 +397,8 @@ def main() -> int:
         "push": push,
         "raw_save_load": raw,
         "ratios": ratios,
-        "machine": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "threads": 1,
-            "cpus": os.cpu_count(),
-            "cpu_native_bf16": cpu_has_native_bf16(),
-        },
+        "memory": memory,
+        "host": host,
     }
     save_result(out, mode, result)
     print(json.dumps(ratios, indent=1))

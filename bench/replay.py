@@ -49,6 +49,7 @@ from typing import Any
 
 from actors.fake_episodes import ExploreSpec, build_explore_episode, build_rollout_group, interleave
 from actors.fakes import ByteChatTokenizer
+from bench.host import host_record
 from learner.materializers import make_materializer
 from protocol.codec import decode_event, encode
 from protocol.events import EpisodeEvent, EpisodeFinished
@@ -350,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.against is None:
             p.error("--only fold needs --against DIR (the worktree to compare with)")
         results = json.loads(out.read_text()) if out.exists() else {}
+        host = host_record()  # merged sections carry their own host: the others may come from another
         results["fold_vs_base"] = r = compare_folds(args.against, 100_000, args.rounds)
+        r["host"] = host
         for unit, ratios in r["after_over_before"].items():
             print(f"after/before ({unit}): " + "  ".join(f"{k} x{v:.3f}" for k, v in ratios.items()))
         out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
@@ -362,13 +365,15 @@ def main(argv: list[str] | None = None) -> int:
             synthetic_chunks(n_reader, seed=11, tokenizer=ByteChatTokenizer())
         )
         r["measured_alone"] = True  # by --only reader: the other entries come from an earlier full run
+        r["host"] = host_record()
         report_reader(r)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
         print(f"saved {out}")
         return 0
     fake = ByteChatTokenizer()
-    results: dict[str, Any] = {"quick": args.quick, "smoke": args.smoke, "log": {"fold_events": n_fold}}
+    results: dict[str, Any] = {"quick": args.quick, "smoke": args.smoke, "host": host_record()}
+    results["log"] = {"fold_events": n_fold}
     t0 = time.perf_counter()
     chunks = list(synthetic_chunks(n_fold, tokenizer=fake))
     results["log"]["generate_s"] = round(time.perf_counter() - t0, 1)

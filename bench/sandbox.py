@@ -30,6 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.host import host_record
 from envs.humaneval import HumanEvalConfig, HumanEvalEnv
 from envs.sandbox import SandboxConfig
 
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="steps per submission and variant")
     args = parser.parse_args(argv)
     ref = baseline_ref()
+    host = host_record()
     with tempfile.TemporaryDirectory() as tmp:
         old = load_baseline(ref, Path(tmp))
         variants: dict[str, Any] = {
@@ -121,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         "mean_s": {name: statistics.mean(ts) for name, ts in times.items()},
         "ratio_to_baseline": {name: m / base for name, m in medians.items()},
         "load_average_1m": os.getloadavg()[0],  # the machine is shared: read the figures against this
+        "host": host,
     }
     out = Path(__file__).parent / "results" / "sandbox.json"
     out.write_text(json.dumps(result, indent=2))

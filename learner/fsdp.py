@@ -59,11 +59,13 @@ def resolve_precision(precision: str, env: DistEnv) -> str:
     return precision
 
 
-def autocast(precision: str, env: DistEnv) -> AbstractContextManager[Any]:
+def autocast(precision: str, env: DistEnv, *, cache: bool = True) -> AbstractContextManager[Any]:
     """Context for the forward pass: bf16 autocast on CPU when ``precision`` resolves to bf16, else none
-    (fp32, or GPU where the MixedPrecisionPolicy of :func:`build_model` casts). Backward runs outside it."""
+    (fp32, or GPU where the MixedPrecisionPolicy of :func:`build_model` casts). Backward runs outside it.
+    ``cache=False`` casts each weight where it is used instead of keeping every layer's bf16 copy until the
+    forward ends (with activation checkpointing nothing else holds them: 270 MB less for SmolLM2)."""
     if env.device.type == "cpu" and resolve_precision(precision, env) == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache)
     return nullcontext()
 
 

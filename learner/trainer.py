@@ -41,7 +41,9 @@ from learner.batching import (
 from learner.config import TrainerConfig
 from learner.distributed import DistEnv, all_reduce_sum, barrier
 from learner.fsdp import autocast, build_model, full_state_dict, resolve_precision
+from learner.linear_logprobs import CHUNK_TOKENS, sample_logprobs
 from learner.losses import KIND_INDEX, KindTokens, LossOutput, total_loss
+from learner.memory import pin_mmap_threshold
 from learner.model_io import export_weights, load_tokenizer
 from learner.optim import build_optimizer
 from protocol.samples import Sample
@@ -159,6 +161,9 @@ def _mean(num: float, den: float) -> float | None:
 class Trainer:
     """FSDP2 model + AdamW + schedule; :meth:`train_step` runs one optimizer step."""
 
+    chunk_tokens = CHUNK_TOKENS
+    """Target positions per chunk of the LM head's projection and log-softmax."""
+
     def __init__(self, config: TrainerConfig, model_dir: Path, env: DistEnv) -> None:
         self.config = config
         self.model_dir = Path(model_dir)
@@ -171,6 +176,9 @@ class Trainer:
             precision=config.precision,
             reshard_after_forward=config.reshard_after_forward,
         )
+        if config.activation_checkpointing:
+            self.model.activation_checkpointing_enable()  # type: ignore[operator]
+        pin_mmap_threshold()  # freed activations go back to the OS (learner/memory.py)
         self.reference: nn.Module | None = None
         if config.loss.kl_coef > 0:
             self.reference = build_model(self.model_dir, env, precision=config.precision, trainable=False)
@@ -182,15 +190,15 @@ class Trainer:
         self.step = 0
 
     def _logp(self, model: nn.Module, mb: MicroBatch) -> Tensor:
-        out = model(**mb.model_inputs(), use_cache=False)
-        return mb.sample_logprobs(out.logits)
+        # chunk by chunk: never the [N, V] logits of the micro-batch's N target positions
+        return sample_logprobs(model, mb, chunk_tokens=self.chunk_tokens)
 
     def _collate(self, items: Sequence[TrainItem]) -> MicroBatch:
         pack = self.config.batch.bucketing == "pack"
         return (collate_packed if pack else collate)(items, self.pad_id, self.env.device)
 
     def _micro_step(self, mb: MicroBatch, tokens: KindTokens) -> StepSums:
-        with autocast(self.precision, self.env):
+        with autocast(self.precision, self.env, cache=not self.config.activation_checkpointing):
             logp = self._logp(self.model, mb)
             ref_logp = None
             if self.reference is not None and bool((mb.kinds == KIND_INDEX["grpo"]).any()):

@@ -51,6 +51,16 @@ def share(data: dict[str, Any], *paths: str) -> None:
         assert isinstance(value, int | float) and 0.0 <= value <= 1.0, f"{path} = {value!r}"
 
 
+def where(r: dict[str, Any]) -> None:
+    """The record says where it was measured (``bench/host.py``): CPU model, ISA flags, threads, commit."""
+    from bench.host import FIELDS, ISA_FLAGS
+
+    host = _get(r, "host")
+    assert set(host) == set(FIELDS), f"host record keys {sorted(host)}"
+    assert host["cpu_model"] and set(host["flags"]) == set(ISA_FLAGS)
+    positive(host, "cpus", "torch_threads")
+
+
 def check_event_log(r: dict[str, Any]) -> None:
     assert r["smoke"] is True and r["n"] > 0
     rows = ("raw_publish", "typed_publish", "raw_consume_naive", "typed_consume", "raw_consume_ack_sync")
@@ -134,6 +144,9 @@ def check_learner(r: dict[str, Any]) -> None:
         entry, "push.export_s", "push.publish_to_serving_s", "push.server_update_s", "raw_save_load.seconds"
     )
     positive(entry, *(f"ratios.{k}" for k in entry["ratios"]))
+    # peak RSS of the learner with and without the chunked LM head (bench/learner_memory.py)
+    positive(entry, "memory.peak_rss_gb_before", "memory.peak_rss_gb_after")
+    assert entry["memory"]["losses_equal"] is True, entry["memory"]
 
 
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
@@ -165,10 +178,12 @@ def test_bench_smoke_mode_runs_and_reports_its_figures(area: str, tmp_path: Path
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,  # a hang guard: the learner and inference smokes take 60-80 s on a loaded 2-core host
     )
     assert run.returncode == 0, f"bench.{area} --smoke exited {run.returncode}:\n{run.stderr[-4000:]}"
     assert out.is_file(), f"bench.{area} --smoke wrote no {out}:\n{run.stdout[-2000:]}"
-    CHECKS[area](json.loads(out.read_text()))
+    record = json.loads(out.read_text())
+    CHECKS[area](record)
+    where(record["smoke"] if area == "learner" else record)
     after = committed.read_bytes() if committed.exists() else None
     assert after == before, f"bench.{area} --smoke changed the committed {committed}"

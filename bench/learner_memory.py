@@ -1,0 +1,131 @@
+"""The learner's peak resident memory before and after the memory work of ``learner/linear_logprobs.py``
+and ``learner/memory.py``, with the loss-equality check; a part of ``bench/learner.py``.
+
+| variant | what trains                                                                               |
+|---------|-------------------------------------------------------------------------------------------|
+| before  | the previous loss path: full-vocabulary logits at the target positions, every activation   |
+|         | kept for the backward, autocast's bf16 weight cache, glibc's default (rising) mmap threshold |
+| after   | the trainer as configured by default: chunked LM head, pinned mmap threshold              |
+| checkpointed | ``after`` with ``activation_checkpointing = true`` (and no autocast weight cache)     |
+
+Each variant is its own process (peak RSS, ``ru_maxrss``, only grows) training the same two global batches
+from the same weights with the ``cpu`` preset's trainer (what ``leafe run``'s learner uses: global batch
+16, packed 2048-token rows, precision ``auto``), one torch thread. The losses of both steps must agree to
+1e-5 (the second step runs on weights the first updated).
+
+    .venv/bin/python -m bench.learner_memory --child after --model smollm2-135m-instruct   # one variant
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from bench.host import host_record
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = ("before", "after", "checkpointed")
+KEYS = ("loss", "loss_cf", "loss_reh", "grad_norm")
+"""Step figures compared between the variants."""
+TOLERANCE = 1e-5
+
+
+def _child(variant: str, model: str, samples: int, prompt: tuple[int, int]) -> dict[str, Any]:
+    import torch
+
+    import learner.trainer
+    from bench.learner_samples import agent_samples
+    from learner.config import cpu_preset
+    from learner.distributed import init_distributed
+    from learner.linear_logprobs import full_logits_sample_logprobs
+    from learner.model_io import resolve_model
+
+    class FullLogitsTrainer(learner.trainer.Trainer):
+        def _logp(self, model: torch.nn.Module, mb: Any) -> torch.Tensor:
+            return full_logits_sample_logprobs(model, mb)
+
+    torch.set_num_threads(1)
+    env = init_distributed("gloo")
+    model_dir = resolve_model(model)
+    cfg = cpu_preset().trainer
+    if variant == "before":
+        cfg = msgspec.structs.replace(cfg, activation_checkpointing=False)
+        learner.trainer.pin_mmap_threshold = lambda: False  # type: ignore[assignment]
+        trainer: learner.trainer.Trainer = FullLogitsTrainer(cfg, model_dir, env)
+    else:
+        if variant == "checkpointed":
+            cfg = msgspec.structs.replace(cfg, activation_checkpointing=True)
+        trainer = learner.trainer.Trainer(cfg, model_dir, env)
+    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    batch = cfg.batch.global_batch
+    data = agent_samples(2 * batch, vocab, prompt=prompt)[: 2 * min(batch, samples)]
+    half = len(data) // 2
+    steps = [msgspec.to_builtins(trainer.train_step(b)) for b in (data[:half], data[half:])]
+    return {
+        "variant": variant,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,  # KiB on Linux
+        "precision": trainer.precision,
+        "micro_batch_tokens": cfg.batch.micro_batch_tokens,
+        "steps": [{k: s[k] for k in (*KEYS, "seconds", "real_tokens", "micro_batches")} for s in steps],
+    }
+
+
+def memory_part(model: str, samples: int, prompt: tuple[int, int]) -> dict[str, Any]:
+    """Both variants, each in a fresh process; peak RSS, their ratio and the loss check."""
+    host = host_record()
+    rows = {}
+    for variant in VARIANTS:
+        cmd = [sys.executable, "-m", "bench.learner_memory", "--child", variant, "--model", model]
+        cmd += ["--samples", str(samples), "--prompt", f"{prompt[0]},{prompt[1]}"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+        if run.returncode != 0:
+            raise RuntimeError(
+                f"learner memory child {variant} exited {run.returncode}:\n{run.stderr[-3000:]}"
+            )
+        rows[variant] = json.loads(run.stdout.strip().splitlines()[-1])
+        print(f"  {variant:<7} peak RSS {rows[variant]['peak_rss_gb']:.2f} GB", flush=True)
+    before = rows["before"]
+    out: dict[str, Any] = {"host": host, "model": model, "variants": rows, "tolerance": TOLERANCE}
+    out["peak_rss_gb_before"] = before["peak_rss_gb"]
+    equal = True
+    for name in VARIANTS[1:]:
+        row = rows[name]
+        pairs = list(zip(before["steps"], row["steps"], strict=True))
+        diff = max(abs((a[k] or 0.0) - (b[k] or 0.0)) for a, b in pairs for k in KEYS if k != "grad_norm")
+        grad = max(abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"] for a, b in pairs)
+        seconds = sum(s["seconds"] for s in row["steps"]) / sum(s["seconds"] for s in before["steps"])
+        ratio = row["peak_rss_gb"] / before["peak_rss_gb"]
+        print(f"  {name}/before peak RSS {ratio:.2f}, step time {seconds:.2f}, loss |diff| {diff:.1e}")
+        out[f"peak_rss_gb_{name}"] = row["peak_rss_gb"]
+        out[f"peak_rss_{name}_over_before"] = ratio
+        out[f"step_seconds_{name}_over_before"] = seconds
+        out[f"max_loss_abs_diff_{name}"] = diff
+        out[f"max_grad_norm_rel_diff_{name}"] = grad
+        equal = equal and diff <= TOLERANCE
+    out["losses_equal"] = equal
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--child", choices=VARIANTS, required=True, help="train one variant, print its JSON")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--samples", type=int, default=16, help="samples per step (at most the global batch)")
+    p.add_argument("--prompt", default="150,600", help="prompt length range, tokens")
+    a = p.parse_args()
+    lo, hi = (int(x) for x in a.prompt.split(","))
+    print(json.dumps(_child(a.child, a.model, a.samples, (lo, hi))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

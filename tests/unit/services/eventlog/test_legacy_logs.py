@@ -1,6 +1,7 @@
-"""Logs written before event subjects named their actor (``leafe.<run>.events.<kind>``, e.g. every file of
-bench/results/paper_logs/) still replay: each record is admitted, as actor ``legacy``, and their episodes
-share that one identity's open-episode cap, which a real run's log never comes near."""
+"""Logs written before event subjects named their actor (``leafe.<run>.events.<kind>``, e.g. the older files
+of bench/results/paper_logs/) still replay: each record is admitted, as actor ``legacy``, and their
+episodes share that one identity's open-episode cap, which a real run's log never comes near. Logs written
+since (the effect experiment's) replay as the actor their subjects name."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from learner.materializers import OpenLimits, make_materializer
 from learner.materializers.tree import ReplayError
 from protocol.codec import admit_event, decode_event, encode, headers_for
 from protocol.events import EpisodeFinished, EpisodeStarted
-from protocol.subjects import LEGACY_ACTOR, event_subject
+from protocol.subjects import LEGACY_ACTOR, event_subject, event_subject_parts
 from services.eventlog.fileformat import iter_log_file
 from services.replayer.replay import ReplayConfig, file_events
 from tests.support.hostile import flood_starts
@@ -25,11 +26,15 @@ PAPER_LOGS = sorted((Path(__file__).resolve().parents[4] / "bench/results/paper_
 @pytest.mark.parametrize("path", PAPER_LOGS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_paper_log_replays_with_each_event_as_actor_legacy(path: Path) -> None:
     """Every record of the committed paper logs is admitted (``leafe replay`` reads them so), as the event
-    its bytes hold with ``actor_id`` ``legacy``; the most episodes any of them holds open at once stays far
-    below the default ``max_open_per_actor``, so one shared legacy identity caps nothing."""
-    raw = [decode_event(data, headers.get("Leafe-Codec")) for _, headers, data in iter_log_file(path)]
+    its bytes hold with the ``actor_id`` its subject names: ``legacy`` for a subject without an actor
+    token; the most episodes any of them holds open at once stays far below the default
+    ``max_open_per_actor``, so one shared legacy identity caps nothing."""
+    records = list(iter_log_file(path))
+    raw = [decode_event(data, headers.get("Leafe-Codec")) for _, headers, data in records]
+    actors = [event_subject_parts(subject)[2] for subject, _, _ in records]
     admitted = list(file_events(path))
-    assert admitted == [msgspec.structs.replace(e, actor_id=LEGACY_ACTOR) for e in raw]
+    assert admitted == [msgspec.structs.replace(e, actor_id=a) for e, a in zip(raw, actors, strict=True)]
+    assert len({a == LEGACY_ACTOR for a in actors}) == 1, "a log is written either before actor tokens or after"
     open_now, most = 0, 0
     for event in raw:
         open_now += isinstance(event, EpisodeStarted) - isinstance(event, EpisodeFinished)

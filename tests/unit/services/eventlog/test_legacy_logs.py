@@ -34,7 +34,9 @@ def test_every_paper_log_replays_with_each_event_as_actor_legacy(path: Path) -> 
     actors = [event_subject_parts(subject)[2] for subject, _, _ in records]
     admitted = list(file_events(path))
     assert admitted == [msgspec.structs.replace(e, actor_id=a) for e, a in zip(raw, actors, strict=True)]
-    assert len({a == LEGACY_ACTOR for a in actors}) == 1, "a log is written either before actor tokens or after"
+    assert len({a == LEGACY_ACTOR for a in actors}) == 1, (
+        "a log is written either before actor tokens or after"
+    )
     open_now, most = 0, 0
     for event in raw:
         open_now += isinstance(event, EpisodeStarted) - isinstance(event, EpisodeFinished)

@@ -27,6 +27,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from services.threads import usable_cores
+
 __all__ = ["FIELDS", "ISA_FLAGS", "commit", "cpu_info", "host_record"]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,17 +92,12 @@ def commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
-def _cpus() -> int:
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
-
-
 def host_record() -> dict[str, Any]:
     """Where and when this process is measuring (see the module docstring for the fields)."""
     import torch
 
     model, flags = cpu_info()
-    cpus = _cpus()
+    cpus = usable_cores()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     return {
         "cpu_model": model,

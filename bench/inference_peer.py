@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.evaluate import EvalRequest
-from bench.host import host_record
+from bench.host import commit, host_record
 from bench.inference_replay import (
     WORKLOAD,
     OpenAITarget,
@@ -90,7 +90,7 @@ def record_workload(
     meta = {
         "model": model,
         "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": commit(),
         "server": {"dtype": "bfloat16", "threads": 1, "max_batch": 16},
         "evaluation": {"env": "sokoban", "rooms": PAPER_ROOMS, "task_ids": task_ids, "samples": samples,
                        "concurrency": 16, "seed": 12345, "horizon": 8, "history_window": 2},
@@ -103,11 +103,6 @@ def record_workload(
     }  # fmt: skip
     save_workload(out, reqs, meta)
     return meta
-
-
-def _commit() -> str:
-    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return run.stdout.strip() or "unknown"
 
 
 def _free_port() -> int:

@@ -120,7 +120,11 @@ def main(argv: list[str] | None = None) -> int:
             carried.rename(carried.with_name(f"state.old-{stamp}"))
     work.mkdir(parents=True, exist_ok=True)
     configure_logging(json=True, level="info", file=work / "paper_table.jsonl")
-    asyncio.run(run_experiment(cfg, work, args.results, args.max_minutes))
+    try:
+        asyncio.run(run_experiment(cfg, work, args.results, args.max_minutes))
+    except asyncio.CancelledError:
+        print("[paper_table] stopped by SIGTERM; the finished phases are saved", flush=True)
+        return 143
     print(json.dumps({"report": str(args.results / f"{cfg.report_name}.md")}))
     return 0
 

@@ -30,21 +30,46 @@ __all__ = [
     "global_batch",
     "kind_counts",
     "replay",
+    "run_logged",
     "train",
 ]
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _leafe(args: Sequence[str], log_file: Path, threads: int) -> None:
-    """Run ``leafe <args>`` with its output in ``log_file``; errors name the command and the log."""
+async def run_logged(
+    cmd: Sequence[str], log_file: Path, env: Mapping[str, str], grace_s: float = 10.0
+) -> int:
+    """Run ``cmd`` from the repository root with its output in ``log_file``; returns its exit code. The
+    child never outlives this process (``services.lifetime``); cancelled, it is sent SIGTERM, then SIGKILL
+    after ``grace_s``, and waited for before the cancellation goes on."""
+    from services.lifetime import die_with_parent
+
     log_file.parent.mkdir(parents=True, exist_ok=True)
+    with log_file.open("w", encoding="utf-8") as f:
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=dict(env), preexec_fn=die_with_parent
+        )
+    try:
+        return await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                async with asyncio.timeout(grace_s):
+                    await asyncio.shield(proc.wait())
+            except TimeoutError:
+                proc.kill()
+                await asyncio.shield(proc.wait())
+
+
+async def _leafe(args: Sequence[str], log_file: Path, threads: int) -> None:
+    """Run ``leafe <args>`` with its output in ``log_file``; errors name the command and the log."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     cmd = ["nice", "-n", "5", sys.executable, "-m", "services.cli", *args]
-    with log_file.open("w", encoding="utf-8") as f:
-        code = subprocess.call(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env)
+    code = await run_logged(cmd, log_file, env)
     if code != 0:
-        tail = log_file.read_text(encoding="utf-8", errors="replace")[-2000:]
+        tail = (await asyncio.to_thread(log_file.read_text, encoding="utf-8", errors="replace"))[-2000:]
         raise RuntimeError(f"leafe {' '.join(args[:1])} exited {code}; log {log_file}:\n{tail}")
 
 
@@ -76,7 +101,7 @@ async def replay(
     conf = out.parent / f"{out.name}.replay.toml"
     conf.write_text(tomli_w.dumps({"options": dict(options)}), encoding="utf-8")
     args = replay_command(source, materializer, str(model), out, conf)
-    await asyncio.to_thread(_leafe, args, out.parent / f"{out.name}.replay.log", threads)
+    await _leafe(args, out.parent / f"{out.name}.replay.log", threads)
     return sum(1 for _ in _iter(out))
 
 
@@ -178,7 +203,7 @@ async def train(
     args = ["train", "--data", str(data), "--model", str(model), "--out", str(out), "--preset", preset]
     args += ["--config", str(conf), "--lr", str(lr), "--epochs", str(epochs)]
     args += ["--beta", str(beta)] if beta is not None else []
-    await asyncio.to_thread(_leafe, args, out / "train.log", threads)
+    await _leafe(args, out / "train.log", threads)
     metrics = out / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
     if not keep_checkpoints:

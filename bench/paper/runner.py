@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -271,6 +272,14 @@ class Runner:
         self._save(phase.name, {**old, "rebuilds": [*old.get("rebuilds", []), agreement]})
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM cancels the calling task as Ctrl-C does, so that the servers and the training child stop
+    with it (the finished phases are already saved; the running one starts again next time)."""
+    task = asyncio.current_task()
+    if task is not None:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+
+
 async def run_experiment(cfg: PaperConfig, work: Path, results: Path, max_minutes: float) -> None:
     """Start the log, the servers and the engine client, run the plan, write the report."""
     from contextlib import AsyncExitStack
@@ -281,6 +290,7 @@ async def run_experiment(cfg: PaperConfig, work: Path, results: Path, max_minute
     from services.bus.nats_server import EmbeddedNats
     from services.inference.fleet import FleetConfig, ServerFleet
 
+    stop_on_sigterm()
     started = time.monotonic()
     deadline = started + 60 * max_minutes
     work.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 (once, before anything runs)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -25,11 +24,11 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import structlog
 
 from services.inference.auth import write_api_key
+from services.lifetime import die_with_parent
 
 __all__ = ["FleetConfig", "FleetError", "ServerFleet"]
 
@@ -37,13 +36,6 @@ log = structlog.get_logger(__name__)
 
 SERVING = "leafe inference: serving on "
 """The line ``leafe inference`` prints on stdout once it accepts requests (``services/inference/main.py``)."""
-
-
-_PR_SET_PDEATHSIG = 1
-try:
-    _PRCTL: Any = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux: the servers still stop with the fleet, only not on SIGKILL
-    _PRCTL = None
 
 
 class FleetError(RuntimeError):
@@ -134,7 +126,7 @@ class ServerFleet:
                     stderr=err,
                     env=env,
                     start_new_session=True,  # a Ctrl-C reaches this process, which stops them
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=die_with_parent,  # a SIGKILLed `leafe eval` leaves no server
                 )
             self._procs.append(proc)
             if core is not None:
@@ -188,14 +180,6 @@ class ServerFleet:
         if self._dir is not None:
             await asyncio.to_thread(shutil.rmtree, self._dir, True)
             self._dir = None
-
-
-def _die_with_parent() -> None:
-    """In the child before ``exec``: SIGTERM when this process dies, however it dies (Linux's
-    ``PR_SET_PDEATHSIG``), so a SIGKILLed ``leafe eval`` leaves no server behind. Only a call resolved
-    before the fork runs here."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 async def _drain(stream: asyncio.StreamReader) -> None:

@@ -193,7 +193,7 @@ def _services_level(module: str) -> int:
 
 def test_services_has_no_role_module_at_its_top_level() -> None:
     """Every deployable role is a package of its own; only what all roles share stays at the top."""
-    shared = {"__init__", "cli", "config", "figures", "logsetup", "metrics", "probes", "threads"}
+    shared = {"__init__", "cli", "config", "figures", "lifetime", "logsetup", "metrics", "probes", "threads"}
     top = {p.stem for p in (ROOT / "services").glob("*.py")}
     assert top <= shared, sorted(top - shared)
     assert all((ROOT / "services" / role / "__init__.py").is_file() for role in SERVICE_ROLES)

@@ -5,8 +5,9 @@ and ``learner/memory.py``, with the loss-equality check; a part of ``bench/learn
 |---------|-------------------------------------------------------------------------------------------|
 | before  | the previous loss path: full-vocabulary logits at the target positions, every activation   |
 |         | kept for the backward, autocast's bf16 weight cache, glibc's default (rising) mmap threshold |
-| after   | the trainer as configured by default: chunked LM head, pinned mmap threshold              |
-| checkpointed | ``after`` with ``activation_checkpointing = true`` (and no autocast weight cache)     |
+| after   | the trainer as configured by default: chunked LM head                                      |
+| lean    | ``after`` with ``release_freed_memory = true`` (pinned mmap threshold: less RSS, slower)   |
+| checkpointed | ``lean`` with ``activation_checkpointing = true`` (and no autocast weight cache)      |
 
 Each variant is its own process (peak RSS, ``ru_maxrss``, only grows) training the same two global batches
 from the same weights with the ``cpu`` preset's trainer (what ``leafe run``'s learner uses: global batch
@@ -32,7 +33,7 @@ import msgspec
 from bench.host import host_record
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("before", "after", "checkpointed")
+VARIANTS = ("before", "after", "lean", "checkpointed")
 KEYS = ("loss", "loss_cf", "loss_reh", "grad_norm")
 """Step figures compared between the variants."""
 TOLERANCE = 1e-5
@@ -58,9 +59,10 @@ def _child(variant: str, model: str, samples: int, prompt: tuple[int, int]) -> d
     cfg = cpu_preset().trainer
     if variant == "before":
         cfg = msgspec.structs.replace(cfg, activation_checkpointing=False)
-        learner.trainer.pin_mmap_threshold = lambda: False  # type: ignore[assignment]
         trainer: learner.trainer.Trainer = FullLogitsTrainer(cfg, model_dir, env)
     else:
+        if variant in ("lean", "checkpointed"):
+            cfg = msgspec.structs.replace(cfg, release_freed_memory=True)
         if variant == "checkpointed":
             cfg = msgspec.structs.replace(cfg, activation_checkpointing=True)
         trainer = learner.trainer.Trainer(cfg, model_dir, env)

@@ -178,7 +178,8 @@ class Trainer:
         )
         if config.activation_checkpointing:
             self.model.activation_checkpointing_enable()  # type: ignore[operator]
-        pin_mmap_threshold()  # freed activations go back to the OS (learner/memory.py)
+        if config.release_freed_memory:
+            pin_mmap_threshold()  # freed activations go back to the OS (learner/memory.py)
         self.reference: nn.Module | None = None
         if config.loss.kl_coef > 0:
             self.reference = build_model(self.model_dir, env, precision=config.precision, trainable=False)

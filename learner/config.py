@@ -130,15 +130,15 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     activation_checkpointing: bool = False
     """Keep only each decoder layer's input from the forward and recompute the layer in the backward
     (transformers' ``activation_checkpointing_enable``): one more forward of compute for much less memory.
-    SmolLM2-135M, cpu preset, 2 steps (``bench/learner_memory.py``): peak RSS 5.06 GB off, 3.20 GB on
-    (6.17 GB before the chunked LM head). Off by default on CPU, where step time is the constraint; turn it
-    on where memory is (a 7B policy on GPU)."""
+    SmolLM2-135M, cpu preset, 2 steps (``bench/learner_memory.py``), both with ``release_freed_memory``:
+    peak RSS 5.06 GB off, 3.20 GB on (6.17 GB before the chunked LM head). Off by default on CPU, where
+    step time is the constraint; turn it on where memory is (a 7B policy on GPU)."""
     release_freed_memory: bool = False
     """Pin glibc's mmap threshold (``learner/memory.py``) so freed activation blocks go back to the OS at
     once: a lower peak RSS for many more page faults. Measured on SmolLM2-135M (cpu preset, 2 threads,
     16 agent samples a step, 2026-12-03, Sapphire Rapids): peak RSS 5.4 GB on, 7.2 GB off, but 9.5 M page
-    faults and ~25 s of kernel time a step, **1.65x the step time** (39 s against 23.5 s). Off by default;
-    turn it on where memory binds, with ``activation_checkpointing``."""
+    faults and ~25 s of kernel time a step, 1.63x the step time (means of 8 steps: 39.2 s against 24.0 s).
+    Off by default; turn it on where memory binds, with ``activation_checkpointing``."""
     seed: int = 0
     """Seed of torch RNG and of the offline shuffle."""
     checkpoint_every: int = 50

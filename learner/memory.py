@@ -10,7 +10,8 @@ it peaked at 3.47 GB and rested at 2.13 GB. Pinning it (``mallopt(M_MMAP_THRESHO
 ``MALLOC_MMAP_THRESHOLD_`` in the environment) stops the raising; blocks of 64 KiB and more then cost an
 ``mmap``/``munmap`` each and, worse, a page fault for each of their 4 KiB pages when first touched: on
 SmolLM2-135M without checkpointing (cpu preset, 2 threads, 2026-12-03, Sapphire Rapids) 9.5 M faults and
-~25 s of kernel time a step, 1.65x the step time (39 s against 23.5 s; peak RSS 5.4 GB against 7.2 GB).
+~25 s of kernel time a step, 1.63x the step time (means of 8 steps: 39.2 s against 24.0 s; peak RSS 5.4 GB
+against 7.2 GB).
 glibc's ``hugetlb`` tunable (transparent huge pages for those blocks) took the faults to 5.6 M and the step
 time nowhere. So the trainer pins it only when asked (``trainer.release_freed_memory``), where memory binds.
 """

@@ -259,7 +259,7 @@ def test_lr_by_kind_refuses_unknown_kinds_and_non_positive_lrs() -> None:
 def test_the_mmap_threshold_is_pinned_only_when_asked(
     dist_env, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Pinning glibc's mmap threshold made every CPU step 1.65x slower (a page fault per 4 KiB of every
+    """Pinning glibc's mmap threshold made every CPU step 1.63x slower (a page fault per 4 KiB of every
     freed-and-reallocated activation, ``learner/memory.py``): the default trainer must not pin it, and
     ``release_freed_memory`` must (the memory-bound setting)."""
     import learner.trainer

@@ -10,8 +10,33 @@ from typing import Any
 from bench.paper import lib
 from bench.paper.config import ROLLOUT_KEYS, PaperConfig
 from bench.paper.phases import Phase
+from bench.paper.specs import AuditSpec, CollectSpec, EvalSpec, TrainSpec
 
-__all__ = ["Refs"]
+__all__ = ["Refs", "weight_source", "weights_read"]
+
+SELECTS = {"sft": "select-sft", "grpo": "select-grpo", "grpo-r1": "grpo-r1-select", "warm": "select-warm"}
+"""Weight references resolved by a choice: the select phase whose record names the weights."""
+
+
+def weight_source(ref: str) -> str | None:
+    """The phase whose record names the weights ``ref`` reads; ``None`` for the shipped base model."""
+    if ref == "base":
+        return None
+    if ref in SELECTS:
+        return SELECTS[ref]
+    if ref.startswith("grpo-r"):
+        return f"{ref}-train"
+    return ref.removeprefix("train:").partition("@")[0]
+
+
+def weights_read(spec: Any) -> list[str]:
+    """The weight references a phase's spec loads: a collection's, evaluation's or audit's ``model``, a
+    training's ``start``; a choice or the probe (the base model) loads none that a phase wrote."""
+    if isinstance(spec, TrainSpec):
+        return [spec.start]
+    if isinstance(spec, CollectSpec | EvalSpec | AuditSpec):
+        return [spec.model]
+    return []
 
 
 class Refs:
@@ -35,12 +60,7 @@ class Refs:
         """The weights directory a reference names (see ``bench/paper/phases.py``)."""
         if ref == "base":
             return self.ctx.base_model
-        select = {
-            "sft": "select-sft",
-            "grpo": "select-grpo",
-            "grpo-r1": "grpo-r1-select",
-            "warm": "select-warm",
-        }.get(ref)
+        select = SELECTS.get(ref)
         if select:
             return Path(self._need(select)["weights"])
         if ref.startswith("grpo-r"):

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from bench.paper import carry, lib
+from bench.paper import carry, lib, refs
 from bench.paper.config import PaperConfig
 from bench.paper.phases import GRPO_ROUND_SEEDS, Phase, comparisons_of, plan
 from bench.paper.report import write_report
@@ -238,9 +238,12 @@ class Runner:
             carry.save_state(self.work, self.results, self.cfg.name)
 
     async def _rebuild_inputs(self, phase: Phase, steps: Steps) -> None:
-        """Train again every restored training whose weights ``phase`` reads and that is not on disk."""
+        """Train again every restored training whose weights ``phase`` loads and that is not on disk: only
+        those its spec reads (``refs.weights_read``), not every training its dependencies name (a
+        dependency on ``select-sft`` for the room variant must not retrain the chosen SFT)."""
         by_name = {p.name: p for p in self.state.plan}
-        for dep in phase.deps:
+        sources = {refs.weight_source(ref) for ref in refs.weights_read(phase.spec)} - {None}
+        for dep in sorted(s for s in sources if s is not None):
             for path in carry.weight_paths(self.state.phases.get(dep, {})):
                 if path.exists():
                     continue

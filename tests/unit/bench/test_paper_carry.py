@@ -16,7 +16,7 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from bench.paper.carry import state_dir
-from bench.paper.config import PaperConfig
+from bench.paper.config import PaperConfig, load_paper_config
 from bench.paper.phases import EvalSpec, Phase, SelectSpec, TrainSpec
 from bench.paper.runner import Runner
 from tests.unit.bench.conftest import FakeSteps
@@ -113,3 +113,22 @@ def test_a_rebuild_with_other_losses_is_recorded_as_differing(small_cfg: PaperCo
     assert not agreement["agrees"] and abs(agreement["max_loss_diff"] - 0.01) < 1e-9
     on_disk = json.loads((tmp_path / "w2" / rebuilt[0] / "done.json").read_text())
     assert on_disk["rebuilds"] == [agreement]
+
+
+def test_a_dependency_for_the_room_variant_does_not_retrain_the_chosen_sft(tmp_path: Path) -> None:
+    """The effect protocol's warm start trains from Base; it depends on ``select-sft`` only for the room
+    variant and the demonstration count. A new working period that resumes after ``labels`` must not
+    retrain the chosen SFT (about 12 minutes a period on 2 cores for weights nothing reads): no restored
+    phase runs again, and every later one finishes."""
+    from tests.unit.bench.test_paper_effect import TOML
+
+    (tmp_path / "fx.toml").write_text(TOML, encoding="utf-8")
+    cfg, results = load_paper_config(tmp_path / "fx.toml"), tmp_path / "results"
+    first, _ = _stage(cfg, tmp_path / "w1", results, stop_after="labels")
+    assert "select-sft" in first.state.phases and "warm-train" not in first.state.phases
+    shutil.rmtree(tmp_path / "w1")
+
+    second, steps = _stage(cfg, tmp_path / "w2", results)
+    assert [c for c in steps.calls if c in second.restored] == []
+    assert steps.calls[0] == "warm-train"
+    assert not second.state.failed and not second.state.blocked

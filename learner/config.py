@@ -130,8 +130,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     activation_checkpointing: bool = False
     """Keep only each decoder layer's input from the forward and recompute the layer in the backward
     (transformers' ``activation_checkpointing_enable``): one more forward of compute for much less memory.
-    SmolLM2-135M, cpu preset, 2 steps (``bench/learner_memory.py``), both with ``release_freed_memory``:
-    peak RSS 5.06 GB off, 3.20 GB on (6.17 GB before the chunked LM head). Off by default on CPU, where
+    SmolLM2-135M, cpu preset, 2 steps, 1 thread (``bench/learner_memory.py``, 2026-12-03), both with
+    ``release_freed_memory``: peak RSS 5.17 GB off, 3.31 GB on at 1.33x the step time (6.27 GB for the
+    default, neither). Off by default on CPU, where
     step time is the constraint; turn it on where memory is (a 7B policy on GPU)."""
     release_freed_memory: bool = False
     """Pin glibc's mmap threshold (``learner/memory.py``) so freed activation blocks go back to the OS at

@@ -36,11 +36,12 @@ import datetime, json, os, sys
 out, commit, setup, run, test, report, run_rc, test_rc, test_log, load_before, host, approx = sys.argv[1:]
 summary = [line for line in open(test_log).read().splitlines() if " passed" in line or "FAILED" in line][-12:]
 r = json.load(open(report)) if os.path.exists(report) else {}
-passk = {c["k"]: [c["diff"], c["lo"], c["hi"]] for c in r.get("comparisons", [])}
+passk = {c["k"]: [c["diff"], c["lo"], c["hi"]] for c in r.get("comparisons", [])}  # after - before
+parts = {p["part"]: {d["k"]: [d["diff"], d["lo"], d["hi"]] for d in p["diffs"]} for p in r.get("parts", [])}
 data = {
     "date": datetime.date.today().isoformat(), "commit": commit, "cores": os.cpu_count(),
     "loadavg_before": [float(x) for x in load_before.split()], "loadavg_after": os.getloadavg(), "setup_s": int(setup), "make_run_s": int(run), "make_test_s": int(test),
-    "make_run_stage_s": r.get("timings", {}), "make_run_passk_diff": passk,
+    "make_run_stage_s": r.get("timings", {}), "make_run_passk_diff": passk, "make_run_parts": parts,
     "host": json.loads(host), "approximation": approx == "1",
     "make_run_rc": int(run_rc), "make_test_rc": int(test_rc), "make_test_summary": summary,
 }

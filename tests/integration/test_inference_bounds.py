@@ -12,6 +12,7 @@ off the event loop (``/health`` answers meanwhile), and a body nested too deep t
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 
@@ -21,7 +22,7 @@ import pytest
 from actors.client import SGLangClient
 from actors.engine import EngineError, SamplingParams
 from services.inference.api import MAX_N, MAX_PROMPTS, MAX_SEQUENCES, MAX_TEXT_CONTEXTS
-from services.inference.local import start_in_thread
+from services.inference.local import ServerThread, start_in_thread
 from services.inference.server import InferenceConfig
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
@@ -30,12 +31,17 @@ NOTHING = {"max_new_tokens": 0}  # finished at once: before the bounds, these re
 
 
 @pytest.fixture(scope="module")
-def url() -> Iterator[str]:
+def url_handle() -> Iterator[ServerThread]:
     handle = start_in_thread(InferenceConfig(model="tiny", port=0, threads=1))
     try:
-        yield handle.url
+        yield handle
     finally:
         handle.stop()
+
+
+@pytest.fixture
+def url(url_handle: ServerThread) -> str:
+    return url_handle.url
 
 
 async def test_n_prompts_and_sequences_are_bounded(url: str) -> None:
@@ -87,23 +93,47 @@ async def test_a_requests_texts_together_are_bounded_before_any_is_tokenized(url
             await client.generate_raw({"text": ["word " * (per // 5)] * fits, "sampling_params": NOTHING})
 
 
-async def test_health_answers_while_a_large_request_is_tokenized(url: str) -> None:
-    """While the largest allowed text request (about a second of tokenizing) is parsed, ``/health`` answers
-    in well under its duration: tokenizing runs off the event loop."""
+class _HeldTokenizer:
+    """The server's tokenizer, held at its first ``encode`` until the test releases it: a tokenization that
+    lasts as long as the test needs, on any machine (a timed one took 0.2 s on a fast CI host, too short
+    to tell off-loop from on-loop)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner, self.entered, self.release = inner, threading.Event(), threading.Event()
+
+    def encode(self, text: str) -> list[int]:
+        self.entered.set()
+        if not self.release.wait(60):
+            raise TimeoutError("the test never released the held tokenizer")
+        return self.inner.encode(text)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+async def test_health_answers_while_a_large_request_is_tokenized(url_handle: ServerThread) -> None:
+    """While the largest allowed text request is being tokenized (held mid-``encode``), ``/health``
+    answers: tokenizing runs off the event loop. On the loop, the probe would wait for the release and
+    time out."""
+    server = url_handle.server
+    assert server is not None
+    held = _HeldTokenizer(server._tokenizer)
+    server._tokenizer = held
     fits = MAX_TEXT_CONTEXTS * TINY_MAX_TEXT // 160_000
     body = {"text": ["word " * 32_000] * fits, "sampling_params": NOTHING}
-    async with SGLangClient(url) as client, aiohttp.ClientSession() as s:
-        started = time.monotonic()
-        tokenizing = asyncio.create_task(client.generate_raw(body))
-        await asyncio.sleep(0.05)
-        probe = time.monotonic()
-        async with s.get(f"{url}/health") as r:
-            assert r.status == 200
-        answered = time.monotonic() - probe
-        with pytest.raises(EngineError, match="HTTP 400"):
-            await tokenizing
-        took = time.monotonic() - started
-    assert answered < 0.25 < took / 2, (answered, took)
+    try:
+        async with SGLangClient(url_handle.url) as client, aiohttp.ClientSession() as s:
+            tokenizing = asyncio.create_task(client.generate_raw(body))
+            assert await asyncio.to_thread(held.entered.wait, 30), "the request never reached the tokenizer"
+            async with s.get(f"{url_handle.url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                assert r.status == 200
+            assert not tokenizing.done()
+            held.release.set()
+            with pytest.raises(EngineError, match=r"HTTP 400.*longer than the model's context length"):
+                await tokenizing
+    finally:
+        held.release.set()
+        server._tokenizer = held.inner
 
 
 async def test_a_body_nested_too_deep_is_a_400(url: str) -> None:

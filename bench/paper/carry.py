@@ -19,7 +19,7 @@ checked to be the ones the recorded results were measured with, as far as a loss
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,16 +69,19 @@ def save_state(work: Path, results: Path, name: str) -> int:
     return n
 
 
-def restore_state(work: Path, results: Path, name: str) -> list[str]:
-    """Write the carried records whose phase has no record in ``work`` (a fresh checkout) with their
-    paths in this work and results dir; the protocol and invocations too when ``work`` has none. Returns
-    the restored phases (their weights are not on disk: :class:`~bench.paper.runner.Runner` rebuilds them
-    when needed)."""
+def restore_state(
+    work: Path, results: Path, name: str, phases: Collection[str] | None = None, files: bool = True
+) -> list[str]:
+    """Write the carried records of ``name`` (only ``phases``, when given) whose phase has no record in
+    ``work`` (a fresh checkout) with their paths in this work and results dir; with ``files``, the protocol
+    and invocations too when ``work`` has none. Returns the restored phases (their weights are not on
+    disk: :class:`~bench.paper.runner.Runner` rebuilds them when needed). Another experiment's records
+    (``effect.inherit``) keep naming its logs, and their weights move into this work dir."""
     src = state_dir(results, name)
     if not src.is_dir():
         return []
     work.mkdir(parents=True, exist_ok=True)
-    for f in _FILES:
+    for f in _FILES if files else ():
         if (src / f).is_file() and not (work / f).is_file():
             (work / f).write_text(_rerooted((src / f).read_text(encoding="utf-8"), work, results), "utf-8")
     restored = []
@@ -86,6 +89,8 @@ def restore_state(work: Path, results: Path, name: str) -> list[str]:
         if record.name in _FILES:
             continue
         phase = record.stem
+        if phases is not None and phase not in phases:
+            continue
         done = work / phase / "done.json"
         if done.is_file():
             continue

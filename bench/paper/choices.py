@@ -35,6 +35,8 @@ class Choices(Refs):
             return self._select_sft(spec.candidates)
         if spec.what == "warm":
             return self._select_warm(spec.candidates)
+        if spec.what == "rooms":
+            return self._select_rooms(spec.candidates)
         if spec.what == "grpo-lr":
             cands = []
             for v in spec.candidates:
@@ -97,8 +99,40 @@ class Choices(Refs):
             choice, cands, epochs=choice.chosen.epochs, weights=str(weights), val_phase=choice.chosen.name
         )
 
+    def _select_rooms(self, vals: list[str]) -> dict[str, Any]:
+        """The rows' rooms: the warm start on each candidate variant's validation slice, chosen by the SFT
+        rule (in format, Pass@1 in range nearest the target, Pass@k at the largest k <= warm.max_passk)."""
+        cands = []
+        for v in vals:
+            spec = self.by_name[v].spec
+            assert isinstance(spec, EvalSpec)
+            if self.done(v) is not None:
+                cands.append(self.candidate(v, variant=spec.variant))
+        w = self.cfg.warm
+        choice = choose_sft(
+            cands,
+            max_parse_failure=w.max_parse_failure,
+            pass1_range=w.pass1_range,
+            pass1_target=w.pass1_target,
+            max_passk=w.max_passk,
+        )
+        c = choice.chosen
+        return self._choice(
+            choice,
+            cands,
+            variant=c.variant,
+            env_options=dict(self.cfg.room_variant(c.variant)),
+            weights=str(self.weights("warm")),
+            val_phase=c.name,
+        )
+
     def _select_grpo(self, rounds: list[str], start_ref: str = "sft") -> dict[str, Any]:
-        origin = self._need("select-warm" if start_ref == "warm" else "select-sft")
+        """GRPO's round, against its start on the same validation slice: the warm start's choice, or, when
+        the rows run on other rooms than the warm start's own (``select-rooms``), its validation there."""
+        rooms = start_ref == "warm" and "select-rooms" in self.by_name
+        origin = self._need(
+            "select-rooms" if rooms else "select-warm" if start_ref == "warm" else "select-sft"
+        )
         start = self.candidate(origin["val_phase"], round=0)
         first = self._need(rounds[0])
         cands = [self.candidate(first["chosen"], round=1, lr=float(first["lr"]))]

@@ -153,6 +153,8 @@ class PaperConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     name: str
     """Scale name: run-id prefix ``pt-<name>``, work dir ``runs/paper/<name>``, logs under
     ``bench/results/paper_logs/<name>/``."""
+    extends: str = ""
+    """A scale whose TOML this one's values override (``bench/paper_<extends>.toml`` is read first)."""
     report_name: str = "paper_table"
     """File stem of the report under ``--results``."""
     protocol: Literal["table", "effect"] = "table"
@@ -253,6 +255,8 @@ class PaperConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         ranges = [("demonstration", demos), ("RL", rl)]
         if self.protocol == "effect":
             fx = self.effect
+            same = sorted(set(fx.rooms) & set(self.warm.variants))
+            require(not same, "effect.rooms", same, "names already used by warm.variants")
             labels = range(fx.label_offset, fx.label_offset + fx.label_tasks)
             audit = range(fx.audit_offset, fx.audit_offset + fx.audit_tasks)
             ranges += [("label", labels), ("audit", audit)]
@@ -278,6 +282,14 @@ class PaperConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         """Run-id prefix of every run of this experiment."""
         return f"pt-{self.name}"
 
+    def room_variant(self, name: str) -> Options:
+        """A room variant's options, from the warm start's (``warm.variants``) or the rows' candidates
+        (``effect.rooms``)."""
+        known = {**self.warm.variants, **self.effect.rooms}
+        if name not in known:
+            raise KeyError(f"unknown room variant {name!r}; known: {', '.join(known)}")
+        return known[name]
+
     @property
     def max_demos(self) -> int:
         """Demonstrations collected per room variant."""
@@ -293,10 +305,22 @@ def scale_path(scale: str) -> Path:
     return path
 
 
+def _chain(path: Path) -> list[Path]:
+    """``path`` after the TOML files its ``extends`` names, in the order they are read."""
+    from services.config import read_toml
+
+    out = [path]
+    while parent := str(read_toml(str(out[0])).get("extends", "")):
+        out.insert(0, scale_path(parent))
+        if out[0] in out[1:]:
+            raise ValueError(f"extends loops: {' -> '.join(str(p) for p in out)}")
+    return out
+
+
 def load_paper_config(path: Path, overrides: dict[str, Any] | None = None) -> PaperConfig:
     """The experiment in TOML ``path`` with dotted ``overrides`` on top (validated; errors name the field).
     A config named ``full`` must have the power the issue asks for (:data:`FULL_POWER`)."""
-    cfg = load_config(PaperConfig, files=[path], overrides=overrides)
+    cfg = load_config(PaperConfig, files=_chain(path), overrides=overrides)
     tasks, samples = FULL_POWER
     if cfg.name == "full" and (cfg.test_tasks < tasks or cfg.eval_samples < samples):
         raise ValueError(

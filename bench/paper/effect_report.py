@@ -86,6 +86,38 @@ def _warm_start_lines(state: Any) -> list[str]:
     return out or ["(not trained yet)"]
 
 
+def _rooms_lines(cfg: PaperConfig, state: Any) -> list[str]:
+    """The rows' rooms (``effect.rooms``): the warm start on each candidate's validation slice, the choice."""
+    if not cfg.effect.rooms:
+        return []
+    out = [
+        "## The rows' rooms (the warm start on each candidate's validation slice)",
+        "",
+        *(
+            [f"Warm start taken from `{cfg.effect.inherit}` (its records and logs)."]
+            if cfg.effect.inherit
+            else []
+        ),
+        "",
+        "| candidate | room variant | val Pass@1 | val Pass@k (largest k) | parse fail | status |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, options in cfg.effect.rooms.items():
+        phase = f"val-rooms-{name}"
+        v = state.phases.get(phase)
+        if v is None:
+            out.append(f"| {phase} | {name} {dict(options)} | | | | {t.phase_status(state, phase)} |")
+            continue
+        top = str(max(map(int, v["passk"])))
+        out.append(
+            f"| {phase} | {name} {dict(options)} | {t.pct(v['passk']['1'])} | {t.pct(v['passk'][top])} (k={top}) "
+            f"| {t.pct(v['parse_failure_rate'])} | done |"
+        )
+    sel = state.phases.get("select-rooms")
+    out += ["", f"Choice: **{sel['variant']}**: {sel['why']}." if sel else "Choice: not made yet.", ""]
+    return out
+
+
 def _cf_lines(state: Any) -> list[str]:
     lines = ["| training | start | samples | kinds | steps | epochs |", "|---|---|---|---|---|---|"]
     for p in state.plan:
@@ -125,6 +157,7 @@ def render_effect(cfg: PaperConfig, state: Any, comparison_lines: list[str], pro
         "",
         *comparison_lines,
         "",
+        *_rooms_lines(cfg, state),
         "## The follow audit (the gate)",
         "",
         *_audit_lines(state),

@@ -126,10 +126,13 @@ def warm_phases(cfg: PaperConfig) -> list[Phase]:
     return [*out, _s("select-sft", stage, "sft", vals)]
 
 
-def grpo_phases(cfg: PaperConfig, start: str = "sft", after: tuple[str, ...] = ()) -> list[Phase]:
-    """GRPO rounds from ``start`` (a weights reference), the round chosen on validation, its test row."""
-    g, stage = cfg.grpo, "GRPO"
-    first = _c("grpo-r1-collect", stage, mode="rollout", model=start, tasks="rl", samples=g.group)
+def grpo_phases(
+    cfg: PaperConfig, start: str = "sft", after: tuple[str, ...] = (), variant: str = ""
+) -> list[Phase]:
+    """GRPO rounds from ``start`` (a weights reference), the round chosen on validation, its test row; on
+    the room variant ``variant`` (empty: ``select-sft``'s)."""
+    g, stage, rooms = cfg.grpo, "GRPO", {"variant": variant} if variant else {}
+    first = _c("grpo-r1-collect", stage, mode="rollout", model=start, tasks="rl", samples=g.group, **rooms)
     out = [msgspec.structs.replace(first, after=list(after))]
     vals = []
     for i, lr in enumerate(g.lrs):
@@ -138,14 +141,23 @@ def grpo_phases(cfg: PaperConfig, start: str = "sft", after: tuple[str, ...] = (
             _t(train, stage, data="grpo-r1-collect", materializer="grpo", start=start, lr=lr, epochs=g.epochs)
         )
         vals.append(f"grpo-r1-val-lr{i}")
-        out.append(_e(vals[-1], stage, model=f"train:{train}", split="val"))
+        out.append(_e(vals[-1], stage, model=f"train:{train}", split="val", **rooms))
     out.append(_s("grpo-r1-select", stage, "grpo-lr", vals))
     rounds = ["grpo-r1-select"]
     for r in range(2, g.rounds + 1):
         prev, data = f"grpo-r{r - 1}", f"grpo-r{r}-collect"
         seeds = (r - 1) * GRPO_ROUND_SEEDS
         out.append(
-            _c(data, stage, mode="rollout", model=prev, tasks="rl", samples=g.group, seed_offset=seeds)
+            _c(
+                data,
+                stage,
+                mode="rollout",
+                model=prev,
+                tasks="rl",
+                samples=g.group,
+                seed_offset=seeds,
+                **rooms,
+            )
         )
         out.append(
             _t(
@@ -159,8 +171,12 @@ def grpo_phases(cfg: PaperConfig, start: str = "sft", after: tuple[str, ...] = (
             )
         )
         rounds.append(f"grpo-r{r}-val")
-        out.append(_e(rounds[-1], stage, model=f"train:grpo-r{r}-train", split="val"))
-    return [*out, _s("select-grpo", stage, "grpo", rounds, start=start), _test("grpo", "grpo", stage)]
+        out.append(_e(rounds[-1], stage, model=f"train:grpo-r{r}-train", split="val", **rooms))
+    return [
+        *out,
+        _s("select-grpo", stage, "grpo", rounds, start=start),
+        _test("grpo", "grpo", stage, **rooms),
+    ]
 
 
 def _methods(cfg: PaperConfig) -> list[Phase]:

@@ -10,7 +10,7 @@ from typing import Any
 from bench.paper import lib
 from bench.paper.config import ROLLOUT_KEYS, PaperConfig
 from bench.paper.phases import Phase
-from bench.paper.specs import AuditSpec, CollectSpec, EvalSpec, TrainSpec
+from bench.paper.specs import ROOMS, AuditSpec, CollectSpec, EvalSpec, TrainSpec
 
 __all__ = ["Refs", "weight_source", "weights_read"]
 
@@ -72,12 +72,15 @@ class Refs:
         return Path(result["epoch_weights"][epoch] if epoch else result["final"])
 
     def variant(self, name: str) -> str:
-        """A room variant's name; empty = the one ``select-sft`` chose."""
+        """A room variant's name; empty = the one ``select-sft`` chose, ``@rooms`` the one ``select-rooms``
+        chose."""
+        if name == ROOMS:
+            return str(self._need("select-rooms")["variant"])
         return name or str(self._need("select-sft")["variant"])
 
     def env_options(self, variant: str) -> dict[str, Any]:
         """Env options of a room variant (empty = the chosen one), without its rollout keys."""
-        v = self.cfg.warm.variants[self.variant(variant)]
+        v = self.cfg.room_variant(self.variant(variant))
         return {k: x for k, x in v.items() if k not in ROLLOUT_KEYS}
 
     def task_ids(self, split: str, offset: int, count: int, options: Mapping[str, Any]) -> list[str]:
@@ -101,7 +104,7 @@ class Refs:
 
     def _rollout(self, variant: str = "") -> dict[str, Any]:
         """Horizon and history window: the config's, unless the room variant sets its own."""
-        v = self.cfg.warm.variants[self.variant(variant)]
+        v = self.cfg.room_variant(self.variant(variant))
         base = {"horizon": self.cfg.horizon, "history_window": self.cfg.history_window}
         return {**base, **{k: x for k, x in v.items() if k in ROLLOUT_KEYS}}
 

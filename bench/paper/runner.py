@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from bench.paper import carry, lib, refs
+from bench.paper import carry, effect, lib, refs
 from bench.paper.config import PaperConfig
 from bench.paper.phases import GRPO_ROUND_SEEDS, Phase, comparisons_of, plan
 from bench.paper.report import write_report
@@ -106,7 +106,46 @@ def _effect_protocol(cfg: PaperConfig) -> dict[str, Any]:
         "row_steps": fx.row_steps,
         "explorer": dict(fx.explorer),
         "warm_start": "Base + (demonstrations, reflect and follow samples); epoch: best validation Pass@1",
+        **({"rooms": {k: dict(v) for k, v in fx.rooms.items()}} if fx.rooms else {}),
+        **({"inherit": fx.inherit} if fx.inherit else {}),
     }
+
+
+INHERITED_KEYS = (
+    "env",
+    "model",
+    "validation",
+    "demonstrations",
+    "room_variants",
+    "horizon",
+    "seeds",
+    "selection",
+)
+"""What an ``effect.inherit`` experiment's protocol must share with the registered one of the experiment
+whose warm start it takes (and the effect keys below): everything that warm start was made with."""
+
+_INHERITED_EFFECT_KEYS = ("label_rooms", "warm_start")
+
+
+def check_inherited(results: Path, cfg: PaperConfig) -> dict[str, Any]:
+    """The registered protocol of ``cfg.effect.inherit`` (from its carried state), once it is known to agree
+    with ``cfg`` on what the inherited warm start depends on; a ``ValueError`` naming what differs."""
+    parent = cfg.effect.inherit
+    path = carry.state_dir(results, parent) / "protocol.json"
+    if not path.is_file():
+        raise ValueError(f"effect.inherit = {parent!r}: no registered protocol at {path}")
+    old = json.loads(path.read_text(encoding="utf-8"))["protocol"]
+    now = protocol_of(cfg)
+    moved = [k for k in INHERITED_KEYS if now.get(k) != old.get(k)]
+    moved += [
+        f"effect.{k}" for k in _INHERITED_EFFECT_KEYS if now["effect"].get(k) != old.get("effect", {}).get(k)
+    ]
+    if moved:
+        raise ValueError(
+            f"effect.inherit = {parent!r}: its registered protocol differs in {', '.join(moved)}; "
+            "its warm start was made with other settings"
+        )
+    return dict(old)
 
 
 def check_protocol(path: Path, cfg: PaperConfig) -> dict[str, Any]:
@@ -163,8 +202,15 @@ class Runner:
         self.carried = carried
         """Carry the phase records in the repository (``bench/paper/carry.py``): restore them before the
         first phase, save them after each."""
+        self.inherited = effect.inherited(cfg)
+        """Phases taken from ``cfg.effect.inherit``'s experiment: never run here."""
+        if self.inherited:
+            check_inherited(results, cfg)
         self.restored = carry.restore_state(work, results, cfg.name) if carried else []
         """Phases whose record came from an earlier working period (their weights are not on disk)."""
+        if carried and self.inherited:
+            parent = cfg.effect.inherit
+            self.restored += carry.restore_state(work, results, parent, phases=self.inherited, files=False)
         self.rebuilt: set[str] = set()
         protocol = check_protocol(work / "protocol.json", cfg) if register else {"protocol": protocol_of(cfg)}
         self.state = State(plan=plan(cfg), protocol=protocol)
@@ -184,6 +230,8 @@ class Runner:
             (self.results / f"{self.cfg.report_name}_repro.sh").write_text(script, encoding="utf-8")
 
     def _why_blocked(self, phase: Phase) -> str:
+        if phase.name in self.inherited:
+            return f"taken from {self.cfg.effect.inherit!r} (effect.inherit), which has no record of it"
         for dep in phase.deps:
             if dep not in self.state.phases:
                 return f"needs {dep} ({'failed' if dep in self.state.failed else 'not finished'})"

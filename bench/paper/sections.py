@@ -160,8 +160,20 @@ class EffectConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Weight of L_reh in LEAFE."""
     rehearsal_fraction: float = 0.2
     """Share of successful paths kept for D_reh (the paper's 20% of successful rollouts)."""
+    rooms: dict[str, Options] = msgspec.field(default_factory=dict)
+    """Room variants the follow audit and every row may run on instead of the warm start's own, chosen on
+    validation with the warm start (``select-rooms``: warm.max_passk at the largest k, Pass@1 in
+    warm.pass1_range nearest warm.pass1_target). Empty: the rows run on ``select-sft``'s rooms."""
+    inherit: str = ""
+    """Another ``effect`` experiment (its name) whose warm start, every phase up to ``select-warm``, this one
+    takes instead of running its own: the records and logs committed under
+    ``bench/results/paper_logs/<inherit>/``, the weights rebuilt from them. Its registered protocol must
+    agree on everything the warm start depends on (checked at start). Needs ``rooms``."""
 
     def __post_init__(self) -> None:
+        for name in self.rooms:
+            require(name.replace("-", "").replace("_", "").isalnum(), "effect.rooms", name, "key-safe name")
+        require(not self.inherit or bool(self.rooms), "effect.inherit", self.inherit, "needs effect.rooms")
         for name in (
             "label_tasks",
             "label_samples",

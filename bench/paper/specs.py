@@ -11,6 +11,7 @@ from typing import Any, Literal
 import msgspec
 
 __all__ = [
+    "ROOMS",
     "AuditSpec",
     "CollectSpec",
     "EvalSpec",
@@ -24,6 +25,10 @@ __all__ = [
 ]
 
 Options = dict[str, Any]
+
+ROOMS = "@rooms"
+"""The room variant ``select-rooms`` chose (the ``effect`` protocol's ``effect.rooms``), as a phase's
+``variant``."""
 
 
 class CollectSpec(msgspec.Struct, frozen=True, kw_only=True, tag="collect"):
@@ -41,7 +46,7 @@ class CollectSpec(msgspec.Struct, frozen=True, kw_only=True, tag="collect"):
     match_actions_of: str = ""
     """Size the samples per task to this collection's policy actions (Table 3's equal budget)."""
     variant: str = ""
-    """Room variant; empty = the one ``select-sft`` chose."""
+    """Room variant; empty = the one ``select-sft`` chose, :data:`ROOMS` = the one ``select-rooms`` chose."""
     explorer: Options = msgspec.field(default_factory=dict)
     """``ExplorerConfig`` overrides."""
     demo: Options = msgspec.field(default_factory=dict)
@@ -101,7 +106,7 @@ class EvalSpec(msgspec.Struct, frozen=True, kw_only=True, tag="eval"):
     split: Literal["val", "test"]
     """``val``: the validation slice of the train split; ``test``: the held-out tasks."""
     variant: str = ""
-    """Room variant; empty = the chosen one."""
+    """Room variant; empty = the one ``select-sft`` chose, :data:`ROOMS` = the one ``select-rooms`` chose."""
     seed_offset: int = 0
     """Added to the split's sampling seed (the noise check)."""
     rollout: Options = msgspec.field(default_factory=dict)
@@ -113,7 +118,7 @@ class EvalSpec(msgspec.Struct, frozen=True, kw_only=True, tag="eval"):
 class SelectSpec(msgspec.Struct, frozen=True, kw_only=True, tag="select"):
     """A choice made on validation results only (``bench/paper/select.py``)."""
 
-    what: Literal["sft", "grpo-lr", "grpo", "warm"]
+    what: Literal["sft", "grpo-lr", "grpo", "warm", "rooms"]
     """What is chosen."""
     candidates: list[str]
     """Validation phases (or, for ``grpo``, round 1's select phase) compared."""
@@ -174,6 +179,12 @@ def _model_deps(ref: str) -> list[str]:
     raise ValueError(f"unknown weights reference {ref!r}")
 
 
+def _variant_deps(variant: str) -> list[str]:
+    if variant == ROOMS:
+        return ["select-rooms"]
+    return [] if variant else ["select-sft"]
+
+
 def refs_of(spec: Spec) -> list[str]:
     """The phases ``spec`` depends on, in a stable order without repeats."""
     deps: list[str] = []
@@ -181,14 +192,15 @@ def refs_of(spec: Spec) -> list[str]:
     if isinstance(spec, CollectSpec):
         deps += _model_deps(spec.model)
         deps += [spec.match_actions_of] if spec.match_actions_of else []
-        deps += [chosen] if not spec.variant or spec.tasks == "demos-chosen" else []
+        deps += [chosen] if spec.tasks == "demos-chosen" else []
+        deps += _variant_deps(spec.variant)
     elif isinstance(spec, TrainSpec):
         deps += [chosen] if spec.data == "demos:chosen" else [spec.data]
         deps += [part.data for part in spec.mix] + _model_deps(spec.start)
         deps += ["grpo-r1-select"] if spec.lr == "grpo" else []
         deps += [chosen] if "sft" in (spec.epochs, spec.demos) else []
     elif isinstance(spec, EvalSpec):
-        deps += _model_deps(spec.model) + ([] if spec.variant else [chosen])
+        deps += _model_deps(spec.model) + _variant_deps(spec.variant)
     elif isinstance(spec, SelectSpec):
         deps += spec.candidates + (_model_deps(spec.start) if spec.what == "grpo" else [])
     elif isinstance(spec, AuditSpec):

@@ -231,11 +231,13 @@ class Steps(Choices):
         model = self.weights(spec.model)
         tag = weights_tag(model)
         await lib.load_weights(self.ctx, model, tag)
+        data = self._need(spec.data)
+        variant = str(data.get("variant", ""))  # the rooms the audited trees ran on
         out = await audit_phase(
             self.ctx,
-            log=Path(self._need(spec.data)["log_file"]),
-            env_options=self.env_options(""),
-            rollout=self._rollout(""),
+            log=Path(data["log_file"]),
+            env_options=self.env_options(variant),
+            rollout=self._rollout(variant),
             samples=self.cfg.effect.audit_samples,
             gate=self.cfg.effect.follow_gate,
             seed=self.cfg.seed,

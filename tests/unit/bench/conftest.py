@@ -123,6 +123,15 @@ def _select(spec: SelectSpec) -> dict[str, Any]:
         return {**base, "lr": 1e-5, "weights": "w/f", "round": 1}
     if spec.what == "warm":
         return {**base, "epochs": 1, "weights": "w/1", "val_phase": spec.candidates[0]}
+    if spec.what == "rooms":
+        variant = spec.candidates[0].removeprefix("val-rooms-")
+        return {
+            **base,
+            "variant": variant,
+            "env_options": {},
+            "weights": "w/1",
+            "val_phase": spec.candidates[0],
+        }
     return {**base, "round": 1, "weights": "w/f", "beats_start": False, "curve": []}
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -307,10 +309,37 @@ class Runner:
                 if producer is not None and producer not in self.rebuilt:
                     await self._rebuild(by_name[producer], steps)
 
+    def _link_inherited(self, name: str) -> bool:
+        """An inherited training whose weights the other experiment's work dir on this machine still holds
+        (``runs/paper/<inherit>/``, a machine that kept its disk): hard-linked into this work dir instead
+        of trained again, when that run's record has the same loss curve. Whether it did."""
+        parent = self.work.parent / self.cfg.effect.inherit
+        local = lib.phase_done(parent, name)
+        record = self.state.phases[name]
+        if name not in self.inherited or local is None:
+            return False
+        agreement = carry.loss_agreement(record, local, tol=0.0)
+        targets = carry.weight_paths(record)
+        sources = [parent.resolve() / t.relative_to(self.work.resolve()) for t in targets]
+        if not agreement["agrees"] or not all(src.is_dir() for src in sources):
+            return False
+        for src, dst in zip(sources, targets, strict=True):
+            if not dst.exists():
+                shutil.copytree(src, dst, copy_function=os.link)
+        print(f"[paper_table] {name}: weights linked from {parent} (same loss curve)", flush=True)
+        self._save(
+            name,
+            {**record, "rebuilds": [*record.get("rebuilds", []), {**agreement, "linked_from": str(parent)}]},
+        )
+        return True
+
     async def _rebuild(self, phase: Phase, steps: Steps) -> None:
         """Train ``phase`` again (its inputs first) from the committed logs; the same weight paths, and
-        the loss curve compared with the recorded one (``rebuilds`` in its result)."""
+        the loss curve compared with the recorded one (``rebuilds`` in its result). An inherited training
+        still on this machine's disk is linked instead (:meth:`_link_inherited`)."""
         self.rebuilt.add(phase.name)
+        if self._link_inherited(phase.name):
+            return
         await self._rebuild_inputs(phase, steps)
         print(f"[paper_table] rebuilding {phase.name} from the committed logs ...", flush=True)
         old = self.state.phases[phase.name]

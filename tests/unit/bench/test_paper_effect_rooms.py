@@ -168,3 +168,36 @@ def test_the_committed_effect_registration_is_unchanged_and_effect_hard_may_inhe
     assert (hard.training, hard.serving, hard.warm) == (effect.training, effect.serving, effect.warm)
     assert hard.effect.inherit == "effect" and len(hard.effect.rooms) >= 2 and hard.name == "effect-hard"
     assert all(v["history_window"] == 2 for v in hard.effect.rooms.values())  # W's prompt format
+
+
+def test_inherited_weights_still_on_this_disk_are_linked_not_trained_again(tmp_path: Path) -> None:
+    """A machine that kept the other experiment's work dir (``runs/paper/fx`` beside ``runs/paper/fxh``):
+    the warm start's weights are hard-linked from it (same loss curve), not trained again; a local record
+    with another loss curve is not trusted, and the training is rebuilt from the logs."""
+    results, paper = tmp_path / "results", tmp_path / "paper"
+    cfg = _load(tmp_path, TOML)
+    parent = Runner(cfg, paper / "fx", results, 1e18, carried=True)
+    psteps = WritingSteps(paper / "fx", parent.state.plan, stop_after="select-warm")
+    psteps.runner = parent
+    asyncio.run(parent.run(psteps))
+    marker = paper / "fx" / "warm-train" / "e1" / "weights.bin"
+    marker.write_bytes(b"w")
+
+    child = _child(tmp_path)
+    runner = Runner(child, paper / "fxh", results, 1e18, carried=True)
+    steps = WritingSteps(paper / "fxh", runner.state.plan, stop_after="select-rooms")
+    steps.runner = runner
+    asyncio.run(runner.run(steps))
+    assert "warm-train" not in steps.calls and "val-rooms-long" in steps.calls
+    linked = paper / "fxh" / "warm-train" / "e1" / "weights.bin"
+    assert linked.read_bytes() == b"w" and linked.stat().st_ino == marker.stat().st_ino
+    assert runner.state.phases["warm-train"]["rebuilds"][-1]["linked_from"].endswith("fx")
+
+    done = paper / "fx" / "warm-train" / "done.json"
+    record = json.loads(done.read_text())
+    done.write_text(json.dumps({**record, "losses": [x + 1 for x in record["losses"]]}))
+    other = Runner(child, paper / "fxh2", results, 1e18, carried=True)
+    steps2 = WritingSteps(paper / "fxh2", other.state.plan, stop_after="select-rooms")
+    steps2.runner = other
+    asyncio.run(other.run(steps2))
+    assert steps2.calls.count("warm-train") == 1

@@ -201,3 +201,22 @@ def test_inherited_weights_still_on_this_disk_are_linked_not_trained_again(tmp_p
     steps2.runner = other
     asyncio.run(other.run(steps2))
     assert steps2.calls.count("warm-train") == 1
+
+
+def test_grpo_is_judged_against_the_warm_start_on_the_rows_rooms(tmp_path: Path) -> None:
+    """GRPO's round is chosen against its start on the same validation slice: with ``effect.rooms`` that is
+    the warm start on the chosen rooms (``val-rooms-two``), not on its own rooms (``val-warm-e2``)."""
+    cfg = _child(tmp_path)
+    phases = plan(cfg)
+    done = {
+        "val-warm-e2": _val(0.30, 0.80),
+        "val-rooms-two": _val(0.20, 0.60),
+        "select-warm": {"val_phase": "val-warm-e2", "weights": "/w/warm"},
+        "select-rooms": {"val_phase": "val-rooms-two", "variant": "two"},
+        "grpo-r1-val-lr0": _val(0.25, 0.62),
+        "grpo-r1-select": {"chosen": "grpo-r1-val-lr0", "lr": 1e-5, "weights": "/w/r1"},
+    }
+    choices = Choices(cfg, SimpleNamespace(), phases, done.get)  # type: ignore[arg-type]
+    spec = next(p.spec for p in phases if p.name == "select-grpo")
+    out = choices.select(spec)  # type: ignore[arg-type]
+    assert out["curve"][0]["name"] == "val-rooms-two" and out["beats_start"]  # 25% > 20% (not > 30%)

@@ -10,7 +10,10 @@ answer parsed, whether its e is non-empty, the oracle's label beside it where th
 - ``labelled`` (an oracle verdict beside a model reflection), ``labelled_mistake`` (the oracle named a
   mistake: non-empty e), ``tau_agree`` (tau == oracle_tau among those) and ``tau_agree_share``;
 - ``branches`` (rolled-back branches opened) and ``branches_succeeded`` (today's model row: 22 of 295),
-  and among labelled ones the successes of branches whose tau agreed or disagreed with the oracle.
+  and among labelled ones the successes of branches whose tau agreed or disagreed with the oracle;
+- the fix: where the oracle names a move (``oracle_action``), whether the model's e names the same one
+  ("move X", X among the actions the log shows: taken, or named by the oracle): ``fix_agree``, ``fix_disagree``, ``fix_unnamed`` (e names none),
+  ``both_agree`` (tau and move), and the successes of the branches each opened.
 
     .venv/bin/python -m bench.paper.reflect_audit bench/results/paper_logs/full/explore-grpo.leafelog.gz
     .venv/bin/python -m bench.paper.reflect_audit LOG --rows   # also one JSON line per reflection
@@ -25,7 +28,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from protocol.events import Branch, EpisodeEvent, EpisodeStarted, Outcome, Reflection
+from bench.paper.follow_audit import _named_move
+from protocol.events import Branch, EpisodeEvent, EpisodeStarted, Outcome, Reflection, Step
 from services.eventlog.fileformat import read_events
 
 __all__ = ["audit_events", "audit_log", "main", "reflection_rows"]
@@ -37,16 +41,20 @@ def reflection_rows(events: Iterable[EpisodeEvent]) -> list[dict[str, Any]]:
     reflections: list[Reflection] = []
     opened: dict[tuple[str, str], str] = {}
     success: dict[tuple[str, str], bool] = {}
+    actions: set[str] = set()
     for e in events:
         match e:
             case EpisodeStarted(mode="explore"):
                 explore.add(e.episode_id)
+            case Step(action=str(action)):
+                actions.add(action)
             case Reflection():
                 reflections.append(e)
             case Branch():
                 opened[(e.episode_id, e.reflection_event_id)] = e.branch_id
             case Outcome():
                 success[(e.episode_id, e.branch_id)] = e.success
+    actions |= {r.oracle_action for r in reflections if r.oracle_action}  # the moves an e may name
     rows: list[dict[str, Any]] = []
     for r in reflections:
         if r.episode_id not in explore:
@@ -65,6 +73,8 @@ def reflection_rows(events: Iterable[EpisodeEvent]) -> list[dict[str, Any]]:
                 "e_nonempty": bool(r.experience),
                 "oracle_tau": r.oracle_tau,
                 "oracle_mistake": bool(r.oracle_experience),
+                "oracle_action": r.oracle_action,
+                "named_action": _named_move(r.experience, sorted(actions)) if r.source == "model" else "",
                 "opened_branch": branch,
                 "branch_success": None if branch is None else success.get((r.episode_id, branch)),
             }
@@ -97,6 +107,14 @@ def audit_events(events: Iterable[EpisodeEvent]) -> dict[str, Any]:
         c[f"tau_{agree}"] += 1
         c[f"branches_tau_{agree}"] += row["opened_branch"] is not None
         c[f"branches_succeeded_tau_{agree}"] += ok
+        if not row["oracle_action"]:
+            continue
+        named = row["named_action"]
+        fix = "unnamed" if not named else "agree" if named == row["oracle_action"] else "disagree"
+        for key in (f"fix_{fix}", *(["both_agree"] if fix == agree == "agree" else [])):
+            c[key] += 1
+            c[f"branches_{key}"] += row["opened_branch"] is not None
+            c[f"branches_succeeded_{key}"] += ok
     out: dict[str, Any] = {}
     for source, c in sorted(counts.items()):
         figures: dict[str, Any] = dict(c)
@@ -105,6 +123,12 @@ def audit_events(events: Iterable[EpisodeEvent]) -> dict[str, Any]:
         figures["branch_success_share"] = _share(c["branches_succeeded"], c["branches"])
         if c["labelled"]:
             figures["tau_agree_share"] = _share(c["tau_agree"], c["labelled_mistake"])
+            named = c["fix_agree"] + c["fix_disagree"] + c["fix_unnamed"]
+            figures["fix_agree_share"] = _share(c["fix_agree"], named)
+            for key in ("tau_agree", "tau_disagree", "fix_agree", "fix_disagree", "both_agree"):
+                figures[f"branch_success_share_{key}"] = _share(
+                    c[f"branches_succeeded_{key}"], c[f"branches_{key}"]
+                )
         out[source] = figures
     return out
 

@@ -20,11 +20,12 @@ LOGS = Path(__file__).resolve().parents[3] / "bench/results/paper_logs/full"
 ROOMS = SokobanConfig(height=7, width=7, min_solution_len=3, max_solution_len=6, max_steps=20)
 
 
-async def _labelled_run(model_tau: int) -> list[EpisodeEvent]:
-    """A policy that only moves down (never solves) and blames step ``model_tau``; the oracle blames 0."""
+async def _labelled_run(model_tau: int, e: str = "Push the box first.") -> list[EpisodeEvent]:
+    """A policy that only moves down (never solves) and blames step ``model_tau`` with experience ``e``; the
+    oracle blames 0."""
     env = SokobanEnv(ROOMS)
     task_id = env.tasks("train")[0]
-    answer = f"<step>{model_tau}</step><experience>Push the box first.</experience>"
+    answer = f"<step>{model_tau}</step><experience>{e}</experience>"
     engine = ScriptedEngine(default_action="<action>down</action>", default_reflection=answer)
     sink = ListSink()
     spec = EpisodeSpec(
@@ -60,6 +61,33 @@ async def test_tau_agreement_and_branch_outcomes_of_labelled_model_reflections(
     rows = reflection_rows(events)
     assert [r["opened_branch"] is not None for r in rows].count(True) == opened
     assert all(r["branch_success"] is False for r in rows if r["opened_branch"] is not None)
+
+
+def _fixes(events: list[EpisodeEvent]) -> tuple[list[dict[str, object]], dict[str, object]]:
+    rows = [r for r in reflection_rows(events) if r["oracle_action"] and r["oracle_mistake"]]
+    return rows, audit_events(events)["model"]
+
+
+@pytest.mark.anyio
+async def test_the_fix_a_model_e_names_is_compared_with_the_oracles_move() -> None:
+    """The model's e "move X instead" agrees with the oracle's fix exactly where the oracle names X (X: an
+    action the log shows); an e naming no such move is counted apart; each labelled mistake with an oracle
+    move lands in exactly one class, and tau agreeing too (0 here) makes ``both_agree``."""
+    rows, model = _fixes(await _labelled_run(0, "Push the box first."))
+    assert rows and all(r["named_action"] == "" for r in rows)
+    assert (model.get("fix_agree", 0), model.get("fix_disagree", 0), model["fix_unnamed"]) == (
+        0,
+        0,
+        len(rows),
+    )
+    oracle = str(rows[0]["oracle_action"])
+    for move in (oracle, "down"):  # the oracle's fix; the move the policy makes (never the fix here)
+        e = f"At step 0 the box got stuck. From there, move {move} instead."
+        rows, model = _fixes(await _labelled_run(0, e))
+        agree = sum(r["oracle_action"] == move for r in rows)
+        assert (agree > 0) == (move == oracle) and all(r["named_action"] == move for r in rows), move
+        assert (model.get("fix_agree", 0), model.get("fix_disagree", 0)) == (agree, len(rows) - agree)
+        assert model.get("both_agree", 0) == agree and model.get("fix_unnamed", 0) == 0
 
 
 def test_the_shipped_model_log_gives_the_issues_22_of_295(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,6 +8,7 @@ Stage-1 trees with their counterfactual counts, and the rows trained from the wa
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -118,6 +119,56 @@ def _rooms_lines(cfg: PaperConfig, state: Any) -> list[str]:
     return out
 
 
+_AUDITS: dict[tuple[str, float], dict[str, Any]] = {}
+"""Reflection audits by (log, mtime): the report is rendered after every phase."""
+
+
+def _reflect_lines(state: Any, runs: tuple[str, ...]) -> list[str]:
+    """The model's own tau and e against the oracle's verdict beside it, per labelled collection
+    (``bench/paper/reflect_audit.py``), from the exported logs."""
+    from bench.paper.reflect_audit import audit_log
+
+    out = [
+        "| run | model reflections | tau = oracle's | fix move = oracle's | both | branch success: both agree "
+        "/ move agrees / move differs / all |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in runs:
+        log = Path(str(state.phases.get(name, {}).get("log_file", "")))
+        if not log.is_file():
+            continue
+        key = (str(log), log.stat().st_mtime)
+        if key not in _AUDITS:
+            _AUDITS[key] = audit_log(log)
+        m = _AUDITS[key].get("model", {})
+        if not m.get("labelled"):
+            continue
+        both = m.get("both_agree", 0) / max(1, m["labelled_mistake"])
+        success = " / ".join(
+            t.pct(m[k]) if m.get(k) is not None else "-"
+            for k in (
+                "branch_success_share_both_agree",
+                "branch_success_share_fix_agree",
+                "branch_success_share_fix_disagree",
+                "branch_success_share",
+            )
+        )
+        out.append(
+            f"| {name} | {m['reflections']} | {t.pct(m['tau_agree_share'])} | {t.pct(m['fix_agree_share'])} "
+            f"| {t.pct(both)} | {success} |"
+        )
+    if len(out) == 2:
+        return []
+    return [
+        "## The model's own e against the oracle's verdict (same history)",
+        "",
+        *out,
+        "",
+        "A cf sample comes from every successful branch, whether its e named the oracle's move or not.",
+        "",
+    ]
+
+
 def _cf_lines(state: Any) -> list[str]:
     lines = ["| training | start | samples | kinds | steps | epochs |", "|---|---|---|---|---|---|"]
     for p in state.plan:
@@ -172,6 +223,7 @@ def render_effect(cfg: PaperConfig, state: Any, comparison_lines: list[str], pro
         "",
         *t.tree_table(state, ("labels", "audit-collect", "explore-model", "explore-oracle")),
         "",
+        *_reflect_lines(state, ("labels", "audit-collect", "explore-model")),
         "## Trainings (counterfactual counts per row)",
         "",
         *_cf_lines(state),

@@ -99,3 +99,19 @@ def test_the_shipped_model_log_gives_the_issues_22_of_295(capsys: pytest.Capture
     assert (model["reflections"], model["parsed"], model.get("labelled", 0)) == (334, 0, 0)
     assert main([str(path)]) == 0
     assert json.loads(capsys.readouterr().out)["model"]["branches_succeeded"] == 22
+
+
+def test_the_effect_reports_table_of_model_e_against_the_oracle_from_the_shipped_log() -> None:
+    """W's own e on the shipped Stage-1 log: tau agrees with the oracle 25.9%, the fix move 37.5%; a phase
+    whose log is missing gives no row, and with no labelled log there is no section."""
+    from types import SimpleNamespace
+
+    from bench.paper.effect_report import _reflect_lines
+
+    log = LOGS.parent / "effect" / "explore-model.leafelog.gz"
+    state = SimpleNamespace(phases={"explore-model": {"log_file": str(log)}, "labels": {"log_file": "nope"}})
+    lines = _reflect_lines(state, ("labels", "explore-model"))
+    rows = [line for line in lines if line.startswith("| explore-model")]
+    assert len(rows) == 1 and "| 1253 | 25.9 | 37.5 | 12.5 | 37.1 / 26.0 / 14.4 / 18.9 |" in rows[0]
+    assert not any(line.startswith("| labels") for line in lines)
+    assert _reflect_lines(SimpleNamespace(phases={}), ("explore-model",)) == []

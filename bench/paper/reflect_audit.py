@@ -12,8 +12,9 @@ answer parsed, whether its e is non-empty, the oracle's label beside it where th
 - ``branches`` (rolled-back branches opened) and ``branches_succeeded`` (today's model row: 22 of 295),
   and among labelled ones the successes of branches whose tau agreed or disagreed with the oracle;
 - the fix: where the oracle names a move (``oracle_action``), whether the model's e names the same one
-  ("move X", X among the actions the log shows: taken, or named by the oracle): ``fix_agree``, ``fix_disagree``, ``fix_unnamed`` (e names none),
-  ``both_agree`` (tau and move), and the successes of the branches each opened.
+  ("move X", X among the actions the log shows: taken, or named by the oracle): ``fix_agree``,
+  ``fix_disagree``, ``fix_unnamed`` (e names none), ``both_agree`` (tau and move), and the successes of the
+  branches each opened.
 
     .venv/bin/python -m bench.paper.reflect_audit bench/results/paper_logs/full/explore-grpo.leafelog.gz
     .venv/bin/python -m bench.paper.reflect_audit LOG --rows   # also one JSON line per reflection

@@ -19,6 +19,7 @@ checked to be the ones the recorded results were measured with, as far as a loss
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -45,8 +46,16 @@ def state_dir(results: Path, name: str) -> Path:
     return results / "paper_logs" / name / "state"
 
 
+def _under(text: str, root: Path, token: str) -> str:
+    """``text`` with every path under ``root`` (written absolute or as given) starting with ``token``."""
+    for form in dict.fromkeys((str(root.resolve()), str(root))):
+        if form not in (".", ""):
+            text = re.sub(r"(?<![\w/.$-])" + re.escape(form) + r'(?=[/"]|$)', lambda _: token, text)
+    return text
+
+
 def _rooted(text: str, work: Path, results: Path) -> str:
-    return text.replace(str(work.resolve()), "$WORK").replace(str(results.resolve()), "$RESULTS")
+    return _under(_under(text, work, "$WORK"), results, "$RESULTS")
 
 
 def _rerooted(text: str, work: Path, results: Path) -> str:
@@ -70,13 +79,19 @@ def save_state(work: Path, results: Path, name: str) -> int:
 
 
 def restore_state(
-    work: Path, results: Path, name: str, phases: Collection[str] | None = None, files: bool = True
+    work: Path,
+    results: Path,
+    name: str,
+    phases: Collection[str] | None = None,
+    files: bool = True,
+    source_work: Path | None = None,
 ) -> list[str]:
     """Write the carried records of ``name`` (only ``phases``, when given) whose phase has no record in
     ``work`` (a fresh checkout) with their paths in this work and results dir; with ``files``, the protocol
     and invocations too when ``work`` has none. Returns the restored phases (their weights are not on
     disk: :class:`~bench.paper.runner.Runner` rebuilds them when needed). Another experiment's records
-    (``effect.inherit``) keep naming its logs, and their weights move into this work dir."""
+    (``effect.inherit``) keep naming its logs, and their weights move into this work dir: paths under
+    ``source_work`` (that experiment's work dir, in records written before they were rooted) too."""
     src = state_dir(results, name)
     if not src.is_dir():
         return []
@@ -95,7 +110,9 @@ def restore_state(
         if done.is_file():
             continue
         done.parent.mkdir(parents=True, exist_ok=True)
-        done.write_text(_rerooted(record.read_text(encoding="utf-8"), work, results), encoding="utf-8")
+        text = record.read_text(encoding="utf-8")
+        text = _under(text, source_work, "$WORK") if source_work is not None else text
+        done.write_text(_rerooted(text, work, results), encoding="utf-8")
         restored.append(phase)
     return restored
 

@@ -212,7 +212,9 @@ class Runner:
         """Phases whose record came from an earlier working period (their weights are not on disk)."""
         if carried and self.inherited:
             parent = cfg.effect.inherit
-            self.restored += carry.restore_state(work, results, parent, phases=self.inherited, files=False)
+            self.restored += carry.restore_state(
+                work, results, parent, phases=self.inherited, files=False, source_work=work.parent / parent
+            )
         self.rebuilt: set[str] = set()
         protocol = check_protocol(work / "protocol.json", cfg) if register else {"protocol": protocol_of(cfg)}
         self.state = State(plan=plan(cfg), protocol=protocol)

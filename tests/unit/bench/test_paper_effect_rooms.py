@@ -17,6 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from bench.paper import carry
 from bench.paper.carry import state_dir
 from bench.paper.choices import Choices
 from bench.paper.config import PaperConfig, load_paper_config, scale_path
@@ -220,3 +221,36 @@ def test_grpo_is_judged_against_the_warm_start_on_the_rows_rooms(tmp_path: Path)
     spec = next(p.spec for p in phases if p.name == "select-grpo")
     out = choices.select(spec)  # type: ignore[arg-type]
     assert out["curve"][0]["name"] == "val-rooms-two" and out["beats_start"]  # 25% > 20% (not > 30%)
+
+
+def test_relative_work_dirs_move_the_inherited_weights_into_this_experiment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As ``paper_table.py`` runs them (``runs/paper/<name>``, relative): the other experiment's records
+    name its weights under its own work dir; restored here they name this work dir (the servers load only
+    from under it), and the weights still on disk there are linked in, not used in place or retrained."""
+    monkeypatch.chdir(tmp_path)
+    results, paper = Path("results"), Path("runs/paper")
+    parent = Runner(_load(tmp_path, TOML), paper / "fx", results, 1e18, carried=True)
+    psteps = WritingSteps(paper / "fx", parent.state.plan, stop_after="select-warm")
+    psteps.runner = parent
+    asyncio.run(parent.run(psteps))
+    saved = (state_dir(results, "fx") / "warm-train.json").read_text()
+    assert "runs/paper/fx" not in saved and "$WORK/warm-train" in saved  # rooted, portable
+
+    # a record as the committed `effect` state has it: written before relative paths were rooted
+    (state_dir(results, "fx") / "warm-train.json").write_text(saved.replace("$WORK", "runs/paper/fx"))
+    (state_dir(results, "fx") / "select-warm.json").write_text(
+        (state_dir(results, "fx") / "select-warm.json").read_text().replace("$WORK", "runs/paper/fx")
+    )
+    child = Runner(_child(tmp_path), paper / "fxh", results, 1e18, carried=True)
+    here = (paper / "fxh").resolve()
+    assert child.state.phases["select-warm"]["weights"].startswith(str(here))
+    assert all(str(p).startswith(str(here)) for p in carry.weight_paths(child.state.phases["warm-train"]))
+    steps = WritingSteps(paper / "fxh", child.state.plan, stop_after="select-rooms")
+    steps.runner = child
+    asyncio.run(child.run(steps))
+    assert (
+        "warm-train" not in steps.calls and "linked_from" in child.state.phases["warm-train"]["rebuilds"][-1]
+    )
+    assert Path(child.state.phases["select-warm"]["weights"]).is_dir()

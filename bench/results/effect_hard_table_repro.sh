@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Rebuild every training set of the paper table `effect-hard` from its committed logs, retrain every row
+# with the settings the run used, and evaluate it (docs/experiments.md). Run from the repository root.
+set -euo pipefail
+LOGS=${LOGS:-bench/results/paper_logs/effect-hard}
+OUT=${OUT:-runs/paper-repro/effect-hard}
+MODEL=${MODEL:-smollm2-135m-instruct}
+leafe() { python -m services.cli "$@"; }
+
+# sft-6x6-l8-w0-n128: sft over demos-6x6-l8-w0, from base; 660 samples {'sft': 660}
+mkdir -p $OUT/sft-6x6-l8-w0-n128/train
+cat > $OUT/sft-6x6-l8-w0-n128/replay.toml <<'EOF'
+[options]
+EOF
+leafe replay --from $LOGS/demos-6x6-l8-w0.leafelog.gz --materializer sft --model $MODEL --out $OUT/sft-6x6-l8-w0-n128/dataset --config $OUT/sft-6x6-l8-w0-n128/replay.toml --no-progress
+python -c "from pathlib import Path; from bench.paper.children import filter_samples; print(filter_samples(Path('$OUT/sft-6x6-l8-w0-n128/dataset'), Path('$OUT/sft-6x6-l8-w0-n128/dataset-filtered'), kinds=[], task_ids=[f'sokoban/train/{i}' for i in range(0, 128)]))"
+cat > $OUT/sft-6x6-l8-w0-n128/train/train.toml <<'EOF'
+[trainer]
+precision = "bf16"
+export_dtype = "fp32"
+checkpoint_every = 0
+push_every = 42
+retain_versions = 2
+
+[trainer.batch]
+bucketing = "pack"
+global_batch = 16
+EOF
+leafe train --data $OUT/sft-6x6-l8-w0-n128/dataset-filtered --model /work/effect/runs/paper/effect-hard/base-weights --out $OUT/sft-6x6-l8-w0-n128/train --preset cpu --config $OUT/sft-6x6-l8-w0-n128/train/train.toml --lr 5e-05 --epochs 1
+
+# sft-6x6-l8-w2-n128: sft over demos-6x6-l8-w2, from base; 660 samples {'sft': 660}
+mkdir -p $OUT/sft-6x6-l8-w2-n128/train
+cat > $OUT/sft-6x6-l8-w2-n128/replay.toml <<'EOF'
+[options]
+EOF
+leafe replay --from $LOGS/demos-6x6-l8-w2.leafelog.gz --materializer sft --model $MODEL --out $OUT/sft-6x6-l8-w2-n128/dataset --config $OUT/sft-6x6-l8-w2-n128/replay.toml --no-progress
+python -c "from pathlib import Path; from bench.paper.children import filter_samples; print(filter_samples(Path('$OUT/sft-6x6-l8-w2-n128/dataset'), Path('$OUT/sft-6x6-l8-w2-n128/dataset-filtered'), kinds=[], task_ids=[f'sokoban/train/{i}' for i in range(0, 128)]))"
+cat > $OUT/sft-6x6-l8-w2-n128/train/train.toml <<'EOF'
+[trainer]
+precision = "bf16"
+export_dtype = "fp32"
+checkpoint_every = 0
+push_every = 42
+retain_versions = 2
+
+[trainer.batch]
+bucketing = "pack"
+global_batch = 16
+EOF
+leafe train --data $OUT/sft-6x6-l8-w2-n128/dataset-filtered --model /work/effect/runs/paper/effect-hard/base-weights --out $OUT/sft-6x6-l8-w2-n128/train --preset cpu --config $OUT/sft-6x6-l8-w2-n128/train/train.toml --lr 5e-05 --epochs 1
+
+# warm-train: sft over demos:chosen, from base; 1649 samples {'sft': 1649}
+mkdir -p $OUT/warm-train/train
+cat > $OUT/warm-train/replay.toml <<'EOF'
+[options]
+EOF
+leafe replay --from $LOGS/demos-6x6-l8-w2.leafelog.gz --materializer sft --model $MODEL --out $OUT/warm-train/dataset --config $OUT/warm-train/replay.toml --no-progress
+python -c "from pathlib import Path; from bench.paper.children import filter_samples; print(filter_samples(Path('$OUT/warm-train/dataset'), Path('$OUT/warm-train/dataset-filtered'), kinds=[], task_ids=[f'sokoban/train/{i}' for i in range(0, 128)]))"
+cat > $OUT/warm-train/train/train.toml <<'EOF'
+[trainer]
+precision = "bf16"
+export_dtype = "fp32"
+checkpoint_every = 0
+push_every = 104
+retain_versions = 3
+
+[trainer.batch]
+bucketing = "pack"
+global_batch = 16
+EOF
+leafe train --data $OUT/warm-train/dataset-filtered --model /work/effect/runs/paper/effect-hard/base-weights --out $OUT/warm-train/train --preset cpu --config $OUT/warm-train/train/train.toml --lr 5e-05 --epochs 2
+
+# evaluations (validation slice and test rows)
+leafe eval --model /work/effect/runs/paper/effect-hard/sft-6x6-l8-w0-n128/train/final --label val-sft-6x6-l8-w0-n128-e1 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option min_solution_len=3 --env-option max_solution_len=8 --env-option max_steps=20 --rollout-option horizon=20 --rollout-option history_window=0 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-sft-6x6-l8-w0-n128-e1
+leafe eval --model /work/effect/runs/paper/effect-hard/sft-6x6-l8-w2-n128/train/final --label val-sft-6x6-l8-w2-n128-e1 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option min_solution_len=3 --env-option max_solution_len=8 --env-option max_steps=20 --rollout-option horizon=20 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-sft-6x6-l8-w2-n128-e1
+leafe eval --model /work/effect/runs/paper/effect-hard/warm-train/train/weights/v000104 --label val-warm-e1 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option min_solution_len=3 --env-option max_solution_len=8 --env-option max_steps=20 --rollout-option horizon=20 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-warm-e1
+leafe eval --model /work/effect/runs/paper/effect-hard/warm-train/train/final --label val-warm-e2 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option min_solution_len=3 --env-option max_solution_len=8 --env-option max_steps=20 --rollout-option horizon=20 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-warm-e2
+leafe eval --model /work/effect/runs/paper/effect-hard/warm-train/train/final --label val-rooms-6x6-l14-w2 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option min_solution_len=8 --env-option max_solution_len=14 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-rooms-6x6-l14-w2
+leafe eval --model /work/effect/runs/paper/effect-hard/warm-train/train/final --label val-rooms-7x7-l12-w2 --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-rooms-7x7-l12-w2
+leafe eval --model /work/effect/runs/paper/effect-hard/warm-train/train/final --label val-rooms-6x6-b2-w2 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=2 --env-option min_solution_len=4 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-rooms-6x6-b2-w2

@@ -56,6 +56,17 @@ class Choices(Refs):
             **extra,
         }
 
+    def _by_sft_rule(self, cands: list[Candidate]) -> Any:
+        """``choose_sft`` with the config's rule (format, Pass@1 range and target, the cap at large k)."""
+        w = self.cfg.warm
+        return choose_sft(
+            cands,
+            max_parse_failure=w.max_parse_failure,
+            pass1_range=w.pass1_range,
+            pass1_target=w.pass1_target,
+            max_passk=w.max_passk,
+        )
+
     def _select_sft(self, vals: list[str]) -> dict[str, Any]:
         cands = []
         for v in vals:
@@ -66,13 +77,7 @@ class Choices(Refs):
             if self.done(v) is not None:
                 cands.append(self.candidate(v, variant=spec.variant, demos=int(demos), epochs=int(epoch)))
         w = self.cfg.warm
-        choice = choose_sft(
-            cands,
-            max_parse_failure=w.max_parse_failure,
-            pass1_range=w.pass1_range,
-            pass1_target=w.pass1_target,
-            max_passk=w.max_passk,
-        )
+        choice = self._by_sft_rule(cands)
         c = choice.chosen
         weights = self.weights(self.by_name[c.name].spec.model)  # type: ignore[union-attr]
         return self._choice(
@@ -108,14 +113,7 @@ class Choices(Refs):
             assert isinstance(spec, EvalSpec)
             if self.done(v) is not None:
                 cands.append(self.candidate(v, variant=spec.variant))
-        w = self.cfg.warm
-        choice = choose_sft(
-            cands,
-            max_parse_failure=w.max_parse_failure,
-            pass1_range=w.pass1_range,
-            pass1_target=w.pass1_target,
-            max_passk=w.max_passk,
-        )
+        choice = self._by_sft_rule(cands)
         c = choice.chosen
         return self._choice(
             choice,

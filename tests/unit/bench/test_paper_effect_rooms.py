@@ -23,7 +23,8 @@ from bench.paper.choices import Choices
 from bench.paper.config import PaperConfig, load_paper_config, scale_path
 from bench.paper.effect import GATE, inherited
 from bench.paper.phases import CollectSpec, EvalSpec, closure, plan
-from bench.paper.runner import Runner, check_inherited, protocol_of
+from bench.paper.protocol import check_inherited, protocol_of
+from bench.paper.runner import Runner
 from bench.paper.specs import ROOMS
 from tests.unit.bench.test_paper_carry import WritingSteps
 from tests.unit.bench.test_paper_effect import TOML

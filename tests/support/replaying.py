@@ -61,8 +61,18 @@ OPTIONS: dict[str, dict[str, Any]] = {"leafe": {"rehearsal_fraction": 0.5}, "grp
 """Materializer options of the tests' replayers and of their offline references."""
 
 
+CORRECTED_SEED = 6
+"""The explore episode (by its simulation seed) whose failed branch is reflected on and corrected: one
+counterfactual sample and two rehearsal ones, whatever the run id."""
+
+
 def make_log(run_id: str, tok: ChatTokenizer, *, episodes: int = 16, groups: int = 4) -> list[EpisodeEvent]:
-    """Interleaved explore episodes (some with reflections and branches) and GRPO groups of one run."""
+    """Interleaved explore episodes (some with reflections and branches) and GRPO groups of one run.
+
+    The first episode is always the one with a corrected branch (:data:`CORRECTED_SEED`), so every log
+    yields a counterfactual sample: rehearsal samples are kept by hashing their outcome's event id, which
+    holds the run id, and without it a small log lost every sample under ~2% of run ids."""
+    seeds = [CORRECTED_SEED, *(i for i in range(episodes) if i != CORRECTED_SEED)][:episodes]
     streams = [
         build_explore_episode(
             ExploreSpec(seed=i, max_depth=2, budget=16, horizon=5, p_success=0.3, reflect_every=3 * (i % 2)),
@@ -70,7 +80,7 @@ def make_log(run_id: str, tok: ChatTokenizer, *, episodes: int = 16, groups: int
             episode_id=f"{run_id}-ep{i}",  # event ids (Nats-Msg-Id) must be unique across runs
             tokenizer=tok,
         )
-        for i in range(episodes)
+        for i in seeds
     ]
     rng = random.Random(1)
     for g in range(groups):

@@ -27,8 +27,16 @@ def test_parametrized_tests_with_long_names_get_distinct_valid_run_ids() -> None
 
 HOSTILE = "tests/integration/test_hostile_input.py::"
 FLAKED = [
-    (HOSTILE + "test_a_rejected_event_whose_dead_letter_was_not_stored_is_dead_lettered_after_a_restart", 1021, 3),
-    (HOSTILE + "test_conflicts_forged_ids_wrong_subjects_and_missing_codec_headers_are_dead_lettered", 1821407, 4),
+    (
+        HOSTILE + "test_a_rejected_event_whose_dead_letter_was_not_stored_is_dead_lettered_after_a_restart",
+        1021,
+        3,
+    ),
+    (
+        HOSTILE + "test_conflicts_forged_ids_wrong_subjects_and_missing_codec_headers_are_dead_lettered",
+        1821407,
+        4,
+    ),
 ]
 """Tests and process ids under which the integration tests' logs used to yield no sample at all: the
 rehearsal fraction keeps a sample by hashing its outcome's event id, which holds the run id, and small

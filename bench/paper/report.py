@@ -109,7 +109,7 @@ def _protocol_lines(cfg: PaperConfig, state: Any) -> list[str]:
         "refused (`<work>/protocol.json`).",
         "",
         f"- Test: `{cfg.env}` test split, tasks {te['first']}..{te['first'] + te['tasks'] - 1} ({te['tasks']} tasks) "
-        f"x {te['samples']} samples, Pass@k for k in {p['ks']}, horizon {p['horizon']}; sampling seed "
+        f"x {te['samples']} samples, Pass@k for k in {p['ks']}, horizon {p['horizon']}{_rooms_note(p)}; sampling seed "
         f"{p['seeds']['test']} (+ 1000 x task index + sample index), the same for every row (paired).",
         f"- Noise check: Base + SFT again with seed {p['seeds']['noise_check']}.",
         f"- Validation (every choice): train split, tasks {va['first']}..{va['first'] + va['tasks'] - 1} x "
@@ -121,6 +121,13 @@ def _protocol_lines(cfg: PaperConfig, state: Any) -> list[str]:
         f"- SFT choice rule: {p['selection']['sft']}; GRPO: {p['selection']['grpo']}.",
         f"- Comparisons (a - b): {', '.join(f'{a} - {b}' for a, b in p['comparisons'])}.",
     ]
+
+
+def _rooms_note(p: dict[str, Any]) -> str:
+    """Where ``effect.rooms`` moves the rows to harder rooms, their horizon is the chosen room's."""
+    rooms = p.get("effect", {}).get("rooms", {})
+    horizons = sorted({r.get("horizon", p["horizon"]) for r in rooms.values()})
+    return f" (the warm start's rooms; the rows' candidate rooms: {', '.join(map(str, horizons))})" if rooms else ""
 
 
 def _probe_lines(cfg: PaperConfig, state: Any) -> list[str]:

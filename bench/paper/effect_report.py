@@ -230,7 +230,7 @@ def render_effect(cfg: PaperConfig, state: Any, comparison_lines: list[str], pro
         "",
         "## GRPO rounds (from the warm start)",
         "",
-        *t.grpo_table(cfg, state),
+        *t.grpo_table(cfg, state, "select-rooms" if cfg.effect.rooms else "select-warm", "warm start W"),
         "",
         "## Collections",
         "",

@@ -127,19 +127,22 @@ def warm_table(cfg: PaperConfig, state: Any) -> list[str]:
     return lines
 
 
-def grpo_table(cfg: PaperConfig, state: Any) -> list[str]:
-    """The GRPO curve: per round the train-split success of its rollouts and the validation Pass@1."""
+def grpo_table(cfg: PaperConfig, state: Any, origin: str = "select-sft", start: str = "Base + SFT") -> list[str]:
+    """The GRPO curve: per round the train-split success of its rollouts and the validation Pass@1; round 0
+    is GRPO's start on the same validation slice (``origin``: the choice whose ``val_phase`` it is, as
+    ``select-grpo`` compares)."""
     ph = state.phases
     lines = [
         "| round | weights | lr | train-split success of the round's rollouts | GRPO samples | val Pass@1 "
         "| val parse fail |",
         "|---|---|---|---|---|---|---|",
     ]
-    sft = ph.get("select-sft")
-    if sft and sft["val_phase"] in ph:
-        v = ph[sft["val_phase"]]
+    chosen = ph.get(origin)
+    if chosen and chosen["val_phase"] in ph:
+        v = ph[chosen["val_phase"]]
         lines.append(
-            f"| 0 | Base + SFT | - | - | - | {pct(v['passk']['1'])} | {pct(v['parse_failure_rate'])} |"
+            f"| 0 | {start} ({chosen['val_phase']}) | - | - | - | {pct(v['passk']['1'])} "
+            f"| {pct(v['parse_failure_rate'])} |"
         )
     lr_choice = ph.get("grpo-r1-select", {}).get("lr")
     for r in range(1, cfg.grpo.rounds + 1):

@@ -130,6 +130,8 @@ def test_an_inheriting_experiment_runs_no_stage_a_and_rebuilds_the_warm_start(tm
     md = (results / "fxh_report.md").read_text()
     assert "The rows' rooms" in md and "Warm start taken from `fx`" in md
     assert "the rows' candidate rooms: 16" in md  # the test's horizon is the chosen rooms', not the base's
+    chosen = runner.state.phases["select-rooms"]["val_phase"]
+    assert f"| 0 | warm start W ({chosen}) |" in md  # GRPO's round 0: its start on the rows' rooms
 
 
 def test_an_unfinished_parent_blocks_the_rows_and_says_why(tmp_path: Path) -> None:

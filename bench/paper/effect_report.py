@@ -8,6 +8,7 @@ Stage-1 trees with their counterfactual counts, and the rows trained from the wa
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +182,26 @@ def _cf_lines(state: Any) -> list[str]:
     return lines
 
 
+def _correction_lines(state: Any, runs: tuple[str, ...] = ("explore-model", "explore-oracle")) -> list[str]:
+    """Issue #33 item 5: corrections (solved rolled-back branches, one cf sample each) per tree and per
+    core-minute of collection (wall minutes x this host's cores, every core busy while trees run)."""
+    cores = os.cpu_count() or 1
+    lines = [
+        f"| run | trees | corrections | per tree | collection min | per core-minute ({cores} cores) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in runs:
+        r = state.phases.get(n)
+        if not r:
+            continue
+        fixed, minutes = r["tree"]["branch_successes"], r["collect_wall_s"] / 60
+        lines.append(
+            f"| {n} | {r['episodes']} | {fixed} | {fixed / max(1, r['episodes']):.2f} | {minutes:.1f} "
+            f"| {fixed / max(1e-9, minutes * cores):.2f} |"
+        )
+    return lines if len(lines) > 2 else ["(no Stage 1 collection finished yet)"]
+
+
 def render_effect(cfg: PaperConfig, state: Any, comparison_lines: list[str], protocol: list[str]) -> str:
     """The markdown report of the ``effect`` protocol."""
     md = [
@@ -224,6 +245,10 @@ def render_effect(cfg: PaperConfig, state: Any, comparison_lines: list[str], pro
         *t.tree_table(state, ("labels", "audit-collect", "explore-model", "explore-oracle")),
         "",
         *_reflect_lines(state, ("labels", "audit-collect", "explore-model")),
+        "## Corrections per tree and per core-minute",
+        "",
+        *_correction_lines(state),
+        "",
         "## Trainings (counterfactual counts per row)",
         "",
         *_cf_lines(state),

@@ -85,6 +85,7 @@ def _collect(spec: CollectSpec) -> dict[str, Any]:
         "log_events": 40,
         "log_bytes": 2048,
         "tree": {**tree, "experiences": [{"tau": 0, "source": "model", "experience": "go left"}]},
+        "collect_wall_s": 30.0,
         "wall_s": 30.0,
     }
 

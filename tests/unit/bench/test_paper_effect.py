@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,9 @@ def test_a_gate_met_runs_every_row_with_verdicts(
     assert proto["effect"]["follow_gate"] == 0.7 and proto["effect"]["label_rooms"]["first"] == 3000
     md = (tmp_path / "results" / "fx_report.md").read_text()
     assert "LEAFE (model e) - L_reh only (model-e trees)" in md and "PASSED" in md
+    cores = os.cpu_count()
+    # item 5: 1 correction in 6 trees, 0.5 min of collection on this host's cores
+    assert f"| explore-model | 6 | 1 | 0.17 | 0.5 | {1 / (0.5 * cores):.2f} |" in md
 
 
 def test_overlapping_train_ranges_are_refused(tmp_path: Path) -> None:

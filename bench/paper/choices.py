@@ -11,7 +11,15 @@ from bench.paper.phases import EvalSpec, SelectSpec
 from bench.paper.refs import Refs
 from bench.paper.select import Candidate, choose_best, choose_sft
 
-__all__ = ["Choices"]
+__all__ = ["Choices", "grpo_origin"]
+
+
+def grpo_origin(start_ref: str, rooms: bool) -> str:
+    """The choice whose validation phase is GRPO's round 0: the warm start's (on the rows' rooms when
+    ``select-rooms`` exists) or Base + SFT's."""
+    if start_ref != "warm":
+        return "select-sft"
+    return "select-rooms" if rooms else "select-warm"
 
 
 class Choices(Refs):
@@ -127,10 +135,7 @@ class Choices(Refs):
     def _select_grpo(self, rounds: list[str], start_ref: str = "sft") -> dict[str, Any]:
         """GRPO's round, against its start on the same validation slice: the warm start's choice, or, when
         the rows run on other rooms than the warm start's own (``select-rooms``), its validation there."""
-        rooms = start_ref == "warm" and "select-rooms" in self.by_name
-        origin = self._need(
-            "select-rooms" if rooms else "select-warm" if start_ref == "warm" else "select-sft"
-        )
+        origin = self._need(grpo_origin(start_ref, "select-rooms" in self.by_name))
         start = self.candidate(origin["val_phase"], round=0)
         first = self._need(rounds[0])
         cands = [self.candidate(first["chosen"], round=1, lr=float(first["lr"]))]

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from bench.paper import report_tables as t
+from bench.paper.choices import grpo_origin
 from bench.paper.config import PaperConfig
 
 __all__ = ["render_effect"]
@@ -255,7 +256,7 @@ def render_effect(cfg: PaperConfig, state: Any, comparison_lines: list[str], pro
         "",
         "## GRPO rounds (from the warm start)",
         "",
-        *t.grpo_table(cfg, state, "select-rooms" if cfg.effect.rooms else "select-warm", "warm start W"),
+        *t.grpo_table(cfg, state, grpo_origin("warm", bool(cfg.effect.rooms)), "warm start W"),
         "",
         "## Collections",
         "",

@@ -279,6 +279,8 @@ class AlternativeExplorer:
                 "parse_ok": bool(text),
                 "flags": flags,
                 "source": "model",
+                "prompt_tokens": c.prompt_tokens,
+                "cached_tokens": c.cached_tokens,
             }
         self.counts.reflections += 1
         return await self.rec.emit(
@@ -322,6 +324,7 @@ class AlternativeExplorer:
             parse_ok=True,
             prompt_tokens=len(state.prompt_ids),
             prompt_sha256=prompt_sha256(state.prompt_ids),
+            cached_tokens=c.cached_tokens,
             finish_reason=c.finish_reason,
         )
         reason: OutcomeReason = "success" if tr.success else "env_done" if tr.done else "budget"

@@ -258,6 +258,7 @@ class Explorer:
             experience_in_context=in_ctx,
             prompt_tokens=len(ids),
             prompt_sha256=prompt_sha256(ids),
+            cached_tokens=completion.cached_tokens,
             finish_reason=completion.finish_reason,
         )
         b.path.append(step)
@@ -294,6 +295,8 @@ class Explorer:
             oracle_experience=v.label.experience if v.label is not None else "",
             oracle_action=v.oracle_action,
             prompt_sha256=v.prompt_sha256,
+            prompt_tokens=v.prompt_tokens,
+            cached_tokens=v.cached_tokens,
         )
         if v.parsed.experience:
             tau = 0 if self.cfg.restart_from == "start" else v.parsed.tau  # IR restarts the whole attempt

@@ -55,6 +55,8 @@ class ScriptedEngine:
     ``script`` (kind, prompt text) -> completion text replaces the lists when given. Every request is
     recorded in ``calls`` (exact input ids). ``latency_s`` sleeps per request (benchmarks). Prompts are
     decoded with ``tokenizer`` (default: bytes) to tell reflection requests; output ids are UTF-8 bytes.
+    ``cached_tokens`` is what an unbounded prefix cache of every earlier prompt would serve (the longest
+    prefix of the prompt some earlier prompt began with, its last token always computed, as SGLang does).
     """
 
     def __init__(
@@ -80,6 +82,20 @@ class ScriptedEngine:
         self.record = record
         self.calls: list[EngineCall] = []
         self._tok: ChatTokenizer = tokenizer or ByteChatTokenizer()
+        self._prefixes: set[int] = set()
+        """Hashes of every prefix of every prompt seen (chained, so each is one hash per token)."""
+
+    def _cached(self, input_ids: Sequence[int]) -> int:
+        cached, h, hit = 0, 0, True
+        for i, token in enumerate(input_ids[:-1]):
+            h = hash((h, token))
+            if hit and h in self._prefixes:
+                cached = i + 1
+            else:
+                hit = False
+                self._prefixes.add(h)
+        self._prefixes.add(hash((h, input_ids[-1])) if input_ids else h)
+        return cached
 
     def _answer(self, kind: CallKind, prompt: str) -> str:
         if self.script is not None:
@@ -107,6 +123,7 @@ class ScriptedEngine:
             logprobs=logprobs,
             weight_version=self.version,
             prompt_tokens=len(input_ids),
+            cached_tokens=self._cached(input_ids),
         )
         return [completion] * n
 

@@ -43,6 +43,10 @@ class Verdict:
     """The oracle's verdict beside a policy reflection (``oracle_labels``), else None."""
     oracle_action: str = ""
     """The action the oracle's verdict names as the fix (either source), empty when it names none."""
+    prompt_tokens: int = 0
+    """The reflection prompt's length (0 for an oracle reflection)."""
+    cached_tokens: int | None = None
+    """Prompt tokens the engine served from its prefix cache (``None`` for an oracle reflection)."""
 
 
 class Reflector:
@@ -104,6 +108,8 @@ class Reflector:
             prompt_sha256=prompt_sha256(ids),
             label=label,
             oracle_action=fix,
+            prompt_tokens=len(ids),
+            cached_tokens=completion.cached_tokens,
         )
 
     async def _oracle_verdict(self, history: list[HistoryEntry]) -> tuple[ParsedReflection, str, str]:

@@ -173,6 +173,9 @@ class Step(EpisodeEventBase, frozen=True, kw_only=True, tag="step"):
     """Length of the prompt in tokens."""
     prompt_sha256: str = ""
     """sha256 of the prompt token ids sent to the engine (lets replay verify it rebuilt the prompt)."""
+    cached_tokens: int | None = None
+    """Prompt tokens the engine served from its prefix cache (``meta_info.cached_tokens``); ``None`` where no
+    engine answered (demonstrations) and in logs older than the field."""
     finish_reason: str = ""
     """Engine finish reason: ``stop``, ``length`` or ``abort``."""
 
@@ -212,6 +215,11 @@ class Reflection(EpisodeEventBase, frozen=True, kw_only=True, tag="reflection"):
     prompt_sha256: str = ""
     """sha256 of the reflection prompt's token ids sent to the engine (``protocol.prompt.prompt_sha256``;
     empty when no prompt was sent: oracle reflections, older logs)."""
+    prompt_tokens: int = 0
+    """Length of the reflection prompt in tokens (0 when no prompt was sent, and in older logs)."""
+    cached_tokens: int | None = None
+    """Prompt tokens of the reflection the engine served from its prefix cache (``None``: no prompt was sent,
+    or a log older than the field)."""
 
 
 class Rollback(EpisodeEventBase, frozen=True, kw_only=True, tag="rollback"):

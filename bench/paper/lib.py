@@ -83,16 +83,22 @@ async def load_weights(ctx: Ctx, model_dir: Path, version: str) -> None:
 
 
 async def run_stats(ctx: Ctx, run_id: str, keys: set[str] | None = None, examples: int = 3) -> dict[str, Any]:
-    """What the log of ``run_id`` holds: episodes by task, actions, successes, and what the trees did
-    (branches, reflections, rolled-back branches that solved their task, a few experiences)."""
-    from protocol.events import Branch, EpisodeFinished, EpisodeStarted, Outcome, Reflection
+    """What the log of ``run_id`` holds: episodes by task, actions, successes, what the trees did
+    (branches, reflections, rolled-back branches that solved their task, a few experiences), and the
+    engine requests by kind with their prefix-cache share (``leafe log inspect``'s)."""
+    from protocol.events import Branch, EpisodeFinished, EpisodeStarted, Outcome, Reflection, Step
+    from services.eventlog.inspect import EngineUsage, request_kind
 
     started: dict[str, EpisodeStarted] = {}
     branched: set[str] = set()
     eps: dict[str, dict[str, Any]] = {}
     tree = {"branches": 0, "reflections": 0, "parse_failures": 0, "branch_outcomes": 0, "branch_successes": 0}
     texts: list[dict[str, Any]] = []
+    engine: dict[str, EngineUsage] = {}
     async for ev in _events(ctx, run_id):
+        mode = started[ev.episode_id].mode if ev.episode_id in started else ""
+        if isinstance(ev, Step | Reflection) and (request := request_kind(ev, mode)) is not None:
+            engine.setdefault(request, EngineUsage()).add(ev)
         if isinstance(ev, EpisodeStarted):
             started[ev.episode_id] = ev
         elif isinstance(ev, Reflection) and ev.experience and len(texts) < examples:
@@ -126,6 +132,7 @@ async def run_stats(ctx: Ctx, run_id: str, keys: set[str] | None = None, example
         "tasks_solved": sum(any(s) for s in per_task.values()),
         "per_task": per_task,
         "tree": {**tree, "experiences": texts},
+        "engine": {kind: usage.as_dict() for kind, usage in engine.items()},
     }
 
 

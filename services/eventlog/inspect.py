@@ -1,4 +1,5 @@
-"""``leafe log inspect``: counts per kind and per episode, sequence range, and a readable episode dump.
+"""``leafe log inspect``: counts per kind and per episode, sequence range, engine requests and their prefix
+cache share by kind, and a readable episode dump.
 
 A fold over :class:`services.eventlog.fileformat.LogRecord` (from a file or the stream), rendered with rich
 (plain text when not on a terminal) or as JSON (``--json``). See ``services/eventlog/cli.py`` for the CLI.
@@ -16,6 +17,7 @@ from rich.table import Table
 
 from protocol.codec import CODEC_HEADER, ProtocolError, decode_event
 from protocol.events import (
+    ROOT_BRANCH,
     Branch,
     EpisodeEvent,
     EpisodeFinished,
@@ -28,11 +30,14 @@ from protocol.events import (
 from services.eventlog.fileformat import LogRecord
 
 __all__ = [
+    "REQUEST_KINDS",
+    "EngineUsage",
     "EpisodeSummary",
     "LogSummary",
     "Summarizer",
     "describe",
     "render",
+    "request_kind",
     "summarize",
     "summarize_stream",
 ]
@@ -58,6 +63,64 @@ class EpisodeSummary(msgspec.Struct, kw_only=True):
     last_seq: int = 0
 
 
+REQUEST_KINDS = ("root_step", "branch_step", "reflection")
+"""Engine requests by what they were for: an action on a tree's root branch (every step of a rollout or an
+evaluation), an action on a rolled-back branch, a reflection written by the policy."""
+
+
+def request_kind(event: EpisodeEvent, mode: str) -> str | None:
+    """Which of :data:`REQUEST_KINDS` the engine answered for ``event`` (an episode of ``mode``); ``None``
+    when no engine did: the expert's steps of a demonstration, an oracle's reflection, other events."""
+    match event:
+        case Step(branch_id=branch):
+            if branch == ROOT_BRANCH:
+                return None if mode == "demo" else "root_step"
+            return "branch_step"
+        case Reflection(source="model"):
+            return "reflection" if event.prompt_tokens or event.prompt_sha256 else None
+    return None
+
+
+class EngineUsage(msgspec.Struct, kw_only=True):
+    """Engine requests of one kind and their tokens, as the events record them (``Step.prompt_tokens``,
+    ``cached_tokens``, ``token_ids``; the same on ``Reflection``). Logs written before the events carried
+    ``cached_tokens`` (and, for reflections, ``prompt_tokens``) count as ``unrecorded`` (and 0 prompt
+    tokens): the cache share is then unknown, not 0."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens served from the engine's prefix cache."""
+    output_tokens: int = 0
+    unrecorded: int = 0
+    """Requests whose event does not say how much of the prompt was cached."""
+
+    def add(self, event: Step | Reflection) -> None:
+        self.requests += 1
+        self.prompt_tokens += event.prompt_tokens
+        self.output_tokens += len(event.token_ids)
+        if event.cached_tokens is None:
+            self.unrecorded += 1
+        else:
+            self.cached_tokens += event.cached_tokens
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens the engine had to compute (all of them where the cached count is unrecorded)."""
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def cache_share(self) -> float | None:
+        """Share of the prompt tokens served from the prefix cache; ``None`` without prompt tokens or when
+        some request did not record it."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens and not self.unrecorded else None
+
+    def as_dict(self) -> dict[str, int | float | None]:
+        """The counts with ``prefilled_tokens`` and ``cache_share``."""
+        counts: dict[str, int | float | None] = dict(msgspec.structs.asdict(self))
+        return {**counts, "prefilled_tokens": self.prefilled_tokens, "cache_share": self.cache_share}
+
+
 class LogSummary(msgspec.Struct, kw_only=True):
     """Counts over a whole log."""
 
@@ -67,6 +130,8 @@ class LogSummary(msgspec.Struct, kw_only=True):
     last_seq: int | None = None
     kinds: dict[str, int] = msgspec.field(default_factory=dict)
     episodes: dict[str, EpisodeSummary] = msgspec.field(default_factory=dict)
+    engine: dict[str, EngineUsage] = msgspec.field(default_factory=dict)
+    """Engine requests by :func:`request_kind` (kinds with none are absent)."""
 
 
 def _kind(event: EpisodeEvent) -> str:
@@ -100,6 +165,10 @@ class Summarizer:
             ep = s.episodes[event.episode_id] = EpisodeSummary(episode_id=event.episode_id, first_seq=seq)
         ep.events += 1
         ep.last_seq = seq
+        request = request_kind(event, ep.mode)
+        if request is not None:
+            assert isinstance(event, Step | Reflection)
+            s.engine.setdefault(request, EngineUsage()).add(event)
         match event:
             case EpisodeStarted():
                 ep.env, ep.task_id, ep.mode, ep.branches = event.env, event.task_id, event.mode, 1
@@ -174,6 +243,7 @@ def render(
     """Print the summary tables, or the one-line summary and the episode dump, or one JSON document."""
     if as_json:
         doc = msgspec.to_builtins(summary)
+        doc["engine"] = {kind: usage.as_dict() for kind, usage in summary.engine.items()}
         doc["dump"] = [{"stream_seq": seq, "kind": _kind(e), **msgspec.to_builtins(e)} for seq, e in dump]
         print(json.dumps(doc, indent=2))
         return
@@ -189,6 +259,16 @@ def render(
     for kind, count in sorted(summary.kinds.items()):
         kinds.add_row(kind, str(count))
     console.print(kinds)
+    if summary.engine:
+        engine = Table(
+            "request", "requests", "prompt tokens", "from the prefix cache", "output tokens",
+            title="engine requests",
+        )  # fmt: skip
+        for kind in REQUEST_KINDS:
+            if (u := summary.engine.get(kind)) is not None:
+                share = "-" if u.cache_share is None else f"{u.cache_share:.1%}"
+                engine.add_row(kind, str(u.requests), str(u.prompt_tokens), share, str(u.output_tokens))
+        console.print(engine)
     episodes = Table("episode", "env", "task", "mode", "events", "steps", "branches", "success", "seqs")
     for ep in list(summary.episodes.values())[:limit]:
         success = "-" if ep.success is None else str(ep.success)

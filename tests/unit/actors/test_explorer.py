@@ -139,6 +139,40 @@ async def test_prompts_rebuilt_from_events_match_what_the_engine_received() -> N
         assert prompt_sha256(ids) == step.prompt_sha256 and step.prompt_tokens == len(ids)
 
 
+def longest_seen_prefix(prompts: list[list[int]]) -> list[int]:
+    """Per prompt, the longest prefix some earlier prompt began with (its last token never counted)."""
+    out = []
+    for i, ids in enumerate(prompts):
+        best = 0
+        for old in prompts[:i]:
+            n = 0
+            while n < min(len(old), len(ids) - 1) and old[n] == ids[n]:
+                n += 1
+            best = max(best, n)
+        out.append(best)
+    return out
+
+
+async def test_steps_and_reflections_record_the_engines_prompt_and_cached_tokens() -> None:
+    """Each engine request's prompt length and prefix-cache hit reach its event, reflections included,
+    so a log tells what a tree cost the engine (``leafe log inspect``'s engine table)."""
+    engine = ScriptedEngine(
+        actions=[RIGHT, LEFT, LEFT, RIGHT, RIGHT, RIGHT],
+        reflections=["<step>1</step><experience>right, not left</experience>"],
+    )
+    events, _ = await explore(engine, k=0, max_depth=2, horizon=6)
+    requests = [e for e in events if isinstance(e, Step | Reflection)]
+    assert [c.kind for c in engine.calls] == [
+        "reflection" if isinstance(e, Reflection) else "action" for e in requests
+    ]
+    expected = longest_seen_prefix([c.input_ids for c in engine.calls])
+    assert [e.cached_tokens for e in requests] == expected
+    assert [e.prompt_tokens for e in requests] == [len(c.input_ids) for c in engine.calls]
+    branch = next(e for e in requests if isinstance(e, Step) and e.branch_id == "b1")
+    reflection = next(e for e in requests if isinstance(e, Reflection))
+    assert branch.cached_tokens > 0 and reflection.prompt_tokens > reflection.cached_tokens > 0
+
+
 async def test_parse_failures_are_counted_actions_without_env_steps() -> None:
     """An unparseable completion is a Step with action None, unchanged observation, feedback; no env step."""
     env = CorridorEnv()

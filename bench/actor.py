@@ -10,17 +10,18 @@
 |                     | engine, real tokenizer; events acked by JetStream per second                      |
 | service_events_byte | the same with a byte tokenizer (the ceiling without chat-template cost)           |
 | raw_publish         | baseline: ``Publisher.publish_event`` of the same events in a loop, same server   |
-| tree_cost           | Stage 1: ``effect-hard``'s LEAFE trees grown by a real model on server processes;  |
-|                     | trees per CPU-minute (servers + actors), engine requests, prompt tokens and their |
-|                     | prefix-cache share per request kind, a digest of the trees (``bench/actor_trees``) |
+| tree_cost           | Stage 1: the first trees of a shipped Stage 1 log (``effect-hard``, W's own trees) |
+|                     | replayed against our server (exact prompts and completion lengths): trees per     |
+|                     | engine CPU-minute, prefill/decode split, prefix-cache share per request kind      |
+|                     | against a cache holding every earlier prompt (``bench/actor_trees.py``)           |
 | prompt_reuse        | per history window: prompt tokens per step of scripted Sokoban eval rollouts (the |
 |                     | paper table's rooms and horizon, real chat template, answers shaped like the      |
 |                     | model's: half moves, half unique prose), and the share of them a                  |
 |                     | prefix cache holding every earlier prompt serves (the server's radix tree, fed    |
 |                     | in step order as concurrent episodes send them); no model                         |
 
-    .venv/bin/python bench/actor.py            # ~15 minutes on 2 cores (tree_cost: 32 trees)
-    .venv/bin/python bench/actor.py --quick    # ~3 minutes
+    .venv/bin/python bench/actor.py            # ~10 minutes on 2 cores (tree_cost: 64 trees)
+    .venv/bin/python bench/actor.py --quick    # ~2 minutes
     .venv/bin/python -m bench.actor --smoke --out /tmp/actor.json   # seconds: does every row still run?
 
 Writes ``bench/results/actor.json`` (``--out PATH`` elsewhere; ``--smoke``, the tests' check, writes to a
@@ -295,8 +296,8 @@ SIZES = {  # scale -> overhead episodes, service tasks, prompt_reuse (tasks, sam
 }
 TREES = {  # scale -> tree_cost's model, trees, trees at a time
     "smoke": ("tiny", 1, 1),
-    "quick": ("smollm2-135m-instruct", 4, 4),
-    "full": ("smollm2-135m-instruct", 32, 8),
+    "quick": ("smollm2-135m-instruct", 8, 8),
+    "full": ("smollm2-135m-instruct", 64, 8),
 }
 
 
@@ -325,8 +326,8 @@ async def bench(url: str, scale: str) -> dict[str, Any]:
     for key in ("service_events", "service_events_byte"):
         out[key]["ratio_to_raw_publish"] = out[key]["events_per_s"] / out["raw_publish"]["events_per_s"]
     out["prompt_reuse"] = await prompt_reuse(hf, reuse_tasks, reuse_samples)
-    model, trees, concurrency = TREES[scale]
-    out["tree_cost"] = await tree_cost(model, trees, concurrency=concurrency)
+    model, trees, in_flight = TREES[scale]
+    out["tree_cost"] = await tree_cost(model, trees, in_flight=in_flight)
     return out
 
 
@@ -367,13 +368,13 @@ def main() -> None:
               f"{r['new_tokens_per_step']:.0f} not in the prefix cache ({r['cache_share']:.0%} cached)")  # fmt: skip
     tc = results["tree_cost"]
     shares = ", ".join(
-        f"{kind} {u['cache_share']:.0%} of {u['prompt_tokens'] / u['requests']:.0f}"
-        for kind, u in tc["engine"].items()
-        if u["cache_share"] is not None
+        f"{kind} {u['cache_share']:.0%} (ideal {u['ideal_share']:.0%})" for kind, u in tc["by_kind"].items()
     )
+    counters = tc["engine_counters"]
     print(
-        f"Stage 1 ({tc['trees']} trees, {tc['model']}, {tc['servers']} servers): "
-        f"{tc['trees_per_cpu_minute']:.2f} trees per CPU-minute, {tc['trees_per_minute']:.2f} per minute; "
+        f"Stage 1 ({tc['trees']} recorded trees, {tc['requests']} requests): "
+        f"{tc['trees_per_engine_cpu_minute']:.2f} trees per engine CPU-minute (prefill "
+        f"{counters['prefill_cpu_s']:.0f} s, decode {counters['decode_cpu_s']:.0f} s); "
         f"prompt tokens from the prefix cache: {shares}"
     )
     print(f"saved {out}")

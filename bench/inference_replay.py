@@ -276,10 +276,16 @@ def _reuse(target: Target, before: dict[str, float], after: dict[str, float], pr
 
 
 async def replay(
-    target: Target, requests: list[WorkloadRequest], *, in_flight: int = 16, limit: int | None = None
+    target: Target,
+    requests: list[WorkloadRequest],
+    *,
+    in_flight: int = 16,
+    limit: int | None = None,
+    per_request: bool = False,
 ) -> dict[str, Any]:
     """Replay (the first ``limit`` of) ``requests`` against ``target`` from an empty prefix cache: ``in_flight``
-    episodes at once, started in recorded order, each episode's turns one after another."""
+    episodes at once, started in recorded order, each episode's turns one after another. ``per_request``:
+    also ``cached_per_request``, the cached prompt tokens the engine reported for each request, by order."""
     episodes = episodes_of(requests, limit)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
     # idle connections closed by us after 2 s, before uvicorn's 5 s keep-alive closes them under a request
@@ -292,11 +298,13 @@ async def replay(
         before = await target.counters(http)
         gate = asyncio.Semaphore(in_flight)
         rows: list[tuple[float, int | None, int]] = []
+        cached_of: dict[int, int | None] = {}
 
         async def episode(turns: list[WorkloadRequest]) -> None:
             async with gate:
                 for r in turns:
                     rows.append(await _send(http, target, r))
+                    cached_of[r.order] = rows[-1][1]
 
         t0 = time.perf_counter()
         try:
@@ -323,4 +331,5 @@ async def replay(
         "latency_p90_s": round(latencies[int(0.9 * (len(latencies) - 1))], 3),
         "cached_tokens_reported": sum(reported) if len(reported) == len(rows) else None,
         **_reuse(target, before, after, prompt),
+        **({"cached_per_request": [cached_of[i] for i in sorted(cached_of)]} if per_request else {}),
     }

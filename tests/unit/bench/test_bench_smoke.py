@@ -121,12 +121,11 @@ def check_actor(r: dict[str, Any]) -> None:
     for window in r["prompt_reuse"]:
         positive(r, f"prompt_reuse.{window}.prompt_tokens_per_step")
         share(r, f"prompt_reuse.{window}.cache_share")
-    positive(r, "tree_cost.trees_per_cpu_minute", "tree_cost.steps", "tree_cost.server_cpu_s")
-    assert set(r["tree_cost"]["engine"]) >= {"root_step"}
-    for kind in r["tree_cost"]["engine"]:
-        positive(r, f"tree_cost.engine.{kind}.requests", f"tree_cost.engine.{kind}.prompt_tokens")
-        share(r, f"tree_cost.engine.{kind}.cache_share")
-    assert len(r["tree_cost"]["tree_digest"]) == 64
+    positive(r, "tree_cost.trees_per_engine_cpu_minute", "tree_cost.requests", "tree_cost.engine_cpu_s")
+    assert {"root_step", "reflection"} <= set(r["tree_cost"]["by_kind"])
+    for kind in r["tree_cost"]["by_kind"]:
+        positive(r, f"tree_cost.by_kind.{kind}.requests", f"tree_cost.by_kind.{kind}.prompt_tokens")
+        share(r, f"tree_cost.by_kind.{kind}.cache_share", f"tree_cost.by_kind.{kind}.ideal_share")
 
 
 def check_replay(r: dict[str, Any]) -> None:

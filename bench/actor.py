@@ -23,6 +23,7 @@
     .venv/bin/python bench/actor.py            # ~10 minutes on 2 cores (tree_cost: 64 trees)
     .venv/bin/python bench/actor.py --quick    # ~2 minutes
     .venv/bin/python -m bench.actor --smoke --out /tmp/actor.json   # seconds: does every row still run?
+    .venv/bin/python bench/actor.py --tree-cost-only                # tree_cost alone, into actor.json
 
 Writes ``bench/results/actor.json`` (``--out PATH`` elsewhere; ``--smoke``, the tests' check, writes to a
 temporary file unless ``--out`` is given: one episode or a few tasks per row, not a measurement).
@@ -327,7 +328,7 @@ async def bench(url: str, scale: str) -> dict[str, Any]:
         out[key]["ratio_to_raw_publish"] = out[key]["events_per_s"] / out["raw_publish"]["events_per_s"]
     out["prompt_reuse"] = await prompt_reuse(hf, reuse_tasks, reuse_samples)
     model, trees, in_flight = TREES[scale]
-    out["tree_cost"] = await tree_cost(model, trees, in_flight=in_flight)
+    out["tree_cost"] = {"scale": scale, **await tree_cost(model, trees, in_flight=in_flight)}
     return out
 
 
@@ -336,9 +337,27 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--smoke", action="store_true", help="a few episodes per row: runs? (tests; seconds)")
     p.add_argument("--out", type=Path, default=None, help=f"result file (default {RESULTS})")
+    p.add_argument(
+        "--tree-cost-only",
+        action="store_true",
+        help="run only tree_cost and put it into the existing result file (the other rows stay as they are)",
+    )
     args = p.parse_args()
     scale = "smoke" if args.smoke else "quick" if args.quick else "full"
     out = args.out or (SMOKE_OUT if args.smoke else RESULTS)
+    if args.tree_cost_only:
+        model, trees, in_flight = TREES[scale]
+        row = {
+            "host": host_record(),
+            "scale": scale,
+            **asyncio.run(tree_cost(model, trees, in_flight=in_flight)),
+        }
+        merged = json.loads(out.read_text()) if out.is_file() else {}
+        merged["tree_cost"] = row
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(merged, indent=1, sort_keys=True))
+        print(json.dumps(row, indent=1))
+        return
     host = host_record()
     with tempfile.TemporaryDirectory() as store:
         # As in the service: JSON logs at info (per-episode lines; per-step lines are debug, filtered).

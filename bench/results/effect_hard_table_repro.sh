@@ -119,6 +119,55 @@ global_batch = 16
 EOF
 leafe train --data $OUT/train-reh/dataset-filtered --model /work/effect/runs/paper/effect-hard/warm-train/train/final --out $OUT/train-reh/train --preset cpu --config $OUT/train-reh/train/train.toml --lr 3e-05 --epochs 2
 
+# train-leafe-oracle: leafe over explore-oracle, from warm; 1746 samples {'reh': 1241, 'cf': 505}
+mkdir -p $OUT/train-leafe-oracle/train
+cat > $OUT/train-leafe-oracle/replay.toml <<'EOF'
+[options]
+rehearsal_fraction = 0.2
+rehearsal_seed = 0
+rehearsal_unit = "path"
+EOF
+leafe replay --from $LOGS/explore-oracle.leafelog.gz --materializer leafe --model $MODEL --out $OUT/train-leafe-oracle/dataset --config $OUT/train-leafe-oracle/replay.toml --no-progress
+cat > $OUT/train-leafe-oracle/train/train.toml <<'EOF'
+max_steps = 60
+
+[trainer]
+precision = "bf16"
+export_dtype = "fp32"
+checkpoint_every = 0
+push_every = 0
+
+[trainer.batch]
+bucketing = "pack"
+global_batch = 16
+EOF
+leafe train --data $OUT/train-leafe-oracle/dataset --model /work/effect/runs/paper/effect-hard/warm-train/train/final --out $OUT/train-leafe-oracle/train --preset cpu --config $OUT/train-leafe-oracle/train/train.toml --lr 3e-05 --epochs 1 --beta 1.0
+
+# train-reh-oracle: leafe over explore-oracle, from warm; 1241 samples {'reh': 1241}
+mkdir -p $OUT/train-reh-oracle/train
+cat > $OUT/train-reh-oracle/replay.toml <<'EOF'
+[options]
+rehearsal_fraction = 0.2
+rehearsal_seed = 0
+rehearsal_unit = "path"
+EOF
+leafe replay --from $LOGS/explore-oracle.leafelog.gz --materializer leafe --model $MODEL --out $OUT/train-reh-oracle/dataset --config $OUT/train-reh-oracle/replay.toml --no-progress
+python -c "from pathlib import Path; from bench.paper.children import filter_samples; print(filter_samples(Path('$OUT/train-reh-oracle/dataset'), Path('$OUT/train-reh-oracle/dataset-filtered'), kinds=['reh'], task_ids=[]))"
+cat > $OUT/train-reh-oracle/train/train.toml <<'EOF'
+max_steps = 60
+
+[trainer]
+precision = "bf16"
+export_dtype = "fp32"
+checkpoint_every = 0
+push_every = 0
+
+[trainer.batch]
+bucketing = "pack"
+global_batch = 16
+EOF
+leafe train --data $OUT/train-reh-oracle/dataset-filtered --model /work/effect/runs/paper/effect-hard/warm-train/train/final --out $OUT/train-reh-oracle/train --preset cpu --config $OUT/train-reh-oracle/train/train.toml --lr 3e-05 --epochs 1
+
 # evaluations (validation slice and test rows)
 leafe eval --model /work/effect/runs/paper/effect-hard/sft-6x6-l8-w0-n128/train/final --label val-sft-6x6-l8-w0-n128-e1 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option min_solution_len=3 --env-option max_solution_len=8 --env-option max_steps=20 --rollout-option horizon=20 --rollout-option history_window=0 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-sft-6x6-l8-w0-n128-e1
 leafe eval --model /work/effect/runs/paper/effect-hard/sft-6x6-l8-w2-n128/train/final --label val-sft-6x6-l8-w2-n128-e1 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option min_solution_len=3 --env-option max_solution_len=8 --env-option max_steps=20 --rollout-option horizon=20 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-sft-6x6-l8-w2-n128-e1
@@ -130,3 +179,5 @@ leafe eval --model /work/effect/runs/paper/effect-hard/warm-train/train/final --
 leafe eval --model /work/effect/runs/paper/effect-hard/warm-train/train/final --label eval-warm --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split test --tasks 128 --task-offset 0 --samples 16 --k 1,2,4,8,16 --seed 12345 --out $OUT/eval-warm
 leafe eval --model $OUT/train-leafe/train/final --label eval-leafe --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split test --tasks 128 --task-offset 0 --samples 16 --k 1,2,4,8,16 --seed 12345 --out $OUT/eval-leafe
 leafe eval --model $OUT/train-reh/train/final --label eval-reh --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split test --tasks 128 --task-offset 0 --samples 16 --k 1,2,4,8,16 --seed 12345 --out $OUT/eval-reh
+leafe eval --model $OUT/train-leafe-oracle/train/final --label eval-leafe-oracle --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split test --tasks 128 --task-offset 0 --samples 16 --k 1,2,4,8,16 --seed 12345 --out $OUT/eval-leafe-oracle
+leafe eval --model $OUT/train-reh-oracle/train/final --label eval-reh-oracle --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split test --tasks 128 --task-offset 0 --samples 16 --k 1,2,4,8,16 --seed 12345 --out $OUT/eval-reh-oracle

@@ -20,7 +20,7 @@
 |                     | prefix cache holding every earlier prompt serves (the server's radix tree, fed    |
 |                     | in step order as concurrent episodes send them); no model                         |
 
-    .venv/bin/python bench/actor.py            # ~10 minutes on 2 cores (tree_cost: 64 trees)
+    .venv/bin/python bench/actor.py            # ~10 minutes on 2 cores (tree_cost: 32 trees)
     .venv/bin/python bench/actor.py --quick    # ~2 minutes
     .venv/bin/python -m bench.actor --smoke --out /tmp/actor.json   # seconds: does every row still run?
     .venv/bin/python bench/actor.py --tree-cost-only                # tree_cost alone, into actor.json
@@ -298,7 +298,7 @@ SIZES = {  # scale -> overhead episodes, service tasks, prompt_reuse (tasks, sam
 TREES = {  # scale -> tree_cost's model, trees, trees at a time
     "smoke": ("tiny", 1, 1),
     "quick": ("smollm2-135m-instruct", 8, 8),
-    "full": ("smollm2-135m-instruct", 64, 8),
+    "full": ("smollm2-135m-instruct", 32, 8),
 }
 
 

@@ -74,12 +74,14 @@ def workload_from_log(
     (:data:`services.eventlog.inspect.REQUEST_KINDS`). Raises :class:`WorkloadError` when a rebuilt prompt
     is not the one the actor hashed, or when the log has fewer episodes."""
     chosen: dict[str, EpisodeTree] = {}
+    index: dict[str, int] = {}
     turns: dict[str, int] = {}
     out: list[WorkloadRequest] = []
     kinds: list[str] = []
     for e in events:
         if isinstance(e, EpisodeStarted):
             if len(chosen) < trees:
+                index[e.episode_id] = len(chosen)
                 chosen[e.episode_id] = EpisodeTree.start(e, 0.0)
             continue
         tree = chosen.get(e.episode_id)
@@ -102,7 +104,7 @@ def workload_from_log(
             out.append(
                 WorkloadRequest(
                     order=len(out),
-                    episode=list(chosen).index(e.episode_id),
+                    episode=index[e.episode_id],
                     turn=turn,
                     input_ids=ids,
                     completion_tokens=max(1, len(e.token_ids)),
@@ -133,24 +135,8 @@ def _by_kind(requests: Sequence[WorkloadRequest], kinds: Sequence[str], cached: 
     # the ceiling: every earlier prompt of the workload cached, in arrival order
     prompts = [r.input_ids for r in requests]
     for kind in out:
-        out[kind]["ideal_share"] = _ideal_of(prompts, [k == kind for k in kinds])
+        out[kind]["ideal_share"] = ideal_prefix_share(prompts, [k == kind for k in kinds])
     return out
-
-
-def _ideal_of(prompts: list[list[int]], mine: list[bool]) -> float:
-    """``ideal_prefix_share`` of the marked prompts, every earlier prompt (marked or not) in the cache."""
-    root: dict[int, Any] = {}
-    served = total = 0
-    for ids, counted in zip(prompts, mine, strict=True):
-        node, depth = root, 0
-        while depth < len(ids) - 1 and ids[depth] in node:
-            node, depth = node[ids[depth]], depth + 1
-        if counted:
-            served, total = served + depth, total + len(ids)
-        node = root
-        for t in ids:
-            node = node.setdefault(t, {})
-    return round(served / total, 3) if total else 0.0
 
 
 async def tree_cost(

@@ -53,18 +53,20 @@ def agent_requests(tok: Any, count: int, *, episodes: bool) -> list[list[tuple[l
     return clients
 
 
-def ideal_prefix_share(prompts: list[list[int]]) -> float:
+def ideal_prefix_share(prompts: list[list[int]], counted: list[bool] | None = None) -> float:
     """Share of prompt tokens a cache holding every earlier prompt could serve (each prompt's last token
     excluded, as the engine must run it): the ceiling of ``prefix_cache_share``. A plain token trie, so
-    the figure does not depend on the engine's code."""
+    the figure does not depend on the engine's code. ``counted``: the share over the marked prompts only,
+    every earlier prompt (marked or not) still in the cache."""
     root: dict[int, Any] = {}
-    served = 0
-    for ids in prompts:
+    served = total = 0
+    for i, ids in enumerate(prompts):
         node, depth = root, 0
         while depth < len(ids) - 1 and ids[depth] in node:
             node, depth = node[ids[depth]], depth + 1
-        served += depth
+        if counted is None or counted[i]:
+            served, total = served + depth, total + len(ids)
         node = root
         for t in ids:
             node = node.setdefault(t, {})
-    return round(served / sum(map(len, prompts)), 3)
+    return round(served / total, 3) if total else 0.0

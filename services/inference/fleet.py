@@ -75,11 +75,6 @@ class ServerFleet:
         self._logs: list[Path] = []
         self._drains: list[asyncio.Task[None]] = []
 
-    @property
-    def pids(self) -> list[int]:
-        """Process ids of the started servers (benchmarks read their CPU time)."""
-        return [proc.pid for proc in self._procs]
-
     async def __aenter__(self) -> ServerFleet:
         try:
             await self.start()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from bench.actor_trees import LOG, WorkloadError, _ideal_of, workload_from_log
+from bench.actor_trees import LOG, WorkloadError, workload_from_log
 from bench.inference_workload import ideal_prefix_share
 from learner.model_io import HFChatTokenizer, tiny_model_dir
 from protocol.events import EpisodeStarted, Reflection, Step
@@ -49,6 +49,6 @@ def test_a_log_whose_prompts_do_not_rebuild_is_refused(head: list) -> None:
 
 def test_the_ceiling_per_kind_counts_every_earlier_prompt() -> None:
     prompts = [[1, 2, 3, 4], [1, 2, 3, 5], [9, 9], [1, 2, 7, 7]]
-    assert _ideal_of(prompts, [True] * 4) == ideal_prefix_share(prompts)
+    assert ideal_prefix_share(prompts, [True] * 4) == ideal_prefix_share(prompts)
     # the second prompt alone: 3 of its 4 tokens were in the first
-    assert _ideal_of(prompts, [False, True, False, False]) == 0.75
+    assert ideal_prefix_share(prompts, [False, True, False, False]) == 0.75

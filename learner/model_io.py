@@ -232,7 +232,9 @@ def export_weights(
     if "lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors:
         if tensors["lm_head.weight"].data_ptr() == tensors["model.embed_tokens.weight"].data_ptr():
             del tensors["lm_head.weight"]
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "leafe_version": version})
+    # One metadata key: safetensors keeps the header's metadata in a Rust HashMap, so two keys come out in a
+    # random order per call and the same weights would hash differently (the version is in the manifest).
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     for f in Path(config_dir).iterdir():
         if f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model") and f.name != MANIFEST:
             if not f.name.startswith("model.safetensors"):

@@ -31,6 +31,7 @@ __all__ = [
     "kind_counts",
     "replay",
     "run_logged",
+    "step_records",
     "train",
 ]
 
@@ -173,6 +174,20 @@ def epoch_weights(
     return out / "weights" / version_name(step)
 
 
+def step_records(metrics: Path) -> list[dict[str, Any]]:
+    """The optimizer steps ``leafe train`` logged to ``metrics`` (appended to by every attempt), one per step:
+    an attempt cut short and resumed (or restarted) logs some steps twice, and the last record of a step is
+    the one the final weights descend from."""
+    if not metrics.is_file():
+        return []
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in metrics.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            by_step[int(row["step"])] = row
+    return [by_step[s] for s in sorted(by_step)]
+
+
 async def train(
     *,
     data: Path,
@@ -188,14 +203,18 @@ async def train(
     threads: int,
     keep_checkpoints: bool,
     max_steps: int = 0,
+    checkpoint_every: int = 0,
 ) -> dict[str, Any]:
     """``leafe train`` of ``model`` on ``data`` into ``out``; returns steps, losses, wall and the weights
-    (``final`` and, with ``export_epochs``, one directory per epoch)."""
+    (``final`` and, with ``export_epochs``, one directory per epoch). ``leafe train`` resumes from the
+    latest checkpoint under ``out`` (one every ``checkpoint_every`` steps), so a phase cut short goes on
+    where it was; the step records are :func:`step_records` (the attempt that made the weights)."""
     import tomli_w
 
     t0 = time.monotonic()
     batch = global_batch(preset, trainer)
-    table: dict[str, Any] = {"trainer": {**trainer, "checkpoint_every": 0, "push_every": 0}}
+    resumable = {"checkpoint_every": checkpoint_every, "keep_checkpoints": 1}
+    table: dict[str, Any] = {"trainer": {**trainer, **resumable, "push_every": 0}}
     if export_epochs:
         table["trainer"].update(push_every=math.ceil(samples / batch), retain_versions=epochs + 1)
     table.update({"max_steps": max_steps} if max_steps else {})
@@ -204,8 +223,7 @@ async def train(
     args += ["--config", str(conf), "--lr", str(lr), "--epochs", str(epochs)]
     args += ["--beta", str(beta)] if beta is not None else []
     await _leafe(args, out / "train.log", threads)
-    metrics = out / "metrics.jsonl"
-    rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+    rows = step_records(out / "metrics.jsonl")
     if not keep_checkpoints:
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
     weights = {

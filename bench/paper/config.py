@@ -130,6 +130,11 @@ class TrainingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """A training with fewer samples is not run and its row not evaluated (the report says why)."""
     keep_checkpoints: bool = False
     """Keep the trainer's DCP checkpoints (~1.6 GB each) after a training phase finished."""
+    checkpoint_every: int = 100
+    """A training phase writes a DCP checkpoint every N optimizer steps (only the latest is kept), so one
+    cut by the end of a working period resumes there on the next invocation instead of from step 0 (a
+    GRPO round's epoch is ~1,500 steps, ~4 h on 2 cores); 0 = only at the end. Resuming is exact
+    (``learner/offline.py``: weights, AdamW, schedule and the epoch's sample order)."""
 
 
 class ProbeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -158,6 +158,7 @@ class Steps(Choices):
             threads=tr.threads,
             keep_checkpoints=tr.keep_checkpoints,
             max_steps=max_steps,
+            checkpoint_every=tr.checkpoint_every,
         )
         return {**head, **out}
 

@@ -28,3 +28,49 @@ def test_epoch_weights_name_the_export_after_each_epoch(tmp_path: Path) -> None:
     assert epoch_weights(tmp_path, 20, 8, 2, 3) == tmp_path / "weights" / "v000006"
     assert epoch_weights(tmp_path, 20, 8, 3, 3) == tmp_path / "final"
     assert epoch_weights(tmp_path, 20, 8, 2, 3, max_steps=5) == tmp_path / "final"
+
+
+def test_a_training_cut_short_resumes_and_counts_each_step_once(tmp_path: Path, monkeypatch) -> None:
+    """A training phase asks ``leafe train`` for periodic checkpoints (so a phase cut by the end of a
+    working period resumes there) and reads its step records once per step: the first attempt logged steps
+    1-3 before it was killed, the resumed one steps 3-4 (step 3 again, from the checkpoint at 2); the record
+    is steps 1-4 with the resumed attempt's step 3. On today's main the table said ``checkpoint_every = 0``
+    and the record listed 5 steps."""
+    import asyncio
+    import json
+    import tomllib
+
+    from bench.paper import children
+
+    out = tmp_path / "train"
+
+    async def fake_leafe(args: list[str], log_file: Path, threads: int) -> None:
+        rows = [(1, 3.0), (2, 2.0), (3, 1.5), (3, 1.25), (4, 1.0)]
+        (out / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": s, "loss": x, "samples": 8}) + "\n" for s, x in rows)
+        )
+        (out / "final").mkdir(parents=True)
+        (out / "final" / "manifest.json").write_text("{}")
+
+    monkeypatch.setattr(children, "_leafe", fake_leafe)
+    got = asyncio.run(
+        children.train(
+            data=tmp_path / "data",
+            model="m",
+            out=out,
+            preset="cpu",
+            lr=1e-5,
+            epochs=1,
+            beta=None,
+            samples=32,
+            trainer={"precision": "bf16"},
+            export_epochs=False,
+            threads=1,
+            keep_checkpoints=False,
+            checkpoint_every=2,
+        )
+    )
+    table = tomllib.loads((out / "train.toml").read_text())["trainer"]
+    assert table["checkpoint_every"] == 2 and table["keep_checkpoints"] == 1
+    assert got["steps"] == 4 and got["losses"] == [3.0, 2.0, 1.25, 1.0] and got["trained_samples"] == 32
+    assert children.step_records(tmp_path / "absent.jsonl") == []

@@ -97,3 +97,29 @@ def test_leafe_train_runs_resumes_and_exports(dist_env, tiny_dir: Path, tmp_path
         assert losses == [(m["step"], pytest.approx(m["loss"], rel=1e-6)) for m in metrics]
     again = train(cfg, data, str(tiny_dir), out, dist_env)
     assert again.steps == 4 and again.last_loss is None
+
+
+def test_a_training_killed_after_a_checkpoint_resumes_to_the_same_weights(
+    dist_env, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """What a paper-table phase cut by the end of a working period relies on: a `leafe train` killed after
+    its step-2 checkpoint (emulated: only that checkpoint survives) resumes there, mid-epoch, and exports
+    bit-identical weights to the run that was never interrupted."""
+    import shutil
+
+    from learner.offline import train
+
+    data = write_shards(tmp_path / "data", make_samples(12))
+    overrides = {
+        "epochs": 2,
+        "trainer": {"batch": {"global_batch": 4}, "checkpoint_every": 1, "keep_checkpoints": 9},
+    }
+    cfg = load_config(TrainConfig, preset=train_preset("cpu"), overrides=overrides)
+    whole = train(cfg, data, str(tiny_dir), tmp_path / "whole", dist_env)
+    assert whole.steps == 6
+    cut = tmp_path / "cut" / "checkpoints"
+    cut.mkdir(parents=True)
+    shutil.copytree(tmp_path / "whole" / "checkpoints" / "step_00000002", cut / "step_00000002")
+    resumed = train(cfg, data, str(tiny_dir), tmp_path / "cut", dist_env)
+    assert resumed.steps == 6
+    assert resumed.final_sha256 == whole.final_sha256

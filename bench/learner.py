@@ -11,6 +11,7 @@
 | packed              | fp32, samples packed into rows of the token budget, per-sample causal attention    |
 | bucketed_bf16       | bf16 autocast (fp32 master weights), length-bucketed                                |
 | packed_bf16         | bf16 autocast, packed                                                               |
+| packed_bf16_shared  | bf16, packed with ``share_prefix``: the prompt prefix all samples share once a row  |
 | push                | trainer export (bf16 + manifest) -> WeightsPublished -> weight-sync -> 2 CPU        |
 |                     | inference servers report the version (median of repeats, fresh servers each time)  |
 | raw_save_load       | baseline: safetensors save_file + load_file + load_state_dict of the same weights   |
@@ -18,13 +19,15 @@
 |                     | checkpointing, with the loss check (``bench/learner_memory.py``; SmolLM2 in        |
 |                     | quick and full mode; ``--memory-only`` reruns just this part)                      |
 
-Samples look like agent data: prompts of 150-600 tokens, completions of 5-40 tokens, cf/reh mixed.
+Samples look like agent data: prompts of 150-600 tokens whose first 144 are the same in every sample (the
+system prompt and task header; the share of effect-hard's GRPO samples), completions of 5-40 tokens,
+cf/reh mixed.
 Throughput counts real (non-pad) tokens per second of optimizer-step wall time; every row trains the
 same batches, interleaved batch by batch, after one warm-up step; the rows share one model and AdamW
 state (``_variants``). Memory ceiling: ``micro_batch_tokens`` padded tokens per micro-batch (packed:
 tokens per row); the naive micro-batch size is the one that fits it for the longest sample. One torch
-thread (as ``leafe run``'s learner); ``threads_2`` repeats bucketed vs packed_bf16 on 2 threads over the
-first batch.
+thread (as ``leafe run``'s learner); ``threads_2`` repeats bucketed, packed_bf16 and packed_bf16_shared on 2
+threads over the first batch.
 
     .venv/bin/python bench/learner.py            # SmolLM2-135M for both parts (slow on 2 shared cores)
     .venv/bin/python bench/learner.py --quick    # tiny model for throughput, SmolLM2 for the push
@@ -57,7 +60,7 @@ import torch
 from actors.client import SGLangClient
 from bench.host import host_record
 from bench.learner_memory import memory_part
-from bench.learner_samples import MAX_COMPLETION, MAX_PROMPT, agent_samples
+from bench.learner_samples import MAX_COMPLETION, MAX_PROMPT, SHARED_PREFIX, agent_samples
 from learner.batching import MicroBatch
 from learner.config import BatchConfig, OptimConfig, TrainerConfig
 from learner.distributed import DistEnv, init_distributed
@@ -81,6 +84,8 @@ SIZES = {  # mode -> throughput model, samples, global batch, micro-batch token 
     "full": ("smollm2-135m-instruct", 32, 16, 2048, "smollm2-135m-instruct"),  # the cpu preset's batch
 }
 MEMORY = {"smoke": ("tiny", 4, (20, 80))}
+SAMPLES: dict[str, Any] = {"prompt": (150, MAX_PROMPT), "shared": SHARED_PREFIX}
+"""The throughput rows' samples (``--smoke``: 20-80 token prompts, 12 shared)."""
 """Mode -> the memory part's model, samples per step and prompt lengths (default: SmolLM2, the cpu
 preset's global batch of 16, agent-like prompts of 150-600 tokens)."""
 
@@ -93,17 +98,18 @@ class FullLogitsTrainer(Trainer):
         return token_logprobs(out.logits[:, -mb.keep : -1], mb.labels)
 
 
-ROWS = {  # name -> (bucketing, precision)
-    "naive_full_logits": ("none", "fp32"),
-    "naive_padded": ("none", "fp32"),
-    "bucketed": ("length", "fp32"),
-    "packed": ("pack", "fp32"),
-    "bucketed_bf16": ("length", "bf16"),
-    "packed_bf16": ("pack", "bf16"),
+ROWS = {  # name -> (bucketing, precision, share_prefix)
+    "naive_full_logits": ("none", "fp32", False),
+    "naive_padded": ("none", "fp32", False),
+    "bucketed": ("length", "fp32", False),
+    "packed": ("pack", "fp32", False),
+    "bucketed_bf16": ("length", "bf16", False),
+    "packed_bf16": ("pack", "bf16", False),
+    "packed_bf16_shared": ("pack", "bf16", True),
 }
 BASE = "bucketed"
 """Step speedups are relative to this row (fp32 length bucketing: the learner before packing and bf16)."""
-TWO_THREADS = ("bucketed", "packed_bf16")
+TWO_THREADS = ("bucketed", "packed_bf16", "packed_bf16_shared")
 
 
 @dataclass
@@ -116,12 +122,13 @@ class Acc:
 
 
 def _config(name: str, global_batch: int, budget: int) -> TrainerConfig:
-    bucketing, precision = ROWS[name]
+    bucketing, precision, share_prefix = ROWS[name]
     batch = BatchConfig(
         global_batch=global_batch,
         micro_batch_tokens=budget,
         micro_batch_size=max(1, budget // (MAX_PROMPT + MAX_COMPLETION)),
         bucketing=bucketing,
+        share_prefix=share_prefix,
     )
     return TrainerConfig(optim=OptimConfig(lr=1e-6), batch=batch, precision=precision)
 
@@ -310,6 +317,12 @@ def _ratios(tp: dict[str, dict[str, dict]], push: dict, raw: dict) -> dict[str, 
         "bucketed_bf16_vs_bucketed": tps("bucketed_bf16") / tps("bucketed"),
         "packed_bf16_vs_bucketed_2_threads": tps("packed_bf16", "threads_2") / tps("bucketed", "threads_2"),
     }
+    if "packed_bf16_shared" in tp["throughput"]:  # results saved before the row existed lack it
+        ratios["packed_bf16_shared_vs_packed_bf16"] = tps("packed_bf16_shared") / tps("packed_bf16")
+    if "packed_bf16_shared" in tp["threads_2"]:
+        ratios["packed_bf16_shared_vs_packed_bf16_2_threads"] = tps("packed_bf16_shared", "threads_2") / tps(
+            "packed_bf16", "threads_2"
+        )
     # A push entry saved by an older version of this bench may lack a figure: leave its ratio out.
     for name, key in [
         ("publish_to_serving", "publish_to_serving_s"),
@@ -370,7 +383,7 @@ def main() -> int:
     repeats = a.repeats or (1 if a.smoke else 3)
     vocab = int(json.loads((throughput_model / "config.json").read_text())["vocab_size"])
     # --smoke: short prompts too (the full-logits row's every-position logits would take most of its time)
-    samples = agent_samples(n, vocab, prompt=(20, 80) if a.smoke else (150, MAX_PROMPT))
+    samples = agent_samples(n, vocab, **({"prompt": (20, 80), "shared": 12} if a.smoke else SAMPLES))
     batches = [samples[i : i + gb] for i in range(0, n, gb)]
     print(f"throughput: {throughput_model.name}, {n} samples, global batch {gb}, budget {budget} tokens")
     if a.push_only and saved is not None and "threads_2" in saved:  # else saved by an older version

@@ -11,8 +11,10 @@ flash-attention kernels, which do not exist on CPU; ``flex_attention`` needs ``t
 
 :data:`VARLEN` runs causal SDPA once per sample of the row, at the boundaries ``cu_seq_lens_q`` (the name
 and meaning flash-attention's varlen API uses) passed as a model keyword argument, so no cross-sample
-score is ever computed. Without ``cu_seq_lens_q`` it *is* transformers' SDPA attention, with the same
-masks, so a model switched to it behaves exactly as before on left-padded batches.
+score is ever computed. A row may start with a prefix its samples share (``shared_prefix_len``, the
+learner's ``share_prefix``): each sample's segment then attends to the prefix's keys and its own.
+Without ``cu_seq_lens_q`` it *is* transformers' SDPA attention, with the same masks, so a model switched
+to it behaves exactly as before on left-padded batches.
 
     use_varlen_attention(model)
     model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, logits_to_keep=keep)
@@ -44,9 +46,12 @@ def varlen_sdpa_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     cu_seq_lens_q: Tensor | None = None,
+    shared_prefix_len: int | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """Causal SDPA per segment ``[cu[i], cu[i+1])`` of a single packed row; plain SDPA without ``cu``.
+    With ``shared_prefix_len`` P, the first segment is a prefix every other segment continues: their
+    queries see its P keys and their own earlier ones, as if each were the prefix followed by the segment.
 
     ``query [1, H, T, D]``, ``key``/``value [1, H_kv, T, D]``; returns ``[1, T, H, D]`` like transformers'
     attention functions. The dense packed mask transformers builds alongside is ignored (the segments
@@ -62,18 +67,34 @@ def varlen_sdpa_attention(
     if bounds[0] != 0 or bounds[-1] != query.shape[2]:
         raise ValueError(f"cu_seq_lens_q {bounds} does not cover the row's {query.shape[2]} tokens")
     gqa = key.shape[1] != query.shape[1]
-    parts = [
-        torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, s:e],
-            key[:, :, s:e],
-            value[:, :, s:e],
-            dropout_p=dropout,
-            scale=scaling,
-            is_causal=True,
-            enable_gqa=gqa,
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    p = int(shared_prefix_len or 0)
+    if p and (len(bounds) < 2 or bounds[1] != p):
+        raise ValueError(f"shared_prefix_len {p} is not the row's first segment {bounds[:2]}")
+    parts = []
+    for i, (s, e) in enumerate(itertools.pairwise(bounds)):
+        if not p or i == 0:  # a whole sample, or the shared prefix itself
+            parts.append(
+                sdpa(
+                    query[:, :, s:e],
+                    key[:, :, s:e],
+                    value[:, :, s:e],
+                    dropout_p=dropout,
+                    scale=scaling,
+                    is_causal=True,
+                    enable_gqa=gqa,
+                )
+            )
+            continue
+        # A sample's own tokens after the prefix: every prefix key, then its own keys causally.
+        n = e - s
+        mask = torch.ones(n, p + n, dtype=torch.bool, device=query.device)
+        mask[:, p:] = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+        k = torch.cat((key[:, :, :p], key[:, :, s:e]), dim=2)
+        v = torch.cat((value[:, :, :p], value[:, :, s:e]), dim=2)
+        parts.append(
+            sdpa(query[:, :, s:e], k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
         )
-        for s, e in itertools.pairwise(bounds)
-    ]
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
 
 

@@ -13,6 +13,10 @@ losses (``learner/losses.py``) are the same functions of the same per-sample ten
   back to back (first-fit decreasing up to ``micro_batch_tokens``), positions restarting at 0 for each,
   attention causal within each sample only (``cu_seq_lens``, ``learner/attention.py``). No padding at all;
   ``logits_to_keep`` is the tensor of the row's positions that predict a completion token.
+  With ``share_prefix``, the prompt prefix common to the whole step (:func:`shared_prefix_len`) heads each
+  row once and every sample keeps only its rest, positions continuing after the prefix, its tokens
+  attending to the prefix and to its own earlier tokens: what each sample computes is unchanged, the
+  prefix is computed once per row instead of once per sample.
 
 Length bucketing (``bucketing = "length"``): the global batch is sorted by length and cut into *global*
 micro-batches that fit ``micro_batch_tokens`` padded tokens per rank; each global micro-batch is dealt
@@ -48,6 +52,7 @@ __all__ = [
     "out_of_vocab",
     "pack_rows",
     "plan_micro_batches",
+    "shared_prefix_len",
     "to_items",
     "unusable",
 ]
@@ -159,17 +164,31 @@ def _bucket(items: Sequence[TrainItem], world_size: int, budget: int) -> list[li
     return plan
 
 
-def pack_rows(items: Sequence[TrainItem], budget: int) -> list[list[int]]:
+def shared_prefix_len(items: Sequence[TrainItem]) -> int:
+    """Tokens of the longest prefix every item's prompt starts with, at most each prompt's length - 1 (the
+    last prompt token, which predicts the first completion token, stays the item's own); 0 for < 2 items."""
+    if len(items) < 2:
+        return 0
+    first = items[0].input_ids
+    cap = min(it.length - it.completion_len for it in items) - 1
+    n = 0
+    while n < cap and all(it.input_ids[n] == first[n] for it in items):
+        n += 1
+    return n
+
+
+def pack_rows(items: Sequence[TrainItem], budget: int, prefix: int = 0) -> list[list[int]]:
     """First-fit decreasing: rows of item indices, each row's tokens <= ``budget`` (a longer item gets a
-    row of its own). Deterministic; rows come out fullest-first."""
+    row of its own). With a shared ``prefix``, a row holds the prefix once and each item's remaining
+    ``length - prefix`` tokens. Deterministic; rows come out fullest-first."""
     rows: list[list[int]] = []
     room: list[int] = []
     for i in _longest_first(items):
-        n = items[i].length
+        n = items[i].length - prefix
         fit = next((r for r, free in enumerate(room) if n <= free), None)
         if fit is None:
             rows.append([i])
-            room.append(budget - n)
+            room.append(budget - prefix - n)
         else:
             rows[fit].append(i)
             room[fit] -= n
@@ -189,7 +208,7 @@ def plan_micro_batches(
         return [_deal(order[i : i + step], world_size) for i in range(0, len(order), step)]
     if cfg.bucketing == "length":
         return _bucket(items, world_size, cfg.micro_batch_tokens)
-    rows = pack_rows(items, cfg.micro_batch_tokens)
+    rows = pack_rows(items, cfg.micro_batch_tokens, shared_prefix_len(items) if cfg.share_prefix else 0)
     rows += [[] for _ in range(-len(rows) % world_size)]
     return [rows[m : m + world_size] for m in range(0, len(rows), world_size)]
 
@@ -208,6 +227,8 @@ class Packing:
     """[N] sample index (row of ``MicroBatch.labels``) of each kept position."""
     slot: Tensor
     """[N] label slot (column of ``MicroBatch.labels``) of each kept position."""
+    prefix: int = 0
+    """Tokens of the shared prefix heading the row (its first segment); 0: no shared prefix."""
 
 
 @dataclass
@@ -254,7 +275,8 @@ class MicroBatch:
         if self.packing is None:
             return inputs | {"logits_to_keep": self.keep}
         cu = self.packing.cu_seq_lens
-        return inputs | {"logits_to_keep": self.packing.keep, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+        inputs |= {"logits_to_keep": self.packing.keep, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+        return inputs | ({"shared_prefix_len": self.packing.prefix} if self.packing.prefix else {})
 
     def sample_logprobs(self, logits: Tensor) -> Tensor:
         """[S, K] log p(label) per sample and slot (0 where IGNORE) from the logits of :meth:`model_inputs`."""
@@ -316,22 +338,32 @@ def collate(items: Sequence[TrainItem], pad_id: int, device: torch.device | str 
     )
 
 
-def collate_packed(items: Sequence[TrainItem], pad_id: int, device: torch.device | str = "cpu") -> MicroBatch:
-    """Pack ``items`` into one row (an empty list gives a dummy row with no loss)."""
+def collate_packed(
+    items: Sequence[TrainItem], pad_id: int, device: torch.device | str = "cpu", *, share_prefix: bool = False
+) -> MicroBatch:
+    """Pack ``items`` into one row (an empty list gives a dummy row with no loss); with ``share_prefix``,
+    their common prompt prefix (:func:`shared_prefix_len`) once, then each item's rest."""
     dummy = not items
     rows = [_dummy_item(pad_id)] if dummy else list(items)
+    p = shared_prefix_len(rows) if share_prefix else 0
     k = max(r.completion_len for r in rows)
-    starts = [0, *itertools.accumulate(r.length for r in rows)]
+    # Segments: the shared prefix (when there is one), then each item's own tokens after it.
+    starts = [0, *itertools.accumulate((r.length - p for r in rows), initial=p)]
+    if not p:
+        starts = starts[1:]  # no prefix segment: [0, len_0, len_0 + len_1, ...]
+    own = starts[1:-1] if p else starts[:-1]
     keep: list[int] = []
     sample: list[int] = []
     slot: list[int] = []
-    for i, (r, start) in enumerate(zip(rows, starts[:-1], strict=True)):
+    for i, (r, start) in enumerate(zip(rows, own, strict=True)):
         # The logits at position p predict token p + 1: the completion's predictors end one token early.
-        first = start + r.length - r.completion_len - 1
+        first = start + r.length - p - r.completion_len - 1
         keep += range(first, first + r.completion_len)
         sample += [i] * r.completion_len
         slot += range(k - r.completion_len, k)
-    ids = torch.tensor([t for r in rows for t in r.input_ids], dtype=torch.long)
+    ids = torch.tensor(
+        [*rows[0].input_ids[:p], *(t for r in rows for t in r.input_ids[p:])], dtype=torch.long
+    )
     keep_t = torch.tensor(keep, dtype=torch.long)
     targets = torch.full_like(keep_t, IGNORE) if dummy else ids[keep_t + 1]
     packing = Packing(
@@ -340,8 +372,9 @@ def collate_packed(items: Sequence[TrainItem], pad_id: int, device: torch.device
         targets=targets.unsqueeze(0).to(device),
         sample=torch.tensor(sample, dtype=torch.long, device=device),
         slot=torch.tensor(slot, dtype=torch.long, device=device),
+        prefix=p,
     )
-    positions = torch.cat([torch.arange(r.length) for r in rows])
+    positions = torch.cat([torch.arange(p), *(torch.arange(p, r.length) for r in rows)])
     return _micro_batch(
         rows,
         dummy,

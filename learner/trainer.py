@@ -195,8 +195,11 @@ class Trainer:
         return sample_logprobs(model, mb, chunk_tokens=self.chunk_tokens)
 
     def _collate(self, items: Sequence[TrainItem]) -> MicroBatch:
-        pack = self.config.batch.bucketing == "pack"
-        return (collate_packed if pack else collate)(items, self.pad_id, self.env.device)
+        if self.config.batch.bucketing == "pack":
+            return collate_packed(
+                items, self.pad_id, self.env.device, share_prefix=self.config.batch.share_prefix
+            )
+        return collate(items, self.pad_id, self.env.device)
 
     def _micro_step(self, mb: MicroBatch, tokens: KindTokens) -> StepSums:
         with autocast(self.precision, self.env, cache=not self.config.activation_checkpointing):

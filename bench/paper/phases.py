@@ -138,7 +138,16 @@ def grpo_phases(
     for i, lr in enumerate(g.lrs):
         train = f"grpo-r1-train-lr{i}"
         out.append(
-            _t(train, stage, data="grpo-r1-collect", materializer="grpo", start=start, lr=lr, epochs=g.epochs)
+            _t(
+                train,
+                stage,
+                data="grpo-r1-collect",
+                materializer="grpo",
+                start=start,
+                lr=lr,
+                epochs=g.epochs,
+                share_prefix=g.share_prefix,
+            )
         )
         vals.append(f"grpo-r1-val-lr{i}")
         out.append(_e(vals[-1], stage, model=f"train:{train}", split="val", **rooms))
@@ -168,6 +177,7 @@ def grpo_phases(
                 start=prev,
                 lr="grpo",
                 epochs=g.epochs,
+                share_prefix=g.share_prefix,
             )
         )
         rounds.append(f"grpo-r{r}-val")

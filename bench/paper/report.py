@@ -127,7 +127,11 @@ def _rooms_note(p: dict[str, Any]) -> str:
     """Where ``effect.rooms`` moves the rows to harder rooms, their horizon is the chosen room's."""
     rooms = p.get("effect", {}).get("rooms", {})
     horizons = sorted({r.get("horizon", p["horizon"]) for r in rooms.values()})
-    return f" (the warm start's rooms; the rows' candidate rooms: {', '.join(map(str, horizons))})" if rooms else ""
+    return (
+        f" (the warm start's rooms; the rows' candidate rooms: {', '.join(map(str, horizons))})"
+        if rooms
+        else ""
+    )
 
 
 def _probe_lines(cfg: PaperConfig, state: Any) -> list[str]:

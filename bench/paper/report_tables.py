@@ -127,7 +127,9 @@ def warm_table(cfg: PaperConfig, state: Any) -> list[str]:
     return lines
 
 
-def grpo_table(cfg: PaperConfig, state: Any, origin: str = "select-sft", start: str = "Base + SFT") -> list[str]:
+def grpo_table(
+    cfg: PaperConfig, state: Any, origin: str = "select-sft", start: str = "Base + SFT"
+) -> list[str]:
     """The GRPO curve: per round the train-split success of its rollouts and the validation Pass@1; round 0
     is GRPO's start on the same validation slice (``origin``: the choice whose ``val_phase`` it is, as
     ``select-grpo`` compares)."""

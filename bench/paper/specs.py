@@ -96,6 +96,9 @@ class TrainSpec(msgspec.Struct, frozen=True, kw_only=True, tag="train"):
     steps: int = 0
     """Exactly this many optimizer steps (epochs as many as it takes; 0 = ``epochs``): equal steps across
     rows trained on different sample counts."""
+    share_prefix: bool = False
+    """Pack with the learner's ``share_prefix`` (the common prompt prefix once a row: the same step up to
+    float rounding, fewer tokens through the model)."""
 
 
 class EvalSpec(msgspec.Struct, frozen=True, kw_only=True, tag="eval"):

@@ -153,7 +153,7 @@ class Steps(Choices):
             epochs=epochs,
             beta=spec.beta,
             samples=n,
-            trainer=self.trainer_table(),
+            trainer=self.trainer_table(share_prefix=spec.share_prefix),
             export_epochs=spec.export_epochs,
             threads=tr.threads,
             keep_checkpoints=tr.keep_checkpoints,
@@ -162,10 +162,11 @@ class Steps(Choices):
         )
         return {**head, **out}
 
-    def trainer_table(self) -> dict[str, Any]:
+    def trainer_table(self, *, share_prefix: bool = False) -> dict[str, Any]:
         """``[trainer]`` overrides of every training (precision, layout, batch)."""
         tr = self.cfg.training
         batch: dict[str, Any] = {"bucketing": tr.bucketing}
+        batch.update({"share_prefix": True} if share_prefix else {})
         batch.update({"global_batch": tr.global_batch} if tr.global_batch else {})
         return {"precision": tr.precision, "batch": batch, "export_dtype": tr.export_dtype}
 

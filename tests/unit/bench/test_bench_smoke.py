@@ -142,9 +142,14 @@ def check_replay(r: dict[str, Any]) -> None:
 def check_learner(r: dict[str, Any]) -> None:
     entry = r["smoke"]  # the mode's entry; a smoke run writes only its own
     assert set(r) == {"smoke"} and entry["throughput_model"] == entry["push_model"] == "tiny-llama-s0"
-    for row in ("naive_full_logits", "naive_padded", "bucketed", "packed", "bucketed_bf16", "packed_bf16"):
+    rows = ("naive_full_logits", "naive_padded", "bucketed", "packed", "bucketed_bf16", "packed_bf16")
+    for row in (*rows, "packed_bf16_shared"):
         positive(entry, f"throughput.{row}.tokens_per_s", f"throughput.{row}.real_tokens")
     positive(entry, "threads_2.bucketed.tokens_per_s", "threads_2.packed_bf16.tokens_per_s")
+    # the same samples, their shared prompt prefix once a row: fewer tokens through the model
+    tp = entry["throughput"]
+    assert tp["packed_bf16_shared"]["real_tokens"] == tp["packed_bf16"]["real_tokens"]
+    assert tp["packed_bf16_shared"]["padded_tokens"] < tp["packed_bf16"]["padded_tokens"]
     positive(
         entry, "push.export_s", "push.publish_to_serving_s", "push.server_update_s", "raw_save_load.seconds"
     )

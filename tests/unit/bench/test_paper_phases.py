@@ -156,3 +156,22 @@ def test_the_sft_choice_respects_the_cap_on_pass_at_the_largest_k() -> None:
     assert capped.chosen.name == "w0" and capped.rule_met and "70%" in capped.why
     none = choose_sft([easy], **rule, max_passk=0.70)
     assert not none.rule_met and "RULE NOT MET" in none.why
+
+
+def test_grpo_share_prefix_reaches_only_grpo_trainings(small_cfg: PaperConfig) -> None:
+    """``grpo.share_prefix`` packs GRPO's trainings with the learner's ``share_prefix`` and no other: the
+    phases recorded without it (the warm start, whose rebuild is checked loss for loss) stay as they were;
+    effect-hard sets it."""
+    from bench.paper.config import load_paper_config, scale_path
+    from bench.paper.steps import Steps
+
+    cfg = msgspec.structs.replace(small_cfg, grpo=msgspec.structs.replace(small_cfg.grpo, share_prefix=True))
+    trains = {p.name: p.spec for p in plan(cfg) if isinstance(p.spec, TrainSpec)}
+    shared = {n for n, s in trains.items() if s.share_prefix}
+    assert shared == {n for n in trains if n.startswith("grpo-")} and len(shared) >= 2
+    assert all(not s.share_prefix for p in plan(small_cfg) if isinstance(s := p.spec, TrainSpec))
+    steps = Steps.__new__(Steps)
+    steps.cfg = cfg
+    assert steps.trainer_table(share_prefix=True)["batch"]["share_prefix"] is True
+    assert "share_prefix" not in steps.trainer_table()["batch"]
+    assert load_paper_config(scale_path("effect-hard")).grpo.share_prefix

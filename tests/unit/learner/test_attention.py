@@ -36,3 +36,13 @@ def test_packed_boundaries_must_cover_one_row(tiny_dir: Path) -> None:
     inputs["cu_seq_lens_q"] = torch.tensor([0, 3], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"\[0, 3\]"), torch.no_grad():
         model(**inputs)
+
+
+def test_a_shared_prefix_must_be_the_rows_first_segment(tiny_dir: Path) -> None:
+    """A prefix length that is not the first segment's is an error naming both, never a misattention."""
+    model = load_model(tiny_dir)
+    use_varlen_attention(model)
+    items, _ = to_items([make_sample(1, prompt_len=4, completion_len=2), make_sample(2, prompt_len=6)], 4096)
+    inputs = collate_packed(items, 0).model_inputs() | {"shared_prefix_len": 3}
+    with pytest.raises(ValueError, match="shared_prefix_len 3"), torch.no_grad():
+        model(**inputs)

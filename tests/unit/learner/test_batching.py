@@ -17,6 +17,7 @@ from learner.batching import (
     out_of_vocab,
     pack_rows,
     plan_micro_batches,
+    shared_prefix_len,
     to_items,
 )
 from learner.config import BatchConfig
@@ -225,3 +226,62 @@ def test_empty_packed_share_is_a_dummy_row_without_loss() -> None:
     mb = collate_packed([], PAD)
     assert mb.packing is not None and torch.all(mb.packing.targets == IGNORE)
     assert torch.all(mb.labels == IGNORE) and mb.weights.tolist() == [0.0] and mb.real_tokens == 0
+
+
+def _with_prefix(samples: list, prefix: list[int]) -> list:
+    return [msgspec.structs.replace(s, prompt_ids=[*prefix, *s.prompt_ids]) for s in samples]
+
+
+def test_a_shared_prefix_heads_the_row_once_and_each_sample_continues_it() -> None:
+    """``share_prefix``: the prompt prefix all samples share is the row's first segment, once; each sample
+    keeps the rest of its tokens with positions continuing after the prefix; the kept positions predict
+    exactly each completion, on the same label layout as without sharing."""
+    prefix = [7, 8, 9, 10]
+    samples = _with_prefix(
+        [make_sample(1, prompt_len=5, completion_len=3), make_sample(2, prompt_len=9, completion_len=1)],
+        prefix,
+    )
+    items, _ = to_items(samples, 4096)
+    mb = collate_packed(items, PAD, share_prefix=True)
+    assert mb.packing is not None and mb.packing.prefix == 4
+    own = [(*s.prompt_ids[4:], *s.completion_ids) for s in samples]
+    assert mb.input_ids[0].tolist() == [*prefix, *own[0], *own[1]]
+    assert mb.position_ids[0].tolist() == [*range(4), *range(4, 12), *range(4, 14)]
+    assert mb.packing.cu_seq_lens.tolist() == [0, 4, 12, 22]
+    assert mb.packing.targets[0].tolist() == [t for s in samples for t in s.completion_ids]
+    assert torch.equal(mb.labels, collate_packed(items, PAD).labels)
+    assert torch.equal(mb.labels[mb.packing.sample, mb.packing.slot], mb.packing.targets[0])
+    assert mb.padded_tokens == 22 and mb.real_tokens == 26  # the samples in full: 12 + 14
+    assert mb.model_inputs()["shared_prefix_len"] == 4
+    assert "shared_prefix_len" not in collate_packed(items, PAD).model_inputs()
+
+
+def test_the_shared_prefix_stops_before_any_prompt_ends() -> None:
+    """A prompt that is a prefix of another's keeps its last token (it predicts the first completion token):
+    the shared prefix is at most the shortest prompt - 1; one sample, or none in common, shares nothing."""
+    a = make_sample(1, prompt_len=6, completion_len=2)
+    b = msgspec.structs.replace(a, sample_id="b", prompt_ids=[*a.prompt_ids, 5, 6])
+    items, _ = to_items([a, b], 4096)
+    assert shared_prefix_len(items) == 5
+    assert shared_prefix_len(items[:1]) == 0
+    other, _ = to_items(
+        [make_sample(2, prompt_len=6), msgspec.structs.replace(a, prompt_ids=[999, *a.prompt_ids])], 4096
+    )
+    assert shared_prefix_len(other) == 0
+    assert collate_packed(items[:1], PAD, share_prefix=True).packing.prefix == 0  # type: ignore[union-attr]
+
+
+def test_packing_with_a_shared_prefix_fits_more_samples_per_row() -> None:
+    """The plan counts a row as the prefix once plus each sample's rest: every row within the budget."""
+    samples = _with_prefix(
+        [make_sample(i, prompt_len=5 + i % 9, completion_len=2) for i in range(40)], list(range(1, 61))
+    )
+    items, _ = to_items(samples, 4096)
+    plain = plan_micro_batches(items, 1, BatchConfig(micro_batch_tokens=300, bucketing="pack"))
+    shared = plan_micro_batches(
+        items, 1, BatchConfig(micro_batch_tokens=300, bucketing="pack", share_prefix=True)
+    )
+    assert sorted(i for m in shared for r in m for i in r) == list(range(40))
+    rows = [collate_packed([items[i] for i in m[0]], PAD, share_prefix=True) for m in shared]
+    assert all(mb.padded_tokens <= 300 for mb in rows)
+    assert len(shared) * 3 <= len(plain)

@@ -82,6 +82,24 @@ def test_packing_does_not_change_the_step(dist_env, tiny_dir: Path) -> None:
     assert_same_weights(_params(bucketed), _params(packed), max_lr=2 * a.lr)
 
 
+def test_a_shared_prefix_does_not_change_the_step(dist_env, tiny_dir: Path) -> None:
+    """``share_prefix``: the same mixed batch with a 20-token prompt prefix in common gives the same step
+    whether each packed row holds the prefix once or every sample in full: same losses, clip fraction,
+    gradient norm and updated weights, for fewer tokens through the model."""
+    prefix = list(range(100, 120))
+    batch = [msgspec.structs.replace(s, prompt_ids=[*prefix, *s.prompt_ids]) for s in _mixed_batch()]
+    full = Trainer(_cfg(micro_batch_tokens=120, global_batch=13, bucketing="pack"), tiny_dir, dist_env)
+    cfg = _cfg(micro_batch_tokens=120, global_batch=13, bucketing="pack", share_prefix=True)  # type: ignore[arg-type]
+    shared = Trainer(cfg, tiny_dir, dist_env)
+    for _ in range(2):
+        a, b = full.train_step(batch), shared.train_step(batch)
+        assert b.padded_tokens < a.padded_tokens == a.real_tokens == b.real_tokens
+        for key in ("loss", "loss_cf", "loss_reh", "loss_rft", "loss_grpo", "ratio", "grad_norm"):
+            assert getattr(b, key) == pytest.approx(getattr(a, key), rel=1e-5), key
+        assert b.clip_frac == a.clip_frac
+    assert_same_weights(_params(full), _params(shared), max_lr=2 * a.lr)
+
+
 def test_export_writes_a_loadable_hf_directory_with_the_trained_weights(
     dist_env, tiny_dir: Path, tmp_path: Path
 ) -> None:

@@ -85,7 +85,7 @@ SIZES = {  # mode -> throughput model, samples, global batch, micro-batch token 
 }
 MEMORY = {"smoke": ("tiny", 4, (20, 80))}
 SAMPLES: dict[str, Any] = {"prompt": (150, MAX_PROMPT), "shared": SHARED_PREFIX}
-"""The throughput rows' samples (``--smoke``: 20-80 token prompts, 12 shared)."""
+"""The throughput rows' samples (``--smoke``: 40-90 token prompts, 34 shared)."""
 """Mode -> the memory part's model, samples per step and prompt lengths (default: SmolLM2, the cpu
 preset's global batch of 16, agent-like prompts of 150-600 tokens)."""
 
@@ -383,7 +383,7 @@ def main() -> int:
     repeats = a.repeats or (1 if a.smoke else 3)
     vocab = int(json.loads((throughput_model / "config.json").read_text())["vocab_size"])
     # --smoke: short prompts too (the full-logits row's every-position logits would take most of its time)
-    samples = agent_samples(n, vocab, **({"prompt": (20, 80), "shared": 12} if a.smoke else SAMPLES))
+    samples = agent_samples(n, vocab, **({"prompt": (40, 90), "shared": 34} if a.smoke else SAMPLES))
     batches = [samples[i : i + gb] for i in range(0, n, gb)]
     print(f"throughput: {throughput_model.name}, {n} samples, global batch {gb}, budget {budget} tokens")
     if a.push_only and saved is not None and "threads_2" in saved:  # else saved by an older version

@@ -43,6 +43,7 @@ from learner.losses import IGNORE, KIND_INDEX, KINDS, LOSS_TERM, KindTokens, tok
 from protocol.samples import Sample
 
 __all__ = [
+    "MIN_SHARED_PREFIX",
     "MicroBatch",
     "Packing",
     "TrainItem",
@@ -164,9 +165,15 @@ def _bucket(items: Sequence[TrainItem], world_size: int, budget: int) -> list[li
     return plan
 
 
-def shared_prefix_len(items: Sequence[TrainItem]) -> int:
+MIN_SHARED_PREFIX = 32
+"""A common prefix shorter than this is not shared: each sample's segment then needs an explicit mask
+instead of SDPA's causal fast path, which a few saved tokens (a chat template's header) do not repay."""
+
+
+def shared_prefix_len(items: Sequence[TrainItem], minimum: int = MIN_SHARED_PREFIX) -> int:
     """Tokens of the longest prefix every item's prompt starts with, at most each prompt's length - 1 (the
-    last prompt token, which predicts the first completion token, stays the item's own); 0 for < 2 items."""
+    last prompt token, which predicts the first completion token, stays the item's own); 0 for < 2 items
+    or a common prefix shorter than ``minimum``."""
     if len(items) < 2:
         return 0
     first = items[0].input_ids
@@ -174,7 +181,7 @@ def shared_prefix_len(items: Sequence[TrainItem]) -> int:
     n = 0
     while n < cap and all(it.input_ids[n] == first[n] for it in items):
         n += 1
-    return n
+    return n if n >= minimum else 0
 
 
 def pack_rows(items: Sequence[TrainItem], budget: int, prefix: int = 0) -> list[list[int]]:

@@ -236,34 +236,38 @@ def test_a_shared_prefix_heads_the_row_once_and_each_sample_continues_it() -> No
     """``share_prefix``: the prompt prefix all samples share is the row's first segment, once; each sample
     keeps the rest of its tokens with positions continuing after the prefix; the kept positions predict
     exactly each completion, on the same label layout as without sharing."""
-    prefix = [7, 8, 9, 10]
+    prefix = list(range(7, 47))  # 40 tokens: at least MIN_SHARED_PREFIX
     samples = _with_prefix(
         [make_sample(1, prompt_len=5, completion_len=3), make_sample(2, prompt_len=9, completion_len=1)],
         prefix,
     )
     items, _ = to_items(samples, 4096)
     mb = collate_packed(items, PAD, share_prefix=True)
-    assert mb.packing is not None and mb.packing.prefix == 4
-    own = [(*s.prompt_ids[4:], *s.completion_ids) for s in samples]
+    assert mb.packing is not None and mb.packing.prefix == 40
+    own = [(*s.prompt_ids[40:], *s.completion_ids) for s in samples]
     assert mb.input_ids[0].tolist() == [*prefix, *own[0], *own[1]]
-    assert mb.position_ids[0].tolist() == [*range(4), *range(4, 12), *range(4, 14)]
-    assert mb.packing.cu_seq_lens.tolist() == [0, 4, 12, 22]
+    assert mb.position_ids[0].tolist() == [*range(40), *range(40, 48), *range(40, 50)]
+    assert mb.packing.cu_seq_lens.tolist() == [0, 40, 48, 58]
     assert mb.packing.targets[0].tolist() == [t for s in samples for t in s.completion_ids]
     assert torch.equal(mb.labels, collate_packed(items, PAD).labels)
     assert torch.equal(mb.labels[mb.packing.sample, mb.packing.slot], mb.packing.targets[0])
-    assert mb.padded_tokens == 22 and mb.real_tokens == 26  # the samples in full: 12 + 14
-    assert mb.model_inputs()["shared_prefix_len"] == 4
+    assert mb.padded_tokens == 58 and mb.real_tokens == 98  # the samples in full: 48 + 50
+    assert mb.model_inputs()["shared_prefix_len"] == 40
     assert "shared_prefix_len" not in collate_packed(items, PAD).model_inputs()
 
 
 def test_the_shared_prefix_stops_before_any_prompt_ends() -> None:
     """A prompt that is a prefix of another's keeps its last token (it predicts the first completion token):
-    the shared prefix is at most the shortest prompt - 1; one sample, or none in common, shares nothing."""
-    a = make_sample(1, prompt_len=6, completion_len=2)
+    the shared prefix is at most the shortest prompt - 1; one sample, none in common, or fewer tokens in
+    common than the minimum (SDPA's causal fast path is worth more than a chat header) share nothing."""
+    a = make_sample(1, prompt_len=40, completion_len=2)
     b = msgspec.structs.replace(a, sample_id="b", prompt_ids=[*a.prompt_ids, 5, 6])
     items, _ = to_items([a, b], 4096)
-    assert shared_prefix_len(items) == 5
+    assert shared_prefix_len(items) == 39
     assert shared_prefix_len(items[:1]) == 0
+    c = msgspec.structs.replace(a, sample_id="c", prompt_ids=[*a.prompt_ids[:10], 999, *a.prompt_ids[11:]])
+    near, _ = to_items([a, c], 4096)
+    assert shared_prefix_len(near) == 0 and shared_prefix_len(near, minimum=10) == 10
     other, _ = to_items(
         [make_sample(2, prompt_len=6), msgspec.structs.replace(a, prompt_ids=[999, *a.prompt_ids])], 4096
     )

@@ -83,13 +83,13 @@ def test_packing_does_not_change_the_step(dist_env, tiny_dir: Path) -> None:
 
 
 def test_a_shared_prefix_does_not_change_the_step(dist_env, tiny_dir: Path) -> None:
-    """``share_prefix``: the same mixed batch with a 20-token prompt prefix in common gives the same step
+    """``share_prefix``: the same mixed batch with a 40-token prompt prefix in common gives the same step
     whether each packed row holds the prefix once or every sample in full: same losses, clip fraction,
     gradient norm and updated weights, for fewer tokens through the model."""
-    prefix = list(range(100, 120))
+    prefix = list(range(100, 140))
     batch = [msgspec.structs.replace(s, prompt_ids=[*prefix, *s.prompt_ids]) for s in _mixed_batch()]
-    full = Trainer(_cfg(micro_batch_tokens=120, global_batch=13, bucketing="pack"), tiny_dir, dist_env)
-    cfg = _cfg(micro_batch_tokens=120, global_batch=13, bucketing="pack", share_prefix=True)  # type: ignore[arg-type]
+    full = Trainer(_cfg(micro_batch_tokens=160, global_batch=13, bucketing="pack"), tiny_dir, dist_env)
+    cfg = _cfg(micro_batch_tokens=160, global_batch=13, bucketing="pack", share_prefix=True)  # type: ignore[arg-type]
     shared = Trainer(cfg, tiny_dir, dist_env)
     for _ in range(2):
         a, b = full.train_step(batch), shared.train_step(batch)

@@ -76,6 +76,8 @@ def online_configs(cfg: PaperConfig, work: Path, minutes: float) -> dict[str, di
         "actor": {"rollout": {cfg.env: rollout}},
     }
     explore = {"offset": cfg.train_offset, "tasks": cfg.train_tasks, "rounds": 0, "demos": 0}
+    # Both learners pack the same way: the experiment's GRPO layout (shared prompt prefix or not).
+    batch = {"batch": {"share_prefix": True}} if g.share_prefix else {}
     out = {
         "leafe": {
             **common,
@@ -90,14 +92,14 @@ def online_configs(cfg: PaperConfig, work: Path, minutes: float) -> dict[str, di
                     "rehearsal_seed": cfg.seed,
                 }
             },
-            "learner": {"kinds": ["cf", "reh"], "trainer": {"optim": {"lr": fx.row_lr}}},
+            "learner": {"kinds": ["cf", "reh"], "trainer": {"optim": {"lr": fx.row_lr}, **batch}},
         },
         "grpo": {
             **common,
             "run_id": f"online-{cfg.name}-grpo",
             "materializer": "grpo",
             "explore": {**explore, "mode": "rollout", "samples": g.group},
-            "learner": {"kinds": ["grpo"], "trainer": {"optim": {"lr": g.lrs[0]}}},
+            "learner": {"kinds": ["grpo"], "trainer": {"optim": {"lr": g.lrs[0]}, **batch}},
         },
     }
     return out

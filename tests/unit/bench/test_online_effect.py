@@ -76,6 +76,9 @@ def test_both_runs_start_from_the_warm_start_on_the_rows_rooms_and_resolve(tmp_p
     assert leafe.replayer.options["rehearsal_unit"] == "path"
     assert (grpo.materializer, grpo.explore.mode, grpo.explore.samples) == ("grpo", "rollout", cfg.grpo.group)
     assert grpo.learner.kinds == ["grpo"] and grpo.learner.trainer.optim.lr == cfg.grpo.lrs[0]
+    # both learners pack as the experiment's GRPO trained (effect-hard: the shared prompt prefix once a row)
+    assert cfg.grpo.share_prefix
+    assert leafe.learner.trainer.batch.share_prefix and grpo.learner.trainer.batch.share_prefix
 
 
 def test_without_the_warm_start_on_disk_it_refuses(tmp_path: Path) -> None:

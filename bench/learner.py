@@ -19,9 +19,8 @@
 |                     | checkpointing, with the loss check (``bench/learner_memory.py``; SmolLM2 in        |
 |                     | quick and full mode; ``--memory-only`` reruns just this part)                      |
 
-Samples look like agent data: prompts of 150-600 tokens whose first 144 are the same in every sample (the
-system prompt and task header; the share of effect-hard's GRPO samples), completions of 5-40 tokens,
-cf/reh mixed.
+Samples look like agent data: 150-600-token prompts whose first 144 are the same in every sample (system
+prompt and task header, as in effect-hard's GRPO samples), 5-40-token completions, cf/reh mixed.
 Throughput counts real (non-pad) tokens per second of optimizer-step wall time; every row trains the
 same batches, interleaved batch by batch, after one warm-up step; the rows share one model and AdamW
 state (``_variants``). Memory ceiling: ``micro_batch_tokens`` padded tokens per micro-batch (packed:
@@ -84,8 +83,7 @@ SIZES = {  # mode -> throughput model, samples, global batch, micro-batch token 
     "full": ("smollm2-135m-instruct", 32, 16, 2048, "smollm2-135m-instruct"),  # the cpu preset's batch
 }
 MEMORY = {"smoke": ("tiny", 4, (20, 80))}
-SAMPLES: dict[str, Any] = {"prompt": (150, MAX_PROMPT), "shared": SHARED_PREFIX}
-"""The throughput rows' samples (``--smoke``: 40-90 token prompts, 34 shared)."""
+SAMPLES: dict[str, Any] = {"prompt": (150, MAX_PROMPT), "shared": SHARED_PREFIX}  # --smoke: (40, 90), 34
 """Mode -> the memory part's model, samples per step and prompt lengths (default: SmolLM2, the cpu
 preset's global batch of 16, agent-like prompts of 150-600 tokens)."""
 
@@ -317,12 +315,11 @@ def _ratios(tp: dict[str, dict[str, dict]], push: dict, raw: dict) -> dict[str, 
         "bucketed_bf16_vs_bucketed": tps("bucketed_bf16") / tps("bucketed"),
         "packed_bf16_vs_bucketed_2_threads": tps("packed_bf16", "threads_2") / tps("bucketed", "threads_2"),
     }
-    if "packed_bf16_shared" in tp["throughput"]:  # results saved before the row existed lack it
-        ratios["packed_bf16_shared_vs_packed_bf16"] = tps("packed_bf16_shared") / tps("packed_bf16")
-    if "packed_bf16_shared" in tp["threads_2"]:
-        ratios["packed_bf16_shared_vs_packed_bf16_2_threads"] = tps("packed_bf16_shared", "threads_2") / tps(
-            "packed_bf16", "threads_2"
-        )
+    for part, suffix in (("throughput", ""), ("threads_2", "_2_threads")):  # saved results may lack the row
+        if "packed_bf16_shared" in tp[part]:
+            ratios[f"packed_bf16_shared_vs_packed_bf16{suffix}"] = tps("packed_bf16_shared", part) / tps(
+                "packed_bf16", part
+            )
     # A push entry saved by an older version of this bench may lack a figure: leave its ratio out.
     for name, key in [
         ("publish_to_serving", "publish_to_serving_s"),

@@ -163,7 +163,7 @@ async def test_malformed_payloads_are_dead_lettered_with_the_reason(nc: Client, 
     async with events_consumer(nc, run_id) as consumer:
         deliveries = await consumer.fetch(timeout=2.0)
         assert [d.value for d in deliveries] == [good]
-        await deliveries[0].ack()
+        await deliveries[0].msg.ack_sync(timeout=5.0)  # applied before consumer_info reads it
         assert consumer.dead_letters == 2
     dead = await stored(nc, "LEAFE_DEAD", letters_filter(dead_letter_subject(run_id, "LEAFE_EVENTS")))
     assert [m.data for m in dead] == [b"\xc1garbage", encode(good)]

@@ -18,6 +18,7 @@ from protocol import decode_weights, weights_subject
 from protocol.subjects import SAMPLES, WEIGHTS
 from services.bus import connect
 from services.learner.service import OnlineLearner
+from tests.support.acks import settled_counts
 from tests.support.learner import make_sample, publish_samples
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
@@ -101,8 +102,8 @@ async def test_trains_in_order_filters_pushes_and_acks(
     assert (event.version, event.learner_step, event.event_id) == ("v000005", 3, f"weights.{run_id}.v000005")
     assert verify_manifest(Path(event.uri), event.manifest_sha256) is not None
     assert sorted(p.name for p in (tmp_path / "store").iterdir() if p.name.startswith("v")) == ["v000005"]
+    assert await settled_counts(js, SAMPLES.name, f"learner-{run_id}") == (0, 0)
     info = await js.consumer_info(SAMPLES.name, f"learner-{run_id}")
-    assert info.num_ack_pending == 0 and info.num_pending == 0
     assert info.ack_floor.stream_seq == progress.samples_seq
     await nc.close()
 

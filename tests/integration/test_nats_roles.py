@@ -40,6 +40,7 @@ from services.replayer import service as replayer_service
 from services.replayer.replay import stream_events
 from services.replayer.service import Replayer, ReplayerConfig
 from services.weight_sync.service import WeightSync, WeightSyncConfig
+from tests.support.acks import settled_counts
 from tests.support.learner import make_sample, publish_samples
 from tests.support.nats_auth import RoleClient, stored
 
@@ -113,8 +114,7 @@ async def test_the_actor_serves_tasks_under_its_own_identity(
     # the actor's own letters: leafe.<run>.dead.leafe_tasks.actor-0.<seq>
     letters = letters_filter(dead_letter_subject(run_id, TASKS.name))
     assert await stored(admin_client.js, letters) == 1
-    info = await admin_client.js.consumer_info(TASKS.name, service.durable)
-    assert (info.num_pending, info.num_ack_pending) == (0, 0)
+    assert await settled_counts(admin_client.js, TASKS.name, service.durable) == (0, 0)
 
 
 async def test_the_replayer_folds_and_recovers_under_its_own_identity(
@@ -235,8 +235,7 @@ async def test_the_learner_trains_and_pushes_under_its_own_identity(
     assert progress.step == 1
     raw = await admin_client.js.get_last_msg(WEIGHTS.name, weights_subject(run_id))
     assert decode_weights(raw.data).learner_step == 1
-    info = await admin_client.js.consumer_info(SAMPLES.name, f"learner-{run_id}")
-    assert (info.num_pending, info.num_ack_pending) == (0, 0)
+    assert await settled_counts(admin_client.js, SAMPLES.name, f"learner-{run_id}") == (0, 0)
 
 
 async def _until(predicate: Callable[[], bool], what: str) -> None:

@@ -71,30 +71,22 @@ def varlen_sdpa_attention(
     p = int(shared_prefix_len or 0)
     if p and (len(bounds) < 2 or bounds[1] != p):
         raise ValueError(f"shared_prefix_len {p} is not the row's first segment {bounds[:2]}")
+    # One split per tensor, not a slice per segment: a slice's backward writes a zero-filled gradient of the
+    # whole row, so n segments cost n row-sized fills and adds per tensor; a split's backward is one cat.
+    lengths = [e - s for s, e in itertools.pairwise(bounds)]
+    qs, ks, vs = (t.split(lengths, dim=2) for t in (query, key, value))
     parts = []
-    for i, (s, e) in enumerate(itertools.pairwise(bounds)):
+    for i, (q, k, v) in enumerate(zip(qs, ks, vs, strict=True)):
         if not p or i == 0:  # a whole sample, or the shared prefix itself
-            parts.append(
-                sdpa(
-                    query[:, :, s:e],
-                    key[:, :, s:e],
-                    value[:, :, s:e],
-                    dropout_p=dropout,
-                    scale=scaling,
-                    is_causal=True,
-                    enable_gqa=gqa,
-                )
-            )
+            parts.append(sdpa(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa))
             continue
         # A sample's own tokens after the prefix: every prefix key, then its own keys causally.
-        n = e - s
+        n = q.shape[2]
         mask = torch.ones(n, p + n, dtype=torch.bool, device=query.device)
         mask[:, p:] = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
-        k = torch.cat((key[:, :, :p], key[:, :, s:e]), dim=2)
-        v = torch.cat((value[:, :, :p], value[:, :, s:e]), dim=2)
-        parts.append(
-            sdpa(query[:, :, s:e], k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
-        )
+        k = torch.cat((ks[0], k), dim=2)
+        v = torch.cat((vs[0], v), dim=2)
+        parts.append(sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa))
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
 
 

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -71,7 +72,19 @@ async def _leafe(args: Sequence[str], log_file: Path, threads: int) -> None:
     code = await run_logged(cmd, log_file, env)
     if code != 0:
         tail = (await asyncio.to_thread(log_file.read_text, encoding="utf-8", errors="replace"))[-2000:]
-        raise RuntimeError(f"leafe {' '.join(args[:1])} exited {code}; log {log_file}:\n{tail}")
+        raise RuntimeError(f"leafe {' '.join(args[:1])} {exit_description(code)}; log {log_file}:\n{tail}")
+
+
+def exit_description(code: int) -> str:
+    """``exited N``, or the signal that killed the process (SIGKILL: perhaps the kernel's OOM killer)."""
+    if code >= 0:
+        return f"exited {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    oom = " (the kernel's out-of-memory killer sends it: see `dmesg`)" if -code == signal.SIGKILL else ""
+    return f"was killed by {name}{oom}"
 
 
 def replay_command(source: Path, materializer: str, model: str, out: Path, config: Path) -> list[str]:

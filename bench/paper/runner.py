@@ -150,7 +150,12 @@ class Runner:
             result = await steps.run(phase)
         except Exception as e:  # recorded in the report; phases that do not need it still run
             log.exception("paper.phase.failed", phase=phase.name)
-            self.state.failed[phase.name] = f"{type(e).__name__}: {str(e)[-1500:]}"
+            first, _, rest = str(e).partition(
+                "\n"
+            )  # the cause first (reports show the start), then the log's tail
+            self.state.failed[phase.name] = f"{type(e).__name__}: {first[:500]}" + (
+                f"\n{rest[-1500:]}" if rest else ""
+            )
         else:
             result["wall_s"] = time.monotonic() - t0
             self._save(phase.name, result)

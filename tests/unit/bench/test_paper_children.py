@@ -74,3 +74,26 @@ def test_a_training_cut_short_resumes_and_counts_each_step_once(tmp_path: Path, 
     assert table["checkpoint_every"] == 2 and table["keep_checkpoints"] == 1
     assert got["steps"] == 4 and got["losses"] == [3.0, 2.0, 1.25, 1.0] and got["trained_samples"] == 32
     assert children.step_records(tmp_path / "absent.jsonl") == []
+
+
+def test_a_child_killed_by_a_signal_is_named_so(tmp_path: Path, monkeypatch) -> None:
+    """The GRPO training of the effect-hard run was OOM-killed; its error said ``exited -9`` and the report
+    showed only the middle of the log. A child's exit now names the signal, and SIGKILL points at the
+    out-of-memory killer."""
+    import asyncio
+
+    import pytest
+
+    from bench.paper import children
+
+    async def killed(cmd: list[str], log_file: Path, env: dict[str, str]) -> int:
+        log_file.write_text("step 1120\n" * 400)  # noqa: ASYNC240 (a fake)
+        return -9
+
+    monkeypatch.setattr(children, "run_logged", killed)
+    with pytest.raises(RuntimeError) as err:
+        asyncio.run(children._leafe(["train", "--data", "d"], tmp_path / "train.log", 2))
+    first = str(err.value).splitlines()[0]
+    assert first.startswith("leafe train was killed by SIGKILL (the kernel's out-of-memory killer"), first
+    assert children.exit_description(3) == "exited 3"
+    assert children.exit_description(-15) == "was killed by SIGTERM"

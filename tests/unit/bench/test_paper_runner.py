@@ -113,6 +113,28 @@ def test_time_box_skips_and_a_failure_blocks_only_what_needs_it(
     assert "train-iwm FAILED" in md and "blocked: needs train-iwm (failed)" in md
 
 
+def test_a_failure_report_starts_with_its_cause(
+    small_cfg: PaperConfig, tmp_path: Path, fake_steps: Any
+) -> None:
+    """A child's error is its cause, then the tail of its log; the report cuts what it shows, so it must
+    keep the cause (it showed the middle of a log line when the runner kept only the message's end)."""
+    steps = fake_steps()
+    run = steps.run
+
+    async def broken(phase: Any) -> dict[str, Any]:
+        if phase.name == "train-iwm":
+            raise RuntimeError("leafe train was killed by SIGKILL; log x\n" + "a log line\n" * 500)
+        return await run(phase)
+
+    steps.run = broken
+    runner = _run(_few_rows(small_cfg), tmp_path, steps)
+    assert runner.state.failed["train-iwm"].startswith(
+        "RuntimeError: leafe train was killed by SIGKILL; log x\n"
+    )
+    md = (tmp_path / "results" / "t_report.md").read_text()
+    assert "train-iwm FAILED**: `RuntimeError: leafe train was killed by SIGKILL" in md
+
+
 def test_a_changed_protocol_is_refused(small_cfg: PaperConfig, tmp_path: Path, fake_steps: Any) -> None:
     """Once registered, the test range and seeds cannot move under the same work dir."""
     _run(small_cfg, tmp_path, fake_steps(), deadline=0.0)

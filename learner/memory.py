@@ -67,9 +67,10 @@ def pin_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
 
 def reuse_freed_memory() -> bool:
     """Serve every allocation of this process from glibc's heap and keep freed blocks there for reuse
-    (no ``mmap``, trim only past :data:`KEEP_FREED_BYTES`); False where the C library is not glibc or
-    refuses (a speed setting: the process then runs as before, and the caller says so)."""
+    (no ``mmap``, trim only past :data:`KEEP_FREED_BYTES`); False where the C library is not glibc."""
     mallopt = _mallopt()
-    if mallopt is None or mallopt(_M_MMAP_MAX, 0) != 1:
+    if mallopt is None:
         return False
-    return mallopt(_M_TRIM_THRESHOLD, KEEP_FREED_BYTES) == 1
+    _set(mallopt, _M_MMAP_MAX, 0, "M_MMAP_MAX")
+    _set(mallopt, _M_TRIM_THRESHOLD, KEEP_FREED_BYTES, "M_TRIM_THRESHOLD")
+    return True

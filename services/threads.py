@@ -17,7 +17,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ThreadPlan", "busy_cores", "default_threads", "free_cores", "plan_threads", "usable_cores"]
+__all__ = [
+    "ThreadPlan",
+    "busy_cores",
+    "default_threads",
+    "free_cores",
+    "plan_cores",
+    "plan_threads",
+    "usable_cores",
+]
 
 
 def usable_cores() -> int:
@@ -57,6 +65,14 @@ def free_cores(window_s: float = 0.5) -> tuple[int, str]:
     taken = min(usable - 1, int(busy + 0.5))
     why = f"{usable} usable cores, {busy:.1f} busy with other processes"
     return usable - max(0, taken), why
+
+
+def plan_cores(pinned: int = 0) -> tuple[int, str]:
+    """The cores a run's thread plan divides, and why: ``pinned`` when > 0 (the same plan, hence the same
+    arithmetic, whatever else runs), else the cores free right now."""
+    if pinned > 0:
+        return pinned, f"{pinned} cores as configured ({usable_cores()} usable)"
+    return free_cores()
 
 
 @dataclass(frozen=True)

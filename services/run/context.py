@@ -91,6 +91,8 @@ class RunContext:
     threads: ThreadPlan | None = None
     """How the free cores are split between the CPU inference server and the learner (None with external
     engines or fixed ``inference_threads``: then nobody resizes the engine)."""
+    thread_plan: str = ""
+    """The plan in words, with the cores it divides and why (the report's ``threads``)."""
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.config.runs_dir) / self.config.run_id

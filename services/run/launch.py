@@ -55,7 +55,7 @@ from services.run.orphans import record_child
 from services.run.presets import MAX_AUTO_SERVERS
 from services.run.router import open_router, router_available
 from services.run.supervisor import wait_http_ok
-from services.threads import ThreadPlan, free_cores, plan_threads
+from services.threads import ThreadPlan, plan_cores, plan_threads
 
 __all__ = [
     "actor_ids",
@@ -149,10 +149,11 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
     ctx.console.print(f"nats: {ctx.nats_server.url if ctx.nats_server else 'external'}; model {cfg.model!r}")
     ctx.model_dir = await asyncio.to_thread(resolve_model, cfg.model)
     ctx.engine_urls = list(cfg.services.engines)
-    cores, why = await asyncio.to_thread(free_cores)
+    cores, why = await asyncio.to_thread(plan_cores, cfg.services.cores)
     plan = plan_threads(cores, learner=cfg.services.learner, learner_threads=cfg.services.learner_threads)
     ctx.console.print(f"{plan.describe()} ({why})", markup=False, highlight=False)
     log.info("run.threads", plan=plan.__dict__, why=why)
+    ctx.thread_plan = f"{plan.describe()} ({why})"
     ctx.learner_threads, ctx.learner_alone = plan.learner, plan.learner_alone
     if not ctx.engine_urls:
         await _start_engines(ctx, stack, plan)

@@ -172,6 +172,11 @@ class ServicesSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     (~2x faster prefill on CPU; the paper table served in bf16, so a run compared with its rows uses it)."""
     learner_threads: int = 0
     """Learner torch threads (``OMP_NUM_THREADS``); 0 = from the thread plan (half the free cores, >= 1)."""
+    cores: int = 0
+    """Cores the thread plan divides among the servers and the learner; 0 = the cores free at the start
+    (those other processes keep busy are left out). The learner's arithmetic depends on its thread count
+    (the same bf16 step gives another loss at 1 and 2 threads), so two runs agree bit for bit only under the
+    same plan (the report's ``threads``): pin this to repeat a run on a busier or another machine."""
     learner: bool = True
     """Run the continuous learner (and weight sync)."""
     router: bool = False

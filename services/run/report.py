@@ -120,6 +120,7 @@ def build_report(
         schedule=cfg.explore.schedule,
         budget_minutes=cfg.budget_minutes,
         cuts=list(ctx.cuts),
+        threads=ctx.thread_plan,
     )
 
 

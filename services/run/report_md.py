@@ -137,6 +137,7 @@ def render_report(r: RunReport, cfg_eval: Any) -> str:
         f"| wall time | {r.timings.get('total', 0) / 60:.1f} min |",
         f"| schedule | {r.schedule} |",
         f"| wall-clock budget | {_budget(r)} |",
+        f"| threads | {r.threads or 'not recorded'} |",
         f"| training episodes (success) | {u.episodes} ({u.successes}) |",
         f"| policy steps (unparseable) | {u.steps} ({u.unparseable}) |",
         f"| reflections / rollbacks / branches | {u.reflections} / {u.rollbacks} / {u.branches} |",

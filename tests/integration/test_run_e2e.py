@@ -99,7 +99,9 @@ def _tiny_run(runs: Path, cache_dir: Path, *, slow_learner: bool = False) -> tup
     on a 4x slower machine). Returns the run directory and the run's stderr."""
     runs.mkdir(parents=True, exist_ok=True)
     routed = runs / "router.toml"
-    routed.write_text(f"[services]\nrouter = {'true' if router_available() else 'false'}\n")
+    # Both runs divide the same 2 cores, whatever else keeps them busy: the learner's arithmetic depends on
+    # its thread count, so a free-core count that differed between the runs could change the weights.
+    routed.write_text(f"[services]\ncores = 2\nrouter = {'true' if router_available() else 'false'}\n")
     with Throttle(runs / "e2e" / "pids" / "learner.pid", enabled=slow_learner) as throttle:
         done = _leafe_run(runs, "e2e", cache_dir, "--config", str(routed))
     assert done.returncode == 0, done.stderr[-4000:]
@@ -199,6 +201,7 @@ def test_a_slow_learner_changes_the_time_never_the_result(
     fast, slow = _report(fast_dir), _report(slow_dir)
     assert slow["dataset"]["content_sha256"] == fast["dataset"]["content_sha256"], (slow, fast)
     assert slow["run"]["samples"] == fast["run"]["samples"]
+    assert slow["threads"] == fast["threads"] and "2 cores as configured" in fast["threads"], fast["threads"]
     version = fast["run"]["weights_version"]
     assert (slow["run"]["learner_step"], slow["run"]["weights_version"]) == (
         fast["run"]["learner_step"],

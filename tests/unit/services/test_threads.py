@@ -72,3 +72,17 @@ def test_default_threads_take_the_request_then_omp_then_the_free_cores_per_local
     assert n == 2 and "2 local ranks" in why
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert threads.default_threads(0)[0] == 1
+
+
+def test_a_pinned_plan_ignores_what_else_keeps_the_cores_busy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``services.cores`` pins the cores the run's plan divides: a busy neighbour changes the time, not the
+    plan (the learner's arithmetic depends on its thread count; a run compared with another must not split
+    its cores differently because something else ran at its start)."""
+    from services import threads
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(threads, "busy_cores", lambda window_s=0.5: 1.8)
+    assert threads.plan_cores(0)[0] == 1
+    cores, why = threads.plan_cores(2)
+    assert cores == 2 and "as configured" in why
+    assert threads.plan_threads(cores) == threads.plan_threads(2)

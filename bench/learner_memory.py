@@ -5,14 +5,16 @@ and ``learner/memory.py``, with the loss-equality check; a part of ``bench/learn
 |---------|-------------------------------------------------------------------------------------------|
 | before  | the previous loss path: full-vocabulary logits at the target positions, every activation   |
 |         | kept for the backward, autocast's bf16 weight cache, glibc's default (rising) mmap threshold |
-| after   | the trainer as configured by default: chunked LM head                                      |
+| glibc   | chunked LM head, glibc's default allocator (``reuse_freed_memory = false``): the default      |
+|         | until freed blocks were kept for reuse                                                      |
+| after   | the trainer as configured by default: chunked LM head, freed blocks reused (no ``mmap``)   |
 | lean    | ``after`` with ``release_freed_memory = true`` (pinned mmap threshold: less RSS, slower)   |
 | checkpointed | ``lean`` with ``activation_checkpointing = true`` (and no autocast weight cache)      |
 
-Each variant is its own process (peak RSS, ``ru_maxrss``, only grows) training the same two global batches
-from the same weights with the ``cpu`` preset's trainer (what ``leafe run``'s learner uses: global batch
-16, packed 2048-token rows, precision ``auto``), one torch thread. The losses of both steps must agree to
-1e-5 (the second step runs on weights the first updated).
+Each variant is its own process (peak RSS, ``ru_maxrss``, only grows; minor page faults a step) training
+the same two global batches from the same weights with the ``cpu`` preset's trainer (what ``leafe run``'s
+learner uses: global batch 16, packed 2048-token rows, precision ``auto``), one torch thread. The losses
+of both steps must agree to 1e-5 (the second step runs on weights the first updated).
 
     .venv/bin/python -m bench.learner_memory --child after --model smollm2-135m-instruct   # one variant
 """
@@ -33,7 +35,7 @@ import msgspec
 from bench.host import host_record
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("before", "after", "lean", "checkpointed")
+VARIANTS = ("before", "glibc", "after", "lean", "checkpointed")
 KEYS = ("loss", "loss_cf", "loss_reh", "grad_norm")
 """Step figures compared between the variants."""
 TOLERANCE = 1e-5
@@ -57,6 +59,8 @@ def _child(variant: str, model: str, samples: int, prompt: tuple[int, int]) -> d
     env = init_distributed("gloo")
     model_dir = resolve_model(model)
     cfg = cpu_preset().trainer
+    if variant in ("before", "glibc"):
+        cfg = msgspec.structs.replace(cfg, reuse_freed_memory=False)
     if variant == "before":
         cfg = msgspec.structs.replace(cfg, activation_checkpointing=False)
         trainer: learner.trainer.Trainer = FullLogitsTrainer(cfg, model_dir, env)
@@ -70,13 +74,20 @@ def _child(variant: str, model: str, samples: int, prompt: tuple[int, int]) -> d
     batch = cfg.batch.global_batch
     data = agent_samples(2 * batch, vocab, prompt=prompt)[: 2 * min(batch, samples)]
     half = len(data) // 2
-    steps = [msgspec.to_builtins(trainer.train_step(b)) for b in (data[:half], data[half:])]
+    steps = []
+    for b in (data[:half], data[half:]):
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        steps.append(msgspec.to_builtins(trainer.train_step(b)))
+        steps[-1]["minor_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     return {
         "variant": variant,
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,  # KiB on Linux
         "precision": trainer.precision,
         "micro_batch_tokens": cfg.batch.micro_batch_tokens,
-        "steps": [{k: s[k] for k in (*KEYS, "seconds", "real_tokens", "micro_batches")} for s in steps],
+        "steps": [
+            {k: s[k] for k in (*KEYS, "seconds", "real_tokens", "micro_batches", "minor_faults")}
+            for s in steps
+        ],
     }
 
 
@@ -114,6 +125,16 @@ def memory_part(model: str, samples: int, prompt: tuple[int, int]) -> dict[str, 
         out[f"max_grad_norm_rel_diff_{name}"] = grad
         equal = equal and diff <= TOLERANCE
     out["losses_equal"] = equal
+    glibc, after = rows["glibc"]["steps"][-1], rows["after"]["steps"][-1]  # the first step faults in both
+    out["second_step_seconds_after_over_glibc"] = after["seconds"] / glibc["seconds"]
+    out["second_step_faults_glibc"], out["second_step_faults_after"] = (
+        glibc["minor_faults"],
+        after["minor_faults"],
+    )
+    print(
+        f"  after/glibc second step {out['second_step_seconds_after_over_glibc']:.2f}x the time, page faults "
+        f"{after['minor_faults']:,} against {glibc['minor_faults']:,}"
+    )
     return out
 
 

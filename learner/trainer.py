@@ -43,7 +43,7 @@ from learner.distributed import DistEnv, all_reduce_sum, barrier
 from learner.fsdp import autocast, build_model, full_state_dict, resolve_precision
 from learner.linear_logprobs import CHUNK_TOKENS, sample_logprobs
 from learner.losses import KIND_INDEX, KindTokens, LossOutput, total_loss
-from learner.memory import pin_mmap_threshold
+from learner.memory import pin_mmap_threshold, reuse_freed_memory
 from learner.model_io import export_weights, load_tokenizer
 from learner.optim import build_optimizer
 from protocol.samples import Sample
@@ -180,6 +180,11 @@ class Trainer:
             self.model.activation_checkpointing_enable()  # type: ignore[operator]
         if config.release_freed_memory:
             pin_mmap_threshold()  # freed activations go back to the OS (learner/memory.py)
+        elif config.reuse_freed_memory and not reuse_freed_memory():  # freed blocks reused: no page faults
+            log.warning(
+                "learner.allocator.unchanged",
+                reason="not glibc, or mallopt refused: freed memory is not kept",
+            )
         self.reference: nn.Module | None = None
         if config.loss.kl_coef > 0:
             self.reference = build_model(self.model_dir, env, precision=config.precision, trainable=False)

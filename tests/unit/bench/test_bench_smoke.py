@@ -155,7 +155,12 @@ def check_learner(r: dict[str, Any]) -> None:
     )
     positive(entry, *(f"ratios.{k}" for k in entry["ratios"]))
     # peak RSS of the learner with and without the chunked LM head (bench/learner_memory.py)
-    positive(entry, "memory.peak_rss_gb_before", "memory.peak_rss_gb_after")
+    positive(entry, "memory.peak_rss_gb_before", "memory.peak_rss_gb_after", "memory.peak_rss_gb_glibc")
+    # the default allocator setting against glibc's: the second step's time and page faults
+    positive(entry, "memory.second_step_seconds_after_over_glibc")
+    assert (
+        entry["memory"]["second_step_faults_after"] >= 0 and entry["memory"]["second_step_faults_glibc"] > 0
+    )
     assert entry["memory"]["losses_equal"] is True, entry["memory"]
 
 

@@ -274,18 +274,24 @@ def test_lr_by_kind_refuses_unknown_kinds_and_non_positive_lrs() -> None:
         OptimConfig(lr=1e-5, lr_by_kind={"sft": 0.0})
 
 
-def test_the_mmap_threshold_is_pinned_only_when_asked(
+def test_the_allocator_reuses_freed_memory_unless_asked_to_release_it(
     dist_env, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Pinning glibc's mmap threshold made every CPU step 1.63x slower (a page fault per 4 KiB of every
-    freed-and-reallocated activation, ``learner/memory.py``): the default trainer must not pin it, and
-    ``release_freed_memory`` must (the memory-bound setting)."""
+    freed-and-reallocated activation, ``learner/memory.py``): only ``release_freed_memory`` (the
+    memory-bound setting) pins it; the default keeps freed blocks in the heap for reuse; with neither
+    the allocator is left alone."""
     import learner.trainer
 
-    calls: list[int] = []
-    monkeypatch.setattr(learner.trainer, "pin_mmap_threshold", lambda: calls.append(1) or True)
-    Trainer(_cfg(), tiny_dir, dist_env)
-    assert calls == []
-    lean = TrainerConfig(**{**msgspec.structs.asdict(_cfg()), "release_freed_memory": True})
-    Trainer(lean, tiny_dir, dist_env)
-    assert calls == [1]
+    calls: list[str] = []
+    monkeypatch.setattr(learner.trainer, "pin_mmap_threshold", lambda: calls.append("pin") or True)
+    monkeypatch.setattr(learner.trainer, "reuse_freed_memory", lambda: calls.append("reuse") or True)
+    base = msgspec.structs.asdict(_cfg())
+    for overrides, want in (
+        ({}, ["reuse"]),
+        ({"release_freed_memory": True}, ["pin"]),
+        ({"reuse_freed_memory": False}, []),
+    ):
+        calls.clear()
+        Trainer(TrainerConfig(**{**base, **overrides}), tiny_dir, dist_env)
+        assert calls == want, overrides

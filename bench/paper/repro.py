@@ -4,8 +4,9 @@ row retrained and evaluated, with the exact settings the run used.
 ``<report_name>_repro.sh`` (written next to the report) has, for each finished training phase in plan
 order, ``leafe replay --from bench/results/paper_logs/<name>/<collection>.leafelog.gz`` with the phase's
 materializer options, the phase's filter (sample kinds, first n demonstrations), and ``leafe train`` with
-its recorded trainer table and flags, starting from the weights the run started it from (paths under the
-run's work dir are rewritten to ``$OUT``, so choices made on validation are replayed, not re-made); then
+its recorded trainer table and flags and the run's thread count (the learner's arithmetic depends on it),
+starting from the weights the run started it from (paths under the run's work dir are rewritten to ``$OUT``,
+the base model's export to ``$MODEL``, so choices made on validation are replayed, not re-made); then
 ``leafe eval`` of every evaluated row with the protocol's tasks, seeds and rollout settings. Collections
 themselves are not re-run (the logs are the source of truth; ``bench/paper_table.py`` re-collects).
 """
@@ -29,10 +30,17 @@ def _toml(table: dict[str, Any]) -> str:
     return tomli_w.dumps(table)
 
 
+BASE_EXPORT = "base-weights"
+"""The base model exported under the work dir (``runner._base_export``): the same weights as ``$MODEL``."""
+
+
 def _path(value: str, work: str, base: str) -> str:
-    if value == base:
+    """``value`` as the script names it: the base model (or its export under the work dir) is ``$MODEL``,
+    anything else under the work dir (given relative or absolute) is under ``$OUT``."""
+    root, path = Path(work).resolve(), Path(value).resolve()
+    if value == base or path == Path(base).resolve() or path == root / BASE_EXPORT:
         return "$MODEL"
-    return value.replace(work, "$OUT") if value.startswith(work) else value
+    return "$OUT/" + str(path.relative_to(root)) if path.is_relative_to(root) else value
 
 
 def _train_lines(
@@ -64,7 +72,8 @@ def _train_lines(
     lines += [
         f"cat > $OUT/{name}/train/train.toml <<'EOF'\n{_toml(r['config'])}EOF",
         f"leafe train --data {data} --model {start} --out $OUT/{name}/train --preset {cfg.training.preset} "
-        f"--config $OUT/{name}/train/train.toml --lr {r['lr']} --epochs {r['epochs']}{beta}",
+        f"--config $OUT/{name}/train/train.toml --lr {r['lr']} --epochs {r['epochs']}{beta} "
+        f"--threads {cfg.training.threads}",
         "",
     ]
     return lines

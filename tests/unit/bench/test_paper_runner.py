@@ -82,6 +82,11 @@ def test_reproduction_script_replays_every_training_and_evaluation(
     assert "--from $LOGS/demos-a.leafelog.gz --materializer sft" in script
     assert "leafe eval --model" in script and "--seed 12345 " in script and "--seed 777 " in script
     assert "--rollout-option horizon=8" in script
+    # Nothing of this machine's paths: weights the run made are under $OUT, the base model is $MODEL.
+    assert str(tmp_path) not in script and str(tmp_path.resolve()) not in script, script
+    # The learner's arithmetic depends on its thread count: each training runs with the run's.
+    trained = [line for line in script.splitlines() if line.startswith("leafe train ")]
+    assert trained and all(line.endswith(f"--threads {runner.cfg.training.threads}") for line in trained)
 
 
 def test_rerun_skips_finished_phases(small_cfg: PaperConfig, tmp_path: Path, fake_steps: Any) -> None:
@@ -177,3 +182,22 @@ def test_an_sr_evaluation_that_would_cut_off_the_trained_answers_is_refused(
         steps.check_token_budget(cut)
     steps.check_token_budget(EvalSpec(model="train:train-sr", split="test", rollout={"max_new_tokens": 128}))
     steps.check_token_budget(EvalSpec(model="sft", split="test", rollout={"max_new_tokens": 8}))
+
+
+def test_reproduction_paths_name_no_directory_of_the_machine_that_ran(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record holds absolute paths under the work dir (given relative to the runner): the script names
+    them under ``$OUT``, and the base model's export under the work dir as ``$MODEL`` (its script named
+    /work/effect/... for every training started from Base or W)."""
+    from bench.paper.repro import _path
+
+    monkeypatch.chdir(tmp_path)
+    work, base = "runs/paper/x", str(tmp_path / "cache" / "models" / "m")
+    assert (
+        _path(str(tmp_path / work / "warm-train" / "train" / "final"), work, base)
+        == "$OUT/warm-train/train/final"
+    )
+    assert _path(str(tmp_path / work / "base-weights"), work, base) == "$MODEL"
+    assert _path(base, work, base) == "$MODEL"
+    assert _path("runs/paper/x/train-a/train/final", work, base) == "$OUT/train-a/train/final"

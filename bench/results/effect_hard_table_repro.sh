@@ -26,7 +26,7 @@ retain_versions = 2
 bucketing = "pack"
 global_batch = 16
 EOF
-leafe train --data $OUT/sft-6x6-l8-w0-n128/dataset-filtered --model /work/effect/runs/paper/effect-hard/base-weights --out $OUT/sft-6x6-l8-w0-n128/train --preset cpu --config $OUT/sft-6x6-l8-w0-n128/train/train.toml --lr 5e-05 --epochs 1
+leafe train --data $OUT/sft-6x6-l8-w0-n128/dataset-filtered --model $MODEL --out $OUT/sft-6x6-l8-w0-n128/train --preset cpu --config $OUT/sft-6x6-l8-w0-n128/train/train.toml --lr 5e-05 --epochs 1 --threads 2
 
 # sft-6x6-l8-w2-n128: sft over demos-6x6-l8-w2, from base; 660 samples {'sft': 660}
 mkdir -p $OUT/sft-6x6-l8-w2-n128/train
@@ -47,7 +47,7 @@ retain_versions = 2
 bucketing = "pack"
 global_batch = 16
 EOF
-leafe train --data $OUT/sft-6x6-l8-w2-n128/dataset-filtered --model /work/effect/runs/paper/effect-hard/base-weights --out $OUT/sft-6x6-l8-w2-n128/train --preset cpu --config $OUT/sft-6x6-l8-w2-n128/train/train.toml --lr 5e-05 --epochs 1
+leafe train --data $OUT/sft-6x6-l8-w2-n128/dataset-filtered --model $MODEL --out $OUT/sft-6x6-l8-w2-n128/train --preset cpu --config $OUT/sft-6x6-l8-w2-n128/train/train.toml --lr 5e-05 --epochs 1 --threads 2
 
 # warm-train: sft over demos:chosen, from base; 1649 samples {'sft': 1649}
 mkdir -p $OUT/warm-train/train
@@ -68,7 +68,7 @@ retain_versions = 3
 bucketing = "pack"
 global_batch = 16
 EOF
-leafe train --data $OUT/warm-train/dataset-filtered --model /work/effect/runs/paper/effect-hard/base-weights --out $OUT/warm-train/train --preset cpu --config $OUT/warm-train/train/train.toml --lr 5e-05 --epochs 2
+leafe train --data $OUT/warm-train/dataset-filtered --model $MODEL --out $OUT/warm-train/train --preset cpu --config $OUT/warm-train/train/train.toml --lr 5e-05 --epochs 2 --threads 2
 
 # train-leafe: leafe over explore-model, from warm; 1143 samples {'reh': 888, 'cf': 255}
 mkdir -p $OUT/train-leafe/train
@@ -92,7 +92,7 @@ push_every = 0
 bucketing = "pack"
 global_batch = 16
 EOF
-leafe train --data $OUT/train-leafe/dataset --model /work/effect/runs/paper/effect-hard/warm-train/train/final --out $OUT/train-leafe/train --preset cpu --config $OUT/train-leafe/train/train.toml --lr 3e-05 --epochs 1 --beta 1.0
+leafe train --data $OUT/train-leafe/dataset --model $OUT/warm-train/train/final --out $OUT/train-leafe/train --preset cpu --config $OUT/train-leafe/train/train.toml --lr 3e-05 --epochs 1 --beta 1.0 --threads 2
 
 # train-reh: leafe over explore-model, from warm; 888 samples {'reh': 888}
 mkdir -p $OUT/train-reh/train
@@ -117,7 +117,7 @@ push_every = 0
 bucketing = "pack"
 global_batch = 16
 EOF
-leafe train --data $OUT/train-reh/dataset-filtered --model /work/effect/runs/paper/effect-hard/warm-train/train/final --out $OUT/train-reh/train --preset cpu --config $OUT/train-reh/train/train.toml --lr 3e-05 --epochs 2
+leafe train --data $OUT/train-reh/dataset-filtered --model $OUT/warm-train/train/final --out $OUT/train-reh/train --preset cpu --config $OUT/train-reh/train/train.toml --lr 3e-05 --epochs 2 --threads 2
 
 # train-leafe-oracle: leafe over explore-oracle, from warm; 1746 samples {'reh': 1241, 'cf': 505}
 mkdir -p $OUT/train-leafe-oracle/train
@@ -141,7 +141,7 @@ push_every = 0
 bucketing = "pack"
 global_batch = 16
 EOF
-leafe train --data $OUT/train-leafe-oracle/dataset --model /work/effect/runs/paper/effect-hard/warm-train/train/final --out $OUT/train-leafe-oracle/train --preset cpu --config $OUT/train-leafe-oracle/train/train.toml --lr 3e-05 --epochs 1 --beta 1.0
+leafe train --data $OUT/train-leafe-oracle/dataset --model $OUT/warm-train/train/final --out $OUT/train-leafe-oracle/train --preset cpu --config $OUT/train-leafe-oracle/train/train.toml --lr 3e-05 --epochs 1 --beta 1.0 --threads 2
 
 # train-reh-oracle: leafe over explore-oracle, from warm; 1241 samples {'reh': 1241}
 mkdir -p $OUT/train-reh-oracle/train
@@ -166,18 +166,40 @@ push_every = 0
 bucketing = "pack"
 global_batch = 16
 EOF
-leafe train --data $OUT/train-reh-oracle/dataset-filtered --model /work/effect/runs/paper/effect-hard/warm-train/train/final --out $OUT/train-reh-oracle/train --preset cpu --config $OUT/train-reh-oracle/train/train.toml --lr 3e-05 --epochs 1
+leafe train --data $OUT/train-reh-oracle/dataset-filtered --model $OUT/warm-train/train/final --out $OUT/train-reh-oracle/train --preset cpu --config $OUT/train-reh-oracle/train/train.toml --lr 3e-05 --epochs 1 --threads 2
+
+# grpo-r1-train-lr0: grpo over grpo-r1-collect, from warm; 23880 samples {'grpo': 23880}
+mkdir -p $OUT/grpo-r1-train-lr0/train
+cat > $OUT/grpo-r1-train-lr0/replay.toml <<'EOF'
+[options]
+EOF
+leafe replay --from $LOGS/grpo-r1-collect.leafelog.gz --materializer grpo --model $MODEL --out $OUT/grpo-r1-train-lr0/dataset --config $OUT/grpo-r1-train-lr0/replay.toml --no-progress
+cat > $OUT/grpo-r1-train-lr0/train/train.toml <<'EOF'
+[trainer]
+precision = "bf16"
+export_dtype = "fp32"
+checkpoint_every = 100
+keep_checkpoints = 1
+push_every = 0
+
+[trainer.batch]
+bucketing = "pack"
+share_prefix = true
+global_batch = 16
+EOF
+leafe train --data $OUT/grpo-r1-train-lr0/dataset --model $OUT/warm-train/train/final --out $OUT/grpo-r1-train-lr0/train --preset cpu --config $OUT/grpo-r1-train-lr0/train/train.toml --lr 1e-05 --epochs 1 --threads 2
 
 # evaluations (validation slice and test rows)
-leafe eval --model /work/effect/runs/paper/effect-hard/sft-6x6-l8-w0-n128/train/final --label val-sft-6x6-l8-w0-n128-e1 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option min_solution_len=3 --env-option max_solution_len=8 --env-option max_steps=20 --rollout-option horizon=20 --rollout-option history_window=0 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-sft-6x6-l8-w0-n128-e1
-leafe eval --model /work/effect/runs/paper/effect-hard/sft-6x6-l8-w2-n128/train/final --label val-sft-6x6-l8-w2-n128-e1 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option min_solution_len=3 --env-option max_solution_len=8 --env-option max_steps=20 --rollout-option horizon=20 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-sft-6x6-l8-w2-n128-e1
-leafe eval --model /work/effect/runs/paper/effect-hard/warm-train/train/weights/v000104 --label val-warm-e1 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option min_solution_len=3 --env-option max_solution_len=8 --env-option max_steps=20 --rollout-option horizon=20 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-warm-e1
-leafe eval --model /work/effect/runs/paper/effect-hard/warm-train/train/final --label val-warm-e2 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option min_solution_len=3 --env-option max_solution_len=8 --env-option max_steps=20 --rollout-option horizon=20 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-warm-e2
-leafe eval --model /work/effect/runs/paper/effect-hard/warm-train/train/final --label val-rooms-6x6-l14-w2 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option min_solution_len=8 --env-option max_solution_len=14 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-rooms-6x6-l14-w2
-leafe eval --model /work/effect/runs/paper/effect-hard/warm-train/train/final --label val-rooms-7x7-l12-w2 --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-rooms-7x7-l12-w2
-leafe eval --model /work/effect/runs/paper/effect-hard/warm-train/train/final --label val-rooms-6x6-b2-w2 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=2 --env-option min_solution_len=4 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-rooms-6x6-b2-w2
-leafe eval --model /work/effect/runs/paper/effect-hard/warm-train/train/final --label eval-warm --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split test --tasks 128 --task-offset 0 --samples 16 --k 1,2,4,8,16 --seed 12345 --out $OUT/eval-warm
+leafe eval --model $OUT/sft-6x6-l8-w0-n128/train/final --label val-sft-6x6-l8-w0-n128-e1 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option min_solution_len=3 --env-option max_solution_len=8 --env-option max_steps=20 --rollout-option horizon=20 --rollout-option history_window=0 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-sft-6x6-l8-w0-n128-e1
+leafe eval --model $OUT/sft-6x6-l8-w2-n128/train/final --label val-sft-6x6-l8-w2-n128-e1 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option min_solution_len=3 --env-option max_solution_len=8 --env-option max_steps=20 --rollout-option horizon=20 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-sft-6x6-l8-w2-n128-e1
+leafe eval --model $OUT/warm-train/train/weights/v000104 --label val-warm-e1 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option min_solution_len=3 --env-option max_solution_len=8 --env-option max_steps=20 --rollout-option horizon=20 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-warm-e1
+leafe eval --model $OUT/warm-train/train/final --label val-warm-e2 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option min_solution_len=3 --env-option max_solution_len=8 --env-option max_steps=20 --rollout-option horizon=20 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-warm-e2
+leafe eval --model $OUT/warm-train/train/final --label val-rooms-6x6-l14-w2 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option min_solution_len=8 --env-option max_solution_len=14 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-rooms-6x6-l14-w2
+leafe eval --model $OUT/warm-train/train/final --label val-rooms-7x7-l12-w2 --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-rooms-7x7-l12-w2
+leafe eval --model $OUT/warm-train/train/final --label val-rooms-6x6-b2-w2 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=2 --env-option min_solution_len=4 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-rooms-6x6-b2-w2
+leafe eval --model $OUT/warm-train/train/final --label eval-warm --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split test --tasks 128 --task-offset 0 --samples 16 --k 1,2,4,8,16 --seed 12345 --out $OUT/eval-warm
 leafe eval --model $OUT/train-leafe/train/final --label eval-leafe --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split test --tasks 128 --task-offset 0 --samples 16 --k 1,2,4,8,16 --seed 12345 --out $OUT/eval-leafe
 leafe eval --model $OUT/train-reh/train/final --label eval-reh --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split test --tasks 128 --task-offset 0 --samples 16 --k 1,2,4,8,16 --seed 12345 --out $OUT/eval-reh
 leafe eval --model $OUT/train-leafe-oracle/train/final --label eval-leafe-oracle --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split test --tasks 128 --task-offset 0 --samples 16 --k 1,2,4,8,16 --seed 12345 --out $OUT/eval-leafe-oracle
 leafe eval --model $OUT/train-reh-oracle/train/final --label eval-reh-oracle --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split test --tasks 128 --task-offset 0 --samples 16 --k 1,2,4,8,16 --seed 12345 --out $OUT/eval-reh-oracle
+leafe eval --model $OUT/grpo-r1-train-lr0/train/final --label grpo-r1-val-lr0 --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/grpo-r1-val-lr0

@@ -151,9 +151,9 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
     ctx.engine_urls = list(cfg.services.engines)
     cores, why = await asyncio.to_thread(plan_cores, cfg.services.cores)
     plan = plan_threads(cores, learner=cfg.services.learner, learner_threads=cfg.services.learner_threads)
-    ctx.console.print(f"{plan.describe()} ({why})", markup=False, highlight=False)
-    log.info("run.threads", plan=plan.__dict__, why=why)
     ctx.thread_plan = f"{plan.describe()} ({why})"
+    ctx.console.print(ctx.thread_plan, markup=False, highlight=False)
+    log.info("run.threads", plan=plan.__dict__, why=why)
     ctx.learner_threads, ctx.learner_alone = plan.learner, plan.learner_alone
     if not ctx.engine_urls:
         await _start_engines(ctx, stack, plan)

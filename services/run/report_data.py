@@ -98,9 +98,9 @@ class RunReport(msgspec.Struct, frozen=True, kw_only=True):
     budget_minutes: float = 0.0
     """The wall-clock budget (0: none)."""
     cuts: list[str] = msgspec.field(default_factory=list)
+    """What the budget cut (empty: nothing)."""
     threads: str = ""
     """The thread plan the run used and why (``services.cores`` pins it; runs agree bit for bit under one)."""
-    """What the budget cut (empty: nothing)."""
 
 
 def _diffs(a: EvalResult, b: EvalResult) -> list[PassKDiff]:

@@ -46,8 +46,11 @@ __all__ = [
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU has bf16 dot-product instructions (AVX512-BF16, e.g. Zen 4+ or Cooper Lake+, or
-    AMX tiles, Sapphire Rapids+), as torch's CPU dispatch sees them."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    AMX tiles, Sapphire Rapids+), as torch's CPU dispatch sees them, and oneDNN may use them: with
+    ``ONEDNN_MAX_CPU_ISA`` below them (an AVX-512 host approximating an AVX2-only one) its bf16 matmuls run
+    emulated, ~100x slower, as on a CPU without them."""
+    flags = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return bool(flags and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def resolve_precision(precision: str, env: DistEnv) -> str:

@@ -3,6 +3,7 @@ and fp32 master weights behind bf16 compute (checkpoints and exports as fp32 tra
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ def test_auto_is_bf16_exactly_where_the_cpu_has_bf16_dot_products(
     bf16 on GPU; an explicit choice is kept; an unknown one is an error naming it."""
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)  # oneDNN not capped
     assert resolve_precision("auto", CPU) == ("bf16" if native else "fp32")
     assert resolve_precision("auto", GPU) == "bf16"
     assert resolve_precision("fp32", CPU) == "fp32" and resolve_precision("bf16", CPU) == "bf16"
@@ -41,13 +43,34 @@ def test_auto_is_bf16_exactly_where_the_cpu_has_bf16_dot_products(
         resolve_precision("fp16", CPU)
 
 
-def test_native_bf16_detection_agrees_with_the_kernels_cpu_flags() -> None:
-    """torch's view of the CPU matches the flags Linux reports (avx512_bf16 or amx_tile)."""
+def _cpu_flags() -> set[str]:
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.is_file():
         pytest.skip("no /proc/cpuinfo on this OS")
-    flags = {f for line in cpuinfo.read_text().splitlines() if line.startswith("flags") for f in line.split()}
-    assert cpu_has_native_bf16() == bool(flags & {"avx512_bf16", "amx_tile"})
+    return {f for line in cpuinfo.read_text().splitlines() if line.startswith("flags") for f in line.split()}
+
+
+def test_native_bf16_detection_agrees_with_the_kernels_cpu_flags() -> None:
+    """torch's view of the CPU matches the flags Linux reports (avx512_bf16 or amx_tile), unless oneDNN
+    is capped below them (``ONEDNN_MAX_CPU_ISA``, as `make test`'s AVX2 pass sets it): then no bf16."""
+    capped = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert cpu_has_native_bf16() == (bool(_cpu_flags() & {"avx512_bf16", "amx_tile"}) and not capped)
+
+
+def test_onednn_capped_at_avx2_trains_in_fp32() -> None:
+    """With oneDNN capped at AVX2 (how an AVX-512 host approximates an AVX2-only one), ``auto`` picks fp32
+    as an AVX2-only CPU does: bf16 matmuls would run emulated, ~100x slower (the approximated `make run`
+    trained its warm start at ~5 min a step in bf16 on a Zen 4 host, where the AVX2-only CPU takes fp32)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from learner.fsdp import resolve_precision; from tests.unit.learner.test_precision import "
+        "CPU; print(resolve_precision('auto', CPU))"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == "fp32", out.stdout + out.stderr
 
 
 def _cfg(precision: str, lr: float = 1e-3) -> TrainerConfig:

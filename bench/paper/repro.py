@@ -2,8 +2,10 @@
 row retrained and evaluated, with the exact settings the run used.
 
 ``<report_name>_repro.sh`` (written next to the report) has, for each finished training phase in plan
-order, ``leafe replay --from bench/results/paper_logs/<name>/<collection>.leafelog.gz`` with the phase's
-materializer options, the phase's filter (sample kinds, first n demonstrations), and ``leafe train`` with
+order, ``leafe replay --from bench/results/paper_logs/<experiment>/<collection>.leafelog.gz`` with the
+phase's materializer options (the experiment an inherited phase ran in), the phase's filter (sample kinds,
+first n demonstrations), the datasets mixed into it (each replayed, then all combined in the run's order),
+and ``leafe train`` with
 its recorded trainer table and flags and the run's thread count (the learner's arithmetic depends on it),
 starting from the weights the run started it from (paths under the run's work dir are rewritten to ``$OUT``,
 the base model's export to ``$MODEL``, so choices made on validation are replayed, not re-made); then
@@ -43,17 +45,31 @@ def _path(value: str, work: str, base: str) -> str:
     return "$OUT/" + str(path.relative_to(root)) if path.is_relative_to(root) else value
 
 
-def _train_lines(
-    cfg: PaperConfig, name: str, spec: TrainSpec, r: dict[str, Any], work: str, base: str
+def _log(path: str) -> str:
+    """A collection's exported log as the script names it: ``$LOGS/<experiment>/<file>`` (an inherited
+    phase's log is the other experiment's)."""
+    log = Path(path)
+    return f"$LOGS/{log.parent.name}/{log.name}"
+
+
+def _replay(
+    name: str, log: str, materializer: str, options: dict[str, Any], out: str, conf: str
 ) -> list[str]:
-    log = Path(r["source_log"]).name
+    return [
+        f"cat > $OUT/{name}/{conf}.toml <<'EOF'\n{_toml({'options': dict(options)})}EOF",
+        f"leafe replay --from {_log(log)} --materializer {materializer} --model $MODEL --out {out} "
+        f"--config $OUT/{name}/{conf}.toml --no-progress",
+    ]
+
+
+def _train_lines(
+    cfg: PaperConfig, state: Any, name: str, spec: TrainSpec, r: dict[str, Any], work: str, base: str
+) -> list[str]:
     data = f"$OUT/{name}/dataset"
     lines = [
         f"# {name}: {spec.materializer} over {spec.data}, from {spec.start}; {r['samples']} samples {r['kinds']}",
         f"mkdir -p $OUT/{name}/train",
-        f"cat > $OUT/{name}/replay.toml <<'EOF'\n{_toml({'options': dict(spec.options)})}EOF",
-        f"leafe replay --from $LOGS/{log} --materializer {spec.materializer} --model $MODEL --out {data} "
-        f"--config $OUT/{name}/replay.toml --no-progress",
+        *_replay(name, r["source_log"], spec.materializer, dict(spec.options), data, "replay"),
     ]
     if spec.kinds or r.get("demos"):
         first = cfg.demo_offset
@@ -65,6 +81,17 @@ def _train_lines(
             f'task_ids={tasks}))"'
         )
         data += "-filtered"
+    if spec.mix:  # more datasets trained together with the first, combined in the run's order
+        parts = [data]
+        for i, part in enumerate(spec.mix):
+            parts.append(f"$OUT/{name}/dataset-mix{i}")
+            log = state.phases[part.data]["log_file"]
+            lines += _replay(name, log, part.materializer, dict(part.options), parts[-1], f"replay-mix{i}")
+        data = f"$OUT/{name}/dataset-mixed"
+        lines.append(
+            'python -c "from pathlib import Path; from bench.paper.children import combine; '
+            f"print(combine([Path(p) for p in {parts!r}], Path('{data}')))\""
+        )
     if not r.get("final"):
         return [*lines, f"# (not trained: {r.get('note', '')})", ""]
     start = _path(r.get("start_weights", spec.start), work, base)
@@ -103,7 +130,7 @@ def repro_script(cfg: PaperConfig, state: Any, work: Path, base_model: str) -> s
         f"# Rebuild every training set of the paper table `{cfg.name}` from its committed logs, retrain every row",
         "# with the settings the run used, and evaluate it (docs/experiments.md). Run from the repository root.",
         "set -euo pipefail",
-        f"LOGS=${{LOGS:-bench/results/paper_logs/{cfg.name}}}",
+        "LOGS=${LOGS:-bench/results/paper_logs}",
         f"OUT=${{OUT:-runs/paper-repro/{cfg.name}}}",
         f"MODEL=${{MODEL:-{cfg.model}}}",
         'leafe() { python -m services.cli "$@"; }',
@@ -112,7 +139,7 @@ def repro_script(cfg: PaperConfig, state: Any, work: Path, base_model: str) -> s
     for p in state.plan:
         r = state.phases.get(p.name)
         if r is not None and isinstance(p.spec, TrainSpec):
-            out += _train_lines(cfg, p.name, p.spec, r, w, base_model)
+            out += _train_lines(cfg, state, p.name, p.spec, r, w, base_model)
     out.append("# evaluations (validation slice and test rows)")
     for p in state.plan:
         r = state.phases.get(p.name)

@@ -2,7 +2,7 @@
 # Rebuild every training set of the paper table `effect-hard` from its committed logs, retrain every row
 # with the settings the run used, and evaluate it (docs/experiments.md). Run from the repository root.
 set -euo pipefail
-LOGS=${LOGS:-bench/results/paper_logs/effect-hard}
+LOGS=${LOGS:-bench/results/paper_logs}
 OUT=${OUT:-runs/paper-repro/effect-hard}
 MODEL=${MODEL:-smollm2-135m-instruct}
 leafe() { python -m services.cli "$@"; }
@@ -12,7 +12,7 @@ mkdir -p $OUT/sft-6x6-l8-w0-n128/train
 cat > $OUT/sft-6x6-l8-w0-n128/replay.toml <<'EOF'
 [options]
 EOF
-leafe replay --from $LOGS/demos-6x6-l8-w0.leafelog.gz --materializer sft --model $MODEL --out $OUT/sft-6x6-l8-w0-n128/dataset --config $OUT/sft-6x6-l8-w0-n128/replay.toml --no-progress
+leafe replay --from $LOGS/effect/demos-6x6-l8-w0.leafelog.gz --materializer sft --model $MODEL --out $OUT/sft-6x6-l8-w0-n128/dataset --config $OUT/sft-6x6-l8-w0-n128/replay.toml --no-progress
 python -c "from pathlib import Path; from bench.paper.children import filter_samples; print(filter_samples(Path('$OUT/sft-6x6-l8-w0-n128/dataset'), Path('$OUT/sft-6x6-l8-w0-n128/dataset-filtered'), kinds=[], task_ids=[f'sokoban/train/{i}' for i in range(0, 128)]))"
 cat > $OUT/sft-6x6-l8-w0-n128/train/train.toml <<'EOF'
 [trainer]
@@ -33,7 +33,7 @@ mkdir -p $OUT/sft-6x6-l8-w2-n128/train
 cat > $OUT/sft-6x6-l8-w2-n128/replay.toml <<'EOF'
 [options]
 EOF
-leafe replay --from $LOGS/demos-6x6-l8-w2.leafelog.gz --materializer sft --model $MODEL --out $OUT/sft-6x6-l8-w2-n128/dataset --config $OUT/sft-6x6-l8-w2-n128/replay.toml --no-progress
+leafe replay --from $LOGS/effect/demos-6x6-l8-w2.leafelog.gz --materializer sft --model $MODEL --out $OUT/sft-6x6-l8-w2-n128/dataset --config $OUT/sft-6x6-l8-w2-n128/replay.toml --no-progress
 python -c "from pathlib import Path; from bench.paper.children import filter_samples; print(filter_samples(Path('$OUT/sft-6x6-l8-w2-n128/dataset'), Path('$OUT/sft-6x6-l8-w2-n128/dataset-filtered'), kinds=[], task_ids=[f'sokoban/train/{i}' for i in range(0, 128)]))"
 cat > $OUT/sft-6x6-l8-w2-n128/train/train.toml <<'EOF'
 [trainer]
@@ -54,8 +54,17 @@ mkdir -p $OUT/warm-train/train
 cat > $OUT/warm-train/replay.toml <<'EOF'
 [options]
 EOF
-leafe replay --from $LOGS/demos-6x6-l8-w2.leafelog.gz --materializer sft --model $MODEL --out $OUT/warm-train/dataset --config $OUT/warm-train/replay.toml --no-progress
+leafe replay --from $LOGS/effect/demos-6x6-l8-w2.leafelog.gz --materializer sft --model $MODEL --out $OUT/warm-train/dataset --config $OUT/warm-train/replay.toml --no-progress
 python -c "from pathlib import Path; from bench.paper.children import filter_samples; print(filter_samples(Path('$OUT/warm-train/dataset'), Path('$OUT/warm-train/dataset-filtered'), kinds=[], task_ids=[f'sokoban/train/{i}' for i in range(0, 128)]))"
+cat > $OUT/warm-train/replay-mix0.toml <<'EOF'
+[options]
+EOF
+leafe replay --from $LOGS/effect/labels.leafelog.gz --materializer reflect --model $MODEL --out $OUT/warm-train/dataset-mix0 --config $OUT/warm-train/replay-mix0.toml --no-progress
+cat > $OUT/warm-train/replay-mix1.toml <<'EOF'
+[options]
+EOF
+leafe replay --from $LOGS/effect/labels.leafelog.gz --materializer follow --model $MODEL --out $OUT/warm-train/dataset-mix1 --config $OUT/warm-train/replay-mix1.toml --no-progress
+python -c "from pathlib import Path; from bench.paper.children import combine; print(combine([Path(p) for p in ['$OUT/warm-train/dataset-filtered', '$OUT/warm-train/dataset-mix0', '$OUT/warm-train/dataset-mix1']], Path('$OUT/warm-train/dataset-mixed')))"
 cat > $OUT/warm-train/train/train.toml <<'EOF'
 [trainer]
 precision = "bf16"
@@ -68,7 +77,7 @@ retain_versions = 3
 bucketing = "pack"
 global_batch = 16
 EOF
-leafe train --data $OUT/warm-train/dataset-filtered --model $MODEL --out $OUT/warm-train/train --preset cpu --config $OUT/warm-train/train/train.toml --lr 5e-05 --epochs 2 --threads 2
+leafe train --data $OUT/warm-train/dataset-mixed --model $MODEL --out $OUT/warm-train/train --preset cpu --config $OUT/warm-train/train/train.toml --lr 5e-05 --epochs 2 --threads 2
 
 # train-leafe: leafe over explore-model, from warm; 1143 samples {'reh': 888, 'cf': 255}
 mkdir -p $OUT/train-leafe/train
@@ -78,7 +87,7 @@ rehearsal_fraction = 0.2
 rehearsal_seed = 0
 rehearsal_unit = "path"
 EOF
-leafe replay --from $LOGS/explore-model.leafelog.gz --materializer leafe --model $MODEL --out $OUT/train-leafe/dataset --config $OUT/train-leafe/replay.toml --no-progress
+leafe replay --from $LOGS/effect-hard/explore-model.leafelog.gz --materializer leafe --model $MODEL --out $OUT/train-leafe/dataset --config $OUT/train-leafe/replay.toml --no-progress
 cat > $OUT/train-leafe/train/train.toml <<'EOF'
 max_steps = 60
 
@@ -102,7 +111,7 @@ rehearsal_fraction = 0.2
 rehearsal_seed = 0
 rehearsal_unit = "path"
 EOF
-leafe replay --from $LOGS/explore-model.leafelog.gz --materializer leafe --model $MODEL --out $OUT/train-reh/dataset --config $OUT/train-reh/replay.toml --no-progress
+leafe replay --from $LOGS/effect-hard/explore-model.leafelog.gz --materializer leafe --model $MODEL --out $OUT/train-reh/dataset --config $OUT/train-reh/replay.toml --no-progress
 python -c "from pathlib import Path; from bench.paper.children import filter_samples; print(filter_samples(Path('$OUT/train-reh/dataset'), Path('$OUT/train-reh/dataset-filtered'), kinds=['reh'], task_ids=[]))"
 cat > $OUT/train-reh/train/train.toml <<'EOF'
 max_steps = 60
@@ -127,7 +136,7 @@ rehearsal_fraction = 0.2
 rehearsal_seed = 0
 rehearsal_unit = "path"
 EOF
-leafe replay --from $LOGS/explore-oracle.leafelog.gz --materializer leafe --model $MODEL --out $OUT/train-leafe-oracle/dataset --config $OUT/train-leafe-oracle/replay.toml --no-progress
+leafe replay --from $LOGS/effect-hard/explore-oracle.leafelog.gz --materializer leafe --model $MODEL --out $OUT/train-leafe-oracle/dataset --config $OUT/train-leafe-oracle/replay.toml --no-progress
 cat > $OUT/train-leafe-oracle/train/train.toml <<'EOF'
 max_steps = 60
 
@@ -151,7 +160,7 @@ rehearsal_fraction = 0.2
 rehearsal_seed = 0
 rehearsal_unit = "path"
 EOF
-leafe replay --from $LOGS/explore-oracle.leafelog.gz --materializer leafe --model $MODEL --out $OUT/train-reh-oracle/dataset --config $OUT/train-reh-oracle/replay.toml --no-progress
+leafe replay --from $LOGS/effect-hard/explore-oracle.leafelog.gz --materializer leafe --model $MODEL --out $OUT/train-reh-oracle/dataset --config $OUT/train-reh-oracle/replay.toml --no-progress
 python -c "from pathlib import Path; from bench.paper.children import filter_samples; print(filter_samples(Path('$OUT/train-reh-oracle/dataset'), Path('$OUT/train-reh-oracle/dataset-filtered'), kinds=['reh'], task_ids=[]))"
 cat > $OUT/train-reh-oracle/train/train.toml <<'EOF'
 max_steps = 60
@@ -173,7 +182,7 @@ mkdir -p $OUT/grpo-r1-train-lr0/train
 cat > $OUT/grpo-r1-train-lr0/replay.toml <<'EOF'
 [options]
 EOF
-leafe replay --from $LOGS/grpo-r1-collect.leafelog.gz --materializer grpo --model $MODEL --out $OUT/grpo-r1-train-lr0/dataset --config $OUT/grpo-r1-train-lr0/replay.toml --no-progress
+leafe replay --from $LOGS/effect-hard/grpo-r1-collect.leafelog.gz --materializer grpo --model $MODEL --out $OUT/grpo-r1-train-lr0/dataset --config $OUT/grpo-r1-train-lr0/replay.toml --no-progress
 cat > $OUT/grpo-r1-train-lr0/train/train.toml <<'EOF'
 [trainer]
 precision = "bf16"

@@ -79,7 +79,7 @@ def test_reproduction_script_replays_every_training_and_evaluation(
     script = (tmp_path / "results" / "t_report_repro.sh").read_text()
     trains = [p.name for p in runner.state.plan if p.name.startswith(("sft-", "train-"))]
     assert script.count("leafe replay --from $LOGS/") == len(trains) == script.count("leafe train ")
-    assert "--from $LOGS/demos-a.leafelog.gz --materializer sft" in script
+    assert "--from $LOGS/logs/demos-a.leafelog.gz --materializer sft" in script  # <experiment>/<log>
     assert "leafe eval --model" in script and "--seed 12345 " in script and "--seed 777 " in script
     assert "--rollout-option horizon=8" in script
     # Nothing of this machine's paths: weights the run made are under $OUT, the base model is $MODEL.
@@ -201,3 +201,41 @@ def test_reproduction_paths_name_no_directory_of_the_machine_that_ran(
     assert _path(str(tmp_path / work / "base-weights"), work, base) == "$MODEL"
     assert _path(base, work, base) == "$MODEL"
     assert _path("runs/paper/x/train-a/train/final", work, base) == "$OUT/train-a/train/final"
+
+
+def test_the_committed_effect_hard_script_names_logs_that_exist_and_mixes_as_the_run_did(
+    tmp_path: Path,
+) -> None:
+    """The reproduction script written from effect-hard's committed records: every ``--from`` names a
+    log the repository holds (W's logs are the inherited experiment's, under ``paper_logs/effect/``; the
+    script named them under ``effect-hard/``), and W's training set is the run's: the demonstrations
+    together with the reflect and follow samples of the label trees, combined in the run's order (the
+    script trained W on the demonstrations alone)."""
+    import re
+    import shutil
+
+    from bench.paper.config import load_paper_config, scale_path
+    from bench.paper.repro import repro_script
+
+    repo = Path(__file__).resolve().parents[3]
+    logs = repo / "bench" / "results" / "paper_logs"
+    for name in ("effect", "effect-hard"):
+        shutil.copytree(logs / name / "state", tmp_path / "results" / "paper_logs" / name / "state")
+    cfg = load_paper_config(scale_path("effect-hard"), {"training.threads": 2})
+    runner = Runner(cfg, tmp_path / "work", tmp_path / "results", deadline=0.0, carried=True)
+    script = repro_script(cfg, runner.state, runner.work, "base")
+    sources = re.findall(r"--from (\S+)", script)
+    assert sources and all(s.startswith("$LOGS/") for s in sources), sources
+    missing = [s for s in sources if not (logs / s.removeprefix("$LOGS/")).is_file()]
+    assert not missing, missing
+    warm = script.split("# warm-train:")[1].split("\n# ")[0]
+    replays = re.findall(r"--from \$LOGS/(\S+) --materializer (\w+)", warm)
+    assert replays == [
+        ("effect/demos-6x6-l8-w2.leafelog.gz", "sft"),
+        ("effect/labels.leafelog.gz", "reflect"),
+        ("effect/labels.leafelog.gz", "follow"),
+    ]
+    combined = (
+        "$OUT/warm-train/dataset-filtered', '$OUT/warm-train/dataset-mix0', '$OUT/warm-train/dataset-mix1'"
+    )
+    assert combined in warm and "--data $OUT/warm-train/dataset-mixed " in warm, warm

@@ -215,6 +215,7 @@ def render_effect(cfg: PaperConfig, state: Any, comparison_lines: list[str], pro
         *[f"- **{k} FAILED**: `{v[:400]}`" for k, v in state.failed.items()],
         *[f"- {k} blocked: {v}" for k, v in state.blocked.items()],
         *([f"- Not started (time box): {', '.join(state.skipped)}."] if state.skipped else []),
+        *t.rebuild_flags(state),
         *([f"Run notes: {cfg.notes}"] if cfg.notes else []),
         "",
         "## Protocol (fixed before any evaluation)",

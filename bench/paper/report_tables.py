@@ -355,4 +355,21 @@ def status_lines(state: Any) -> list[str]:
     out += [f"- {k} blocked: {v}" for k, v in state.blocked.items()]
     if state.skipped:
         out.append(f"- Not started (time box; rerun the command to continue): {', '.join(state.skipped)}.")
+    return out + rebuild_flags(state)
+
+
+def rebuild_flags(state: Any) -> list[str]:
+    """Trainings rebuilt from the logs (a later working period) whose latest rebuild trained to another loss
+    curve than the record's: the phases after it used the rebuild, not the weights the record measured."""
+    out = []
+    for name, r in state.phases.items():
+        last = (r.get("rebuilds") or [{}])[-1]
+        if last and not last.get("agrees", True):
+            host = last.get("host", {})
+            on = f", on {host.get('cpu_model')} ({', '.join(host.get('flags', []))})" if host else ""
+            out.append(
+                f"- **{name} was rebuilt with another loss curve (largest difference "
+                f"{last.get('max_loss_diff', float('nan')):.2e}{on})**: phases after the rebuild started from "
+                "it, not from the weights its record measured (another CPU kind's kernels round differently)."
+            )
     return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import json
 import os
 import shutil
@@ -158,6 +159,7 @@ class Runner:
             )
         else:
             result["wall_s"] = time.monotonic() - t0
+            result["host"] = where()
             self._save(phase.name, result)
         self.state.running = ""
         self.report()
@@ -229,7 +231,20 @@ class Runner:
             raise RuntimeError(f"rebuilding {phase.name} wrote its weights elsewhere ({', '.join(moved)})")
         agreement = carry.loss_agreement(old, new)
         print(f"[paper_table] rebuilt {phase.name}: {carry.describe(agreement)}", flush=True)
-        self._save(phase.name, {**old, "rebuilds": [*old.get("rebuilds", []), agreement]})
+        self._save(
+            phase.name, {**old, "rebuilds": [*old.get("rebuilds", []), {**agreement, "host": where()}]}
+        )
+
+
+@functools.cache
+def where() -> dict[str, Any]:
+    """The CPU, its kernels and the commit this process runs phases on (``bench.host``): a record from
+    one CPU kind does not rebuild bit for bit on another (their bf16 kernels round differently)."""
+    from bench.host import host_record
+
+    h = host_record()
+    keys = ("cpu_model", "torch_cpu_capability", "isa_overrides", "commit")
+    return {**{k: h[k] for k in keys}, "flags": sorted(f for f, on in h["flags"].items() if on)}
 
 
 def stop_on_sigterm() -> None:

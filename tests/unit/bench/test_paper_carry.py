@@ -89,7 +89,13 @@ def test_a_fresh_checkout_restores_the_records_and_rebuilds_only_the_weights_it_
     assert rerun == [trained]
     assert steps.calls.index(trained) < steps.calls.index("eval-sft")
     record = second.state.phases[trained]
-    assert record["rebuilds"] == [{"steps": [2, 2], "max_loss_diff": 0.0, "agrees": True, "tol": 1e-4}]
+    [rebuild] = record["rebuilds"]
+    assert {k: rebuild[k] for k in ("steps", "max_loss_diff", "agrees", "tol")} == {
+        "steps": [2, 2],
+        "max_loss_diff": 0.0,
+        "agrees": True,
+        "tol": 1e-4,
+    }
     assert str(tmp_path / "w2") in second.state.phases["select-sft"]["weights"]
     assert not second.state.failed and not second.state.skipped and not second.state.blocked
     carried = state_dir(results, cfg.name)
@@ -102,7 +108,8 @@ def test_a_fresh_checkout_restores_the_records_and_rebuilds_only_the_weights_it_
 
 def test_a_rebuild_with_other_losses_is_recorded_as_differing(small_cfg: PaperConfig, tmp_path: Path) -> None:
     """Rebuilt weights that train to another loss curve are not taken on trust: the record says DIFFERS
-    with the largest difference."""
+    with the largest difference and the CPU it was rebuilt on, and the report flags it at its top (rows
+    trained after it start from the rebuild; another CPU's kernels give other bf16 losses from step 1)."""
     cfg, results = _cfg(small_cfg), tmp_path / "results"
     _stage(cfg, tmp_path / "w1", results, stop_after="select-sft")
     shutil.rmtree(tmp_path / "w1")
@@ -113,6 +120,12 @@ def test_a_rebuild_with_other_losses_is_recorded_as_differing(small_cfg: PaperCo
     assert not agreement["agrees"] and abs(agreement["max_loss_diff"] - 0.01) < 1e-9
     on_disk = json.loads((tmp_path / "w2" / rebuilt[0] / "done.json").read_text())
     assert on_disk["rebuilds"] == [agreement]
+    assert agreement["host"]["cpu_model"] and "commit" in agreement["host"]
+    assert second.state.phases["eval-sft"]["host"] == agreement["host"]  # every phase says where it ran
+    md = (results / f"{cfg.report_name}.md").read_text()
+    head = md.split("## Protocol")[0]
+    assert f"{rebuilt[0]} was rebuilt with another loss curve (largest difference 1.00e-02" in head, head
+    assert agreement["host"]["cpu_model"] in head
 
 
 def test_a_dependency_for_the_room_variant_does_not_retrain_the_chosen_sft(tmp_path: Path) -> None:

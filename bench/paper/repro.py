@@ -5,10 +5,10 @@ row retrained and evaluated, with the exact settings the run used.
 order, ``leafe replay --from bench/results/paper_logs/<experiment>/<collection>.leafelog.gz`` with the
 phase's materializer options (the experiment an inherited phase ran in), the phase's filter (sample kinds,
 first n demonstrations), the datasets mixed into it (each replayed, then all combined in the run's order),
-and ``leafe train`` with
-its recorded trainer table and flags and the run's thread count (the learner's arithmetic depends on it),
-starting from the weights the run started it from (paths under the run's work dir are rewritten to ``$OUT``,
-the base model's export to ``$MODEL``, so choices made on validation are replayed, not re-made); then
+and ``leafe train`` with its recorded trainer table and flags and the run's thread count (the learner's
+arithmetic depends on it), starting from the weights the run started it from (paths under the run's work
+dir are rewritten to ``$OUT``, the base model's export to ``$MODEL``, so choices made on validation are
+replayed, not re-made); then
 ``leafe eval`` of every evaluated row with the protocol's tasks, seeds and rollout settings. Collections
 themselves are not re-run (the logs are the source of truth; ``bench/paper_table.py`` re-collects).
 """

@@ -60,7 +60,7 @@ bench: setup
 	for b in $(BENCH_AREAS); do $(BIN)/python -m bench.$$b --quick || exit 1; done
 
 # Every time figure in the README, measured from a fresh clone of HEAD (idle machine, ~30 min):
-# bench/results/readme_times.json with the date and commit.
+# bench/results/readme_times_<class>_<vendor>.json with the date, commit and host.
 bench-readme:
 	bash bench/readme_times.sh
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Measures every time figure the README states, from a fresh clone of this checkout's HEAD, and saves them
-# with the date and commit in bench/results/readme_times_<class>.json. Run on an idle machine of the kind the README
+# with the date and commit in bench/results/readme_times_<class>_<vendor>.json. Run on an idle machine of the kind the README
 # names (2 cores): `make bench-readme`. Set-up (venv, installs, model conversion) is timed apart, since the
 # README's figures are "after set-up". SKIP_TEST=1 times make run alone (make_test_s is then 0).
-# The figures go to bench/results/readme_times_<class>.json, <class> being avx512 or avx2 from the CPU's
-# flags, with the host record of bench/host.py (CPU model, flags, commit). FORCE_AVX2=1 on an AVX-512 host
-# runs both commands with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 and saves readme_times_avx2.json
-# marked "approximation": an AVX-512 core forced to AVX2 kernels, not an AVX2-only CPU.
+# The figures go to bench/results/readme_times_<class>_<vendor>.json, <class> being avx512 or avx2 from the
+# CPU's flags and <vendor> amd or intel (so that the CPU kinds these machines come in keep their own
+# records), with the host record of bench/host.py (CPU model, flags, commit). FORCE_AVX2=1 on an AVX-512
+# host runs both commands with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 and saves
+# readme_times_avx2_<vendor>_approx.json marked "approximation": an AVX-512 core forced to AVX2 kernels, not
+# an AVX2-only CPU (whose own record it never overwrites).
 set -euo pipefail
 src=$(git rev-parse --show-toplevel)
 commit=$(git -C "$src" rev-parse --short HEAD)
@@ -20,9 +22,10 @@ cd "$work/leafe"
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)  # before anything runs (the machine should be idle)
 t0=$(date +%s); make setup >/dev/null; t1=$(date +%s)
 class=avx2; grep -qw avx512f /proc/cpuinfo && class=avx512
-approx=0
+vendor=$(awk -F': ' '/^vendor_id/ {print $2; exit}' /proc/cpuinfo | sed 's/AuthenticAMD/amd/; s/GenuineIntel/intel/' | tr -cd 'a-zA-Z0-9')
+approx=0; suffix=
 if [ -n "${FORCE_AVX2:-}" ] && [ "$class" = avx512 ]; then
-  export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2; class=avx2; approx=1
+  export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2; class=avx2; approx=1; suffix=_approx
 fi
 host=$(.venv/bin/python -c "import json; from bench.host import host_record; print(json.dumps(host_record()))")
 .venv/bin/python -c "from learner.model_io import default_model_dir; default_model_dir()" >/dev/null 2>&1 || true
@@ -31,7 +34,7 @@ t4=$(date +%s); test_rc=0
 if [ -z "${SKIP_TEST:-}" ]; then make test > "$logs/test.log" 2>&1 || test_rc=$?; else echo "skipped (SKIP_TEST)" > "$logs/test.log"; fi
 t5=$(date +%s)
 report=runs/default/report.json
-python3 - "$src/bench/results/readme_times_$class.json" "$commit" "$((t1 - t0))" "$((t3 - t2))" "$((t5 - t4))" "$report" "$run_rc" "$test_rc" "$logs/test.log" "$load_before" "$host" "$approx" <<'PY'
+python3 - "$src/bench/results/readme_times_${class}_${vendor:-unknown}${suffix}.json" "$commit" "$((t1 - t0))" "$((t3 - t2))" "$((t5 - t4))" "$report" "$run_rc" "$test_rc" "$logs/test.log" "$load_before" "$host" "$approx" <<'PY'
 import datetime, json, os, sys
 out, commit, setup, run, test, report, run_rc, test_rc, test_log, load_before, host, approx = sys.argv[1:]
 summary = [line for line in open(test_log).read().splitlines() if " passed" in line or "FAILED" in line][-12:]

@@ -65,8 +65,9 @@ def test_onednn_capped_at_avx2_trains_in_fp32() -> None:
     import sys
 
     code = (
-        "import torch; from learner.fsdp import resolve_precision; from tests.unit.learner.test_precision import "
-        "CPU; print(resolve_precision('auto', CPU))"
+        "import torch; from learner.distributed import DistEnv; from learner.fsdp import resolve_precision; "
+        "env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device('cpu'), backend='gloo', "
+        "owns_group=False); print(resolve_precision('auto', env))"
     )
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -170,9 +170,12 @@ class Runner:
             carry.save_state(self.work, self.results, self.cfg.name)
 
     async def _rebuild_inputs(self, phase: Phase, steps: Steps) -> None:
-        """Train again every restored training whose weights ``phase`` loads and that is not on disk: only
+        """Train again every finished training whose weights ``phase`` loads and that is not on disk: only
         those its spec reads (``refs.weights_read``), not every training its dependencies name (a
-        dependency on ``select-sft`` for the room variant must not retrain the chosen SFT)."""
+        dependency on ``select-sft`` for the room variant must not retrain the chosen SFT). Any record
+        counts, not only those this invocation restored: an earlier invocation may have restored them
+        into the work dir and stopped before its rebuild finished (that rebuild resumes from its
+        checkpoint)."""
         by_name = {p.name: p for p in self.state.plan}
         sources = {refs.weight_source(ref) for ref in refs.weights_read(phase.spec)} - {None}
         for dep in sorted(s for s in sources if s is not None):
@@ -182,7 +185,7 @@ class Runner:
                 producer = next(
                     (
                         name
-                        for name in self.restored
+                        for name in self.state.phases
                         if isinstance(by_name[name].spec, TrainSpec)
                         and path in carry.weight_paths(self.state.phases[name])
                     ),

@@ -145,3 +145,26 @@ def test_a_dependency_for_the_room_variant_does_not_retrain_the_chosen_sft(tmp_p
     assert [c for c in steps.calls if c in second.restored] == []
     assert steps.calls[0] == "warm-train"
     assert not second.state.failed and not second.state.blocked
+
+
+def test_an_invocation_stopped_before_its_rebuild_finished_rebuilds_it_next_time(
+    small_cfg: PaperConfig, tmp_path: Path
+) -> None:
+    """The first invocation of a new working period restores the records into its work dir and is stopped
+    while it rebuilds a training (the period ends). The next invocation finds those records on disk, not
+    in the repository: it must still rebuild the training whose weights a pending phase reads (it failed
+    that phase with "not an HF model directory" instead, effect-hard, 2026-12-05)."""
+    from bench.paper.carry import restore_state
+
+    cfg, results = _cfg(small_cfg), tmp_path / "results"
+    first, _ = _stage(cfg, tmp_path / "w1", results, stop_after="select-sft")
+    trained = first.state.phases["select-sft"]["val_phase"].removeprefix("val-").rsplit("-e", 1)[0]
+    shutil.rmtree(tmp_path / "w1")
+    assert trained in restore_state(tmp_path / "w2", results, cfg.name)  # the stopped invocation's restore
+
+    second, steps = _stage(cfg, tmp_path / "w2", results)
+    assert second.restored == []
+    assert [c for c in steps.calls if c in first.state.phases] == [trained]
+    assert steps.calls.index(trained) < steps.calls.index("eval-sft")
+    assert second.state.phases[trained]["rebuilds"][0]["agrees"]
+    assert not second.state.failed and not second.state.blocked

@@ -3,6 +3,10 @@
 Every rank reads the same shards and computes the same order (a permutation seeded by ``seed`` and the
 epoch), so ranks agree on each global batch without communicating. A checkpoint's ``(epoch, position)``
 says how many samples of that epoch's order were trained; resuming continues with the next one.
+
+A run asked to stop (``stop``: ``leafe train`` asks on SIGTERM or Ctrl-C, as a preempted node or a
+scheduler's time limit sends them) finishes the step it is in, checkpoints it and returns without an
+export: the rerun resumes there and loses no step.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -19,7 +23,7 @@ import structlog
 from learner.checkpoint import Progress, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.config import TrainConfig
 from learner.dataset import MANIFEST, iter_samples
-from learner.distributed import DistEnv
+from learner.distributed import DistEnv, all_reduce_sum
 from learner.model_io import resolve_model
 from learner.scalars import NullScalarWriter, ScalarWriter, open_scalar_writer, write_step_scalars
 from learner.trainer import Trainer
@@ -124,6 +128,9 @@ class TrainResult(msgspec.Struct, frozen=True, kw_only=True):
     """sha256 of the final export's manifest (rank 0; empty on other ranks)."""
     last_loss: float | None
     """Loss of the last step of this process (None if it took none)."""
+    stopped: bool = False
+    """Asked to stop before its last step: the latest checkpoint holds every step taken, ``final_dir`` is
+    empty (nothing exported), and a rerun on the same ``out`` resumes."""
 
 
 def _with_schedule_length(cfg: TrainConfig, n_samples: int) -> TrainConfig:
@@ -147,6 +154,11 @@ def _after_step(trainer: Trainer, cfg: TrainConfig, out: Path, progress: Progres
             prune_versions(out / "weights", tc.retain_versions)
 
 
+def _any_rank(env: DistEnv, flag: bool) -> bool:
+    """Whether any rank's ``flag`` is set (one small all-reduce a step; none on one rank)."""
+    return all_reduce_sum(env, [1.0 if flag else 0.0])[0] > 0
+
+
 def train(
     cfg: TrainConfig,
     data_dir: Path,
@@ -156,9 +168,11 @@ def train(
     *,
     resume: bool = True,
     tensorboard_dir: Path | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> TrainResult:
     """Train on every sample under ``data_dir``; resumable from ``out/checkpoints``. All ranks call it.
-    With ``tensorboard_dir``, rank 0 writes every step's scalars there (``learner/scalars.py``)."""
+    With ``tensorboard_dir``, rank 0 writes every step's scalars there (``learner/scalars.py``). ``stop``
+    is asked before every step (all ranks pass one or none; the ranks stop together when any asks)."""
     samples = read_samples(data_dir)
     cfg = _with_schedule_length(cfg, len(samples))
     model_dir = resolve_model(model)
@@ -177,11 +191,15 @@ def train(
     ckpt = latest_checkpoint(out / "checkpoints") if resume else None
     progress = load_checkpoint(ckpt, trainer) if ckpt is not None else Progress()
     last_loss: float | None = None
+    stopped = False
     metrics = (out / "metrics.jsonl").open("a", encoding="utf-8") if env.is_main else None
     scalars: ScalarWriter = open_scalar_writer(tensorboard_dir) if env.is_main else NullScalarWriter()
     try:
         for batch in iter_batches(samples, cfg, start_epoch=progress.epoch, start_position=progress.position):
             if cfg.max_steps and trainer.step >= cfg.max_steps:
+                break
+            if stop is not None and _any_rank(env, stop()):  # before a step: the last one still exports
+                stopped = True
                 break
             stats = trainer.train_step(batch.samples)
             last_loss = stats.loss
@@ -204,6 +222,11 @@ def train(
     latest = latest_checkpoint(out / "checkpoints")
     if latest is None or latest.name != f"step_{trainer.step:08d}":
         save_checkpoint(out / "checkpoints", trainer, progress, keep=cfg.trainer.keep_checkpoints)
+    if stopped:
+        log.info("train.stopped", steps=trainer.step, checkpoint=str(out / "checkpoints"), resumable=True)
+        return TrainResult(
+            steps=trainer.step, final_dir="", final_sha256="", last_loss=last_loss, stopped=True
+        )
     digest = trainer.export(
         out / "final", version=f"final-step{trainer.step}", extra={"learner_step": trainer.step}
     )

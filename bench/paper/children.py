@@ -65,11 +65,16 @@ async def run_logged(
                 await asyncio.shield(proc.wait())
 
 
-async def _leafe(args: Sequence[str], log_file: Path, threads: int) -> None:
+TRAIN_GRACE_S = 300.0
+"""How long a cancelled ``leafe train`` child gets to finish its step and checkpoint it (SIGTERM stops it
+there: ``services/learner/train.py``) before SIGKILL; a CPU step of the paper's trainings takes up to ~40 s."""
+
+
+async def _leafe(args: Sequence[str], log_file: Path, threads: int, grace_s: float = 10.0) -> None:
     """Run ``leafe <args>`` with its output in ``log_file``; errors name the command and the log."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     cmd = ["nice", "-n", "5", sys.executable, "-m", "services.cli", *args]
-    code = await run_logged(cmd, log_file, env)
+    code = await run_logged(cmd, log_file, env, grace_s=grace_s)
     if code != 0:
         tail = (await asyncio.to_thread(log_file.read_text, encoding="utf-8", errors="replace"))[-2000:]
         raise RuntimeError(f"leafe {' '.join(args[:1])} {exit_description(code)}; log {log_file}:\n{tail}")
@@ -77,6 +82,10 @@ async def _leafe(args: Sequence[str], log_file: Path, threads: int) -> None:
 
 def exit_description(code: int) -> str:
     """``exited N``, or the signal that killed the process (SIGKILL: perhaps the kernel's OOM killer)."""
+    from services.learner.train import EXIT_STOPPED
+
+    if code == EXIT_STOPPED:
+        return f"exited {code} (stopped by a signal after checkpointing its last step: run again to resume)"
     if code >= 0:
         return f"exited {code}"
     try:
@@ -235,7 +244,7 @@ async def train(
     args = ["train", "--data", str(data), "--model", str(model), "--out", str(out), "--preset", preset]
     args += ["--config", str(conf), "--lr", str(lr), "--epochs", str(epochs)]
     args += ["--beta", str(beta)] if beta is not None else []
-    await _leafe(args, out / "train.log", threads)
+    await _leafe(args, out / "train.log", threads, grace_s=TRAIN_GRACE_S)
     rows = step_records(out / "metrics.jsonl")
     if not keep_checkpoints:
         shutil.rmtree(out / "checkpoints", ignore_errors=True)

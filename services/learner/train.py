@@ -8,11 +8,17 @@ Writes under ``--out``: ``checkpoints/`` (DCP; a rerun resumes from the latest u
 ``metrics.jsonl`` (one :class:`learner.trainer.StepStats` per step), ``config.json`` and, when the
 ``tensorboard`` package is installed (extra ``tb``), TensorBoard scalars in ``tensorboard/``
 (``--tensorboard-dir`` to put them elsewhere; ``tensorboard --logdir DIR`` shows them).
+
+SIGTERM or Ctrl-C (a preempted node, a scheduler's time limit, ``kubectl delete``) stops the run after the
+step it is in, with a checkpoint of it: exit code 75 (``EX_TEMPFAIL``: run the same command again to
+resume); a second one ends it at once. Give the process a grace period of a step and a checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +29,10 @@ from learner.config import TrainConfig, train_preset
 from services.config import load_config
 from services.logsetup import configure_logging
 
-__all__ = ["build_parser", "main"]
+__all__ = ["EXIT_STOPPED", "build_parser", "main", "stop_on_signals"]
+
+EXIT_STOPPED = 75
+"""Exit code of a run stopped by a signal after checkpointing (sysexits' ``EX_TEMPFAIL``)."""
 
 log = structlog.get_logger(__name__)
 
@@ -88,6 +97,20 @@ def torch_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+def stop_on_signals() -> threading.Event:
+    """An event the first SIGTERM or SIGINT sets (the training loop asks it before each step); the handler
+    then steps aside, so a second signal acts as it would without it."""
+    requested = threading.Event()
+
+    def _request(signum: int, _frame: object) -> None:
+        requested.set()
+        signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _request)
+    return requested
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``leafe train``."""
     p = build_parser()
@@ -105,6 +128,7 @@ def main(argv: list[str]) -> int:
     torch_threads(threads)
     log.info("train.threads", threads=threads, why=why)
 
+    requested = stop_on_signals()
     with distributed_env(args.backend) as env:
         structlog.contextvars.bind_contextvars(rank=env.rank)
         tensorboard_dir = args.tensorboard_dir or args.out / "tensorboard"
@@ -116,9 +140,13 @@ def main(argv: list[str]) -> int:
             env,
             resume=not args.no_resume,
             tensorboard_dir=tensorboard_dir,
+            stop=requested.is_set,
         )
     if env.is_main:
         print(msgspec.json.encode(result).decode())
+    if result.stopped:
+        log.warning("train.stopped_by_signal", steps=result.steps, out=str(args.out), exit_code=EXIT_STOPPED)
+        return EXIT_STOPPED
     return 0
 
 

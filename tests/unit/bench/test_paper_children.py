@@ -44,7 +44,7 @@ def test_a_training_cut_short_resumes_and_counts_each_step_once(tmp_path: Path, 
 
     out = tmp_path / "train"
 
-    async def fake_leafe(args: list[str], log_file: Path, threads: int) -> None:
+    async def fake_leafe(args: list[str], log_file: Path, threads: int, grace_s: float = 10.0) -> None:
         rows = [(1, 3.0), (2, 2.0), (3, 1.5), (3, 1.25), (4, 1.0)]
         (out / "metrics.jsonl").write_text(
             "".join(json.dumps({"step": s, "loss": x, "samples": 8}) + "\n" for s, x in rows)
@@ -86,7 +86,7 @@ def test_a_child_killed_by_a_signal_is_named_so(tmp_path: Path, monkeypatch) -> 
 
     from bench.paper import children
 
-    async def killed(cmd: list[str], log_file: Path, env: dict[str, str]) -> int:
+    async def killed(cmd: list[str], log_file: Path, env: dict[str, str], grace_s: float = 10.0) -> int:
         log_file.write_text("step 1120\n" * 400)  # noqa: ASYNC240 (a fake)
         return -9
 
@@ -97,3 +97,4 @@ def test_a_child_killed_by_a_signal_is_named_so(tmp_path: Path, monkeypatch) -> 
     assert first.startswith("leafe train was killed by SIGKILL (the kernel's out-of-memory killer"), first
     assert children.exit_description(3) == "exited 3"
     assert children.exit_description(-15) == "was killed by SIGTERM"
+    assert "stopped by a signal after checkpointing its last step" in children.exit_description(75)

@@ -123,3 +123,43 @@ def test_a_training_killed_after_a_checkpoint_resumes_to_the_same_weights(
     resumed = train(cfg, data, str(tiny_dir), tmp_path / "cut", dist_env)
     assert resumed.steps == 6
     assert resumed.final_sha256 == whole.final_sha256
+
+
+def test_a_run_asked_to_stop_checkpoints_its_last_step_and_resumes_to_the_same_weights(
+    dist_env, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """``stop`` (what SIGTERM sets in ``leafe train``) ends the run before its next step, with a checkpoint
+    of the steps taken though none was due and no export; the rerun resumes there and exports the weights
+    of the run never stopped. A stop asked during the last step changes nothing: that run exports."""
+    from learner.checkpoint import latest_checkpoint
+    from learner.offline import train
+
+    data = write_shards(tmp_path / "data", make_samples(12))
+    overrides = {"epochs": 2, "trainer": {"batch": {"global_batch": 4}, "checkpoint_every": 100}}
+    cfg = load_config(TrainConfig, preset=train_preset("cpu"), overrides=overrides)
+    whole = train(cfg, data, str(tiny_dir), tmp_path / "whole", dist_env)
+    assert whole.steps == 6 and not whole.stopped
+
+    asked = []
+
+    def stop_after_two() -> bool:
+        asked.append(1)
+        return len(asked) > 2
+
+    out = tmp_path / "stopped"
+    stopped = train(cfg, data, str(tiny_dir), out, dist_env, stop=stop_after_two)
+    assert (stopped.steps, stopped.stopped, stopped.final_dir) == (2, True, "")
+    assert latest_checkpoint(out / "checkpoints").name == "step_00000002"  # type: ignore[union-attr]
+    assert not (out / "final").exists()
+    resumed = train(cfg, data, str(tiny_dir), out, dist_env)
+    assert (resumed.steps, resumed.stopped) == (6, False)
+    assert resumed.final_sha256 == whole.final_sha256
+
+    late_out = tmp_path / "late"
+
+    def stop_once_the_last_step_trained() -> bool:  # set while step 6 trains: seen only after it
+        metrics = late_out / "metrics.jsonl"
+        return metrics.is_file() and len(metrics.read_text().splitlines()) >= 6
+
+    late = train(cfg, data, str(tiny_dir), late_out, dist_env, stop=stop_once_the_last_step_trained)
+    assert (late.steps, late.stopped) == (6, False) and late.final_sha256 == whole.final_sha256

@@ -1,0 +1,90 @@
+"""A real SIGTERM to ``leafe train`` mid-run (a preempted node, a scheduler's time limit): the run ends
+after the step it is in with a checkpoint of it and exit code 75, and a rerun on the same ``--out`` loses
+no step: every later step has the loss an uninterrupted run has, and the exports are the same."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from learner.checkpoint import latest_checkpoint
+from learner.config import TrainConfig, train_preset
+from learner.offline import train
+from services.config import load_config
+from services.learner.train import EXIT_STOPPED
+from tests.support.learner import make_samples, write_shards
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
+
+CONFIG = """
+epochs = 2
+[trainer]
+checkpoint_every = 100
+push_every = 0
+[trainer.optim]
+lr = 1e-3
+[trainer.batch]
+global_batch = 4
+"""
+
+
+def _steps(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _losses(out: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_sigterm_checkpoints_the_step_it_is_in_and_the_rerun_loses_nothing(
+    dist_env, tiny_dir: Path, tmp_path: Path
+) -> None:
+    data = write_shards(tmp_path / "data", make_samples(24))
+    cfg = load_config(TrainConfig, preset=train_preset("cpu"), overrides=tomllib.loads(CONFIG))
+    whole = train(cfg, data, str(tiny_dir), tmp_path / "whole", dist_env)
+    assert whole.steps == 12
+
+    out = tmp_path / "stopped"
+    cfg_path = tmp_path / "cfg.toml"
+    cfg_path.write_text(CONFIG)
+    cmd = [sys.executable, "-m", "services.learner.train", "--data", str(data), "--model", str(tiny_dir)]
+    cmd += ["--out", str(out), "--preset", "cpu", "--config", str(cfg_path)]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=Path(__file__).parents[2],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None and len(_steps(out)) < 2:
+            time.sleep(0.02)
+        assert proc.poll() is None, "the run finished before it could be stopped"
+        proc.send_signal(signal.SIGTERM)
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_STOPPED
+    result = json.loads(stdout.strip().splitlines()[-1])
+    taken = _steps(out)
+    assert result["stopped"] and result["steps"] == taken[-1] < 12 and result["final_dir"] == ""
+    assert latest_checkpoint(out / "checkpoints").name == f"step_{taken[-1]:08d}"  # type: ignore[union-attr]
+    assert not (out / "final").exists()
+
+    resumed = train(cfg, data, str(tiny_dir), out, dist_env)
+    assert resumed.steps == 12 and resumed.final_sha256 == whole.final_sha256
+    assert _steps(out) == list(range(1, 13))  # no step trained twice: none was lost to the stop
+    expected, got = _losses(tmp_path / "whole"), _losses(out)
+    assert all(got[s] == pytest.approx(expected[s], abs=1e-6) for s in range(1, 13))

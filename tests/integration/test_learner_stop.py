@@ -88,3 +88,54 @@ def test_sigterm_checkpoints_the_step_it_is_in_and_the_rerun_loses_nothing(
     assert _steps(out) == list(range(1, 13))  # no step trained twice: none was lost to the stop
     expected, got = _losses(tmp_path / "whole"), _losses(out)
     assert all(got[s] == pytest.approx(expected[s], abs=1e-6) for s in range(1, 13))
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()] if path.is_file() else []
+
+
+def test_one_rank_signalled_stops_both_at_the_same_step(tiny_dir: Path, tmp_path: Path) -> None:
+    """Under torchrun only rank 1 gets SIGTERM (a signal need not reach every rank at once): both ranks
+    stop before the same step and save its checkpoint together (a rank that went on alone would hang in
+    the next collective), and each rank exits 75."""
+    from services.bus.nats_server import free_port
+
+    data = write_shards(tmp_path / "data", make_samples(48))
+    cfg_path = tmp_path / "cfg.toml"
+    cfg_path.write_text(CONFIG)
+    out = tmp_path / "two"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master-port={free_port()}",
+    ]
+    cmd += ["-m", "services.learner.train", "--data", str(data), "--model", str(tiny_dir), "--out", str(out)]
+    cmd += ["--preset", "cpu", "--config", str(cfg_path)]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=Path(__file__).parents[2],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None and len(_steps(out)) < 2:
+            time.sleep(0.02)
+        workers = sorted(_children(proc.pid))
+        assert proc.poll() is None and len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGTERM)
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    taken = _steps(out)
+    assert taken and taken[-1] < 24, output[-3000:]
+    assert latest_checkpoint(out / "checkpoints").name == f"step_{taken[-1]:08d}", output[-3000:]  # type: ignore[union-attr]
+    assert not (out / "final").exists()
+    assert output.count('"train.stopped"') == 2, output[-3000:]
+    assert output.count("exitcode  : 75") == 2, output[-3000:]  # torchrun's report of each rank

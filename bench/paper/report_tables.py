@@ -360,16 +360,21 @@ def status_lines(state: Any) -> list[str]:
 
 def rebuild_flags(state: Any) -> list[str]:
     """Trainings rebuilt from the logs (a later working period) whose latest rebuild trained to another loss
-    curve than the record's: the phases after it used the rebuild, not the weights the record measured."""
+    curve than the record's: the phases finished after it (named, where the records say when) used the
+    rebuild, the earlier ones the weights the record measured."""
     out = []
     for name, r in state.phases.items():
         last = (r.get("rebuilds") or [{}])[-1]
         if last and not last.get("agrees", True):
             host = last.get("host", {})
             on = f", on {host.get('cpu_model')} ({', '.join(host.get('flags', []))})" if host else ""
+            at = last.get("ended")
+            after = sorted(n for n, p in state.phases.items() if at and n != name and p.get("ended", "") > at)
+            when = f" at {at[:19]}; finished after it: {', '.join(after) or 'none yet'}" if at else ""
             out.append(
                 f"- **{name} was rebuilt with another loss curve (largest difference "
-                f"{last.get('max_loss_diff', float('nan')):.2e}{on})**: phases after the rebuild started from "
-                "it, not from the weights its record measured (another CPU kind's kernels round differently)."
+                f"{last.get('max_loss_diff', float('nan')):.2e}{on}{when})**: phases after the rebuild that "
+                "read its weights started from it, earlier ones from the weights its record measured (another "
+                "CPU kind's kernels round differently)."
             )
     return out

@@ -160,6 +160,7 @@ class Runner:
         else:
             result["wall_s"] = time.monotonic() - t0
             result["host"] = where()
+            result["ended"] = _now()
             self._save(phase.name, result)
         self.state.running = ""
         self.report()
@@ -172,10 +173,10 @@ class Runner:
     async def _rebuild_inputs(self, phase: Phase, steps: Steps) -> None:
         """Train again every finished training whose weights ``phase`` loads and that is not on disk: only
         those its spec reads (``refs.weights_read``), not every training its dependencies name (a
-        dependency on ``select-sft`` for the room variant must not retrain the chosen SFT). Any record
-        counts, not only those this invocation restored: an earlier invocation may have restored them
-        into the work dir and stopped before its rebuild finished (that rebuild resumes from its
-        checkpoint)."""
+        dependency on ``select-sft`` for the room variant must not retrain the chosen SFT). Only where the
+        records are carried (their logs are in the repository), and any carried record counts, not only
+        those this invocation restored: an earlier invocation may have restored them into the work dir and
+        stopped before its rebuild finished (that rebuild resumes from its checkpoint)."""
         by_name = {p.name: p for p in self.state.plan}
         sources = {refs.weight_source(ref) for ref in refs.weights_read(phase.spec)} - {None}
         for dep in sorted(s for s in sources if s is not None):
@@ -185,7 +186,7 @@ class Runner:
                 producer = next(
                     (
                         name
-                        for name in self.state.phases
+                        for name in (self.state.phases if self.carried else ())
                         if isinstance(by_name[name].spec, TrainSpec)
                         and path in carry.weight_paths(self.state.phases[name])
                     ),
@@ -235,8 +236,14 @@ class Runner:
         agreement = carry.loss_agreement(old, new)
         print(f"[paper_table] rebuilt {phase.name}: {carry.describe(agreement)}", flush=True)
         self._save(
-            phase.name, {**old, "rebuilds": [*old.get("rebuilds", []), {**agreement, "host": where()}]}
+            phase.name,
+            {**old, "rebuilds": [*old.get("rebuilds", []), {**agreement, "host": where(), "ended": _now()}]},
         )
+
+
+def _now() -> str:
+    """UTC, to the microsecond: when a phase or a rebuild finished (the report orders them by it)."""
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds")
 
 
 @functools.cache

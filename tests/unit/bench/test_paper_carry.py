@@ -126,6 +126,9 @@ def test_a_rebuild_with_other_losses_is_recorded_as_differing(small_cfg: PaperCo
     head = md.split("## Protocol")[0]
     assert f"{rebuilt[0]} was rebuilt with another loss curve (largest difference 1.00e-02" in head, head
     assert agreement["host"]["cpu_model"] in head
+    after = [n for n, p in second.state.phases.items() if p.get("ended", "") > agreement["ended"]]
+    assert "eval-sft" in after and rebuilt[0] not in after and "select-sft" not in after
+    assert f"finished after it: {', '.join(sorted(after))})" in head, head
 
 
 def test_a_dependency_for_the_room_variant_does_not_retrain_the_chosen_sft(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ __all__ = [
     "WEIGHT_KEYS",
     "describe",
     "loss_agreement",
+    "moved_weights",
     "restore_state",
     "save_state",
     "state_dir",
@@ -118,15 +119,21 @@ def restore_state(
 
 
 def weight_paths(result: Mapping[str, Any]) -> list[Path]:
-    """The weights directories a phase result names."""
+    """The weights directories a phase result names, resolved (a restored record names them absolute, a
+    training in a work dir given relative names them relative: the same directories)."""
     out: list[Path] = []
     for key in WEIGHT_KEYS:
         value = result.get(key)
         if isinstance(value, str) and value:
-            out.append(Path(value))
+            out.append(Path(value).resolve())
         elif isinstance(value, dict):
-            out += [Path(v) for v in value.values() if isinstance(v, str) and v]
+            out += [Path(v).resolve() for v in value.values() if isinstance(v, str) and v]
     return out
+
+
+def moved_weights(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """The :data:`WEIGHT_KEYS` whose directories differ between two results of one training."""
+    return [k for k in WEIGHT_KEYS if weight_paths({k: old.get(k)}) != weight_paths({k: new.get(k)})]
 
 
 def loss_agreement(

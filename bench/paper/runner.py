@@ -230,7 +230,7 @@ class Runner:
         print(f"[paper_table] rebuilding {phase.name} from the committed logs ...", flush=True)
         old = self.state.phases[phase.name]
         new = await steps.run(phase)
-        moved = [k for k in carry.WEIGHT_KEYS if new.get(k) != old.get(k)]
+        moved = carry.moved_weights(old, new)
         if moved:
             raise RuntimeError(f"rebuilding {phase.name} wrote its weights elsewhere ({', '.join(moved)})")
         agreement = carry.loss_agreement(old, new)

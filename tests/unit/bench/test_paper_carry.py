@@ -171,3 +171,27 @@ def test_an_invocation_stopped_before_its_rebuild_finished_rebuilds_it_next_time
     assert steps.calls.index(trained) < steps.calls.index("eval-sft")
     assert second.state.phases[trained]["rebuilds"][0]["agrees"]
     assert not second.state.failed and not second.state.blocked
+
+
+def test_a_rebuild_in_a_work_dir_given_relative_keeps_its_weights_where_the_record_says(
+    small_cfg: PaperConfig, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The runner's work dir is relative by default (``runs/paper/<name>``): restored records name absolute
+    paths, a training run there returns relative ones. The same directories, so the rebuild is recorded
+    (it failed with "rebuilding warm-train wrote its weights elsewhere", effect-hard, 2026-12-05)."""
+    cfg, results = _cfg(small_cfg), tmp_path / "results"
+    first, _ = _stage(cfg, tmp_path / "w1", results, stop_after="select-sft")
+    trained = first.state.phases["select-sft"]["val_phase"].removeprefix("val-").rsplit("-e", 1)[0]
+    shutil.rmtree(tmp_path / "w1")
+    monkeypatch.chdir(tmp_path)
+    second, steps = _stage(cfg, Path("w2"), results)
+    assert [c for c in steps.calls if c in first.state.phases] == [trained]
+    assert second.state.phases[trained]["rebuilds"][0]["agrees"]
+    assert not second.state.failed and not second.state.blocked
+    from bench.paper.carry import moved_weights
+
+    here = {"final": str(tmp_path / "w2" / "t" / "final"), "epoch_weights": {"1": "w2/t/e1"}}
+    assert (
+        moved_weights(here, {"final": "w2/t/final", "epoch_weights": {"1": str(tmp_path / "w2/t/e1")}}) == []
+    )
+    assert moved_weights(here, {**here, "final": "w3/t/final"}) == ["final"]

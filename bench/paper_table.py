@@ -14,7 +14,9 @@ how to reproduce every row: ``docs/experiments.md``.
     .venv/bin/python bench/paper_table.py --config my.toml --set grpo.rounds=3 --engine http://sglang:30000
 
 A rerun of the same command resumes (finished phases leave ``runs/paper/<name>/<phase>/done.json``);
-``--max-minutes`` starts no phase after that many minutes (the plan is in priority order).
+``--max-minutes`` starts no phase after that many minutes (the plan is in priority order); ``--stop-minutes``
+stops the invocation then, whatever runs, as SIGTERM does (a training checkpoints the step it is in; an
+evaluation or a collection starts again next time).
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work", type=Path, default=None, help="work dir (default runs/paper/<name>)")
     p.add_argument("--results", type=Path, default=Path("bench/results"), help="where the report goes")
     p.add_argument("--max-minutes", type=float, default=1e9, help="start no phase after this many minutes")
+    p.add_argument(
+        "--stop-minutes",
+        type=float,
+        default=None,
+        help="stop after this many minutes whatever runs (as SIGTERM: a training checkpoints its step)",
+    )
     p.add_argument("--plan", action="store_true", help="print the phases and their dependencies, run nothing")
     p.add_argument("--quick", action="store_true", help="same as --plan (make bench)")
     p.add_argument(
@@ -121,9 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     configure_logging(json=True, level="info", file=work / "paper_table.jsonl")
     try:
-        asyncio.run(run_experiment(cfg, work, args.results, args.max_minutes))
+        asyncio.run(run_experiment(cfg, work, args.results, args.max_minutes, args.stop_minutes))
     except asyncio.CancelledError:
-        print("[paper_table] stopped by SIGTERM; the finished phases are saved", flush=True)
+        print("[paper_table] stopped (SIGTERM or --stop-minutes); the finished phases are saved", flush=True)
         return 143
     print(json.dumps({"report": str(args.results / f"{cfg.report_name}.md")}))
     return 0

@@ -257,16 +257,24 @@ def where() -> dict[str, Any]:
     return {**{k: h[k] for k in keys}, "flags": sorted(f for f, on in h["flags"].items() if on)}
 
 
-def stop_on_sigterm() -> None:
+def stop_on_sigterm(after_s: float | None = None) -> None:
     """SIGTERM cancels the calling task as Ctrl-C does, so that the servers and the training child stop
-    with it (the finished phases are already saved; the running one starts again next time)."""
+    with it (the finished phases are already saved; the running one starts again next time, a training
+    from the checkpoint of the step its child was in: ``children.TRAIN_GRACE_S``); with ``after_s``, so
+    does that much time (``--stop-minutes``: a working period's end)."""
     task = asyncio.current_task()
     if task is not None:
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        if after_s is not None:
+            loop.call_later(after_s, task.cancel)
 
 
-async def run_experiment(cfg: PaperConfig, work: Path, results: Path, max_minutes: float) -> None:
-    """Start the log, the servers and the engine client, run the plan, write the report."""
+async def run_experiment(
+    cfg: PaperConfig, work: Path, results: Path, max_minutes: float, stop_minutes: float | None = None
+) -> None:
+    """Start the log, the servers and the engine client, run the plan, write the report; stop after
+    ``stop_minutes`` whatever runs."""
     from contextlib import AsyncExitStack
 
     from actors.client import SGLangClient
@@ -275,7 +283,7 @@ async def run_experiment(cfg: PaperConfig, work: Path, results: Path, max_minute
     from services.bus.nats_server import EmbeddedNats
     from services.inference.fleet import FleetConfig, ServerFleet
 
-    stop_on_sigterm()
+    stop_on_sigterm(None if stop_minutes is None else 60 * stop_minutes)
     started = time.monotonic()
     deadline = started + 60 * max_minutes
     work.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 (once, before anything runs)

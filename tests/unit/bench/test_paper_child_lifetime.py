@@ -105,3 +105,20 @@ def test_a_killed_runner_takes_its_child_with_it(tmp_path: Path, env: dict[str, 
             pid = int(log.read_text().split()[0])
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_stop_minutes_stops_the_runner_and_lets_its_child_checkpoint(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    """``--stop-minutes`` (``stop_on_sigterm(after_s)``) ends the runner as SIGTERM does, and its child gets
+    SIGTERM and its grace: a ``leafe train`` child checkpoints the step it is in and exits 75."""
+    log = tmp_path / "child.log"
+    child = ["sh", "-c", "echo $$; trap 'kill $!; echo checkpointed; exit 75' TERM; sleep 600 & wait"]
+    script = _RUNNER.format(child=child, log=str(log)).replace("stop_on_sigterm()", "stop_on_sigterm(1.0)")
+    runner = subprocess.Popen([sys.executable, "-c", script], env=env, cwd=REPO)
+    try:
+        pid = _pid_in(log)
+        assert runner.wait(timeout=30) == 143
+        assert _gone(pid) and log.read_text().split()[1:] == ["checkpointed"], log.read_text()
+    finally:
+        runner.kill()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,7 +99,7 @@ def _children(pid: int) -> list[int]:
 def test_one_rank_signalled_stops_both_at_the_same_step(tiny_dir: Path, tmp_path: Path) -> None:
     """Under torchrun only rank 1 gets SIGTERM (a signal need not reach every rank at once): both ranks
     stop before the same step and save its checkpoint together (a rank that went on alone would hang in
-    the next collective), and each rank exits 75."""
+    the next collective), with exit code 75."""
     from services.bus.nats_server import free_port
 
     data = write_shards(tmp_path / "data", make_samples(48))
@@ -138,4 +139,5 @@ def test_one_rank_signalled_stops_both_at_the_same_step(tiny_dir: Path, tmp_path
     assert latest_checkpoint(out / "checkpoints").name == f"step_{taken[-1]:08d}", output[-3000:]  # type: ignore[union-attr]
     assert not (out / "final").exists()
     assert output.count('"train.stopped"') == 2, output[-3000:]
-    assert output.count("exitcode  : 75") == 2, output[-3000:]  # torchrun's report of each rank
+    # torchrun reports the first rank to exit (75) and SIGTERMs the other, which may already be leaving
+    assert proc.returncode != 0 and re.search(r"exitcode\s*:\s*75", output), output[-3000:]

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,32 @@ def _losses(out: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
+def _signal_after_two_steps(
+    cmd: list[str], out: Path, target: Callable[[subprocess.Popen[str]], int], stderr: int | None
+) -> tuple[subprocess.Popen[str], str]:
+    """Start ``cmd`` (a training into ``out``), SIGTERM the pid ``target`` picks once two steps are logged,
+    and return the process and its stdout once it has exited."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=Path(__file__).parents[2],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None and len(_steps(out)) < 2:
+            time.sleep(0.02)
+        assert proc.poll() is None, "the run finished before it could be stopped"
+        os.kill(target(proc), signal.SIGTERM)
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc, output
+
+
 def test_sigterm_checkpoints_the_step_it_is_in_and_the_rerun_loses_nothing(
     dist_env, tiny_dir: Path, tmp_path: Path
 ) -> None:
@@ -59,24 +86,7 @@ def test_sigterm_checkpoints_the_step_it_is_in_and_the_rerun_loses_nothing(
     cfg_path.write_text(CONFIG)
     cmd = [sys.executable, "-m", "services.learner.train", "--data", str(data), "--model", str(tiny_dir)]
     cmd += ["--out", str(out), "--preset", "cpu", "--config", str(cfg_path)]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=Path(__file__).parents[2],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and proc.poll() is None and len(_steps(out)) < 2:
-            time.sleep(0.02)
-        assert proc.poll() is None, "the run finished before it could be stopped"
-        proc.send_signal(signal.SIGTERM)
-        stdout, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, stdout = _signal_after_two_steps(cmd, out, lambda p: p.pid, subprocess.DEVNULL)
     assert proc.returncode == EXIT_STOPPED
     result = json.loads(stdout.strip().splitlines()[-1])
     taken = _steps(out)
@@ -115,25 +125,13 @@ def test_one_rank_signalled_stops_both_at_the_same_step(tiny_dir: Path, tmp_path
     ]
     cmd += ["-m", "services.learner.train", "--data", str(data), "--model", str(tiny_dir), "--out", str(out)]
     cmd += ["--preset", "cpu", "--config", str(cfg_path)]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=Path(__file__).parents[2],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and proc.poll() is None and len(_steps(out)) < 2:
-            time.sleep(0.02)
-        workers = sorted(_children(proc.pid))
-        assert proc.poll() is None and len(workers) == 2, workers
-        os.kill(workers[1], signal.SIGTERM)
-        output, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+
+    def rank_1(p: subprocess.Popen[str]) -> int:
+        workers = sorted(_children(p.pid))
+        assert len(workers) == 2, workers
+        return workers[1]
+
+    proc, output = _signal_after_two_steps(cmd, out, rank_1, subprocess.STDOUT)
     taken = _steps(out)
     assert taken and taken[-1] < 24, output[-3000:]
     assert latest_checkpoint(out / "checkpoints").name == f"step_{taken[-1]:08d}", output[-3000:]  # type: ignore[union-attr]

@@ -20,11 +20,21 @@ from bench.paper.config import PaperConfig
 
 __all__ = ["render_effect"]
 
+ROOT = Path(__file__).resolve().parents[2]
+
 GPU_NEXT = """\
 What I would run on a GPU next: this protocol with SGLang engines and a 1.5B-7B instruct model (Qwen2.5 as
 in the paper), gym-sokoban-size rooms (7x7 to 10x10, 2-3 boxes), 512 label rooms for the warm start, Stage 1
 on 512 RL tasks until ~3 corrections per task (the paper's ~10k distilled samples), GRPO for 10-20 rounds,
 and 128 test tasks x 128 samples, where the paper sees LEAFE's gain at large k."""
+
+
+def _shown(path: str) -> str:
+    """``path`` relative to the repository when it lies inside it (a restored record names it absolute)."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return path
 
 
 def _audit_lines(state: Any) -> list[str]:
@@ -41,7 +51,7 @@ def _audit_lines(state: Any) -> list[str]:
         ("the move the model's own e names, own e in context", "own_named_with_own_e"),
     ]
     out = [
-        f"{s['verdicts']} verdicts on audit rooms never trained on (`{r['report']}`).",
+        f"{s['verdicts']} verdicts on audit rooms never trained on (`{_shown(r['report'])}`).",
         "",
         "| chosen move, condition | verdicts | share | 95% interval |",
         "|---|---|---|---|",
@@ -203,6 +213,12 @@ def _correction_lines(state: Any, runs: tuple[str, ...] = ("explore-model", "exp
     return lines if len(lines) > 2 else ["(no Stage 1 collection finished yet)"]
 
 
+def _quality_lines(cfg: PaperConfig, state: Any) -> list[str]:
+    from bench.paper.cf_quality import quality_lines
+
+    return quality_lines(cfg, state)
+
+
 def render_effect(cfg: PaperConfig, state: Any, comparison_lines: list[str], protocol: list[str]) -> str:
     """The markdown report of the ``effect`` protocol."""
     md = [
@@ -251,6 +267,7 @@ def render_effect(cfg: PaperConfig, state: Any, comparison_lines: list[str], pro
         "",
         *_correction_lines(state),
         "",
+        *_quality_lines(cfg, state),
         "## Trainings (counterfactual counts per row)",
         "",
         *_cf_lines(state),

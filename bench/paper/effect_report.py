@@ -141,8 +141,8 @@ def _reflect_lines(state: Any, runs: tuple[str, ...]) -> list[str]:
     from bench.paper.reflect_audit import audit_log
 
     out = [
-        "| run | model reflections | tau = oracle's | fix move = oracle's | both | branch success: both agree "
-        "/ move agrees / move differs / all |",
+        "| run | model reflections | tau = oracle's (chance) | fix move = oracle's | both | branch success: both "
+        "agree / move agrees / move differs / all |",
         "|---|---|---|---|---|---|",
     ]
     for name in runs:
@@ -166,7 +166,8 @@ def _reflect_lines(state: Any, runs: tuple[str, ...]) -> list[str]:
             )
         )
         out.append(
-            f"| {name} | {m['reflections']} | {t.pct(m['tau_agree_share'])} | {t.pct(m['fix_agree_share'])} "
+            f"| {name} | {m['reflections']} | {t.pct(m['tau_agree_share'])} ({t.pct(m.get('tau_chance_share'))}) "
+            f"| {t.pct(m['fix_agree_share'])} "
             f"| {t.pct(both)} | {success} |"
         )
     if len(out) == 2:
@@ -176,7 +177,9 @@ def _reflect_lines(state: Any, runs: tuple[str, ...]) -> list[str]:
         "",
         *out,
         "",
-        "A cf sample comes from every successful branch, whether its e named the oracle's move or not.",
+        "Chance: tau drawn uniformly from the steps before the reflection; the fix move, one of the 3 moves "
+        "other than the blamed one (33.3). A cf sample comes from every successful branch, whether its e named "
+        "the oracle's move or not.",
         "",
     ]
 

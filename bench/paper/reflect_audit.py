@@ -8,7 +8,8 @@ answer parsed, whether its e is non-empty, the oracle's label beside it where th
 
 - ``reflections``, ``parsed`` (``parse_ok``), ``e_nonempty``, and their shares;
 - ``labelled`` (an oracle verdict beside a model reflection), ``labelled_mistake`` (the oracle named a
-  mistake: non-empty e), ``tau_agree`` (tau == oracle_tau among those) and ``tau_agree_share``;
+  mistake: non-empty e), ``tau_agree`` (tau == oracle_tau among those) and ``tau_agree_share``, beside
+  ``tau_chance_share``, the agreement of a tau drawn uniformly from ``0..at_t-1`` (the mean of ``1/at_t``);
 - ``branches`` (rolled-back branches opened) and ``branches_succeeded`` (today's model row: 22 of 295),
   and among labelled ones the successes of branches whose tau agreed or disagreed with the oracle;
 - the fix: where the oracle names a move (``oracle_action``), whether the model's e names the same one
@@ -90,6 +91,7 @@ def _share(n: int, d: int) -> float | None:
 def audit_events(events: Iterable[EpisodeEvent]) -> dict[str, Any]:
     """The figures per reflection source (see the module docstring)."""
     counts: dict[str, Counter[str]] = {}
+    chance: Counter[str] = Counter()
     for row in reflection_rows(events):
         c = counts.setdefault(row["source"], Counter())
         c["reflections"] += 1
@@ -104,6 +106,7 @@ def audit_events(events: Iterable[EpisodeEvent]) -> dict[str, Any]:
         if not row["oracle_mistake"]:
             continue
         c["labelled_mistake"] += 1
+        chance[row["source"]] += 1 / max(1, row["at_t"])
         agree = "agree" if row["tau"] == row["oracle_tau"] else "disagree"
         c[f"tau_{agree}"] += 1
         c[f"branches_tau_{agree}"] += row["opened_branch"] is not None
@@ -124,6 +127,8 @@ def audit_events(events: Iterable[EpisodeEvent]) -> dict[str, Any]:
         figures["branch_success_share"] = _share(c["branches_succeeded"], c["branches"])
         if c["labelled"]:
             figures["tau_agree_share"] = _share(c["tau_agree"], c["labelled_mistake"])
+            if c["labelled_mistake"]:
+                figures["tau_chance_share"] = round(chance[source] / c["labelled_mistake"], 3)
             named = c["fix_agree"] + c["fix_disagree"] + c["fix_unnamed"]
             figures["fix_agree_share"] = _share(c["fix_agree"], named)
             for key in ("tau_agree", "tau_disagree", "fix_agree", "fix_disagree", "both_agree"):

@@ -57,6 +57,7 @@ async def test_tau_agreement_and_branch_outcomes_of_labelled_model_reflections(
         n,
     )
     assert model["tau_agree" if agree else "tau_disagree"] == n and model["tau_agree_share"] == float(agree)
+    assert model["tau_chance_share"] == 0.25  # every reflection at step 4 (the horizon): 1 tau in 4
     assert (model["branches"], model["branches_succeeded"]) == (opened, 0)
     rows = reflection_rows(events)
     assert [r["opened_branch"] is not None for r in rows].count(True) == opened
@@ -102,8 +103,8 @@ def test_the_shipped_model_log_gives_the_issues_22_of_295(capsys: pytest.Capture
 
 
 def test_the_effect_reports_table_of_model_e_against_the_oracle_from_the_shipped_log() -> None:
-    """W's own e on the shipped Stage-1 log: tau agrees with the oracle 25.9%, the fix move 37.5%; a phase
-    whose log is missing gives no row, and with no labelled log there is no section."""
+    """W's own e on the shipped Stage-1 log: tau agrees with the oracle 25.9% (a uniform tau: 16.5%), the fix
+    move 37.5%; a phase whose log is missing gives no row, and with no labelled log there is no section."""
     from types import SimpleNamespace
 
     from bench.paper.effect_report import _reflect_lines
@@ -112,6 +113,6 @@ def test_the_effect_reports_table_of_model_e_against_the_oracle_from_the_shipped
     state = SimpleNamespace(phases={"explore-model": {"log_file": str(log)}, "labels": {"log_file": "nope"}})
     lines = _reflect_lines(state, ("labels", "explore-model"))
     rows = [line for line in lines if line.startswith("| explore-model")]
-    assert len(rows) == 1 and "| 1253 | 25.9 | 37.5 | 12.5 | 37.1 / 26.0 / 14.4 / 18.9 |" in rows[0]
+    assert len(rows) == 1 and "| 1253 | 25.9 (16.5) | 37.5 | 12.5 | 37.1 / 26.0 / 14.4 / 18.9 |" in rows[0]
     assert not any(line.startswith("| labels") for line in lines)
     assert _reflect_lines(SimpleNamespace(phases={}), ("explore-model",)) == []

@@ -46,6 +46,13 @@ class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """GRPO: PPO-style clip range of the importance ratio, [1 - eps, 1 + eps]."""
     kl_coef: float = 0.0
     """GRPO: coefficient of the k3 KL estimate to the frozen initial model; 0 disables the reference."""
+    dual_clip: float = 0.0
+    """GRPO: dual-clip bound c > 1 on a negative-advantage token's objective (c * |A|; 3.0 is the usual
+    value); 0 = off, the objective every shipped GRPO record was trained with."""
+
+    def __post_init__(self) -> None:
+        if self.dual_clip and not self.dual_clip > 1.0:
+            raise ValueError(f"loss.dual_clip must be 0 (off) or > 1, got {self.dual_clip}")
 
 
 class OptimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -129,8 +129,15 @@ def grpo_loss(
     clip_eps: float,
     ref_logp: Tensor | None = None,
     kl_coef: float = 0.0,
+    dual_clip: float = 0.0,
 ) -> LossOutput:
-    """Share of the clipped-ratio GRPO objective (+ kl_coef * k3) over this micro-batch's GRPO tokens."""
+    """Share of the clipped-ratio GRPO objective (+ kl_coef * k3) over this micro-batch's GRPO tokens.
+
+    ``dual_clip`` = c > 1 bounds the objective of a negative-advantage token at c * |A| (dual-clip PPO,
+    Ye et al. 2020): without it a token the behaviour policy sampled at a tiny probability contributes
+    ratio * |A| without limit; 0 leaves the plain clipped objective."""
+    if dual_clip and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be 0 (off) or > 1, got {dual_clip}")
     sel = ((labels != IGNORE) & (kinds == KIND_INDEX["grpo"]).unsqueeze(-1)).float()
     if tokens.grpo <= 0:
         return LossOutput(loss=(logp * 0.0).sum())
@@ -139,7 +146,13 @@ def grpo_loss(
     adv = advantages.float().unsqueeze(-1)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
-    per_token = -torch.minimum(unclipped, clipped)
+    surrogate = torch.minimum(unclipped, clipped)
+    was_clipped = unclipped != clipped
+    if dual_clip:
+        capped = (adv < 0) & (surrogate < dual_clip * adv)
+        surrogate = torch.where(capped, dual_clip * adv, surrogate)
+        was_clipped = was_clipped | capped
+    per_token = -surrogate
     pg_sum = (per_token * sel).sum()
     kl_sum = torch.zeros((), device=logp.device)
     if ref_logp is not None and kl_coef > 0:
@@ -150,7 +163,7 @@ def grpo_loss(
     stats = {
         "pg": float(pg_sum.detach()),
         "kl": float(kl_sum.detach()),
-        "clipped": float(((unclipped != clipped).float() * sel).sum()),
+        "clipped": float((was_clipped.float() * sel).sum()),
         "ratio": float((ratio.detach() * sel).sum()),
     }
     return LossOutput(loss=loss, grpo_stats=stats)
@@ -170,6 +183,7 @@ def total_loss(
     clip_eps: float,
     ref_logp: Tensor | None = None,
     kl_coef: float = 0.0,
+    dual_clip: float = 0.0,
 ) -> LossOutput:
     """Distillation share + GRPO share of one micro-batch."""
     d = distill_loss(logp, labels, kinds, weights, tokens, beta)
@@ -185,6 +199,7 @@ def total_loss(
         clip_eps=clip_eps,
         ref_logp=ref_logp,
         kl_coef=kl_coef,
+        dual_clip=dual_clip,
     )
     nll = list(d.nll_sum)
     nll[KIND_INDEX["grpo"]] = g.grpo_stats.get("pg", 0.0)

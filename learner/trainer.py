@@ -226,6 +226,7 @@ class Trainer:
             clip_eps=self.config.loss.clip_eps,
             ref_logp=ref_logp,
             kl_coef=self.config.loss.kl_coef,
+            dual_clip=self.config.loss.dual_clip,
         )
         # FSDP averages gradients over ranks; each share is a part of a global *sum*.
         (out.loss * self.env.world_size).backward()

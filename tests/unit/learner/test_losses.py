@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from learner.config import LossConfig
 from learner.losses import IGNORE, KIND_INDEX, KindTokens, distill_loss, grpo_loss, token_logprobs, total_loss
 
 V = 11
@@ -149,6 +150,40 @@ def test_grpo_clips_the_ratio() -> None:
     assert logp.grad[0, 1] == 0
     assert logp.grad[0, 2] < 0
     assert out.grpo_stats["clipped"] == 1.0
+
+
+def test_grpo_dual_clip_bounds_a_negative_advantage_token() -> None:
+    """A token sampled at a tiny behaviour probability and likely now (ratio ~ e^8) with A < 0: the PPO
+    objective is unbounded there (effect-hard's rebuilt GRPO round 1, step 236: loss 56 against ~0.1);
+    dual clip c caps its loss at c * |A| and takes its gradient away, other tokens keep theirs."""
+    labels = torch.tensor([[IGNORE, 1, 2]])
+    logp = torch.tensor([[0.0, -0.5, -1.0]], requires_grad=True)
+    behaviour = torch.tensor([[0.0, -8.5, -1.05]])
+    plain = _grpo(logp, labels, [-1.0], behaviour, clip_eps=0.2)
+    assert plain.loss.item() > 1000
+    out = _grpo(logp, labels, [-1.0], behaviour, clip_eps=0.2, dual_clip=3.0)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx((3.0 + math.exp(0.05)) / 2, rel=1e-5)
+    assert logp.grad is not None
+    assert logp.grad[0, 1] == 0
+    assert logp.grad[0, 2] > 0
+    assert out.grpo_stats["clipped"] == 1.0
+
+
+def test_grpo_dual_clip_leaves_positive_advantages_and_small_ratios_alone() -> None:
+    """Dual clip changes nothing where the ratio is below c or the advantage is positive."""
+    logits, labels = _setup()
+    logp = token_logprobs(logits, labels)
+    behaviour = logp - 0.5
+    for adv in ([1.0, 0.5, 2.0], [-1.0, -0.5, -2.0]):
+        a = _grpo(logp, labels, adv, behaviour, clip_eps=0.2)
+        b = _grpo(logp, labels, adv, behaviour, clip_eps=0.2, dual_clip=3.0)
+        assert b.loss.item() == pytest.approx(a.loss.item(), rel=1e-6)
+    with pytest.raises(ValueError, match="dual_clip"):
+        _grpo(logp, labels, [1.0, 1.0, 1.0], behaviour, clip_eps=0.2, dual_clip=0.5)
+    with pytest.raises(ValueError, match="dual_clip"):
+        LossConfig(dual_clip=1.0)
+    assert LossConfig(dual_clip=3.0).dual_clip == 3.0
 
 
 def test_grpo_k3_kl_is_zero_at_the_reference_and_positive_elsewhere() -> None:

@@ -12,6 +12,9 @@ other and with every offline row (``bench.paper.online --paper``).
     .venv/bin/python -m bench.paper.online runs/online-effect-hard-leafe runs/online-effect-hard-grpo \
         --paper bench/results/effect_hard_table.json --rows warm,leafe,grpo --out bench/results/...
 
+A third config, ``leafe-oracle.toml`` (``--preset leafe``), is the oracle-e ablation online; it adds a
+run of the same budget, and pairs with the other two only if it runs in the same period on one machine.
+
 W must be on disk (``runs/paper/<name>/``: a stage of the experiment rebuilt or linked it).
 """
 
@@ -28,7 +31,10 @@ from bench.paper.config import ROLLOUT_KEYS, PaperConfig, load_paper_config, sca
 
 __all__ = ["main", "online_configs"]
 
-PRESETS = ("leafe", "grpo")
+PRESETS = {"leafe": "leafe", "grpo": "grpo", "leafe-oracle": "leafe"}
+"""Config name -> the ``leafe run`` preset it runs under. ``leafe-oracle`` is an ablation beside the pair:
+online LEAFE whose tau and e come from the environment's oracle (the offline table's "LEAFE with oracle
+e" row, online), the ceiling of what online LEAFE could gain from its experience on these rooms."""
 
 
 def _need(work: Path, phase: str) -> dict[str, Any]:
@@ -39,8 +45,8 @@ def _need(work: Path, phase: str) -> dict[str, Any]:
 
 
 def online_configs(cfg: PaperConfig, work: Path, minutes: float) -> dict[str, dict[str, Any]]:
-    """The ``leafe run`` tables of both presets (``leafe``, ``grpo``) from ``cfg``'s finished warm start
-    and rooms in ``work``."""
+    """The ``leafe run`` tables of both presets (``leafe``, ``grpo``) and the oracle-e ablation
+    (``leafe-oracle``) from ``cfg``'s finished warm start and rooms in ``work``."""
     warm = _need(work, "select-warm")
     weights = Path(warm["weights"])
     if not (weights / "config.json").is_file():
@@ -102,6 +108,12 @@ def online_configs(cfg: PaperConfig, work: Path, minutes: float) -> dict[str, di
             "learner": {"kinds": ["grpo"], "trainer": {"optim": {"lr": g.lrs[0]}, **batch}},
         },
     }
+    oracle_explorer = {**out["leafe"]["actor"]["explorer"][cfg.env], "reflection_source": "oracle"}
+    out["leafe-oracle"] = {
+        **out["leafe"],
+        "run_id": f"online-{cfg.name}-leafe-oracle",
+        "actor": {**out["leafe"]["actor"], "explorer": {cfg.env: oracle_explorer}},
+    }
     return out
 
 
@@ -118,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or Path("runs/paper") / cfg.name
     out = args.out or Path("runs") / f"online-{cfg.name}"
     out.mkdir(parents=True, exist_ok=True)
-    for preset, table in online_configs(cfg, work, args.minutes).items():
-        path = out / f"{preset}.toml"
+    for name, table in online_configs(cfg, work, args.minutes).items():
+        path, preset = out / f"{name}.toml", PRESETS[name]
         head = (
             f"# {__doc__.splitlines()[0]}\n# leafe run --preset {preset} --config {path} --fresh --no-live\n"
         )

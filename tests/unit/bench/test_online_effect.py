@@ -76,6 +76,18 @@ def test_both_runs_start_from_the_warm_start_on_the_rows_rooms_and_resolve(tmp_p
     assert leafe.replayer.options["rehearsal_unit"] == "path"
     assert (grpo.materializer, grpo.explore.mode, grpo.explore.samples) == ("grpo", "rollout", cfg.grpo.group)
     assert grpo.learner.kinds == ["grpo"] and grpo.learner.trainer.optim.lr == cfg.grpo.lrs[0]
+    # the oracle-e ablation: the leafe run with the oracle naming tau and e, nothing else changed
+    oracle = resolve_run_config("leafe", files=[out / "leafe-oracle.toml"])
+    assert oracle.actor.explorer["sokoban"] == {**explorer, "reflection_source": "oracle"}
+    assert oracle.run_id == "online-effect-hard-leafe-oracle" != leafe.run_id
+    assert oracle.actor.explorer_config("sokoban").reflection_source == "oracle"
+    assert leafe.actor.explorer_config("sokoban").reflection_source == "model"
+    assert (oracle.learner, oracle.replayer, oracle.eval, oracle.model) == (
+        leafe.learner,
+        leafe.replayer,
+        leafe.eval,
+        leafe.model,
+    )
     # both learners pack as the experiment's GRPO trained (effect-hard: the shared prompt prefix once a row)
     assert cfg.grpo.share_prefix
     assert leafe.learner.trainer.batch.share_prefix and grpo.learner.trainer.batch.share_prefix

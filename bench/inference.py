@@ -59,7 +59,13 @@ from actors.engine import Completion, SamplingParams
 from actors.evaluate import evaluate
 from bench.host import host_record
 from bench.inference_floor import floor_section
-from bench.inference_peer import PAPER_ROOMS, paper_rollouts, peer_section, record_workload
+from bench.inference_peer import (
+    PAPER_ROOMS,
+    keep_merged_sections,
+    paper_rollouts,
+    peer_section,
+    record_workload,
+)
 from bench.inference_replay import SGLangTarget, load_workload, replay
 from bench.inference_workload import agent_requests, chat_prompt, ideal_prefix_share
 from envs.registry import make_env
@@ -402,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         handle.stop()
     results["loadavg_after"] = os.getloadavg()[0]
+    results = keep_merged_sections(out, results)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print(f"saved {out}")

@@ -51,7 +51,7 @@ from actors.explorer import Explorer
 from actors.fakes import ByteChatTokenizer, ScriptedEngine
 from actors.rollout import run_rollout
 from bench.actor_trees import tree_cost
-from bench.host import host_record
+from bench.host import host_record, keep_sections
 from envs.sokoban import SokobanConfig, SokobanEnv
 from learner.model_io import HFChatTokenizer, tiny_model_dir
 from protocol.events import EpisodeEvent
@@ -369,6 +369,7 @@ def main() -> None:
             server.stop()
     results["meta"] = {"quick": args.quick, "smoke": args.smoke}
     results["host"] = host
+    results = keep_sections(out, results, ("tree_cost",))  # measured by --tree-cost-only
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1, sort_keys=True))
     ov = results["overhead_at_100ms"]

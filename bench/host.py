@@ -21,6 +21,7 @@ an AVX2 figure taken on an AVX-512 host is an approximation), ``cpus`` (logical 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -29,7 +30,7 @@ from typing import Any
 
 from services.threads import usable_cores
 
-__all__ = ["FIELDS", "ISA_FLAGS", "commit", "cpu_info", "host_record"]
+__all__ = ["FIELDS", "ISA_FLAGS", "commit", "cpu_info", "host_record", "keep_sections"]
 
 ROOT = Path(__file__).resolve().parents[1]
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -113,3 +114,13 @@ def host_record() -> dict[str, Any]:
         "commit": commit(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+
+
+def keep_sections(out: Path, results: dict[str, Any], sections: tuple[str, ...]) -> dict[str, Any]:
+    """``results`` plus those of ``sections`` that ``out`` holds and this run did not measure, each as it
+    was (with its own ``host`` where it recorded one): a bench's full run rewrites its file without
+    dropping the sections another mode of it measures and merges separately."""
+    if not out.is_file():
+        return results
+    old = json.loads(out.read_text())
+    return {**results, **{k: old[k] for k in sections if k in old and k not in results}}

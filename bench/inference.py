@@ -57,11 +57,10 @@ from safetensors.torch import load, load_file
 from actors.client import SGLangClient, parse_completions
 from actors.engine import Completion, SamplingParams
 from actors.evaluate import evaluate
-from bench.host import host_record
+from bench.host import host_record, keep_sections
 from bench.inference_floor import floor_section
 from bench.inference_peer import (
     PAPER_ROOMS,
-    keep_merged_sections,
     paper_rollouts,
     peer_section,
     record_workload,
@@ -408,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         handle.stop()
     results["loadavg_after"] = os.getloadavg()[0]
-    results = keep_merged_sections(out, results)
+    results = keep_sections(out, results, ("peer",))  # measured by --peer
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print(f"saved {out}")

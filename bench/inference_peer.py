@@ -39,9 +39,7 @@ from bench.inference_replay import (
 )
 
 __all__ = [
-    "MERGED_SECTIONS",
     "PAPER_ROOMS",
-    "keep_merged_sections",
     "ours_pinned",
     "paper_rollouts",
     "peer_ab",
@@ -255,18 +253,3 @@ def peer_section(a: argparse.Namespace, out: Path) -> int:
     out.write_text(json.dumps(results, indent=1))
     print(f"saved {out}")
     return 0
-
-
-MERGED_SECTIONS = ("peer",)
-"""Sections only another mode writes (``--peer``): a full run keeps them from the file it replaces."""
-
-
-def keep_merged_sections(out: Path, results: dict[str, Any]) -> dict[str, Any]:
-    """``results`` plus the sections of ``out`` that this run does not measure (:data:`MERGED_SECTIONS`),
-    each as it was (with its own ``host`` where it recorded one), so a full run does not drop the peer
-    comparison measured separately."""
-    if not out.exists():
-        return results
-    old = json.loads(out.read_text())
-    kept = {k: old[k] for k in MERGED_SECTIONS if k in old and k not in results}
-    return {**results, **kept}

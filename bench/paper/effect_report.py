@@ -23,13 +23,14 @@ __all__ = ["render_effect"]
 ROOT = Path(__file__).resolve().parents[2]
 
 GPU_NEXT = """\
-What I would run on a GPU next: this protocol with SGLang engines and a 1.5B-7B instruct model (Qwen2.5 as
-in the paper), gym-sokoban-size rooms (7x7 to 10x10, 2-3 boxes), 512 label rooms for the warm start, Stage 1
-on 512 RL tasks until ~3 corrections per task (the paper's ~10k distilled samples), GRPO for 10-20 rounds,
-and 128 test tasks x 128 samples, where the paper sees LEAFE's gain at large k. Before the model-e rows, the
-corrections' audit below as a gate on a first Stage 1 run: LEAFE with the model's own e can only help where
-its corrections are better moves than the ones they replace (with the oracle's e every one is; with
-SmolLM2-135M's own e on 7x7 rooms they tie)."""
+What I would run on a GPU next: this protocol with SGLang engines and a 1.5B-7B instruct model (Qwen2.5 as in
+the paper), gym-sokoban-size rooms (7x7 to 10x10, 2-3 boxes), 512 label rooms for the warm start, Stage 1 on
+512 RL tasks until ~3 corrections per task (the paper's ~10k distilled samples), GRPO for 10-20 rounds with
+the dual clip on (`loss.dual_clip = 3`: round 1 rebuilt here from other weights had one step at loss 56
+against a usual ~0.1, from a single token), and 128 test tasks x 128 samples, where the paper sees LEAFE's
+gain at large k. Before the model-e rows, the corrections' audit below as a gate on a first Stage 1 run: LEAFE
+with the model's own e can only help where its corrections are better moves than the ones they replace (with
+the oracle's e every one is; with SmolLM2-135M's own e on 7x7 rooms they tie)."""
 
 
 def _shown(path: str) -> str:

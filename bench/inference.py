@@ -59,12 +59,7 @@ from actors.engine import Completion, SamplingParams
 from actors.evaluate import evaluate
 from bench.host import host_record, keep_sections
 from bench.inference_floor import floor_section
-from bench.inference_peer import (
-    PAPER_ROOMS,
-    paper_rollouts,
-    peer_section,
-    record_workload,
-)
+from bench.inference_peer import PAPER_ROOMS, paper_rollouts, peer_section, record_workload
 from bench.inference_replay import SGLangTarget, load_workload, replay
 from bench.inference_workload import agent_requests, chat_prompt, ideal_prefix_share
 from envs.registry import make_env

@@ -38,14 +38,7 @@ from bench.inference_replay import (
     save_workload,
 )
 
-__all__ = [
-    "PAPER_ROOMS",
-    "ours_pinned",
-    "paper_rollouts",
-    "peer_ab",
-    "peer_section",
-    "record_workload",
-]
+__all__ = ["PAPER_ROOMS", "ours_pinned", "paper_rollouts", "peer_ab", "peer_section", "record_workload"]
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_ROOMS = {"height": 5, "width": 5, "num_boxes": 1, "max_solution_len": 3, "max_steps": 8}

@@ -198,6 +198,27 @@ global_batch = 16
 EOF
 leafe train --data $OUT/grpo-r1-train-lr0/dataset --model $OUT/warm-train/train/final --out $OUT/grpo-r1-train-lr0/train --preset cpu --config $OUT/grpo-r1-train-lr0/train/train.toml --lr 1e-05 --epochs 1 --threads 2
 
+# grpo-r2-train: grpo over grpo-r2-collect, from grpo-r1; 23478 samples {'grpo': 23478}
+mkdir -p $OUT/grpo-r2-train/train
+cat > $OUT/grpo-r2-train/replay.toml <<'EOF'
+[options]
+EOF
+leafe replay --from $LOGS/effect-hard/grpo-r2-collect.leafelog.gz --materializer grpo --model $MODEL --out $OUT/grpo-r2-train/dataset --config $OUT/grpo-r2-train/replay.toml --no-progress
+cat > $OUT/grpo-r2-train/train/train.toml <<'EOF'
+[trainer]
+precision = "bf16"
+export_dtype = "fp32"
+checkpoint_every = 100
+keep_checkpoints = 1
+push_every = 0
+
+[trainer.batch]
+bucketing = "pack"
+share_prefix = true
+global_batch = 16
+EOF
+leafe train --data $OUT/grpo-r2-train/dataset --model $OUT/grpo-r1-train-lr0/train/final --out $OUT/grpo-r2-train/train --preset cpu --config $OUT/grpo-r2-train/train/train.toml --lr 1e-05 --epochs 1 --threads 2
+
 # evaluations (validation slice and test rows)
 leafe eval --model $OUT/sft-6x6-l8-w0-n128/train/final --label val-sft-6x6-l8-w0-n128-e1 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option min_solution_len=3 --env-option max_solution_len=8 --env-option max_steps=20 --rollout-option horizon=20 --rollout-option history_window=0 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-sft-6x6-l8-w0-n128-e1
 leafe eval --model $OUT/sft-6x6-l8-w2-n128/train/final --label val-sft-6x6-l8-w2-n128-e1 --env sokoban --env-option height=6 --env-option width=6 --env-option num_boxes=1 --env-option min_solution_len=3 --env-option max_solution_len=8 --env-option max_steps=20 --rollout-option horizon=20 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/val-sft-6x6-l8-w2-n128-e1
@@ -212,3 +233,5 @@ leafe eval --model $OUT/train-reh/train/final --label eval-reh --env sokoban --e
 leafe eval --model $OUT/train-leafe-oracle/train/final --label eval-leafe-oracle --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split test --tasks 128 --task-offset 0 --samples 16 --k 1,2,4,8,16 --seed 12345 --out $OUT/eval-leafe-oracle
 leafe eval --model $OUT/train-reh-oracle/train/final --label eval-reh-oracle --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split test --tasks 128 --task-offset 0 --samples 16 --k 1,2,4,8,16 --seed 12345 --out $OUT/eval-reh-oracle
 leafe eval --model $OUT/grpo-r1-train-lr0/train/final --label grpo-r1-val-lr0 --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/grpo-r1-val-lr0
+leafe eval --model $OUT/grpo-r2-train/train/final --label grpo-r2-val --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split train --tasks 24 --task-offset 2000 --samples 16 --k 1,2,4,8,16 --seed 777 --out $OUT/grpo-r2-val
+leafe eval --model $OUT/grpo-r2-train/train/final --label eval-grpo --env sokoban --env-option height=7 --env-option width=7 --env-option num_boxes=1 --env-option min_solution_len=5 --env-option max_solution_len=12 --env-option max_steps=30 --rollout-option horizon=30 --rollout-option history_window=2 --split test --tasks 128 --task-offset 0 --samples 16 --k 1,2,4,8,16 --seed 12345 --out $OUT/eval-grpo

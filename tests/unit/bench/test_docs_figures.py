@@ -56,3 +56,21 @@ def test_round_times_curves_and_warm_starts_are_the_reports() -> None:
     assert f"dropped {drop:.1f} points after round 0" in section
     for run, report in (("LEAFE", leafe), ("GRPO", grpo)):
         assert f"{run} warm start took {report['timings']['warm_start']:.0f} s" in section
+
+
+def test_the_online_effect_hard_figures_are_the_results_file() -> None:
+    """The online LEAFE half of issue 33 item 7, as README and ``docs/experiments.md`` quote it: its
+    Pass@1/Pass@16, its samples and its paired difference to W at k = 16, from
+    ``bench/results/online_effect_hard.json``."""
+    data = json.loads((RESULTS / "online_effect_hard.json").read_text(encoding="utf-8"))
+    run = "online-effect-hard-leafe"
+    passk = data["rows"][run]["passk"]
+    pair = next(p for p in data["pairs"] if p["a"] == run and p["b"] == "offline-warm" and p["k"] == 16)
+    at16 = f"{100 * pair['diff']:.1f} [{100 * pair['lo']:.1f}, {100 * pair['hi']:.1f}]"
+    samples = data["throughput"][run]["samples"]
+    docs = " ".join((ROOT / "docs" / "experiments.md").read_text(encoding="utf-8").split())
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    for text in (docs, readme):
+        assert f"Pass@1 {100 * passk['1']:.1f}" in text and f"Pass@16 {100 * passk['16']:.1f}" in text
+        assert f"{at16} at k = 16" in text
+    assert f"{samples['cf']} cf and {samples['reh']} reh samples" in docs

@@ -27,6 +27,8 @@ Figures (saved to bench/results/inference.json), all measured in this process on
    server's kernels and without (aten), its breakdown (linear, attention, other ops, Python overhead,
    sampling) and its distance from the compute and memory floors measured here (``--floor``: only this
    section, merged into the result file; bench/inference_floor.py).
+7. memory (``--memory`` only, merged into the result file; bench/inference_memory.py): the server's resident
+   set over recorded LEAFE trees replayed twice, glibc's free heap pages kept against trimmed.
 
 Side by side with a peer engine (vLLM CPU; install and start it as docs/benchmarks.md says), only that
 section, merged as ``peer`` into the result file:
@@ -59,6 +61,7 @@ from actors.engine import Completion, SamplingParams
 from actors.evaluate import evaluate
 from bench.host import host_record, keep_sections
 from bench.inference_floor import floor_section
+from bench.inference_memory import memory_section
 from bench.inference_peer import PAPER_ROOMS, paper_rollouts, peer_section, record_workload
 from bench.inference_replay import SGLangTarget, load_workload, replay
 from bench.inference_workload import agent_requests, chat_prompt, ideal_prefix_share
@@ -358,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pin-core", type=int, default=1, help="--peer: core our started server is pinned to")
     p.add_argument("--record-workload", action="store_true", help="only: re-record the agent workload")
     p.add_argument("--floor", action="store_true", help="only: the decode_floor section, merged into --out")
+    p.add_argument("--memory", action="store_true", help="only: the memory section, merged into --out")
     a = p.parse_args(argv)
     if a.record_workload:
         print(json.dumps(record_workload(), indent=1))
@@ -370,14 +374,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     model_dir = resolve_model(name)
-    if a.floor:
+    if a.floor or a.memory:
         merged = json.loads(out.read_text()) if out.exists() else {}
         host = host_record()  # a merged section carries its own: the others may come from another host
-        floor = floor_section(model_dir, pick(scale, 2, 10, 30), pick(scale, 40, 300, 300))
-        merged["decode_floor"] = {"host": host, **floor}
+        if a.floor:
+            floor = floor_section(model_dir, pick(scale, 2, 10, 30), pick(scale, 40, 300, 300))
+            merged["decode_floor"] = {"host": host, **floor}
+        else:  # its own processes, each with its own host record
+            merged["memory"] = memory_section(a.smoke, pick(scale, 1, 4, 12), pick(scale, 1, 2, 2))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(merged, indent=1))
-        print(json.dumps(merged["decode_floor"], indent=1))
+        print(json.dumps(merged["memory" if a.memory else "decode_floor"], indent=1))
         return 0
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir)

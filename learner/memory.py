@@ -1,4 +1,5 @@
-"""Keep the learner's resident memory near what its live tensors need.
+"""Keep a process's resident memory near what its live tensors need (the learner's and the inference
+engine's).
 
 glibc serves a large ``malloc`` from ``mmap`` and returns it to the OS on ``free``, but it raises that
 threshold (up to 32 MB) each time such a block is freed, after which blocks below it come from the heap,
@@ -33,7 +34,13 @@ import ctypes.util
 import sys
 from collections.abc import Callable
 
-__all__ = ["KEEP_FREED_BYTES", "MMAP_THRESHOLD", "pin_mmap_threshold", "reuse_freed_memory"]
+__all__ = [
+    "KEEP_FREED_BYTES",
+    "MMAP_THRESHOLD",
+    "pin_mmap_threshold",
+    "return_free_memory",
+    "reuse_freed_memory",
+]
 
 MMAP_THRESHOLD = 64 * 1024
 """Bytes from which glibc allocates with ``mmap`` (freed blocks go back to the OS at once)."""
@@ -42,13 +49,17 @@ KEEP_FREED_BYTES = 2**31 - 1
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # <malloc.h>
 
 
-def _mallopt() -> Callable[[int, int], int] | None:
-    """glibc's ``mallopt``, or None where the C library is not glibc."""
+def _libc(symbol: str) -> Callable[..., int] | None:
+    """glibc's function ``symbol``, or None where the C library is not glibc."""
     if not sys.platform.startswith("linux"):
         return None
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
-    return getattr(libc, "mallopt", None)
+    return getattr(libc, symbol, None)
+
+
+def _mallopt() -> Callable[[int, int], int] | None:
+    return _libc("mallopt")
 
 
 def _set(mallopt: Callable[[int, int], int], param: int, value: int, what: str) -> None:
@@ -73,3 +84,19 @@ def reuse_freed_memory() -> bool:
     if mallopt is None or mallopt(_M_MMAP_MAX, 0) != 1:
         return False
     return mallopt(_M_TRIM_THRESHOLD, KEEP_FREED_BYTES) == 1
+
+
+def return_free_memory() -> bool:
+    """Give the free pages inside every glibc arena back to the OS (``malloc_trim(0)``; the blocks stay
+    glibc's, so the next use of one faults its pages in again); False where the C library is not glibc.
+
+    glibc returns a heap's free memory only from its top, and a thread's arena grows by 64 MB heaps, so a
+    server that allocates blocks of many sizes (prompt KV in the prefix cache, prefill activations) keeps
+    the free holes between live blocks resident. Measured on the inference engine replaying 12 recorded
+    Sokoban trees twice (SmolLM2-135M, bf16, 2026-12-05, Zen 4): resident 2.77 GB after the second pass,
+    1.75 GB once trimmed, with 48 arena heaps mapped (38 after the first pass)."""
+    trim = _libc("malloc_trim")
+    if trim is None:
+        return False
+    trim(0)  # returns 1 when memory was released, 0 when there was none to release: both are success
+    return True

@@ -9,6 +9,7 @@ swaps weights between batches.
         cache, groups of similar new-token counts are prefilled in one pass each, their KV goes into the
         cache (LRU-evicted down to its budget), and the rows join the running batch between decode steps
  swap_weights(state) ──► admission paused ──► running rows finish ──► load_state_dict(assign) ──► resume
+ every trim_every_s, between steps or once idle: glibc's free pages go back to the OS (malloc_trim)
 ```
 Torch releases the GIL in its kernels, so the asyncio loop serving HTTP stays responsive while the
 worker computes. Each request is served by one weight version: a swap waits for the running rows (or
@@ -29,6 +30,7 @@ from typing import Any
 import structlog
 import torch
 
+from learner.memory import return_free_memory
 from services.inference.decode import DecodeBatch, GenSequence, StopChecker
 from services.inference.kernels import repack
 from services.inference.kv import KVLayout
@@ -89,6 +91,10 @@ class EngineStats:
     decode_steps: int = 0
     finished: int = 0
     swaps: int = 0
+    trims: int = 0
+    """Times the worker gave glibc's free pages back to the OS (``trim_every_s``)."""
+    trim_s: float = 0.0
+    """Wall seconds spent doing so."""
     batch_sizes: dict[int, int] = field(default_factory=dict)
     """Decode steps by batch size (sequences decoded together), for ``leafe_inference_batch_size``."""
 
@@ -122,7 +128,10 @@ class GenerationEngine:
         max_prefill_tokens: int = 8192,
         version: str = "default",
         prefix_cache: PrefixCache | None = None,
+        trim_every_s: float = 0.0,
     ) -> None:
+        """``trim_every_s``: give glibc's free pages back to the OS at most this often, between steps or
+        once the engine has gone idle after work (0: never; :func:`learner.memory.return_free_memory`)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model = model
@@ -133,6 +142,9 @@ class GenerationEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.version = version
         self.prefix = prefix_cache
+        self.trim_every_s = trim_every_s
+        self._trimmed_at = time.monotonic()
+        self._worked = False  # since the last trim
         self.stats = EngineStats()
         self.layout = KVLayout.of(model)
         self._cond = threading.Condition()
@@ -225,6 +237,7 @@ class GenerationEngine:
                 if new is None:
                     break
                 self._apply_threads()
+                self._worked |= bool(new or self._batch) or swap is not None
                 try:
                     if swap is not None and (swap.abort_all or not self._batch):
                         self._apply_swap(swap)
@@ -237,6 +250,8 @@ class GenerationEngine:
                     log.exception("inference.batch.failed", rows=len(self._batch) + len(new))
                     self._fail(new + self._batch.seqs, e)
                     self._batch = DecodeBatch(self.layout)
+                if self._trim_wait() == 0.0:
+                    self._trim()
         self._fail([*self._batch.seqs, *self._pending], None)
 
     def _next_work(self) -> tuple[list[GenSequence] | None, _Swap | None]:
@@ -244,7 +259,9 @@ class GenerationEngine:
         with self._cond:
             idle = not self._batch and not self._pending and self._swap is None
             if idle and not self._stopping and self._threads_wanted in (0, self._threads):
-                self._cond.wait()
+                woken = self._cond.wait(self._trim_wait())
+                if not woken and not self._pending and self._swap is None and not self._stopping:
+                    return [], None  # idle past the trim's time: the caller trims, then waits again
                 deadline = time.monotonic() + self.batch_wait_s
                 while len(self._pending) < self.max_batch and self._swap is None and not self._stopping:
                     left = deadline - time.monotonic()
@@ -258,6 +275,22 @@ class GenerationEngine:
             room = self.max_batch - len(self._batch)
             new = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
         return [s for s in new if not s.group.cancelled], None
+
+    def _trim_wait(self) -> float | None:
+        """Seconds until a trim is due (0.0: now), or None when none is (trimming off, or no work since)."""
+        if not self.trim_every_s or not self._worked:
+            return None
+        return max(0.0, self._trimmed_at + self.trim_every_s - time.monotonic())
+
+    def _trim(self) -> None:
+        t0 = time.perf_counter()
+        if return_free_memory():
+            self.stats.trims += 1
+            self.stats.trim_s += time.perf_counter() - t0
+        else:
+            log.warning("inference.memory.trim_unavailable", reason="the C library is not glibc")
+            self.trim_every_s = 0.0
+        self._trimmed_at, self._worked = time.monotonic(), False
 
     def _admit(self, seqs: list[GenSequence]) -> None:
         """Prefill new sequences (one row per distinct prompt, from its cached prefix; rows of similar new

@@ -163,6 +163,7 @@ class InferenceServer:
             prefix_cache=PrefixCache(self.config.prefix_cache_tokens)
             if self.config.prefix_cache_tokens
             else None,
+            trim_every_s=self.config.trim_every_s,
         )
 
     def app(self) -> web.Application:

@@ -192,6 +192,8 @@ class PrefixCache:
         """Forget every entry (weights changed, or ``/flush_cache``); returns how many tokens it held."""
         with self._lock:
             held = self._tokens
+            for node in self._walk():  # parent <-> children are cycles: free the KV now, not at the next
+                node.kv, node.parent, node.children = None, None, {}  # cyclic GC (a cache's KV per swap)
             self._root = _Node(key=(), kv=None, parent=None)
             self._tokens = 0
             return held

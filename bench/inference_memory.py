@@ -12,7 +12,7 @@ against a server serving SmolLM2-135M (one thread, bf16 where the CPU has it nat
 serves it), ``in_flight`` trees at once. Each variant is its own process (the server in a thread, the
 replay client beside it): after each pass its resident set, the 64 MB arena heaps glibc has mapped, the
 process's CPU seconds (user and kernel: page faults are kernel time), its minor page faults, completion
-tokens a second and the trims so far; the peak resident set is sampled every 0.5 s. ``--smoke``: the tiny
+tokens a second and the trims so far, and its peak resident set (``ru_maxrss``). ``--smoke``: the tiny
 model on a workload it records itself (a check that the section runs, not a measurement).
 
     .venv/bin/python -m bench.inference --memory                     # the section, merged into the results
@@ -28,7 +28,6 @@ import resource
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -85,16 +84,9 @@ def _child(variant: str, smoke: bool, trees: int, passes: int, in_flight: int) -
         trim_every_s=config.trim_every_s if variant == "trimmed" else 0.0,
     )
     handle = start_in_thread(config)
-    peak = [_rss_gb()]
     out: dict[str, Any] = {"variant": variant, "dtype": config.dtype, "trim_every_s": config.trim_every_s}
-    out |= {"requests": len(requests), "rss_start_gb": round(peak[0], 3), "passes": []}
+    out |= {"requests": len(requests), "rss_start_gb": round(_rss_gb(), 3), "passes": []}
 
-    def sample() -> None:
-        while True:
-            peak[0] = max(peak[0], _rss_gb())
-            time.sleep(0.5)
-
-    threading.Thread(target=sample, daemon=True).start()
     try:
         for _ in range(passes):
             before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
@@ -105,7 +97,7 @@ def _child(variant: str, smoke: bool, trees: int, passes: int, in_flight: int) -
             out["passes"].append(
                 {
                     "rss_gb": round(_rss_gb(), 3),
-                    "peak_rss_gb": round(max(peak), 3),
+                    "peak_rss_gb": round(after.ru_maxrss * 1024 / 1e9, 3),  # KiB on Linux
                     "arena_heaps": _arena_heaps(),
                     "wall_s": round(time.perf_counter() - t0, 1),
                     "user_s": round(after.ru_utime - before.ru_utime, 1),

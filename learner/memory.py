@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 from collections.abc import Callable
 
@@ -49,6 +50,7 @@ KEEP_FREED_BYTES = 2**31 - 1
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # <malloc.h>
 
 
+@functools.cache  # find_library runs ldconfig: once per process, not at every trim of the engine
 def _libc(symbol: str) -> Callable[..., int] | None:
     """glibc's function ``symbol``, or None where the C library is not glibc."""
     if not sys.platform.startswith("linux"):

@@ -9,6 +9,9 @@ went: episodes, samples and learner steps per minute, pushes, the mean policy la
     # with rows of the offline paper table (the runs must have evaluated its test tasks and seeds):
     .venv/bin/python -m bench.paper.online runs/online-paper-leafe runs/online-paper-grpo \
         --paper bench/results/paper_table.json --rows leafe,grpo,sft --out bench/results/online_paper
+    # a run whose final evaluation ran standalone (``leafe eval`` of its last weights, in task chunks):
+    .venv/bin/python -m bench.paper.online runs/leafe runs/grpo \
+        --final-eval grpo=chunks/tasks-0.json,chunks/tasks-16.json --out bench/results/online_table
 """
 
 from __future__ import annotations
@@ -18,10 +21,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from actors.passk import paired_difference
+from actors.passk import paired_difference, pass_at_k_table
 from learner.weight_store import version_index
 
-__all__ = ["compare_runs", "main", "offline_rows", "throughput"]
+__all__ = ["chunked_final_eval", "compare_runs", "main", "offline_rows", "throughput"]
 
 
 def _final_eval(report: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -29,6 +32,64 @@ def _final_eval(report: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if not after:
         raise ValueError(f"run {report['run_id']!r} has no after-evaluation")
     return after[-1], report["evals"][after[-1]]
+
+
+_SAME = ("label", "env", "split", "samples", "ks", "rollout_overrides", "weight_version")
+
+
+def chunked_final_eval(report: dict[str, Any], files: list[Path]) -> dict[str, Any]:
+    """A run's final evaluation put together from standalone ``leafe eval`` outputs (``eval.json``, each
+    on its own slice of the test tasks, e.g. ``--tasks 16 --task-offset 32``) of the run's last weights.
+
+    For a run whose in-run evaluation did not finish. The chunks must agree on everything but their tasks,
+    share no task, and have evaluated the weights the run ended with, in the run's environment; Pass@k is
+    scored again over the union (the mean over tasks, not over chunks)."""
+    chunks = []
+    for f in files:
+        doc = json.loads(f.read_text())
+        evals = [r for r in doc["results"] if "successes" in r]
+        if len(evals) != 1:
+            raise ValueError(f"{f}: want one evaluation with per-task successes, found {len(evals)}")
+        chunks.append((f, doc, evals[0]))
+    if not chunks:
+        raise ValueError("no chunk files")
+    f0, doc0, ev0 = chunks[0]
+    want = {"env": report["env"], "env_options": report["env_options"]}
+    for f, doc, ev in chunks:
+        got = {"env": doc["env"], "env_options": doc["env_options"]}
+        if got != want:
+            raise ValueError(f"{f}: evaluated {got}, the run {report['run_id']!r} ran {want}")
+        for key in _SAME:
+            if (ev | doc).get(key) != (ev0 | doc0).get(key):
+                raise ValueError(f"{f} and {f0} differ in {key!r}: not chunks of one evaluation")
+    if ev0["weight_version"] != report["run"]["weights_version"]:
+        raise ValueError(
+            f"the chunks evaluated {ev0['weight_version']}, the run {report['run_id']!r} ended at "
+            f"{report['run']['weights_version']}"
+        )
+    successes: dict[str, list[bool]] = {}
+    for f, _, ev in chunks:
+        if twice := sorted(set(ev["successes"]) & set(successes)):
+            raise ValueError(f"{f}: tasks {twice[:3]} are in another chunk too")
+        successes |= ev["successes"]
+    passk = pass_at_k_table(successes, doc0["ks"])
+    return {
+        "label": ev0["label"],
+        "run_id": report["run_id"],
+        "env": doc0["env"],
+        "split": ev0["split"],
+        "samples": ev0["samples"],
+        "task_ids": list(successes),
+        "successes": successes,
+        "passk": {str(k): v for k, v in passk.items()},
+        "success_rate": passk.get(1),
+        "wall_s": round(sum(float(ev["wall_s"]) for _, _, ev in chunks), 3),
+        "weight_version": ev0["weight_version"],
+        "episodes": sum(int(ev["episodes"]) for _, _, ev in chunks),
+        "env_errors": sum(int(ev.get("env_errors", 0)) for _, _, ev in chunks),
+        "reproducible": "yes" if all(ev.get("reproducible") == "yes" for _, _, ev in chunks) else "unknown",
+        "source": f"standalone leafe eval in {len(chunks)} chunks: " + ", ".join(f.name for f in files),
+    }
 
 
 def _mean_lag(histogram: dict[str, int]) -> float | None:
@@ -113,6 +174,7 @@ def compare_runs(
                 _weights_minutes(reports[name]) if name in reports else (offline or {})[name]["cost_min"]
             ),
             "seed": ev.get("seed"),
+            "source": ev.get("source", "in-run" if name in reports else "offline table"),
         }
         for name, (label, ev) in finals.items()
     }
@@ -160,7 +222,12 @@ def _markdown(result: dict[str, Any]) -> str:
             for k in ks
         ]
         lines.append(f"| {name} ({row['label']}) | {row['wall_min']} | " + " | ".join(cells) + " |")
-    lines += [
+    notes = [
+        f"- {name}: final evaluation {row['source']}"
+        for name, row in result["rows"].items()
+        if row.get("source", "in-run") not in ("in-run", "offline table")
+    ]
+    lines += (["", *notes] if notes else []) + [
         "",
         "| comparison | k | difference (points) | 95% interval | verdict |",
         "|---|---|---|---|---|",
@@ -225,8 +292,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="output stem: writes .md, .json and .png")
     p.add_argument("--paper", type=Path, default=None, help="paper_table.json whose rows join the comparison")
     p.add_argument("--rows", default="leafe,grpo,sft", help="with --paper: its rows (comma-separated)")
+    p.add_argument(
+        "--final-eval",
+        action="append",
+        default=[],
+        metavar="RUN=FILE[,FILE...]",
+        help="take RUN's final evaluation from standalone `leafe eval` chunk outputs (eval.json) of its "
+        "last weights, for a run whose in-run evaluation did not finish (repeatable)",
+    )
     args = p.parse_args(argv)
     reports = {d.name: json.loads((d / "report.json").read_text()) for d in args.runs}
+    for spec in args.final_eval:
+        name, _, files = spec.partition("=")
+        if name not in reports or not files:
+            p.error(f"--final-eval {spec!r}: want RUN=FILE[,FILE...] with RUN one of {sorted(reports)}")
+        ev = chunked_final_eval(reports[name], [Path(f) for f in files.split(",")])
+        reports[name]["evals"][ev["label"]] = ev
     offline = offline_rows(args.paper, args.rows.split(",")) if args.paper else None
     result = compare_runs(reports, offline)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -74,3 +74,23 @@ def test_the_online_effect_hard_figures_are_the_results_file() -> None:
         assert f"Pass@1 {100 * passk['1']:.1f}" in text and f"Pass@16 {100 * passk['16']:.1f}" in text
         assert f"{at16} at k = 16" in text
     assert f"{samples['cf']} cf and {samples['reh']} reh samples" in docs
+
+
+def test_the_online_verdict_leafe_against_grpo_is_the_results_file() -> None:
+    """Item 7's verdict as README and ``docs/experiments.md`` quote it: online GRPO's Pass@1/Pass@16 (its
+    final evaluation taken standalone, in chunks) and LEAFE - GRPO at k = 1 and 16, from
+    ``bench/results/online_effect_hard.json``."""
+    data = json.loads((RESULTS / "online_effect_hard.json").read_text(encoding="utf-8"))
+    leafe, grpo = "online-effect-hard-leafe", "online-effect-hard-grpo"
+    assert data["rows"][grpo]["source"].startswith("standalone leafe eval in 8 chunks")
+    passk = data["rows"][grpo]["passk"]
+
+    def pair(k: int) -> str:
+        p = next(p for p in data["pairs"] if (p["a"], p["b"], p["k"]) == (leafe, grpo, k))
+        return f"{100 * p['diff']:.1f} [{100 * p['lo']:.1f}, {100 * p['hi']:.1f}]"
+
+    docs = " ".join((ROOT / "docs" / "experiments.md").read_text(encoding="utf-8").split())
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    for text in (docs, readme):
+        assert f"online GRPO (Pass@1 {100 * passk['1']:.1f}, Pass@16 {100 * passk['16']:.1f})" in text
+        assert f"LEAFE - GRPO {pair(1)} at k = 1 and {pair(16)} at k = 16" in text

@@ -101,3 +101,58 @@ def test_offline_paper_rows_pair_with_the_runs_and_carry_their_weights_cost(tmp_
     out = tmp_path / "out" / "t"
     assert main([str(tmp_path / "leafe"), "--paper", str(paper), "--rows", "grpo", "--out", str(out)]) == 0
     assert "offline-grpo" in out.with_suffix(".md").read_text() and out.with_suffix(".png").is_file()
+
+
+def _chunk(tmp_path: Path, offset: int, solved: int, **over: Any) -> Path:
+    """A standalone ``leafe eval`` output on tasks offset..offset+3 (4 samples each; ``solved`` of them
+    solve every sample)."""
+    tasks = [f"sokoban/test/{offset + i}" for i in range(4)]
+    ev = {
+        "label": "after-v000004",
+        "split": "test",
+        "samples": 4,
+        "successes": {t: [i < solved] * 4 for i, t in enumerate(tasks)},
+        "passk": {"1": solved / 4},
+        "wall_s": 10.0,
+        "weight_version": "v000004",
+        "episodes": 16,
+        "reproducible": "yes",
+    } | over
+    doc = {"env": "sokoban", "env_options": {"height": 7}, "ks": [1, 4], "results": [ev]}
+    path = tmp_path / f"tasks-{offset}.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_a_final_eval_in_standalone_chunks_is_merged_and_paired_like_an_in_run_one(tmp_path: Path) -> None:
+    """--final-eval: chunks of one standalone evaluation of the run's last weights become its final
+    evaluation, Pass@k scored over all tasks; chunks that disagree, overlap, or evaluated other weights or
+    another environment are refused."""
+    from bench.paper.online import chunked_final_eval
+
+    run = _report("grpo", 0.0, tasks=8) | {"evals": {}, "env": "sokoban", "env_options": {"height": 7}}
+    a, b = _chunk(tmp_path, 0, 4), _chunk(tmp_path, 4, 0)
+    ev = chunked_final_eval(run, [a, b])
+    assert ev["passk"] == {"1": 0.5, "4": 0.5} and ev["episodes"] == 32 and ev["wall_s"] == 20.0
+    assert list(ev["successes"]) == [f"sokoban/test/{i}" for i in range(8)] and ev["reproducible"] == "yes"
+    leafe = _report("leafe", 1.0, tasks=8)
+    r = compare_runs({"leafe": leafe, "grpo": run | {"evals": {ev["label"]: ev}}})
+    one = next(p for p in r["pairs"] if p["k"] == 1)
+    assert one["diff"] == pytest.approx(0.5) and r["rows"]["grpo"]["source"].startswith("standalone")
+    with pytest.raises(ValueError, match="in another chunk"):
+        chunked_final_eval(run, [a, a])
+    with pytest.raises(ValueError, match="differ in 'samples'"):
+        chunked_final_eval(run, [a, _chunk(tmp_path, 8, 0, samples=8)])
+    with pytest.raises(ValueError, match="ended at v000004"):
+        chunked_final_eval(run, [_chunk(tmp_path, 12, 0, weight_version="v000003")])
+    with pytest.raises(ValueError, match="the run 'grpo' ran"):
+        chunked_final_eval(run | {"env_options": {"height": 5}}, [a])
+    for name, report in (("leafe", leafe), ("grpo", run)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text(json.dumps(report))
+    out = tmp_path / "out" / "t"
+    argv = [str(tmp_path / "leafe"), str(tmp_path / "grpo"), "--out", str(out)]
+    with pytest.raises(ValueError, match="no after-evaluation"):
+        main(argv)
+    assert main([*argv, "--final-eval", f"grpo={a},{b}"]) == 0
+    assert "grpo: final evaluation standalone leafe eval in 2 chunks" in out.with_suffix(".md").read_text()

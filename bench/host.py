@@ -30,7 +30,7 @@ from typing import Any
 
 from services.threads import usable_cores
 
-__all__ = ["FIELDS", "ISA_FLAGS", "commit", "cpu_info", "host_record", "keep_sections"]
+__all__ = ["FIELDS", "ISA_FLAGS", "commit", "cpu_info", "host_record", "keep_sections", "peak_rss_kib"]
 
 ROOT = Path(__file__).resolve().parents[1]
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -91,6 +91,22 @@ def commit() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
+
+
+def peak_rss_kib() -> int:
+    """This process's peak resident set in KiB: ``VmHWM``, the high-water mark of its own memory map.
+
+    Not ``ru_maxrss``: Linux keeps the old map's high-water mark across ``execve``, so a bench child forked
+    from a large parent would report the parent's size (``tests/unit/bench/test_peak_rss.py``). Refuses
+    where ``/proc/self/status`` has no ``VmHWM`` rather than report a figure that could be the parent's."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError as exc:
+        raise RuntimeError(f"cannot read /proc/self/status ({exc}): no peak RSS on this OS") from exc
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError("/proc/self/status has no VmHWM: no peak RSS on this OS")
 
 
 def host_record() -> dict[str, Any]:

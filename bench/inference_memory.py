@@ -12,8 +12,9 @@ against a server serving SmolLM2-135M (one thread, bf16 where the CPU has it nat
 serves it), ``in_flight`` trees at once. Each variant is its own process (the server in a thread, the
 replay client beside it): after each pass its resident set, the 64 MB arena heaps glibc has mapped, the
 process's CPU seconds (user and kernel: page faults are kernel time), its minor page faults, completion
-tokens a second and the trims so far, and its peak resident set (``ru_maxrss``). ``--smoke``: the tiny
-model on a workload it records itself (a check that the section runs, not a measurement).
+tokens a second and the trims so far, and its peak resident set (its own ``VmHWM``; ``ru_maxrss`` would
+include the forking parent's). ``--smoke``: the tiny model on a workload it records itself (a check that
+the section runs, not a measurement).
 
     .venv/bin/python -m bench.inference --memory                     # the section, merged into the results
     .venv/bin/python -m bench.inference_memory --child trimmed --trees 2 --passes 1    # one variant
@@ -71,6 +72,7 @@ def _workload(smoke: bool, trees: int) -> tuple[str, list[Any]]:
 def _child(variant: str, smoke: bool, trees: int, passes: int, in_flight: int) -> dict[str, Any]:
     import msgspec
 
+    from bench.host import peak_rss_kib
     from bench.inference_replay import SGLangTarget, replay
     from learner.fsdp import cpu_has_native_bf16
     from services.inference.local import start_in_thread
@@ -97,7 +99,7 @@ def _child(variant: str, smoke: bool, trees: int, passes: int, in_flight: int) -
             out["passes"].append(
                 {
                     "rss_gb": round(_rss_gb(), 3),
-                    "peak_rss_gb": round(after.ru_maxrss * 1024 / 1e9, 3),  # KiB on Linux
+                    "peak_rss_gb": round(peak_rss_kib() * 1024 / 1e9, 3),
                     "arena_heaps": _arena_heaps(),
                     "wall_s": round(time.perf_counter() - t0, 1),
                     "user_s": round(after.ru_utime - before.ru_utime, 1),

@@ -11,9 +11,10 @@ and ``learner/memory.py``, with the loss-equality check; a part of ``bench/learn
 | lean    | ``after`` with ``release_freed_memory = true`` (pinned mmap threshold: less RSS, slower)   |
 | checkpointed | ``lean`` with ``activation_checkpointing = true`` (and no autocast weight cache)      |
 
-Each variant is its own process (peak RSS, ``ru_maxrss``, only grows; minor page faults a step) training
-the same two global batches from the same weights with the ``cpu`` preset's trainer (what ``leafe run``'s
-learner uses: global batch 16, packed 2048-token rows, precision ``auto``), one torch thread. The losses
+Each variant is its own process (peak RSS: its own ``VmHWM``, not ``ru_maxrss``, which an exec'd child
+inherits from its parent; minor page faults a step) training the same two global batches from the same
+weights with the ``cpu`` preset's trainer (what ``leafe run``'s learner uses: global batch 16, packed
+2048-token rows, precision ``auto``), one torch thread. The losses
 of both steps must agree to 1e-5 (the second step runs on weights the first updated).
 
     .venv/bin/python -m bench.learner_memory --child after --model smollm2-135m-instruct   # one variant
@@ -32,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from bench.host import host_record
+from bench.host import host_record, peak_rss_kib
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("before", "glibc", "after", "lean", "checkpointed")
@@ -81,7 +82,7 @@ def _child(variant: str, model: str, samples: int, prompt: tuple[int, int]) -> d
         steps[-1]["minor_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     return {
         "variant": variant,
-        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,  # KiB on Linux
+        "peak_rss_gb": peak_rss_kib() / 1e6,  # KiB; GB as the earlier records counted them
         "precision": trainer.precision,
         "micro_batch_tokens": cfg.batch.micro_batch_tokens,
         "steps": [

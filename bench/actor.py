@@ -300,6 +300,8 @@ TREES = {  # scale -> tree_cost's model, trees, trees at a time
     "quick": ("smollm2-135m-instruct", 8, 8),
     "full": ("smollm2-135m-instruct", 32, 8),
 }
+FLOOR_SECONDS = {"smoke": 0.05, "quick": 0.5, "full": 1.0}
+"""tree_cost's compute floor: measuring time per row count."""
 
 
 async def prompt_reuse(tok: ChatTokenizer, tasks: int, samples: int) -> dict[str, Any]:
@@ -328,7 +330,10 @@ async def bench(url: str, scale: str) -> dict[str, Any]:
         out[key]["ratio_to_raw_publish"] = out[key]["events_per_s"] / out["raw_publish"]["events_per_s"]
     out["prompt_reuse"] = await prompt_reuse(hf, reuse_tasks, reuse_samples)
     model, trees, in_flight = TREES[scale]
-    out["tree_cost"] = {"scale": scale, **await tree_cost(model, trees, in_flight=in_flight)}
+    out["tree_cost"] = {
+        "scale": scale,
+        **await tree_cost(model, trees, in_flight=in_flight, floor_seconds=FLOOR_SECONDS[scale]),
+    }
     return out
 
 
@@ -350,7 +355,7 @@ def main() -> None:
         row = {
             "host": host_record(),
             "scale": scale,
-            **asyncio.run(tree_cost(model, trees, in_flight=in_flight)),
+            **asyncio.run(tree_cost(model, trees, in_flight=in_flight, floor_seconds=FLOOR_SECONDS[scale])),
         }
         merged = json.loads(out.read_text()) if out.is_file() else {}
         merged["tree_cost"] = row
@@ -396,6 +401,12 @@ def main() -> None:
         f"{tc['trees_per_engine_cpu_minute']:.2f} trees per engine CPU-minute (prefill "
         f"{counters['prefill_cpu_s']:.0f} s, decode {counters['decode_cpu_s']:.0f} s); "
         f"prompt tokens from the prefix cache: {shares}"
+    )
+    floor = tc["floor"]
+    print(
+        f"  linear-layer floor {floor['floor_s']:.0f} s (engine {floor['over_floor']:.2f}x it: prefill "
+        f"{floor['prefill']['over_floor']:.2f}x, decode {floor['decode']['over_floor']:.2f}x): at most "
+        f"{tc['trees_per_engine_cpu_minute_at_floor']:.2f} trees per engine CPU-minute here"
     )
     print(f"saved {out}")
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import msgspec
 
+from bench.compute_floor import engine_floor
 from bench.inference_replay import SGLangTarget, WorkloadRequest, replay
 from bench.inference_workload import ideal_prefix_share
 from learner.materializers.reflect import reflection_prompt
@@ -147,9 +148,11 @@ async def tree_cost(
     in_flight: int = 8,
     dtype: str = "",
     prefix_cache_tokens: int = 0,
+    floor_seconds: float = 1.0,
 ) -> dict[str, Any]:
     """Replay the first ``trees`` trees of ``log`` against our server serving ``model`` (one thread) and
-    measure them (see the module docstring)."""
+    measure them (see the module docstring); ``floor_seconds``: time per row count the compute floor
+    measures for."""
     from learner.fsdp import cpu_has_native_bf16
     from learner.model_io import HFChatTokenizer, resolve_model
     from services.eventlog.fileformat import read_events
@@ -170,6 +173,8 @@ async def tree_cost(
         handle.stop()
     counters = run["engine_counters"]
     cpu = counters["prefill_cpu_s"] + counters["decode_cpu_s"]
+    # the same work through the linear layers alone, on this machine, now: what no engine can go below
+    floor = engine_floor(model_dir, dtype, counters, requests=run["requests"], min_seconds=floor_seconds)
     return {
         "log": str(log),
         "model": model,
@@ -184,6 +189,8 @@ async def tree_cost(
         "engine_cpu_s": round(cpu, 3),
         "trees_per_engine_cpu_minute": round(trees / (cpu / 60), 4),
         "trees_per_minute": round(trees / (run["wall_s"] / 60), 4),
+        "floor": floor,
+        "trees_per_engine_cpu_minute_at_floor": round(trees / (floor["floor_s"] / 60), 4),
         "engine_counters": counters,
         "prefix_cache_share": run["prefix_cache_share"],
         "ideal_share": ideal_prefix_share([r.input_ids for r in requests]),

@@ -29,9 +29,9 @@ Figures (saved to bench/results/inference.json), all measured in this process on
    section, merged into the result file; bench/inference_floor.py).
 7. memory (``--memory`` only, merged into the result file; bench/inference_memory.py): the server's resident
    set over recorded LEAFE trees replayed twice, glibc's free heap pages kept against trimmed.
+8. eval_floor (``python -m bench.eval_floor``, merged): the paper table's Base evaluation over its compute floor.
 
-Side by side with a peer engine (vLLM CPU; install and start it as docs/benchmarks.md says), only that
-section, merged as ``peer`` into the result file:
+Side by side with a peer engine (vLLM CPU; install and start it as docs/benchmarks.md says), as ``peer``:
 
     .venv/bin/python -m bench.inference --peer http://127.0.0.1:8011 [--pairs 3] [--pin-core 1]
     .venv/bin/python -m bench.inference --record-workload   # re-record the workload (a few minutes)

@@ -166,7 +166,7 @@ class SGLangTarget:
             if resp.status != 200:
                 raise RuntimeError(f"{self.url}/flush_cache answered {resp.status}: {await resp.text()}")
 
-    async def counters(self, http: aiohttp.ClientSession) -> dict[str, float]:
+    async def counters(self, http: aiohttp.ClientSession) -> dict[str, Any]:
         async with http.get(self.url + "/get_server_info") as resp:
             state = (await resp.json())["internal_states"][0]
         times = ("prefill_s", "decode_s", "prefill_cpu_s", "decode_cpu_s", "prefill_calls", "decode_steps")
@@ -175,6 +175,8 @@ class SGLangTarget:
             "prefilled_tokens": state["prefill_tokens"],
             "shared_tokens": state.get("shared_tokens", 0),
             **{k: state[k] for k in times if k in state},  # where our server's time went
+            # decode steps by row count: what bench/compute_floor.py times the decode floor at
+            **({"batch_sizes": state["batch_sizes"]} if "batch_sizes" in state else {}),
         }
 
 
@@ -259,11 +261,19 @@ async def _send(
     return latency, cached, tokens
 
 
-def _reuse(target: Target, before: dict[str, float], after: dict[str, float], prompt: int) -> dict[str, Any]:
+def _delta(before: Any, after: Any) -> Any:
+    """``after - before`` of a counter, or key by key of a histogram (``batch_sizes``)."""
+    if isinstance(after, dict):
+        before = before if isinstance(before, dict) else {}
+        return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+    return round(after - (before or 0), 3)
+
+
+def _reuse(target: Target, before: dict[str, Any], after: dict[str, Any], prompt: int) -> dict[str, Any]:
     """Prompt tokens served from the engine's prefix cache, by its own counters (None where it has none).
     Ours also prefills an identical prompt once for the requests admitted with it (``shared_tokens``):
     ``not_recomputed_share`` counts those too. vLLM's counters are tokens (queries = prompt tokens)."""
-    d = {k: round(after.get(k, 0.0) - before.get(k, 0.0), 3) for k in after}
+    d = {k: _delta(before.get(k), v) for k, v in after.items()}
     if isinstance(target, SGLangTarget):
         return {
             "prefix_cache_share": round(d["cached_tokens"] / prompt, 3),

@@ -122,6 +122,14 @@ def check_actor(r: dict[str, Any]) -> None:
         positive(r, f"prompt_reuse.{window}.prompt_tokens_per_step")
         share(r, f"prompt_reuse.{window}.cache_share")
     positive(r, "tree_cost.trees_per_engine_cpu_minute", "tree_cost.requests", "tree_cost.engine_cpu_s")
+    positive(
+        r, "tree_cost.floor.floor_s", "tree_cost.floor.prefill.floor_s", "tree_cost.floor.decode.floor_s"
+    )
+    # the floor times the run's own work: its passes, and every decode step at its row count
+    floor, counters = r["tree_cost"]["floor"], r["tree_cost"]["engine_counters"]
+    assert floor["prefill"]["passes"] == counters["prefill_calls"]
+    assert floor["decode"]["steps"] == counters["decode_steps"]
+    assert floor["cpu_s"] == pytest.approx(r["tree_cost"]["engine_cpu_s"], abs=0.01)
     assert {"root_step", "reflection"} <= set(r["tree_cost"]["by_kind"])
     for kind in r["tree_cost"]["by_kind"]:
         positive(r, f"tree_cost.by_kind.{kind}.requests", f"tree_cost.by_kind.{kind}.prompt_tokens")

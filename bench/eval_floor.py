@@ -131,7 +131,7 @@ def main() -> None:
     merged = json.loads(out.read_text()) if out.is_file() else {}
     merged["eval_floor"] = {"host": host, "smoke": a.smoke, **row}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(merged, indent=1, sort_keys=True))
+    out.write_text(json.dumps(merged, indent=1))
     print(json.dumps({k: v for k, v in row.items() if k != "per_server"}, indent=1))
     print(
         f"{row['episodes']} episodes in {row['wall_s']:.0f} s on {row['servers']} servers: "

@@ -68,6 +68,7 @@ class LinearStack:
         """FLOPs of one row through the decoder layers' linear layers (the head apart)."""
         self.head_flops_per_row = 2 * self.head.weight.numel()
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._seconds: dict[tuple[int, int], float] = {}
 
     def _x(self, rows: int, width: int) -> torch.Tensor:
         key = (rows, width)
@@ -83,7 +84,10 @@ class LinearStack:
 
     def seconds(self, rows: int, head_rows: int, min_seconds: float) -> float:
         """One pass's seconds (``rows`` through every layer, ``head_rows`` through the head), on one thread:
-        the best of 3 means, each over enough passes to fill ``min_seconds / 3``."""
+        the best of 3 means, each over enough passes to fill ``min_seconds / 3``; measured once per shape,
+        so every run floored with this stack is timed at the same rates."""
+        if (rows, head_rows) in self._seconds:
+            return self._seconds[rows, head_rows]
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -100,6 +104,7 @@ class LinearStack:
                     best = min(best, (time.perf_counter() - t0) / n)
         finally:
             torch.set_num_threads(threads)
+        self._seconds[rows, head_rows] = best
         return best
 
 
@@ -110,15 +115,17 @@ def engine_floor(
     *,
     requests: int,
     min_seconds: float = 1.0,
+    stack: LinearStack | None = None,
 ) -> dict[str, Any]:
     """The linear-layer floor of the work ``counters`` (a replay's ``engine_counters``) record, for
     ``requests`` requests (each ends its prefill with one row through the head), against the engine's CPU
-    seconds. ``min_seconds``: measuring time per row count."""
+    seconds. ``min_seconds``: measuring time per row count; ``stack``: one already built (several runs
+    floored with one stack share its timings)."""
     passes, tokens = int(counters["prefill_calls"]), int(counters["prefilled_tokens"])
     steps = {int(k): int(v) for k, v in (counters.get("batch_sizes") or {}).items() if int(v)}
     if not steps and counters.get("decode_steps"):
         raise ValueError("engine counters without batch_sizes: the decode floor needs each step's row count")
-    stack = LinearStack(model_dir, getattr(torch, dtype))
+    stack = stack or LinearStack(model_dir, getattr(torch, dtype))
     rows = max(1, round(tokens / passes)) if passes else 0
     prefill_floor = passes * stack.seconds(rows, round(requests / passes), min_seconds) if passes else 0.0
     decode_floor = sum(n * stack.seconds(size, size, min_seconds) for size, n in sorted(steps.items()))

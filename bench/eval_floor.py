@@ -6,10 +6,10 @@ on 64 Sokoban test tasks x 16 samples, 5x5 rooms with one box and at most 3 push
 window 2, seed 12345, run as ``leafe eval`` runs it: one ``leafe inference`` process per core with one
 thread each (``services/inference/fleet.py``), 16 rollouts in flight per server, bfloat16 where this CPU
 has it. Afterwards each server's counters (``/get_server_info``) give the work it did, and
-``bench/compute_floor.py`` times that work through the model's linear layers alone on this machine. The
-servers ran side by side, so the evaluation's floor is the slowest server's (``floor_s``; ``balanced_floor_s``
-is the mean, what a perfect split of the same work would need), and ``wall_over_floor`` is the
-evaluation's wall time over it: the issue's target is <= 1.3.
+``bench/compute_floor.py`` times that work through the model's linear layers alone on this machine, every
+server's at the same measured rates. The servers ran side by side, so the evaluation's floor is the
+slowest server's (``floor_s``; ``balanced_floor_s`` is the mean, what a perfect split of the same work
+would need), and ``wall_over_floor`` is the evaluation's wall time over it: the issue's target is <= 1.3.
 
     .venv/bin/python -m bench.eval_floor                     # the full 64 x 16 (~20-30 min on 2 cores)
     .venv/bin/python -m bench.eval_floor --tasks 8           # 8 of those tasks x 16
@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import torch
 
-from bench.compute_floor import engine_floor
+from bench.compute_floor import LinearStack, engine_floor
 from bench.host import host_record
 
 __all__ = ["eval_floor"]
@@ -84,8 +85,9 @@ async def eval_floor(
             result = await evaluate(request, engine=client, tokenizer=HFChatTokenizer.from_dir(path))
         key = await asyncio.to_thread(read_api_key, running.api_key_file) if running.api_key_file else ""
         per_server = [await _counters(url, key) for url in running.urls]
+    stack = LinearStack(path, getattr(torch, dtype))  # one set of rates for every server's work
     floors = [
-        engine_floor(path, dtype, c, requests=int(c["finished"]), min_seconds=floor_seconds)
+        engine_floor(path, dtype, c, requests=int(c["finished"]), min_seconds=floor_seconds, stack=stack)
         for c in per_server
     ]
     floor = max(f["floor_s"] for f in floors)

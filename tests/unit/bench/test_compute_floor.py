@@ -45,6 +45,16 @@ def test_the_floor_counts_the_runs_own_passes_steps_and_flops() -> None:
     assert len(stack.layers) == 7 * cfg["num_hidden_layers"]
 
 
+def test_runs_floored_with_one_stack_share_its_timings() -> None:
+    """Two servers' work floored with one stack is timed at the same rates: equal work, equal floors."""
+    stack = LinearStack(tiny_model_dir(), torch.float32)
+    first, second = (
+        engine_floor(tiny_model_dir(), "float32", COUNTERS, requests=6, min_seconds=0.01, stack=stack)
+        for _ in range(2)
+    )
+    assert first["floor_s"] == second["floor_s"] > 0
+
+
 def test_counters_without_decode_row_counts_are_refused() -> None:
     counters = {k: v for k, v in COUNTERS.items() if k != "batch_sizes"}
     with pytest.raises(ValueError, match="batch_sizes"):

@@ -8,7 +8,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup run test test-avx2 test-fast test-slow lint bench bench-readme clean
+.PHONY: setup run test test-avx2 test-fast test-slow lint format bench bench-readme bench-readme-table clean
 
 setup: $(STAMP)
 
@@ -26,9 +26,22 @@ $(STAMP):
 run: setup
 	$(BIN)/leafe run $(ARGS)
 
+# mypy reads the installed names (leafe.protocol, ...) through a view of links that maps them to the
+# top-level folders, as pyproject's package-dir does for the install (mypy cannot follow the editable
+# install's import hook).
+TYPECHECK := .cache/typecheck
+PRODUCT := protocol envs actors learner services
+
 lint: setup
-	$(BIN)/ruff check protocol envs actors learner services tests bench
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	mkdir -p $(TYPECHECK)/leafe
+	for p in $(PRODUCT); do ln -sfn ../../../$$p $(TYPECHECK)/leafe/$$p; done
 	$(BIN)/mypy
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 # The tests whose path depends on the CPU's instruction set (oneDNN's bf16 linear layers, the compiled
 # kernels, bf16 training) run a second time with the AVX2-only fallback forced, as an AMD Zen 3 host runs
@@ -49,20 +62,25 @@ test-avx2: setup
 test-slow: setup
 	$(BIN)/python -m pytest -m slow -q -p no:cacheprovider $(PYTEST_ARGS)
 
-# Each area as a module from the repository root (as a script, bench/envs.py would shadow the envs package).
+# Each area runs as a module from the repository root (python -m bench.<area>), so that it imports bench.host.
 # Each area also has --smoke (tiny inputs, seconds, --out PATH), which tests/unit/bench/test_bench_smoke.py
 # runs in `make test` so that a benchmark broken by an API change fails there.
-# The paper table (bench/paper_table.py), the GPU check (bench/gpu_smoke.py) and the sandbox cost against
+# The paper table (experiments/paper_table.py), the GPU check (bench/gpu_smoke.py) and the sandbox cost against
 # an older commit (bench/sandbox.py) run by hand: hours, a GPU, a git ref.
 BENCH_AREAS := event_log envs inference actor replay learner
 
 bench: setup
 	for b in $(BENCH_AREAS); do $(BIN)/python -m bench.$$b --quick || exit 1; done
 
-# Every time figure in the README, measured from a fresh clone of HEAD (idle machine, ~30 min):
-# bench/results/readme_times_<class>_<vendor>.json with the date, commit and host.
+# The make run / make test times from a fresh clone of HEAD (idle machine, ~30 min):
+# bench/results/readme_times_<class>_<vendor>.json with date, commit and host; the script then
+# regenerates the timing table in docs/benchmarks.md from every record (python -m bench.readme_table).
 bench-readme:
 	bash bench/readme_times.sh
+
+# Only the table in docs/benchmarks.md, from the committed records (seconds, measures nothing).
+bench-readme-table: setup
+	$(BIN)/python -m bench.readme_table
 
 clean:
 	rm -rf $(VENV) .cache runs .pytest_cache .mypy_cache .ruff_cache

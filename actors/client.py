@@ -1,25 +1,27 @@
-"""Async client for SGLang's native HTTP API (real SGLang servers or ``leafe inference``): the actors'
-:class:`~actors.engine.Engine`.
+"""Async client for SGLang's native HTTP API (real SGLang servers or ``leafe inference``): the
+actors' :class:`~leafe.actors.engine.Engine`.
 
     async with SGLangClient(["http://127.0.0.1:30000", "http://gpu-2:30000"]) as engine:
         [c] = await engine.generate(prompt_ids, SamplingParams(max_new_tokens=32, temperature=0))
         c.output_ids, c.logprobs, c.weight_version
 
-Which server gets a request and how transient failures are retried is :class:`~actors.server_pool.
-ServerPool`'s part (``actors/server_pool.py``); this module speaks the routes. Error bodies are read in any
-of SGLang's three shapes; unknown response keys are ignored (docs/sglang-api.md).
+Which server gets a request and how transient failures are retried is
+:class:`~leafe.actors.server_pool. ServerPool`'s part (``actors/server_pool.py``); this module
+speaks the routes. Error bodies are read in any of SGLang's three shapes; unknown response keys are
+ignored (docs/sglang-api.md).
 
 An aborted generation (``meta_info.finish_reason.type == "abort"``: a weight update with
-``abort_all_requests``, a scheduler abort) is never returned as a completion, since it would become a
-Step with no action: it is sent again up to ``abort_retries`` times, then raised as an ``EngineError``;
-an abort carrying status 400 (the request itself is bad) is raised at once. ``/model_info`` falls back
-to its deprecated alias ``/get_model_info`` on a 404 (the sglang router shipped with SGLang 0.5.23 may
-serve only the old route). Timeouts, retries and backoff are :class:`SGLangClientConfig` fields, so a
-service config can carry them (``SGLangClient.from_config``).
+``abort_all_requests``, a scheduler abort) is never returned as a completion, since it would become
+a Step with no action: it is sent again up to ``abort_retries`` times, then raised as an
+``EngineError``; an abort carrying status 400 (the request itself is bad) is raised at once.
+``/model_info`` falls back to its deprecated alias ``/get_model_info`` on a 404 (the sglang router
+shipped with SGLang 0.5.23 may serve only the old route). Timeouts, retries and backoff are
+:class:`SGLangClientConfig` fields, so a service config can carry them
+(``SGLangClient.from_config``).
 
 In-flight counts are this client's own (share one client among an actor's episodes; across machines,
-put the sglang router in front). The aiohttp session belongs to the event loop that first used it: use
-one client per loop, and close it (``async with``).
+put the sglang router in front). The aiohttp session belongs to the event loop that first used it:
+use one client per loop, and close it (``async with``).
 """
 
 from __future__ import annotations
@@ -31,14 +33,14 @@ from typing import Any
 import msgspec
 import structlog
 
-from actors.engine import Completion, EngineError, SamplingParams
-from actors.server_pool import (
+from leafe.actors.engine import Completion, EngineError, SamplingParams
+from leafe.actors.server_pool import (
     EngineUnavailable,
     NotFound,
     ServerPool,
     SGLangClientConfig,
 )
-from actors.sglang_wire import (
+from leafe.actors.sglang_wire import (
     Aborted,
     GenerateOutput,
     UpdateResult,
@@ -65,14 +67,16 @@ log = structlog.get_logger(__name__)
 
 _MODEL_INFO_ROUTES = ("/model_info", "/get_model_info")
 _READY_ROUTES = ("/ready", "/readiness")
-"""Cheap readiness routes: SGLang's and our CPU server's ``/ready`` (200 only once the model is loaded and
-warmed up), then the sglang router's ``/readiness`` (200 only while it has a healthy worker)."""
+"""Cheap readiness routes: SGLang's and our CPU server's ``/ready`` (200 only once the model is
+loaded and warmed up), then the sglang router's ``/readiness`` (200 only while it has a healthy
+worker)."""
 
 _DEFAULTS = SGLangClientConfig()
 
 
 class SGLangClient(ServerPool):
-    """:class:`~actors.engine.Engine` over one or more SGLang-compatible servers (async context manager)."""
+    """:class:`~leafe.actors.engine.Engine` over one or more SGLang-compatible servers (async
+    context manager)."""
 
     def __init__(
         self,
@@ -111,7 +115,9 @@ class SGLangClient(ServerPool):
         """A client over ``urls`` with ``config``'s timeouts and retries."""
         return cls(urls, **msgspec.structs.asdict(config))
 
-    async def generate_raw(self, payload: dict[str, Any], *, timeout_s: float | None = None) -> bytes:
+    async def generate_raw(
+        self, payload: dict[str, Any], *, timeout_s: float | None = None
+    ) -> bytes:
         """POST a raw ``/generate`` body (for tools and tests); returns the response body."""
         return await self._request("POST", "/generate", payload, timeout_s=timeout_s)
 
@@ -124,8 +130,9 @@ class SGLangClient(ServerPool):
         return_logprob: bool = False,
         timeout_s: float | None = None,
     ) -> list[Completion]:
-        """``n`` completions of ``input_ids`` (raises :class:`EngineError`, also for a generation the
-        server aborted ``abort_retries + 1`` times); ``timeout_s`` overrides the per-request timeout."""
+        """``n`` completions of ``input_ids`` (raises :class:`EngineError`, also for a generation
+        the server aborted ``abort_retries + 1`` times); ``timeout_s`` overrides the per-request
+        timeout."""
         if not input_ids:
             raise EngineError("generate needs a non-empty prompt (input_ids=[])")
         if n < 1:
@@ -141,11 +148,16 @@ class SGLangClient(ServerPool):
             raise
         completions = [to_completion(o) for o in outs]
         if len(completions) != n:
-            raise EngineError(f"asked for n={n} completions, the server returned {len(completions)}")
+            raise EngineError(
+                f"asked for n={n} completions, the server returned {len(completions)}"
+            )
         return completions
 
-    async def _generate_one(self, payload: dict[str, Any], timeout_s: float | None) -> list[GenerateOutput]:
-        """One ``/generate`` request's results, sent again while the server aborts it (``abort_retries``)."""
+    async def _generate_one(
+        self, payload: dict[str, Any], timeout_s: float | None
+    ) -> list[GenerateOutput]:
+        """One ``/generate`` request's results, sent again while the server aborts it
+        (``abort_retries``)."""
         attempt = 0
         while True:
             outs = decode_outputs(await self.generate_raw(payload, timeout_s=timeout_s))
@@ -157,12 +169,18 @@ class SGLangClient(ServerPool):
                 log.warning("engine.generate.aborted", attempt=attempt, error=str(e))
                 if not e.retryable or attempt > self.config.abort_retries:
                     raise EngineError(f"{e} (after {attempt} attempt(s))") from None
-            await asyncio.sleep(min(self.config.max_backoff_s, self.config.backoff_s * 2 ** (attempt - 1)))
+            await asyncio.sleep(
+                min(self.config.max_backoff_s, self.config.backoff_s * 2 ** (attempt - 1))
+            )
 
     async def model_info(self) -> dict[str, Any]:
-        """``/model_info`` of the least-loaded reachable server (``/get_model_info`` where the first is
-        404, as behind the sglang router of SGLang 0.5.23; the route that answered is remembered)."""
-        routes = [self._model_info_route, *(r for r in _MODEL_INFO_ROUTES if r != self._model_info_route)]
+        """``/model_info`` of the least-loaded reachable server (``/get_model_info`` where the first
+        is 404, as behind the sglang router of SGLang 0.5.23; the route that answered is
+        remembered)."""
+        routes = [
+            self._model_info_route,
+            *(r for r in _MODEL_INFO_ROUTES if r != self._model_info_route),
+        ]
         missing: list[str] = []
         for route in routes:
             try:
@@ -178,20 +196,24 @@ class SGLangClient(ServerPool):
         raise EngineError("no model info route: " + "; ".join(missing))
 
     async def weight_version(self) -> str:
-        """The weight version a server currently serves (from ``/model_info``): weight sync and drains ask
-        one server directly. Never for episodes: through a router this is the first healthy worker's, not
-        the generating one's; episodes read ``Completion.weight_version`` (``meta_info.weight_version``)."""
+        """The weight version a server currently serves (from ``/model_info``): weight sync and
+        drains ask one server directly. Never for episodes: through a router this is the first
+        healthy worker's, not the generating one's; episodes read ``Completion.weight_version``
+        (``meta_info.weight_version``)."""
         return str((await self.model_info()).get("weight_version", "default"))
 
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, *, timeout_s: float = 600.0
     ) -> list[UpdateResult]:
-        """Ask every server to load ``model_path``; one result per server (never raises for a server)."""
+        """Ask every server to load ``model_path``; one result per server (never raises for a
+        server)."""
         payload: dict[str, Any] = {"model_path": str(model_path)}
         if weight_version is not None:
             payload["weight_version"] = weight_version
         results = []
-        for url, status, body in await self._each("POST", "/update_weights_from_disk", payload, timeout_s):
+        for url, status, body in await self._each(
+            "POST", "/update_weights_from_disk", payload, timeout_s
+        ):
             try:
                 data = msgspec.json.decode(body) if status else None
             except msgspec.DecodeError:
@@ -207,7 +229,9 @@ class SGLangClient(ServerPool):
                 )
             else:
                 msg = (
-                    body.decode("utf-8", "replace") if not status else f"HTTP {status}: {error_message(body)}"
+                    body.decode("utf-8", "replace")
+                    if not status
+                    else f"HTTP {status}: {error_message(body)}"
                 )
                 results.append(UpdateResult(url=url, success=False, message=msg))
         return results
@@ -218,9 +242,9 @@ class SGLangClient(ServerPool):
         return {url: status == 200 for url, status, _ in answers}
 
     async def ready(self) -> bool:
-        """Whether some server is ready to generate: ``/ready`` (SGLang, ``leafe inference``), else the
-        router's ``/readiness`` where ``/ready`` is 404 (the route that answered is remembered). Never
-        raises: an unreachable or loading server is simply not ready."""
+        """Whether some server is ready to generate: ``/ready`` (SGLang, ``leafe inference``), else
+        the router's ``/readiness`` where ``/ready`` is 404 (the route that answered is remembered).
+        Never raises: an unreachable or loading server is simply not ready."""
         routes = [self._ready_route, *(r for r in _READY_ROUTES if r != self._ready_route)]
         for route in routes:
             answers = await self._each("GET", route, None, self.config.connect_timeout_s)

@@ -1,8 +1,8 @@
 """Configuration of the actors: LEAFE exploration (Stage 1), plain rollouts, and the actor service.
 
 The paper does not publish K, the tree depth, the attempt budget or sampling settings, so each
-environment gets documented defaults here (:data:`ENV_DEFAULTS`); a TOML file overrides any field per
-environment::
+environment gets documented defaults here (:data:`ENV_DEFAULTS`); a TOML file overrides any field
+per environment::
 
     concurrency = 8
     [explorer.sokoban]        # fields of ExplorerConfig; "*" applies to every environment
@@ -10,7 +10,7 @@ environment::
     [rollout."*"]
     temperature = 0.7
 
-Per-environment defaults and why (paper silent on all of them; see the report in issue 5):
+Per-environment defaults and why (paper silent on all of them):
 
 | env               | horizon | K  | depth | branches | actions | window | thread |
 |-------------------|---------|----|-------|----------|---------|--------|--------|
@@ -20,29 +20,33 @@ Per-environment defaults and why (paper silent on all of them; see the report in
 | humaneval         | 4       | 0  | 2     | 6        | 16      | all    | yes    |
 | anything else     | 20      | 5  | 2     | 6        | 60      | all    | no     |
 
-- sokoban: small rooms solve in well under 15 moves; K = 5 gives two periodic reflections per root path
-  plus the failure one; snapshots are cheap, so a deeper, wider tree is affordable; short completions
-  (32 tokens: a move word) keep CPU generation fast.
-- scienceworld: long tasks with long observations (window 8 keeps prompts bounded); horizon = the env's
-  ``max_steps`` (30); a reset costs ~1.4 s and rollback replays, so the tree is shallow; the JVM runs in
-  a thread.
-- textworld-cooking: the ALFWorld stand-in; horizon = the env's own ``max_steps`` (20); a reset costs
-  ~10 ms, so replay rollbacks are cheap and the tree may be deep.
-- humaneval: the paper's CodeContests setting, 4 submissions (the env's ``max_turns``) and reflection
-  only when they are used up (K = 0); code needs long completions (384 tokens), answers in a fenced
-  block (parsed as ``fence``) and no ``</action>`` stop; the sandbox is slow, so it runs in a thread.
+- sokoban: small rooms solve in well under 15 moves; K = 5 gives two periodic reflections per root
+  path plus the failure one; snapshots are cheap, so a deeper, wider tree is affordable; short
+  completions (32 tokens: a move word) keep CPU generation fast.
+- scienceworld: long tasks with long observations (window 8 keeps prompts bounded); horizon = the
+  env's ``max_steps`` (30); a reset costs ~1.4 s and rollback replays, so the tree is shallow; the
+  JVM runs in a thread.
+- textworld-cooking: the ALFWorld stand-in; horizon = the env's own ``max_steps`` (20); a reset
+  costs ~10 ms, so replay rollbacks are cheap and the tree may be deep.
+- humaneval: the paper's CodeContests setting, 4 submissions (the env's ``max_turns``) and
+  reflection only when they are used up (K = 0); code needs long completions (384 tokens), answers
+  in a fenced block (parsed as ``fence``) and no ``</action>`` stop; the sandbox is slow, so it runs
+  in a thread.
 - sokoban, scienceworld and textworld-cooking prefill ``<action>`` as the start of every answer
-  (``response_prefix``): SmolLM2-135M then names a move in most answers instead of ~25% (measured), and
-  the prefix is part of the recorded prompt, so training targets are exactly what the model generated.
-- the explorer's horizon never exceeds the env's own step limit, so "horizon" means ours; where the env
-  ends first the branch ends ``env_done`` and the reflection trigger is ``failure``.
-- ``reflection_source = "oracle"`` (an ablation, sokoban and humaneval only: ``envs.registry.ORACLE_ENVS``)
-  lets the environment's oracle name tau and e instead of the policy; any other env is a config error.
-  ``oracle_labels = true`` (same envs) keeps the policy's reflections and records the oracle's verdict
-  beside each one (the labels of the reflection warm start, ``learner/materializers/reflect.py``).
+  (``response_prefix``): SmolLM2-135M then names a move in most answers instead of ~25% (measured),
+  and the prefix is part of the recorded prompt, so training targets are exactly what the model
+  generated.
+- the explorer's horizon never exceeds the env's own step limit, so "horizon" means ours; where the
+  env ends first the branch ends ``env_done`` and the reflection trigger is ``failure``.
+- ``reflection_source = "oracle"`` (an ablation, sokoban and humaneval only:
+  ``leafe.envs.registry.ORACLE_ENVS``) lets the environment's oracle name tau and e instead of the
+  policy; any other env is a config error. ``oracle_labels = true`` (same envs) keeps the policy's
+  reflections and records the oracle's verdict beside each one (the labels of the reflection warm
+  start, ``learner/materializers/reflect.py``).
 
-Demonstration episodes (mode ``demo``) take their prompt settings from the env's :class:`RolloutConfig`
-and the rest from ``actors.demo_config.DemoConfig`` (the ``[demo.<env>]`` tables).
+Demonstration episodes (mode ``demo``) take their prompt settings from the env's
+:class:`RolloutConfig` and the rest from ``leafe.actors.demo_config.DemoConfig`` (the
+``[demo.<env>]`` tables).
 """
 
 from __future__ import annotations
@@ -51,11 +55,11 @@ from typing import Any, Literal
 
 import msgspec
 
-from actors.client import SGLangClientConfig
-from actors.demo_config import DemoConfig
-from actors.engine import SamplingParams
-from envs.registry import ORACLE_ENVS
-from protocol.config import ConfigError, convert_config, merge_tables
+from leafe.actors.client import SGLangClientConfig
+from leafe.actors.demo_config import DemoConfig
+from leafe.actors.engine import SamplingParams
+from leafe.envs.registry import ORACLE_ENVS
+from leafe.protocol.config import ConfigError, convert_config, merge_tables
 
 __all__ = [
     "ENV_DEFAULTS",
@@ -98,9 +102,10 @@ class RolloutConfig(ActionSampling, frozen=True, kw_only=True, forbid_unknown_fi
     horizon: int = 20
     """Maximum policy actions in the episode (invalid actions count)."""
     history_window: int = 0
-    """Past steps shown in a prompt; 0 = all (``protocol.prompt.render_messages``)."""
+    """Past steps shown in a prompt; 0 = all (``leafe.protocol.prompt.render_messages``)."""
     response_prefix: str = ""
-    """Start of every answer, prefilled in the prompt (``<action>`` makes a small model answer in format)."""
+    """Start of every answer, prefilled in the prompt (``<action>`` makes a small model answer in
+    format)."""
     return_logprob: bool = True
     """Ask the engine for behaviour logprobs (GRPO needs them)."""
     env_in_thread: bool = False
@@ -118,7 +123,8 @@ class RolloutConfig(ActionSampling, frozen=True, kw_only=True, forbid_unknown_fi
 
     @classmethod
     def for_env(cls, env: str, overrides: Override | None = None) -> RolloutConfig:
-        """The documented defaults of ``env`` with ``overrides`` applied (errors name env and field)."""
+        """The documented defaults of ``env`` with ``overrides`` applied (errors name env and
+        field)."""
         return _resolve(cls, env, overrides)
 
 
@@ -126,7 +132,8 @@ class ExplorerConfig(ActionSampling, frozen=True, kw_only=True, forbid_unknown_f
     """The LEAFE exploration tree (Stage 1 of docs/method.md) of one episode."""
 
     k: int = 5
-    """Reflect every ``k`` own steps of a branch (the branch goes on); 0 = only on failure/horizon."""
+    """Reflect every ``k`` own steps of a branch (the branch goes on); 0 = only on
+    failure/horizon."""
     max_depth: int = 2
     """Deepest branch (root = 0); a branch at this depth never reflects."""
     max_branches: int = 6
@@ -151,26 +158,31 @@ class ExplorerConfig(ActionSampling, frozen=True, kw_only=True, forbid_unknown_f
     reflect_history_window: int = 0
     """Past steps shown in the reflection prompt; 0 = all (tau must be nameable)."""
     experience_scope: ExperienceScope = "branch"
-    """``branch``: e stays in every prompt of its branch; ``first_step``: only in a'_tau's prompt."""
+    """``branch``: e stays in every prompt of its branch; ``first_step``: only in a'_tau's
+    prompt."""
     stop_on_first_success: bool = True
-    """End the episode (drop queued branch requests) once any branch succeeds. The paper keeps exploring
-    until the attempt budget (``false``), collecting up to ``max_corrections`` counterfactuals per tree."""
+    """End the episode (drop queued branch requests) once any branch succeeds. The paper keeps
+    exploring until the attempt budget (``false``), collecting up to ``max_corrections``
+    counterfactuals per tree."""
     max_corrections: int = 0
-    """End the episode once this many rolled-back branches have succeeded (each one is a counterfactual
-    instance; the paper keeps 3 per task); 0 = no limit. Matters with ``stop_on_first_success = false``."""
+    """End the episode once this many rolled-back branches have succeeded (each one is a
+    counterfactual instance; the paper keeps 3 per task); 0 = no limit. Matters with
+    ``stop_on_first_success = false``."""
     restart_from: Literal["tau", "start"] = "tau"
-    """``tau``: LEAFE, roll back to the step the reflection names; ``start``: iterative refinement (the
-    paper's IR baseline), every branch restarts the task from step 0 with e in context."""
+    """``tau``: LEAFE, roll back to the step the reflection names; ``start``: iterative refinement
+    (the paper's IR baseline), every branch restarts the task from step 0 with e in context."""
     max_experience_chars: int = 400
     """Longer experiences are cut (flag ``experience_truncated``)."""
     reflection_source: ReflectionSourceName = "model"
-    """Who names tau and e: the policy (``model``, LEAFE) or the environment's oracle (``oracle``, an
-    ablation: the solver or the visible-test feedback; ``envs.registry.ORACLE_ENVS`` only)."""
+    """Who names tau and e: the policy (``model``, LEAFE) or the environment's oracle (``oracle``,
+    an ablation: the solver or the visible-test feedback; ``leafe.envs.registry.ORACLE_ENVS``
+    only)."""
     oracle_labels: bool = False
-    """With model reflections, also ask the environment's oracle for its tau and e on the same history and
-    record them in the Reflection (``oracle_tau``, ``oracle_experience``): labels for the reflection warm
-    start (the ``reflect`` materializer) and the tau-agreement audit. The branch still follows the model's
-    tau and e. ``envs.registry.ORACLE_ENVS`` only; meaningless with ``reflection_source = "oracle"``."""
+    """With model reflections, also ask the environment's oracle for its tau and e on the same
+    history and record them in the Reflection (``oracle_tau``, ``oracle_experience``): labels for
+    the reflection warm start (the ``reflect`` materializer) and the tau-agreement audit. The branch
+    still follows the model's tau and e. ``leafe.envs.registry.ORACLE_ENVS`` only; meaningless with
+    ``reflection_source = "oracle"``."""
     return_logprob: bool = False
     """Ask the engine for behaviour logprobs of actions."""
     env_in_thread: bool = False
@@ -185,7 +197,10 @@ class ExplorerConfig(ActionSampling, frozen=True, kw_only=True, forbid_unknown_f
         _check(self.max_actions >= 1, "max_actions", self.max_actions, "must be >= 1")
         _check(self.horizon >= 1, "horizon", self.horizon, "must be >= 1")
         _check(
-            self.max_corrections >= 0, "max_corrections", self.max_corrections, "must be >= 0 (0 = no limit)"
+            self.max_corrections >= 0,
+            "max_corrections",
+            self.max_corrections,
+            "must be >= 0 (0 = no limit)",
         )
         for name in ("temperature", "reflect_temperature"):
             _check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
@@ -199,12 +214,14 @@ class ExplorerConfig(ActionSampling, frozen=True, kw_only=True, forbid_unknown_f
             not (self.oracle_labels and self.reflection_source == "oracle"),
             "oracle_labels",
             self.oracle_labels,
-            "labels model reflections; with reflection_source = 'oracle' the oracle already names tau and e",
+            "labels model reflections; with reflection_source = 'oracle' the oracle already names "
+            "tau and e",
         )
 
     @classmethod
     def for_env(cls, env: str, overrides: Override | None = None) -> ExplorerConfig:
-        """The documented defaults of ``env`` with ``overrides`` applied (errors name env and field)."""
+        """The documented defaults of ``env`` with ``overrides`` applied (errors name env and
+        field)."""
         config: ExplorerConfig = _resolve(cls, env, overrides)
         for name, wants in (
             ("reflection_source", config.reflection_source == "oracle"),
@@ -213,7 +230,8 @@ class ExplorerConfig(ActionSampling, frozen=True, kw_only=True, forbid_unknown_f
             if wants and env != "*" and env not in ORACLE_ENVS:
                 value = getattr(config, name)
                 raise ConfigError(
-                    f"invalid ExplorerConfig (from env {env!r}): {name} = {value!r} but {env!r} has no "
+                    f"invalid ExplorerConfig (from env {env!r}): {name} = {value!r} but {env!r} "
+                    "has no "
                     f"reflection oracle (only {sorted(ORACLE_ENVS)})"
                 )
         return config
@@ -241,7 +259,8 @@ class ExplorerConfig(ActionSampling, frozen=True, kw_only=True, forbid_unknown_f
 
     @classmethod
     def from_rollout(cls, rollout: RolloutConfig) -> ExplorerConfig:
-        """An exploration that is one plain rollout: no reflection, one branch, ``horizon`` actions."""
+        """An exploration that is one plain rollout: no reflection, one branch, ``horizon``
+        actions."""
         return cls(
             k=0,
             max_depth=0,
@@ -306,7 +325,8 @@ ENV_DEFAULTS: dict[str, Override] = {
         "env_in_thread": True,
     },
 }
-"""Per-environment defaults (fields of :class:`ExplorerConfig`; rollouts take the fields they have)."""
+"""Per-environment defaults (fields of :class:`ExplorerConfig`; rollouts take the fields they
+have)."""
 
 
 def _resolve(type_: type[Any], env: str, overrides: Override | None) -> Any:
@@ -316,13 +336,14 @@ def _resolve(type_: type[Any], env: str, overrides: Override | None) -> Any:
 
 
 class ActorServiceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``leafe actor``: how tasks are pulled and episodes run (the per-env tables override the defaults)."""
+    """``leafe actor``: how tasks are pulled and episodes run (the per-env tables override the
+    defaults)."""
 
     concurrency: int = 4
     """Episodes run at once by one actor process."""
     durable: str = "actors"
-    """Durable consumer name prefix on the tasks stream; the consumer is ``<durable>-<run_id>`` (runs share
-    the stream), and every actor of the run binds the same one."""
+    """Durable consumer name prefix on the tasks stream; the consumer is ``<durable>-<run_id>``
+    (runs share the stream), and every actor of the run binds the same one."""
     fetch_timeout_s: float = 1.0
     """How long one fetch waits for a task."""
     ack_wait_s: float = 60.0
@@ -342,10 +363,11 @@ class ActorServiceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     rollout: dict[str, Override] = msgspec.field(default_factory=dict)
     """Per-env overrides of :class:`RolloutConfig` fields (key ``"*"`` applies to every env)."""
     engine: SGLangClientConfig = msgspec.field(default_factory=SGLangClientConfig)
-    """How the actor talks to its inference servers (``[actor.engine]``: request timeout, retries)."""
+    """How the actor talks to its inference servers (``[actor.engine]``: request timeout,
+    retries)."""
     demo: dict[str, Override] = msgspec.field(default_factory=dict)
-    """Per-env overrides of ``actors.demo_config.DemoConfig`` fields (demonstrations, Early Experience;
-    key ``"*"`` applies to every env)."""
+    """Per-env overrides of ``leafe.actors.demo_config.DemoConfig`` fields (demonstrations, Early
+    Experience; key ``"*"`` applies to every env)."""
 
     def __post_init__(self) -> None:
         _check(self.concurrency >= 1, "concurrency", self.concurrency, "must be >= 1")
@@ -365,13 +387,19 @@ class ActorServiceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
             self.demo_config(env)
 
     def explorer_config(self, env: str) -> ExplorerConfig:
-        """Resolved exploration config of ``env``: defaults, then ``"*"``, then the env's overrides."""
-        return ExplorerConfig.for_env(env, {**self.explorer.get("*", {}), **self.explorer.get(env, {})})
+        """Resolved exploration config of ``env``: defaults, then ``"*"``, then the env's
+        overrides."""
+        return ExplorerConfig.for_env(
+            env, {**self.explorer.get("*", {}), **self.explorer.get(env, {})}
+        )
 
     def rollout_config(self, env: str) -> RolloutConfig:
         """Resolved rollout config of ``env``: defaults, then ``"*"``, then the env's overrides."""
-        return RolloutConfig.for_env(env, {**self.rollout.get("*", {}), **self.rollout.get(env, {})})
+        return RolloutConfig.for_env(
+            env, {**self.rollout.get("*", {}), **self.rollout.get(env, {})}
+        )
 
     def demo_config(self, env: str) -> DemoConfig:
-        """Resolved demonstration config of ``env``: defaults, then ``"*"``, then the env's overrides."""
+        """Resolved demonstration config of ``env``: defaults, then ``"*"``, then the env's
+        overrides."""
         return DemoConfig.for_env(env, {**self.demo.get("*", {}), **self.demo.get(env, {})})

@@ -1,35 +1,40 @@
-"""Demonstration episodes (mode ``demo``): an expert plays a train task and the log records it as if the
-policy had, optionally with the policy's alternative actions off the expert path (Early Experience).
+"""Demonstration episodes (mode ``demo``): an expert plays a train task and the log records it as if
+the policy had, optionally with the policy's alternative actions off the expert path (Early
+Experience).
 
 ```
- demonstrator(env).demonstration(task_id) ─► a_0 .. a_T            (train split only, else EnvError)
+ demonstrator(env).demonstration(task_id) ─► a_0 .. a_T      (train split only, else EnvError)
  reset ─► EpisodeStarted(mode demo) ─► for each t:  prompt_t = render(q, h_t, o_t) + response_prefix
             Step(b0, t, a_t: the answer written as the policy must write it, its exact token ids)
-            [alternatives: K samples at prompt_t ─► one-step branches off b0 at tau = t (actors/early.py)]
+            [alternatives: K samples at prompt_t ─► one-step branches off b0 at tau = t
+             (actors/early.py)]
          ─► Outcome(b0) ─► EpisodeFinished
 ```
 
-Each expert step is what a plain rollout (``RolloutConfig`` of the env) would have logged had the policy
-answered with the expert action: the same prompt (``protocol.prompt.render_messages``, the rollout's
-``history_window`` and ``response_prefix``; ``Step.prompt_sha256`` of those ids), and a completion in
-the engine's shape (``protocol.answers``):
+Each expert step is what a plain rollout (``RolloutConfig`` of the env) would have logged had the
+policy answered with the expert action: the same prompt (``leafe.protocol.prompt.render_messages``,
+the rollout's ``history_window`` and ``response_prefix``; ``Step.prompt_sha256`` of those ids), and
+a completion in the engine's shape (``leafe.protocol.answers``):
 
-- format ``tag``: the answer is ``<action>A</action>``; with ``<action>`` prefilled the completion is
-  ``A</action>``. A matched stop string is cut from the text but kept in the ids, as SGLang does, so
-  ``raw_text`` is ``A`` and ``token_ids`` are the tokens of ``A</action>``.
-- format ``fence`` (HumanEval): the completion is the code in a fenced ``python`` block; no stop string
-  ends it, so the ids end with the chat template's end-of-turn token (SmolLM2's EOS), as an engine's would.
+- format ``tag``: the answer is ``<action>A</action>``; with ``<action>`` prefilled the completion
+  is ``A</action>``. A matched stop string is cut from the text but kept in the ids, as SGLang does,
+  so ``raw_text`` is ``A`` and ``token_ids`` are the tokens of ``A</action>``.
+- format ``fence`` (HumanEval): the completion is the code in a fenced ``python`` block; no stop
+  string ends it, so the ids end with the chat template's end-of-turn token (SmolLM2's EOS), as an
+  engine's would.
 
-``Step.action`` is the action executed: the expert's action in the env's own spelling, checked against
-``actors.parsing.parse_action`` of the answer with the state's valid actions. Where the parser would
-read another action from it (ScienceWorld's valid-action list misses some gold commands), the step is
-still executed (it is the demonstration) but logged with ``parse_ok = False``: materializers skip such
-targets, so the policy is never trained on an answer its own parser would misread; they are counted in
-``EpisodeFinished.parse_failures``. Expert events carry ``policy_version = "expert"``
-(``protocol.events.EXPERT_VERSION``); alternatives carry the engine's version.
+``Step.action`` is the action executed: the expert's action in the env's own spelling, checked
+against ``leafe.actors.parsing.parse_action`` of the answer with the state's valid actions. Where
+the parser would read another action from it (ScienceWorld's valid-action list misses some gold
+commands), the step is still executed (it is the demonstration) but logged with ``parse_ok =
+False``: materializers skip such targets, so the policy is never trained on an answer its own parser
+would misread; they are counted in ``EpisodeFinished.parse_failures``. Expert events carry
+``policy_version = "expert"`` (``leafe.protocol.events.EXPERT_VERSION``); alternatives carry the
+engine's version.
 
-An expert that cannot demonstrate the task (e.g. a ScienceWorld gold path longer than ``max_steps``) and
-env failures end the episode with an ``error`` Outcome; engine errors propagate (the task is retried).
+An expert that cannot demonstrate the task (e.g. a ScienceWorld gold path longer than ``max_steps``)
+and env failures end the episode with an ``error`` Outcome; engine errors propagate (the task is
+retried).
 
 Run one in-process: ``await DemoRunner(tokenizer=tok, env=make_env("sokoban"), spec=EpisodeSpec(...,
 mode="demo"), rollout=RolloutConfig.for_env("sokoban"), demo=DemoConfig(), sink=ListSink()).run()``.
@@ -43,16 +48,16 @@ from typing import Any, TypeVar
 
 import structlog
 
-from actors.config import RolloutConfig
-from actors.demo_config import DemoConfig
-from actors.early import AlternativeExplorer, ExpertState
-from actors.engine import Engine
-from actors.episode import EpisodeRecorder, EpisodeSpec, EpisodeSummary, EventSink
-from actors.parsing import parse_action
-from envs.base import Env, EnvError, Transition, require_train_split
-from envs.registry import demonstrator
-from protocol.answers import ExpertAnswer, end_of_turn_id, expert_answer
-from protocol.events import (
+from leafe.actors.config import RolloutConfig
+from leafe.actors.demo_config import DemoConfig
+from leafe.actors.early import AlternativeExplorer, ExpertState
+from leafe.actors.engine import Engine
+from leafe.actors.episode import EpisodeRecorder, EpisodeSpec, EpisodeSummary, EventSink
+from leafe.actors.parsing import parse_action
+from leafe.envs.base import Env, EnvError, Transition, require_train_split
+from leafe.envs.registry import demonstrator
+from leafe.protocol.answers import ExpertAnswer, end_of_turn_id, expert_answer
+from leafe.protocol.events import (
     EXPERT_VERSION,
     ROOT_BRANCH,
     EpisodeFinished,
@@ -61,9 +66,19 @@ from protocol.events import (
     OutcomeReason,
     Step,
 )
-from protocol.prompt import PROMPT_FORMAT, ChatTokenizer, HistoryEntry, prompt_sha256, render_messages
+from leafe.protocol.prompt import (
+    PROMPT_FORMAT,
+    ChatTokenizer,
+    HistoryEntry,
+    prompt_sha256,
+    render_messages,
+)
 
-__all__ = ["DemoRunner", "ExpertAnswer", "expert_answer"]  # the last two from protocol.answers
+__all__ = [
+    "DemoRunner",
+    "ExpertAnswer",
+    "expert_answer",
+]  # the last two from leafe.protocol.answers
 
 log = structlog.get_logger(__name__)
 R = TypeVar("R")
@@ -113,7 +128,8 @@ class DemoRunner:
         return fn(*args)
 
     async def run(self) -> EpisodeSummary:
-        """Play the demonstration (and its alternatives); returns the figures of ``EpisodeFinished``."""
+        """Play the demonstration (and its alternatives); returns the figures of
+        ``EpisodeFinished``."""
         require_train_split(self.spec.task_id, self.spec.split)
         error = ""
         try:
@@ -207,7 +223,9 @@ class DemoRunner:
         executed = parsed.action if agrees and parsed.action is not None else action
         if not agrees:
             self.parse_failures += 1
-            self.log.warning("actor.demo.parser_disagrees", t=t, expert=action[:80], parsed=parsed.action)
+            self.log.warning(
+                "actor.demo.parser_disagrees", t=t, expert=action[:80], parsed=parsed.action
+            )
         tr = await self._env(self.env.step, executed)
         self.rec.policy_version = EXPERT_VERSION
         await self.rec.emit(
@@ -248,7 +266,9 @@ class DemoRunner:
         self, last: Transition | None, error: str, early: AlternativeExplorer | None
     ) -> EpisodeSummary:
         success = last is not None and last.success and not error
-        reason: OutcomeReason = "budget"  # the demonstration ran out before the env ended the episode
+        reason: OutcomeReason = (
+            "budget"  # the demonstration ran out before the env ended the episode
+        )
         if error:
             reason = "error"
         elif success:
@@ -275,6 +295,10 @@ class DemoRunner:
             parse_failures=self.parse_failures,
         )
         await self.rec.emit(EpisodeFinished, **figures)
-        summary = EpisodeSummary(episode_id=self.spec.episode_id, events=self.rec.seq, error=error, **figures)
-        self.log.info("actor.demo.finished", steps=len(self.history), **(counts.as_log() if counts else {}))
+        summary = EpisodeSummary(
+            episode_id=self.spec.episode_id, events=self.rec.seq, error=error, **figures
+        )
+        self.log.info(
+            "actor.demo.finished", steps=len(self.history), **(counts.as_log() if counts else {})
+        )
         return summary

@@ -1,4 +1,5 @@
-"""Configuration of demonstration episodes (mode ``demo``) and of the Early Experience baseline on them.
+"""Configuration of demonstration episodes (mode ``demo``) and of the Early Experience baseline on
+them.
 
 A demonstration renders every prompt exactly as a plain rollout of the same environment would
 (``RolloutConfig``: ``response_prefix``, ``history_window``, ``action_stop``, ``max_new_tokens``,
@@ -6,21 +7,24 @@ A demonstration renders every prompt exactly as a plain rollout of the same envi
 with. :class:`DemoConfig` adds what only demonstrations have; the actor service resolves it per
 environment like the other configs (``ActorServiceConfig.demo``)::
 
-    [demo.sokoban]            # in the actor's TOML (leafe actor --config), or [actor.demo.sokoban] in leafe run
-    alternatives = 4          # Early Experience: K proposals per expert state, executed off the expert path
-    self_reflection = true    # and the policy explains why the expert action beats each alternative
+    # in the actor's TOML (leafe actor --config), or [actor.demo.sokoban] in leafe run
+    [demo.sokoban]
+    # Early Experience: K proposals per expert state, executed off the expert path
+    alternatives = 4
+    # and the policy explains why the expert action beats each alternative
+    self_reflection = true
 
 Defaults: plain demonstrations (no engine call). Answer formats: ``tag`` (``<action>up</action>``,
-every env whose instructions ask for it) and ``fence`` (HumanEval: the function in a fenced ``python``
-block).
+every env whose instructions ask for it) and ``fence`` (HumanEval: the function in a fenced
+``python`` block).
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from protocol.answers import AnswerFormat
-from protocol.config import convert_config, merge_tables
+from leafe.protocol.answers import AnswerFormat
+from leafe.protocol.config import convert_config, merge_tables
 
 __all__ = ["DEMO_DEFAULTS", "AnswerFormat", "DemoConfig"]
 
@@ -28,7 +32,8 @@ DemoOverride = dict[str, int | float | str | bool | list[str]]
 
 
 class DemoConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One demonstration episode: how expert actions are written, and the Early Experience extras."""
+    """One demonstration episode: how expert actions are written, and the Early Experience
+    extras."""
 
     answer_format: AnswerFormat = "tag"
     """How an expert action is written as the policy's answer: ``tag`` = ``<action>A</action>``,
@@ -42,7 +47,8 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     top_p: float = 1.0
     """Nucleus mass of the alternatives."""
     max_states: int = 0
-    """Expert states (from the start) that get alternatives; 0 = every state of the demonstration."""
+    """Expert states (from the start) that get alternatives; 0 = every state of the
+    demonstration."""
     self_reflection: bool = False
     """Ask the policy, for every executed alternative, why the expert action is better (the ``sr``
     baseline); needs ``alternatives`` > 0."""
@@ -59,8 +65,18 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             (self.temperature >= 0, "temperature", self.temperature, "must be >= 0"),
             (0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]"),
             (self.max_states >= 0, "max_states", self.max_states, "must be >= 0"),
-            (self.reflect_temperature >= 0, "reflect_temperature", self.reflect_temperature, "must be >= 0"),
-            (self.reflect_max_new_tokens >= 1, "reflect_max_new_tokens", self.reflect_max_new_tokens, ">= 1"),
+            (
+                self.reflect_temperature >= 0,
+                "reflect_temperature",
+                self.reflect_temperature,
+                "must be >= 0",
+            ),
+            (
+                self.reflect_max_new_tokens >= 1,
+                "reflect_max_new_tokens",
+                self.reflect_max_new_tokens,
+                ">= 1",
+            ),
             (
                 self.max_reflection_chars >= 1,
                 "max_reflection_chars",
@@ -93,4 +109,5 @@ class DemoConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 DEMO_DEFAULTS: dict[str, DemoOverride] = {
     "humaneval": {"answer_format": "fence", "reflect_max_new_tokens": 160},
 }
-"""Per-environment defaults of :class:`DemoConfig` (every other env answers in the ``tag`` format)."""
+"""Per-environment defaults of :class:`DemoConfig` (every other env answers in the ``tag``
+format)."""

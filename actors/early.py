@@ -1,25 +1,27 @@
-"""Early Experience (Zhang et al. 2025) on a demonstration: the policy's own alternatives at expert states.
+"""Early Experience (Zhang et al. 2025) on a demonstration: the policy's own alternatives at expert
+states.
 
-At expert state s_t (after the expert's step t is logged), the policy proposes K actions from the very
-prompt of that step (``DemoConfig.alternatives``, temperature 1); each distinct parseable one that is not
-the expert action is executed from s_t (rollback: a snapshot where the env has one, else reset + replay)
-and logged as a one-step branch off the expert path ``b0``::
+At expert state s_t (after the expert's step t is logged), the policy proposes K actions from the
+very prompt of that step (``DemoConfig.alternatives``, temperature 1); each distinct parseable one
+that is not the expert action is executed from s_t (rollback: a snapshot where the env has one, else
+reset + replay) and logged as a one-step branch off the expert path ``b0``::
 
     Reflection(b0, at_t=t+1, tau=t, trigger="alternative", source="model" | "none")
     Rollback(b0, tau=t)  ->  Branch(b_n, parent b0, tau=t, depth 1, experience "")
     Step(b_n, t, the alternative: raw completion, exact output ids, the observation it led to)
     Outcome(b_n, steps=t+1, reason "budget" | "success" | "env_done")
 
-The tree fold (``learner/materializers/tree.py``) requires every Branch to follow a Reflection, which is
-also where self-reflection lives: with ``DemoConfig.self_reflection`` the policy is shown both outcomes
-and asked why the expert action is better (:func:`render_self_reflection_messages`, answer prefilled
-with ``<think>`` and stopped at ``</think>``); the text is the Reflection's ``raw_text`` (and, whitespace
-normalised, its ``experience``), ``source = "model"``. Without it the Reflection is an empty marker,
-``source = "none"``. The branch's Step never has e in context: its prompt is the expert step's prompt
-(same ``prompt_sha256``). Unparseable proposals, the expert action itself and repeats are not executed
-(counted in the ``actor.demo.finished`` log line). Afterwards the env is put back at s_{t+1}, logged as
-``Rollback(b0, tau=t+1)`` (so ``EpisodeFinished.replay_steps`` is the sum over Rollbacks, as for
-explore episodes; ``EpisodeFinished.reflections`` counts the Reflection events, markers included).
+The tree fold (``learner/materializers/tree.py``) requires every Branch to follow a Reflection,
+which is also where self-reflection lives: with ``DemoConfig.self_reflection`` the policy is shown
+both outcomes and asked why the expert action is better (:func:`render_self_reflection_messages`,
+answer prefilled with ``<think>`` and stopped at ``</think>``); the text is the Reflection's
+``raw_text`` (and, whitespace normalised, its ``experience``), ``source = "model"``. Without it the
+Reflection is an empty marker, ``source = "none"``. The branch's Step never has e in context: its
+prompt is the expert step's prompt (same ``prompt_sha256``). Unparseable proposals, the expert
+action itself and repeats are not executed (counted in the ``actor.demo.finished`` log line).
+Afterwards the env is put back at s_{t+1}, logged as ``Rollback(b0, tau=t+1)`` (so
+``EpisodeFinished.replay_steps`` is the sum over Rollbacks, as for explore episodes;
+``EpisodeFinished.reflections`` counts the Reflection events, markers included).
 """
 
 from __future__ import annotations
@@ -28,14 +30,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from actors.config import RolloutConfig
-from actors.demo_config import DemoConfig
-from actors.engine import Completion, Engine, EngineError, SamplingParams
-from actors.episode import EpisodeRecorder, EpisodeSpec
-from actors.parsing import parse_action
-from envs.base import Env, RollbackResult, Transition, rollback_to
-from protocol.answers import THINK_CLOSE, THINK_OPEN
-from protocol.events import (
+from leafe.actors.config import RolloutConfig
+from leafe.actors.demo_config import DemoConfig
+from leafe.actors.engine import Completion, Engine, EngineError, SamplingParams
+from leafe.actors.episode import EpisodeRecorder, EpisodeSpec
+from leafe.actors.parsing import parse_action
+from leafe.envs.base import Env, RollbackResult, Transition, rollback_to
+from leafe.protocol.answers import THINK_CLOSE, THINK_OPEN
+from leafe.protocol.events import (
     EXPERT_VERSION,
     ROOT_BRANCH,
     Branch,
@@ -45,8 +47,8 @@ from protocol.events import (
     Rollback,
     Step,
 )
-from protocol.prompt import ChatTokenizer, HistoryEntry, prompt_sha256, render_messages
-from protocol.samples import ChatMessage
+from leafe.protocol.prompt import ChatTokenizer, HistoryEntry, prompt_sha256, render_messages
+from leafe.protocol.samples import ChatMessage
 
 __all__ = [
     "SELF_REFLECTION_QUESTION",
@@ -60,7 +62,8 @@ _ACTION_QUESTION = "Your next action?"
 SELF_REFLECTION_QUESTION = (
     "Explain in one or two sentences why the expert's action is better here than the other action."
 )
-"""A line every self-reflection prompt contains (scripted test engines tell these requests by it)."""
+"""A line every self-reflection prompt contains (scripted test engines tell these requests by
+it)."""
 
 RunEnv = Callable[..., Awaitable[Any]]
 
@@ -127,7 +130,8 @@ def render_self_reflection_messages(
     alternative: str,
     alternative_result: Transition,
 ) -> list[ChatMessage]:
-    """The state's prompt with the closing question replaced by both actions, their outcomes and the ask."""
+    """The state's prompt with the closing question replaced by both actions, their outcomes and the
+    ask."""
     messages = render_messages(
         instructions=instructions,
         task=task,
@@ -154,7 +158,8 @@ def _norm(text: str) -> str:
 
 
 class AlternativeExplorer:
-    """Samples, executes and logs the alternatives of each expert state (see the module docstring)."""
+    """Samples, executes and logs the alternatives of each expert state (see the module
+    docstring)."""
 
     def __init__(
         self,
@@ -186,7 +191,8 @@ class AlternativeExplorer:
         return (self.spec.seed * 1_000_003 + 7919 * self.calls) % (2**31)
 
     async def explore(self, state: ExpertState) -> None:
-        """Propose, execute and log the alternatives at ``state``; then put the env back at s_{t+1}."""
+        """Propose, execute and log the alternatives at ``state``; then put the env back at
+        s_{t+1}."""
         params = SamplingParams(
             max_new_tokens=self.rollout.max_new_tokens,
             temperature=self.demo.temperature,
@@ -195,7 +201,10 @@ class AlternativeExplorer:
             sampling_seed=self._seed(),
         )
         completions = await self.engine.generate(
-            state.prompt_ids, params, n=self.demo.alternatives, return_logprob=self.rollout.return_logprob
+            state.prompt_ids,
+            params,
+            n=self.demo.alternatives,
+            return_logprob=self.rollout.return_logprob,
         )
         chosen = self._distinct(completions, state)
         for completion, action in chosen:
@@ -217,12 +226,16 @@ class AlternativeExplorer:
                 replay_steps=back.replay_steps,
             )
 
-    def _distinct(self, completions: list[Completion], state: ExpertState) -> list[tuple[Completion, str]]:
+    def _distinct(
+        self, completions: list[Completion], state: ExpertState
+    ) -> list[tuple[Completion, str]]:
         seen = {_norm(state.action)}
         out: list[tuple[Completion, str]] = []
         for completion in completions:
             self.counts.proposals += 1
-            parsed = parse_action(self.rollout.response_prefix + completion.text, state.valid_actions)
+            parsed = parse_action(
+                self.rollout.response_prefix + completion.text, state.valid_actions
+            )
             if parsed.action is None:
                 self.counts.unparsed += 1
             elif _norm(parsed.action) == _norm(state.action):
@@ -284,7 +297,12 @@ class AlternativeExplorer:
             }
         self.counts.reflections += 1
         return await self.rec.emit(
-            Reflection, branch_id=ROOT_BRANCH, at_t=state.t + 1, trigger="alternative", tau=state.t, **fields
+            Reflection,
+            branch_id=ROOT_BRANCH,
+            at_t=state.t + 1,
+            trigger="alternative",
+            tau=state.t,
+            **fields,
         )
 
     async def _log_branch(
@@ -297,7 +315,11 @@ class AlternativeExplorer:
         self.counts.branches += 1
         branch_id = f"b{self.counts.branches}"
         await self.rec.emit(
-            Rollback, from_branch=ROOT_BRANCH, tau=state.t, method=back.method, replay_steps=back.replay_steps
+            Rollback,
+            from_branch=ROOT_BRANCH,
+            tau=state.t,
+            method=back.method,
+            replay_steps=back.replay_steps,
         )
         await self.rec.emit(
             Branch,
@@ -329,5 +351,10 @@ class AlternativeExplorer:
         )
         reason: OutcomeReason = "success" if tr.success else "env_done" if tr.done else "budget"
         await self.rec.emit(
-            Outcome, branch_id=branch_id, success=tr.success, score=tr.score, steps=state.t + 1, reason=reason
+            Outcome,
+            branch_id=branch_id,
+            success=tr.success,
+            score=tr.score,
+            steps=state.t + 1,
+            reason=reason,
         )

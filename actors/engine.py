@@ -1,7 +1,8 @@
 """What actors need from an inference engine: ``generate`` over token ids, and the engine's version.
 
-``actors/client.py`` implements :class:`Engine` over SGLang's native HTTP API (a real SGLang server or
-our CPU server, ``services/inference/server.py``); tests use scripted fakes with the same interface.
+``actors/client.py`` implements :class:`Engine` over SGLang's native HTTP API (a real SGLang server
+or our CPU server, ``services/inference/server.py``); tests use scripted fakes with the same
+interface.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Per-request seed for reproducible sampling (``None``: engine's choice)."""
 
     def to_sglang(self) -> dict[str, object]:
-        """JSON ``sampling_params`` for SGLang (omits unset optional keys; SGLang rejects unknown ones)."""
+        """JSON ``sampling_params`` for SGLang (omits unset optional keys; SGLang rejects unknown
+        ones)."""
         out: dict[str, object] = {
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
@@ -79,10 +81,10 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
 
 
 ENGINE_AFFINITY: ContextVar[str | None] = ContextVar("leafe_engine_affinity", default=None)
-"""A key naming what the current asyncio task generates for (an episode's task group): engines with several
-servers send the requests of one key to the same server when it is not much busier than the others, so
-consecutive turns and sibling samples find their shared prompt prefix in that server's cache. Set by the
-explorer for the duration of an episode; each asyncio task has its own value."""
+"""A key naming what the current asyncio task generates for (an episode's task group): engines with
+several servers send the requests of one key to the same server when it is not much busier than the
+others, so consecutive turns and sibling samples find their shared prompt prefix in that server's
+cache. Set by the explorer for the duration of an episode; each asyncio task has its own value."""
 
 
 class Engine(Protocol):

@@ -1,9 +1,9 @@
 """A small pool of environment instances, reused across episodes of one actor process.
 
-Some environments are dear to create (ScienceWorld starts a JVM, TextWorld loads a game), so an actor
-keeps up to ``max_idle`` idle instances per (name, options) and hands them to the next episode, which
-resets them. An instance is only reused after an episode that ended normally; after an error or a
-cancellation it is closed. Not thread-safe; one pool per event loop.
+Some environments are dear to create (ScienceWorld starts a JVM, TextWorld loads a game), so an
+actor keeps up to ``max_idle`` idle instances per (name, options) and hands them to the next
+episode, which resets them. An instance is only reused after an episode that ended normally; after
+an error or a cancellation it is closed. Not thread-safe; one pool per event loop.
 """
 
 from __future__ import annotations
@@ -15,19 +15,20 @@ from typing import Any
 import msgspec
 import structlog
 
-from envs.base import Env
+from leafe.envs.base import Env
 
 __all__ = ["EnvFactory", "EnvPool", "EnvPoolKey"]
 
 log = structlog.get_logger(__name__)
 
 EnvFactory = Callable[..., Env]
-"""``factory(name, **options) -> Env`` (``envs.registry.make_env``)."""
+"""``factory(name, **options) -> Env`` (``leafe.envs.registry.make_env``)."""
 EnvPoolKey = tuple[str, bytes]
 
 
 def _key(name: str, options: Mapping[str, Any]) -> EnvPoolKey:
-    # Canonical JSON: options may nest tables (e.g. humaneval's ``sandbox``), which are not hashable.
+    # Canonical JSON: options may nest tables (e.g. humaneval's ``sandbox``), which are not
+    # hashable.
     return name, msgspec.json.encode(options, order="sorted")
 
 
@@ -43,8 +44,11 @@ class EnvPool:
         self.created = 0
         """Instances built so far."""
 
-    async def acquire(self, name: str, options: Mapping[str, Any], *, in_thread: bool = False) -> Env:
-        """An idle instance of ``name`` with ``options``, or a new one (built in a thread if asked)."""
+    async def acquire(
+        self, name: str, options: Mapping[str, Any], *, in_thread: bool = False
+    ) -> Env:
+        """An idle instance of ``name`` with ``options``, or a new one (built in a thread if
+        asked)."""
         idle = self._idle.get(_key(name, options))
         if idle:
             return idle.pop()
@@ -75,4 +79,8 @@ def _close(env: Env) -> None:
     try:
         env.close()
     except Exception as e:  # closing must not mask the episode's own outcome; say so and go on
-        log.warning("actor.env.close_failed", env=getattr(env, "name", "?"), error=f"{type(e).__name__}: {e}")
+        log.warning(
+            "actor.env.close_failed",
+            env=getattr(env, "name", "?"),
+            error=f"{type(e).__name__}: {e}",
+        )

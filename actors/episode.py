@@ -2,9 +2,9 @@
 
 Every event of an episode gets ``seq`` (0, 1, 2... in emission order), ``event_id =
 event_id_for(episode_id, seq)``, the run/episode/actor ids, the wall-clock ``ts`` and the latest
-``policy_version`` an engine reported. :class:`EpisodeRecorder` does that stamping; the explorer and the
-rollouts only name the event type and its own fields. The actor service's sink publishes through the bus
-``Publisher``; tests use :class:`ListSink`.
+``policy_version`` an engine reported. :class:`EpisodeRecorder` does that stamping; the explorer and
+the rollouts only name the event type and its own fields. The actor service's sink publishes through
+the bus ``Publisher``; tests use :class:`ListSink`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
-from protocol.events import EpisodeEvent, Mode, event_id_for
+from leafe.protocol.events import EpisodeEvent, Mode, event_id_for
 
 __all__ = ["EpisodeRecorder", "EpisodeSpec", "EpisodeSummary", "EventSink", "ListSink"]
 
@@ -23,7 +23,8 @@ E = TypeVar("E", bound=msgspec.Struct)
 
 
 class EventSink(Protocol):
-    """Where an episode's events go, in order. ``emit`` returns once the event is accepted (queued)."""
+    """Where an episode's events go, in order. ``emit`` returns once the event is accepted
+    (queued)."""
 
     async def emit(self, event: EpisodeEvent) -> None:
         """Accept one event."""
@@ -42,7 +43,8 @@ class ListSink:
 
 
 class EpisodeSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """Identity and provenance of one episode (what ``EpisodeStarted`` records besides env output)."""
+    """Identity and provenance of one episode (what ``EpisodeStarted`` records besides env
+    output)."""
 
     run_id: str
     """Run id."""
@@ -72,8 +74,8 @@ class EpisodeSpec(msgspec.Struct, frozen=True, kw_only=True):
     """sha256 of the resolved config."""
 
     def started_fields(self) -> dict[str, Any]:
-        """The fields of this episode's ``EpisodeStarted`` that come from the spec (the recorder fills in
-        the ids, the caller what the environment and the prompt settings say)."""
+        """The fields of this episode's ``EpisodeStarted`` that come from the spec (the recorder
+        fills in the ids, the caller what the environment and the prompt settings say)."""
         return {
             "task_key": self.task_key,
             "env": self.env,
@@ -121,7 +123,8 @@ class Stamp(Protocol):
 
 
 def stamp_event(cls: type[E], who: Stamp, seq: int, ts: float, **fields: Any) -> E:
-    """``cls(**fields)`` with the common fields: event id, run, episode, actor, seq, policy version, ts."""
+    """``cls(**fields)`` with the common fields: event id, run, episode, actor, seq, policy version,
+    ts."""
     return cls(
         event_id=event_id_for(who.episode_id, seq),
         run_id=who.run_id,

@@ -1,14 +1,15 @@
-"""Pass@k evaluation: n plain rollouts per task through the actor path, scored with the unbiased estimator.
+"""Pass@k evaluation: n plain rollouts per task through the actor path, scored with the unbiased
+estimator.
 
-Every sample is an ordinary ``mode="eval"`` rollout (``actors.rollout.run_rollout``: the same prompts,
-parsing and events as training rollouts), so an evaluation can be published to the log and replayed.
-One semaphore bounds the rollouts in flight over *all* tasks and samples: the inference server's dynamic
-batching then sees about ``concurrency`` requests at once. Rollouts are scheduled task by task, so the
-samples of a task share their prompt prefix in the server's cache.
+Every sample is an ordinary ``mode="eval"`` rollout (``leafe.actors.rollout.run_rollout``: the same
+prompts, parsing and events as training rollouts), so an evaluation can be published to the log and
+replayed. One semaphore bounds the rollouts in flight over *all* tasks and samples: the inference
+server's dynamic batching then sees about ``concurrency`` requests at once. Rollouts are scheduled
+task by task, so the samples of a task share their prompt prefix in the server's cache.
 
-Identity is deterministic and matches ``leafe tasks submit --mode eval --prefix <label>``: sample s of
-task i (``task_ids[i]``) is task key ``<run>-<label>-<task slug>-x<s>``, episode ``<task key>.a1``,
-group ``<run>-<label>-<task slug>`` of size n, seed ``seed + 1000 * i + s``.
+Identity is deterministic and matches ``leafe tasks submit --mode eval --prefix <label>``: sample s
+of task i (``task_ids[i]``) is task key ``<run>-<label>-<task slug>-x<s>``, episode ``<task
+key>.a1``, group ``<run>-<label>-<task slug>`` of size n, seed ``seed + 1000 * i + s``.
 
 ```python
 request = EvalRequest(env="sokoban", task_ids=["sokoban/test/0", "sokoban/test/1"], samples=16,
@@ -29,19 +30,26 @@ from typing import Any, Literal
 import msgspec
 import structlog
 
-from actors.config import Override, RolloutConfig
-from actors.engine import Engine
-from actors.env_pool import EnvFactory, EnvPool
-from actors.episode import EpisodeSpec, EpisodeSummary, EventSink
-from actors.passk import pass_at_k_table
-from actors.rollout import run_rollout
-from envs.registry import make_env
-from protocol.config import config_digest
-from protocol.events import EpisodeEvent, Step
-from protocol.prompt import ChatTokenizer
-from protocol.tasks import episode_id_for, task_slug
+from leafe.actors.config import Override, RolloutConfig
+from leafe.actors.engine import Engine
+from leafe.actors.env_pool import EnvFactory, EnvPool
+from leafe.actors.episode import EpisodeSpec, EpisodeSummary, EventSink
+from leafe.actors.passk import pass_at_k_table
+from leafe.actors.rollout import run_rollout
+from leafe.envs.registry import make_env
+from leafe.protocol.config import config_digest
+from leafe.protocol.events import EpisodeEvent, Step
+from leafe.protocol.prompt import ChatTokenizer
+from leafe.protocol.tasks import episode_id_for, task_slug
 
-__all__ = ["EVAL_ROLLOUT_DEFAULTS", "EvalRequest", "EvalResult", "EvalSample", "eval_samples", "evaluate"]
+__all__ = [
+    "EVAL_ROLLOUT_DEFAULTS",
+    "EvalRequest",
+    "EvalResult",
+    "EvalSample",
+    "eval_samples",
+    "evaluate",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -50,7 +58,8 @@ Seeds = Literal["yes", "no", "unknown"]
 
 EVAL_ROLLOUT_DEFAULTS: Override = {"return_logprob": False}
 """Rollout overrides every evaluation starts from (Pass@k needs no behaviour logprobs); the caller's
-``rollout_overrides`` win over these, the per-env defaults of ``actors.config`` lose to both."""
+``rollout_overrides`` win over these, the per-env defaults of ``leafe.actors.config`` lose to
+both."""
 
 
 class EvalRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -77,13 +86,14 @@ class EvalRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     seed: int = 0
     """Base sampling seed: sample s of task i uses ``seed + 1000 * i + s``."""
     rollout_overrides: dict[str, Any] = msgspec.field(default_factory=dict)
-    """``RolloutConfig`` fields over the env's defaults (e.g. the actors' ``[actor.rollout]`` table)."""
+    """``RolloutConfig`` fields over the env's defaults (e.g. the actors' ``[actor.rollout]``
+    table)."""
     actor_id: str = "eval"
     """Actor id stamped on the events."""
     seeds_honoured: Seeds = "unknown"
-    """Does the engine honour ``sampling_seed``? Our CPU server: ``yes``; SGLang only when started with
-    ``--enable-deterministic-inference``, which a client cannot see, so whoever points an evaluation at
-    an external engine says so (``leafe eval --seeds-honoured``)."""
+    """Does the engine honour ``sampling_seed``? Our CPU server: ``yes``; SGLang only when started
+    with ``--enable-deterministic-inference``, which a client cannot see, so whoever points an
+    evaluation at an external engine says so (``leafe eval --seeds-honoured``)."""
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -124,9 +134,9 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
     wall_s: float
     """Wall-clock seconds from the first rollout to the last."""
     weight_version: str
-    """Version of the first completion (its ``meta_info.weight_version``, the server that generated it;
-    never ``/get_model_info``, which a router answers from its first healthy worker); ``default`` when
-    no policy step ran."""
+    """Version of the first completion (its ``meta_info.weight_version``, the server that generated
+    it; never ``/get_model_info``, which a router answers from its first healthy worker);
+    ``default`` when no policy step ran."""
     policy_versions: list[str]
     """Distinct versions stamped on the steps (more than one: weights changed mid-evaluation)."""
     episodes: int
@@ -134,9 +144,9 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
     env_errors: int
     """Rollouts that ended with an environment error (scored as failures)."""
     reproducible: Seeds = "unknown"
-    """Would a rerun draw the same samples? ``yes``: seeded sampling on and the engine honours seeds;
-    ``no``: seeded sampling off or seeds ignored; ``unknown``: an engine whose seed handling nobody
-    stated (``EvalRequest.seeds_honoured``)."""
+    """Would a rerun draw the same samples? ``yes``: seeded sampling on and the engine honours
+    seeds; ``no``: seeded sampling off or seeds ignored; ``unknown``: an engine whose seed handling
+    nobody stated (``EvalRequest.seeds_honoured``)."""
 
 
 class EvalSample(msgspec.Struct, frozen=True, kw_only=True):
@@ -221,12 +231,13 @@ async def evaluate(
     env_factory: EnvFactory | None = None,
     on_episode: Callable[[EvalSample, EpisodeSummary], None] | None = None,
 ) -> EvalResult:
-    """Run ``request.samples`` eval rollouts of every task, at most ``request.concurrency`` at once, and
-    score Pass@k.
+    """Run ``request.samples`` eval rollouts of every task, at most ``request.concurrency`` at once,
+    and score Pass@k.
 
-    ``sink`` receives every event (``None``: discarded); ``env_factory(name, **options)`` defaults to
-    ``envs.registry.make_env``; ``on_episode`` is called after each rollout (progress displays). An
-    ``EngineError`` (or any non-env failure) cancels the remaining rollouts and propagates.
+    ``sink`` receives every event (``None``: discarded); ``env_factory(name, **options)`` defaults
+    to ``leafe.envs.registry.make_env``; ``on_episode`` is called after each rollout (progress
+    displays). An ``EngineError`` (or any non-env failure) cancels the remaining rollouts and
+    propagates.
     """
     r = request
     config = RolloutConfig.for_env(r.env, {**EVAL_ROLLOUT_DEFAULTS, **r.rollout_overrides})
@@ -259,7 +270,12 @@ async def evaluate(
             reusable = False
             try:
                 summary = await run_rollout(
-                    engine=engine, tokenizer=tokenizer, env=env, spec=item.spec, config=config, sink=tally
+                    engine=engine,
+                    tokenizer=tokenizer,
+                    env=env,
+                    spec=item.spec,
+                    config=config,
+                    sink=tally,
                 )
                 reusable = not summary.error
             finally:
@@ -279,7 +295,9 @@ async def evaluate(
     wall = time.perf_counter() - t0
     summaries = [t.result() for t in tasks]
     reproducible: Seeds = r.seeds_honoured if config.seeded_sampling else "no"
-    result = _score(plan, summaries, tally, r.ks, wall_s=wall, label=r.label, reproducible=reproducible)
+    result = _score(
+        plan, summaries, tally, r.ks, wall_s=wall, label=r.label, reproducible=reproducible
+    )
     log.info(
         "actor.eval.finished",
         label=r.label,

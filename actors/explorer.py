@@ -1,34 +1,36 @@
 """LEAFE Stage 1: one episode's exploration tree with reflection, rollback and branching.
 
 ```
- root b0 ──a0──a1──a2──a3──a4── ... ──(done / horizon)            every K own steps, and when a branch
-             │         └─ Reflection(tau=2, e) ─► queue            fails or hits the horizon, the same
-             └─ Reflection(tau=1, e') ─► queue                     policy names (tau, e); the request waits
- queue (BFS): pop ─► Rollback(env to tau: snapshot | replay) ─► Branch(b_n, parent, tau, e) ─► steps ...
+ root b0 ──a0──a1──a2──a3──a4── ... ──(done / horizon)     every K own steps, and when a branch
+             │         └─ Reflection(tau=2, e) ─► queue     fails or hits the horizon, the same
+             └─ Reflection(tau=1, e') ─► queue              policy names (tau, e); the request waits
+ queue (BFS): pop ─► Rollback(env to tau: snapshot | replay)
+              ─► Branch(b_n, parent, tau, e) ─► steps ...
 ```
 
-A branch with parent p and rollback point tau shares p's path steps ``0..tau-1``; its own steps start at
-``t = tau`` and e is in its prompts (only a'_tau's with ``experience_scope = "first_step"``). Requests are
-served breadth-first until the queue is empty, the attempt budget (``max_branches``), the interaction
-budget (``max_actions``) or, optionally, the first success stops the episode. ``max_depth`` bounds the
-tree: a branch at that depth does not reflect. Every branch ends with exactly one Outcome and the episode
-with EpisodeFinished; a Reflection comes before its branch's Outcome, a Branch after its Reflection and
-Rollback and before its first Step.
+A branch with parent p and rollback point tau shares p's path steps ``0..tau-1``; its own steps
+start at ``t = tau`` and e is in its prompts (only a'_tau's with ``experience_scope =
+"first_step"``). Requests are served breadth-first until the queue is empty, the attempt budget
+(``max_branches``), the interaction budget (``max_actions``) or, optionally, the first success stops
+the episode. ``max_depth`` bounds the tree: a branch at that depth does not reflect. Every branch
+ends with exactly one Outcome and the episode with EpisodeFinished; a Reflection comes before its
+branch's Outcome, a Branch after its Reflection and Rollback and before its first Step.
 
-The prompt of step t is ``render_messages`` of the path's first t steps and o_t (the recorded observation
-of step t-1, or o_0), tokenized by the injected ``ChatTokenizer``; ``Step.prompt_sha256`` lets the replayer
-prove it rebuilt it. An unparseable completion is a policy action with no env step (``action=None``,
-feedback says why); rollback replay skips those. An ``EnvError`` ends the episode with an ``error``
-Outcome; an ``EngineError`` propagates (the episode stays unfinished, i.e. abandoned, and is retried).
-``policy_version`` is always the per-completion ``weight_version`` of the latest completion; EpisodeStarted
-is held back until the first one, so an episode whose first generation fails leaves no events.
-With ``reflection_source = "oracle"`` the environment's oracle names tau and e (``actors/oracle.py``); with
-``oracle_labels`` the policy names them and the oracle's verdict on the same history is recorded beside
-(``Reflection.oracle_tau``, ``oracle_experience``: labels for the reflection warm start); the verdict
-itself is ``actors/reflect.py``'s.
+The prompt of step t is ``render_messages`` of the path's first t steps and o_t (the recorded
+observation of step t-1, or o_0), tokenized by the injected ``ChatTokenizer``;
+``Step.prompt_sha256`` lets the replayer prove it rebuilt it. An unparseable completion is a policy
+action with no env step (``action=None``, feedback says why); rollback replay skips those. An
+``EnvError`` ends the episode with an ``error`` Outcome; an ``EngineError`` propagates (the episode
+stays unfinished, i.e. abandoned, and is retried). ``policy_version`` is always the per-completion
+``weight_version`` of the latest completion; EpisodeStarted is held back until the first one, so an
+episode whose first generation fails leaves no events. With ``reflection_source = "oracle"`` the
+environment's oracle names tau and e (``actors/oracle.py``); with ``oracle_labels`` the policy names
+them and the oracle's verdict on the same history is recorded beside (``Reflection.oracle_tau``,
+``oracle_experience``: labels for the reflection warm start); the verdict itself is
+``actors/reflect.py``'s.
 
-Run one in-process: ``await Explorer(engine=..., tokenizer=..., env=..., config=ExplorerConfig.for_env(
-"sokoban"), sink=ListSink(), spec=EpisodeSpec(...)).run()``.
+Run one in-process: ``await Explorer(engine=..., tokenizer=..., env=...,
+config=ExplorerConfig.for_env( "sokoban"), sink=ListSink(), spec=EpisodeSpec(...)).run()``.
 """
 
 from __future__ import annotations
@@ -40,14 +42,14 @@ from typing import Any, TypeVar
 import msgspec
 import structlog
 
-from actors.config import ExplorerConfig
-from actors.engine import ENGINE_AFFINITY, Completion, Engine, EngineError, SamplingParams
-from actors.episode import EpisodeRecorder, EpisodeSpec, EpisodeSummary, EventSink
-from actors.parsing import invalid_action_feedback, parse_action
-from actors.reflect import Reflector
-from actors.tree import PathStep, TreeBranch, TreeCounters, TreeRequest
-from envs.base import Env, EnvError, Transition, rollback_to
-from protocol.events import (
+from leafe.actors.config import ExplorerConfig
+from leafe.actors.engine import ENGINE_AFFINITY, Completion, Engine, EngineError, SamplingParams
+from leafe.actors.episode import EpisodeRecorder, EpisodeSpec, EpisodeSummary, EventSink
+from leafe.actors.parsing import invalid_action_feedback, parse_action
+from leafe.actors.reflect import Reflector
+from leafe.actors.tree import PathStep, TreeBranch, TreeCounters, TreeRequest
+from leafe.envs.base import Env, EnvError, Transition, rollback_to
+from leafe.protocol.events import (
     ROOT_BRANCH,
     Branch,
     EpisodeFinished,
@@ -59,7 +61,13 @@ from protocol.events import (
     Rollback,
     Step,
 )
-from protocol.prompt import PROMPT_FORMAT, ChatTokenizer, HistoryEntry, prompt_sha256, render_messages
+from leafe.protocol.prompt import (
+    PROMPT_FORMAT,
+    ChatTokenizer,
+    HistoryEntry,
+    prompt_sha256,
+    render_messages,
+)
 
 __all__ = ["Explorer", "PathStep"]
 
@@ -69,7 +77,8 @@ E = TypeVar("E", bound=msgspec.Struct)
 
 
 class Explorer:
-    """Runs one episode's LEAFE tree (or, with ``ExplorerConfig.from_rollout``, one plain rollout)."""
+    """Runs one episode's LEAFE tree (or, with ``ExplorerConfig.from_rollout``, one plain
+    rollout)."""
 
     def __init__(
         self,
@@ -142,17 +151,19 @@ class Explorer:
         return TreeBranch(ROOT_BRANCH, depth=0, tau=0, experience=None, path=[], snapshots=snaps)
 
     async def _emit(self, cls: type[E], **fields: Any) -> E:
-        """Emit through the recorder, EpisodeStarted first: it is held back until the episode's first
-        completion (or first other event), so its ``policy_version`` is the version that completion
-        reports, never ``/get_model_info``'s (through a router: the first healthy worker's, not the one
-        that generates). An episode whose first generation fails leaves no events at all."""
+        """Emit through the recorder, EpisodeStarted first: it is held back until the episode's
+        first completion (or first other event), so its ``policy_version`` is the version that
+        completion reports, never ``/get_model_info``'s (through a router: the first healthy
+        worker's, not the one that generates). An episode whose first generation fails leaves no
+        events at all."""
         if self._started is not None:
             started, self._started = self._started, None
             await self.rec.emit(EpisodeStarted, **started)
         return await self.rec.emit(cls, **fields)
 
     async def _generate(self, ids: list[int], params: SamplingParams, logprob: bool) -> Completion:
-        # The task's group (or task key): its episodes share the prompt prefix on one server's cache.
+        # The task's group (or task key): its episodes share the prompt prefix on one server's
+        # cache.
         ENGINE_AFFINITY.set(self.spec.group_id or self.spec.task_key)
         completions = await self.engine.generate(ids, params, n=1, return_logprob=logprob)
         if len(completions) != 1:
@@ -162,7 +173,11 @@ class Explorer:
 
     def _params(self, *, reflect: bool) -> SamplingParams:
         self.n.calls += 1
-        seed = (self.spec.seed * 1_000_003 + self.n.calls) % (2**31) if self.cfg.seeded_sampling else None
+        seed = (
+            (self.spec.seed * 1_000_003 + self.n.calls) % (2**31)
+            if self.cfg.seeded_sampling
+            else None
+        )
         return self.cfg.reflection_params(seed) if reflect else self.cfg.action_params(seed)
 
     async def _run_branch(self, b: TreeBranch) -> None:
@@ -208,7 +223,9 @@ class Explorer:
             reason=reason,
             error=self.n.error if reason == "error" else "",
         )
-        self.log.debug("actor.branch.ended", branch_id=b.branch_id, reason=reason, steps=len(b.path))
+        self.log.debug(
+            "actor.branch.ended", branch_id=b.branch_id, reason=reason, steps=len(b.path)
+        )
 
     def _prompt_ids(self, b: TreeBranch) -> tuple[list[int], bool]:
         t = len(b.path)
@@ -232,7 +249,9 @@ class Explorer:
         if parsed.action is None:
             self.n.parse_failures += 1
             feedback = invalid_action_feedback(parsed, valid)
-            tr = Transition(observation=current, feedback=feedback, score=b.path[-1].score if b.path else 0.0)
+            tr = Transition(
+                observation=current, feedback=feedback, score=b.path[-1].score if b.path else 0.0
+            )
         else:
             tr = await self._env(self.env.step, parsed.action)
         self.n.actions += 1
@@ -299,9 +318,13 @@ class Explorer:
             cached_tokens=v.cached_tokens,
         )
         if v.parsed.experience:
-            tau = 0 if self.cfg.restart_from == "start" else v.parsed.tau  # IR restarts the whole attempt
+            tau = (
+                0 if self.cfg.restart_from == "start" else v.parsed.tau
+            )  # IR restarts the whole attempt
             key = (b.branch_id, tau, v.parsed.experience)
-            if key in self.n.requested:  # the same correction again (periodic reflections repeat themselves)
+            if (
+                key in self.n.requested
+            ):  # the same correction again (periodic reflections repeat themselves)
                 self.n.duplicates += 1
             else:
                 self.n.requested.add(key)
@@ -317,15 +340,23 @@ class Explorer:
             res = await self._env(rollback_to, self.env, self.spec.task_id, actions, snap)
         except EnvError as e:
             self.n.error, self.n.stopped = f"{type(e).__name__}: {e}", True
-            self.log.warning("actor.rollback.failed", from_branch=parent.branch_id, tau=tau, error=str(e))
+            self.log.warning(
+                "actor.rollback.failed", from_branch=parent.branch_id, tau=tau, error=str(e)
+            )
             return None
         self.n.replay_steps += res.replay_steps
         expected = prefix[-1].entry.observation if prefix else self.o0
         if res.observation != expected:
             self.n.diverged += 1
-            self.log.warning("actor.rollback.diverged", from_branch=parent.branch_id, tau=tau, via=res.method)
+            self.log.warning(
+                "actor.rollback.diverged", from_branch=parent.branch_id, tau=tau, via=res.method
+            )
         await self._emit(
-            Rollback, from_branch=parent.branch_id, tau=tau, method=res.method, replay_steps=res.replay_steps
+            Rollback,
+            from_branch=parent.branch_id,
+            tau=tau,
+            method=res.method,
+            replay_steps=res.replay_steps,
         )
         branch = TreeBranch(
             f"b{self.n.branches}",

@@ -1,16 +1,17 @@
 """Synthetic event streams for tests and benchmarks: explore trees (LEAFE) and GRPO rollout groups.
 
-The builders simulate what an actor publishes, following the contract in ``protocol.events`` and
-``protocol.prompt``: a breadth-first tree of branches (reflection -> rollback -> branch -> steps ->
-outcome), periodic and failure reflections, unparsable completions, experience in context for a branch's
-first step or all of its steps, and each Step's ``prompt_sha256`` computed from the exact prompt the
-actor would have sent (when a tokenizer is given). Every experience text contains the marker
-:data:`EXPERIENCE_MARKER`, which appears nowhere else, so a test can prove it never leaks into inputs.
+The builders simulate what an actor publishes, following the contract in ``leafe.protocol.events``
+and ``leafe.protocol.prompt``: a breadth-first tree of branches (reflection -> rollback -> branch ->
+steps -> outcome), periodic and failure reflections, unparsable completions, experience in context
+for a branch's first step or all of its steps, and each Step's ``prompt_sha256`` computed from the
+exact prompt the actor would have sent (when a tokenizer is given). Every experience text contains
+the marker :data:`EXPERIENCE_MARKER`, which appears nowhere else, so a test can prove it never leaks
+into inputs.
 
 The builders (``build_explore_episode``, ``build_rollout_group``, ``interleave``) take a
-``random.Random``; ``bench/replay.py`` makes million-event logs with them, and the Hypothesis strategies
-of the property suites (``tests/support/episodes.py``) wrap them. A fake like ``actors/fakes.py``: never
-used by the product itself.
+``random.Random``; ``bench/replay.py`` makes million-event logs with them, and the Hypothesis
+strategies of the property suites (``tests/support/episodes.py``) wrap them. A fake like
+``actors/fakes.py``: never used by the product itself.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.episode import stamp_event
-from protocol.events import (
+from leafe.actors.episode import stamp_event
+from leafe.protocol.events import (
     ROOT_BRANCH,
     Branch,
     EpisodeEvent,
@@ -33,7 +34,7 @@ from protocol.events import (
     Rollback,
     Step,
 )
-from protocol.prompt import ChatTokenizer, HistoryEntry, prompt_sha256, render_messages
+from leafe.protocol.prompt import ChatTokenizer, HistoryEntry, prompt_sha256, render_messages
 
 __all__ = [
     "ACTIONS",
@@ -73,8 +74,8 @@ class ExploreSpec:
 
 @dataclass
 class EventWriter:
-    """Stamps events with ids, seq, run and actor like an actor's publisher (``emit(Step, ...)``); ``seq=``
-    overrides the next sequence number (a forger's events, say)."""
+    """Stamps events with ids, seq, run and actor like an actor's publisher (``emit(Step, ...)``);
+    ``seq=`` overrides the next sequence number (a forger's events, say)."""
 
     run_id: str
     episode_id: str
@@ -117,12 +118,16 @@ class _Episode:
         ids = self.tokenizer.encode_chat(messages)
         return prompt_sha256(ids), len(ids)
 
-    def step(self, branch_id: str, path: list[Step], experience: str | None, p_success: float) -> Step:
+    def step(
+        self, branch_id: str, path: list[Step], experience: str | None, p_success: float
+    ) -> Step:
         rng, t = self.rng, len(path)
         parsed = rng.random() >= self.spec.p_parse_fail
         action = rng.choice(ACTIONS) if parsed else None
         raw = (
-            f"I will move. <action>{action}</action>" if parsed else rng.choice(["hmm", "Let me think.", ""])
+            f"I will move. <action>{action}</action>"
+            if parsed
+            else rng.choice(["hmm", "Let me think.", ""])
         )
         n_tokens = rng.randint(0 if not raw else 1, 12)
         success = parsed and rng.random() < p_success
@@ -152,13 +157,15 @@ class _Episode:
 def _run_branch(
     ep: _Episode, branch_id: str, prefix: list[Step], experience: str, depth: int, queue: deque
 ) -> bool:
-    """Steps of one branch until success, horizon or budget; queues branch requests from reflections."""
+    """Steps of one branch until success, horizon or budget; queues branch requests from
+    reflections."""
     spec, path = ep.spec, list(prefix)
     first = len(path)
     success = False
     while len(path) - first < spec.horizon and ep.actions < spec.budget and not success:
         in_ctx = experience and (
-            spec.experience_scope == "all" or (spec.experience_scope == "first" and len(path) == first)
+            spec.experience_scope == "all"
+            or (spec.experience_scope == "first" and len(path) == first)
         )
         # A lesson in context helps: corrected branches succeed more often, as the method intends.
         p_success = min(0.9, 2 * spec.p_success + 0.1) if experience else spec.p_success
@@ -172,7 +179,12 @@ def _run_branch(
         queue.append(_reflect(ep, branch_id, path, "failure", depth))
     reason = "success" if success else ("budget" if ep.actions >= spec.budget else "horizon")
     ep.w.emit(
-        Outcome, branch_id=branch_id, success=success, score=float(success), steps=len(path), reason=reason
+        Outcome,
+        branch_id=branch_id,
+        success=success,
+        score=float(success),
+        steps=len(path),
+        reason=reason,
     )
     return success
 
@@ -180,7 +192,9 @@ def _run_branch(
 def _reflect(ep: _Episode, branch_id: str, path: list[Step], trigger: str, depth: int) -> tuple:
     ep.reflections += 1
     tau = ep.rng.randrange(len(path))
-    experience = f"{EXPERIENCE_MARKER}{ep.w.episode_id}/{ep.reflections}: do not push the box into a corner"
+    experience = (
+        f"{EXPERIENCE_MARKER}{ep.w.episode_id}/{ep.reflections}: do not push the box into a corner"
+    )
     refl = ep.w.emit(
         Reflection,
         branch_id=branch_id,
@@ -198,8 +212,9 @@ def build_explore_episode(
     spec: ExploreSpec, *, run_id: str, episode_id: str, tokenizer: ChatTokenizer | None = None
 ) -> list[EpisodeEvent]:
     """Events of one explore episode (in seq order), simulated breadth-first like an actor."""
-    # The content depends on the spec and the episode's name within its run, never on the run id (tests
-    # put the run id, which carries a pid, into episode ids to keep runs apart on a shared server).
+    # The content depends on the spec and the episode's name within its run, never on the run id
+    # (tests put the run id, which carries a pid, into episode ids to keep runs apart on a shared
+    # server).
     rng = random.Random(f"{spec.seed}:{episode_id.removeprefix(f'{run_id}-')}")
     w = EventWriter(run_id, episode_id)
     started = w.emit(
@@ -261,8 +276,8 @@ def build_rollout_group(
 ) -> list[list[EpisodeEvent]]:
     """Events of the ``n`` plain rollouts of one GRPO group (one list per episode).
 
-    With ``retry`` the first member is also run as an abandoned attempt (no EpisodeFinished) before its
-    retry, as happens when an actor crashes and the task is redelivered.
+    With ``retry`` the first member is also run as an abandoned attempt (no EpisodeFinished) before
+    its retry, as happens when an actor crashes and the task is redelivered.
     """
     episodes: list[list[EpisodeEvent]] = []
     for i in range(n):
@@ -304,8 +319,9 @@ def _rollout(
     tokenizer: ChatTokenizer | None,
     attempt: int,
 ) -> list[EpisodeEvent]:
-    # The content depends on the spec and the episode's name within its run, never on the run id (tests
-    # put the run id, which carries a pid, into episode ids to keep runs apart on a shared server).
+    # The content depends on the spec and the episode's name within its run, never on the run id
+    # (tests put the run id, which carries a pid, into episode ids to keep runs apart on a shared
+    # server).
     rng = random.Random(f"{spec.seed}:{episode_id.removeprefix(f'{run_id}-')}")
     w = EventWriter(run_id, episode_id)
     started = w.emit(
@@ -325,7 +341,13 @@ def _rollout(
     )
     ep = _Episode(w, rng, spec, started, tokenizer)
     success = _run_branch(ep, ROOT_BRANCH, [], "", 0, deque())
-    w.emit(EpisodeFinished, success=success, branches=1, actions=ep.actions, parse_failures=ep.parse_failures)
+    w.emit(
+        EpisodeFinished,
+        success=success,
+        branches=1,
+        actions=ep.actions,
+        parse_failures=ep.parse_failures,
+    )
     return w.events
 
 

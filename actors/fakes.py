@@ -1,8 +1,10 @@
-"""Deterministic stand-ins for tests and benchmarks: a scripted engine, a byte tokenizer, a corridor env.
+"""Deterministic stand-ins for tests and benchmarks: a scripted engine, a byte tokenizer, a corridor
+env.
 
-They implement the real protocols (``actors.engine.Engine``, ``protocol.prompt.ChatTokenizer``,
-``envs.base.Env``), so the explorer, rollouts and the actor service run on them unchanged. Nothing here
-is used in production; integration tests use the real engine, tokenizer and environments instead.
+They implement the real protocols (``leafe.actors.engine.Engine``,
+``leafe.protocol.prompt.ChatTokenizer``, ``leafe.envs.base.Env``), so the explorer, rollouts and the
+actor service run on them unchanged. Nothing here is used in production; integration tests use the
+real engine, tokenizer and environments instead.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from actors.engine import Completion, SamplingParams
-from envs.base import EnvError, Reset, Transition
-from protocol.prompt import ChatTokenizer
-from protocol.reflection import REFLECTION_QUESTION
-from protocol.samples import ChatMessage
+from leafe.actors.engine import Completion, SamplingParams
+from leafe.envs.base import EnvError, Reset, Transition
+from leafe.protocol.prompt import ChatTokenizer
+from leafe.protocol.reflection import REFLECTION_QUESTION
+from leafe.protocol.samples import ChatMessage
 
 __all__ = ["ByteChatTokenizer", "CorridorEnv", "EngineCall", "ScriptedEngine"]
 
@@ -28,7 +30,11 @@ class ByteChatTokenizer:
 
     def encode_chat(self, messages: Sequence[ChatMessage], response_prefix: str = "") -> list[int]:
         """Bytes of ``<|role|>content\\n`` per message, then ``<|assistant|>``."""
-        text = "".join(f"<|{m.role}|>{m.content}\n" for m in messages) + "<|assistant|>" + response_prefix
+        text = (
+            "".join(f"<|{m.role}|>{m.content}\n" for m in messages)
+            + "<|assistant|>"
+            + response_prefix
+        )
         return list(text.encode("utf-8"))
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -52,11 +58,12 @@ Script = Callable[[CallKind, str], str]
 class ScriptedEngine:
     """An ``Engine`` answering from scripts: action and reflection texts in order, then defaults.
 
-    ``script`` (kind, prompt text) -> completion text replaces the lists when given. Every request is
-    recorded in ``calls`` (exact input ids). ``latency_s`` sleeps per request (benchmarks). Prompts are
-    decoded with ``tokenizer`` (default: bytes) to tell reflection requests; output ids are UTF-8 bytes.
-    ``cached_tokens`` is what an unbounded prefix cache of every earlier prompt would serve (the longest
-    prefix of the prompt some earlier prompt began with, its last token always computed, as SGLang does).
+    ``script`` (kind, prompt text) -> completion text replaces the lists when given. Every request
+    is recorded in ``calls`` (exact input ids). ``latency_s`` sleeps per request (benchmarks).
+    Prompts are decoded with ``tokenizer`` (default: bytes) to tell reflection requests; output ids
+    are UTF-8 bytes. ``cached_tokens`` is what an unbounded prefix cache of every earlier prompt
+    would serve (the longest prefix of the prompt some earlier prompt began with, its last token
+    always computed, as SGLang does).
     """
 
     def __init__(
@@ -105,7 +112,12 @@ class ScriptedEngine:
         return next(self._actions, self.default_action)
 
     async def generate(
-        self, input_ids: list[int], params: SamplingParams, *, n: int = 1, return_logprob: bool = False
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        return_logprob: bool = False,
     ) -> list[Completion]:
         """``n`` copies of the scripted answer; the output ids are its UTF-8 bytes."""
         prompt = self._tok.decode(input_ids)
@@ -141,7 +153,9 @@ class CorridorEnv:
     """
 
     name = "corridor"
-    instructions = "You walk a corridor. Reach the goal. Answer with <action>left|right|wait</action>."
+    instructions = (
+        "You walk a corridor. Reach the goal. Answer with <action>left|right|wait</action>."
+    )
 
     def __init__(self, *, supports_snapshot: bool = True, broken_after: int | None = None) -> None:
         self.supports_snapshot = supports_snapshot
@@ -175,10 +189,14 @@ class CorridorEnv:
             raise EnvError(f"corridor backend crashed after {self.env_steps} steps")
         self.env_steps += 1
         if self._done:
-            return Transition(observation=self._obs(), done=True, feedback="the episode is over", valid=False)
+            return Transition(
+                observation=self._obs(), done=True, feedback="the episode is over", valid=False
+            )
         move = {"left": -1, "right": 1, "wait": 0}.get(action.strip().lower())
         if move is None:
-            return Transition(observation=self._obs(), feedback=f"invalid action: {action!r}", valid=False)
+            return Transition(
+                observation=self._obs(), feedback=f"invalid action: {action!r}", valid=False
+            )
         self._pos += move
         goal = self._length - 1
         if self._pos <= 0:

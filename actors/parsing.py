@@ -1,21 +1,25 @@
-"""Parsing the policy's completions: actions (lenient, but exact about what was accepted) and reflections.
+"""Parsing the policy's completions: actions (lenient, but exact about what was accepted) and
+reflections.
 
-Small models rarely follow a format (measured: SmolLM2-135M mostly answers in prose that names a move), so
-an action is looked for in this order, and :class:`ParsedAction` says which rule found it:
+Small models rarely follow a format (measured: SmolLM2-135M mostly answers in prose that names a
+move), so an action is looked for in this order, and :class:`ParsedAction` says which rule found it:
 
-1. ``tag``: the content of the first ``<action>...</action>`` (a missing closing tag is fine: it is a
-   stop string), when it is a valid action up to case, spacing and trailing punctuation, or when the
-   valid actions are unknown;
+1. ``tag``: the content of the first ``<action>...</action>`` (a missing closing tag is fine: it is
+   a stop string), when it is a valid action up to case, spacing and trailing punctuation, or when
+   the valid actions are unknown;
 2. ``tag_mention``: the first valid action mentioned inside that tag;
-3. ``mention``: the first valid action mentioned anywhere (whole words; at one position the longest);
-4. with the valid actions unknown: ``fence`` (the first fenced code block) or ``raw`` (the whole text).
+3. ``mention``: the first valid action mentioned anywhere (whole words; at one position the
+   longest);
+4. with the valid actions unknown: ``fence`` (the first fenced code block) or ``raw`` (the whole
+   text).
 
 A reasoning block ``<think>...</think>`` (the self-reflection answer format of the Early Experience
-baseline, ``protocol.answers``: ``<think>why</think><action>up</action>``) is removed before these rules,
-so nothing mentioned while reasoning is taken for the action; an unclosed one runs to the end of the text.
+baseline, ``leafe.protocol.answers``: ``<think>why</think><action>up</action>``) is removed before
+these rules, so nothing mentioned while reasoning is taken for the action; an unclosed one runs to
+the end of the text.
 
-A reflection answers ``<step>N</step><experience>...</experience>``; fallbacks (``step N``, an untagged
-experience) are accepted and flagged, tau out of range is clamped and flagged.
+A reflection answers ``<step>N</step><experience>...</experience>``; fallbacks (``step N``, an
+untagged experience) are accepted and flagged, tau out of range is clamped and flagged.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Literal
 
 import msgspec
 
-from protocol.reflection import ANSWER_TAG, format_reflection
+from leafe.protocol.reflection import ANSWER_TAG, format_reflection
 
 __all__ = [
     "ActionMethod",
@@ -138,7 +142,9 @@ def invalid_action_feedback(
     text = f"invalid action: {parsed.reason or 'no action found'}"
     if valid_actions:
         shown = ", ".join(valid_actions[:max_shown])
-        more = f" (+{len(valid_actions) - max_shown} more)" if len(valid_actions) > max_shown else ""
+        more = (
+            f" (+{len(valid_actions) - max_shown} more)" if len(valid_actions) > max_shown else ""
+        )
         text += f"; valid actions: {shown}{more}"
     return text
 
@@ -182,7 +188,8 @@ def _parse_experience(text: str, max_chars: int, flags: list[str]) -> str:
 
 
 def parse_reflection(text: str, at_t: int, *, max_experience_chars: int = 400) -> ParsedReflection:
-    """Parse ``<step>N</step><experience>...</experience>`` about a history of ``at_t`` >= 1 steps."""
+    """Parse ``<step>N</step><experience>...</experience>`` about a history of ``at_t`` >= 1
+    steps."""
     if at_t < 1:
         raise ValueError(f"at_t = {at_t}: a reflection needs at least one step to blame")
     flags: list[str] = []

@@ -2,7 +2,8 @@
 and the interval of a paired difference between two evaluations of the same tasks.
 
 pass@k = 1 - C(n-c, k) / C(n, k), averaged over tasks. Computed as a product so large n stays exact
-enough in floating point. Used by ``leafe eval``, ``leafe run``'s report and ``bench/paper_table.py``.
+enough in floating point. Used by ``leafe eval``, ``leafe run``'s report and
+``experiments/paper_table.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ __all__ = ["PassKDiff", "paired_difference", "pass_at_k", "pass_at_k_table"]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Probability that at least one of k samples drawn without replacement from n (c correct) is correct."""
+    """Probability that at least one of k samples drawn without replacement from n (c correct) is
+    correct."""
     if not 0 <= c <= n:
         raise ValueError(f"need 0 <= c <= n, got n={n} c={c}")
     if not 1 <= k <= n:
@@ -30,8 +32,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def pass_at_k_table(results: Mapping[str, Sequence[bool]], ks: Iterable[int]) -> dict[int, float]:
-    """Mean pass@k over tasks; ``results`` maps task id -> per-sample success. k larger than a task's n
-    is skipped for the whole table (never extrapolated)."""
+    """Mean pass@k over tasks; ``results`` maps task id -> per-sample success. k larger than a
+    task's n is skipped for the whole table (never extrapolated)."""
     ks = sorted(set(ks))
     if not results:
         raise ValueError("no task results to score")
@@ -40,12 +42,15 @@ def pass_at_k_table(results: Mapping[str, Sequence[bool]], ks: Iterable[int]) ->
     for k in ks:
         if k > n_min:
             continue
-        table[k] = sum(pass_at_k(len(v), sum(map(bool, v)), k) for v in results.values()) / len(results)
+        table[k] = sum(pass_at_k(len(v), sum(map(bool, v)), k) for v in results.values()) / len(
+            results
+        )
     return table
 
 
 class PassKDiff(msgspec.Struct, frozen=True, kw_only=True):
-    """Pass@k(a) - Pass@k(b) on the same tasks, with a 95% bootstrap interval (fractions, not points)."""
+    """Pass@k(a) - Pass@k(b) on the same tasks, with a 95% bootstrap interval (fractions, not
+    points)."""
 
     k: int
     """The k compared."""
@@ -73,8 +78,8 @@ def paired_difference(
     seed: int = 0,
 ) -> PassKDiff:
     """Pass@k(a) - Pass@k(b) over the tasks both evaluated, with a 95% two-level bootstrap interval:
-    resample the tasks, then each evaluation's samples within a task (so a task solved once in n counts
-    as shaky as it is). Deterministic for a given ``seed``."""
+    resample the tasks, then each evaluation's samples within a task (so a task solved once in n
+    counts as shaky as it is). Deterministic for a given ``seed``."""
     tasks = sorted(set(a) & set(b))
     if not tasks:
         raise ValueError("the two evaluations share no task")

@@ -1,11 +1,13 @@
-"""The explorer's reflection step: on a branch's history, name (tau, e), by the policy or the oracle.
+"""The explorer's reflection step: on a branch's history, name (tau, e), by the policy or the
+oracle.
 
-With ``reflection_source = "policy"`` the same policy is prompted with ``render_reflection_messages`` (the
-history, the trigger) and its answer is parsed by ``parse_reflection``; with ``"oracle"`` the environment's
-oracle names them (``actors/oracle.py``). With ``oracle_labels`` the policy reflects and the oracle's
-verdict on the same history comes back beside it as a label (``Reflection.oracle_tau``,
-``oracle_experience``). The explorer (``actors/explorer.py``) decides when to reflect, emits the
-``Reflection`` event and queues the branch request; this module only produces the verdict.
+With ``reflection_source = "policy"`` the same policy is prompted with
+``render_reflection_messages`` (the history, the trigger) and its answer is parsed by
+``parse_reflection``; with ``"oracle"`` the environment's oracle names them (``actors/oracle.py``).
+With ``oracle_labels`` the policy reflects and the oracle's verdict on the same history comes back
+beside it as a label (``Reflection.oracle_tau``, ``oracle_experience``). The explorer
+(``actors/explorer.py``) decides when to reflect, emits the ``Reflection`` event and queues the
+branch request; this module only produces the verdict.
 """
 
 from __future__ import annotations
@@ -14,15 +16,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from actors.config import ExplorerConfig
-from actors.engine import Completion, SamplingParams
-from actors.oracle import oracle_parsed
-from actors.parsing import ParsedReflection, parse_reflection
-from envs.base import Env
-from envs.registry import reflection_oracle
-from protocol.events import ReflectionTrigger
-from protocol.prompt import ChatTokenizer, HistoryEntry, prompt_sha256
-from protocol.reflection import render_reflection_messages
+from leafe.actors.config import ExplorerConfig
+from leafe.actors.engine import Completion, SamplingParams
+from leafe.actors.oracle import oracle_parsed
+from leafe.actors.parsing import ParsedReflection, parse_reflection
+from leafe.envs.base import Env
+from leafe.envs.registry import reflection_oracle
+from leafe.protocol.events import ReflectionTrigger
+from leafe.protocol.prompt import ChatTokenizer, HistoryEntry, prompt_sha256
+from leafe.protocol.reflection import render_reflection_messages
 
 __all__ = ["Reflector", "Verdict"]
 
@@ -42,7 +44,8 @@ class Verdict:
     label: ParsedReflection | None
     """The oracle's verdict beside a policy reflection (``oracle_labels``), else None."""
     oracle_action: str = ""
-    """The action the oracle's verdict names as the fix (either source), empty when it names none."""
+    """The action the oracle's verdict names as the fix (either source), empty when it names
+    none."""
     prompt_tokens: int = 0
     """The reflection prompt's length (0 for an oracle reflection)."""
     cached_tokens: int | None = None
@@ -63,8 +66,8 @@ class Reflector:
         params: Callable[[], SamplingParams],
         run_env: Callable[..., Awaitable[Any]],
     ) -> None:
-        """``generate`` and ``params`` are the explorer's (its seeds count every call), ``run_env`` runs an
-        environment call the way the explorer does (in a thread or not)."""
+        """``generate`` and ``params`` are the explorer's (its seeds count every call), ``run_env``
+        runs an environment call the way the explorer does (in a thread or not)."""
         self.env = env
         self.tokenizer = tokenizer
         self.cfg = config
@@ -75,10 +78,14 @@ class Reflector:
         wants_oracle = config.reflection_source == "oracle" or config.oracle_labels
         self.oracle = reflection_oracle(env) if wants_oracle else None
 
-    async def reflect(self, task: str, history: list[HistoryEntry], trigger: ReflectionTrigger) -> Verdict:
+    async def reflect(
+        self, task: str, history: list[HistoryEntry], trigger: ReflectionTrigger
+    ) -> Verdict:
         """The verdict on ``history`` (at least one step)."""
         at_t = len(history)
-        label, oracle_raw, fix = await self._oracle_verdict(history) if self.oracle else (None, "", "")
+        label, oracle_raw, fix = (
+            await self._oracle_verdict(history) if self.oracle else (None, "", "")
+        )
         if self.cfg.reflection_source == "oracle":
             assert label is not None
             # The verdict is the reflection itself, not a label beside it.
@@ -100,7 +107,9 @@ class Reflector:
         )
         ids = self.tokenizer.encode_chat(messages)
         completion = await self._generate(ids, self._params(), False)
-        parsed = parse_reflection(completion.text, at_t, max_experience_chars=self.cfg.max_experience_chars)
+        parsed = parse_reflection(
+            completion.text, at_t, max_experience_chars=self.cfg.max_experience_chars
+        )
         return Verdict(
             parsed=parsed,
             raw_text=completion.text,
@@ -112,9 +121,12 @@ class Reflector:
             cached_tokens=completion.cached_tokens,
         )
 
-    async def _oracle_verdict(self, history: list[HistoryEntry]) -> tuple[ParsedReflection, str, str]:
-        """The environment oracle's tau and e on ``history`` in the explorer's terms (clamped, cut), its e
-        as the oracle wrote it (an oracle-source Reflection's ``raw_text``), and the action it names."""
+    async def _oracle_verdict(
+        self, history: list[HistoryEntry]
+    ) -> tuple[ParsedReflection, str, str]:
+        """The environment oracle's tau and e on ``history`` in the explorer's terms (clamped, cut),
+        its e as the oracle wrote it (an oracle-source Reflection's ``raw_text``), and the action it
+        names."""
         assert self.oracle is not None
         verdict = await self._run_env(self.oracle.oracle_reflection, self.task_id, history)
         parsed = oracle_parsed(verdict, len(history), self.cfg.max_experience_chars)

@@ -1,13 +1,19 @@
 """Plain rollouts: independent samples of a task with no reflection, rollback or branching.
 
 Used for evaluation (Pass@k) and for the GRPO/RFT baselines. A rollout is an exploration tree of one
-branch (``ExplorerConfig.from_rollout``), so it emits the same events (EpisodeStarted, Steps, one Outcome,
-EpisodeFinished) through the same code; only Reflection/Rollback/Branch never appear.
+branch (``ExplorerConfig.from_rollout``), so it emits the same events (EpisodeStarted, Steps, one
+Outcome, EpisodeFinished) through the same code; only Reflection/Rollback/Branch never appear.
 
 ```python
-summaries = await run_rollouts(engine=client, tokenizer=tok, env_factory=lambda: make_env("sokoban"),
-                               spec=EpisodeSpec(..., mode="eval"), config=RolloutConfig.for_env("sokoban"),
-                               sink=ListSink(), n=16)
+summaries = await run_rollouts(
+    engine=client,
+    tokenizer=tok,
+    env_factory=lambda: make_env("sokoban"),
+    spec=EpisodeSpec(..., mode="eval"),
+    config=RolloutConfig.for_env("sokoban"),
+    sink=ListSink(),
+    n=16,
+)
 ```
 """
 
@@ -16,12 +22,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from actors.config import ExplorerConfig, RolloutConfig
-from actors.engine import Engine
-from actors.episode import EpisodeSpec, EpisodeSummary, EventSink
-from actors.explorer import Explorer
-from envs.base import Env
-from protocol.prompt import ChatTokenizer
+from leafe.actors.config import ExplorerConfig, RolloutConfig
+from leafe.actors.engine import Engine
+from leafe.actors.episode import EpisodeSpec, EpisodeSummary, EventSink
+from leafe.actors.explorer import Explorer
+from leafe.envs.base import Env
+from leafe.protocol.prompt import ChatTokenizer
 
 __all__ = ["run_rollout", "run_rollouts"]
 
@@ -35,7 +41,8 @@ async def run_rollout(
     config: RolloutConfig,
     sink: EventSink,
 ) -> EpisodeSummary:
-    """One plain episode of ``spec.task_id`` on ``env`` (``spec.mode`` should be rollout or eval)."""
+    """One plain episode of ``spec.task_id`` on ``env`` (``spec.mode`` should be rollout or
+    eval)."""
     explorer = Explorer(
         engine=engine,
         tokenizer=tokenizer,

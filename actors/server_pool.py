@@ -1,13 +1,13 @@
-"""The servers behind an :class:`~actors.client.SGLangClient`: which one gets a request, and how a
-transient failure is retried.
+"""The servers behind an :class:`~leafe.actors.client.SGLangClient`: which one gets a request, and
+how a transient failure is retried.
 
 Each request goes to the server with the fewest requests in flight from this client (or the one its
 episode's affinity key prefers). Connection errors (refused, reset, connect timeout), 502/503/504
-answers and the sglang router's 500 for a worker it could not reach are retried on the next server with
-exponential backoff; a server that failed is avoided for a
-short cooldown. HTTP 400 (bad request) and a request that times out after connecting are not retried (a
-slow generation would be run twice). When every attempt fails, :class:`EngineUnavailable` names each
-server and why. Timeouts, retries and backoff are :class:`SGLangClientConfig` fields.
+answers and the sglang router's 500 for a worker it could not reach are retried on the next server
+with exponential backoff; a server that failed is avoided for a short cooldown. HTTP 400 (bad
+request) and a request that times out after connecting are not retried (a slow generation would be
+run twice). When every attempt fails, :class:`EngineUnavailable` names each server and why.
+Timeouts, retries and backoff are :class:`SGLangClientConfig` fields.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import aiohttp
 import msgspec
 import structlog
 
-from actors.engine import ENGINE_AFFINITY, EngineError
-from actors.sglang_wire import error_message
+from leafe.actors.engine import ENGINE_AFFINITY, EngineError
+from leafe.actors.sglang_wire import error_message
 
 __all__ = ["AFFINITY_SLACK", "EngineUnavailable", "NotFound", "SGLangClientConfig", "ServerPool"]
 
@@ -34,27 +34,31 @@ log = structlog.get_logger(__name__)
 
 _RETRY_STATUS = frozenset({502, 503, 504})
 _ROUTER_UNREACHED = frozenset({"call_upstream_request_error", "call_upstream_connection_failed"})
-"""sglang-router 0.3.2's ``x-smg-error-code`` when the worker it chose could not be reached (a pod gone or
-restarting, until its health checks drop it): HTTP 500, yet the request never ran; retried like a refused
-connection."""
+"""sglang-router 0.3.2's ``x-smg-error-code`` when the worker it chose could not be reached (a pod
+gone or restarting, until its health checks drop it): HTTP 500, yet the request never ran; retried
+like a refused connection."""
 
 AFFINITY_SLACK = 8
-"""Requests in flight a server may have beyond the least loaded one and still get its affinity keys."""
+"""Requests in flight a server may have beyond the least loaded one and still get its affinity
+keys."""
 
 
 class SGLangClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How the client talks to its servers (a service config can embed it, e.g. as ``[actor.engine]``)."""
+    """How the client talks to its servers (a service config can embed it, e.g. as
+    ``[actor.engine]``)."""
 
     timeout_s: float = 300.0
     """Whole-request timeout of one ``/generate`` once connected; not retried when exceeded (the
-    generation may still be running). Long CPU generations or big batches on a busy GPU want more."""
+    generation may still be running). Long CPU generations or big batches on a busy GPU want
+    more."""
     connect_timeout_s: float = 5.0
     """TCP connect timeout; a connect timeout is retried on another server."""
     health_timeout_s: float = 30.0
-    """Timeout of ``/health`` and ``/model_info`` (SGLang's ``/health`` runs a generation: seconds)."""
+    """Timeout of ``/health`` and ``/model_info`` (SGLang's ``/health`` runs a generation:
+    seconds)."""
     retries: int = 3
-    """Extra attempts after a transient failure (connection error, 502/503/504); at least one attempt
-    per server is always made."""
+    """Extra attempts after a transient failure (connection error, 502/503/504); at least one
+    attempt per server is always made."""
     abort_retries: int = 2
     """Times an aborted generation is sent again before it is raised as an ``EngineError``."""
     backoff_s: float = 0.2
@@ -84,9 +88,9 @@ _DEFAULTS = SGLangClientConfig()
 
 
 class EngineUnavailable(EngineError):
-    """No server could be reached or every one answered 502/503/504 (loading, reloading, restarting): the
-    request never ran, so it says nothing about the task; the actor waits for a ready engine and does not
-    count it against the task's delivery attempts."""
+    """No server could be reached or every one answered 502/503/504 (loading, reloading,
+    restarting): the request never ran, so it says nothing about the task; the actor waits for a
+    ready engine and does not count it against the task's delivery attempts."""
 
 
 class NotFound(EngineError):
@@ -105,22 +109,25 @@ class Transient(Exception):
 
 
 def auth_headers(key_file: str) -> dict[str, str]:
-    """``Authorization: Bearer <key>`` from ``key_file``; none without a file. A named file that cannot be
-    read, or is empty, is an error (a client silently without its key would only meet 401s)."""
+    """``Authorization: Bearer <key>`` from ``key_file``; none without a file. A named file that
+    cannot be read, or is empty, is an error (a client silently without its key would only meet
+    401s)."""
     if not key_file:
         return {}
     try:
         key = Path(key_file).read_text(encoding="utf-8").strip()
     except OSError as e:
-        raise ValueError(f"cannot read the engine API key file {key_file!r}: {e.strerror}") from None
+        raise ValueError(
+            f"cannot read the engine API key file {key_file!r}: {e.strerror}"
+        ) from None
     if not key:
         raise ValueError(f"the engine API key file {key_file!r} is empty")
     return {"Authorization": f"Bearer {key}"}
 
 
 class ServerPool:
-    """The servers behind one client: which one gets a request, and how transient failures are retried
-    (an async context manager; it owns the aiohttp session)."""
+    """The servers behind one client: which one gets a request, and how transient failures are
+    retried (an async context manager; it owns the aiohttp session)."""
 
     def __init__(self, urls: str | Sequence[str], config: SGLangClientConfig) -> None:
         url_list = [urls] if isinstance(urls, str) else list(urls)
@@ -153,9 +160,10 @@ class ServerPool:
         return self._session
 
     def _pick(self) -> Server:
-        """Among servers not cooling down: the one the task's affinity key prefers (rendezvous hashing,
-        so a key keeps its server when others come and go) unless it has ``AFFINITY_SLACK`` more requests
-        in flight than the least loaded; else the least loaded (ties rotate). All cooling: soonest back."""
+        """Among servers not cooling down: the one the task's affinity key prefers (rendezvous
+        hashing, so a key keeps its server when others come and go) unless it has ``AFFINITY_SLACK``
+        more requests in flight than the least loaded; else the least loaded (ties rotate). All
+        cooling: soonest back."""
         now = time.monotonic()
         up = [s for s in self.servers if s.down_until <= now]
         self._turn += 1
@@ -167,10 +175,14 @@ class ServerPool:
         key = ENGINE_AFFINITY.get()
         if key is None or n == 1:
             return least
-        preferred = max(up, key=lambda s: hashlib.blake2b(f"{key}|{s.url}".encode(), digest_size=8).digest())
+        preferred = max(
+            up, key=lambda s: hashlib.blake2b(f"{key}|{s.url}".encode(), digest_size=8).digest()
+        )
         return preferred if preferred.in_flight <= least.in_flight + AFFINITY_SLACK else least
 
-    async def _once(self, server: Server, method: str, path: str, payload: Any, timeout_s: float) -> bytes:
+    async def _once(
+        self, server: Server, method: str, path: str, payload: Any, timeout_s: float
+    ) -> bytes:
         t = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.config.connect_timeout_s)
         url = server.url + path
         server.in_flight += 1
@@ -204,17 +216,26 @@ class ServerPool:
         for attempt in range(attempts):
             server = self._pick()
             try:
-                return await self._once(server, method, path, payload, timeout_s or self.config.timeout_s)
+                return await self._once(
+                    server, method, path, payload, timeout_s or self.config.timeout_s
+                )
             except Transient as e:
                 server.down_until = time.monotonic() + self.config.cooldown_s
                 failures.append(f"{server.url} ({e})")
                 log.warning(
-                    "engine.request.retry", url=server.url, path=path, attempt=attempt + 1, error=str(e)
+                    "engine.request.retry",
+                    url=server.url,
+                    path=path,
+                    attempt=attempt + 1,
+                    error=str(e),
                 )
             if attempt + 1 < attempts:
-                await asyncio.sleep(min(self.config.max_backoff_s, self.config.backoff_s * 2**attempt))
+                await asyncio.sleep(
+                    min(self.config.max_backoff_s, self.config.backoff_s * 2**attempt)
+                )
         raise EngineUnavailable(
-            f"{path} failed on every inference server after {attempts} attempts: " + "; ".join(failures)
+            f"{path} failed on every inference server after {attempts} attempts: "
+            + "; ".join(failures)
         )
 
     async def _each(
@@ -223,7 +244,9 @@ class ServerPool:
         async def one(server: Server) -> tuple[str, int, bytes]:
             t = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.config.connect_timeout_s)
             try:
-                async with self._http().request(method, server.url + path, json=payload, timeout=t) as resp:
+                async with self._http().request(
+                    method, server.url + path, json=payload, timeout=t
+                ) as resp:
                     return server.url, resp.status, await resp.read()
             except (aiohttp.ClientError, TimeoutError) as e:
                 return server.url, 0, f"unreachable: {type(e).__name__}: {e}".encode()

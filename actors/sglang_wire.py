@@ -1,6 +1,6 @@
-"""The response shapes of SGLang's native ``/generate`` API (shared/SGLANG_API.md, SGLang 0.5.23) and
-their parsing into :class:`~actors.engine.Completion`: lenient about keys SGLang adds, strict about the
-ones we train on (``output_ids``), and explicit about aborted generations."""
+"""The response shapes of SGLang's native ``/generate`` API (shared/SGLANG_API.md, SGLang 0.5.23)
+and their parsing into :class:`~leafe.actors.engine.Completion`: lenient about keys SGLang adds,
+strict about the ones we train on (``output_ids``), and explicit about aborted generations."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from actors.engine import Completion, EngineError, SamplingParams
+from leafe.actors.engine import Completion, EngineError, SamplingParams
 
 __all__ = [
     "Aborted",
@@ -84,7 +84,8 @@ _FINISH: dict[str, Literal["stop", "length", "abort"]] = {
 
 def error_message(body: bytes | str) -> str:
     """The error text of an SGLang error body: ``{"error": str}``, ``{"error": {"message": str}}``,
-    ``{"object": "error", "message": str}`` (or FastAPI's ``{"detail": ...}``); raw text otherwise."""
+    ``{"object": "error", "message": str}`` (or FastAPI's ``{"detail": ...}``); raw text
+    otherwise."""
     text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
     try:
         data = msgspec.json.decode(text)
@@ -122,17 +123,20 @@ def to_completion(out: GenerateOutput) -> Completion:
 
 
 def decode_outputs(body: bytes) -> list[GenerateOutput]:
-    """The results of a ``/generate`` body (an object or a list); :class:`EngineError` quoting it else."""
+    """The results of a ``/generate`` body (an object or a list); :class:`EngineError` quoting it
+    else."""
     try:
         data = msgspec.json.decode(body)
         return msgspec.convert(data if isinstance(data, list) else [data], list[GenerateOutput])
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise EngineError(f"unexpected /generate response ({e}): {body[:MAX_SHOWN_BODY]!r}") from None
+        raise EngineError(
+            f"unexpected /generate response ({e}): {body[:MAX_SHOWN_BODY]!r}"
+        ) from None
 
 
 def parse_completions(body: bytes) -> list[Completion]:
-    """Completions of a ``/generate`` response body (one object, or a list for a batch or ``n > 1``),
-    aborted ones included as they are (:meth:`SGLangClient.generate` never returns those)."""
+    """Completions of a ``/generate`` response body (one object, or a list for a batch or ``n >
+    1``), aborted ones included as they are (:meth:`SGLangClient.generate` never returns those)."""
     return [to_completion(o) for o in decode_outputs(body)]
 
 
@@ -151,12 +155,16 @@ def raise_if_aborted(outs: list[GenerateOutput]) -> None:
         if isinstance(fr, FinishReason) and fr.type == "abort":
             status = fr.status_code
             raise Aborted(
-                f"generation aborted by the server (rid {out.meta_info.id or '?'}, status {status}): "
+                f"generation aborted by the server (rid {out.meta_info.id or '?'}, status "
+                f"{status}): "
                 f"{fr.message or '(no message)'}",
-                retryable=status != 400,  # 400: the request itself is bad; sent again it aborts again
+                retryable=status
+                != 400,  # 400: the request itself is bad; sent again it aborts again
             )
         if fr == "abort":
-            raise Aborted(f"generation aborted by the server (rid {out.meta_info.id or '?'})", retryable=True)
+            raise Aborted(
+                f"generation aborted by the server (rid {out.meta_info.id or '?'})", retryable=True
+            )
 
 
 class UpdateResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -176,18 +184,24 @@ def split_seeds(seed: int, n: int) -> list[int]:
 def generate_payloads(
     input_ids: list[int], params: SamplingParams, n: int, return_logprob: bool
 ) -> list[dict[str, Any]]:
-    """The ``/generate`` bodies for ``n`` samples of one prompt. Without a seed: one request with ``n``.
-    With a seed and ``n > 1``: ``n`` requests of one sample, each with its own seed. Not one request with
-    ``n`` (SGLang, with ``--enable-deterministic-inference``, gives all ``n`` samples of one request the
-    same seed: ``n`` identical completions), and not a batch with a list of ``sampling_params`` (one per
-    prompt: SGLang takes it, sglang-router 0.3.2 refuses it with 422, "sampling_params[0]: invalid type").
-    The copies share their prompt, so the engine's prefix cache (and the router's cache-aware routing)
-    still computes it once."""
+    """The ``/generate`` bodies for ``n`` samples of one prompt. Without a seed: one request with
+    ``n``. With a seed and ``n > 1``: ``n`` requests of one sample, each with its own seed. Not one
+    request with ``n`` (SGLang, with ``--enable-deterministic-inference``, gives all ``n`` samples
+    of one request the same seed: ``n`` identical completions), and not a batch with a list of
+    ``sampling_params`` (one per prompt: SGLang takes it, sglang-router 0.3.2 refuses it with 422,
+    "sampling_params[0]: invalid type"). The copies share their prompt, so the engine's prefix cache
+    (and the router's cache-aware routing) still computes it once."""
     sampling = params.to_sglang()
     if n == 1 or params.sampling_seed is None:
         if n > 1:
             sampling["n"] = n
-        return [{"input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": return_logprob}]
+        return [
+            {
+                "input_ids": list(input_ids),
+                "sampling_params": sampling,
+                "return_logprob": return_logprob,
+            }
+        ]
     return [
         {
             "input_ids": list(input_ids),

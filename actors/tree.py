@@ -1,6 +1,6 @@
-"""The state of one exploration tree while ``actors/explorer.py`` grows it: a branch's path with its env
-snapshots, the queue of rollback requests its reflections made, and the episode's counters. Plain data,
-no I/O."""
+"""The state of one exploration tree while ``actors/explorer.py`` grows it: a branch's path with its
+env snapshots, the queue of rollback requests its reflections made, and the episode's counters.
+Plain data, no I/O."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.prompt import HistoryEntry
+from leafe.protocol.prompt import HistoryEntry
 
 __all__ = ["PathStep", "TreeBranch", "TreeCounters", "TreeRequest"]
 
@@ -33,7 +33,8 @@ class TreeBranch:
     experience: str | None
     path: list[PathStep]
     snapshots: list[Any]
-    """``snapshots[t]``: env state after t actions of ``path`` (empty when snapshots are unsupported)."""
+    """``snapshots[t]``: env state after t actions of ``path`` (empty when snapshots are
+    unsupported)."""
 
 
 @dataclass(slots=True, frozen=True)

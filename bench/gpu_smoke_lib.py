@@ -1,6 +1,6 @@
-"""The parts of ``bench/gpu_smoke.py`` that need no GPU: preconditions, launch commands, server processes,
-the figures' arithmetic and the bookkeeping of the reload under load (unit-tested on CPU in
-tests/unit/bench/test_gpu_smoke.py)."""
+"""The parts of ``bench/gpu_smoke.py`` that need no GPU: preconditions, launch commands, server
+processes, the figures' arithmetic and the bookkeeping of the reload under load (unit-tested on CPU
+in tests/unit/bench/test_gpu_smoke.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.run.router import ROUTER_VERSION
-from services.run.router import router_command as deployed_router_command
+from leafe.services.run.router import ROUTER_VERSION
+from leafe.services.run.router import router_command as deployed_router_command
 
 __all__ = [
     "PEAK_BF16_TFLOPS",
@@ -42,11 +42,19 @@ __all__ = [
 SGLANG_VERSION = "0.5.23"
 """The SGLang release the client is written against (shared/SGLANG_API.md)."""
 PROBE_TIMEOUT_S = 5.0
-"""The router's ``--health-check-timeout-secs`` (deploy/components/sglang/router.yaml): a health check
-slower than this is a miss, and 3 misses drop the worker."""
+"""The router's ``--health-check-timeout-secs`` (deploy/components/sglang/router.yaml): a health
+check slower than this is a miss, and 3 misses drop the worker."""
 
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
-"""Dense bf16 peak per GPU (vendor datasheets, no sparsity), matched by substring of the device name."""
+PEAK_BF16_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10G": 125.0,
+    "L4": 121.0,
+}
+"""Dense bf16 peak per GPU (vendor datasheets, no sparsity), matched by substring of the device
+name."""
 
 
 class SmokeError(RuntimeError):
@@ -66,7 +74,8 @@ class Report:
 def sglang_server(
     cmd: list[str], log_path: Path, url: str, timeout_s: float, ready_path: str = "/model_info"
 ) -> Iterator[None]:
-    """Run SGLang (or the router) until the block ends; waits for ``ready_path`` (log tail on failure)."""
+    """Run SGLang (or the router) until the block ends; waits for ``ready_path`` (log tail on
+    failure)."""
     import urllib.request
 
     name = "the router" if "sglang_router.launch_router" in cmd else "SGLang"
@@ -100,13 +109,15 @@ def sglang_server(
 
 
 def preflight(sglang_python: str, *, gpus: int, cuda: tuple[bool, int]) -> str:
-    """The SGLang version ``sglang_python`` imports; :class:`SmokeError` naming the fix when CUDA, the
-    GPUs or SGLang are missing (checked before anything starts). ``cuda``: (available, device count)."""
+    """The SGLang version ``sglang_python`` imports; :class:`SmokeError` naming the fix when CUDA,
+    the GPUs or SGLang are missing (checked before anything starts). ``cuda``: (available, device
+    count)."""
     cuda_available, gpu_count = cuda
     if not cuda_available:
         raise SmokeError(
             "CUDA is not available to torch here: bench/gpu_smoke.py needs NVIDIA GPUs "
-            "(it checks SGLang serving and FSDP over NCCL; the CPU path is covered by the test suite)"
+            "(it checks SGLang serving and FSDP over NCCL; the CPU path is covered by the "
+            "test suite)"
         )
     if gpus > gpu_count:
         raise SmokeError(f"--gpus {gpus} but torch sees {gpu_count} CUDA device(s)")
@@ -117,9 +128,10 @@ def preflight(sglang_python: str, *, gpus: int, cuda: tuple[bool, int]) -> str:
         raise SmokeError(f"cannot run {sglang_python!r} to look for sglang: {e}") from e
     if done.returncode != 0:
         raise SmokeError(
-            f"sglang is not importable by {sglang_python}: {done.stderr.strip().splitlines()[-1:]}; install "
-            f"sglang=={SGLANG_VERSION} (`pip install .[gpu]`, or an environment of its own: it pins torch "
-            "2.14.1) and pass that --sglang-python"
+            f"sglang is not importable by {sglang_python}: "
+            f"{done.stderr.strip().splitlines()[-1:]}; install "
+            f"sglang=={SGLANG_VERSION} (`pip install .[gpu]`, or an environment of its own: "
+            "it pins torch 2.14.1) and pass that --sglang-python"
         )
     return done.stdout.strip()
 
@@ -144,7 +156,9 @@ def mfu(params: int, tokens_per_s: float, gpus: int, peak: float | None) -> floa
 def logprob_gap(served: Sequence[float], reference: Sequence[float]) -> tuple[float, float]:
     """``(mean, max)`` absolute difference of two equally long logprob lists."""
     if len(served) != len(reference) or not served:
-        raise SmokeError(f"logprob lists differ in length or are empty: {len(served)} vs {len(reference)}")
+        raise SmokeError(
+            f"logprob lists differ in length or are empty: {len(served)} vs {len(reference)}"
+        )
     gaps = [abs(a - b) for a, b in zip(served, reference, strict=True)]
     return sum(gaps) / len(gaps), max(gaps)
 
@@ -156,17 +170,34 @@ def sglang_command(python: str, model_dir: Path, port: int, mem_fraction: float)
 
 
 def train_command(
-    data: Path, model_dir: Path, out: Path, config: Path, *, gpus: int, steps: int, batch: int, lr: float
+    data: Path,
+    model_dir: Path,
+    out: Path,
+    config: Path,
+    *,
+    gpus: int,
+    steps: int,
+    batch: int,
+    lr: float,
 ) -> list[str]:
     """FSDP2 over NCCL on ``gpus`` local ranks through the offline trainer."""
-    paths = ["--data", str(data), "--model", str(model_dir), "--out", str(out), "--config", str(config)]
+    paths = [
+        "--data",
+        str(data),
+        "--model",
+        str(model_dir),
+        "--out",
+        str(out),
+        "--config",
+        str(config),
+    ]
     launch = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={gpus}",
         "-m",
-        "services.learner.train",
+        "leafe.services.learner.train",
     ]
     flags = f"--preset paper --backend nccl --max-steps {steps} --global-batch {batch} --lr {lr}"
     rest = "--checkpoint-every 0 --push-every 0 --export-dtype bf16 --no-resume"
@@ -174,9 +205,13 @@ def train_command(
 
 
 def router_version(python: str) -> str | None:
-    """The sglang-router version ``python`` imports, ``None`` when it has none (the router stage is then
-    skipped with a note: ``pip install sglang-router==0.3.2``)."""
-    probe = [python, "-c", "import importlib.metadata as m, sglang_router; print(m.version('sglang-router'))"]
+    """The sglang-router version ``python`` imports, ``None`` when it has none (the router stage is
+    then skipped with a note: ``pip install sglang-router==0.3.2``)."""
+    probe = [
+        python,
+        "-c",
+        "import importlib.metadata as m, sglang_router; print(m.version('sglang-router'))",
+    ]
     try:
         done = subprocess.run(probe, capture_output=True, text=True, timeout=120, check=False)
     except (OSError, subprocess.TimeoutExpired):
@@ -187,8 +222,9 @@ def router_version(python: str) -> str | None:
 
 
 def router_command(python: str, worker_url: str, port: int, prometheus_port: int) -> list[str]:
-    """sglang-router in front of one worker with deploy/'s flags (services/run/router.py, the router CI and
-    ``leafe run`` start), its workers checked every 2 s here instead of 10 so a short reload is probed."""
+    """sglang-router in front of one worker with deploy/'s flags (services/run/router.py, the router
+    CI and ``leafe run`` start), its workers checked every 2 s here instead of 10 so a short reload
+    is probed."""
     return deployed_router_command(
         [worker_url], port=port, prometheus_port=prometheus_port, health_interval_s=2, python=python
     )
@@ -196,7 +232,8 @@ def router_command(python: str, worker_url: str, port: int, prometheus_port: int
 
 @dataclass
 class ProbeLog:
-    """Health checks answered while weights reload: status per probe (``None``: no answer) and latency."""
+    """Health checks answered while weights reload: status per probe (``None``: no answer) and
+    latency."""
 
     timeout_s: float = PROBE_TIMEOUT_S
     results: list[tuple[int | None, float]] = field(default_factory=list)
@@ -242,10 +279,13 @@ class LoadLog:
 
 
 async def probe_loop(
-    get: Callable[[], Awaitable[int | None]], log: ProbeLog, stop: asyncio.Event, every_s: float = 0.25
+    get: Callable[[], Awaitable[int | None]],
+    log: ProbeLog,
+    stop: asyncio.Event,
+    every_s: float = 0.25,
 ) -> None:
-    """Call ``get`` (one health check: its HTTP status, ``None`` when it got no answer) every ``every_s``
-    until ``stop``, recording each outcome and its latency."""
+    """Call ``get`` (one health check: its HTTP status, ``None`` when it got no answer) every
+    ``every_s`` until ``stop``, recording each outcome and its latency."""
     while not stop.is_set():
         t0 = time.perf_counter()
         try:
@@ -259,8 +299,11 @@ async def probe_loop(
             pass
 
 
-async def load_loop(generate: Callable[[], Awaitable[Any]], log: LoadLog, stop: asyncio.Event) -> None:
-    """Send one generation after another until ``stop``, recording each outcome (errors included)."""
+async def load_loop(
+    generate: Callable[[], Awaitable[Any]], log: LoadLog, stop: asyncio.Event
+) -> None:
+    """Send one generation after another until ``stop``, recording each outcome (errors
+    included)."""
     while not stop.is_set():
         try:
             await generate()

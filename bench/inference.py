@@ -1,37 +1,43 @@
-"""Benchmark of the CPU inference server (services/inference/server.py) against serial HF ``generate``.
+"""Benchmark of the CPU inference server (services/inference/server.py) against serial HF
+``generate``.
 
-    .venv/bin/python -m bench.inference [--quick] [--model smollm2-135m-instruct] [--threads 0] [--out PATH]
-    .venv/bin/python -m bench.inference --smoke   # the tiny random model, a few requests: does it run?
+    .venv/bin/python -m bench.inference [--quick] [--model smollm2-135m-instruct] [--threads 0] \\
+        [--out PATH]
+    .venv/bin/python -m bench.inference --smoke   # tiny random model, a few requests: does it run?
 
-``--smoke`` (the tests' check that every section still runs against today's APIs) uses the tiny random
-model and a handful of requests per section, and writes to a temporary file unless ``--out`` is given.
+``--smoke`` (the tests' check that every section still runs against today's APIs) uses the tiny
+random model and a handful of requests per section, and writes to a temporary file unless ``--out``
+is given.
 
 Figures (saved to bench/results/inference.json), all measured in this process on the same model:
 1. throughput: generated tokens/s of the server with 1, 4 and 16 concurrent clients (fixed-length
    completions, ``ignore_eos``) against serial ``model.generate`` calls: ratio per concurrency;
 2. agent-like workload: prompts of 200-600 tokens, 5-20 new tokens, 16 concurrent clients, once with
-   unrelated prompts and once as 16 episodes whose prompts grow step by step (shared prefixes): where the
-   engine's time goes (prefill vs decode), how much the prefix cache saves, and the speedup over serial
-   ``generate`` on requests of the same workload;
-3. agent rollouts: real multi-turn episodes, Sokoban evaluation rollouts with the paper table's settings
-   (5x5 rooms, <= 3 pushes, horizon 8, history window 2, 16 in flight) through the server, prompts and
-   completions from the model itself: the same figures, against serial ``generate`` of a sample of the
-   requests those episodes sent (same prompts, same completion lengths);
-4. weight reload: ``/update_weights_from_disk`` round trip (manifest check + read + validation + swap)
-   against a plain safetensors load of the same file into memory (``safetensors.torch.load`` of its
-   bytes; ``load_file`` alone only maps the file lazily and is reported too);
+   unrelated prompts and once as 16 episodes whose prompts grow step by step (shared prefixes):
+   where the engine's time goes (prefill vs decode), how much the prefix cache saves, and the
+   speedup over serial ``generate`` on requests of the same workload;
+3. agent rollouts: real multi-turn episodes, Sokoban evaluation rollouts with the paper table's
+   settings (5x5 rooms, <= 3 pushes, horizon 8, history window 2, 16 in flight) through the server,
+   prompts and completions from the model itself: the same figures, against serial ``generate`` of a
+   sample of the requests those episodes sent (same prompts, same completion lengths);
+4. weight reload: ``/update_weights_from_disk`` round trip (manifest check + read + validation +
+   swap) against a plain safetensors load of the same file into memory (``safetensors.torch.load``
+   of its bytes; ``load_file`` alone only maps the file lazily and is reported too);
 5. recorded workload: the committed recording of the actors' Sokoban evaluation requests
-   (bench/workloads/sokoban_agent.json) replayed with the same token ids, seeds and completion lengths
-   (``--smoke``: a workload recorded on the spot with the tiny model);
-6. decode floor: one engine-style decode step (16 rows, 300 columns) in float32 and bfloat16, with the
-   server's kernels and without (aten), its breakdown (linear, attention, other ops, Python overhead,
-   sampling) and its distance from the compute and memory floors measured here (``--floor``: only this
-   section, merged into the result file; bench/inference_floor.py).
-7. memory (``--memory`` only, merged into the result file; bench/inference_memory.py): the server's resident
-   set over recorded LEAFE trees replayed twice, glibc's free heap pages kept against trimmed.
-8. eval_floor (``python -m bench.eval_floor``, merged): the paper table's Base evaluation over its compute floor.
+   (bench/workloads/sokoban_agent.json) replayed with the same token ids, seeds and completion
+   lengths (``--smoke``: a workload recorded on the spot with the tiny model);
+6. decode floor: one engine-style decode step (16 rows, 300 columns) in float32 and bfloat16, with
+   the server's kernels and without (aten), its breakdown (linear, attention, other ops, Python
+   overhead, sampling) and its distance from the compute and memory floors measured here
+   (``--floor``: only this section, merged into the result file; bench/inference_floor.py).
+7. memory (``--memory`` only, merged into the result file; bench/inference_memory.py): the server's
+   resident set over recorded LEAFE trees replayed twice, glibc's free heap pages kept against
+   trimmed.
+8. eval_floor (``python -m bench.eval_floor``, merged): the paper table's Base evaluation over its
+   compute floor.
 
-Side by side with a peer engine (vLLM CPU; install and start it as docs/benchmarks.md says), as ``peer``:
+Side by side with a peer engine (vLLM CPU; install and start it as docs/benchmarks.md says), as
+``peer``:
 
     .venv/bin/python -m bench.inference --peer http://127.0.0.1:8011 [--pairs 3] [--pin-core 1]
     .venv/bin/python -m bench.inference --record-workload   # re-record the workload (a few minutes)
@@ -45,28 +51,25 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 from safetensors.torch import load, load_file
 
-from actors.client import SGLangClient, parse_completions
-from actors.engine import Completion, SamplingParams
-from actors.evaluate import evaluate
 from bench.host import host_record, keep_sections
 from bench.inference_floor import floor_section
 from bench.inference_memory import memory_section
 from bench.inference_peer import PAPER_ROOMS, paper_rollouts, peer_section, record_workload
 from bench.inference_replay import SGLangTarget, load_workload, replay
 from bench.inference_workload import agent_requests, chat_prompt, ideal_prefix_share
-from envs.registry import make_env
-from learner.model_io import (
+from leafe.actors.client import SGLangClient, parse_completions
+from leafe.actors.engine import Completion, SamplingParams
+from leafe.actors.evaluate import evaluate
+from leafe.envs.registry import make_env
+from leafe.learner.model_io import (
     HFChatTokenizer,
     export_weights,
     load_model,
@@ -74,15 +77,17 @@ from learner.model_io import (
     resolve_model,
     verify_manifest,
 )
-from services.inference.local import ServerThread, start_in_thread
-from services.inference.server import InferenceConfig
-from services.inference.weights import load_weight_dir
+from leafe.services.inference.local import ServerThread, start_in_thread
+from leafe.services.inference.server import InferenceConfig
+from leafe.services.inference.weights import load_weight_dir
 
 RESULTS = Path(__file__).resolve().parent / "results" / "inference.json"
 SMOKE_OUT = Path(tempfile.gettempdir()) / "leafe-bench-smoke" / "inference.json"
 
 
-def serial_generate(model: Any, requests: list[tuple[list[int], int]], pad_id: int) -> dict[str, float]:
+def serial_generate(
+    model: Any, requests: list[tuple[list[int], int]], pad_id: int
+) -> dict[str, float]:
     """Serial HF ``generate`` (greedy, exactly ``n`` new tokens each): tokens/s."""
     tokens, t0 = 0, time.perf_counter()
     with torch.inference_mode():
@@ -101,7 +106,9 @@ def serial_generate(model: Any, requests: list[tuple[list[int], int]], pad_id: i
     return {"tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 2)}
 
 
-async def concurrent_load(url: str, per_client: list[list[tuple[list[int], int]]]) -> dict[str, float]:
+async def concurrent_load(
+    url: str, per_client: list[list[tuple[list[int], int]]]
+) -> dict[str, float]:
     """Each client sends its requests one after another; all clients run at once."""
     async with SGLangClient(url) as client:
 
@@ -109,7 +116,9 @@ async def concurrent_load(url: str, per_client: list[list[tuple[list[int], int]]
             done = 0
             for ids, n in reqs:
                 sp = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
-                [c] = parse_completions(await client.generate_raw({"input_ids": ids, "sampling_params": sp}))
+                [c] = parse_completions(
+                    await client.generate_raw({"input_ids": ids, "sampling_params": sp})
+                )
                 done += len(c.output_ids)
             return done
 
@@ -132,7 +141,9 @@ def pick(scale: str, smoke: Any, quick: Any, full: Any) -> Any:
 def throughput(handle: ServerThread, model: Any, tok: Any, scale: str) -> dict[str, Any]:
     new = pick(scale, 4, 16, 32)
     prompts = [chat_prompt(tok, i, 12) for i in range(64)]
-    serial = serial_generate(model, [(p, new) for p in prompts[: pick(scale, 2, 3, 6)]], tok.pad_token_id)
+    serial = serial_generate(
+        model, [(p, new) for p in prompts[: pick(scale, 2, 3, 6)]], tok.pad_token_id
+    )
     out: dict[str, Any] = {
         "new_tokens": new,
         "prompt_tokens_mean": round(statistics.mean(map(len, prompts)), 1),
@@ -142,13 +153,15 @@ def throughput(handle: ServerThread, model: Any, tok: Any, scale: str) -> dict[s
     asyncio.run(concurrent_load(handle.url, [[(prompts[0], 4)]]))  # warm-up
     for clients in (1, 4, 16):
         rounds = pick(scale, 1, 2, 2 if clients == 16 else 3)
-        work = [[(prompts[(c * rounds + r) % 64], new) for r in range(rounds)] for c in range(clients)]
+        work = [
+            [(prompts[(c * rounds + r) % 64], new) for r in range(rounds)] for c in range(clients)
+        ]
         res = asyncio.run(concurrent_load(handle.url, work))
         res["vs_serial"] = round(res["tokens_per_s"] / serial["tokens_per_s"], 2)
         out["server"][str(clients)] = res
         print(
-            f"  {clients:2d} clients: {res['tokens_per_s']:7.1f} tok/s = {res['vs_serial']:.2f}x serial "
-            f"({serial['tokens_per_s']:.1f} tok/s)"
+            f"  {clients:2d} clients: {res['tokens_per_s']:7.1f} tok/s = {res['vs_serial']:.2f}x "
+            f"serial ({serial['tokens_per_s']:.1f} tok/s)"
         )
     return out
 
@@ -209,8 +222,8 @@ def agent_workload(
     kind = "episodes (shared prefixes)" if episodes else "unrelated prompts"
     print(
         f"  agent workload, {kind}: prefill {out['prefill_share']:.0%} of engine time "
-        f"({out['prefill_tokens_per_s']:.0f} prompt tok/s, {stats['prefix_cache_share']:.0%} of prompt "
-        f"tokens from the prefix cache of at most {out['ideal_prefix_share']:.0%}), decode "
+        f"({out['prefill_tokens_per_s']:.0f} prompt tok/s, {stats['prefix_cache_share']:.0%} of "
+        f"prompt tokens from the prefix cache of at most {out['ideal_prefix_share']:.0%}), decode "
         f"{out['decode_tokens_per_s']:.0f} tok/s; {out['vs_serial']:.2f}x serial generate"
     )
     return out
@@ -261,32 +274,39 @@ def agent_rollouts(handle: ServerThread, model: Any, tok: Any, scale: str) -> di
     wall = time.perf_counter() - t0
     stats = _engine_delta(before, engine.describe())
     tokens = sum(n for _, n in client.requests)
-    sample = random.Random(0).sample(client.requests, min(len(client.requests), pick(scale, 2, 4, 8)))
+    sample = random.Random(0).sample(
+        client.requests, min(len(client.requests), pick(scale, 2, 4, 8))
+    )
     serial = serial_generate(model, sample, tok.pad_token_id)
     out = {
         "episodes": result.episodes,
         "requests": len(client.requests),
         "prompt_tokens_mean": round(statistics.mean(len(r[0]) for r in client.requests), 1),
         "new_tokens_mean": round(tokens / len(client.requests), 1),
-        "server": {"wall_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2)},
+        "server": {
+            "wall_s": round(wall, 3),
+            "tokens": tokens,
+            "tokens_per_s": round(tokens / wall, 2),
+        },
         **stats,
         "ideal_prefix_share": ideal_prefix_share([ids for ids, _ in client.requests]),
         "serial_generate": serial,
         "vs_serial": round(tokens / wall / serial["tokens_per_s"], 2),
     }
     print(
-        f"  agent rollouts ({result.episodes} Sokoban episodes, {len(client.requests)} requests): prefill "
-        f"{stats['prefill_share']:.0%} of engine time, {stats['prefix_cache_share']:.0%} of prompt tokens "
-        f"from the prefix cache of at most {out['ideal_prefix_share']:.0%} ({stats['not_recomputed_share']:.0%} "
-        f"not recomputed); "
+        f"  agent rollouts ({result.episodes} Sokoban episodes, {len(client.requests)} requests): "
+        f"prefill {stats['prefill_share']:.0%} of engine time, "
+        f"{stats['prefix_cache_share']:.0%} of prompt tokens "
+        f"from the prefix cache of at most {out['ideal_prefix_share']:.0%} "
+        f"({stats['not_recomputed_share']:.0%} not recomputed); "
         f"{out['vs_serial']:.2f}x serial generate"
     )
     return out
 
 
 def recorded_workload(handle: ServerThread, scale: str) -> dict[str, Any]:
-    """The recorded agent workload replayed through this process's server (the peer section's workload;
-    ``smoke``: recorded here with the tiny model, which checks the recorder too)."""
+    """The recorded agent workload replayed through this process's server (the peer section's
+    workload; ``smoke``: recorded here with the tiny model, which checks the recorder too)."""
     if scale == "smoke":
         path = Path(tempfile.gettempdir()) / "sokoban_agent_tiny.json"
         record_workload(path, model="tiny", tasks=1, samples=2)
@@ -296,7 +316,8 @@ def recorded_workload(handle: ServerThread, scale: str) -> dict[str, Any]:
     out = asyncio.run(replay(SGLangTarget(handle.url), reqs, limit=pick(scale, None, 64, None)))
     out["workload_ideal_prefix_share"] = meta["ideal_prefix_share"]
     print(
-        f"  recorded workload ({out['requests']} requests): {out['completion_tokens_per_s']:.1f} tok/s, "
+        f"  recorded workload ({out['requests']} requests): "
+        f"{out['completion_tokens_per_s']:.1f} tok/s, "
         f"latency {out['latency_mean_s']:.2f} s, prefix reuse {out['prefix_cache_share']:.0%}"
     )
     return out
@@ -320,7 +341,10 @@ def reload_latency(handle: ServerThread, model: Any, model_dir: Path, scale: str
             ("plain_load_s", lambda: load((target / "model.safetensors").read_bytes())),
             ("lazy_load_file_s", lambda: load_file(str(target / "model.safetensors"))),
             ("manifest_check_s", lambda: verify_manifest(target)),
-            ("load_weight_dir_s", lambda: load_weight_dir(target, engine.model, root=target.parent)),
+            (
+                "load_weight_dir_s",
+                lambda: load_weight_dir(target, engine.model, root=target.parent),
+            ),
         ]
 
         async def update(version: str) -> None:
@@ -349,19 +373,39 @@ def reload_latency(handle: ServerThread, model: Any, model_dir: Path, scale: str
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer requests (about 2-4 minutes on 2 cores)")
-    p.add_argument("--smoke", action="store_true", help="tiny model, a few requests: runs? (tests; seconds)")
+    p.add_argument(
+        "--quick", action="store_true", help="fewer requests (about 2-4 minutes on 2 cores)"
+    )
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny model, a few requests: runs? (tests; seconds)"
+    )
     p.add_argument("--model", default=None, help="default smollm2-135m-instruct (--smoke: tiny)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads for both sides (0 = torch default)")
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch threads for both sides (0 = torch default)"
+    )
     p.add_argument("--out", type=Path, default=None, help=f"result file (default {RESULTS})")
-    p.add_argument("--peer", metavar="URL", help="only: A/B/A against this OpenAI-compatible peer (vLLM)")
+    p.add_argument(
+        "--peer", metavar="URL", help="only: A/B/A against this OpenAI-compatible peer (vLLM)"
+    )
     p.add_argument("--pairs", type=int, default=3, help="--peer: peer runs (ours runs one more)")
-    p.add_argument("--limit", type=int, default=None, help="--peer: replay only the first N requests")
-    p.add_argument("--ours-url", default=None, help="--peer: our server already running (else started)")
-    p.add_argument("--pin-core", type=int, default=1, help="--peer: core our started server is pinned to")
-    p.add_argument("--record-workload", action="store_true", help="only: re-record the agent workload")
-    p.add_argument("--floor", action="store_true", help="only: the decode_floor section, merged into --out")
-    p.add_argument("--memory", action="store_true", help="only: the memory section, merged into --out")
+    p.add_argument(
+        "--limit", type=int, default=None, help="--peer: replay only the first N requests"
+    )
+    p.add_argument(
+        "--ours-url", default=None, help="--peer: our server already running (else started)"
+    )
+    p.add_argument(
+        "--pin-core", type=int, default=1, help="--peer: core our started server is pinned to"
+    )
+    p.add_argument(
+        "--record-workload", action="store_true", help="only: re-record the agent workload"
+    )
+    p.add_argument(
+        "--floor", action="store_true", help="only: the decode_floor section, merged into --out"
+    )
+    p.add_argument(
+        "--memory", action="store_true", help="only: the memory section, merged into --out"
+    )
     a = p.parse_args(argv)
     if a.record_workload:
         print(json.dumps(record_workload(), indent=1))
@@ -376,7 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model(name)
     if a.floor or a.memory:
         merged = json.loads(out.read_text()) if out.exists() else {}
-        host = host_record()  # a merged section carries its own: the others may come from another host
+        host = (
+            host_record()
+        )  # a merged section carries its own: the others may come from another host
         if a.floor:
             floor = floor_section(model_dir, pick(scale, 2, 10, 30), pick(scale, 40, 300, 300))
             merged["decode_floor"] = {"host": host, **floor}
@@ -389,7 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     tok = load_tokenizer(model_dir)
     model = load_model(model_dir)
     handle = start_in_thread(
-        InferenceConfig(model=str(model_dir), port=0, max_batch=16, weights_root=tempfile.gettempdir())
+        InferenceConfig(
+            model=str(model_dir), port=0, max_batch=16, weights_root=tempfile.gettempdir()
+        )
     )
     results: dict[str, Any] = {
         "model": name,
@@ -405,7 +453,9 @@ def main(argv: list[str] | None = None) -> int:
         results["agent_rollouts"] = agent_rollouts(handle, model, tok, scale)
         results["recorded_workload"] = recorded_workload(handle, scale)
         results["weight_reload"] = reload_latency(handle, model, model_dir, scale)
-        results["decode_floor"] = floor_section(model_dir, pick(scale, 2, 10, 30), pick(scale, 40, 300, 300))
+        results["decode_floor"] = floor_section(
+            model_dir, pick(scale, 2, 10, 30), pick(scale, 40, 300, 300)
+        )
     finally:
         handle.stop()
     results["loadavg_after"] = os.getloadavg()[0]

@@ -1,19 +1,20 @@
 """Where a decode step of the CPU inference server goes, and how far it is from the machine's floors
 (``bench/inference.py``'s ``decode_floor`` section; ``--floor`` runs only it).
 
-One decode step of ``rows`` sequences over a KV arena of ``width`` columns, exactly as the engine runs it
-(``DecodeBatch.step``: one token per row, the arena cache, per-row positions), timed with the server's
-kernels (``services/inference/kernels.py``) and without them (aten), in the same process. For the
-kernels' step:
-- **breakdown** from torch's profiler: linear layers, attention (SDPA, or the grouped matmuls with their
-  softmax, mask and float32 casts), other ops (norms, RoPE, activations, adds) and what is left of the
-  wall time (Python and dispatch overhead: the HF module code between ops); sampling (``choose_tokens``
-  for the rows, seeded, temperature 1) is timed apart, as the engine runs it after the step;
-- **compute floor**: the step's FLOPs (2 x linear parameters x rows, plus attention's 4 x rows x heads x
-  width x head_dim per layer) over the matmul rate measured here for the model's own largest linear shape
-  at ``rows`` rows through the same oneDNN path;
-- **memory floor**: bytes the step must read (every linear weight once, the KV of every row's columns)
-  over the read bandwidth measured here (a sum over a 256 MB tensor).
+One decode step of ``rows`` sequences over a KV arena of ``width`` columns, exactly as the engine
+runs it (``DecodeBatch.step``: one token per row, the arena cache, per-row positions), timed with
+the server's kernels (``services/inference/kernels.py``) and without them (aten), in the same
+process. For the kernels' step:
+- **breakdown** from torch's profiler: linear layers, attention (SDPA, or the grouped matmuls with
+  their softmax, mask and float32 casts), other ops (norms, RoPE, activations, adds) and what is
+  left of the wall time (Python and dispatch overhead: the HF module code between ops); sampling
+  (``choose_tokens`` for the rows, seeded, temperature 1) is timed apart, as the engine runs it
+  after the step;
+- **compute floor**: the step's FLOPs (2 x linear parameters x rows, plus attention's 4 x rows x
+  heads x width x head_dim per layer) over the matmul rate measured here for the model's own largest
+  linear shape at ``rows`` rows through the same oneDNN path;
+- **memory floor**: bytes the step must read (every linear weight once, the KV of every row's
+  columns) over the read bandwidth measured here (a sum over a 256 MB tensor).
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from typing import Any
 
 import torch
 
-from services.inference.decode import GenSequence, GenSpec
-from services.inference.kernels import accelerate
-from services.inference.kv import ArenaCache, KVLayout
-from services.inference.sampling import choose_tokens
+from leafe.services.inference.decode import GenSequence, GenSpec
+from leafe.services.inference.kernels import accelerate
+from leafe.services.inference.kv import ArenaCache, KVLayout
+from leafe.services.inference.sampling import choose_tokens
 
 __all__ = ["decode_floor", "floor_section"]
 
@@ -48,9 +49,14 @@ def _read_bandwidth(mb: int) -> float:
 
 
 def _matmul_rate(model: Any, rows: int, dtype: torch.dtype) -> float:
-    """FLOP/s of the model's largest non-head linear layer at ``rows`` rows, on the path it serves with."""
+    """FLOP/s of the model's largest non-head linear layer at ``rows`` rows, on the path it serves
+    with."""
     layer = max(
-        (m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n),
+        (
+            m
+            for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and "lm_head" not in n
+        ),
         key=lambda m: m.weight.numel(),
     )
     x = torch.randn(rows, layer.in_features, dtype=dtype)
@@ -124,8 +130,9 @@ def _breakdown(step: Any, n: int) -> dict[str, float]:
 
 
 def _fused_attention_ms(model: Any, rows: int, width: int, dtype: torch.dtype) -> float:
-    """Milliseconds of the compiled decode attention for one step (every layer) at the step's shapes."""
-    from services.inference.kernels import fused_decode
+    """Milliseconds of the compiled decode attention for one step (every layer) at the step's
+    shapes."""
+    from leafe.services.inference.kernels import fused_decode
 
     layout = KVLayout.of(model)
     heads = int(model.config.num_attention_heads)
@@ -142,7 +149,8 @@ def _fused_attention_ms(model: Any, rows: int, width: int, dtype: torch.dtype) -
 def _sampling_ms(vocab: int, rows: int, n: int) -> float:
     logits = torch.randn(rows, vocab)
     seqs = [
-        GenSequence(prompt=[1], spec=GenSpec(temperature=1.0, seed=i), output_ids=[1]) for i in range(rows)
+        GenSequence(prompt=[1], spec=GenSpec(temperature=1.0, seed=i), output_ids=[1])
+        for i in range(rows)
     ]
     t0 = time.perf_counter()
     for _ in range(n):
@@ -154,7 +162,7 @@ def decode_floor(
     model_dir: Path, dtype: str, *, rows: int = 16, width: int = 300, steps: int = 20
 ) -> dict[str, Any]:
     """The decode step's cost, breakdown and floors for ``model_dir`` served in ``dtype``."""
-    from learner.model_io import load_model
+    from leafe.learner.model_io import load_model
 
     torch_dtype = getattr(torch, dtype)
     plain = load_model(model_dir, dtype=torch_dtype).eval()
@@ -172,7 +180,8 @@ def decode_floor(
     aten_ms, unfused_ms, ours_ms = (min(times[k]) for k in ("aten", "unfused", "ours"))
     breakdown = _breakdown(fast_step, max(2, steps // 2))
     if kernels.get("attention", "").startswith("fused"):
-        # the compiled kernel is not a torch op: the profiler counts it in the residual, so time it apart
+        # the compiled kernel is not a torch op: the profiler counts it in the residual, so time
+        # it apart
         breakdown["fused_attention"] = round(_fused_attention_ms(fast, rows, width, torch_dtype), 2)
         breakdown["python_and_dispatch"] = round(
             max(0.0, breakdown["python_and_dispatch"] - breakdown["fused_attention"]), 2

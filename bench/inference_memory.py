@@ -1,23 +1,25 @@
-"""The inference server's resident memory over a long workload, with and without giving glibc's free heap
-pages back (``trim_every_s``); the ``memory`` section of ``bench/inference.py`` (issue #35 item 4).
+"""The inference server's resident memory over a long workload, with and without giving glibc's free
+heap pages back (``trim_every_s``); the ``memory`` section of ``bench/inference.py``.
 
-| variant | the server                                                                                 |
-|---------|--------------------------------------------------------------------------------------------|
-| kept    | ``trim_every_s = 0``: glibc's default, free holes stay resident (the server before the fix) |
-| trimmed | the default ``trim_every_s``: ``malloc_trim`` between steps or once idle after work        |
+| variant | the server                                                                             |
+|---------|----------------------------------------------------------------------------------------|
+| kept    | ``trim_every_s = 0``: glibc's default, free holes stay resident                        |
+|         | (the server before the fix)                                                            |
+| trimmed | the default ``trim_every_s``: ``malloc_trim`` between steps or once idle after work    |
 
-The workload is Stage 1's own: the first ``trees`` recorded LEAFE trees of ``bench/actor_trees.py``'s log
-(steps and reflections with their exact prompt ids and completion lengths), replayed ``passes`` times
-against a server serving SmolLM2-135M (one thread, bf16 where the CPU has it natively, as ``leafe run``
-serves it), ``in_flight`` trees at once. Each variant is its own process (the server in a thread, the
-replay client beside it): after each pass its resident set, the 64 MB arena heaps glibc has mapped, the
-process's CPU seconds (user and kernel: page faults are kernel time), its minor page faults, completion
-tokens a second and the trims so far, and its peak resident set (its own ``VmHWM``; ``ru_maxrss`` would
-include the forking parent's). ``--smoke``: the tiny model on a workload it records itself (a check that
-the section runs, not a measurement).
+The workload is Stage 1's own: the first ``trees`` recorded LEAFE trees of
+``bench/actor_trees.py``'s log (steps and reflections with their exact prompt ids and completion
+lengths), replayed ``passes`` times against a server serving SmolLM2-135M (one thread, bf16 where
+the CPU has it natively, as ``leafe run`` serves it), ``in_flight`` trees at once. Each variant is
+its own process (the server in a thread, the replay client beside it): after each pass its resident
+set, the 64 MB arena heaps glibc has mapped, the process's CPU seconds (user and kernel: page faults
+are kernel time), its minor page faults, completion tokens a second and the trims so far, and its
+peak resident set (its own ``VmHWM``; ``ru_maxrss`` would include the forking parent's).
+``--smoke``: the tiny model on a workload it records itself (a check that the section runs, not a
+measurement).
 
-    .venv/bin/python -m bench.inference --memory                     # the section, merged into the results
-    .venv/bin/python -m bench.inference_memory --child trimmed --trees 2 --passes 1    # one variant
+    .venv/bin/python -m bench.inference --memory   # the section, merged into the results
+    .venv/bin/python -m bench.inference_memory --child trimmed --trees 2 --passes 1   # one variant
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def _rss_gb() -> float:
 
 
 def _arena_heaps() -> int:
-    """Anonymous mappings of 50-64 MB: glibc's arena heaps (a torch tensor that size is one too, rarely)."""
+    """Anonymous mappings of 50-64 MB: glibc's arena heaps (a torch tensor that size is one too,
+    rarely)."""
     n = 0
     for line in Path("/proc/self/maps").read_text().splitlines():
         fields = line.split()
@@ -56,8 +59,8 @@ def _arena_heaps() -> int:
 def _workload(smoke: bool, trees: int) -> tuple[str, list[Any]]:
     from bench.actor_trees import LOG, workload_from_log
     from bench.inference_replay import load_workload
-    from learner.model_io import HFChatTokenizer, resolve_model
-    from services.eventlog.fileformat import read_events
+    from leafe.learner.model_io import HFChatTokenizer, resolve_model
+    from leafe.services.eventlog.fileformat import read_events
 
     if smoke:
         from bench.inference_peer import record_workload
@@ -66,7 +69,9 @@ def _workload(smoke: bool, trees: int) -> tuple[str, list[Any]]:
         record_workload(path, model="tiny", tasks=1, samples=2)
         return "tiny", load_workload(path)[0]
     model_dir = resolve_model("smollm2-135m-instruct")
-    return str(model_dir), workload_from_log(read_events(LOG), trees, HFChatTokenizer.from_dir(model_dir))[0]
+    return str(model_dir), workload_from_log(
+        read_events(LOG), trees, HFChatTokenizer.from_dir(model_dir)
+    )[0]
 
 
 def _child(variant: str, smoke: bool, trees: int, passes: int, in_flight: int) -> dict[str, Any]:
@@ -74,9 +79,9 @@ def _child(variant: str, smoke: bool, trees: int, passes: int, in_flight: int) -
 
     from bench.host import peak_rss_kib
     from bench.inference_replay import SGLangTarget, replay
-    from learner.fsdp import cpu_has_native_bf16
-    from services.inference.local import start_in_thread
-    from services.inference.server import InferenceConfig
+    from leafe.learner.fsdp import cpu_has_native_bf16
+    from leafe.services.inference.local import start_in_thread
+    from leafe.services.inference.server import InferenceConfig
 
     model, requests = _workload(smoke, trees)
     config = InferenceConfig(model=model, port=0, threads=1, weights_root=tempfile.gettempdir())
@@ -86,7 +91,11 @@ def _child(variant: str, smoke: bool, trees: int, passes: int, in_flight: int) -
         trim_every_s=config.trim_every_s if variant == "trimmed" else 0.0,
     )
     handle = start_in_thread(config)
-    out: dict[str, Any] = {"variant": variant, "dtype": config.dtype, "trim_every_s": config.trim_every_s}
+    out: dict[str, Any] = {
+        "variant": variant,
+        "dtype": config.dtype,
+        "trim_every_s": config.trim_every_s,
+    }
     out |= {"requests": len(requests), "rss_start_gb": round(_rss_gb(), 3), "passes": []}
 
     try:
@@ -139,7 +148,13 @@ def memory_section(smoke: bool, trees: int, passes: int, in_flight: int = 16) ->
             str(in_flight),
         ]
         run = subprocess.run(
-            [sys.executable, "-m", "bench.inference_memory", *args, *(["--smoke"] if smoke else [])],
+            [
+                sys.executable,
+                "-m",
+                "bench.inference_memory",
+                *args,
+                *(["--smoke"] if smoke else []),
+            ],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -166,7 +181,9 @@ def memory_section(smoke: bool, trees: int, passes: int, in_flight: int = 16) ->
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--child", choices=VARIANTS, required=True, help="run one variant, print its JSON")
+    p.add_argument(
+        "--child", choices=VARIANTS, required=True, help="run one variant, print its JSON"
+    )
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--trees", type=int, default=12)
     p.add_argument("--passes", type=int, default=2)

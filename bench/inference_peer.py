@@ -1,9 +1,10 @@
-"""Side by side with a peer engine (vLLM CPU) on the recorded agent workload (for ``bench/inference.py``).
+"""Side by side with a peer engine (vLLM CPU) on the recorded agent workload (for
+``bench/inference.py``).
 
 ``record_workload`` records ``bench/workloads/sokoban_agent.json`` with the project's own actors;
-``peer_ab`` replays it interleaved A/B/A against our server (started here, pinned to one core with one
-compute thread, or given by URL) and the peer (started by the user, pinned the same way). The commands
-(install, start the peer, run) are in docs/benchmarks.md, "Side by side with vLLM CPU".
+``peer_ab`` replays it interleaved A/B/A against our server (started here, pinned to one core with
+one compute thread, or given by URL) and the peer (started by the user, pinned the same way). The
+commands (install, start the peer, run) are in docs/benchmarks.md, "Side by side with vLLM CPU".
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from actors.evaluate import EvalRequest
 from bench.host import commit, host_record
 from bench.inference_replay import (
     WORKLOAD,
@@ -37,19 +37,29 @@ from bench.inference_replay import (
     replay,
     save_workload,
 )
+from leafe.actors.evaluate import EvalRequest
 
-__all__ = ["PAPER_ROOMS", "ours_pinned", "paper_rollouts", "peer_ab", "peer_section", "record_workload"]
+__all__ = [
+    "PAPER_ROOMS",
+    "ours_pinned",
+    "paper_rollouts",
+    "peer_ab",
+    "peer_section",
+    "record_workload",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_ROOMS = {"height": 5, "width": 5, "num_boxes": 1, "max_solution_len": 3, "max_steps": 8}
-"""bench/paper_table.py's ``full`` scale rooms (its evaluation: horizon 8, history window 2)."""
+"""experiments/paper_table.py's ``full`` scale rooms (its evaluation: horizon 8, history window
+2)."""
 
 
 def paper_rollouts(task_ids: list[str], samples: int) -> EvalRequest:
-    """Evaluation rollouts with the paper table's settings, 16 in flight (the agent workload's shape)."""
+    """Evaluation rollouts with the paper table's settings, 16 in flight (the agent workload's
+    shape)."""
     return EvalRequest(
-        env="sokoban", env_options=PAPER_ROOMS, task_ids=task_ids, split="test", samples=samples, ks=[1],
-        run_id="bench", label="bench", concurrency=16, seed=12345,
+        env="sokoban", env_options=PAPER_ROOMS, task_ids=task_ids, split="test", samples=samples,
+        ks=[1], run_id="bench", label="bench", concurrency=16, seed=12345,
         rollout_overrides={"horizon": 8, "history_window": 2},
     )  # fmt: skip
 
@@ -57,20 +67,22 @@ def paper_rollouts(task_ids: list[str], samples: int) -> EvalRequest:
 def record_workload(
     out: Path = WORKLOAD, *, model: str = "smollm2-135m-instruct", tasks: int = 4, samples: int = 8
 ) -> dict[str, Any]:
-    """Record Sokoban evaluation rollouts (``tasks`` test tasks x ``samples``, 16 in flight, horizon 8,
-    history window 2) sent through our server (bf16, one thread) and save them to ``out``; returns the
-    recording's meta. 4 x 8 gives about 256 requests (most episodes use all 8 turns)."""
-    from actors.evaluate import evaluate
-    from envs.registry import make_env
-    from learner.model_io import HFChatTokenizer, load_tokenizer, resolve_model
-    from services.inference.local import start_in_thread
-    from services.inference.server import InferenceConfig
+    """Record Sokoban evaluation rollouts (``tasks`` test tasks x ``samples``, 16 in flight, horizon
+    8, history window 2) sent through our server (bf16, one thread) and save them to ``out``;
+    returns the recording's meta. 4 x 8 gives about 256 requests (most episodes use all 8 turns)."""
+    from leafe.actors.evaluate import evaluate
+    from leafe.envs.registry import make_env
+    from leafe.learner.model_io import HFChatTokenizer, load_tokenizer, resolve_model
+    from leafe.services.inference.local import start_in_thread
+    from leafe.services.inference.server import InferenceConfig
 
     model_dir = resolve_model(model)
     env = make_env("sokoban", **PAPER_ROOMS)
     task_ids = env.tasks("test")[:tasks]
     env.close()
-    config = InferenceConfig(model=str(model_dir), port=0, max_batch=16, dtype="bfloat16", threads=1)
+    config = InferenceConfig(
+        model=str(model_dir), port=0, max_batch=16, dtype="bfloat16", threads=1
+    )
     handle = start_in_thread(config)
     client = RecordingClient(handle.url)
     request = paper_rollouts(task_ids, samples)
@@ -92,8 +104,9 @@ def record_workload(
         "recorded_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "commit": commit(),
         "server": {"dtype": "bfloat16", "threads": 1, "max_batch": 16},
-        "evaluation": {"env": "sokoban", "rooms": PAPER_ROOMS, "task_ids": task_ids, "samples": samples,
-                       "concurrency": 16, "seed": 12345, "horizon": 8, "history_window": 2},
+        "evaluation": {"env": "sokoban", "rooms": PAPER_ROOMS, "task_ids": task_ids,
+                       "samples": samples, "concurrency": 16, "seed": 12345, "horizon": 8,
+                       "history_window": 2},
         "episodes": result.episodes,
         "requests": len(reqs),
         "prompt_tokens_mean": round(statistics.mean(len(r.input_ids) for r in reqs), 1),
@@ -115,7 +128,9 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> No
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"our server exited with {proc.returncode} before {url}/ready answered")
+            raise RuntimeError(
+                f"our server exited with {proc.returncode} before {url}/ready answered"
+            )
         try:
             with urllib.request.urlopen(url + "/ready", timeout=2) as resp:
                 if resp.status == 200:
@@ -128,11 +143,15 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> No
 
 @contextmanager
 def ours_pinned(model: str, core: int | None, *, dtype: str = "bfloat16") -> Iterator[str]:
-    """``leafe inference`` in a subprocess, one compute thread, pinned to ``core`` with ``taskset`` (as
-    the peer is); the benchmark's own process then keeps off that core. Yields the server's URL."""
+    """``leafe inference`` in a subprocess, one compute thread, pinned to ``core`` with ``taskset``
+    (as the peer is); the benchmark's own process then keeps off that core. Yields the server's
+    URL."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "services.cli", "inference", "--model", model, "--port", str(port),
-           "--dtype", dtype, "--threads", "1", "--max-batch", "16", "--log-level", "warning"]  # fmt: skip
+    cmd = [
+        sys.executable, "-m", "leafe.services.cli", "inference", "--model", model,
+        "--port", str(port), "--dtype", dtype, "--threads", "1", "--max-batch", "16",
+        "--log-level", "warning",
+    ]  # fmt: skip
     if core is not None:
         if not shutil.which("taskset"):
             raise RuntimeError("--pin-core needs taskset (util-linux)")
@@ -156,7 +175,8 @@ def ours_pinned(model: str, core: int | None, *, dtype: str = "bfloat16") -> Ite
 
 
 def _warm(target: SGLangTarget | OpenAITarget, reqs: list[Any], limit: int) -> None:
-    """A few requests first: lazy initialisation (ours: torch's first calls) is not the engine's speed."""
+    """A few requests first: lazy initialisation (ours: torch's first calls) is not the engine's
+    speed."""
     asyncio.run(replay(target, reqs, limit=limit))
 
 
@@ -171,11 +191,12 @@ def peer_ab(
     workload: Path = WORKLOAD,
     pause_s: float = 5.0,
 ) -> dict[str, Any]:
-    """Interleaved A/B/A: ours, peer, ours, peer, ..., ours (``pairs`` peer runs bracketed by ``pairs + 1``
-    runs of ours), each from an empty prefix cache. Ratio ``i`` is ours/peer completion tokens/s with
-    ours the mean of the two runs around peer run ``i`` (drift on the machine cancels to first order). Each
-    run starts ``pause_s`` after the last ended: both servers share the pinned core, and vLLM CPU's worker
-    keeps spinning on it for 2-3 s after its burst (measured with top), which would bill our next run."""
+    """Interleaved A/B/A: ours, peer, ours, peer, ..., ours (``pairs`` peer runs bracketed by
+    ``pairs + 1`` runs of ours), each from an empty prefix cache. Ratio ``i`` is ours/peer
+    completion tokens/s with ours the mean of the two runs around peer run ``i`` (drift on the
+    machine cancels to first order). Each run starts ``pause_s`` after the last ended: both servers
+    share the pinned core, and vLLM CPU's worker keeps spinning on it for 2-3 s after its burst
+    (measured with top), which would bill our next run."""
     if ours_url is None:
         with ours_pinned(model, pin_core) as url:
             out = peer_ab(
@@ -205,13 +226,16 @@ def peer_ab(
         row["loadavg"] = round(os.getloadavg()[0], 2)
         runs[target.name].append(row)
         print(
-            f"  {target.name:4s} run {len(runs[target.name])}: {row['completion_tokens_per_s']:6.1f} tok/s, "
+            f"  {target.name:4s} run {len(runs[target.name])}: "
+            f"{row['completion_tokens_per_s']:6.1f} tok/s, "
             f"latency {row['latency_mean_s']:.2f} s, wall {row['wall_s']:.1f} s, prefix reuse "
             f"{row['prefix_cache_share']}",
             flush=True,
         )
     tps = {k: [r["completion_tokens_per_s"] for r in v] for k, v in runs.items()}
-    ratios = [round((tps["ours"][i] + tps["ours"][i + 1]) / 2 / tps["peer"][i], 3) for i in range(pairs)]
+    ratios = [
+        round((tps["ours"][i] + tps["ours"][i + 1]) / 2 / tps["peer"][i], 3) for i in range(pairs)
+    ]
     lat = [
         round((runs["ours"][i]["latency_mean_s"] + runs["ours"][i + 1]["latency_mean_s"]) / 2
               / runs["peer"][i]["latency_mean_s"], 3)
@@ -219,7 +243,8 @@ def peer_ab(
     ]  # fmt: skip
     return {
         "workload": {"file": str(workload.relative_to(ROOT)), **{k: meta[k] for k in (
-            "requests", "episodes", "prompt_tokens_mean", "completion_tokens_mean", "ideal_prefix_share")}},
+            "requests", "episodes", "prompt_tokens_mean", "completion_tokens_mean",
+            "ideal_prefix_share")}},
         "requests_replayed": runs["ours"][0]["requests"],
         "peer_url": peer_url,
         "peer_model": peer.model,
@@ -233,9 +258,12 @@ def peer_ab(
 
 
 def peer_section(a: argparse.Namespace, out: Path) -> int:
-    """``--peer``: only the A/B/A side by side, merged as ``peer`` into ``out`` (other sections kept)."""
+    """``--peer``: only the A/B/A side by side, merged as ``peer`` into ``out`` (other sections
+    kept)."""
     results = json.loads(out.read_text()) if out.exists() else {}
-    print(f"inference bench: ours vs peer {a.peer}, {a.pairs} pairs, ours pinned to core {a.pin_core}")
+    print(
+        f"inference bench: ours vs peer {a.peer}, {a.pairs} pairs, ours pinned to core {a.pin_core}"
+    )
     host = host_record()
     row = peer_ab(a.peer, pairs=a.pairs, limit=a.limit, ours_url=a.ours_url, pin_core=a.pin_core)
     when = datetime.now(UTC).isoformat(timespec="seconds")

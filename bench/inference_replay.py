@@ -1,14 +1,16 @@
-"""A recorded agent workload and its replay against any engine (for ``bench/inference.py``; not an area).
+"""A recorded agent workload and its replay against any engine (for ``bench/inference.py``; not an
+area).
 
 The workload is what the project's own actors sent: Sokoban evaluation rollouts (the paper table's
-settings) through our CPU server, one entry per ``/generate`` request with its prompt token ids, sampling
-parameters, seed, completion length, episode and arrival order (``record_workload``; the committed file is
-``bench/workloads/sokoban_agent.json``). ``replay`` sends exactly those token ids, asks for exactly the
-recorded completion lengths (EOS ignored) with the same seeds and logprobs on, keeps ``in_flight``
-episodes going at once and each episode's turns in order (turn t+1 leaves after turn t returned, as the
-actor's loop does), so the multi-turn shared-prefix structure is the one the actors produced. Two targets:
-our server's SGLang ``/generate`` with ``input_ids`` (``SGLangTarget``) and an OpenAI-compatible peer's
-``/v1/completions`` with the prompt as a list of token ids (``OpenAITarget``; vLLM).
+settings) through our CPU server, one entry per ``/generate`` request with its prompt token ids,
+sampling parameters, seed, completion length, episode and arrival order (``record_workload``; the
+committed file is ``bench/workloads/sokoban_agent.json``). ``replay`` sends exactly those token ids,
+asks for exactly the recorded completion lengths (EOS ignored) with the same seeds and logprobs on,
+keeps ``in_flight`` episodes going at once and each episode's turns in order (turn t+1 leaves after
+turn t returned, as the actor's loop does), so the multi-turn shared-prefix structure is the one the
+actors produced. Two targets: our server's SGLang ``/generate`` with ``input_ids``
+(``SGLangTarget``) and an OpenAI-compatible peer's ``/v1/completions`` with the prompt as a list of
+token ids (``OpenAITarget``; vLLM).
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from typing import Any
 
 import aiohttp
 
-from actors.client import SGLangClient
-from actors.engine import Completion, SamplingParams
 from bench.inference_workload import ideal_prefix_share
+from leafe.actors.client import SGLangClient
+from leafe.actors.engine import Completion, SamplingParams
 
 __all__ = [
     "WORKLOAD",
@@ -85,7 +87,9 @@ class RecordingClient(SGLangClient):
         timeout_s: float | None = None,
     ) -> list[Completion]:
         if n != 1:
-            raise ValueError(f"the recorder replays one completion per request; the actor asked n={n}")
+            raise ValueError(
+                f"the recorder replays one completion per request; the actor asked n={n}"
+            )
         task = asyncio.current_task()
         episode = self._episodes.setdefault(id(task), len(self._episodes))
         turn = self._turns.get(episode, 0)
@@ -112,14 +116,20 @@ def save_workload(path: Path, requests: list[WorkloadRequest], meta: dict[str, A
 
 
 def load_workload(path: Path = WORKLOAD) -> tuple[list[WorkloadRequest], dict[str, Any]]:
-    """The requests in arrival order and the recording's meta; raises naming what is inconsistent."""
+    """The requests in arrival order and the recording's meta; raises naming what is
+    inconsistent."""
     data = json.loads(path.read_text())
     if data.get("format") != FORMAT:
         raise ValueError(f"{path}: format {data.get('format')!r}, this code reads {FORMAT}")
     reqs = [WorkloadRequest(**r) for r in data["requests"]]
     turns: dict[int, int] = {}
     for i, r in enumerate(reqs):
-        if r.order != i or r.turn != turns.get(r.episode, 0) or r.completion_tokens < 1 or not r.input_ids:
+        if (
+            r.order != i
+            or r.turn != turns.get(r.episode, 0)
+            or r.completion_tokens < 1
+            or not r.input_ids
+        ):
             raise ValueError(f"{path}: request {i} out of order or empty: {r.__dict__!r:.200}")
         turns[r.episode] = r.turn + 1
     return reqs, data["meta"]
@@ -130,8 +140,11 @@ def ideal_share(requests: list[WorkloadRequest]) -> float:
     return ideal_prefix_share([r.input_ids for r in requests])
 
 
-def episodes_of(requests: list[WorkloadRequest], limit: int | None = None) -> list[list[WorkloadRequest]]:
-    """Episodes in order of first arrival, each its turns in order; ``limit``: the first requests only."""
+def episodes_of(
+    requests: list[WorkloadRequest], limit: int | None = None
+) -> list[list[WorkloadRequest]]:
+    """Episodes in order of first arrival, each its turns in order; ``limit``: the first requests
+    only."""
     out: dict[int, list[WorkloadRequest]] = {}
     for r in requests[:limit]:
         out.setdefault(r.episode, []).append(r)
@@ -140,7 +153,8 @@ def episodes_of(requests: list[WorkloadRequest], limit: int | None = None) -> li
 
 @dataclass
 class SGLangTarget:
-    """Our server (or SGLang): ``/generate`` with ``input_ids``; prefix reuse from ``/get_server_info``."""
+    """Our server (or SGLang): ``/generate`` with ``input_ids``; prefix reuse from
+    ``/get_server_info``."""
 
     url: str
     name: str = "ours"
@@ -150,7 +164,11 @@ class SGLangTarget:
             "max_new_tokens": r.completion_tokens, "temperature": r.temperature, "top_p": r.top_p,
             "top_k": r.top_k, "ignore_eos": True, "sampling_seed": r.seed,
         }  # fmt: skip
-        return "/generate", {"input_ids": r.input_ids, "sampling_params": sp, "return_logprob": True}
+        return "/generate", {
+            "input_ids": r.input_ids,
+            "sampling_params": sp,
+            "return_logprob": True,
+        }
 
     def parse(self, body: Any) -> tuple[int, int | None, int]:
         """(completion tokens, cached prompt tokens, logprobs returned)."""
@@ -164,12 +182,21 @@ class SGLangTarget:
     async def reset(self, http: aiohttp.ClientSession) -> None:
         async with http.post(self.url + "/flush_cache") as resp:
             if resp.status != 200:
-                raise RuntimeError(f"{self.url}/flush_cache answered {resp.status}: {await resp.text()}")
+                raise RuntimeError(
+                    f"{self.url}/flush_cache answered {resp.status}: {await resp.text()}"
+                )
 
     async def counters(self, http: aiohttp.ClientSession) -> dict[str, Any]:
         async with http.get(self.url + "/get_server_info") as resp:
             state = (await resp.json())["internal_states"][0]
-        times = ("prefill_s", "decode_s", "prefill_cpu_s", "decode_cpu_s", "prefill_calls", "decode_steps")
+        times = (
+            "prefill_s",
+            "decode_s",
+            "prefill_cpu_s",
+            "decode_cpu_s",
+            "prefill_calls",
+            "decode_steps",
+        )
         return {
             "cached_tokens": state["cached_tokens"],
             "prefilled_tokens": state["prefill_tokens"],
@@ -180,13 +207,16 @@ class SGLangTarget:
         }
 
 
-_METRIC = re.compile(r"^(vllm:prefix_cache_(?:queries|hits)(?:_total)?)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
+_METRIC = re.compile(
+    r"^(vllm:prefix_cache_(?:queries|hits)(?:_total)?)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M
+)
 
 
 @dataclass
 class OpenAITarget:
-    """An OpenAI-compatible peer (vLLM): ``/v1/completions`` with the prompt as token ids, ``ignore_eos``
-    and ``min_tokens = max_tokens`` (vLLM's extensions) so every completion has the recorded length."""
+    """An OpenAI-compatible peer (vLLM): ``/v1/completions`` with the prompt as token ids,
+    ``ignore_eos`` and ``min_tokens = max_tokens`` (vLLM's extensions) so every completion has the
+    recorded length."""
 
     url: str
     model: str = ""
@@ -205,7 +235,9 @@ class OpenAITarget:
             "min_tokens": r.completion_tokens, "ignore_eos": True, "temperature": r.temperature,
             "top_p": r.top_p, "seed": r.seed, "logprobs": 1, "return_token_ids": True,
         }  # fmt: skip
-        if r.top_k > 0:  # SGLang's -1 = off; vLLM's off is -1 or 0 depending on the version: leave it out
+        if (
+            r.top_k > 0
+        ):  # SGLang's -1 = off; vLLM's off is -1 or 0 depending on the version: leave it out
             body["top_k"] = r.top_k
         return "/v1/completions", body
 
@@ -214,14 +246,17 @@ class OpenAITarget:
         tokens = body["usage"]["completion_tokens"]
         ids = choice.get("token_ids")
         if ids is not None and len(ids) != tokens:
-            raise ValueError(f"{self.url}: usage says {tokens} completion tokens, token_ids has {len(ids)}")
+            raise ValueError(
+                f"{self.url}: usage says {tokens} completion tokens, token_ids has {len(ids)}"
+            )
         details = body["usage"].get("prompt_tokens_details") or {}
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
         return tokens, details.get("cached_tokens"), len(logprobs)
 
     async def reset(self, http: aiohttp.ClientSession) -> None:
-        """vLLM's ``/reset_prefix_cache`` exists only with ``VLLM_SERVER_DEV_MODE=1``: without it a later
-        run would find the earlier run's prompts cached, so a missing route is an error, not a skip."""
+        """vLLM's ``/reset_prefix_cache`` exists only with ``VLLM_SERVER_DEV_MODE=1``: without it a
+        later run would find the earlier run's prompts cached, so a missing route is an error, not a
+        skip."""
         async with http.post(self.url + "/reset_prefix_cache") as resp:
             if resp.status != 200:
                 raise RuntimeError(
@@ -250,13 +285,16 @@ async def _send(
     async with http.post(target.url + path, json=body) as resp:
         text = await resp.text()
         if resp.status != 200:
-            raise RuntimeError(f"{target.name} {path} request {r.order} answered {resp.status}: {text[:500]}")
+            raise RuntimeError(
+                f"{target.name} {path} request {r.order} answered {resp.status}: {text[:500]}"
+            )
     latency = time.perf_counter() - t0
     tokens, cached, logprobs = target.parse(json.loads(text))
     if tokens != r.completion_tokens or logprobs != tokens:
         raise RuntimeError(
             f"{target.name} request {r.order}: {tokens} completion tokens and {logprobs} logprobs, "
-            f"asked for exactly {r.completion_tokens} (ignore_eos): the replay would not be like for like"
+            f"asked for exactly {r.completion_tokens} (ignore_eos): the replay would not be "
+            "like for like"
         )
     return latency, cached, tokens
 
@@ -269,10 +307,13 @@ def _delta(before: Any, after: Any) -> Any:
     return round(after - (before or 0), 3)
 
 
-def _reuse(target: Target, before: dict[str, Any], after: dict[str, Any], prompt: int) -> dict[str, Any]:
-    """Prompt tokens served from the engine's prefix cache, by its own counters (None where it has none).
-    Ours also prefills an identical prompt once for the requests admitted with it (``shared_tokens``):
-    ``not_recomputed_share`` counts those too. vLLM's counters are tokens (queries = prompt tokens)."""
+def _reuse(
+    target: Target, before: dict[str, Any], after: dict[str, Any], prompt: int
+) -> dict[str, Any]:
+    """Prompt tokens served from the engine's prefix cache, by its own counters (None where it has
+    none). Ours also prefills an identical prompt once for the requests admitted with it
+    (``shared_tokens``): ``not_recomputed_share`` counts those too. vLLM's counters are tokens
+    (queries = prompt tokens)."""
     d = {k: _delta(before.get(k), v) for k, v in after.items()}
     if isinstance(target, SGLangTarget):
         return {
@@ -293,13 +334,14 @@ async def replay(
     limit: int | None = None,
     per_request: bool = False,
 ) -> dict[str, Any]:
-    """Replay (the first ``limit`` of) ``requests`` against ``target`` from an empty prefix cache: ``in_flight``
-    episodes at once, started in recorded order, each episode's turns one after another. ``per_request``:
-    also ``cached_per_request``, the cached prompt tokens the engine reported for each request, by order."""
+    """Replay (the first ``limit`` of) ``requests`` against ``target`` from an empty prefix cache:
+    ``in_flight`` episodes at once, started in recorded order, each episode's turns one after
+    another. ``per_request``: also ``cached_per_request``, the cached prompt tokens the engine
+    reported for each request, by order."""
     episodes = episodes_of(requests, limit)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
-    # idle connections closed by us after 2 s, before uvicorn's 5 s keep-alive closes them under a request
-    # (vLLM's server did once: "Server disconnected" mid-run)
+    # idle connections closed by us after 2 s, before uvicorn's 5 s keep-alive closes them under a
+    # request (vLLM's server did once: "Server disconnected" mid-run)
     connector = aiohttp.TCPConnector(keepalive_timeout=2.0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         if isinstance(target, OpenAITarget):
@@ -341,5 +383,7 @@ async def replay(
         "latency_p90_s": round(latencies[int(0.9 * (len(latencies) - 1))], 3),
         "cached_tokens_reported": sum(reported) if len(reported) == len(rows) else None,
         **_reuse(target, before, after, prompt),
-        **({"cached_per_request": [cached_of[i] for i in sorted(cached_of)]} if per_request else {}),
+        **(
+            {"cached_per_request": [cached_of[i] for i in sorted(cached_of)]} if per_request else {}
+        ),
     }

@@ -1,5 +1,6 @@
-"""Synthetic request streams for ``bench/inference.py`` (not a benchmark area): chat prompts, 16 clients'
-agent-shaped requests (unrelated, or episodes whose prompts grow by a step), and the ideal prefix share."""
+"""Synthetic request streams for ``bench/inference.py`` (not a benchmark area): chat prompts, 16
+clients' agent-shaped requests (unrelated, or episodes whose prompts grow by a step), and the ideal
+prefix share."""
 
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ def _words(rng: random.Random, n: int) -> str:
 
 
 def agent_requests(tok: Any, count: int, *, episodes: bool) -> list[list[tuple[list[int], int]]]:
-    """16 clients' request lists, prompts of 200-600 tokens and 5-20 new tokens each. ``episodes``: each
-    client is one actor episode whose prompt grows by a step line per request (shared prefixes, as
-    render_messages produces); otherwise every prompt is unrelated."""
+    """16 clients' request lists, prompts of 200-600 tokens and 5-20 new tokens each. ``episodes``:
+    each client is one actor episode whose prompt grows by a step line per request (shared prefixes,
+    as render_messages produces); otherwise every prompt is unrelated."""
     rng = random.Random(0)
     clients: list[list[tuple[list[int], int]]] = [[] for _ in range(16)]
     for i in range(count):
@@ -43,7 +44,10 @@ def agent_requests(tok: Any, count: int, *, episodes: bool) -> list[list[tuple[l
                 for t in range(step * 3)
             )
             msgs = [
-                {"role": "user", "content": f"Task: {task}\nPrevious steps:\n{history}\nYour next action?"}
+                {
+                    "role": "user",
+                    "content": f"Task: {task}\nPrevious steps:\n{history}\nYour next action?",
+                }
             ]
             ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
             ids = [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)][:600]
@@ -54,10 +58,10 @@ def agent_requests(tok: Any, count: int, *, episodes: bool) -> list[list[tuple[l
 
 
 def ideal_prefix_share(prompts: list[list[int]], counted: list[bool] | None = None) -> float:
-    """Share of prompt tokens a cache holding every earlier prompt could serve (each prompt's last token
-    excluded, as the engine must run it): the ceiling of ``prefix_cache_share``. A plain token trie, so
-    the figure does not depend on the engine's code. ``counted``: the share over the marked prompts only,
-    every earlier prompt (marked or not) still in the cache."""
+    """Share of prompt tokens a cache holding every earlier prompt could serve (each prompt's last
+    token excluded, as the engine must run it): the ceiling of ``prefix_cache_share``. A plain token
+    trie, so the figure does not depend on the engine's code. ``counted``: the share over the marked
+    prompts only, every earlier prompt (marked or not) still in the cache."""
     root: dict[int, Any] = {}
     served = total = 0
     for i, ids in enumerate(prompts):

@@ -1,41 +1,49 @@
 """Learner benchmarks: training throughput (batch layout x precision) and the time from
 ``WeightsPublished`` to every inference server serving the new version.
 
-| row                 | what runs                                                                          |
-|---------------------|------------------------------------------------------------------------------------|
-| naive_full_logits   | baseline: fixed micro-batches in arrival order, logits for every position (what an |
-|                     | HF-style SFT loop computes), same trainer, samples, global batch and memory ceiling |
-| naive_padded        | the trainer with ``bucketing = "none"``: arrival order, fixed micro-batch size      |
-| bucketed            | fp32, length-bucketed left-padded micro-batches up to a token budget (the layout   |
-|                     | and precision the learner used before packing and bf16)                             |
-| packed              | fp32, samples packed into rows of the token budget, per-sample causal attention    |
-| bucketed_bf16       | bf16 autocast (fp32 master weights), length-bucketed                                |
-| packed_bf16         | bf16 autocast, packed                                                               |
-| packed_bf16_shared  | bf16, packed with ``share_prefix``: the prompt prefix all samples share once a row  |
-| push                | trainer export (bf16 + manifest) -> WeightsPublished -> weight-sync -> 2 CPU        |
-|                     | inference servers report the version (median of repeats, fresh servers each time)  |
-| raw_save_load       | baseline: safetensors save_file + load_file + load_state_dict of the same weights   |
-| memory              | peak RSS of the learner before / after the chunked LM head and activation          |
-|                     | checkpointing, with the loss check (``bench/learner_memory.py``; SmolLM2 in        |
-|                     | quick and full mode; ``--memory-only`` reruns just this part)                      |
+| row                | what runs                                                                   |
+|--------------------|-----------------------------------------------------------------------------|
+| naive_full_logits  | baseline: fixed micro-batches in arrival order, logits for every position   |
+|                    | (what an HF-style SFT loop computes), same trainer, samples, global batch   |
+|                    | and memory ceiling                                                          |
+| naive_padded       | the trainer with ``bucketing = "none"``:                                    |
+|                    | arrival order, fixed micro-batch size                                       |
+| bucketed           | fp32, length-bucketed left-padded micro-batches up to a token budget (the   |
+|                    | layout and precision the learner used before packing and bf16)              |
+| packed             | fp32, samples packed into rows of the token budget,                         |
+|                    | per-sample causal attention                                                 |
+| bucketed_bf16      | bf16 autocast (fp32 master weights), length-bucketed                        |
+| packed_bf16        | bf16 autocast, packed                                                       |
+| packed_bf16_shared | bf16, packed with ``share_prefix``:                                         |
+|                    | the prompt prefix all samples share once a row                              |
+| push               | trainer export (bf16 + manifest) -> WeightsPublished -> weight-sync ->      |
+|                    | 2 CPU inference servers report the version                                  |
+|                    | (median of repeats, fresh servers each time)                                |
+| raw_save_load      | baseline: safetensors save_file + load_file + load_state_dict               |
+|                    | of the same weights                                                         |
+| memory             | peak RSS of the learner before / after the chunked LM head and activation   |
+|                    | checkpointing, with the loss check (``bench/learner_memory.py``; SmolLM2 in |
+|                    | quick and full mode; ``--memory-only`` reruns just this part)               |
 
-Samples look like agent data: 150-600-token prompts whose first 144 are the same in every sample (system
-prompt and task header, as in effect-hard's GRPO samples), 5-40-token completions, cf/reh mixed.
-Throughput counts real (non-pad) tokens per second of optimizer-step wall time; every row trains the
-same batches, interleaved batch by batch, after one warm-up step; the rows share one model and AdamW
-state (``_variants``). Memory ceiling: ``micro_batch_tokens`` padded tokens per micro-batch (packed:
-tokens per row); the naive micro-batch size is the one that fits it for the longest sample. One torch
-thread (as ``leafe run``'s learner); ``threads_2`` repeats bucketed, packed_bf16 and packed_bf16_shared on 2
-threads over the first batch.
+Samples look like agent data: 150-600-token prompts whose first 144 are the same in every sample
+(system prompt and task header, as in effect-hard's GRPO samples), 5-40-token completions, cf/reh
+mixed. Throughput counts real (non-pad) tokens per second of optimizer-step wall time; every row
+trains the same batches, interleaved batch by batch, after one warm-up step; the rows share one
+model and AdamW state (``_variants``). Memory ceiling: ``micro_batch_tokens`` padded tokens per
+micro-batch (packed: tokens per row); the naive micro-batch size is the one that fits it for the
+longest sample. One torch thread (as ``leafe run``'s learner); ``threads_2`` repeats bucketed,
+packed_bf16 and packed_bf16_shared on 2 threads over the first batch.
 
-    .venv/bin/python bench/learner.py            # SmolLM2-135M for both parts (slow on 2 shared cores)
-    .venv/bin/python bench/learner.py --quick    # tiny model for throughput, SmolLM2 for the push
-    .venv/bin/python bench/learner.py --push-only [--quick]   # redo the push part only
-    .venv/bin/python -m bench.learner --smoke --out /tmp/learner.json   # tiny model, 8 samples, 1 push
+    .venv/bin/python -m bench.learner           # SmolLM2-135M, both parts (slow on 2 shared cores)
+    .venv/bin/python -m bench.learner --quick   # tiny model for throughput, SmolLM2 for the push
+    .venv/bin/python -m bench.learner --push-only [--quick]   # redo the push part only
+    .venv/bin/python -m bench.learner --smoke \\
+        --out /tmp/learner.json                 # tiny model, 8 samples, 1 push
 
-Writes ``bench/results/learner.json`` or ``--out`` (one entry per mode; the other modes' entries are kept; a
-missing file is created). ``--smoke`` (the tests' check that both parts still run; not a measurement) uses
-the tiny random model for both and writes to a temporary file unless ``--out`` is given.
+Writes ``bench/results/learner.json`` or ``--out`` (one entry per mode; the other modes' entries are
+kept; a missing file is created). ``--smoke`` (the tests' check that both parts still run; not a
+measurement) uses the tiny random model for both and writes to a temporary file unless ``--out`` is
+given.
 """
 
 from __future__ import annotations
@@ -45,54 +53,57 @@ import asyncio
 import copy
 import json
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 
-from actors.client import SGLangClient
 from bench.host import host_record
 from bench.learner_memory import memory_part
 from bench.learner_samples import MAX_COMPLETION, MAX_PROMPT, SHARED_PREFIX, agent_samples
-from learner.batching import MicroBatch
-from learner.config import BatchConfig, OptimConfig, TrainerConfig
-from learner.distributed import DistEnv, init_distributed
-from learner.fsdp import resolve_precision
-from learner.losses import token_logprobs
-from learner.model_io import resolve_model
-from learner.trainer import Trainer
-from protocol import WeightsPublished, weights_subject
-from protocol.samples import Sample
-from services.bus import Publisher, connect, ensure_streams
-from services.bus.nats_server import EmbeddedNats
-from services.inference.server import InferenceConfig, InferenceServer
-from services.logsetup import configure_logging
-from services.weight_sync.service import WeightSync, WeightSyncConfig
+from leafe.actors.client import SGLangClient
+from leafe.learner.batching import MicroBatch
+from leafe.learner.config import BatchConfig, OptimConfig, TrainerConfig
+from leafe.learner.distributed import DistEnv, init_distributed
+from leafe.learner.fsdp import resolve_precision
+from leafe.learner.losses import token_logprobs
+from leafe.learner.model_io import resolve_model
+from leafe.learner.trainer import Trainer
+from leafe.protocol import WeightsPublished, weights_subject
+from leafe.protocol.samples import Sample
+from leafe.services.bus import Publisher, connect, ensure_streams
+from leafe.services.bus.nats_server import EmbeddedNats
+from leafe.services.inference.server import InferenceConfig, InferenceServer
+from leafe.services.logsetup import configure_logging
+from leafe.services.weight_sync.service import WeightSync, WeightSyncConfig
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learner.json"
 SMOKE_OUT = Path(tempfile.gettempdir()) / "leafe-bench-smoke" / "learner.json"
 SIZES = {  # mode -> throughput model, samples, global batch, micro-batch token budget, push model
     "smoke": ("tiny", 4, 4, 2048, "tiny"),
     "quick": ("tiny", 256, 64, 4096, "smollm2-135m-instruct"),
-    "full": ("smollm2-135m-instruct", 32, 16, 2048, "smollm2-135m-instruct"),  # the cpu preset's batch
+    # full: the cpu preset's batch
+    "full": ("smollm2-135m-instruct", 32, 16, 2048, "smollm2-135m-instruct"),
 }
 MEMORY = {"smoke": ("tiny", 4, (20, 80))}
-SAMPLES: dict[str, Any] = {"prompt": (150, MAX_PROMPT), "shared": SHARED_PREFIX}  # --smoke: (40, 90), 34
 """Mode -> the memory part's model, samples per step and prompt lengths (default: SmolLM2, the cpu
 preset's global batch of 16, agent-like prompts of 150-600 tokens)."""
+SAMPLES: dict[str, Any] = {
+    "prompt": (150, MAX_PROMPT),
+    "shared": SHARED_PREFIX,
+}  # --smoke: (40, 90), 34
 
 
 class FullLogitsTrainer(Trainer):
     """The naive baseline's forward: logits for every position, then the same targets and loss."""
 
     def _logp(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
+        out = model(
+            input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
+        )
         return token_logprobs(out.logits[:, -mb.keep : -1], mb.labels)
 
 
@@ -106,7 +117,8 @@ ROWS = {  # name -> (bucketing, precision, share_prefix)
     "packed_bf16_shared": ("pack", "bf16", True),
 }
 BASE = "bucketed"
-"""Step speedups are relative to this row (fp32 length bucketing: the learner before packing and bf16)."""
+"""Step speedups are relative to this row (fp32 length bucketing: the learner before packing and
+bf16)."""
 TWO_THREADS = ("bucketed", "packed_bf16", "packed_bf16_shared")
 
 
@@ -132,10 +144,10 @@ def _config(name: str, global_batch: int, budget: int) -> TrainerConfig:
 
 
 def _variants(model_dir: Path, env: DistEnv, global_batch: int, budget: int) -> dict[str, Trainer]:
-    """One trainer per row, all sharing ONE model and AdamW state (six SmolLM2 trainers with their own
-    AdamW state, ~2.2 GB each, got the bench OOM-killed on the shared 23 GB machine). Each row's step is
-    still its own full forward, backward and AdamW step; only the weights it starts from differ, which
-    does not change the work."""
+    """One trainer per row, all sharing ONE model and AdamW state (six SmolLM2 trainers with their
+    own AdamW state, ~2.2 GB each, got the bench OOM-killed on the shared 23 GB machine). Each row's
+    step is still its own full forward, backward and AdamW step; only the weights it starts from
+    differ, which does not change the work."""
     base = Trainer(_config(BASE, global_batch, budget), model_dir, env)
     out = {}
     for name in ROWS:
@@ -172,7 +184,8 @@ def _throughput(trainers: dict[str, Trainer], batches: list[list[Sample]]) -> di
             f"median_step_speedup_vs_{BASE}": statistics.median(speedup),
         }
         print(
-            f"  {k:<18} {rows[k]['tokens_per_s']:8.1f} tok/s  padding +{rows[k]['padding_overhead']:.0%}  "
+            f"  {k:<18} {rows[k]['tokens_per_s']:8.1f} tok/s  padding "
+            f"+{rows[k]['padding_overhead']:.0%}  "
             f"({sum(a.step_s):.1f} s)",
             flush=True,
         )
@@ -207,9 +220,12 @@ async def _wait_version(urls: list[str], version: str, limit_s: float = 600.0) -
     raise TimeoutError(f"servers did not reach {version} within {limit_s} s")
 
 
-async def _one_push(model_dir: Path, trainer: Trainer, nats_url: str, js: Any, i: int, work: Path) -> dict:
-    """Two fresh servers at ``default``; export v<i>, announce it, wait until both serve it. Each repeat is
-    its own run: weight-sync would otherwise load the previous repeat's version into the fresh servers."""
+async def _one_push(
+    model_dir: Path, trainer: Trainer, nats_url: str, js: Any, i: int, work: Path
+) -> dict:
+    """Two fresh servers at ``default``; export v<i>, announce it, wait until both serve it. Each
+    repeat is its own run: weight-sync would otherwise load the previous repeat's version into the
+    fresh servers."""
     version, run = f"v{i:06d}", f"bench{i}"
     icfg = InferenceConfig(model=str(model_dir), port=0, threads=1, weights_root=str(work))
     async with InferenceServer(icfg) as s1, InferenceServer(icfg) as s2, Publisher(js) as pub:
@@ -239,7 +255,9 @@ async def _one_push(model_dir: Path, trainer: Trainer, nats_url: str, js: Any, i
         t3 = await _wait_version(urls, version)
         stop.set()
         await task
-    load = max(r.seconds for r in sync.results.values())  # the slower server's /update_weights_from_disk call
+    load = max(
+        r.seconds for r in sync.results.values()
+    )  # the slower server's /update_weights_from_disk call
     print(
         f"  push {version}: export {t1 - t0:.2f} s, published -> 2 servers serving {t3 - t2:.2f} s "
         f"(server load {load:.2f} s)",
@@ -261,7 +279,10 @@ async def _push_bench(model_dir: Path, env: DistEnv, repeats: int, work: Path) -
         nc = await connect(nats.url)
         js = nc.jetstream()
         await ensure_streams(js)
-        rows = [await _one_push(model_dir, trainer, nats.url, js, i, work) for i in range(1, repeats + 1)]
+        rows = [
+            await _one_push(model_dir, trainer, nats.url, js, i, work)
+            for i in range(1, repeats + 1)
+        ]
         await nc.close()
     finally:
         nats.stop()
@@ -271,11 +292,13 @@ async def _push_bench(model_dir: Path, env: DistEnv, repeats: int, work: Path) -
 def _raw_save_load(model_dir: Path, work: Path, repeats: int) -> dict:
     from safetensors.torch import load_file, save_file
 
-    from learner.model_io import load_model
+    from leafe.learner.model_io import load_model
 
     model = load_model(model_dir)
     state = {
-        k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"
+        k: v.to(torch.bfloat16).contiguous()
+        for k, v in model.state_dict().items()
+        if k != "lm_head.weight"
     }
     times = []
     for i in range(repeats):
@@ -289,7 +312,8 @@ def _raw_save_load(model_dir: Path, work: Path, repeats: int) -> dict:
 
 
 def load_saved(path: Path, mode: str) -> dict[str, Any] | None:
-    """The saved entry of ``mode`` (``quick`` | ``full``), or None when the file or the entry is missing."""
+    """The saved entry of ``mode`` (``quick`` | ``full``), or None when the file or the entry is
+    missing."""
     if not path.is_file():
         return None
     entry: dict[str, Any] | None = json.loads(path.read_text()).get(mode)
@@ -297,7 +321,8 @@ def load_saved(path: Path, mode: str) -> dict[str, Any] | None:
 
 
 def save_result(path: Path, mode: str, result: dict[str, Any]) -> None:
-    """Write ``result`` as the entry of ``mode``, keeping the other mode's entry; creates the file."""
+    """Write ``result`` as the entry of ``mode``, keeping the other mode's entry; creates the
+    file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     previous = json.loads(path.read_text()) if path.is_file() else {}
     path.write_text(json.dumps(previous | {mode: result}, indent=1))
@@ -313,13 +338,17 @@ def _ratios(tp: dict[str, dict[str, dict]], push: dict, raw: dict) -> dict[str, 
         "packed_bf16_vs_bucketed": tps("packed_bf16") / tps("bucketed"),
         "packed_vs_bucketed": tps("packed") / tps("bucketed"),
         "bucketed_bf16_vs_bucketed": tps("bucketed_bf16") / tps("bucketed"),
-        "packed_bf16_vs_bucketed_2_threads": tps("packed_bf16", "threads_2") / tps("bucketed", "threads_2"),
+        "packed_bf16_vs_bucketed_2_threads": tps("packed_bf16", "threads_2")
+        / tps("bucketed", "threads_2"),
     }
-    for part, suffix in (("throughput", ""), ("threads_2", "_2_threads")):  # saved results may lack the row
+    for part, suffix in (
+        ("throughput", ""),
+        ("threads_2", "_2_threads"),
+    ):  # saved results may lack the row
         if "packed_bf16_shared" in tp[part]:
-            ratios[f"packed_bf16_shared_vs_packed_bf16{suffix}"] = tps("packed_bf16_shared", part) / tps(
-                "packed_bf16", part
-            )
+            ratios[f"packed_bf16_shared_vs_packed_bf16{suffix}"] = tps(
+                "packed_bf16_shared", part
+            ) / tps("packed_bf16", part)
     # A push entry saved by an older version of this bench may lack a figure: leave its ratio out.
     for name, key in [
         ("publish_to_serving", "publish_to_serving_s"),
@@ -343,9 +372,14 @@ def _push_part(smol: Path, env: DistEnv, repeats: int) -> tuple[dict, dict]:
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model for the throughput part")
-    p.add_argument("--smoke", action="store_true", help="tiny model for both, 8 samples, 1 push (tests)")
     p.add_argument(
-        "--samples", type=int, default=None, help="samples per config (default 256 quick, 32 full, 8 smoke)"
+        "--smoke", action="store_true", help="tiny model for both, 8 samples, 1 push (tests)"
+    )
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="samples per config (default 256 quick, 32 full, 8 smoke)",
     )
     p.add_argument("--repeats", type=int, default=None, help="push repeats (default 3; --smoke 1)")
     p.add_argument("--out", type=Path, default=None, help=f"result file (default {RESULTS})")
@@ -353,8 +387,12 @@ def _args() -> argparse.Namespace:
     part.add_argument(
         "--push-only", action="store_true", help="rerun the push part; keep the saved throughput"
     )
-    part.add_argument("--throughput-only", action="store_true", help="rerun throughput; keep the saved push")
-    part.add_argument("--memory-only", action="store_true", help="rerun the memory part; keep the rest")
+    part.add_argument(
+        "--throughput-only", action="store_true", help="rerun throughput; keep the saved push"
+    )
+    part.add_argument(
+        "--memory-only", action="store_true", help="rerun the memory part; keep the rest"
+    )
     p.add_argument("--log-level", default="warning", help="info shows each server's load time")
     return p.parse_args()
 
@@ -368,7 +406,9 @@ def main() -> int:
     out = a.out or (SMOKE_OUT if a.smoke else RESULTS)
     saved = load_saved(out, mode)
     host = host_record()
-    if a.memory_only:  # the memory part carries its own host: the saved figures may come from another
+    if (
+        a.memory_only
+    ):  # the memory part carries its own host: the saved figures may come from another
         memory = memory_part(*MEMORY.get(mode, ("smollm2-135m-instruct", 16, (150, MAX_PROMPT))))
         save_result(out, mode, (saved or {}) | {"memory": memory})
         print(f"wrote {out}")
@@ -379,10 +419,16 @@ def main() -> int:
     n = a.samples or default_n
     repeats = a.repeats or (1 if a.smoke else 3)
     vocab = int(json.loads((throughput_model / "config.json").read_text())["vocab_size"])
-    # --smoke: short prompts too (the full-logits row's every-position logits would take most of its time)
-    samples = agent_samples(n, vocab, **({"prompt": (40, 90), "shared": 34} if a.smoke else SAMPLES))
+    # --smoke: short prompts too (the full-logits row's every-position logits would take most
+    # of its time)
+    samples = agent_samples(
+        n, vocab, **({"prompt": (40, 90), "shared": 34} if a.smoke else SAMPLES)
+    )
     batches = [samples[i : i + gb] for i in range(0, n, gb)]
-    print(f"throughput: {throughput_model.name}, {n} samples, global batch {gb}, budget {budget} tokens")
+    print(
+        f"throughput: {throughput_model.name}, {n} samples, global batch {gb}, "
+        f"budget {budget} tokens"
+    )
     if a.push_only and saved is not None and "threads_2" in saved:  # else saved by an older version
         tp = {k: saved[k] for k in ("throughput", "threads_2")}
         print("  (saved results)", flush=True)

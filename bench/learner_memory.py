@@ -1,23 +1,28 @@
-"""The learner's peak resident memory before and after the memory work of ``learner/linear_logprobs.py``
-and ``learner/memory.py``, with the loss-equality check; a part of ``bench/learner.py``.
+"""The learner's peak resident memory before and after the memory work of
+``learner/linear_logprobs.py`` and ``learner/memory.py``, with the loss-equality check; a part of
+``bench/learner.py``.
 
-| variant | what trains                                                                               |
-|---------|-------------------------------------------------------------------------------------------|
-| before  | the previous loss path: full-vocabulary logits at the target positions, every activation   |
-|         | kept for the backward, autocast's bf16 weight cache, glibc's default (rising) mmap threshold |
-| glibc   | chunked LM head, glibc's default allocator (``reuse_freed_memory = false``): the default      |
-|         | until freed blocks were kept for reuse                                                      |
-| after   | the trainer as configured by default: chunked LM head, freed blocks reused (no ``mmap``)   |
-| lean    | ``after`` with ``release_freed_memory = true`` (pinned mmap threshold: less RSS, slower)   |
-| checkpointed | ``lean`` with ``activation_checkpointing = true`` (and no autocast weight cache)      |
+| variant      | what trains                                                                       |
+|--------------|-----------------------------------------------------------------------------------|
+| before       | the previous loss path: full-vocabulary logits at the target positions,           |
+|              | every activation kept for the backward, autocast's bf16 weight cache,             |
+|              | glibc's default (rising) mmap threshold                                           |
+| glibc        | chunked LM head, glibc's default allocator (``reuse_freed_memory = false``):      |
+|              | the default until freed blocks were kept for reuse                                |
+| after        | the trainer as configured by default:                                             |
+|              | chunked LM head, freed blocks reused (no ``mmap``)                                |
+| lean         | ``after`` with ``release_freed_memory = true``                                    |
+|              | (pinned mmap threshold: less RSS, slower)                                         |
+| checkpointed | ``lean`` with ``activation_checkpointing = true`` (and no autocast weight cache)  |
 
-Each variant is its own process (peak RSS: its own ``VmHWM``, not ``ru_maxrss``, which an exec'd child
-inherits from its parent; minor page faults a step) training the same two global batches from the same
-weights with the ``cpu`` preset's trainer (what ``leafe run``'s learner uses: global batch 16, packed
-2048-token rows, precision ``auto``), one torch thread. The losses
-of both steps must agree to 1e-5 (the second step runs on weights the first updated).
+Each variant is its own process (peak RSS: its own ``VmHWM``, not ``ru_maxrss``, which an exec'd
+child inherits from its parent; minor page faults a step) training the same two global batches from
+the same weights with the ``cpu`` preset's trainer (what ``leafe run``'s learner uses: global batch
+16, packed 2048-token rows, precision ``auto``), one torch thread. The losses of both steps must
+agree to 1e-5 (the second step runs on weights the first updated).
 
-    .venv/bin/python -m bench.learner_memory --child after --model smollm2-135m-instruct   # one variant
+    .venv/bin/python -m bench.learner_memory --child after \\
+        --model smollm2-135m-instruct   # one variant
 """
 
 from __future__ import annotations
@@ -45,14 +50,14 @@ TOLERANCE = 1e-5
 def _child(variant: str, model: str, samples: int, prompt: tuple[int, int]) -> dict[str, Any]:
     import torch
 
-    import learner.trainer
     from bench.learner_samples import agent_samples
-    from learner.config import cpu_preset
-    from learner.distributed import init_distributed
-    from learner.linear_logprobs import full_logits_sample_logprobs
-    from learner.model_io import resolve_model
+    from leafe.learner import trainer as trainer_module
+    from leafe.learner.config import cpu_preset
+    from leafe.learner.distributed import init_distributed
+    from leafe.learner.linear_logprobs import full_logits_sample_logprobs
+    from leafe.learner.model_io import resolve_model
 
-    class FullLogitsTrainer(learner.trainer.Trainer):
+    class FullLogitsTrainer(trainer_module.Trainer):
         def _logp(self, model: torch.nn.Module, mb: Any) -> torch.Tensor:
             return full_logits_sample_logprobs(model, mb)
 
@@ -64,13 +69,13 @@ def _child(variant: str, model: str, samples: int, prompt: tuple[int, int]) -> d
         cfg = msgspec.structs.replace(cfg, reuse_freed_memory=False)
     if variant == "before":
         cfg = msgspec.structs.replace(cfg, activation_checkpointing=False)
-        trainer: learner.trainer.Trainer = FullLogitsTrainer(cfg, model_dir, env)
+        trainer: trainer_module.Trainer = FullLogitsTrainer(cfg, model_dir, env)
     else:
         if variant in ("lean", "checkpointed"):
             cfg = msgspec.structs.replace(cfg, release_freed_memory=True)
         if variant == "checkpointed":
             cfg = msgspec.structs.replace(cfg, activation_checkpointing=True)
-        trainer = learner.trainer.Trainer(cfg, model_dir, env)
+        trainer = trainer_module.Trainer(cfg, model_dir, env)
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     batch = cfg.batch.global_batch
     data = agent_samples(2 * batch, vocab, prompt=prompt)[: 2 * min(batch, samples)]
@@ -114,11 +119,17 @@ def memory_part(model: str, samples: int, prompt: tuple[int, int]) -> dict[str, 
     for name in VARIANTS[1:]:
         row = rows[name]
         pairs = list(zip(before["steps"], row["steps"], strict=True))
-        diff = max(abs((a[k] or 0.0) - (b[k] or 0.0)) for a, b in pairs for k in KEYS if k != "grad_norm")
+        diff = max(
+            abs((a[k] or 0.0) - (b[k] or 0.0)) for a, b in pairs for k in KEYS if k != "grad_norm"
+        )
         grad = max(abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"] for a, b in pairs)
-        seconds = sum(s["seconds"] for s in row["steps"]) / sum(s["seconds"] for s in before["steps"])
+        seconds = sum(s["seconds"] for s in row["steps"]) / sum(
+            s["seconds"] for s in before["steps"]
+        )
         ratio = row["peak_rss_gb"] / before["peak_rss_gb"]
-        print(f"  {name}/before peak RSS {ratio:.2f}, step time {seconds:.2f}, loss |diff| {diff:.1e}")
+        print(
+            f"  {name}/before peak RSS {ratio:.2f}, step time {seconds:.2f}, loss |diff| {diff:.1e}"
+        )
         out[f"peak_rss_gb_{name}"] = row["peak_rss_gb"]
         out[f"peak_rss_{name}_over_before"] = ratio
         out[f"step_seconds_{name}_over_before"] = seconds
@@ -126,24 +137,31 @@ def memory_part(model: str, samples: int, prompt: tuple[int, int]) -> dict[str, 
         out[f"max_grad_norm_rel_diff_{name}"] = grad
         equal = equal and diff <= TOLERANCE
     out["losses_equal"] = equal
-    glibc, after = rows["glibc"]["steps"][-1], rows["after"]["steps"][-1]  # the first step faults in both
+    glibc, after = (
+        rows["glibc"]["steps"][-1],
+        rows["after"]["steps"][-1],
+    )  # the first step faults in both
     out["second_step_seconds_after_over_glibc"] = after["seconds"] / glibc["seconds"]
     out["second_step_faults_glibc"], out["second_step_faults_after"] = (
         glibc["minor_faults"],
         after["minor_faults"],
     )
     print(
-        f"  after/glibc second step {out['second_step_seconds_after_over_glibc']:.2f}x the time, page faults "
-        f"{after['minor_faults']:,} against {glibc['minor_faults']:,}"
+        f"  after/glibc second step {out['second_step_seconds_after_over_glibc']:.2f}x the time, "
+        f"page faults {after['minor_faults']:,} against {glibc['minor_faults']:,}"
     )
     return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--child", choices=VARIANTS, required=True, help="train one variant, print its JSON")
+    p.add_argument(
+        "--child", choices=VARIANTS, required=True, help="train one variant, print its JSON"
+    )
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--samples", type=int, default=16, help="samples per step (at most the global batch)")
+    p.add_argument(
+        "--samples", type=int, default=16, help="samples per step (at most the global batch)"
+    )
     p.add_argument("--prompt", default="150,600", help="prompt length range, tokens")
     a = p.parse_args()
     lo, hi = (int(x) for x in a.prompt.split(","))

@@ -1,35 +1,42 @@
 """Benchmark: materialization throughput of the replayer's pure fold and of the service end to end.
 
-    .venv/bin/python bench/replay.py            # 1M-event fold, 200k with the real tokenizer, 100k service
-    .venv/bin/python bench/replay.py --quick    # 200k / 20k / 20k
+    .venv/bin/python -m bench.replay   # 1M-event fold, 200k with the real tokenizer, 100k service
+    .venv/bin/python -m bench.replay --quick   # 200k / 20k / 20k
     .venv/bin/python -m bench.replay --smoke --out /tmp/replay.json   # 2k / 500 / 1k: does it run?
-    .venv/bin/python bench/replay.py --only reader [--quick]   # just the log file reader (seconds)
-    .venv/bin/python -m bench.replay --only fold --against ../base-worktree   # the fold, before/after
+    .venv/bin/python -m bench.replay --only reader [--quick]   # just the log file reader (seconds)
+    .venv/bin/python -m bench.replay --only fold \\
+        --against ../base-worktree   # the fold, before/after
 
 The log is synthetic but shaped like real runs: explore trees from ``actors/fake_episodes``
 (breadth-first branches after periodic and failure reflections, experience in context, unparsable
-completions, truncated/abandoned episodes) plus GRPO groups of 8 rollouts, interleaved across episodes in
-windows. It is generated chunk by chunk and only the fold is timed, so memory stays flat.
+completions, truncated/abandoned episodes) plus GRPO groups of 8 rollouts, interleaved across
+episodes in windows. It is generated chunk by chunk and only the fold is timed, so memory stays
+flat.
 
 Figures (each also as a ratio to the baseline, msgpack-decoding the same events in the same process,
 i.e. the unavoidable cost of reading the log):
-- ``fold_fake_tok``: ``leafe`` over every event with a trivial byte tokenizer (prompt rendering, sample
-  ids, validation and digest verification included; tokenization nearly free) -> the fold's own speed;
-- ``fold_fake_tok_noverify``, ``fold_grpo``, ``fold_rft``: the same with verification off / other folds;
-- ``fold_real_tok``: ``leafe`` with SmolLM2's tokenizer (the tiny model's), where tokenization dominates;
+- ``fold_fake_tok``: ``leafe`` over every event with a trivial byte tokenizer (prompt rendering,
+  sample ids, validation and digest verification included; tokenization nearly free) -> the fold's
+  own speed;
+- ``fold_fake_tok_noverify``, ``fold_grpo``, ``fold_rft``: the same with verification off / other
+  folds;
+- ``fold_real_tok``: ``leafe`` with SmolLM2's tokenizer (the tiny model's), where tokenization
+  dominates;
 - ``service``: events published to an embedded nats-server, then ``Replayer`` (fake tokenizer) from
   start until every event is acked -> end-to-end events/s and samples/s including NATS;
-- ``reader``: the first 200k events (50k with ``--quick``) written as a ``.leafelog`` file, whose records
-  are then read back with verification (CRC32C per frame, sha256 of the whole file) and without, in
-  alternating rounds over the same file -> MB/s of each and their ratio (the price of verification).
-- ``fold_vs_base`` (``--only fold --against DIR``): the four folds above on the same 100k-event log, run
-  by this script in child processes alternately on this tree's code and on DIR's (another worktree, e.g.
-  the commit a change started from), ``--rounds`` times each, each fold repeated 3 times per round; each
-  side's best (the least disturbed on a shared machine) in events per wall-clock and per CPU second, and
-  the ratios after/before (CPU time is the one other processes disturb least).
-Results go to ``bench/results/replay.json`` (``--only reader|fold`` updates just its entry), or to ``--out``;
-``--smoke`` (the tests' check that every figure still runs; not a measurement) writes to a temporary file
-unless ``--out`` is given.
+- ``reader``: the first 200k events (50k with ``--quick``) written as a ``.leafelog`` file, whose
+  records are then read back with verification (CRC32C per frame, sha256 of the whole file) and
+  without, in alternating rounds over the same file -> MB/s of each and their ratio (the price of
+  verification).
+- ``fold_vs_base`` (``--only fold --against DIR``): the four folds above on the same 100k-event log,
+  run by this script in child processes alternately on this tree's code and on DIR's (another
+  worktree, e.g. the commit a change started from), ``--rounds`` times each, each fold repeated 3
+  times per round; each side's best (the least disturbed on a shared machine) in events per
+  wall-clock and per CPU second, and the ratios after/before (CPU time is the one other processes
+  disturb least).
+Results go to ``bench/results/replay.json`` (``--only reader|fold`` updates just its entry), or to
+``--out``; ``--smoke`` (the tests' check that every figure still runs; not a measurement) writes to
+a temporary file unless ``--out`` is given.
 """
 
 from __future__ import annotations
@@ -47,14 +54,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from actors.fake_episodes import ExploreSpec, build_explore_episode, build_rollout_group, interleave
-from actors.fakes import ByteChatTokenizer
 from bench.host import host_record
-from learner.materializers import make_materializer
-from protocol.codec import decode_event, encode
-from protocol.events import EpisodeEvent, EpisodeFinished
-from protocol.prompt import ChatTokenizer
-from services.eventlog.fileformat import iter_log_records, write_events
+from leafe.actors.fake_episodes import (
+    ExploreSpec,
+    build_explore_episode,
+    build_rollout_group,
+    interleave,
+)
+from leafe.actors.fakes import ByteChatTokenizer
+from leafe.learner.materializers import make_materializer
+from leafe.protocol.codec import decode_event, encode
+from leafe.protocol.events import EpisodeEvent, EpisodeFinished
+from leafe.protocol.prompt import ChatTokenizer
+from leafe.services.eventlog.fileformat import iter_log_records, write_events
 
 RUN = "bench"
 RESULTS = Path(__file__).resolve().parent / "results" / "replay.json"
@@ -163,16 +175,18 @@ def time_fold(
 
 
 async def time_service(n_events: int, tokenizer: ChatTokenizer) -> dict[str, Any]:
-    """Publish ``n_events`` to an embedded nats-server, then run the replayer until all are acked."""
-    from protocol.subjects import EVENTS
-    from protocol.subjects import replayer_durable as durable_name
-    from services.bus import Publisher, connect, ensure_streams
-    from services.bus.nats_server import EmbeddedNats
-    from services.replayer.service import Replayer, ReplayerConfig
+    """Publish ``n_events`` to an embedded nats-server, then run the replayer until all are
+    acked."""
+    from leafe.protocol.subjects import EVENTS
+    from leafe.protocol.subjects import replayer_durable as durable_name
+    from leafe.services.bus import Publisher, connect, ensure_streams
+    from leafe.services.bus.nats_server import EmbeddedNats
+    from leafe.services.replayer.service import Replayer, ReplayerConfig
 
     events = [e for c in synthetic_chunks(n_events, seed=7, tokenizer=tokenizer) for e in c]
     unfinished = len(
-        {e.episode_id for e in events} - {e.episode_id for e in events if isinstance(e, EpisodeFinished)}
+        {e.episode_id for e in events}
+        - {e.episode_id for e in events if isinstance(e, EpisodeFinished)}
     )
     with tempfile.TemporaryDirectory() as store, EmbeddedNats(Path(store)) as server:
         nc = await connect(server.url)
@@ -184,7 +198,9 @@ async def time_service(n_events: int, tokenizer: ChatTokenizer) -> dict[str, Any
                 await pub.publish_event(e)
         publish_s = time.perf_counter() - t0
         fold = make_materializer("leafe", tokenizer)
-        replayer = Replayer(js, run_id=RUN, fold=fold, config=ReplayerConfig(batch=512, fetch_timeout_s=0.2))
+        replayer = Replayer(
+            js, run_id=RUN, fold=fold, config=ReplayerConfig(batch=512, fetch_timeout_s=0.2)
+        )
         stop = asyncio.Event()
         t0 = time.perf_counter()
         task = asyncio.create_task(replayer.run(stop))
@@ -214,11 +230,13 @@ async def time_service(n_events: int, tokenizer: ChatTokenizer) -> dict[str, Any
 
 
 def time_reader(chunks: Iterator[list[EpisodeEvent]], *, rounds: int = 10) -> dict[str, Any]:
-    """Write the events as a log file, then read its records back verified and unverified, alternating.
+    """Write the events as a log file, then read its records back verified and unverified,
+    alternating.
 
-    Each round reads the whole file once each way (the order alternates, so neither always runs on a warm
-    page cache after the other). On a shared machine the fastest round is the least disturbed one, so
-    rates and the headline ratio come from each side's best round; the ratio of the medians is kept too.
+    Each round reads the whole file once each way (the order alternates, so neither always runs on a
+    warm page cache after the other). On a shared machine the fastest round is the least disturbed
+    one, so rates and the headline ratio come from each side's best round; the ratio of the medians
+    is kept too.
     """
     events = [e for chunk in chunks for e in chunk]  # generated first: only the write is timed
     with tempfile.TemporaryDirectory() as tmp:
@@ -271,20 +289,23 @@ FOLDS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def fold_events_per_s(n_events: int, repeats: int = 3) -> dict[str, dict[str, int]]:
-    """Best of ``repeats`` events/s (wall and CPU time) of each of :data:`FOLDS` over one synthetic log
-    (a child process of ``--against``)."""
+    """Best of ``repeats`` events/s (wall and CPU time) of each of :data:`FOLDS` over one synthetic
+    log (a child process of ``--against``)."""
     fake = ByteChatTokenizer()
     chunks = list(synthetic_chunks(n_events, tokenizer=fake))
     out: dict[str, dict[str, int]] = {}
     for key, (name, opts) in FOLDS.items():
         runs = [time_fold(name, chunks, fake, **opts) for _ in range(repeats)]
-        out[key] = {unit: max(r[unit] for r in runs) for unit in ("events_per_s", "events_per_cpu_s")}
+        out[key] = {
+            unit: max(r[unit] for r in runs) for unit in ("events_per_s", "events_per_cpu_s")
+        }
     return out
 
 
 def _fold_child(tree: Path, n_events: int) -> dict[str, dict[str, int]]:
-    """:func:`fold_events_per_s` in a child process on ``tree``'s packages (this file, run by path: its
-    own directory must not come first on ``sys.path``, where ``bench/envs.py`` would shadow ``envs``)."""
+    """:func:`fold_events_per_s` in a child process on ``tree``'s packages (this file, run by path:
+    its own directory must not come first on ``sys.path``, where ``bench/envs.py`` would shadow
+    ``envs``)."""
     code = f"import runpy, sys; sys.argv = ['replay', '--fold-child', '{n_events}']; "
     code += f"runpy.run_path({__file__!r}, run_name='__main__')"
     env = {**os.environ, "PYTHONPATH": str(tree)}
@@ -296,8 +317,8 @@ def _fold_child(tree: Path, n_events: int) -> dict[str, dict[str, int]]:
 
 
 def compare_folds(base: Path, n_events: int, rounds: int) -> dict[str, Any]:
-    """Best-of fold speeds of this tree's code and of ``base``'s, measured alternately; the ratio uses
-    CPU time (less disturbed than wall time by other processes on a shared machine)."""
+    """Best-of fold speeds of this tree's code and of ``base``'s, measured alternately; the ratio
+    uses CPU time (less disturbed than wall time by other processes on a shared machine)."""
     here = Path(__file__).resolve().parents[1]
     best: dict[str, dict[str, dict[str, int]]] = {"before": {}, "after": {}}
     for k in range(rounds):
@@ -307,7 +328,9 @@ def compare_folds(base: Path, n_events: int, rounds: int) -> dict[str, Any]:
                 kept = best[side].setdefault(key, {})
                 for unit, rate in rates.items():
                     kept[unit] = max(rate, kept.get(unit, 0))
-            shown = "  ".join(f"{key} {r['events_per_cpu_s']:,}/cpu-s" for key, r in figures.items())
+            shown = "  ".join(
+                f"{key} {r['events_per_cpu_s']:,}/cpu-s" for key, r in figures.items()
+            )
             print(f"round {k + 1} {side:6s} {shown}")
     commit = subprocess.run(
         ["git", "-C", str(base), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -327,18 +350,26 @@ def compare_folds(base: Path, n_events: int, rounds: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="smaller logs (a minute or two)")
-    p.add_argument("--smoke", action="store_true", help="tiny logs: every figure runs? (tests; seconds)")
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny logs: every figure runs? (tests; seconds)"
+    )
     p.add_argument("--out", type=Path, default=None, help=f"result file (default {RESULTS})")
     p.add_argument(
         "--only", choices=["reader", "fold"], default=None, help="run one figure, update its entry"
     )
-    p.add_argument("--against", type=Path, default=None, help="with --only fold: the worktree to compare to")
-    p.add_argument("--rounds", type=int, default=3, help="with --against: rounds per side (best kept)")
+    p.add_argument(
+        "--against", type=Path, default=None, help="with --only fold: the worktree to compare to"
+    )
+    p.add_argument(
+        "--rounds", type=int, default=3, help="with --against: rounds per side (best kept)"
+    )
     p.add_argument("--fold-child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    from services.logsetup import configure_logging
+    from leafe.services.logsetup import configure_logging
 
     configure_logging(json=False, level="error")
     if args.fold_child is not None:
@@ -351,11 +382,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.against is None:
             p.error("--only fold needs --against DIR (the worktree to compare with)")
         results = json.loads(out.read_text()) if out.exists() else {}
-        host = host_record()  # merged sections carry their own host: the others may come from another
+        host = (
+            host_record()
+        )  # merged sections carry their own host: the others may come from another
         results["fold_vs_base"] = r = compare_folds(args.against, 100_000, args.rounds)
         r["host"] = host
         for unit, ratios in r["after_over_before"].items():
-            print(f"after/before ({unit}): " + "  ".join(f"{k} x{v:.3f}" for k, v in ratios.items()))
+            print(
+                f"after/before ({unit}): " + "  ".join(f"{k} x{v:.3f}" for k, v in ratios.items())
+            )
         out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
         print(f"saved {out}")
         return 0
@@ -364,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
         results["reader"] = r = time_reader(
             synthetic_chunks(n_reader, seed=11, tokenizer=ByteChatTokenizer())
         )
-        r["measured_alone"] = True  # by --only reader: the other entries come from an earlier full run
+        r["measured_alone"] = (
+            True  # by --only reader: the other entries come from an earlier full run
+        )
         r["host"] = host_record()
         report_reader(r)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -379,31 +416,37 @@ def main(argv: list[str] | None = None) -> int:
     results["log"]["generate_s"] = round(time.perf_counter() - t0, 1)
     results["log"]["episodes"] = len({e.episode_id for c in chunks for e in c})
     print(
-        f"log: {n_fold} events, {results['log']['episodes']} episodes (generated in {results['log']['generate_s']} s)"
+        f"log: {n_fold} events, {results['log']['episodes']} episodes (generated in "
+        f"{results['log']['generate_s']} s)"
     )
     for key, (name, opts) in FOLDS.items():
         results[key] = r = time_fold(name, chunks, fake, **opts)
         print(
             f"{key:24s} {r['events_per_s']:>9,} events/s  {r['samples_per_s']:>8,} samples/s  "
-            f"x{r['ratio_to_decode_baseline']:.3f} of decode ({r['baseline_decode_events_per_s']:,}/s)  "
+            f"x{r['ratio_to_decode_baseline']:.3f} of decode "
+            f"({r['baseline_decode_events_per_s']:,}/s)  "
             f"samples={r['samples']} mismatches={r['prompt_mismatches']}"
         )
     rounds = 2 if args.smoke else 10
-    results["reader"] = r = time_reader(synthetic_chunks(n_reader, seed=11, tokenizer=fake), rounds=rounds)
+    results["reader"] = r = time_reader(
+        synthetic_chunks(n_reader, seed=11, tokenizer=fake), rounds=rounds
+    )
     report_reader(r)
     del chunks
-    from learner.model_io import HFChatTokenizer, tiny_model_dir
+    from leafe.learner.model_io import HFChatTokenizer, tiny_model_dir
 
     real = HFChatTokenizer.from_dir(tiny_model_dir())
     results["fold_real_tok"] = r = time_fold("leafe", synthetic_chunks(n_real, seed=3), real)
     print(
-        f"{'fold_real_tok':24s} {r['events_per_s']:>9,} events/s  {r['samples_per_s']:>8,} samples/s  "
+        f"{'fold_real_tok':24s} {r['events_per_s']:>9,} events/s  "
+        f"{r['samples_per_s']:>8,} samples/s  "
         f"x{r['ratio_to_decode_baseline']:.3f} of decode  tokenize calls={r['tokenize_calls']} "
         f"cache hits={r['tokenize_cache_hits']} ({n_real} events)"
     )
     results["service"] = s = asyncio.run(time_service(n_service, fake))
     print(
-        f"{'service (end to end)':24s} {s['events_per_s']:>9,} events/s  {s['samples_per_s']:>8,} samples/s  "
+        f"{'service (end to end)':24s} {s['events_per_s']:>9,} events/s  "
+        f"{s['samples_per_s']:>8,} samples/s  "
         f"(publish {s['publish_events_per_s']:,}/s; {s['events']} events)"
     )
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,22 +1,26 @@
-"""Cost of judging a HumanEval submission: the judge outside the sandbox vs the old in-sandbox harness.
+"""Cost of judging a HumanEval submission: the judge outside the sandbox vs the old in-sandbox
+harness.
 
-The baseline is the tree as it was just before ``envs/judge.py`` was added (read from git, so both run
-in this process, interleaved): there the submission and the tests ran in one sandboxed process (network
-and PID namespaces, a fresh uid, rlimits) and printed nonce-tagged results. Now the tests run in this
-process and the submission answers calls from a sandbox with a read-only root, a fresh /proc, an init
-and no capability. A third column runs the new judge with ``isolation = "none"`` to split the cost of the
-judge's round trips from that of the isolation layers.
+The baseline is the tree as it was just before the judge was added (as ``envs/judge.py``; now
+``envs/humaneval/judge.py``) (read from git, so both run in this process, interleaved): there the
+submission and the tests ran in one sandboxed process (network and PID namespaces, a fresh uid,
+rlimits) and printed nonce-tagged results. Now the tests run in this process and the submission
+answers calls from a sandbox with a read-only root, a fresh /proc, an init and no capability. A
+third column runs the new judge with ``isolation = "none"`` to split the cost of the judge's round
+trips from that of the isolation layers.
 
 Each problem's canonical solution (and a wrong ``add``) is stepped ``--reps`` times per variant; the
 figure is the median seconds per submission, and ratios are new / baseline on the same problems.
 
-Run: ``.venv/bin/python bench/sandbox.py [--problems 16] [--reps 3]``; writes bench/results/sandbox.json.
+Run: ``.venv/bin/python -m bench.sandbox [--problems 16] [--reps 3]``; writes
+bench/results/sandbox.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -28,18 +32,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from bench.host import host_record
-from envs.humaneval import HumanEvalConfig, HumanEvalEnv
-from envs.sandbox import SandboxConfig
+from leafe.envs.humaneval.env import HumanEvalConfig, HumanEvalEnv
+from leafe.envs.sandbox.launch import SandboxConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 OLD_FILES = ("base.py", "sandbox.py", "humaneval.py", "humaneval_harness.py")
 
 
 def baseline_ref() -> str:
-    """The commit before the one that added envs/judge.py."""
+    """The commit before the one that added the judge (then ``envs/judge.py``)."""
     out = subprocess.run(
         ["git", "log", "--diff-filter=A", "--format=%H", "--", "envs/judge.py"],
         cwd=ROOT,
@@ -52,21 +54,31 @@ def baseline_ref() -> str:
 
 
 def load_baseline(ref: str, into: Path) -> Any:
-    """Import the baseline's envs.humaneval as ``envs_old.humaneval`` from ``git show``."""
+    """Import the baseline's ``envs/humaneval.py`` as ``envs_old.humaneval`` from ``git show``."""
     package = into / "envs_old"
     package.mkdir()
     (package / "__init__.py").write_text("")
     for name in OLD_FILES:
         text = subprocess.run(
-            ["git", "show", f"{ref}:envs/{name}"], cwd=ROOT, capture_output=True, text=True, check=True
+            ["git", "show", f"{ref}:envs/{name}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         (package / name).write_text(re.sub(r"\bfrom envs\.", "from envs_old.", text))
-    sys.path.insert(0, str(into))
+    spec = importlib.util.spec_from_file_location(
+        "envs_old", package / "__init__.py", submodule_search_locations=[str(package)]
+    )
+    assert spec is not None and spec.loader is not None
+    sys.modules["envs_old"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules["envs_old"])
     return importlib.import_module("envs_old.humaneval")
 
 
 def submissions(env: HumanEvalEnv, count: int) -> list[tuple[str, str]]:
-    """(task id, reply): canonical solutions of the first ``count`` test problems, and a wrong add."""
+    """(task id, reply): canonical solutions of the first ``count`` test problems, and a wrong
+    add."""
     out = []
     for task_id in env.tasks("test")[:count]:
         problem = env.problem(task_id)
@@ -103,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         verdicts: dict[str, list[bool]] = {name: [] for name in variants}
         for task_id, reply in work:
             for _ in range(args.reps):
-                for name, env in variants.items():  # interleaved: the machine's noise hits all alike
+                for (
+                    name,
+                    env,
+                ) in variants.items():  # interleaved: the machine's noise hits all alike
                     seconds, success = step_s(env, task_id, reply)
                     times[name].append(seconds)
                     verdicts[name].append(success)
@@ -114,7 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, ts in times.items():
         same = verdicts[name] == verdicts["baseline"]
         ratio = medians[name] / base
-        print(f"{name:<18} {medians[name]:>9.3f} {statistics.mean(ts):>8.3f} {ratio:>11.2f} {same!s:>14}")
+        print(
+            f"{name:<18} {medians[name]:>9.3f} {statistics.mean(ts):>8.3f} {ratio:>11.2f} "
+            f"{same!s:>14}"
+        )
     result = {
         "baseline_ref": ref,
         "submissions": len(work),
@@ -122,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         "median_s": medians,
         "mean_s": {name: statistics.mean(ts) for name, ts in times.items()},
         "ratio_to_baseline": {name: m / base for name, m in medians.items()},
-        "load_average_1m": os.getloadavg()[0],  # the machine is shared: read the figures against this
+        "load_average_1m": os.getloadavg()[
+            0
+        ],  # the machine is shared: read the figures against this
         "host": host,
     }
     out = Path(__file__).parent / "results" / "sandbox.json"

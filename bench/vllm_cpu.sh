@@ -53,7 +53,7 @@ for line in sys.stdin:
 serve() {
     local model
     model=$(PYTHONPATH="$(dirname "$0")/.." "${LEAFE_PYTHON:-.venv/bin/python}" \
-        -c 'from learner.model_io import default_model_dir; print(default_model_dir())')
+        -c 'from leafe.learner.model_io import default_model_dir; print(default_model_dir())')
     # One core, one OpenMP thread bound to it (VLLM_CPU_OMP_THREADS_BIND), a 2 GiB KV cache
     # (VLLM_CPU_KVCACHE_SPACE, GiB), /reset_prefix_cache enabled (VLLM_SERVER_DEV_MODE: the bench empties
     # the prefix cache before every run), the weights from disk only (HF_HUB_OFFLINE).

@@ -1,20 +1,21 @@
 """The environment protocol every LEAFE environment implements, and rollback on top of it.
 
-An environment is a synchronous step function with a task catalogue. Rollback returns it to the state
-before step tau of some branch: with ``snapshot()``/``restore()`` where the state copies cheaply, else by
-deterministic replay (``reset`` + re-executing the action prefix). :func:`rollback_to` hides the choice
-and reports what it cost. Environments never raise on a bad action: they answer with feedback.
+An environment is a synchronous step function with a task catalogue. Rollback returns it to the
+state before step tau of some branch: with ``snapshot()``/``restore()`` where the state copies
+cheaply, else by deterministic replay (``reset`` + re-executing the action prefix).
+:func:`rollback_to` hides the choice and reports what it cost. Environments never raise on a bad
+action: they answer with feedback.
 
-Two optional abilities, found by ``envs.registry.demonstrator`` / ``reflection_oracle``:
+Two optional abilities, found by ``leafe.envs.registry.demonstrator`` / ``reflection_oracle``:
 
-- :class:`Demonstrator`: ``demonstration(task_id)`` is an expert's action sequence for a *train* task
-  (Sokoban: the solver's optimal moves; TextWorld: the game's walkthrough; ScienceWorld: the gold path;
-  HumanEval: the canonical solution, ``envs/humaneval_expert.py``). Replayed from ``reset(task_id)`` it
-  solves the task, its last action being the solving one. Any other split is an :class:`EnvError`, so
-  no demonstration can leak a test task into training.
-- :class:`ReflectionOracle`: ``oracle_reflection(task_id, history)`` plays the reflecting policy from
-  privileged knowledge (Sokoban's solver, HumanEval's visible-test feedback): the first faulty step tau
-  and a templated experience e. An ablation of Stage 1, never the method itself.
+- :class:`Demonstrator`: ``demonstration(task_id)`` is an expert's action sequence for a *train*
+  task (Sokoban: the solver's optimal moves; TextWorld: the game's walkthrough; ScienceWorld: the
+  gold path; HumanEval: the canonical solution, ``envs/humaneval/expert.py``). Replayed from
+  ``reset(task_id)`` it solves the task, its last action being the solving one. Any other split is
+  an :class:`EnvError`, so no demonstration can leak a test task into training.
+- :class:`ReflectionOracle`: ``oracle_reflection(task_id, history)`` plays the reflecting policy
+  from privileged knowledge (Sokoban's solver, HumanEval's visible-test feedback): the first faulty
+  step tau and a templated experience e. An ablation of Stage 1, never the method itself.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
-from protocol.prompt import HistoryEntry
+from leafe.protocol.prompt import HistoryEntry
 
 __all__ = [
     "Demonstrator",
@@ -96,7 +97,8 @@ class Env(Protocol):
     """True when ``snapshot``/``restore`` are cheap and exact."""
 
     def tasks(self, split: str) -> list[str]:
-        """Task ids of a split (``train`` or ``test``); seeded, stable and disjoint across splits."""
+        """Task ids of a split (``train`` or ``test``); seeded, stable and disjoint across
+        splits."""
         ...
 
     def reset(self, task_id: str) -> Reset:
@@ -140,7 +142,8 @@ class Demonstrator(Protocol):
     """An expert for the train tasks of one environment (see the module docstring)."""
 
     def demonstration(self, task_id: str) -> list[str]:
-        """Actions that solve train task ``task_id`` from its start; :class:`EnvError` for other splits."""
+        """Actions that solve train task ``task_id`` from its start; :class:`EnvError` for other
+        splits."""
         ...
 
 
@@ -149,14 +152,18 @@ class ReflectionOracle(Protocol):
     """Names the faulty step of a path and a fix, from knowledge the policy does not have."""
 
     def oracle_reflection(self, task_id: str, history: Sequence[HistoryEntry]) -> OracleReflection:
-        """tau and e for ``history`` (>= 1 step, as the agent saw it) played from ``task_id``'s start."""
+        """tau and e for ``history`` (>= 1 step, as the agent saw it) played from ``task_id``'s
+        start."""
         ...
 
 
 def require_train_split(task_id: str, split: str) -> None:
-    """Raise :class:`EnvError` unless ``split`` is ``train`` (demonstrations come from train tasks only)."""
+    """Raise :class:`EnvError` unless ``split`` is ``train`` (demonstrations come from train tasks
+    only)."""
     if split != "train":
-        raise EnvError(f"no demonstration of {task_id!r}: demonstrations come from the train split only")
+        raise EnvError(
+            f"no demonstration of {task_id!r}: demonstrations come from the train split only"
+        )
 
 
 def rollback_to(
@@ -179,7 +186,8 @@ def rollback_to(
 
 
 def play(env: Env, task_id: str) -> None:
-    """Play ``task_id`` by hand in a terminal (``python -m envs.sokoban`` etc.); closes the env."""
+    """Play ``task_id`` by hand in a terminal (``python -m leafe.envs.sokoban.env`` etc.); closes
+    the env."""
     reset = env.reset(task_id)
     print(env.instructions, "\n\n", reset.task, "\n", reset.observation, sep="")
     try:

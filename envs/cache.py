@@ -1,5 +1,5 @@
 """How environments write generated files safely under concurrency (the cache root is
-``protocol.paths.cache_root``).
+``leafe.protocol.paths.cache_root``).
 
 Several actor processes may create the same file at once, so every write goes to a unique temp
 name in the same directory and is renamed into place: readers see the whole file or none.

@@ -1,15 +1,16 @@
 """Environments by name, so a config says ``env = "sokoban"`` plus an options table.
 
-``make_env(name, **options)`` converts ``options`` into the environment's config Struct (unknown fields
-are rejected, errors name the field and the value) and builds the environment. ``env_options(name)``
-lists every option with its default. Heavy packages (scienceworld, textworld) are imported only when
-their environment is built.
+``make_env(name, **options)`` converts ``options`` into the environment's config Struct (unknown
+fields are rejected, errors name the field and the value) and builds the environment.
+``env_options(name)`` lists every option with its default. Heavy packages (scienceworld, textworld)
+are imported only when their environment is built.
 
-Experts: :func:`demonstrator` gives an environment's :class:`~envs.base.Demonstrator` (every
-environment here has one) and :func:`reflection_oracle` its :class:`~envs.base.ReflectionOracle`
-(:data:`ORACLE_ENVS`: Sokoban and HumanEval only); HumanEval's live in ``envs/humaneval_expert.py``.
+Experts: :func:`demonstrator` gives an environment's :class:`~leafe.envs.base.Demonstrator` (every
+environment here has one) and :func:`reflection_oracle` its
+:class:`~leafe.envs.base.ReflectionOracle` (:data:`ORACLE_ENVS`: Sokoban and HumanEval only);
+HumanEval's live in ``envs/humaneval/expert.py``.
 
-Print every environment's options: ``python -m envs.registry``.
+Print every environment's options: ``python -m leafe.envs.registry``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from envs.base import Demonstrator, Env, EnvError, ReflectionOracle
+from leafe.envs.base import Demonstrator, Env, EnvError, ReflectionOracle
 
 __all__ = [
     "ENV_NAMES",
@@ -34,16 +35,18 @@ __all__ = [
 ]
 
 _ENVS: dict[str, tuple[str, str, str]] = {
-    "sokoban": ("envs.sokoban", "SokobanEnv", "SokobanConfig"),
-    "scienceworld": ("envs.scienceworld_env", "ScienceWorldEnv", "ScienceWorldConfig"),
-    "textworld-cooking": ("envs.textworld_env", "TextWorldEnv", "TextWorldConfig"),
-    "humaneval": ("envs.humaneval", "HumanEvalEnv", "HumanEvalConfig"),
+    "sokoban": ("leafe.envs.sokoban.env", "SokobanEnv", "SokobanConfig"),
+    "scienceworld": ("leafe.envs.scienceworld", "ScienceWorldEnv", "ScienceWorldConfig"),
+    "textworld-cooking": ("leafe.envs.textworld.env", "TextWorldEnv", "TextWorldConfig"),
+    "humaneval": ("leafe.envs.humaneval.env", "HumanEvalEnv", "HumanEvalConfig"),
 }
 
 ENV_NAMES: tuple[str, ...] = tuple(_ENVS)
 """Names ``make_env`` accepts."""
 
-_EXPERTS: dict[str, tuple[str, str]] = {"humaneval": ("envs.humaneval_expert", "HumanEvalExpert")}
+_EXPERTS: dict[str, tuple[str, str]] = {
+    "humaneval": ("leafe.envs.humaneval.expert", "HumanEvalExpert")
+}
 """Environments whose expert is a wrapper class rather than methods of the env itself."""
 
 ORACLE_ENVS: frozenset[str] = frozenset({"sokoban", "humaneval"})
@@ -64,7 +67,8 @@ def config_type(name: str) -> type[msgspec.Struct]:
 
 
 def parse_options(name: str, options: Mapping[str, Any] | None = None) -> msgspec.Struct:
-    """``options`` (e.g. a TOML table) as ``name``'s config; raises :class:`EnvError` naming a bad field."""
+    """``options`` (e.g. a TOML table) as ``name``'s config; raises :class:`EnvError` naming a bad
+    field."""
     cls = config_type(name)
     try:
         return msgspec.convert(dict(options or {}), cls, strict=False)
@@ -94,11 +98,13 @@ def demonstrator(env: Env) -> Demonstrator:
 
 
 def reflection_oracle(env: Env) -> ReflectionOracle:
-    """``env``'s reflection oracle; :class:`EnvError` naming the envs that have one when it has none."""
+    """``env``'s reflection oracle; :class:`EnvError` naming the envs that have one when it has
+    none."""
     expert = _expert(env) if env.name in ORACLE_ENVS else None
     if not isinstance(expert, ReflectionOracle):
         raise EnvError(
-            f"environment {env.name!r} has no reflection oracle; reflection_source = 'oracle' needs one of "
+            f"environment {env.name!r} has no reflection oracle; reflection_source = 'oracle' "
+            "needs one of "
             f"{sorted(ORACLE_ENVS)}"
         )
     return expert

@@ -1,30 +1,34 @@
 """From a global batch of :class:`protocol.Sample` to per-rank micro-batches of tensors.
 
-Two layouts, one label layout. Either way the loss sees ``labels [S, K]``: sample i's completion tokens
-right-aligned in its row of K slots (IGNORE elsewhere), with per-sample kinds, weights, advantages and
-behaviour logprobs; :meth:`MicroBatch.sample_logprobs` maps the model's logits onto that layout. So the
-losses (``learner/losses.py``) are the same functions of the same per-sample tensors in every mode.
+Two layouts, one label layout. Either way the loss sees ``labels [S, K]``: sample i's completion
+tokens right-aligned in its row of K slots (IGNORE elsewhere), with per-sample kinds, weights,
+advantages and behaviour logprobs; :meth:`MicroBatch.sample_logprobs` maps the model's logits onto
+that layout. So the losses (``learner/losses.py``) are the same functions of the same per-sample
+tensors in every mode.
 
-- **Left-padded rows** (``bucketing = "length" | "none"``): each row is ``prompt_ids + completion_ids``,
-  left-padded to the micro-batch's longest row, ``position_ids`` restarting at 0 on the first real token.
-  Left padding puts every completion at the right edge, so the model only needs logits for the last
-  ``K + 1`` positions (``logits_to_keep``): the [B, T, V] logits (V = 49k for SmolLM2) are never built.
-- **Packed rows** (``bucketing = "pack"``): a rank's micro-batch is ONE row holding several whole samples
-  back to back (first-fit decreasing up to ``micro_batch_tokens``), positions restarting at 0 for each,
-  attention causal within each sample only (``cu_seq_lens``, ``learner/attention.py``). No padding at all;
-  ``logits_to_keep`` is the tensor of the row's positions that predict a completion token.
-  With ``share_prefix``, the prompt prefix common to the whole step (:func:`shared_prefix_len`) heads each
-  row once and every sample keeps only its rest, positions continuing after the prefix, its tokens
-  attending to the prefix and to its own earlier tokens: what each sample computes is unchanged, the
-  prefix is computed once per row instead of once per sample.
+- **Left-padded rows** (``bucketing = "length" | "none"``): each row is ``prompt_ids +
+  completion_ids``, left-padded to the micro-batch's longest row, ``position_ids`` restarting at 0
+  on the first real token. Left padding puts every completion at the right edge, so the model only
+  needs logits for the last ``K + 1`` positions (``logits_to_keep``): the [B, T, V] logits (V = 49k
+  for SmolLM2) are never built.
+- **Packed rows** (``bucketing = "pack"``): a rank's micro-batch is ONE row holding several whole
+  samples back to back (first-fit decreasing up to ``micro_batch_tokens``), positions restarting at
+  0 for each, attention causal within each sample only (``cu_seq_lens``, ``learner/attention.py``).
+  No padding at all; ``logits_to_keep`` is the tensor of the row's positions that predict a
+  completion token. With ``share_prefix``, the prompt prefix common to the whole step
+  (:func:`shared_prefix_len`) heads each row once and every sample keeps only its rest, positions
+  continuing after the prefix, its tokens attending to the prefix and to its own earlier tokens:
+  what each sample computes is unchanged, the prefix is computed once per row instead of once per
+  sample.
 
-Length bucketing (``bucketing = "length"``): the global batch is sorted by length and cut into *global*
-micro-batches that fit ``micro_batch_tokens`` padded tokens per rank; each global micro-batch is dealt
-round-robin to the ranks. Packing deals its rows the same way, one row per rank per micro-batch. Every
-rank therefore runs the same number of micro-batches (FSDP's collectives need that; an empty share
-becomes a zero-weight dummy row), and since gradients accumulate over the whole global batch, the
-order inside it does not change the step. ``bucketing = "none"`` is the naive baseline: fixed
-``micro_batch_size`` rows per rank in arrival order. Speed of each: ``bench/learner.py``.
+Length bucketing (``bucketing = "length"``): the global batch is sorted by length and cut into
+*global* micro-batches that fit ``micro_batch_tokens`` padded tokens per rank; each global
+micro-batch is dealt round-robin to the ranks. Packing deals its rows the same way, one row per rank
+per micro-batch. Every rank therefore runs the same number of micro-batches (FSDP's collectives need
+that; an empty share becomes a zero-weight dummy row), and since gradients accumulate over the whole
+global batch, the order inside it does not change the step. ``bucketing = "none"`` is the naive
+baseline: fixed ``micro_batch_size`` rows per rank in arrival order. Speed of each:
+``bench/learner.py``.
 """
 
 from __future__ import annotations
@@ -38,9 +42,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from learner.config import BatchConfig
-from learner.losses import IGNORE, KIND_INDEX, KINDS, LOSS_TERM, KindTokens, token_logprobs
-from protocol.samples import Sample
+from leafe.learner.config import BatchConfig
+from leafe.learner.losses import IGNORE, KIND_INDEX, KINDS, LOSS_TERM, KindTokens, token_logprobs
+from leafe.protocol.samples import Sample
 
 __all__ = [
     "MIN_SHARED_PREFIX",
@@ -69,7 +73,7 @@ class TrainItem:
     completion_len: int
     """Number of target tokens (the last ``completion_len`` of ``input_ids``)."""
     kind: int
-    """Index into :data:`learner.losses.KINDS`."""
+    """Index into :data:`leafe.learner.losses.KINDS`."""
     weight: float
     advantage: float
     behaviour_logprobs: tuple[float, ...] | None
@@ -81,8 +85,9 @@ class TrainItem:
 
 
 def out_of_vocab(sample: Sample, vocab_size: int) -> str | None:
-    """Why ``sample`` holds an id outside ``0..vocab_size-1`` (the model's embedding would raise on it),
-    or ``None``. The learner's consumer dead-letters such a sample; :func:`unusable` skips it."""
+    """Why ``sample`` holds an id outside ``0..vocab_size-1`` (the model's embedding would raise on
+    it), or ``None``. The learner's consumer dead-letters such a sample; :func:`unusable` skips
+    it."""
     for part, ids in (("prompt", sample.prompt_ids), ("completion", sample.completion_ids)):
         if ids and (min(ids) < 0 or max(ids) >= vocab_size):
             bad = next(i for i in ids if not 0 <= i < vocab_size)
@@ -91,8 +96,9 @@ def out_of_vocab(sample: Sample, vocab_size: int) -> str | None:
 
 
 def unusable(sample: Sample, max_seq_len: int, vocab_size: int | None = None) -> str | None:
-    """Why ``sample`` cannot be trained (``None`` if it can): never truncated, never half-used, never an
-    id the model has no embedding for (``vocab_size``: its embedding rows; ``None`` skips that check)."""
+    """Why ``sample`` cannot be trained (``None`` if it can): never truncated, never half-used,
+    never an id the model has no embedding for (``vocab_size``: its embedding rows; ``None`` skips
+    that check)."""
     n = len(sample.prompt_ids) + len(sample.completion_ids)
     bl = sample.behaviour_logprobs
     if not sample.completion_ids or not sample.prompt_ids:
@@ -111,7 +117,8 @@ def unusable(sample: Sample, max_seq_len: int, vocab_size: int | None = None) ->
 def to_items(
     samples: Sequence[Sample], max_seq_len: int, vocab_size: int | None = None
 ) -> tuple[list[TrainItem], list[tuple[str, str]]]:
-    """Encode samples; returns ``(items, skipped)`` with ``(sample_id, reason)`` per unusable sample."""
+    """Encode samples; returns ``(items, skipped)`` with ``(sample_id, reason)`` per unusable
+    sample."""
     items: list[TrainItem] = []
     skipped: list[tuple[str, str]] = []
     for s in samples:
@@ -166,14 +173,15 @@ def _bucket(items: Sequence[TrainItem], world_size: int, budget: int) -> list[li
 
 
 MIN_SHARED_PREFIX = 32
-"""A common prefix shorter than this is not shared: each sample's segment then needs an explicit mask
-instead of SDPA's causal fast path, which a few saved tokens (a chat template's header) do not repay."""
+"""A common prefix shorter than this is not shared: each sample's segment then needs an explicit
+mask instead of SDPA's causal fast path, which a few saved tokens (a chat template's header) do not
+repay."""
 
 
 def shared_prefix_len(items: Sequence[TrainItem], minimum: int = MIN_SHARED_PREFIX) -> int:
-    """Tokens of the longest prefix every item's prompt starts with, at most each prompt's length - 1 (the
-    last prompt token, which predicts the first completion token, stays the item's own); 0 for < 2 items
-    or a common prefix shorter than ``minimum``."""
+    """Tokens of the longest prefix every item's prompt starts with, at most each prompt's length -
+    1 (the last prompt token, which predicts the first completion token, stays the item's own); 0
+    for < 2 items or a common prefix shorter than ``minimum``."""
     if len(items) < 2:
         return 0
     first = items[0].input_ids
@@ -185,9 +193,9 @@ def shared_prefix_len(items: Sequence[TrainItem], minimum: int = MIN_SHARED_PREF
 
 
 def pack_rows(items: Sequence[TrainItem], budget: int, prefix: int = 0) -> list[list[int]]:
-    """First-fit decreasing: rows of item indices, each row's tokens <= ``budget`` (a longer item gets a
-    row of its own). With a shared ``prefix``, a row holds the prefix once and each item's remaining
-    ``length - prefix`` tokens. Deterministic; rows come out fullest-first."""
+    """First-fit decreasing: rows of item indices, each row's tokens <= ``budget`` (a longer item
+    gets a row of its own). With a shared ``prefix``, a row holds the prefix once and each item's
+    remaining ``length - prefix`` tokens. Deterministic; rows come out fullest-first."""
     rows: list[list[int]] = []
     room: list[int] = []
     for i in _longest_first(items):
@@ -205,8 +213,8 @@ def pack_rows(items: Sequence[TrainItem], budget: int, prefix: int = 0) -> list[
 def plan_micro_batches(
     items: Sequence[TrainItem], world_size: int, cfg: BatchConfig
 ) -> list[list[list[int]]]:
-    """``plan[m][rank]`` = indices into ``items`` of rank's samples in micro-batch m (may be empty); in
-    ``pack`` mode those samples form one packed row."""
+    """``plan[m][rank]`` = indices into ``items`` of rank's samples in micro-batch m (may be empty);
+    in ``pack`` mode those samples form one packed row."""
     if not items:
         return []
     if cfg.bucketing == "none":
@@ -215,7 +223,9 @@ def plan_micro_batches(
         return [_deal(order[i : i + step], world_size) for i in range(0, len(order), step)]
     if cfg.bucketing == "length":
         return _bucket(items, world_size, cfg.micro_batch_tokens)
-    rows = pack_rows(items, cfg.micro_batch_tokens, shared_prefix_len(items) if cfg.share_prefix else 0)
+    rows = pack_rows(
+        items, cfg.micro_batch_tokens, shared_prefix_len(items) if cfg.share_prefix else 0
+    )
     rows += [[] for _ in range(-len(rows) % world_size)]
     return [rows[m : m + world_size] for m in range(0, len(rows), world_size)]
 
@@ -240,7 +250,8 @@ class Packing:
 
 @dataclass
 class MicroBatch:
-    """Tensors of one rank's micro-batch: R model rows holding S samples (R = S left-padded, R = 1 packed)."""
+    """Tensors of one rank's micro-batch: R model rows holding S samples (R = S left-padded, R = 1
+    packed)."""
 
     input_ids: Tensor
     """[R, T] token ids (left-padded rows, or one packed row)."""
@@ -286,7 +297,8 @@ class MicroBatch:
         return inputs | ({"shared_prefix_len": self.packing.prefix} if self.packing.prefix else {})
 
     def sample_logprobs(self, logits: Tensor) -> Tensor:
-        """[S, K] log p(label) per sample and slot (0 where IGNORE) from the logits of :meth:`model_inputs`."""
+        """[S, K] log p(label) per sample and slot (0 where IGNORE) from the logits of
+        :meth:`model_inputs`."""
         if self.packing is None:
             return token_logprobs(logits[:, :-1], self.labels)
         flat = token_logprobs(logits, self.packing.targets)[0]
@@ -295,7 +307,8 @@ class MicroBatch:
 
 
 def _dummy_item(pad_id: int) -> TrainItem:
-    # A rank with no rows still runs forward/backward so FSDP's collectives line up; weight 0, no labels.
+    # A rank with no rows still runs forward/backward so FSDP's collectives line up; weight 0, no
+    # labels.
     return TrainItem("", (pad_id, pad_id), 1, KIND_INDEX["cf"], 0.0, 0.0, None)
 
 
@@ -323,8 +336,11 @@ def _micro_batch(
     )
 
 
-def collate(items: Sequence[TrainItem], pad_id: int, device: torch.device | str = "cpu") -> MicroBatch:
-    """Left-pad ``items`` into a :class:`MicroBatch` (an empty list gives one dummy row with no loss)."""
+def collate(
+    items: Sequence[TrainItem], pad_id: int, device: torch.device | str = "cpu"
+) -> MicroBatch:
+    """Left-pad ``items`` into a :class:`MicroBatch` (an empty list gives one dummy row with no
+    loss)."""
     dummy = not items
     rows = [_dummy_item(pad_id)] if dummy else list(items)
     b, t = len(rows), max(r.length for r in rows)
@@ -346,10 +362,15 @@ def collate(items: Sequence[TrainItem], pad_id: int, device: torch.device | str 
 
 
 def collate_packed(
-    items: Sequence[TrainItem], pad_id: int, device: torch.device | str = "cpu", *, share_prefix: bool = False
+    items: Sequence[TrainItem],
+    pad_id: int,
+    device: torch.device | str = "cpu",
+    *,
+    share_prefix: bool = False,
 ) -> MicroBatch:
-    """Pack ``items`` into one row (an empty list gives a dummy row with no loss); with ``share_prefix``,
-    their common prompt prefix (:func:`shared_prefix_len`) once, then each item's rest."""
+    """Pack ``items`` into one row (an empty list gives a dummy row with no loss); with
+    ``share_prefix``, their common prompt prefix (:func:`shared_prefix_len`) once, then each item's
+    rest."""
     dummy = not items
     rows = [_dummy_item(pad_id)] if dummy else list(items)
     p = shared_prefix_len(rows) if share_prefix else 0
@@ -363,7 +384,8 @@ def collate_packed(
     sample: list[int] = []
     slot: list[int] = []
     for i, (r, start) in enumerate(zip(rows, own, strict=True)):
-        # The logits at position p predict token p + 1: the completion's predictors end one token early.
+        # The logits at position p predict token p + 1: the completion's predictors end one token
+        # early.
         first = start + r.length - p - r.completion_len - 1
         keep += range(first, first + r.completion_len)
         sample += [i] * r.completion_len

@@ -1,11 +1,12 @@
 """Resumable learner checkpoints with torch.distributed.checkpoint (DCP).
 
-A checkpoint directory ``<root>/step_<N:08d>/`` holds, sharded as FSDP holds them: the model and AdamW
-state, the LR scheduler, each rank's torch RNG state, and :class:`Progress` (optimizer step, the last
-samples-stream sequence trained, the offline epoch and position, the weight versions pushed). It is
-written to ``.step_<N>.tmp`` and renamed when every rank has finished, then ``<root>/latest`` names it:
-a crash mid-write leaves the previous checkpoint as the latest. Older checkpoints beyond ``keep`` are
-deleted. Resuming restores everything, so the next step is the one an uninterrupted run would take.
+A checkpoint directory ``<root>/step_<N:08d>/`` holds, sharded as FSDP holds them: the model and
+AdamW state, the LR scheduler, each rank's torch RNG state, and :class:`Progress` (optimizer step,
+the last samples-stream sequence trained, the offline epoch and position, the weight versions
+pushed). It is written to ``.step_<N>.tmp`` and renamed when every rank has finished, then
+``<root>/latest`` names it: a crash mid-write leaves the previous checkpoint as the latest. Older
+checkpoints beyond ``keep`` are deleted. Resuming restores everything, so the next step is the one
+an uninterrupted run would take.
 
     progress = load_latest(root, trainer)         # None on a fresh start
     save_checkpoint(root, trainer, Progress(step=trainer.step, samples_seq=seq), keep=2)
@@ -22,8 +23,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from learner.distributed import barrier
-from learner.trainer import Trainer
+from leafe.learner.distributed import barrier
+from leafe.learner.trainer import Trainer
 
 __all__ = [
     "CheckpointError",
@@ -48,7 +49,8 @@ class Progress(msgspec.Struct, frozen=True, kw_only=True):
     step: int = 0
     """Optimizer steps taken."""
     samples_seq: int = 0
-    """Online: highest ``LEAFE_SAMPLES`` stream sequence consumed (trained or dropped); resume after it."""
+    """Online: highest ``LEAFE_SAMPLES`` stream sequence consumed (trained or dropped); resume after
+    it."""
     epoch: int = 0
     """Offline: current epoch (0-based)."""
     position: int = 0
@@ -72,7 +74,9 @@ def latest_checkpoint(root: Path) -> Path | None:
         return None
     path = Path(root) / pointer.read_text(encoding="utf-8").strip()
     if not (path / ".metadata").is_file():
-        raise CheckpointError(f"{pointer} names {path.name}, which is not a complete DCP checkpoint")
+        raise CheckpointError(
+            f"{pointer} names {path.name}, which is not a complete DCP checkpoint"
+        )
     return path
 
 
@@ -88,7 +92,8 @@ def _state(trainer: Trainer, progress: Progress) -> dict[str, object]:
 
 
 def save_checkpoint(root: Path, trainer: Trainer, progress: Progress, *, keep: int = 2) -> Path:
-    """Write a checkpoint of ``trainer`` + ``progress`` (every rank calls); returns its directory."""
+    """Write a checkpoint of ``trainer`` + ``progress`` (every rank calls); returns its
+    directory."""
     root = Path(root)
     final = root / _name(progress.step)
     tmp = root / f".{final.name}.tmp"
@@ -108,7 +113,10 @@ def save_checkpoint(root: Path, trainer: Trainer, progress: Progress, *, keep: i
         _prune(root, keep=max(1, keep), newest=final.name)
     barrier(trainer.env)
     log.info(
-        "learner.checkpoint.saved", path=str(final), step=progress.step, samples_seq=progress.samples_seq
+        "leafe.learner.checkpoint.saved",
+        path=str(final),
+        step=progress.step,
+        samples_seq=progress.samples_seq,
     )
     return final
 
@@ -151,6 +159,9 @@ def load_checkpoint(path: Path, trainer: Trainer) -> Progress:
     progress = msgspec.json.decode(str(state["progress"]), type=Progress)
     trainer.step = progress.step
     log.info(
-        "learner.checkpoint.loaded", path=str(path), step=progress.step, samples_seq=progress.samples_seq
+        "leafe.learner.checkpoint.loaded",
+        path=str(path),
+        step=progress.step,
+        samples_seq=progress.samples_seq,
     )
     return progress

@@ -1,17 +1,20 @@
-"""Typed configuration of the learner (online service) and the trainer (offline and online), with presets.
+"""Typed configuration of the learner (online service) and the trainer (offline and online), with
+presets.
 
-A run starts from a preset and overrides fields from TOML (``services.config.load_config``)::
+A run starts from a preset and overrides fields from TOML (``leafe.services.config.load_config``)::
 
-    load_config(TrainConfig, preset=train_preset("paper"), files=["my.toml"])   # leafe train --preset paper
-    load_config(LearnerConfig, preset=learner_preset("cpu"))                    # leafe learner --preset cpu
+    # leafe train --preset paper
+    load_config(TrainConfig, preset=train_preset("paper"), files=["my.toml"])
+    # leafe learner --preset cpu
+    load_config(LearnerConfig, preset=learner_preset("cpu"))
 
 Presets (functions returning configs, not flag piles):
-- ``paper``: the paper's Stage-2 hyperparameters: lr 1e-6, global batch 128 samples, 2 epochs offline
-  (the paper reports 2-3), bf16 on GPU.
-- ``cpu``: the same losses and cadence at a scale a 2-core CPU can step through with SmolLM2-135M or the
-  tiny test model: global batch 16, lr 1e-5, packed 2048-token rows, frequent pushes, precision ``auto``
-  (bf16 on CPUs with bf16 dot products). Packing + bf16 train SmolLM2 2.8x faster than fp32 length
-  buckets on one Zen core (``bench/results/learner.json``).
+- ``paper``: the paper's Stage-2 hyperparameters: lr 1e-6, global batch 128 samples, 2 epochs
+  offline (the paper reports 2-3), bf16 on GPU.
+- ``cpu``: the same losses and cadence at a scale a 2-core CPU can step through with SmolLM2-135M or
+  the tiny test model: global batch 16, lr 1e-5, packed 2048-token rows, frequent pushes, precision
+  ``auto`` (bf16 on CPUs with bf16 dot products). Packing + bf16 train SmolLM2 2.8x faster than fp32
+  length buckets on one Zen core (``bench/results/learner.json``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Literal
 
 import msgspec
 
-from protocol.config import ConfigError
+from leafe.protocol.config import ConfigError
 
 __all__ = [
     "PRESETS",
@@ -38,17 +41,19 @@ __all__ = [
 
 
 class LossConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """L = L_cf + beta * L_reh + L_rft + L_grpo (each term a token mean over its kind in the global batch)."""
+    """L = L_cf + beta * L_reh + L_rft + L_grpo (each term a token mean over its kind in the global
+    batch)."""
 
     beta: float = 1.0
     """Weight of the rehearsal term (the paper does not publish beta; 1.0 = equal weight)."""
     clip_eps: float = 0.2
     """GRPO: PPO-style clip range of the importance ratio, [1 - eps, 1 + eps]."""
     kl_coef: float = 0.0
-    """GRPO: coefficient of the k3 KL estimate to the frozen initial model; 0 disables the reference."""
+    """GRPO: coefficient of the k3 KL estimate to the frozen initial model; 0 disables the
+    reference."""
     dual_clip: float = 0.0
-    """GRPO: dual-clip bound c > 1 on a negative-advantage token's objective (c * |A|; 3.0 is the usual
-    value); 0 = off, the objective every shipped GRPO record was trained with."""
+    """GRPO: dual-clip bound c > 1 on a negative-advantage token's objective (c * |A|; 3.0 is the
+    usual value); 0 = off, the objective every shipped GRPO record was trained with."""
 
     def __post_init__(self) -> None:
         if self.dual_clip and not self.dual_clip > 1.0:
@@ -74,22 +79,25 @@ class OptimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     min_lr_ratio: float = 0.1
     """Cosine floor as a fraction of ``lr``."""
     total_steps: int = 0
-    """Steps of the cosine schedule; 0 = the offline trainer computes it from the data and epochs."""
+    """Steps of the cosine schedule; 0 = the offline trainer computes it from the data and
+    epochs."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     scale_partial_batches: bool = False
-    """A step on fewer samples than ``global_batch`` uses ``lr * samples / global_batch``. AdamW's step size
-    does not shrink with the batch, so without this one sample taken after ``max_batch_wait_s`` moves the
-    weights as far as a full batch, in a far noisier direction. Off for offline training (only an epoch's
-    last batch is partial; reproductions stay bit-identical); on in ``leafe run``'s warm-start presets."""
+    """A step on fewer samples than ``global_batch`` uses ``lr * samples / global_batch``. AdamW's
+    step size does not shrink with the batch, so without this one sample taken after
+    ``max_batch_wait_s`` moves the weights as far as a full batch, in a far noisier direction. Off
+    for offline training (only an epoch's last batch is partial; reproductions stay bit-identical);
+    on in ``leafe run``'s warm-start presets."""
     lr_by_kind: dict[str, float] = msgspec.field(default_factory=dict)
-    """Peak lr per sample kind (``sft``, ``cf``, ``reh``, ``grpo``, ...), for one online run that trains
-    phases the offline protocol trains with different lrs (the warm start's ``sft`` at 5e-5, then LEAFE at
-    3e-5 or GRPO at 1e-5). A step's lr is the schedule's times the mean of ``lr_by_kind[kind] / lr`` over its
-    samples (kinds not listed: 1). Empty = one lr for every kind."""
+    """Peak lr per sample kind (``sft``, ``cf``, ``reh``, ``grpo``, ...), for one online run that
+    trains phases the offline protocol trains with different lrs (the warm start's ``sft`` at 5e-5,
+    then LEAFE at 3e-5 or GRPO at 1e-5). A step's lr is the schedule's times the mean of
+    ``lr_by_kind[kind] / lr`` over its samples (kinds not listed: 1). Empty = one lr for every
+    kind."""
 
     def __post_init__(self) -> None:
-        from learner.losses import LOSS_TERM
+        from leafe.learner.losses import LOSS_TERM
 
         bad = {k: v for k, v in self.lr_by_kind.items() if k not in LOSS_TERM or not v > 0}
         if bad:
@@ -103,25 +111,30 @@ class BatchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """How samples become optimizer steps and micro-batches."""
 
     global_batch: int = 128
-    """Samples per optimizer step, over all ranks (paper: 128); gradients accumulate over micro-batches."""
+    """Samples per optimizer step, over all ranks (paper: 128); gradients accumulate over
+    micro-batches."""
     micro_batch_tokens: int = 8192
-    """``length`` mode: max padded tokens (rows x longest row) per rank per micro-batch; ``pack`` mode: max
-    tokens of the one packed row a rank runs per micro-batch (a longer sample gets a row of its own)."""
+    """``length`` mode: max padded tokens (rows x longest row) per rank per micro-batch; ``pack``
+    mode: max tokens of the one packed row a rank runs per micro-batch (a longer sample gets a row
+    of its own)."""
     micro_batch_size: int = 8
     """``none`` mode: samples per rank per micro-batch, in arrival order."""
     bucketing: Literal["pack", "length", "none"] = "length"
-    """``pack``: several samples per row (first-fit decreasing up to ``micro_batch_tokens``), positions
-    restarting at 0 per sample and causal attention within each sample only (no padding, no cross-sample
-    attention; ``learner/attention.py``); ``length``: sort the global batch by length and fill left-padded
-    micro-batches up to the token budget; ``none``: fixed-size micro-batches in arrival order (the naive
-    baseline). The step's math is the same in every mode: the whole global batch is accumulated."""
+    """``pack``: several samples per row (first-fit decreasing up to ``micro_batch_tokens``),
+    positions restarting at 0 per sample and causal attention within each sample only (no padding,
+    no cross-sample attention; ``learner/attention.py``); ``length``: sort the global batch by
+    length and fill left-padded micro-batches up to the token budget; ``none``: fixed-size
+    micro-batches in arrival order (the naive baseline). The step's math is the same in every mode:
+    the whole global batch is accumulated."""
     max_seq_len: int = 4096
-    """Samples with more prompt + completion tokens are skipped (logged and counted), never truncated."""
+    """Samples with more prompt + completion tokens are skipped (logged and counted), never
+    truncated."""
     share_prefix: bool = False
-    """``pack`` mode: the prompt prefix every sample of a step shares (the system prompt, the task's rules)
-    is put once at the head of each packed row, and each sample's rest attends to it and to itself
-    (``learner/attention.py``): the same logits and gradients as the samples in full, up to the order of
-    float sums, for fewer tokens through the model (an agent's one-action samples are ~60% shared prefix)."""
+    """``pack`` mode: the prompt prefix every sample of a step shares (the system prompt, the task's
+    rules) is put once at the head of each packed row, and each sample's rest attends to it and to
+    itself (``learner/attention.py``): the same logits and gradients as the samples in full, up to
+    the order of float sums, for fewer tokens through the model (an agent's one-action samples are
+    ~60% shared prefix)."""
 
 
 class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -135,28 +148,27 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Batching."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """``bf16``: bf16 compute with fp32 master weights, gradients and AdamW state (on GPU FSDP's
-    MixedPrecisionPolicy, on CPU bf16 autocast; see ``learner/fsdp.py``); ``auto``: bf16 on GPU and on
-    CPUs with native bf16 dot products (AVX512-BF16 or AMX), fp32 on other CPUs."""
+    MixedPrecisionPolicy, on CPU bf16 autocast; see ``learner/fsdp.py``); ``auto``: bf16 on GPU and
+    on CPUs with native bf16 dot products (AVX512-BF16 or AMX), fp32 on other CPUs."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (saves memory, re-gathers in backward)."""
     activation_checkpointing: bool = False
     """Keep only each decoder layer's input from the forward and recompute the layer in the backward
-    (transformers' ``activation_checkpointing_enable``): one more forward of compute for much less memory.
-    SmolLM2-135M, cpu preset, 2 steps, 1 thread (``bench/learner_memory.py``, 2026-12-03), both with
-    ``release_freed_memory``: peak RSS 5.17 GB off, 3.31 GB on at 1.33x the step time (6.27 GB for the
-    default, neither). Off by default on CPU, where
-    step time is the constraint; turn it on where memory is (a 7B policy on GPU)."""
+    (transformers' ``activation_checkpointing_enable``): one more forward of compute for much less
+    memory (``bench/learner_memory.py``; figures in docs/benchmarks.md, section "The learner's
+    memory"). Off by default on CPU, where step time is the constraint; turn it on where memory is
+    (a 7B policy on GPU)."""
     release_freed_memory: bool = False
-    """Pin glibc's mmap threshold (``learner/memory.py``) so freed activation blocks go back to the OS at
-    once: a lower peak RSS for many more page faults. Measured on SmolLM2-135M (cpu preset, 2 threads,
-    16 agent samples a step, 2026-12-03, Sapphire Rapids): peak RSS 5.4 GB on, 7.2 GB off, but 9.5 M page
-    faults and ~25 s of kernel time a step, 1.63x the step time (means of 8 steps: 39.2 s against 24.0 s).
-    Off by default; turn it on where memory binds, with ``activation_checkpointing``."""
+    """Pin glibc's mmap threshold (``learner/memory.py``) so freed activation blocks go back to the
+    OS at once: a lower peak RSS for many more page faults, whose kernel time makes every step
+    markedly slower (figures in docs/benchmarks.md, section "The learner's memory"). Off by
+    default; turn it on where memory binds, with ``activation_checkpointing``."""
     reuse_freed_memory: bool = True
-    """Unless ``release_freed_memory``: turn glibc's ``mmap`` off for the learner's process so every block
-    comes from the heap and a freed one is reused without page faults (``learner/memory.py``). GRPO steps of
-    SmolLM2-135M (2 threads, bf16): 4.3-4.6 s instead of 4.9-6.0 s, the same peak RSS, identical losses.
-    The allocator changes no arithmetic; process-wide and not undone."""
+    """Unless ``release_freed_memory``: turn glibc's ``mmap`` off for the learner's process so every
+    block comes from the heap and a freed one is reused without page faults (``learner/memory.py``).
+    GRPO steps run faster at the same peak RSS with identical losses (figures in docs/benchmarks.md,
+    section "The learner's page faults"). The allocator changes no arithmetic; process-wide and not
+    undone."""
     seed: int = 0
     """Seed of torch RNG and of the offline shuffle."""
     checkpoint_every: int = 50
@@ -164,24 +176,27 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     keep_checkpoints: int = 2
     """Complete checkpoints kept; older ones are deleted after a new one is written."""
     push_every: int = 50
-    """Export weights and publish ``WeightsPublished`` every N steps; 0 = never (offline: only at the end)."""
+    """Export weights and publish ``WeightsPublished`` every N steps; 0 = never (offline: only at
+    the end)."""
     export_dtype: Literal["bf16", "fp32"] = "bf16"
     """dtype of exported safetensors (``fp32`` keeps full precision, e.g. for exact comparisons)."""
     retain_versions: int = 3
-    """Weight versions kept in the store; older ones are pruned (never the newest nor one in use)."""
+    """Weight versions kept in the store; older ones are pruned (never the newest nor one in
+    use)."""
 
 
 class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The online learner service (``leafe learner``): samples stream -> steps -> checkpoints -> pushes."""
+    """The online learner service (``leafe learner``): samples stream -> steps -> checkpoints ->
+    pushes."""
 
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     """Trainer settings."""
     durable: str = ""
-    """Durable consumer name on ``LEAFE_SAMPLES``; empty = ``learner-<run>`` (durable names are per stream,
-    which all runs share)."""
+    """Durable consumer name on ``LEAFE_SAMPLES``; empty = ``learner-<run>`` (durable names are per
+    stream, which all runs share)."""
     kinds: list[str] = msgspec.field(default_factory=lambda: ["cf", "reh"])
-    """Sample kinds trained (subjects ``leafe.<run>.samples.<kind>``): ``cf``+``reh`` for LEAFE, ``grpo``
-    or ``rft`` for the baselines."""
+    """Sample kinds trained (subjects ``leafe.<run>.samples.<kind>``): ``cf``+``reh`` for LEAFE,
+    ``grpo`` or ``rft`` for the baselines."""
     fetch_batch: int = 256
     """Messages per pull request."""
     ack_wait_s: float = 60.0
@@ -196,7 +211,8 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Drop samples whose ``policy_version`` is more than this many versions behind the learner's
     (counted and logged); None keeps every sample."""
     stop_after_steps: int = 0
-    """Stop (after a final checkpoint) once this many steps were taken in this process; 0 = run forever."""
+    """Stop (after a final checkpoint) once this many steps were taken in this process; 0 = run
+    forever."""
     push_on_stop: bool = True
     """On a graceful stop, push the weights if steps were taken since the last push (so the final
     weights are always served and evaluable); False leaves them in the checkpoint only."""
@@ -253,7 +269,8 @@ PRESETS = {"paper": paper_preset, "cpu": cpu_preset}
 
 
 def train_preset(name: str) -> TrainConfig:
-    """The named offline preset; an unknown name is a :class:`ConfigError` listing the known ones."""
+    """The named offline preset; an unknown name is a :class:`ConfigError` listing the known
+    ones."""
     if name not in PRESETS:
         raise ConfigError(f"unknown trainer preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name]()

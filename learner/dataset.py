@@ -1,16 +1,19 @@
-"""Dataset shards: samples as JSONL files plus a manifest, byte-identical when rebuilt from the same log.
+"""Dataset shards: samples as JSONL files plus a manifest, byte-identical when rebuilt from the same
+log.
 
 Layout of a dataset directory (written by ``leafe replay``, read by ``leafe train``)::
 
-    samples-00000.jsonl   one msgspec-JSON ``protocol.samples.Sample`` per line, sorted by sample_id
+    samples-00000.jsonl   one msgspec-JSON ``leafe.protocol.samples.Sample`` per line,
+                          sorted by sample_id
     samples-00001.jsonl   ... ``shard_size`` samples per shard
     manifest.json         counts per kind and env, materializer name/version/options, fold stats,
-                          each shard's sha256 and ``content_sha256`` (sha256 of all shard bytes in order)
+                          each shard's sha256 and ``content_sha256`` (sha256 of all shard bytes
+                          in order)
 
-Nothing time- or host-dependent is written, so rebuilding the same log gives the same bytes and the same
-manifest. The shards load with ``datasets.load_dataset("json", data_files=shard_paths(dir))``; pass
-``features=hf_features()`` when optional columns (e.g. ``behaviour_logprobs``) are null in the first
-shard but set in a later one, since ``datasets`` infers the schema from the first file.
+Nothing time- or host-dependent is written, so rebuilding the same log gives the same bytes and the
+same manifest. The shards load with ``datasets.load_dataset("json", data_files=shard_paths(dir))``;
+pass ``features=hf_features()`` when optional columns (e.g. ``behaviour_logprobs``) are null in the
+first shard but set in a later one, since ``datasets`` infers the schema from the first file.
 
 Samples are sorted in memory (as encoded lines), which is fine for the ~10^5 samples a run distils.
 """
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from protocol.samples import Sample
+from leafe.protocol.samples import Sample
 
 if TYPE_CHECKING:
     import datasets
@@ -97,10 +100,11 @@ def write_dataset(
     source: dict[str, str] | None = None,
     stats: dict[str, Any] | None = None,
 ) -> DatasetManifest:
-    """Write ``samples`` (deduplicated and sorted by id) as shards plus ``manifest.json`` into ``out_dir``.
+    """Write ``samples`` (deduplicated and sorted by id) as shards plus ``manifest.json`` into
+    ``out_dir``.
 
-    Old shards in ``out_dir`` are removed first; the manifest is written last (atomically), so a reader
-    never trusts a half-written dataset. Two samples with one id but different content raise
+    Old shards in ``out_dir`` are removed first; the manifest is written last (atomically), so a
+    reader never trusts a half-written dataset. Two samples with one id but different content raise
     :class:`DatasetError`.
     """
     if shard_size < 1:
@@ -130,7 +134,9 @@ def write_dataset(
         name = _SHARD.format(len(shards))
         (out_dir / name).write_bytes(data)
         content.update(data)
-        shards.append(ShardInfo(file=name, samples=len(ordered[i : i + shard_size]), sha256=_sha256(data)))
+        shards.append(
+            ShardInfo(file=name, samples=len(ordered[i : i + shard_size]), sha256=_sha256(data))
+        )
     manifest = DatasetManifest(
         materializer=materializer,
         source=dict(source or {}),
@@ -142,7 +148,8 @@ def write_dataset(
         stats=dict(stats or {}),
     )
     _write_atomic(
-        out_dir / MANIFEST, msgspec.json.format(msgspec.json.encode(manifest, order="sorted"), indent=1)
+        out_dir / MANIFEST,
+        msgspec.json.format(msgspec.json.encode(manifest, order="sorted"), indent=1),
     )
     return manifest
 
@@ -151,7 +158,9 @@ def read_manifest(dataset_dir: Path) -> DatasetManifest:
     """The manifest of a dataset directory; raises :class:`DatasetError` when missing or invalid."""
     path = Path(dataset_dir) / MANIFEST
     if not path.is_file():
-        raise DatasetError(f"{dataset_dir}: no {MANIFEST} (not a dataset, or its rebuild did not finish)")
+        raise DatasetError(
+            f"{dataset_dir}: no {MANIFEST} (not a dataset, or its rebuild did not finish)"
+        )
     try:
         manifest = msgspec.json.decode(path.read_bytes(), type=DatasetManifest)
     except msgspec.DecodeError as e:
@@ -173,10 +182,14 @@ def iter_samples(dataset_dir: Path, *, verify: bool = True) -> Iterator[Sample]:
     for shard in read_manifest(dataset_dir).shards:
         path = Path(dataset_dir) / shard.file
         if not path.is_file():
-            raise DatasetError(f"{dataset_dir}: shard {shard.file} listed in the manifest is missing")
+            raise DatasetError(
+                f"{dataset_dir}: shard {shard.file} listed in the manifest is missing"
+            )
         data = path.read_bytes()
         if verify and _sha256(data) != shard.sha256:
-            raise DatasetError(f"{path}: sha256 differs from the manifest (modified or half-written)")
+            raise DatasetError(
+                f"{path}: sha256 differs from the manifest (modified or half-written)"
+            )
         for n, line in enumerate(data.splitlines(), 1):
             try:
                 yield _decoder.decode(line)
@@ -185,7 +198,8 @@ def iter_samples(dataset_dir: Path, *, verify: bool = True) -> Iterator[Sample]:
 
 
 def hf_features() -> datasets.Features:
-    """``datasets.Features`` of a shard row, for ``load_dataset("json", ..., features=hf_features())``."""
+    """``datasets.Features`` of a shard row, for ``load_dataset("json", ...,
+    features=hf_features())``."""
     from datasets import Features, List, Value
 
     message = {"role": Value("string"), "content": Value("string")}

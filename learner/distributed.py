@@ -1,9 +1,10 @@
-"""Process-group setup for the learner: torchrun ranks, or one plain-python rank through the same code.
+"""Process-group setup for the learner: torchrun ranks, or one plain-python rank through the same
+code.
 
-Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` set) every rank
-joins a gloo (CPU) or NCCL (GPU) group from the environment. Started as plain ``python`` the process
-creates a *one-rank* group on an in-process store, so FSDP2, DCP and the collectives in the trainer run
-the identical code path with ``world_size == 1``.
+Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` set)
+every rank joins a gloo (CPU) or NCCL (GPU) group from the environment. Started as plain ``python``
+the process creates a *one-rank* group on an in-process store, so FSDP2, DCP and the collectives in
+the trainer run the identical code path with ``world_size == 1``.
 
     with distributed_env() as env:      # init, and destroy the group on exit if we created it
         trainer = Trainer(config, model_dir, env)
@@ -22,7 +23,14 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "all_reduce_sum", "barrier", "distributed_env", "init_distributed", "shutdown"]
+__all__ = [
+    "DistEnv",
+    "all_reduce_sum",
+    "barrier",
+    "distributed_env",
+    "init_distributed",
+    "shutdown",
+]
 
 Backend = Literal["gloo", "nccl"]
 
@@ -85,10 +93,13 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 1800.0) -
             torch.cuda.set_device(local_rank)
         timeout = timedelta(seconds=timeout_s)
         if world_size > 1 and not faulthandler.is_enabled():
-            faulthandler.enable()  # a rank killed by a signal (SIGABRT, SIGSEGV) prints where each thread was
+            # a rank killed by a signal (SIGABRT, SIGSEGV) prints where each thread was
+            faulthandler.enable()
         if world_size == 1 and "MASTER_ADDR" not in os.environ:
             # One plain-python rank: an in-process store, no ports, same collectives.
-            dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(
+                chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
         else:
             dist.init_process_group(chosen, rank=rank, world_size=world_size, timeout=timeout)
         owns = True
@@ -106,10 +117,11 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = 1800.0) -
 def shutdown(env: DistEnv, *, clean: bool = True) -> None:
     """Destroy the default group if :func:`init_distributed` created it.
 
-    On a ``clean`` exit every rank first meets at a barrier, so no rank tears its group down while another
-    still works after the last collective (rank 0 writing the export): a gloo rank of ``leafe train`` that
-    destroyed its group early aborted once in CI at exit ("terminate called without an active exception",
-    SIGABRT after ``train.finished``). After an error there is no barrier: the other ranks may never come.
+    On a ``clean`` exit every rank first meets at a barrier, so no rank tears its group down while
+    another still works after the last collective (rank 0 writing the export): a gloo rank of
+    ``leafe train`` that destroyed its group early aborted once in CI at exit ("terminate called
+    without an active exception", SIGABRT after ``train.finished``). After an error there is no
+    barrier: the other ranks may never come.
     """
     if env.owns_group and dist.is_initialized():
         if clean:

@@ -7,8 +7,8 @@ executing it itself, so every rank enters the same collectives in the same order
     rank 0:   stats = executor.submit(TrainCmd(samples=batch))      # broadcast, then train
     rank k:   executor.follow()                                     # until StopCmd
 
-With one rank nothing is broadcast. Idle leaders send :class:`NoopCmd` now and then so followers never
-reach the process group's timeout while the stream is quiet.
+With one rank nothing is broadcast. Idle leaders send :class:`NoopCmd` now and then so followers
+never reach the process group's timeout while the stream is quiet.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 import msgspec
 import torch.distributed as dist
 
-from learner.checkpoint import Progress, save_checkpoint
-from learner.trainer import StepStats, Trainer
-from protocol.samples import Sample
+from leafe.learner.checkpoint import Progress, save_checkpoint
+from leafe.learner.trainer import StepStats, Trainer
+from leafe.protocol.samples import Sample
 
 __all__ = ["CheckpointCmd", "Command", "Executor", "ExportCmd", "NoopCmd", "StopCmd", "TrainCmd"]
 
@@ -60,9 +60,12 @@ _decoder = msgspec.msgpack.Decoder(Command)
 
 
 class Executor:
-    """Broadcasts commands from rank 0 and applies them to the local :class:`Trainer` on every rank."""
+    """Broadcasts commands from rank 0 and applies them to the local :class:`Trainer` on every
+    rank."""
 
-    def __init__(self, trainer: Trainer, checkpoint_dir: Path, *, keep_checkpoints: int = 2) -> None:
+    def __init__(
+        self, trainer: Trainer, checkpoint_dir: Path, *, keep_checkpoints: int = 2
+    ) -> None:
         self.trainer = trainer
         self.checkpoint_dir = Path(checkpoint_dir)
         self.keep = keep_checkpoints
@@ -72,11 +75,14 @@ class Executor:
         dist.broadcast_object_list(payload, src=0)
         data = payload[0]
         if not isinstance(data, bytes):
-            raise RuntimeError(f"rank {self.trainer.env.rank} received a non-command broadcast: {type(data)}")
+            raise RuntimeError(
+                f"rank {self.trainer.env.rank} received a non-command broadcast: {type(data)}"
+            )
         return _decoder.decode(data)
 
     def submit(self, cmd: Command) -> StepStats | Path | str | None:
-        """Rank 0: broadcast ``cmd`` to the followers, then apply it here; returns the local result."""
+        """Rank 0: broadcast ``cmd`` to the followers, then apply it here; returns the local
+        result."""
         if not self.trainer.env.is_main:
             raise RuntimeError("Executor.submit is for rank 0; other ranks call follow()")
         if self.trainer.env.world_size > 1:

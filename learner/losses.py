@@ -1,8 +1,9 @@
 """Losses of Stage 2 (distillation) and of the GRPO baseline, as pure functions of tensors.
 
-Shapes: ``logits [B, K, V]`` are the model's logits at the K positions that predict the K label slots;
-``labels [B, K]`` hold the target token id or :data:`IGNORE` (-100) for anything that is not a target
-(prompt, history, padding). Only label slots != -100 contribute, whatever the logits there are.
+Shapes: ``logits [B, K, V]`` are the model's logits at the K positions that predict the K label
+slots; ``labels [B, K]`` hold the target token id or :data:`IGNORE` (-100) for anything that is not
+a target (prompt, history, padding). Only label slots != -100 contribute, whatever the logits there
+are.
 
 Normalisation (the paper's formula, token level): for each kind k, over the *global* batch (all
 micro-batches and ranks of one optimizer step),
@@ -16,14 +17,15 @@ so equal weights give the plain token mean of kind k, and ``Sample.weight`` scal
 
 ``rft`` is plain SFT (its own token mean): it is the term of every imitation kind, rejection-sampled
 rollouts (``rft``), demonstrations (``sft``) and Early Experience (``iwm``, ``sr``); see
-:data:`LOSS_TERM`. Each micro-batch returns its *share* of L (its token sums divided by the global N_k),
-so the shares summed over micro-batches and ranks give exactly L, however the batch is split. GRPO,
-token-level mean over the group's completion tokens:
+:data:`LOSS_TERM`. Each micro-batch returns its *share* of L (its token sums divided by the global
+N_k), so the shares summed over micro-batches and ranks give exactly L, however the batch is split.
+GRPO, token-level mean over the group's completion tokens:
 
     r = exp(logp - logp_behaviour),  pg = -min(r * A, clip(r, 1-eps, 1+eps) * A)
     k3 = exp(ref - logp) - (ref - logp) - 1            (only with a reference model and kl_coef > 0)
 
-Missing behaviour logprobs mean on-policy data: logp_behaviour = logp.detach() (r = 1, gradient A * dlogp).
+Missing behaviour logprobs mean on-policy data: logp_behaviour = logp.detach() (r = 1, gradient A *
+dlogp).
 """
 
 from __future__ import annotations
@@ -51,7 +53,15 @@ IGNORE = -100
 KINDS = ("cf", "reh", "rft", "grpo")
 KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
 """Loss term name -> integer code used in batch tensors."""
-LOSS_TERM = {"cf": "cf", "reh": "reh", "rft": "rft", "sft": "rft", "iwm": "rft", "sr": "rft", "grpo": "grpo"}
+LOSS_TERM = {
+    "cf": "cf",
+    "reh": "reh",
+    "rft": "rft",
+    "sft": "rft",
+    "iwm": "rft",
+    "sr": "rft",
+    "grpo": "grpo",
+}
 """Sample kind -> the loss term it trains (imitation kinds share the plain SFT term)."""
 
 
@@ -82,7 +92,8 @@ class LossOutput:
 
 
 def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
-    """log p(label) per slot in fp32, exactly 0.0 where ``labels == IGNORE`` (no gradient flows there)."""
+    """log p(label) per slot in fp32, exactly 0.0 where ``labels == IGNORE`` (no gradient flows
+    there)."""
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}")
     mask = labels != IGNORE
@@ -96,7 +107,9 @@ def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
 def _coefficients(kinds: Tensor, tokens: KindTokens, beta: float) -> Tensor:
     """Per-sample coefficient 1/N_k (beta/N_reh for rehearsal, 0 for GRPO and for empty kinds)."""
     scale = [beta if k == "reh" else 1.0 for k in KINDS[:3]]
-    coef = [s / n if n > 0 else 0.0 for s, n in zip(scale, tokens.as_list()[:3], strict=True)] + [0.0]
+    coef = [s / n if n > 0 else 0.0 for s, n in zip(scale, tokens.as_list()[:3], strict=True)] + [
+        0.0
+    ]
     return torch.tensor(coef, dtype=torch.float32, device=kinds.device)[kinds]
 
 
@@ -131,11 +144,12 @@ def grpo_loss(
     kl_coef: float = 0.0,
     dual_clip: float = 0.0,
 ) -> LossOutput:
-    """Share of the clipped-ratio GRPO objective (+ kl_coef * k3) over this micro-batch's GRPO tokens.
+    """Share of the clipped-ratio GRPO objective (+ kl_coef * k3) over this micro-batch's GRPO
+    tokens.
 
-    ``dual_clip`` = c > 1 bounds the objective of a negative-advantage token at c * |A| (dual-clip PPO,
-    Ye et al. 2020): without it a token the behaviour policy sampled at a tiny probability contributes
-    ratio * |A| without limit; 0 leaves the plain clipped objective."""
+    ``dual_clip`` = c > 1 bounds the objective of a negative-advantage token at c * |A| (dual-clip
+    PPO, Ye et al. 2020): without it a token the behaviour policy sampled at a tiny probability
+    contributes ratio * |A| without limit; 0 leaves the plain clipped objective."""
     if dual_clip and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be 0 (off) or > 1, got {dual_clip}")
     sel = ((labels != IGNORE) & (kinds == KIND_INDEX["grpo"]).unsqueeze(-1)).float()

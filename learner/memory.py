@@ -1,30 +1,30 @@
 """Keep a process's resident memory near what its live tensors need (the learner's and the inference
 engine's).
 
-glibc serves a large ``malloc`` from ``mmap`` and returns it to the OS on ``free``, but it raises that
-threshold (up to 32 MB) each time such a block is freed, after which blocks below it come from the heap,
-which is returned only from its top. A training step allocates and frees gigabytes of activation and
-gradient blocks of every size, so the heap fills with free holes that still count as resident: measured
-on SmolLM2-135M (1 rank, packed 2048-token rows, activation checkpointing), the process held 4.2 GB between
-steps for 2.1 GB of weights and AdamW state, and peaked at 4.56 GB; with the threshold pinned at 64 KiB
-it peaked at 3.47 GB and rested at 2.13 GB. Pinning it (``mallopt(M_MMAP_THRESHOLD, ...)``, the same as
-``MALLOC_MMAP_THRESHOLD_`` in the environment) stops the raising; blocks of 64 KiB and more then cost an
-``mmap``/``munmap`` each and, worse, a page fault for each of their 4 KiB pages when first touched: on
-SmolLM2-135M without checkpointing (cpu preset, 2 threads, 2026-12-03, Sapphire Rapids) 9.5 M faults and
-~25 s of kernel time a step, 1.63x the step time (means of 8 steps: 39.2 s against 24.0 s; peak RSS 5.4 GB
-against 7.2 GB).
-glibc's ``hugetlb`` tunable (transparent huge pages for those blocks) took the faults to 5.6 M and the step
-time nowhere. So the trainer pins it only when asked (``trainer.release_freed_memory``), where memory binds.
+glibc serves a large ``malloc`` from ``mmap`` and returns it to the OS on ``free``, but it raises
+that threshold (up to 32 MB) each time such a block is freed, after which blocks below it come from
+the heap, which is returned only from its top. A training step allocates and frees gigabytes of
+activation and gradient blocks of every size, so the heap fills with free holes that still count as
+resident: measured on SmolLM2-135M (1 rank, packed 2048-token rows, activation checkpointing), the
+process held 4.2 GB between steps for 2.1 GB of weights and AdamW state, and peaked at 4.56 GB; with
+the threshold pinned at 64 KiB it peaked at 3.47 GB and rested at 2.13 GB. Pinning it
+(``mallopt(M_MMAP_THRESHOLD, ...)``, the same as ``MALLOC_MMAP_THRESHOLD_`` in the environment)
+stops the raising; blocks of 64 KiB and more then cost an ``mmap``/``munmap`` each and, worse, a
+page fault for each of their 4 KiB pages when first touched, and the kernel time of those faults
+makes a training step markedly slower (figures in docs/benchmarks.md, section "The learner's
+memory"). glibc's ``hugetlb`` tunable (transparent huge pages for those blocks) cut the faults but
+not the step time. So the trainer pins it only when asked (``trainer.release_freed_memory``),
+where memory binds.
 
-By default (``trainer.reuse_freed_memory``) the trainer does the opposite: :func:`reuse_freed_memory` turns
-glibc's ``mmap`` off (``M_MMAP_MAX = 0``) and raises the trim threshold, so every block, large ones too,
-comes from the heap and a freed block is reused by the next allocation of its size without touching the
-OS. Without it every block over 32 MB (the embedding's gradient and AdamW temporaries, 113 MB each for
-SmolLM2; the LM head's chunks) is still an ``mmap`` per use, and on these VMs a first-touch fault costs
-~7 us per 4 KiB (a 113 MB fill took 191 ms, 0.6 GB/s). Measured on GRPO's samples of the effect-hard
-experiment (SmolLM2-135M, bf16 on AMX, 2 threads, share_prefix, idle, 2026-12-04): from the third step on
-4-16 thousand minor faults a step instead of 0.27-0.47 million, kernel time 0.05-0.1 s instead of 0.9-2.3 s,
-4.3-4.6 s a step instead of 4.9-6.0 s, the same peak RSS (6.34 against 6.49 GB) and identical losses.
+By default (``trainer.reuse_freed_memory``) the trainer does the opposite:
+:func:`reuse_freed_memory` turns glibc's ``mmap`` off (``M_MMAP_MAX = 0``) and raises the trim
+threshold, so every block, large ones too, comes from the heap and a freed block is reused by the
+next allocation of its size without touching the OS. Without it every block over 32 MB (the
+embedding's gradient and AdamW temporaries, 113 MB each for SmolLM2; the LM head's chunks) is still
+an ``mmap`` per use, and on these VMs a first-touch fault costs ~7 us per 4 KiB (a 113 MB fill took
+191 ms, 0.6 GB/s). Reusing freed blocks removes most of those faults and their kernel time, so
+GRPO's steps run faster at the same peak RSS and with identical losses (figures in
+docs/benchmarks.md, section "The learner's page faults").
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ __all__ = [
 MMAP_THRESHOLD = 64 * 1024
 """Bytes from which glibc allocates with ``mmap`` (freed blocks go back to the OS at once)."""
 KEEP_FREED_BYTES = 2**31 - 1
-"""Free bytes at the heap's top that glibc keeps rather than returns (``M_TRIM_THRESHOLD``; an ``int``)."""
+"""Free bytes at the heap's top that glibc keeps rather than returns (``M_TRIM_THRESHOLD``; an
+``int``)."""
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # <malloc.h>
 
 
@@ -70,7 +71,8 @@ def _set(mallopt: Callable[[int, int], int], param: int, value: int, what: str) 
 
 
 def pin_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
-    """Pin glibc's mmap threshold for this process; False where the C library is not glibc (nothing set)."""
+    """Pin glibc's mmap threshold for this process; False where the C library is not glibc (nothing
+    set)."""
     mallopt = _mallopt()
     if mallopt is None:
         return False
@@ -79,9 +81,9 @@ def pin_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
 
 
 def reuse_freed_memory() -> bool:
-    """Serve every allocation of this process from glibc's heap and keep freed blocks there for reuse
-    (no ``mmap``, trim only past :data:`KEEP_FREED_BYTES`); False where the C library is not glibc or
-    refuses (a speed setting: the process then runs as before, and the caller says so)."""
+    """Serve every allocation of this process from glibc's heap and keep freed blocks there for
+    reuse (no ``mmap``, trim only past :data:`KEEP_FREED_BYTES`); False where the C library is not
+    glibc or refuses (a speed setting: the process then runs as before, and the caller says so)."""
     mallopt = _mallopt()
     if mallopt is None or mallopt(_M_MMAP_MAX, 0) != 1:
         return False
@@ -89,16 +91,18 @@ def reuse_freed_memory() -> bool:
 
 
 def return_free_memory() -> bool:
-    """Give the free pages inside every glibc arena back to the OS (``malloc_trim(0)``; the blocks stay
-    glibc's, so the next use of one faults its pages in again); False where the C library is not glibc.
+    """Give the free pages inside every glibc arena back to the OS (``malloc_trim(0)``; the blocks
+    stay glibc's, so the next use of one faults its pages in again); False where the C library is
+    not glibc.
 
-    glibc returns a heap's free memory only from its top, and a thread's arena grows by 64 MB heaps, so a
-    server that allocates blocks of many sizes (prompt KV in the prefix cache, prefill activations) keeps
-    the free holes between live blocks resident. Measured on the inference engine replaying 12 recorded
-    Sokoban trees twice (SmolLM2-135M, bf16, 2026-12-05, Zen 4): resident 2.77 GB after the second pass,
-    1.75 GB once trimmed, with 48 arena heaps mapped (38 after the first pass)."""
+    glibc returns a heap's free memory only from its top, and a thread's arena grows by 64 MB heaps,
+    so a server that allocates blocks of many sizes (prompt KV in the prefix cache, prefill
+    activations) keeps the free holes between live blocks resident; trimming gives a large part of
+    the resident set back (figures in docs/benchmarks.md, section "The inference server's
+    memory")."""
     trim = _libc("malloc_trim")
     if trim is None:
         return False
-    trim(0)  # returns 1 when memory was released, 0 when there was none to release: both are success
+    # returns 1 when memory was released, 0 when there was none to release: both are success
+    trim(0)
     return True

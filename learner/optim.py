@@ -1,7 +1,7 @@
 """AdamW and the learning-rate schedule (linear warmup, then constant or cosine to a floor).
 
-The schedule is a pure function of the step (:func:`lr_factor`), wrapped in a ``LambdaLR`` so its state
-(the step count) is checkpointed with the optimizer.
+The schedule is a pure function of the step (:func:`lr_factor`), wrapped in a ``LambdaLR`` so its
+state (the step count) is checkpointed with the optimizer.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from learner.config import OptimConfig
+from leafe.learner.config import OptimConfig
 
 __all__ = ["build_optimizer", "lr_factor"]
 
@@ -29,7 +29,8 @@ def lr_factor(step: int, cfg: OptimConfig) -> float:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[torch.optim.Optimizer, LambdaLR]:
-    """AdamW over the trainable parameters (no foreach on DTensors mixing devices) and its scheduler."""
+    """AdamW over the trainable parameters (no foreach on DTensors mixing devices) and its
+    scheduler."""
     if cfg.lr <= 0:
         raise ValueError(f"optim.lr must be > 0, got {cfg.lr}")
     params = [p for p in model.parameters() if p.requires_grad]

@@ -1,12 +1,15 @@
 """TensorBoard scalars of training and evaluation: a tiny writer interface that is a no-op when the
 ``tensorboard`` package (the ``tb`` extra: ``pip install -e .[tb]``) is missing.
 
-    writer = open_scalar_writer(Path("runs/r1/tensorboard/learner"))   # NullScalarWriter without tensorboard
-    write_step_scalars(writer, stats, tokens_per_second=812.0)         # loss/total, loss/cf, ... at stats.step
+    # a NullScalarWriter without tensorboard
+    writer = open_scalar_writer(Path("runs/r1/tensorboard/learner"))
+    # loss/total, loss/cf, ... at stats.step
+    write_step_scalars(writer, stats, tokens_per_second=812.0)
     writer.close()
 
-``leafe learner --tensorboard-dir`` and ``leafe train`` write one event file per process (rank 0 only);
-``tensorboard --logdir runs/r1/tensorboard`` shows them (``leafe run`` prints that line when it starts).
+``leafe learner --tensorboard-dir`` and ``leafe train`` write one event file per process (rank 0
+only); ``tensorboard --logdir runs/r1/tensorboard`` shows them (``leafe run`` prints that line when
+it starts).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ STEP_SCALARS = {
     "batch/target_tokens": "target_tokens",
     "batch/padded_tokens": "padded_tokens",
 }
-"""Tag -> ``learner.trainer.StepStats`` field written after every step (fields that are ``None`` are not)."""
+"""Tag -> ``leafe.learner.trainer.StepStats`` field written after every step (fields that are
+``None`` are not)."""
 
 
 class ScalarWriter(Protocol):
@@ -95,14 +99,20 @@ class TensorBoardWriter:
 
 
 def open_scalar_writer(log_dir: Path | None, *, flush_secs: int = 10) -> ScalarWriter:
-    """A TensorBoard writer on ``log_dir``; a :class:`NullScalarWriter` when ``log_dir`` is ``None`` or the
-    tensorboard package is missing (said once in the log). ``flush_secs`` bounds what a crash loses."""
+    """A TensorBoard writer on ``log_dir``; a :class:`NullScalarWriter` when ``log_dir`` is ``None``
+    or the tensorboard package is missing (said once in the log). ``flush_secs`` bounds what a crash
+    loses."""
     if log_dir is None:
         return NullScalarWriter()
     try:
         return TensorBoardWriter(log_dir, flush_secs=flush_secs)
     except ImportError as e:
-        log.warning("tensorboard.unavailable", log_dir=str(log_dir), error=str(e), fix="pip install -e .[tb]")
+        log.warning(
+            "tensorboard.unavailable",
+            log_dir=str(log_dir),
+            error=str(e),
+            fix="pip install -e .[tb]",
+        )
         return NullScalarWriter()
 
 

@@ -1,19 +1,20 @@
 """The FSDP2 trainer: one optimizer step per global batch of samples, on 1..N ranks.
 
-Every rank receives the *same* global batch (offline: same shards and seed; online: rank 0 decides) and
-takes its deterministic share of each micro-batch (:func:`learner.batching.plan_micro_batches`). A
-micro-batch's loss is its share of the global loss (token sums over the global token counts, see
-``learner/losses.py``), multiplied by ``world_size`` because FSDP averages gradients over ranks; so
-1 rank and N ranks compute the same gradient up to float rounding. Gradients are reduce-scattered only
-on the last micro-batch of the step. Micro-batches are left-padded rows or packed rows
-(``TrainerConfig.batch.bucketing``); precision bf16 keeps fp32 master weights (``learner/fsdp.py``).
+Every rank receives the *same* global batch (offline: same shards and seed; online: rank 0 decides)
+and takes its deterministic share of each micro-batch
+(:func:`leafe.learner.batching.plan_micro_batches`). A micro-batch's loss is its share of the global
+loss (token sums over the global token counts, see ``learner/losses.py``), multiplied by
+``world_size`` because FSDP averages gradients over ranks; so 1 rank and N ranks compute the same
+gradient up to float rounding. Gradients are reduce-scattered only on the last micro-batch of the
+step. Micro-batches are left-padded rows or packed rows (``TrainerConfig.batch.bucketing``);
+precision bf16 keeps fp32 master weights (``learner/fsdp.py``).
 
     with distributed_env() as env:
         trainer = Trainer(TrainerConfig(), tiny_model_dir(), env)
-        stats = trainer.train_step(samples)          # StepStats: loss, per-kind losses, tokens, lr ...
+        stats = trainer.train_step(samples)  # StepStats: loss, per-kind losses, tokens, lr ...
         trainer.export(store / "v000001", version="v000001")
 
-Run multi-rank with ``torchrun --nproc_per_node=2 -m services.learner.train ...``.
+Run multi-rank with ``torchrun --nproc_per_node=2 -m leafe.services.learner.train ...``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import structlog
 import torch
 from torch import Tensor, nn
 
-from learner.batching import (
+from leafe.learner.batching import (
     MicroBatch,
     TrainItem,
     collate,
@@ -38,15 +39,15 @@ from learner.batching import (
     plan_micro_batches,
     to_items,
 )
-from learner.config import TrainerConfig
-from learner.distributed import DistEnv, all_reduce_sum, barrier
-from learner.fsdp import autocast, build_model, full_state_dict, resolve_precision
-from learner.linear_logprobs import CHUNK_TOKENS, sample_logprobs
-from learner.losses import KIND_INDEX, KindTokens, LossOutput, total_loss
-from learner.memory import pin_mmap_threshold, reuse_freed_memory
-from learner.model_io import export_weights, load_tokenizer
-from learner.optim import build_optimizer
-from protocol.samples import Sample
+from leafe.learner.config import TrainerConfig
+from leafe.learner.distributed import DistEnv, all_reduce_sum, barrier
+from leafe.learner.fsdp import autocast, build_model, full_state_dict, resolve_precision
+from leafe.learner.linear_logprobs import CHUNK_TOKENS, sample_logprobs
+from leafe.learner.losses import KIND_INDEX, KindTokens, LossOutput, total_loss
+from leafe.learner.memory import pin_mmap_threshold, reuse_freed_memory
+from leafe.learner.model_io import export_weights, load_tokenizer
+from leafe.learner.optim import build_optimizer
+from leafe.protocol.samples import Sample
 
 __all__ = ["StepStats", "StepSums", "Trainer"]
 
@@ -78,13 +79,14 @@ class StepStats(msgspec.Struct, frozen=True, kw_only=True):
     """Samples trained."""
     skipped: int
     """Samples skipped as unusable (too long, empty, malformed, an id outside the vocabulary; see
-    ``learner.batching.unusable``)."""
+    ``leafe.learner.batching.unusable``)."""
     target_tokens: int
     """Tokens with loss."""
     real_tokens: int
     """Non-pad tokens processed."""
     padded_tokens: int
-    """Tokens processed including padding (rows x row length, summed over micro-batches and ranks)."""
+    """Tokens processed including padding (rows x row length, summed over micro-batches and
+    ranks)."""
     micro_batches: int
     """Micro-batches per rank."""
     grad_norm: float
@@ -180,19 +182,24 @@ class Trainer:
             self.model.activation_checkpointing_enable()  # type: ignore[operator]
         if config.release_freed_memory:
             pin_mmap_threshold()  # freed activations go back to the OS (learner/memory.py)
-        elif config.reuse_freed_memory and not reuse_freed_memory():  # freed blocks reused: no page faults
+        elif (
+            config.reuse_freed_memory and not reuse_freed_memory()
+        ):  # freed blocks reused: no page faults
             log.warning(
                 "learner.allocator.unchanged",
                 reason="not glibc, or mallopt refused: freed memory is not kept",
             )
         self.reference: nn.Module | None = None
         if config.loss.kl_coef > 0:
-            self.reference = build_model(self.model_dir, env, precision=config.precision, trainable=False)
+            self.reference = build_model(
+                self.model_dir, env, precision=config.precision, trainable=False
+            )
         self.optimizer, self.scheduler = build_optimizer(self.model, config.optim)
         self.pad_id = _pad_id(self.model_dir)
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         self.vocab_size: int = getattr(self.model.config, "vocab_size")  # noqa: B009 (Module attrs are untyped)
-        """Embedding rows: a sample with an id outside ``0..vocab_size-1`` is skipped (``batching.unusable``)."""
+        """Embedding rows: a sample with an id outside ``0..vocab_size-1`` is skipped
+        (``batching.unusable``)."""
         self.step = 0
 
     def _logp(self, model: nn.Module, mb: MicroBatch) -> Tensor:
@@ -233,12 +240,16 @@ class Trainer:
         return StepSums.of(out, mb)
 
     def train_step(self, samples: Sequence[Sample]) -> StepStats:
-        """One optimizer step on ``samples`` (the whole global batch; every rank passes the same list)."""
+        """One optimizer step on ``samples`` (the whole global batch; every rank passes the same
+        list)."""
         t0 = time.perf_counter()
         items, skipped = to_items(samples, self.config.batch.max_seq_len, self.vocab_size)
         if skipped:
             log.warning(
-                "learner.samples.skipped", count=len(skipped), first=skipped[0][0], reason=skipped[0][1]
+                "learner.samples.skipped",
+                count=len(skipped),
+                first=skipped[0][0],
+                reason=skipped[0][1],
             )
 
         tokens = kind_tokens(items)
@@ -256,7 +267,9 @@ class Trainer:
         if plan:
             grad_norm = self._clip_and_step(scale)  # == lr above / the schedule's
         sums = sums.all_reduce(self.env)
-        return self._stats(sums, tokens, items, skipped, len(plan), grad_norm, lr, time.perf_counter() - t0)
+        return self._stats(
+            sums, tokens, items, skipped, len(plan), grad_norm, lr, time.perf_counter() - t0
+        )
 
     def _lr_scale(self, samples: int) -> float:
         """``samples / global_batch`` for a partial batch when ``scale_partial_batches``, else 1."""
@@ -266,11 +279,14 @@ class Trainer:
         return samples / full
 
     def _kind_scale(self, samples: Sequence[Sample]) -> float:
-        """Mean of ``lr_by_kind[kind] / lr`` over the step's samples (1 when ``lr_by_kind`` is empty)."""
+        """Mean of ``lr_by_kind[kind] / lr`` over the step's samples (1 when ``lr_by_kind`` is
+        empty)."""
         optim = self.config.optim
         if not optim.lr_by_kind or not samples:
             return 1.0
-        return sum(optim.lr_by_kind.get(s.kind, optim.lr) / optim.lr for s in samples) / len(samples)
+        return sum(optim.lr_by_kind.get(s.kind, optim.lr) / optim.lr for s in samples) / len(
+            samples
+        )
 
     def _clip_and_step(self, lr_scale: float = 1.0) -> float:
         max_norm = self.config.optim.max_grad_norm
@@ -326,7 +342,12 @@ class Trainer:
         return full_state_dict(self.model, tied=self.tied)
 
     def export(
-        self, out_dir: Path, *, version: str, dtype: str | None = None, extra: dict[str, Any] | None = None
+        self,
+        out_dir: Path,
+        *,
+        version: str,
+        dtype: str | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> str:
         """Gather the full weights and write an HF export + manifest on rank 0; returns its sha256.
 
@@ -335,9 +356,16 @@ class Trainer:
         sd = self.export_state()
         digest = ""
         if self.env.is_main:
-            torch_dtype = torch.bfloat16 if (dtype or self.config.export_dtype) == "bf16" else torch.float32
+            torch_dtype = (
+                torch.bfloat16 if (dtype or self.config.export_dtype) == "bf16" else torch.float32
+            )
             digest = export_weights(
-                sd, Path(out_dir), config_dir=self.model_dir, version=version, dtype=torch_dtype, extra=extra
+                sd,
+                Path(out_dir),
+                config_dir=self.model_dir,
+                version=version,
+                dtype=torch_dtype,
+                extra=extra,
             )
         barrier(self.env)
         return digest

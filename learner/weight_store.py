@@ -1,16 +1,17 @@
 """The weight store: a directory of exported versions ``<store>/v000001/``, ``<store>/v000002/`` ...
 
 Version names are ``v<index:06d>`` where the index counts the learner's pushes; the base model is
-``default`` (index 0, SGLang's initial ``weight_version``). The index is what staleness is measured in:
-a sample produced by ``v000003`` is 2 versions behind a learner that has pushed ``v000005``.
+``default`` (index 0, SGLang's initial ``weight_version``). The index is what staleness is measured
+in: a sample produced by ``v000003`` is 2 versions behind a learner that has pushed ``v000005``.
 
 Weight-sync marks what each inference server loaded in ``<store>/.in_use/<marker>`` (one line: the
-version), so pruning never deletes a version an engine is still reading; it rewrites its markers on every
-reconcile, and a marker older than ``MARKER_TTL_S`` belongs to a weight-sync that is gone (a deleted pod)
-and no longer protects anything. The marker name carries the weight-sync's host as well as the server
-URL, because every sidecar of a Deployment calls its own engine ``http://127.0.0.1:30000``. Only
-``.in_use/`` needs to be writable by weight-sync (deploy/ mounts it read-write, the store read-only).
-Pruning keeps the newest ``keep`` versions and every version in use.
+version), so pruning never deletes a version an engine is still reading; it rewrites its markers on
+every reconcile, and a marker older than ``MARKER_TTL_S`` belongs to a weight-sync that is gone (a
+deleted pod) and no longer protects anything. The marker name carries the weight-sync's host as well
+as the server URL, because every sidecar of a Deployment calls its own engine
+``http://127.0.0.1:30000``. Only ``.in_use/`` needs to be writable by weight-sync (deploy/ mounts it
+read-write, the store read-only). Pruning keeps the newest ``keep`` versions and every version in
+use.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def version_name(index: int) -> str:
 
 
 def version_index(name: str) -> int | None:
-    """Index of a version name (``default`` -> 0); ``None`` for a name this learner did not produce."""
+    """Index of a version name (``default`` -> 0); ``None`` for a name this learner did not
+    produce."""
     if name == BASE_VERSION:
         return 0
     m = _VERSION.match(name)
@@ -73,8 +75,11 @@ def mark_in_use(store: Path, server: str, version: str) -> Path:
     return path
 
 
-def in_use_versions(store: Path, *, max_age_s: float = MARKER_TTL_S, now: float | None = None) -> set[str]:
-    """Versions named by the in-use markers under ``store`` that were rewritten within ``max_age_s``."""
+def in_use_versions(
+    store: Path, *, max_age_s: float = MARKER_TTL_S, now: float | None = None
+) -> set[str]:
+    """Versions named by the in-use markers under ``store`` that were rewritten within
+    ``max_age_s``."""
     d = Path(store) / IN_USE_DIR
     if not d.is_dir():
         return set()
@@ -92,9 +97,11 @@ def in_use_versions(store: Path, *, max_age_s: float = MARKER_TTL_S, now: float 
 
 
 def prune_versions(store: Path, keep: int, protect: set[str] | None = None) -> list[str]:
-    """Delete version directories beyond the newest ``keep`` (>= 1), sparing ``protect`` and in-use ones.
+    """Delete version directories beyond the newest ``keep`` (>= 1), sparing ``protect`` and in-use
+    ones.
 
-    Returns the names deleted, oldest first. Directories that are not ``v<digits>`` are never touched.
+    Returns the names deleted, oldest first. Directories that are not ``v<digits>`` are never
+    touched.
     """
     store = Path(store)
     if not store.is_dir():

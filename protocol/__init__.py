@@ -1,9 +1,10 @@
-"""LEAFE wire protocol: events, task assignments, samples, subjects, stream specs, codec, prompt format.
+"""LEAFE wire protocol: events, task assignments, samples, subjects, stream specs, codec, prompt
+format.
 
 Pure data (msgspec + stdlib). Everything that crosses a process boundary is defined here.
 """
 
-from protocol.codec import (
+from leafe.protocol.codec import (
     CODEC_HEADER,
     CODEC_VERSION,
     MSG_ID_HEADER,
@@ -16,7 +17,7 @@ from protocol.codec import (
     headers_for,
     message_id,
 )
-from protocol.events import (
+from leafe.protocol.events import (
     ROOT_BRANCH,
     Branch,
     EpisodeEvent,
@@ -29,9 +30,15 @@ from protocol.events import (
     WeightsPublished,
     event_id_for,
 )
-from protocol.prompt import PROMPT_FORMAT, ChatTokenizer, HistoryEntry, prompt_sha256, render_messages
-from protocol.samples import ChatMessage, Sample
-from protocol.subjects import (
+from leafe.protocol.prompt import (
+    PROMPT_FORMAT,
+    ChatTokenizer,
+    HistoryEntry,
+    prompt_sha256,
+    render_messages,
+)
+from leafe.protocol.samples import ChatMessage, Sample
+from leafe.protocol.subjects import (
     STREAMS,
     InvalidRunId,
     StreamSpec,
@@ -42,7 +49,7 @@ from protocol.subjects import (
     validate_run_id,
     weights_subject,
 )
-from protocol.tasks import TaskAssignment, episode_id_for
+from leafe.protocol.tasks import TaskAssignment, episode_id_for
 
 __all__ = [
     "CODEC_HEADER",

@@ -1,21 +1,22 @@
 """Wire codec: msgpack bodies with a codec-version header, and the admission of event messages.
 
-Decoders are built once per union. Anything malformed (bad bytes, wrong types, unknown kind, a future
-codec version) raises :class:`ProtocolError` naming what was wrong; no other exception escapes
-``decode_*``.
+Decoders are built once per union. Anything malformed (bad bytes, wrong types, unknown kind, a
+future codec version) raises :class:`ProtocolError` naming what was wrong; no other exception
+escapes ``decode_*``.
 
-:func:`admit_event` is what an event message must pass before a fold sees it, online (the replayer) and
-offline (``leafe replay``) alike, so both decide the same: at most ``Admission.max_event_bytes`` on the
-wire, a ``Leafe-Codec`` header (``require_codec_header``; off only to read logs written before it), a
-decodable body, a subject ``leafe.<run>.events.<kind>.<actor>`` whose run, kind and actor are the event's,
-and the event id ``<episode_id>.<seq:06d>`` (``EpisodeStarted`` at seq 0).
+:func:`admit_event` is what an event message must pass before a fold sees it, online (the replayer)
+and offline (``leafe replay``) alike, so both decide the same: at most ``Admission.max_event_bytes``
+on the wire, a ``Leafe-Codec`` header (``require_codec_header``; off only to read logs written
+before it), a decodable body, a subject ``leafe.<run>.events.<kind>.<actor>`` whose run, kind and
+actor are the event's, and the event id ``<episode_id>.<seq:06d>`` (``EpisodeStarted`` at seq 0).
 
-The actor token is the publisher's identity (NATS pins each actor's credentials to its own token), so an
-admitted event's ``actor_id`` is always that identity, and the per-actor open-episode caps that key on it
-cannot be dodged by writing other ids in payloads: a payload ``actor_id`` other than the token is refused
-(``forged_actor``). An event on a legacy subject without the token (a log written before it) is admitted
-with its ``actor_id`` replaced by :data:`~protocol.subjects.LEGACY_ACTOR`: its payload names no identity
-anyone vouched for, so all such events share one identity and one cap.
+The actor token is the publisher's identity (NATS pins each actor's credentials to its own token),
+so an admitted event's ``actor_id`` is always that identity, and the per-actor open-episode caps
+that key on it cannot be dodged by writing other ids in payloads: a payload ``actor_id`` other than
+the token is refused (``forged_actor``). An event on a legacy subject without the token (a log
+written before it) is admitted with its ``actor_id`` replaced by
+:data:`~leafe.protocol.subjects.LEGACY_ACTOR`: its payload names no identity anyone vouched for, so
+all such events share one identity and one cap.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from protocol.events import EpisodeEvent, EpisodeStarted, WeightsPublished, event_id_for
-from protocol.samples import Sample
-from protocol.subjects import EVENTS, LEGACY_ACTOR, event_subject_parts
-from protocol.tasks import TaskAssignment
+from leafe.protocol.events import EpisodeEvent, EpisodeStarted, WeightsPublished, event_id_for
+from leafe.protocol.samples import Sample
+from leafe.protocol.subjects import EVENTS, LEGACY_ACTOR, event_subject_parts
+from leafe.protocol.tasks import TaskAssignment
 
 __all__ = [
     "CODEC_HEADER",
@@ -57,8 +58,9 @@ T = TypeVar("T")
 
 
 class ProtocolError(ValueError):
-    """A message that cannot be decoded into the expected type; ``reason`` says why, ``category`` says
-    which kind of refusal it is (one of :data:`REFUSALS`: a small fixed set, fit for a metric label)."""
+    """A message that cannot be decoded into the expected type; ``reason`` says why, ``category``
+    says which kind of refusal it is (one of :data:`REFUSALS`: a small fixed set, fit for a metric
+    label)."""
 
     def __init__(self, what: str, reason: str, category: str = "undecodable") -> None:
         super().__init__(f"cannot decode {what}: {reason}")
@@ -76,9 +78,9 @@ REFUSALS = (
     "forged_id",
     "forged_actor",
 )
-"""Categories of :class:`ProtocolError`: not decodable; over the size limit; no ``Leafe-Codec`` header;
-published on another kind's subject; on another run's subject; an event id that is not its own; an
-``actor_id`` that is not its subject's actor token."""
+"""Categories of :class:`ProtocolError`: not decodable; over the size limit; no ``Leafe-Codec``
+header; published on another kind's subject; on another run's subject; an event id that is not its
+own; an ``actor_id`` that is not its subject's actor token."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -116,7 +118,9 @@ def message_bytes(data: bytes, headers: Mapping[str, str] | None) -> int:
     return block + len(data)
 
 
-def _decode(decoder: msgspec.msgpack.Decoder[Any], data: Any, what: str, codec_version: str | None) -> Any:
+def _decode(
+    decoder: msgspec.msgpack.Decoder[Any], data: Any, what: str, codec_version: str | None
+) -> Any:
     if codec_version is not None and codec_version not in _KNOWN_VERSIONS:
         raise ProtocolError(
             what, f"unknown codec version {codec_version!r} (known: {sorted(_KNOWN_VERSIONS)})"
@@ -142,9 +146,11 @@ class Admission(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """What :func:`admit_event` requires of an event message."""
 
     max_event_bytes: int = EVENTS.max_msg_bytes
-    """Largest event message (header block + body, bytes); the ``Publisher`` refuses larger ones too."""
+    """Largest event message (header block + body, bytes); the ``Publisher`` refuses larger ones
+    too."""
     require_codec_header: bool = True
-    """Refuse messages without ``Leafe-Codec``; ``False`` only to read logs written before the header."""
+    """Refuse messages without ``Leafe-Codec``; ``False`` only to read logs written before the
+    header."""
 
 
 def _short(value: str) -> str:
@@ -165,7 +171,9 @@ def admit_event(
         )
     version = (headers or {}).get(CODEC_HEADER)
     if version is None and admission.require_codec_header:
-        raise ProtocolError(what, f"no {CODEC_HEADER} header (require_codec_header is on)", "no_codec_header")
+        raise ProtocolError(
+            what, f"no {CODEC_HEADER} header (require_codec_header is on)", "no_codec_header"
+        )
     event = decode_event(data, version)
     try:
         run, kind, actor = event_subject_parts(subject)
@@ -178,7 +186,9 @@ def admit_event(
         )
     if run != event.run_id:
         raise ProtocolError(
-            what, f"run_id {_short(event.run_id)} published on run {_short(run)}'s subject", "wrong_run"
+            what,
+            f"run_id {_short(event.run_id)} published on run {_short(run)}'s subject",
+            "wrong_run",
         )
     if actor == LEGACY_ACTOR and subject.count(".") == 3:
         event = msgspec.structs.replace(event, actor_id=LEGACY_ACTOR)
@@ -189,10 +199,16 @@ def admit_event(
             "forged_actor",
         )
     expected = event_id_for(event.episode_id, event.seq)
-    if event.event_id != expected or event.seq < 0 or (isinstance(event, EpisodeStarted) and event.seq != 0):
+    if (
+        event.event_id != expected
+        or event.seq < 0
+        or (isinstance(event, EpisodeStarted) and event.seq != 0)
+    ):
         got = _short(event.event_id)
         raise ProtocolError(
-            what, f"event id {got} is not <episode_id>.<seq> ({_short(expected)}; starts at 0)", "forged_id"
+            what,
+            f"event id {got} is not <episode_id>.<seq> ({_short(expected)}; starts at 0)",
+            "forged_id",
         )
     return event
 

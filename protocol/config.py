@@ -1,11 +1,13 @@
-"""How typed configuration is merged, decoded and fingerprinted: the rules every config in LEAFE obeys.
+"""How typed configuration is merged, decoded and fingerprinted: the rules every config in LEAFE
+obeys.
 
-A config is a frozen msgspec Struct with ``forbid_unknown_fields=True`` (``actors.config``,
-``learner.config``, the services' own). Layers are plain tables merged in order (a preset, then each
-TOML file, then command-line overrides), and the result is decoded once into the Struct, so an unknown
-field or a bad value is an error naming the field before anything starts. ``services/config.py`` reads
-the TOML files and is the one loader the verbs use; this module holds the pure parts every layer
-shares (it is in ``protocol/`` because the digest is stamped into events: ``EpisodeStarted.config_digest``).
+A config is a frozen msgspec Struct with ``forbid_unknown_fields=True`` (``leafe.actors.config``,
+``leafe.learner.config``, the services' own). Layers are plain tables merged in order (a preset,
+then each TOML file, then command-line overrides), and the result is decoded once into the Struct,
+so an unknown field or a bad value is an error naming the field before anything starts.
+``services/config.py`` reads the TOML files and is the one loader the verbs use; this module holds
+the pure parts every layer shares (it is in ``protocol/`` because the digest is stamped into events:
+``EpisodeStarted.config_digest``).
 """
 
 from __future__ import annotations
@@ -16,13 +18,21 @@ from typing import Any, TypeVar
 
 import msgspec
 
-__all__ = ["ConfigError", "config_digest", "convert_config", "dotted", "dump_config", "merge_tables"]
+__all__ = [
+    "ConfigError",
+    "config_digest",
+    "convert_config",
+    "dotted",
+    "dump_config",
+    "merge_tables",
+]
 
 T = TypeVar("T")
 
 
 class ConfigError(ValueError):
-    """A configuration file or value that cannot be used; the message names the field and the value."""
+    """A configuration file or value that cannot be used; the message names the field and the
+    value."""
 
 
 def merge_tables(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -37,8 +47,8 @@ def merge_tables(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[s
 
 
 def dotted(overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"trainer.optim.lr": 1e-5}`` -> ``{"trainer": {"optim": {"lr": 1e-5}}}``; ``None`` values are
-    left out (a flag that was not given)."""
+    """``{"trainer.optim.lr": 1e-5}`` -> ``{"trainer": {"optim": {"lr": 1e-5}}}``; ``None`` values
+    are left out (a flag that was not given)."""
     out: dict[str, Any] = {}
     for key, value in overrides.items():
         if value is None:
@@ -48,7 +58,9 @@ def dotted(overrides: Mapping[str, Any]) -> dict[str, Any]:
         for part in parts[:-1]:
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"override {key!r} conflicts with a value already set for {part!r}")
+                raise ConfigError(
+                    f"override {key!r} conflicts with a value already set for {part!r}"
+                )
             node = child
         node[parts[-1]] = value
     return out

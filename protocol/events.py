@@ -4,30 +4,32 @@ Every event is a frozen, kw_only msgspec Struct tagged by ``kind``. Episode even
 :class:`EpisodeEventBase`; ``WeightsPublished`` lives on its own stream. Rules that keep old logs
 readable: fields are only ever *added*, and always with a default.
 
-Where each event is produced and consumed:
+Where each event is produced and consumed (``explorer``, ``rollout`` and ``demo`` are in
+``actors/``):
 
-| event            | produced by                    | consumed by                               |
-|------------------|--------------------------------|-------------------------------------------|
-| EpisodeStarted   | actors/explorer, actors/rollout, actors/demo | learner/materializers, leafe log inspect |
-| Step             | actors/explorer, actors/rollout, actors/demo | learner/materializers (history + targets) |
-| Reflection       | actors/explorer, actors/demo   | learner/materializers (Branch provenance, sr) |
-| Rollback         | actors/explorer, actors/demo   | reports (replay cost)                     |
-| Branch           | actors/explorer, actors/demo   | learner/materializers (counterfactuals, iwm, sr) |
-| Outcome          | actors/explorer, actors/rollout, actors/demo | learner/materializers (emit samples) |
-| EpisodeFinished  | actors/explorer, actors/rollout, actors/demo | learner/materializers (close the episode) |
-| WeightsPublished | services/learner_service       | services/weight_sync_service, actor_service|
+| event            | produced by              | consumed by                                      |
+|------------------|--------------------------|--------------------------------------------------|
+| EpisodeStarted   | explorer, rollout, demo  | learner/materializers, leafe log inspect         |
+| Step             | explorer, rollout, demo  | learner/materializers (history + targets)        |
+| Reflection       | explorer, demo           | learner/materializers (Branch provenance, sr)    |
+| Rollback         | explorer, demo           | reports (replay cost)                            |
+| Branch           | explorer, demo           | learner/materializers (counterfactuals, iwm, sr) |
+| Outcome          | explorer, rollout, demo  | learner/materializers (emit samples)             |
+| EpisodeFinished  | explorer, rollout, demo  | learner/materializers (close the episode)        |
+| WeightsPublished | services/learner_service | services/weight_sync_service, actor_service      |
 
 Branch geometry: the root branch is ``"b0"``. A branch ``b`` with parent ``p`` and rollback point
-``tau`` shares ``p``'s steps ``0..tau-1``; its own steps start at ``t = tau``. ``h_t`` of any branch is
-rebuilt from the log alone (see ``protocol.prompt``).
+``tau`` shares ``p``'s steps ``0..tau-1``; its own steps start at ``t = tau``. ``h_t`` of any branch
+is rebuilt from the log alone (see ``leafe.protocol.prompt``).
 
-Demonstration episodes (mode ``demo``, ``actors/demo.py``): the root branch ``b0`` is the expert's path,
-its Steps carry ``policy_version = "expert"`` (:data:`EXPERT_VERSION`). The Early Experience baseline adds,
-after expert step ``t``, one-step branches off it: ``Reflection(b0, at_t=t+1, tau=t, trigger="alternative")``
-(the self-reflection text when one was asked for, else empty with ``source="none"``), ``Rollback(b0,
-tau=t)``, ``Branch(b_n, parent b0, tau=t, depth 1, experience "")``, one ``Step(b_n, t)`` with the policy's
-alternative action and the observation it led to, and its ``Outcome`` (``budget`` unless it solved or
-ended the task); after a state's alternatives, ``Rollback(b0, tau=t+1)`` puts the env back on the path.
+Demonstration episodes (mode ``demo``, ``actors/demo.py``): the root branch ``b0`` is the expert's
+path, its Steps carry ``policy_version = "expert"`` (:data:`EXPERT_VERSION`). The Early Experience
+baseline adds, after expert step ``t``, one-step branches off it: ``Reflection(b0, at_t=t+1, tau=t,
+trigger="alternative")`` (the self-reflection text when one was asked for, else empty with
+``source="none"``), ``Rollback(b0, tau=t)``, ``Branch(b_n, parent b0, tau=t, depth 1, experience
+"")``, one ``Step(b_n, t)`` with the policy's alternative action and the observation it led to, and
+its ``Outcome`` (``budget`` unless it solved or ended the task); after a state's alternatives,
+``Rollback(b0, tau=t+1)`` puts the env back on the path.
 """
 
 from __future__ import annotations
@@ -61,16 +63,17 @@ ROOT_BRANCH = "b0"
 """Id of the first branch of every episode."""
 
 Mode = Literal["explore", "rollout", "eval", "demo"]
-"""How an episode was played: ``explore`` the LEAFE tree; ``rollout`` one plain sample (GRPO/RFT); ``eval`` one
-plain sample for Pass@k (never trained on); ``demo`` an expert demonstration of a train task (the
-environment's solver, walkthrough, gold path or canonical solution), its steps written as the policy
-would answer them, optionally with the policy's alternative actions off the expert path (Early
-Experience)."""
+"""How an episode was played: ``explore`` the LEAFE tree; ``rollout`` one plain sample (GRPO/RFT);
+``eval`` one plain sample for Pass@k (never trained on); ``demo`` an expert demonstration of a train
+task (the environment's solver, walkthrough, gold path or canonical solution), its steps written as
+the policy would answer them, optionally with the policy's alternative actions off the expert path
+(Early Experience)."""
 ReflectionTrigger = Literal["periodic", "failure", "horizon", "alternative"]
-"""Why a reflection happened; ``alternative``: an Early Experience branch point on a demonstration."""
+"""Why a reflection happened; ``alternative``: an Early Experience branch point on a
+demonstration."""
 ReflectionSource = Literal["model", "oracle", "none"]
-"""Who wrote tau and e: the policy (``model``), the environment's oracle (``oracle``, an ablation), or
-nobody (``none``: an Early Experience branch point without self-reflection)."""
+"""Who wrote tau and e: the policy (``model``), the environment's oracle (``oracle``, an ablation),
+or nobody (``none``: an Early Experience branch point without self-reflection)."""
 
 EXPERT_VERSION = "expert"
 """``policy_version`` of the events of a demonstration's expert steps (no weights produced them)."""
@@ -79,7 +82,8 @@ OutcomeReason = Literal["success", "env_done", "horizon", "budget", "error"]
 
 
 def event_id_for(episode_id: str, seq: int) -> str:
-    """Deterministic event id: a retried publish of the same event carries the same id (NATS dedupe)."""
+    """Deterministic event id: a retried publish of the same event carries the same id (NATS
+    dedupe)."""
     return f"{episode_id}.{seq:06d}"
 
 
@@ -91,7 +95,8 @@ class EpisodeEventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="kin
     run_id: str
     """Run this event belongs to (also the second token of the subject)."""
     episode_id: str
-    """Episode id, unique per (task assignment, delivery attempt): a redelivered task gets a new one."""
+    """Episode id, unique per (task assignment, delivery attempt): a redelivered task gets a new
+    one."""
     actor_id: str
     """Actor process that produced the event."""
     seq: int
@@ -125,11 +130,12 @@ class EpisodeStarted(EpisodeEventBase, frozen=True, kw_only=True, tag="episode_s
     instructions: str
     """System prompt (action format, rules) the agent was given; part of every prompt."""
     prompt_format: str = "leafe-chat-v1"
-    """Version of ``protocol.prompt`` used to render prompts for this episode."""
+    """Version of ``leafe.protocol.prompt`` used to render prompts for this episode."""
     history_window: int = 0
     """How many past (action, observation) pairs are shown in a prompt; 0 = all."""
     response_prefix: str = ""
-    """Text prefilled at the start of every action answer (its tokens end the prompt; e.g. ``<action>``)."""
+    """Text prefilled at the start of every action answer (its tokens end the prompt; e.g.
+    ``<action>``)."""
     group_id: str | None = None
     """Groups plain rollouts of one task for GRPO; ``None`` outside a group."""
     group_size: int = 1
@@ -172,10 +178,11 @@ class Step(EpisodeEventBase, frozen=True, kw_only=True, tag="step"):
     prompt_tokens: int = 0
     """Length of the prompt in tokens."""
     prompt_sha256: str = ""
-    """sha256 of the prompt token ids sent to the engine (lets replay verify it rebuilt the prompt)."""
+    """sha256 of the prompt token ids sent to the engine (lets replay verify it rebuilt the
+    prompt)."""
     cached_tokens: int | None = None
-    """Prompt tokens the engine served from its prefix cache (``meta_info.cached_tokens``); ``None`` where no
-    engine answered (demonstrations) and in logs older than the field."""
+    """Prompt tokens the engine served from its prefix cache (``meta_info.cached_tokens``); ``None``
+    where no engine answered (demonstrations) and in logs older than the field."""
     finish_reason: str = ""
     """Engine finish reason: ``stop``, ``length`` or ``abort``."""
 
@@ -202,24 +209,27 @@ class Reflection(EpisodeEventBase, frozen=True, kw_only=True, tag="reflection"):
     flags: list[str] = msgspec.field(default_factory=list)
     """Parse notes: ``tau_missing``, ``tau_clamped``, ``experience_missing``..."""
     source: ReflectionSource = "model"
-    """Who wrote tau and e (``oracle`` marks the oracle-reflection ablation; see :data:`ReflectionSource`)."""
+    """Who wrote tau and e (``oracle`` marks the oracle-reflection ablation; see
+    :data:`ReflectionSource`)."""
     oracle_tau: int | None = None
-    """The oracle's tau for the same history (``ExplorerConfig.oracle_labels``: a label beside a model
-    reflection, clamped like ``tau``); ``None`` when the oracle was not asked. The branch follows ``tau``."""
+    """The oracle's tau for the same history (``ExplorerConfig.oracle_labels``: a label beside a
+    model reflection, clamped like ``tau``); ``None`` when the oracle was not asked. The branch
+    follows ``tau``."""
     oracle_experience: str = ""
     """The oracle's e for the same history (empty: not asked, or the oracle found no mistake)."""
     oracle_action: str = ""
-    """The action the oracle's verdict names as the fix (its e's "do X instead"), whether the verdict is this
-    reflection (``source = "oracle"``) or a label beside it; empty when the oracle was not asked, found no
-    mistake or names no action. The ``follow`` materializer's target."""
+    """The action the oracle's verdict names as the fix (its e's "do X instead"), whether the
+    verdict is this reflection (``source = "oracle"``) or a label beside it; empty when the oracle
+    was not asked, found no mistake or names no action. The ``follow`` materializer's target."""
     prompt_sha256: str = ""
-    """sha256 of the reflection prompt's token ids sent to the engine (``protocol.prompt.prompt_sha256``;
-    empty when no prompt was sent: oracle reflections, older logs)."""
+    """sha256 of the reflection prompt's token ids sent to the engine
+    (``leafe.protocol.prompt.prompt_sha256``; empty when no prompt was sent: oracle reflections,
+    older logs)."""
     prompt_tokens: int = 0
     """Length of the reflection prompt in tokens (0 when no prompt was sent, and in older logs)."""
     cached_tokens: int | None = None
-    """Prompt tokens of the reflection the engine served from its prefix cache (``None``: no prompt was sent,
-    or a log older than the field)."""
+    """Prompt tokens of the reflection the engine served from its prefix cache (``None``: no prompt
+    was sent, or a log older than the field)."""
 
 
 class Rollback(EpisodeEventBase, frozen=True, kw_only=True, tag="rollback"):
@@ -270,7 +280,8 @@ class Outcome(EpisodeEventBase, frozen=True, kw_only=True, tag="outcome"):
 
 
 class EpisodeFinished(EpisodeEventBase, frozen=True, kw_only=True, tag="episode_finished"):
-    """The episode is complete: every branch has its Outcome. Its absence marks an abandoned episode."""
+    """The episode is complete: every branch has its Outcome. Its absence marks an abandoned
+    episode."""
 
     success: bool
     """Any branch succeeded."""
@@ -290,7 +301,9 @@ EpisodeEvent = EpisodeStarted | Step | Reflection | Rollback | Branch | Outcome 
 """Everything on the events stream."""
 
 
-class WeightsPublished(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="weights_published"):
+class WeightsPublished(
+    msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="weights_published"
+):
     """The learner exported a new weight version (on the ``LEAFE_WEIGHTS`` stream)."""
 
     event_id: str

@@ -1,9 +1,11 @@
-"""Where processes agree to keep shared artefacts, and how they publish a directory there atomically.
+"""Where processes agree to keep shared artefacts, and how they publish a directory there
+atomically.
 
 ``$LEAFE_CACHE`` (default ``~/.cache/leafe``) holds the converted default model, generated TextWorld
-games and ScienceWorld's variation lists. Several processes (actors, the learner, the inference server)
-may create the same entry at once, so each builds it in a temp directory beside the final one and renames
-it into place: a reader sees the whole directory or none. Stdlib only, like the rest of ``protocol/``.
+games and ScienceWorld's variation lists. Several processes (actors, the learner, the inference
+server) may create the same entry at once, so each builds it in a temp directory beside the final
+one and renames it into place: a reader sees the whole directory or none. Stdlib only, like the rest
+of ``protocol/``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ def cache_root() -> Path:
 
 
 def publish_dir(tmp_dir: Path, final_dir: Path) -> bool:
-    """Rename the finished ``tmp_dir`` to ``final_dir``; if another process got there first, drop ours.
+    """Rename the finished ``tmp_dir`` to ``final_dir``; if another process got there first, drop
+    ours.
 
     Returns True when ours was published. Both must be on the same filesystem.
     """

@@ -1,12 +1,13 @@
 """The agent's prompt format, shared by actors (who send it) and materializers (who rebuild it).
 
-A prompt is ``[system: instructions, user: task + recent history + current observation (+ experience)]``;
-the assistant's completion is the action. The same function renders the prompt an actor sent and the
-counterfactual input a materializer builds (the same history, ``experience=None``), so the only difference
-between them is e. An episode may prefill the start of every answer
-(``EpisodeStarted.response_prefix``, e.g. ``<action>``): its tokens end the prompt and the completion
-continues it. Each ``Step`` records ``prompt_sha256`` of the token ids the actor sent, so a replay
-can prove it rebuilt exactly that prompt. Changing the rendering needs a new ``PROMPT_FORMAT``.
+A prompt is ``[system: instructions, user: task + recent history + current observation (+
+experience)]``; the assistant's completion is the action. The same function renders the prompt an
+actor sent and the counterfactual input a materializer builds (the same history,
+``experience=None``), so the only difference between them is e. An episode may prefill the start of
+every answer (``EpisodeStarted.response_prefix``, e.g. ``<action>``): its tokens end the prompt and
+the completion continues it. Each ``Step`` records ``prompt_sha256`` of the token ids the actor
+sent, so a replay can prove it rebuilt exactly that prompt. Changing the rendering needs a new
+``PROMPT_FORMAT``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
-from protocol.samples import ChatMessage
+from leafe.protocol.samples import ChatMessage
 
 __all__ = ["PROMPT_FORMAT", "ChatTokenizer", "HistoryEntry", "prompt_sha256", "render_messages"]
 
@@ -59,7 +60,8 @@ def render_messages(
     experience: str | None = None,
     history_window: int = 0,
 ) -> list[ChatMessage]:
-    """Messages for the next action given the task, the history h_t and (inside a branch) experience e.
+    """Messages for the next action given the task, the history h_t and (inside a branch) experience
+    e.
 
     ``history`` is every step before the current one; only the last ``history_window`` are shown
     (0 = all), numbered by their true step index so tau stays meaningful to the reflecting policy.
@@ -68,7 +70,9 @@ def render_messages(
     lines = [f"Task: {task.strip()}"]
     if history:
         lines.append("")
-        lines.append("Previous steps:" if start == 0 else f"Previous steps (last {len(history) - start}):")
+        lines.append(
+            "Previous steps:" if start == 0 else f"Previous steps (last {len(history) - start}):"
+        )
         for t in range(start, len(history)):
             entry = history[t]
             lines.append(f"{t}. {_action_repr(entry)} -> {_summary(entry)}")
@@ -95,11 +99,13 @@ def prompt_sha256(token_ids: Sequence[int]) -> str:
 
 
 class ChatTokenizer(Protocol):
-    """How prompts become token ids: the chat template of the served model (``learner.model_io``)."""
+    """How prompts become token ids: the chat template of the served model
+    (``leafe.learner.model_io``)."""
 
     def encode_chat(self, messages: Sequence[ChatMessage], response_prefix: str = "") -> list[int]:
-        """Token ids of ``messages`` with the chat template and the generation prompt applied, then the
-        tokens of ``response_prefix`` (the start of the assistant's answer, prefilled; no special tokens)."""
+        """Token ids of ``messages`` with the chat template and the generation prompt applied, then
+        the tokens of ``response_prefix`` (the start of the assistant's answer, prefilled; no
+        special tokens)."""
         ...
 
     def decode(self, token_ids: Sequence[int]) -> str:

@@ -1,8 +1,9 @@
 """Training samples: what materializers (``learner/materializers``) fold out of the event log.
 
-Published on ``LEAFE_SAMPLES`` by ``leafe replayer`` and written as JSONL shards by ``leafe replay``;
-consumed by the learner. A sample is chat-formatted (``messages`` + the index of the trained assistant
-turn) and carries the exact token ids, so TRL/``datasets`` users can load the shards directly.
+Published on ``LEAFE_SAMPLES`` by ``leafe replayer`` and written as JSONL shards by ``leafe
+replay``; consumed by the learner. A sample is chat-formatted (``messages`` + the index of the
+trained assistant turn) and carries the exact token ids, so TRL/``datasets`` users can load the
+shards directly.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import msgspec
 __all__ = ["ChatMessage", "Sample", "SampleKind"]
 
 SampleKind = Literal["cf", "reh", "rft", "grpo", "sft", "iwm", "sr"]
-"""``cf``/``reh`` LEAFE, ``rft``, ``grpo``; ``sft`` a demonstration step; ``iwm`` implicit world modelling
-(state + alternative action -> its observation); ``sr`` self-reflection (state -> why + expert action)."""
+"""``cf``/``reh`` LEAFE, ``rft``, ``grpo``; ``sft`` a demonstration step; ``iwm`` implicit world
+modelling (state + alternative action -> its observation); ``sr`` self-reflection (state -> why +
+expert action)."""
 
 
 class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
@@ -35,8 +37,9 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind_tag", ta
     run_id: str
     """Run of the source events."""
     kind: SampleKind
-    """``cf`` counterfactual, ``reh`` rehearsal, ``rft`` rejection-sampling SFT, ``grpo`` policy gradient,
-    ``sft``/``iwm``/``sr`` demonstrations and the Early Experience baseline (see :data:`SampleKind`)."""
+    """``cf`` counterfactual, ``reh`` rehearsal, ``rft`` rejection-sampling SFT, ``grpo`` policy
+    gradient, ``sft``/``iwm``/``sr`` demonstrations and the Early Experience baseline (see
+    :data:`SampleKind`)."""
     materializer: str
     """Name and version of the materializer, e.g. ``leafe/1``."""
     env: str

@@ -1,21 +1,21 @@
 """Subjects and stream specifications, as data.
 
-Subjects: ``leafe.<run>.events.<kind>.<actor>``, ``leafe.<run>.tasks``, ``leafe.<run>.samples.<kind>``,
-``leafe.<run>.weights``, ``leafe.<run>.dead.<stream>``. ``services/bus/`` turns :data:`STREAMS` into
-JetStream streams; nothing here talks to NATS.
+Subjects: ``leafe.<run>.events.<kind>.<actor>``, ``leafe.<run>.tasks``,
+``leafe.<run>.samples.<kind>``, ``leafe.<run>.weights``, ``leafe.<run>.dead.<stream>``.
+``services/bus/`` turns :data:`STREAMS` into JetStream streams; nothing here talks to NATS.
 
-An event subject ends in its publisher's actor id: NATS permissions pin each actor's credentials to its
-own token (:func:`actor_events_subjects`), so the token is an identity the publisher cannot forge, where
-the payload's ``actor_id`` is whatever the publisher wrote. Logs written before the token have
-``leafe.<run>.events.<kind>``: :func:`event_subject_parts` reads them as published by
+An event subject ends in its publisher's actor id: NATS permissions pin each actor's credentials to
+its own token (:func:`actor_events_subjects`), so the token is an identity the publisher cannot
+forge, where the payload's ``actor_id`` is whatever the publisher wrote. Logs written before the
+token have ``leafe.<run>.events.<kind>``: :func:`event_subject_parts` reads them as published by
 :data:`LEGACY_ACTOR`, one identity for all of them (an actor may not take that name).
 
 Sizes are decided here, up front: every server runs with ``max_payload`` = :data:`MAX_PAYLOAD` (the
 embedded server, ``deploy/base/nats/nats.conf``), and each stream's :attr:`StreamSpec.max_msg_bytes`
-(headers included, as the server counts them) leaves :data:`DEAD_LETTER_HEADROOM` below it, so that any
-stored message can be dead-lettered with its reason without truncation. Events are far smaller: an event
-over ``EVENTS.max_msg_bytes`` (1 MiB, about a thousand times a real Step) is refused at publish and
-dead-lettered by the replayer.
+(headers included, as the server counts them) leaves :data:`DEAD_LETTER_HEADROOM` below it, so that
+any stored message can be dead-lettered with its reason without truncation. Events are far smaller:
+an event over ``EVENTS.max_msg_bytes`` (1 MiB, about a thousand times a real Step) is refused at
+publish and dead-lettered by the replayer.
 """
 
 from __future__ import annotations
@@ -58,11 +58,14 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 DAY = 24 * 3600.0
 MAX_PAYLOAD = 8 * 1024 * 1024
-"""The servers' ``max_payload`` (bytes, headers included): a larger message closes the connection."""
+"""The servers' ``max_payload`` (bytes, headers included): a larger message closes the
+connection."""
 LEGACY_ACTOR = "legacy"
-"""The publisher identity of an event on a subject without an actor token (written before it existed)."""
+"""The publisher identity of an event on a subject without an actor token (written before it
+existed)."""
 DEAD_LETTER_HEADROOM = 16 * 1024
-"""Bytes kept free under :data:`MAX_PAYLOAD` for the headers a dead letter adds (reason <= 512 chars)."""
+"""Bytes kept free under :data:`MAX_PAYLOAD` for the headers a dead letter adds (reason <= 512
+chars)."""
 
 
 class InvalidRunId(ValueError):
@@ -70,10 +73,12 @@ class InvalidRunId(ValueError):
 
 
 def validate_run_id(run_id: str) -> str:
-    """Return ``run_id`` if it is 1-64 chars of ``[A-Za-z0-9_-]`` starting alphanumeric, else raise."""
+    """Return ``run_id`` if it is 1-64 chars of ``[A-Za-z0-9_-]`` starting alphanumeric, else
+    raise."""
     if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
         raise InvalidRunId(
-            f"invalid run id {run_id!r}: use 1-64 characters from [A-Za-z0-9_-], starting with a letter "
+            f"invalid run id {run_id!r}: use 1-64 characters from [A-Za-z0-9_-], starting with a "
+            "letter "
             "or digit (dots, spaces and wildcards would break NATS subjects)"
         )
     return run_id
@@ -84,17 +89,22 @@ def validate_actor_id(actor_id: str) -> str:
     :data:`LEGACY_ACTOR` (the identity of tokenless legacy events), else raise naming it."""
     if not isinstance(actor_id, str) or not _RUN_ID.fullmatch(actor_id):
         raise InvalidRunId(
-            f"invalid actor id {actor_id!r}: use 1-64 characters from [A-Za-z0-9_-], starting with a letter "
+            f"invalid actor id {actor_id!r}: use 1-64 characters from [A-Za-z0-9_-], starting with "
+            "a letter "
             "or digit (it is the last token of the actor's event subjects)"
         )
     if actor_id == LEGACY_ACTOR:
-        raise InvalidRunId(f"invalid actor id {actor_id!r}: reserved for events of logs without actor tokens")
+        raise InvalidRunId(
+            f"invalid actor id {actor_id!r}: reserved for events of logs without actor tokens"
+        )
     return actor_id
 
 
 def _actor_token(actor_id: str) -> str:
     if not isinstance(actor_id, str) or not _RUN_ID.fullmatch(actor_id):
-        raise InvalidRunId(f"invalid actor token {actor_id!r}: use 1-64 characters from [A-Za-z0-9_-]")
+        raise InvalidRunId(
+            f"invalid actor token {actor_id!r}: use 1-64 characters from [A-Za-z0-9_-]"
+        )
     return actor_id
 
 
@@ -106,7 +116,10 @@ def _token(kind: str, what: str) -> str:
 
 def event_subject(run_id: str, kind: str, actor_id: str) -> str:
     """Subject of an episode event published by ``actor_id``, e.g. ``leafe.r1.events.step.a0``."""
-    return f"leafe.{validate_run_id(run_id)}.events.{_token(kind, 'event kind')}.{_actor_token(actor_id)}"
+    return (
+        f"leafe.{validate_run_id(run_id)}.events."
+        f"{_token(kind, 'event kind')}.{_actor_token(actor_id)}"
+    )
 
 
 def actor_events_subjects(run_id: str, actor_id: str) -> str:
@@ -130,13 +143,14 @@ def weights_subject(run_id: str) -> str:
 
 
 def dead_letter_subject(run_id: str, stream: str) -> str:
-    """Subject where undecodable or rejected messages of ``stream`` are parked with a reason header."""
+    """Subject where undecodable or rejected messages of ``stream`` are parked with a reason
+    header."""
     return f"leafe.{validate_run_id(run_id)}.dead.{_token(stream.lower(), 'stream')}"
 
 
 def event_subject_parts(subject: str) -> tuple[str, str, str]:
-    """``(run_id, kind, actor)`` of an event subject ``leafe.<run>.events.<kind>.<actor>``, or of a legacy
-    ``leafe.<run>.events.<kind>`` (actor :data:`LEGACY_ACTOR`); ``ValueError`` otherwise."""
+    """``(run_id, kind, actor)`` of an event subject ``leafe.<run>.events.<kind>.<actor>``, or of a
+    legacy ``leafe.<run>.events.<kind>`` (actor :data:`LEGACY_ACTOR`); ``ValueError`` otherwise."""
     parts = subject.split(".")
     if len(parts) not in (4, 5) or parts[0] != "leafe" or parts[2] != "events":
         raise ValueError(f"not an event subject: {subject[:200]!r}")
@@ -157,9 +171,11 @@ def samples_filter(run_id: str) -> str:
     return f"leafe.{validate_run_id(run_id)}.samples.>"
 
 
-# Durable consumer names are per stream, and every run shares the streams: each name carries the run id.
+# Durable consumer names are per stream, and every run shares the streams: each name carries the run
+# id.
 def actors_durable(run_id: str, prefix: str = "actors") -> str:
-    """The actors' shared durable on ``LEAFE_TASKS`` (one per run, so JetStream spreads the queue)."""
+    """The actors' shared durable on ``LEAFE_TASKS`` (one per run, so JetStream spreads the
+    queue)."""
     return f"{_token(prefix, 'durable prefix')}-{validate_run_id(run_id)}"
 
 
@@ -169,7 +185,8 @@ def replayer_durable(run_id: str, materializer: str) -> str:
 
 
 def learner_durable(run_id: str, name: str = "") -> str:
-    """The learner's durable on ``LEAFE_SAMPLES``: ``name`` when configured, else ``learner-<run>``."""
+    """The learner's durable on ``LEAFE_SAMPLES``: ``name`` when configured, else
+    ``learner-<run>``."""
     return _token(name, "durable name") if name else f"learner-{validate_run_id(run_id)}"
 
 
@@ -191,7 +208,8 @@ class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
     replicas: int = 1
     """Replication factor (3 on the clustered deployment)."""
     max_msg_bytes: int = MAX_PAYLOAD - DEAD_LETTER_HEADROOM
-    """Largest message (header block + body, bytes) publishers may store; ``Publisher`` refuses more."""
+    """Largest message (header block + body, bytes) publishers may store; ``Publisher`` refuses
+    more."""
 
 
 EVENTS = StreamSpec(name="LEAFE_EVENTS", subjects=["leafe.*.events.>"], max_msg_bytes=1024 * 1024)

@@ -1,15 +1,15 @@
 """Task assignments: the messages on the ``LEAFE_TASKS`` work queue.
 
-Produced by ``leafe run`` / ``leafe tasks submit`` (services), consumed by ``leafe actor``. An actor acks an
-assignment only after the episode's ``EpisodeFinished`` is durably in the log; a crashed actor's
-assignment is redelivered and served as a new episode (``attempt`` + 1).
+Produced by ``leafe run`` / ``leafe tasks submit`` (services), consumed by ``leafe actor``. An actor
+acks an assignment only after the episode's ``EpisodeFinished`` is durably in the log; a crashed
+actor's assignment is redelivered and served as a new episode (``attempt`` + 1).
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from protocol.events import Mode
+from leafe.protocol.events import Mode
 
 __all__ = ["TaskAssignment", "episode_id_for", "task_slug"]
 
@@ -18,7 +18,8 @@ class TaskAssignment(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"
     """One episode to run."""
 
     task_key: str
-    """Unique, deterministic id of this assignment (``Nats-Msg-Id``), e.g. ``sokoban-train-00017-x0``."""
+    """Unique, deterministic id of this assignment (``Nats-Msg-Id``), e.g.
+    ``sokoban-train-00017-x0``."""
     run_id: str
     """Run the episode belongs to."""
     env: str
@@ -46,5 +47,6 @@ def episode_id_for(task_key: str, attempt: int) -> str:
 
 
 def task_slug(task_id: str) -> str:
-    """A task id (or a label) as a subject/key-safe token: ``sokoban/train/3`` -> ``sokoban-train-3``."""
+    """A task id (or a label) as a subject/key-safe token: ``sokoban/train/3`` ->
+    ``sokoban-train-3``."""
     return "".join(c if c.isalnum() or c in "-_" else "-" for c in task_id)

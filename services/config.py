@@ -1,16 +1,18 @@
-"""The one configuration loader: a preset, then TOML files, then command-line overrides, into one Struct.
+"""The one configuration loader: a preset, then TOML files, then command-line overrides, into one
+Struct.
 
-Every verb's settings are a msgspec Struct defined next to what they configure (``actors.config``,
-``learner.config``, ``services.replayer.config.ReplayerConfig``, ``services.run.presets.RunConfig`` ...), and
-every verb builds it the same way::
+Every verb's settings are a msgspec Struct defined next to what they configure
+(``leafe.actors.config``, ``leafe.learner.config``,
+``leafe.services.replayer.config.ReplayerConfig``, ``leafe.services.run.presets.RunConfig`` ...),
+and every verb builds it the same way::
 
     cfg = load_config(LearnerConfig, preset=learner_preset("cpu"), files=[args.config],
                       overrides={"kinds": args.kinds, "trainer.optim.lr": args.lr})
 
-Layers merge table by table (``protocol.config.merge_tables``); overrides use dotted keys and a ``None``
-value means "flag not given". Unknown fields and bad values are a :class:`ConfigError` that names the
-field and the file, raised before anything starts. Environment variables only carry URLs and the paths
-of secret files (``services/bus/connection.py``), never behaviour.
+Layers merge table by table (``leafe.protocol.config.merge_tables``); overrides use dotted keys and
+a ``None`` value means "flag not given". Unknown fields and bad values are a :class:`ConfigError`
+that names the field and the file, raised before anything starts. Environment variables only carry
+URLs and the paths of secret files (``services/bus/connection.py``), never behaviour.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from protocol.config import ConfigError, config_digest, convert_config, dotted, dump_config, merge_tables
+from leafe.protocol.config import (
+    ConfigError,
+    config_digest,
+    convert_config,
+    dotted,
+    dump_config,
+    merge_tables,
+)
 
 __all__ = [
     "ConfigError",
@@ -37,7 +46,8 @@ T = TypeVar("T")
 
 
 def read_toml(path: Path | str) -> dict[str, Any]:
-    """The table in a TOML file; a missing file or bad TOML is a :class:`ConfigError` naming the file."""
+    """The table in a TOML file; a missing file or bad TOML is a :class:`ConfigError` naming the
+    file."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -54,8 +64,9 @@ def load_config(
     files: Sequence[Path | str | None] = (),
     overrides: Mapping[str, Any] | None = None,
 ) -> T:
-    """``preset`` (a ``type_`` instance or a table; ``None`` = the type's defaults), then each TOML file
-    in order (``None`` entries are skipped), then dotted ``overrides``, decoded into ``type_``."""
+    """``preset`` (a ``type_`` instance or a table; ``None`` = the type's defaults), then each TOML
+    file in order (``None`` entries are skipped), then dotted ``overrides``, decoded into
+    ``type_``."""
     data: dict[str, Any] = {}
     if preset is not None:
         data = dict(preset) if isinstance(preset, Mapping) else dump_config(preset)

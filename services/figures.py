@@ -1,7 +1,7 @@
 """Run reports: the Pass@k table (markdown), Pass@k curves and one exploration tree (PNG).
 
 Pure functions of results and events; matplotlib runs headless (Agg). Used by ``leafe run``,
-``leafe eval`` and ``bench/paper_table.py``.
+``leafe eval`` and ``experiments/paper_table.py``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from protocol.events import Branch, EpisodeEvent, EpisodeStarted, Outcome, Step
+from leafe.protocol.events import Branch, EpisodeEvent, EpisodeStarted, Outcome, Step
 
 __all__ = ["lag_histogram", "passk_markdown", "plot_curve", "plot_passk", "plot_tree"]
 
@@ -76,19 +76,27 @@ def _finish(fig: Any, ax: Any, out: Path, *, xlabel: str, ylabel: str, title: st
     return out
 
 
-def plot_curve(points: Sequence[Mapping[str, Any]], out: Path, *, title: str = "Learning curve") -> Path:
+def plot_curve(
+    points: Sequence[Mapping[str, Any]], out: Path, *, title: str = "Learning curve"
+) -> Path:
     """Pass@k and unparseable answers on the validation slice against the learner step."""
     steps = [int(p["learner_step"]) for p in points]
-    rows: list[dict[int, float]] = [{int(k): float(v) for k, v in p["passk"].items()} for p in points]
+    rows: list[dict[int, float]] = [
+        {int(k): float(v) for k, v in p["passk"].items()} for p in points
+    ]
     fig, ax = _axes()
     for k in sorted({k for row in rows for k in row}):
         ax.plot(steps, [100 * row.get(k, 0.0) for row in rows], marker="o", label=f"Pass@{k}")
     unparseable = [100 * float(p["parse_failure_rate"]) for p in points]
     ax.plot(steps, unparseable, "k--", marker="x", label="unparseable")
-    return _finish(fig, ax, out, xlabel="learner step", ylabel="% on the validation slice", title=title)
+    return _finish(
+        fig, ax, out, xlabel="learner step", ylabel="% on the validation slice", title=title
+    )
 
 
-def plot_passk(table: Mapping[str, Mapping[int, float]], out: Path, *, title: str = "Pass@k") -> Path:
+def plot_passk(
+    table: Mapping[str, Mapping[int, float]], out: Path, *, title: str = "Pass@k"
+) -> Path:
     """Pass@k curves (log2 k on x), one line per model/method."""
     fig, ax = _axes()
     for name, row in table.items():
@@ -99,8 +107,9 @@ def plot_passk(table: Mapping[str, Mapping[int, float]], out: Path, *, title: st
 
 
 def plot_tree(events: Sequence[EpisodeEvent], out: Path) -> Path:
-    """One episode's exploration tree: a lane per branch, steps as dots, rollbacks as vertical links from
-    the parent's step tau, green/red by outcome, the experience e printed beside each branch."""
+    """One episode's exploration tree: a lane per branch, steps as dots, rollbacks as vertical links
+    from the parent's step tau, green/red by outcome, the experience e printed beside each
+    branch."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -125,7 +134,9 @@ def plot_tree(events: Sequence[EpisodeEvent], out: Path) -> Path:
         ts = [s.t for s in steps.get(b, [])]
         br = branches[b]
         if br is not None:
-            ax.plot([br.tau - 0.5, br.tau - 0.5], [lane[br.parent_branch_id], y], color="tab:blue", lw=1)
+            ax.plot(
+                [br.tau - 0.5, br.tau - 0.5], [lane[br.parent_branch_id], y], color="tab:blue", lw=1
+            )
             ax.plot([br.tau - 0.5, br.tau], [y, y], color="tab:blue", lw=1)
             label = textwrap.shorten(f"e: {br.experience}", 70)
             ax.annotate(label, (max(ts, default=br.tau) + 0.6, y), fontsize=7, va="center")

@@ -1,7 +1,8 @@
 """structlog configuration, done once by each entry point (never on import).
 
-Services log JSON lines (optionally also to a file in the run directory); the CLI logs readable console
-lines. Bind context with ``structlog.contextvars.bind_contextvars(run_id=..., actor_id=...)``.
+Services log JSON lines (optionally also to a file in the run directory); the CLI logs readable
+console lines. Bind context with ``structlog.contextvars.bind_contextvars(run_id=...,
+actor_id=...)``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ __all__ = ["configure_logging"]
 
 
 class _CurrentStderr:
-    """Writes to whatever ``sys.stderr`` is *now* (pytest and rich swap it), not the one at configure time."""
+    """Writes to whatever ``sys.stderr`` is *now* (pytest and rich swap it), not the one at
+    configure time."""
 
     def write(self, text: str) -> int:
         return sys.stderr.write(text)
@@ -42,7 +44,9 @@ def configure_logging(*, json: bool = True, level: str = "info", file: Path | No
         structlog.processors.format_exc_info,
     ]
     renderer: structlog.types.Processor = (
-        structlog.processors.JSONRenderer() if json or file is not None else structlog.dev.ConsoleRenderer()
+        structlog.processors.JSONRenderer()
+        if json or file is not None
+        else structlog.dev.ConsoleRenderer()
     )
     structlog.configure(
         processors=[*processors, renderer],

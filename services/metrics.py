@@ -1,4 +1,5 @@
-"""Every Prometheus metric of the leafe services, defined in one place, and how a service serves them.
+"""Every Prometheus metric of the leafe services, defined in one place, and how a service serves
+them.
 
 Each long-running service owns one ``*Metrics`` object with its own ``CollectorRegistry`` (never the
 process-global default, so in-process tests and services never collide) and serves it on
@@ -6,18 +7,21 @@ process-global default, so in-process tests and services never collide) and serv
 
 - actor ``leafe_actor_*``: episodes by mode and outcome, steps, unparseable actions, reflections,
   rollbacks, branches, engine latency, episodes in flight;
-- replayer ``leafe_replayer_*``: events, samples by kind, dead letters by reason, open episodes, lag;
-- learner ``leafe_learner_*``: steps, loss by term, tokens/s, dropped samples, policy lag, checkpoint
-  and push durations, the step and the samples sequence reached;
-- weight-sync ``leafe_weight_sync_*``: served version per engine, update durations, failures per engine;
-- inference ``leafe_inference_*``: queue depth, decode batch size, prefill/decode/prefix-cache-hit tokens;
+- replayer ``leafe_replayer_*``: events, samples by kind, dead letters by reason, open episodes,
+  lag;
+- learner ``leafe_learner_*``: steps, loss by term, tokens/s, dropped samples, policy lag,
+  checkpoint and push durations, the step and the samples sequence reached;
+- weight-sync ``leafe_weight_sync_*``: served version per engine, update durations, failures per
+  engine;
+- inference ``leafe_inference_*``: queue depth, decode batch size, prefill/decode/prefix-cache-hit
+  tokens;
 - run ``leafe_run_validation_*``: the learning curve of ``leafe run``'s online evaluator.
 
-deploy/components/monitoring/metrics.txt lists exactly :func:`metric_names` (a test checks it). Label values
-come from small fixed sets (``EPISODE_OUTCOMES``, ``DEAD_LETTER_REASONS``, loss terms, sample kinds,
-engine URLs), never from free text. Under torchrun only ``LOCAL_RANK`` 0 binds the port (one per pod).
-``leafe run``'s own ``leafe_run_*`` (:class:`RunMetrics`) are here too; it reads the services' with
-``services.run.metrics.scrape``.
+deploy/components/monitoring/metrics.txt lists exactly :func:`metric_names` (a test checks it).
+Label values come from small fixed sets (``EPISODE_OUTCOMES``, ``DEAD_LETTER_REASONS``, loss terms,
+sample kinds, engine URLs), never from free text. Under torchrun only ``LOCAL_RANK`` 0 binds the
+port (one per pod). ``leafe run``'s own ``leafe_run_*`` (:class:`RunMetrics`) are here too; it reads
+the services' with ``leafe.services.run.metrics.scrape``.
 """
 
 from __future__ import annotations
@@ -36,13 +40,18 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.utils import floatToGoString
 
-from learner.weight_store import version_index
-from protocol.codec import REFUSALS
-from protocol.events import Branch, EpisodeEvent, Reflection, Rollback, Step
-from services.probes import start_server
+from leafe.learner.weight_store import version_index
+from leafe.protocol.codec import REFUSALS
+from leafe.protocol.events import Branch, EpisodeEvent, Reflection, Rollback, Step
+from leafe.services.probes import start_server
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -66,12 +75,13 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 EPISODE_OUTCOMES = ("success", "failure", "error", "abandoned")
-"""``leafe_actor_episodes_total{outcome}``: finished with a success; finished without one; the attempt
-raised (nak'ed for a retry, or terminated); cancelled by a shutdown (nak'ed for redelivery)."""
+"""``leafe_actor_episodes_total{outcome}``: finished with a success; finished without one; the
+attempt raised (nak'ed for a retry, or terminated); cancelled by a shutdown (nak'ed for
+redelivery)."""
 DEAD_LETTER_REASONS = (*REFUSALS, "rejected", "other")
-"""``leafe_replayer_dead_letters_total{reason}``: the admission refusals of ``protocol.codec.REFUSALS``
-(not decodable, oversized, no codec header, wrong subject, another run's event, a forged id); refused by
-the fold (``ReplayError``); anything else."""
+"""``leafe_replayer_dead_letters_total{reason}``: the admission refusals of
+``leafe.protocol.codec.REFUSALS`` (not decodable, oversized, no codec header, wrong subject, another
+run's event, a forged id); refused by the fold (``ReplayError``); anything else."""
 LOSS_TERMS = {
     "total": "loss",
     "cf": "loss_cf",
@@ -80,7 +90,8 @@ LOSS_TERMS = {
     "grpo": "loss_grpo",
     "kl": "kl",
 }
-"""``leafe_learner_loss{term}`` -> the ``learner.trainer.StepStats`` field it shows (unset when ``None``)."""
+"""``leafe_learner_loss{term}`` -> the ``leafe.learner.trainer.StepStats`` field it shows (unset
+when ``None``)."""
 _SECONDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 """Buckets of every duration histogram: CPU generation and checkpoints take seconds to minutes."""
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -93,7 +104,8 @@ def add_metrics_arguments(p: argparse.ArgumentParser) -> None:
         "--metrics-port",
         type=int,
         default=0,
-        help="serve Prometheus /metrics on this port (0 = off; under torchrun only LOCAL_RANK 0 binds)",
+        help="serve Prometheus /metrics on this port "
+        "(0 = off; under torchrun only LOCAL_RANK 0 binds)",
     )
     p.add_argument("--metrics-host", default="0.0.0.0", help="interface of the metrics endpoint")
 
@@ -113,15 +125,20 @@ class MetricsServer:
         self.thread.join(5.0)
 
 
-def serve_metrics(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> MetricsServer | None:
-    """Serve ``registry`` on ``host:port``; ``None`` when ``port`` is 0 or this is not local rank 0."""
+def serve_metrics(
+    port: int, registry: CollectorRegistry, host: str = "0.0.0.0"
+) -> MetricsServer | None:
+    """Serve ``registry`` on ``host:port``; ``None`` when ``port`` is 0 or this is not local rank
+    0."""
     local_rank = int(os.environ.get("LOCAL_RANK") or 0)
     if port == 0 or local_rank != 0:
         return None
     if not 0 < port < 65536:
         raise ValueError(f"--metrics-port {port}: not a TCP port")
     disable_created_metrics()  # the *_created series double the series count and nothing reads them
-    httpd, thread = start_server(port, host, registry)  # /metrics, and /healthz (services/probes.py)
+    httpd, thread = start_server(
+        port, host, registry
+    )  # /metrics, and /healthz (services/probes.py)
     log.info("metrics.serving", url=f"http://{host}:{port}/metrics")
     return MetricsServer(httpd, thread)
 
@@ -137,13 +154,19 @@ class ActorMetrics:
             ["mode", "outcome"],
             registry=r,
         )
-        self.steps = Counter("leafe_actor_steps_total", "Policy actions published (Step events)", registry=r)
+        self.steps = Counter(
+            "leafe_actor_steps_total", "Policy actions published (Step events)", registry=r
+        )
         self.unparseable = Counter(
-            "leafe_actor_unparseable_total", "Steps whose completion held no valid action", registry=r
+            "leafe_actor_unparseable_total",
+            "Steps whose completion held no valid action",
+            registry=r,
         )
         self.reflections = Counter("leafe_actor_reflections_total", "Reflection events", registry=r)
         self.rollbacks = Counter("leafe_actor_rollbacks_total", "Rollback events", registry=r)
-        self.branches = Counter("leafe_actor_branches_total", "Branch events (root excluded)", registry=r)
+        self.branches = Counter(
+            "leafe_actor_branches_total", "Branch events (root excluded)", registry=r
+        )
         self.engine_latency = Histogram(
             "leafe_actor_engine_latency_seconds",
             "Duration of one generate call",
@@ -178,9 +201,14 @@ class ReplayerMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
-        self.events = Counter("leafe_replayer_events_total", "Events delivered and folded", registry=r)
+        self.events = Counter(
+            "leafe_replayer_events_total", "Events delivered and folded", registry=r
+        )
         self.samples = Counter(
-            "leafe_replayer_samples_total", "Samples published (acknowledged) by kind", ["kind"], registry=r
+            "leafe_replayer_samples_total",
+            "Samples published (acknowledged) by kind",
+            ["kind"],
+            registry=r,
         )
         self.dead_letters = Counter(
             "leafe_replayer_dead_letters_total",
@@ -188,10 +216,13 @@ class ReplayerMetrics:
             ["reason"],
             registry=r,
         )
-        self.open_episodes = Gauge("leafe_replayer_open_episodes", "Episodes the fold holds open", registry=r)
+        self.open_episodes = Gauge(
+            "leafe_replayer_open_episodes", "Episodes the fold holds open", registry=r
+        )
         self.held_anchors = Gauge(
             "leafe_replayer_held_anchors",
-            "Anchors (open episodes' EpisodeStarted) held unacked; all else delivered is acked when idle",
+            "Anchors (open episodes' EpisodeStarted) held unacked; all else delivered is acked "
+            "when idle",
             registry=r,
         )
         self.consumer_lag = Gauge(
@@ -220,15 +251,21 @@ LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 
 
 class LearnerMetrics:
-    """``leafe_learner_*``; ``step`` and ``samples_seq`` are where training stands (a restarted learner
-    resumes them from its checkpoint), ``steps_total`` counts this process's steps."""
+    """``leafe_learner_*``; ``step`` and ``samples_seq`` are where training stands (a restarted
+    learner resumes them from its checkpoint), ``steps_total`` counts this process's steps."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
-        self.steps = Counter("leafe_learner_steps_total", "Optimizer steps taken by this process", registry=r)
-        self.loss = Gauge("leafe_learner_loss", "Loss terms of the latest step", ["term"], registry=r)
+        self.steps = Counter(
+            "leafe_learner_steps_total", "Optimizer steps taken by this process", registry=r
+        )
+        self.loss = Gauge(
+            "leafe_learner_loss", "Loss terms of the latest step", ["term"], registry=r
+        )
         self.tokens_per_second = Gauge(
-            "leafe_learner_tokens_per_second", "Non-pad tokens per second of the latest step", registry=r
+            "leafe_learner_tokens_per_second",
+            "Non-pad tokens per second of the latest step",
+            registry=r,
         )
         self.samples_dropped = Counter(
             "leafe_learner_samples_dropped_total",
@@ -243,13 +280,17 @@ class LearnerMetrics:
         )
         self.sample_lag = Histogram(
             "leafe_learner_sample_policy_lag",
-            "Policy lag (versions behind the learner's latest push) of each trained sample at training "
+            "Policy lag (versions behind the learner's latest push) of each trained sample at "
+            "training "
             "time; samples of unknown versions are not in it, stale ones are counted as dropped",
             buckets=LAG_BUCKETS,
             registry=r,
         )
         self.checkpoint_seconds = Histogram(
-            "leafe_learner_checkpoint_seconds", "Duration of a checkpoint", buckets=_SECONDS, registry=r
+            "leafe_learner_checkpoint_seconds",
+            "Duration of a checkpoint",
+            buckets=_SECONDS,
+            registry=r,
         )
         self.push_seconds = Histogram(
             "leafe_learner_push_seconds",
@@ -261,11 +302,14 @@ class LearnerMetrics:
             "leafe_learner_step", "Optimizer steps so far (checkpointed ones included)", registry=r
         )
         self.samples_seq = Gauge(
-            "leafe_learner_samples_seq", "Every samples-stream sequence <= this was consumed", registry=r
+            "leafe_learner_samples_seq",
+            "Every samples-stream sequence <= this was consumed",
+            registry=r,
         )
 
     def observe_step(self, stats: Any, *, tokens_per_second: float, policy_lag: int) -> None:
-        """One step's ``learner.trainer.StepStats``, its throughput and its largest policy lag."""
+        """One step's ``leafe.learner.trainer.StepStats``, its throughput and its largest policy
+        lag."""
         self.steps.inc()
         for term, field in LOSS_TERMS.items():
             value = getattr(stats, field)
@@ -308,7 +352,10 @@ class WeightSyncMetrics:
             registry=r,
         )
         self.failures = Counter(
-            "leafe_weight_sync_failures_total", "Failed weight updates per engine", ["engine"], registry=r
+            "leafe_weight_sync_failures_total",
+            "Failed weight updates per engine",
+            ["engine"],
+            registry=r,
         )
 
     def served(self, engine: str, version: str) -> None:
@@ -319,8 +366,8 @@ class WeightSyncMetrics:
 
 
 class RunMetrics:
-    """``leafe_run_validation_*``: the learning curve of ``leafe run``'s online evaluator (served by the
-    supervisor; ``services/run/rounds.py`` sets them at every curve point)."""
+    """``leafe_run_validation_*``: the learning curve of ``leafe run``'s online evaluator (served by
+    the supervisor; ``services/run/rounds.py`` sets them at every curve point)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
@@ -338,7 +385,9 @@ class RunMetrics:
         self.learner_step = Gauge(
             "leafe_run_validation_learner_step", "Learner step of the last curve point", registry=r
         )
-        self.points = Counter("leafe_run_validation_points_total", "Curve points measured", registry=r)
+        self.points = Counter(
+            "leafe_run_validation_points_total", "Curve points measured", registry=r
+        )
 
     def point(self, passk: dict[int, float], unparseable: float, learner_step: int) -> None:
         """A new curve point."""
@@ -351,8 +400,9 @@ class RunMetrics:
 
 class InferenceCollector:
     """``leafe_inference_*`` read at scrape time from the engine's own counters: ``state`` returns
-    ``GenerationEngine.describe()`` (what ``/get_server_info`` shows as ``internal_states``), or ``None``
-    before the engine exists. The engine counts decode steps per batch size in ``batch_sizes``."""
+    ``GenerationEngine.describe()`` (what ``/get_server_info`` shows as ``internal_states``), or
+    ``None`` before the engine exists. The engine counts decode steps per batch size in
+    ``batch_sizes``."""
 
     def __init__(self, state: Callable[[], Mapping[str, Any] | None]) -> None:
         self.state = state
@@ -370,13 +420,16 @@ class InferenceCollector:
                 "leafe_inference_decode_tokens", "Tokens generated by decode steps"
             ),
             "cached_tokens": CounterMetricFamily(
-                "leafe_inference_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"
+                "leafe_inference_prefix_cache_hit_tokens",
+                "Prompt tokens served from the prefix cache",
             ),
         }
         if s is not None:
             queue.add_metric([], float(s["waiting"]))
             counts = {int(k): int(v) for k, v in dict(s.get("batch_sizes") or {}).items()}
-            buckets = [(floatToGoString(le), sum(c for n, c in counts.items() if n <= le)) for le in _BATCH]
+            buckets = [
+                (floatToGoString(le), sum(c for n, c in counts.items() if n <= le)) for le in _BATCH
+            ]
             buckets.append(("+Inf", sum(counts.values())))
             sizes.add_metric([], buckets, sum_value=sum(n * c for n, c in counts.items()))
             for key, family in tokens.items():

@@ -1,13 +1,14 @@
 """How many torch threads each process gets: the cores that are free, never ``nproc`` alone.
 
-OpenMP threads that share a core spin against each other (measured here: a learner step with 2 threads
-while another process kept one of 2 cores busy took 100 s, with 1 thread 23 s), so every process sizes its
-pool to the cores it can actually have. :func:`free_cores` counts the cores this process may run on
-(``sched_getaffinity``) minus those other processes keep busy right now (``/proc/stat`` sampled over a short
-window); :func:`plan_threads` splits them between the CPU inference server and the learner of ``leafe
-run``: the engine gets every free core while the learner is idle (the evaluations, a phased run's rounds),
-the learner gets every free core while the engines idle (the warm start's demonstrations need no engine, a
-phased run trains between rounds), and the two share them while both work (continuous rounds, draining).
+OpenMP threads that share a core spin against each other (measured here: a learner step with 2
+threads while another process kept one of 2 cores busy took 100 s, with 1 thread 23 s), so every
+process sizes its pool to the cores it can actually have. :func:`free_cores` counts the cores this
+process may run on (``sched_getaffinity``) minus those other processes keep busy right now
+(``/proc/stat`` sampled over a short window); :func:`plan_threads` splits them between the CPU
+inference server and the learner of ``leafe run``: the engine gets every free core while the learner
+is idle (the evaluations, a phased run's rounds), the learner gets every free core while the engines
+idle (the warm start's demonstrations need no engine, a phased run trains between rounds), and the
+two share them while both work (continuous rounds, draining).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ __all__ = [
 
 
 def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity; ``os.cpu_count()`` where that is unknown)."""
+    """Cores this process may run on (its CPU affinity; ``os.cpu_count()`` where that is
+    unknown)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
@@ -44,7 +46,8 @@ def _cpu_times(stat: Path) -> tuple[int, int]:
 
 
 def busy_cores(window_s: float = 0.5, stat: Path = Path("/proc/stat")) -> float:
-    """Cores kept busy by everything on the machine over ``window_s`` (0.0 where /proc/stat is missing).
+    """Cores kept busy by everything on the machine over ``window_s`` (0.0 where /proc/stat is
+    missing).
 
     Call it while this process is idle: its own work counts as busy too."""
     try:
@@ -68,8 +71,8 @@ def free_cores(window_s: float = 0.5) -> tuple[int, str]:
 
 
 def plan_cores(pinned: int = 0) -> tuple[int, str]:
-    """The cores a run's thread plan divides, and why: ``pinned`` when > 0 (the same plan, hence the same
-    arithmetic, whatever else runs), else the cores free right now."""
+    """The cores a run's thread plan divides, and why: ``pinned`` when > 0 (the same plan, hence the
+    same arithmetic, whatever else runs), else the cores free right now."""
     if pinned > 0:
         return pinned, f"{pinned} cores as configured ({usable_cores()} usable)"
     return free_cores()
@@ -91,17 +94,21 @@ class ThreadPlan:
 
     def describe(self) -> str:
         """One line for the console and the run's log."""
-        alone = f", learner {self.learner_alone} while the engines idle" if self.learner_alone else ""
+        alone = (
+            f", learner {self.learner_alone} while the engines idle" if self.learner_alone else ""
+        )
         return (
-            f"threads on {self.cores} free cores: inference {self.inference_alone} while the learner is "
-            f"idle, inference {self.inference_shared} + learner {self.learner} while both work{alone}"
+            f"threads on {self.cores} free cores: inference {self.inference_alone} while the "
+            "learner is "
+            f"idle, inference {self.inference_shared} + learner {self.learner} while both "
+            f"work{alone}"
         )
 
 
 def plan_threads(cores: int, *, learner: bool = True, learner_threads: int = 0) -> ThreadPlan:
-    """Split ``cores`` between the engine and the learner so that the two never oversubscribe them (on
-    one core both get 1: the only plan there is); whichever runs alone gets them all. ``learner_threads``
-    > 0 fixes the learner's count in both cases."""
+    """Split ``cores`` between the engine and the learner so that the two never oversubscribe them
+    (on one core both get 1: the only plan there is); whichever runs alone gets them all.
+    ``learner_threads`` > 0 fixes the learner's count in both cases."""
     cores = max(1, cores)
     if not learner:
         return ThreadPlan(cores=cores, inference_alone=cores, inference_shared=cores, learner=0)
@@ -118,9 +125,9 @@ def plan_threads(cores: int, *, learner: bool = True, learner_threads: int = 0) 
 
 
 def default_threads(requested: int = 0) -> tuple[int, str]:
-    """Torch threads for a ``leafe train`` or ``leafe eval`` process, and why: ``requested`` when > 0, else
-    ``$OMP_NUM_THREADS`` when set, else the free cores divided among the ranks torchrun started on this
-    node (``$LOCAL_WORLD_SIZE``), so that no two pools share a core."""
+    """Torch threads for a ``leafe train`` or ``leafe eval`` process, and why: ``requested`` when >
+    0, else ``$OMP_NUM_THREADS`` when set, else the free cores divided among the ranks torchrun
+    started on this node (``$LOCAL_WORLD_SIZE``), so that no two pools share a core."""
     if requested > 0:
         return requested, "as requested"
     env = os.environ.get("OMP_NUM_THREADS", "").strip()

@@ -1,41 +1,48 @@
 """Materializers: pure folds from the event log to training samples, and their registry.
 
-``make_materializer("leafe", tokenizer, rehearsal_fraction=0.2)`` returns a fold; feed it events with
-``apply(event)`` and collect the samples it returns (see ``learner.materializers.base``):
+``make_materializer("leafe", tokenizer, rehearsal_fraction=0.2)`` returns a fold; feed it events
+with ``apply(event)`` and collect the samples it returns (see ``leafe.learner.materializers.base``):
 
-| name    | samples                                                                   |
-|---------|---------------------------------------------------------------------------|
-| `leafe` | ``cf`` counterfactual (parent history without e -> branch's first action) and ``reh`` rehearsal |
-| `grpo`  | ``grpo``: every step of grouped rollouts with its group-normalised advantage |
-| `rft`   | ``rft``: every step of successful plain rollouts                            |
-| `sft`   | ``sft``: every expert step of successful demonstrations (mode ``demo``, train split only) |
-| `iwm`   | ``iwm``: (state, the policy's alternative action) -> the observation it led to, plus ``sft`` |
-| `sr`    | ``sr``: state -> the policy's explanation of why the expert action is better + that action, plus ``sft`` |
-| `reflect` | ``sft``: oracle-labelled reflections -> ``<step>tau</step><experience>e</experience>`` (warm start) |
-| `follow` | ``sft``: the history at the oracle's tau with its e -> the move e names (warm start: act on e) |
-| `warm-leafe` | ``sft`` from demonstrations, then ``cf`` and ``reh`` from explore trees (one run, ``warm.py``) |
-| `warm-grpo`  | ``sft`` from demonstrations, then ``grpo`` from grouped rollouts (the online baseline)      |
+name: the samples it makes
+
+- `leafe`: ``cf`` counterfactual (parent history without e -> branch's first action) and ``reh``
+  rehearsal
+- `grpo`: ``grpo``: every step of grouped rollouts with its group-normalised advantage
+- `rft`: ``rft``: every step of successful plain rollouts
+- `sft`: ``sft``: every expert step of successful demonstrations (mode ``demo``, train split only)
+- `iwm`: ``iwm``: (state, the policy's alternative action) -> the observation it led to, plus
+  ``sft``
+- `sr`: ``sr``: state -> the policy's explanation of why the expert action is better + that action,
+  plus ``sft``
+- `reflect`: ``sft``: oracle-labelled reflections -> ``<step>tau</step><experience>e</experience>``
+  (warm start)
+- `follow`: ``sft``: the history at the oracle's tau with its e -> the move e names (warm start: act
+  on e)
+- `warm-leafe`: ``sft`` from demonstrations, then ``cf`` and ``reh`` from explore trees (one run,
+  ``warm.py``)
+- `warm-grpo`: ``sft`` from demonstrations, then ``grpo`` from grouped rollouts (the online
+  baseline)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from learner.materializers.base import Materializer
-from learner.materializers.common import CommonOptions, FoldStats, sample_id_for
-from learner.materializers.early import IwmMaterializer, IwmOptions, SrMaterializer, SrOptions
-from learner.materializers.folding import Folder, FoldResult, fold_events, write_folded
-from learner.materializers.follow import FollowMaterializer, FollowOptions
-from learner.materializers.grpo import GrpoMaterializer, GrpoOptions
-from learner.materializers.leafe import LeafeMaterializer, LeafeOptions
-from learner.materializers.lifecycle import OpenLimits
-from learner.materializers.reflect import ReflectMaterializer, ReflectOptions
-from learner.materializers.rft import RftMaterializer, RftOptions
-from learner.materializers.sft import SftMaterializer, SftOptions
-from learner.materializers.tree import EpisodeFailed, EpisodeTree, ReplayError
-from learner.materializers.warm import WarmGrpoMaterializer, WarmLeafeMaterializer
-from protocol.config import ConfigError, convert_config
-from protocol.prompt import ChatTokenizer
+from leafe.learner.materializers.base import Materializer
+from leafe.learner.materializers.common import CommonOptions, FoldStats, sample_id_for
+from leafe.learner.materializers.early import IwmMaterializer, IwmOptions, SrMaterializer, SrOptions
+from leafe.learner.materializers.folding import Folder, FoldResult, fold_events, write_folded
+from leafe.learner.materializers.follow import FollowMaterializer, FollowOptions
+from leafe.learner.materializers.grpo import GrpoMaterializer, GrpoOptions
+from leafe.learner.materializers.leafe import LeafeMaterializer, LeafeOptions
+from leafe.learner.materializers.lifecycle import OpenLimits
+from leafe.learner.materializers.reflect import ReflectMaterializer, ReflectOptions
+from leafe.learner.materializers.rft import RftMaterializer, RftOptions
+from leafe.learner.materializers.sft import SftMaterializer, SftOptions
+from leafe.learner.materializers.tree import EpisodeFailed, EpisodeTree, ReplayError
+from leafe.learner.materializers.warm import WarmGrpoMaterializer, WarmLeafeMaterializer
+from leafe.protocol.config import ConfigError, convert_config
+from leafe.protocol.prompt import ChatTokenizer
 
 __all__ = [
     "MATERIALIZERS",
@@ -109,7 +116,9 @@ def make_materializer(name: str, tokenizer: ChatTokenizer, **options: Any) -> Ma
     """A fresh materializer ``name`` with ``options`` (validated; unknown options are rejected)."""
     cls = MATERIALIZERS.get(name)
     if cls is None:
-        raise MaterializerConfigError(f"unknown materializer {name!r}; known: {sorted(MATERIALIZERS)}")
+        raise MaterializerConfigError(
+            f"unknown materializer {name!r}; known: {sorted(MATERIALIZERS)}"
+        )
     try:
         opts = convert_config(options, cls.Options, where=f"materializer {name!r}")
     except ConfigError as e:

@@ -1,38 +1,43 @@
 """The fold interface every materializer implements, and how a sample is built from an episode tree.
 
-A materializer turns the event log into training samples as a pure fold: ``samples = m.apply(event)``
-updates explicit in-memory state (one :class:`~learner.materializers.tree.EpisodeTree` per open
-episode) and returns the samples that event completed. No I/O happens here; ``services/replayer/main.py``
-(online) and ``services/replayer/replay.py`` (offline) feed it events and ship what it returns. Subclasses
+A materializer turns the event log into training samples as a pure fold: ``samples =
+m.apply(event)`` updates explicit in-memory state (one
+:class:`~leafe.learner.materializers.tree.EpisodeTree` per open episode) and returns the samples
+that event completed. No I/O happens here; ``services/replayer/main.py`` (online) and
+``services/replayer/replay.py`` (offline) feed it events and ship what it returns. Subclasses
 (``leafe``, ``grpo``, ``rft``) only decide *which* steps become samples, through the hooks
 ``_on_started``, ``_on_outcome``, ``_on_finished`` and ``_on_closed``.
 
 Contract with the actors: the prompt of step ``t`` on a branch's path is
-``render_messages(instructions, task, history=path[:t], observation=o_t, experience=e of the step's branch
-if Step.experience_in_context, history_window)`` tokenized by the same :class:`ChatTokenizer`; its
-digest is ``Step.prompt_sha256``. Every target is checked against it (``verify_prompts``): a mismatch is
-logged with context and counted in :class:`FoldStats`, never fatal.
+``render_messages(instructions, task, history=path[:t], observation=o_t, experience=e of the step's
+branch if Step.experience_in_context, history_window)`` tokenized by the same
+:class:`ChatTokenizer`; its digest is ``Step.prompt_sha256``. Every target is checked against it
+(``verify_prompts``): a mismatch is logged with context and counted in :class:`FoldStats`, never
+fatal.
 
-Lifecycle (``learner.materializers.lifecycle``): an episode whose mode, split or prompt format gives no
-samples is never opened (its events are dropped, counted). Others are held from ``EpisodeStarted`` until
-released: at ``EpisodeFinished``, or when closed as abandoned: by :meth:`Materializer.close_stale` (online,
-by idle time), by the ``EpisodeStarted`` of a later delivery attempt of the same task (its earlier attempt
-lost the task: its actor crashed or stalled past the ack wait; at the same event online and offline, so
-both decide alike), or by :meth:`Materializer.close_all` (end of an offline log); closing never produces samples
-from a branch without ``Outcome``. :meth:`Materializer.drain_released` lists the episodes whose events
-will never be needed again (the replayer acks their anchors then). ``limits`` (:class:`OpenLimits`) caps
-held episodes per run and per actor, and the bytes they hold (per run and per publishing actor): an
-``EpisodeStarted`` past a cap is refused, an event past a byte cap rejected, each with its cap's code.
+Lifecycle (``leafe.learner.materializers.lifecycle``): an episode whose mode, split or prompt format
+gives no samples is never opened (its events are dropped, counted). Others are held from
+``EpisodeStarted`` until released: at ``EpisodeFinished``, or when closed as abandoned: by
+:meth:`Materializer.close_stale` (online, by idle time), by the ``EpisodeStarted`` of a later
+delivery attempt of the same task (its earlier attempt lost the task: its actor crashed or stalled
+past the ack wait; at the same event online and offline, so both decide alike), or by
+:meth:`Materializer.close_all` (end of an offline log); closing never produces samples from a branch
+without ``Outcome``. :meth:`Materializer.drain_released` lists the episodes whose events will never
+be needed again (the replayer acks their anchors then). ``limits`` (:class:`OpenLimits`) caps held
+episodes per run and per actor, and the bytes they hold (per run and per publishing actor): an
+``EpisodeStarted`` past a cap is refused, an event past a byte cap rejected, each with its cap's
+code.
 
 Token ids (``Step.token_ids``, ``Reflection.token_ids``) must lie in the tokenizer's vocabulary
-(``vocab_size``, :func:`~learner.materializers.common.vocab_size_of`): an id that is negative or past it
-(which the model's embedding would raise on, in the learner) is rejected here, before it can become a
-training target.
+(``vocab_size``, :func:`~leafe.learner.materializers.common.vocab_size_of`): an id that is negative
+or past it (which the model's embedding would raise on, in the learner) is rejected here, before it
+can become a training target.
 
-Bad input never escapes as anything but :class:`ReplayError`: a malformed event is rejected with the tree
-unchanged; any other exception while folding an event (a bug that input reached) drops the event's whole
-episode and raises :class:`EpisodeFailed` with the cause, and the episode's later events are rejected
-with that reason. Both are deterministic, so a replay of the same log decides the same way.
+Bad input never escapes as anything but :class:`ReplayError`: a malformed event is rejected with the
+tree unchanged; any other exception while folding an event (a bug that input reached) drops the
+event's whole episode and raises :class:`EpisodeFailed` with the cause, and the episode's later
+events are rejected with that reason. Both are deterministic, so a replay of the same log decides
+the same way.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from typing import Any, ClassVar
 import msgspec
 import structlog
 
-from learner.materializers.common import (
+from leafe.learner.materializers.common import (
     CommonOptions,
     FoldStats,
     PromptCache,
@@ -51,12 +56,19 @@ from learner.materializers.common import (
     selected_fraction,
     vocab_size_of,
 )
-from learner.materializers.lifecycle import Closed, Ledger, OpenLimits, event_bytes
-from learner.materializers.samples import SampleBuilder, path_entries
-from learner.materializers.tree import BranchNode, EpisodeFailed, EpisodeTree, ReplayError
-from protocol.events import EpisodeEvent, EpisodeFinished, EpisodeStarted, Outcome, Reflection, Step
-from protocol.prompt import PROMPT_FORMAT, ChatTokenizer
-from protocol.samples import Sample
+from leafe.learner.materializers.lifecycle import Closed, Ledger, OpenLimits, event_bytes
+from leafe.learner.materializers.samples import SampleBuilder, path_entries
+from leafe.learner.materializers.tree import BranchNode, EpisodeFailed, EpisodeTree, ReplayError
+from leafe.protocol.events import (
+    EpisodeEvent,
+    EpisodeFinished,
+    EpisodeStarted,
+    Outcome,
+    Reflection,
+    Step,
+)
+from leafe.protocol.prompt import PROMPT_FORMAT, ChatTokenizer
+from leafe.protocol.samples import Sample
 
 __all__ = [
     "CommonOptions",
@@ -72,14 +84,15 @@ __all__ = [
     "selected_fraction",
 ]
 
-log = structlog.get_logger("learner.materializers")
+log = structlog.get_logger("leafe.learner.materializers")
 
 
 class Materializer(SampleBuilder):
     """Base fold: validates events into episode trees and calls the subclass hooks.
 
-    ``apply(event, now=...)`` returns the samples completed by ``event`` (raises :class:`ReplayError` for
-    bad input, state unchanged); ``now`` is the caller's clock, used only by :meth:`close_stale`.
+    ``apply(event, now=...)`` returns the samples completed by ``event`` (raises
+    :class:`ReplayError` for bad input, state unchanged); ``now`` is the caller's clock, used only
+    by :meth:`close_stale`.
     """
 
     name: ClassVar[str] = "base"
@@ -113,7 +126,11 @@ class Materializer(SampleBuilder):
 
     def describe(self) -> dict[str, Any]:
         """Name, version and resolved options (for manifests and logs)."""
-        return {"name": self.name, "version": self.version, "options": msgspec.to_builtins(self.options)}
+        return {
+            "name": self.name,
+            "version": self.version,
+            "options": msgspec.to_builtins(self.options),
+        }
 
     @property
     def open_episodes(self) -> int:
@@ -122,7 +139,8 @@ class Materializer(SampleBuilder):
 
     @property
     def held_episodes(self) -> int:
-        """Episodes started and not yet released (open, or closed but still needed, as GRPO members)."""
+        """Episodes started and not yet released (open, or closed but still needed, as GRPO
+        members)."""
         return len(self._ledger.held)
 
     def is_open(self, episode_id: str) -> bool:
@@ -130,12 +148,14 @@ class Materializer(SampleBuilder):
         return episode_id in self._episodes
 
     def knows(self, episode_id: str) -> bool:
-        """The episode is open or remembered as ended (finished, abandoned, ignored, refused or failed)."""
+        """The episode is open or remembered as ended (finished, abandoned, ignored, refused or
+        failed)."""
         return episode_id in self._episodes or episode_id in self._ledger.closed
 
     def readmit(self, episode_id: str) -> bool:
-        """Forget that ``episode_id`` was refused (a cap was reached), so that its EpisodeStarted, published
-        again by ``leafe replayer redrive``, is tried against the caps anew; ``False`` if it was not refused."""
+        """Forget that ``episode_id`` was refused (a cap was reached), so that its EpisodeStarted,
+        published again by ``leafe replayer redrive``, is tried against the caps anew; ``False`` if
+        it was not refused."""
         closed = self._ledger.closed.get(episode_id)
         if closed is None or closed.ending != "refused":
             return False
@@ -143,7 +163,8 @@ class Materializer(SampleBuilder):
         return True
 
     def apply(self, event: EpisodeEvent, *, now: float = 0.0) -> list[Sample]:
-        """Fold one event; returns the samples it completed (see the module docstring for errors)."""
+        """Fold one event; returns the samples it completed (see the module docstring for
+        errors)."""
         self.stats.events += 1
         try:
             tree = self._episodes.get(event.episode_id)
@@ -159,7 +180,9 @@ class Materializer(SampleBuilder):
 
     def close_stale(self, now: float, timeout: float) -> list[Sample]:
         """Close episodes idle for more than ``timeout`` (abandoned by a crashed actor)."""
-        stale = sorted(eid for eid, tree in self._episodes.items() if now - tree.last_active > timeout)
+        stale = sorted(
+            eid for eid, tree in self._episodes.items() if now - tree.last_active > timeout
+        )
         out: list[Sample] = []
         for eid in stale:
             out += self._abandon(self._episodes[eid])
@@ -173,7 +196,8 @@ class Materializer(SampleBuilder):
         return out + self._close_all_extra()
 
     def drain_released(self) -> list[str]:
-        """Episodes closed since the last call whose events are no longer needed by any future sample."""
+        """Episodes closed since the last call whose events are no longer needed by any future
+        sample."""
         return self._ledger.drain()
 
     def eligible(self, tree: EpisodeTree) -> bool:
@@ -187,7 +211,8 @@ class Materializer(SampleBuilder):
             and s.prompt_format == PROMPT_FORMAT
         )
 
-    # -- hooks ---------------------------------------------------------------------------------------
+    # -- hooks
+    # ---------------------------------------------------------------------------------------
     def _on_started(self, tree: EpisodeTree) -> list[Sample]:
         return []
 
@@ -211,7 +236,8 @@ class Materializer(SampleBuilder):
         """The episode's events will never be needed again (its anchor may be acked)."""
         self._ledger.release(episode_id)
 
-    # -- lifecycle -----------------------------------------------------------------------------------
+    # -- lifecycle
+    # -----------------------------------------------------------------------------------
     def _apply_open(self, tree: EpisodeTree, event: EpisodeEvent, now: float) -> list[Sample]:
         try:
             if tree.is_duplicate(event):
@@ -242,7 +268,8 @@ class Materializer(SampleBuilder):
         return []
 
     def _check_tokens(self, event: Step | Reflection) -> None:
-        """Every token id of ``event`` is in the vocabulary, or :class:`ReplayError` naming one that is not."""
+        """Every token id of ``event`` is in the vocabulary, or :class:`ReplayError` naming one that
+        is not."""
         ids, vocab = event.token_ids, self.vocab_size
         if ids and (min(ids) < 0 or max(ids) >= vocab):
             bad = next(i for i in ids if not 0 <= i < vocab)
@@ -269,18 +296,22 @@ class Materializer(SampleBuilder):
         )
         superseded = self._supersede(event)
         self._episodes[event.episode_id] = tree
-        self._attempts.setdefault(event.task_key, event.episode_id)  # (an older attempt never replaces)
+        self._attempts.setdefault(
+            event.task_key, event.episode_id
+        )  # (an older attempt never replaces)
         self._ledger.hold(event)
         self.stats.episodes_started += 1
         return superseded + self._on_started(tree)
 
     def _supersede(self, event: EpisodeStarted) -> list[Sample]:
-        """Close the open earlier attempt of ``event``'s task as abandoned: the task was delivered again,
-        so that attempt will not finish here (its late events are ignored as stragglers)."""
+        """Close the open earlier attempt of ``event``'s task as abandoned: the task was delivered
+        again, so that attempt will not finish here (its late events are ignored as stragglers)."""
         earlier = self._episodes.get(self._attempts.get(event.task_key, ""))
         if earlier is None or earlier.started.attempt >= event.attempt:
             return []
-        del self._attempts[event.task_key]  # (closing it below would too; the new attempt takes its place)
+        del self._attempts[
+            event.task_key
+        ]  # (closing it below would too; the new attempt takes its place)
         self.stats.episodes_superseded += 1
         log.info(
             "replay.episode.superseded",
@@ -295,9 +326,13 @@ class Materializer(SampleBuilder):
                 self.stats.ignored_events += 1
                 return []
             case "refused" | "failed":
-                raise ReplayError(event, f"its episode was {closed.ending}: {closed.reason}", closed.code)
+                raise ReplayError(
+                    event, f"its episode was {closed.ending}: {closed.reason}", closed.code
+                )
             case "finished" if closed.last_seq is not None and event.seq > closed.last_seq:
-                raise ReplayError(event, f"event after the episode's EpisodeFinished (seq {closed.last_seq})")
+                raise ReplayError(
+                    event, f"event after the episode's EpisodeFinished (seq {closed.last_seq})"
+                )
         self.stats.after_close += 1  # a redelivery, or a straggler of an abandoned episode
         return []
 
@@ -306,7 +341,9 @@ class Materializer(SampleBuilder):
         if event.prompt_format != PROMPT_FORMAT:
             self.stats.unsupported_prompt_format += 1
             log.warning(
-                "replay.episode.prompt_format", episode_id=event.episode_id, format=event.prompt_format[:80]
+                "replay.episode.prompt_format",
+                episode_id=event.episode_id,
+                format=event.prompt_format[:80],
             )
         self._ledger.remember(event.episode_id, Closed("ignored"))
         return []
@@ -316,7 +353,9 @@ class Materializer(SampleBuilder):
         reason = f"folding its episode raised {type(error).__name__}: {error}"[:400]
         self.stats.episodes_failed += 1
         tree = self._episodes.pop(event.episode_id, None)
-        self._ledger.remember(event.episode_id, Closed("failed", reason=reason, code="episode_failed"))
+        self._ledger.remember(
+            event.episode_id, Closed("failed", reason=reason, code="episode_failed")
+        )
         log.error(
             "replay.episode.failed",
             episode_id=event.episode_id[:80],
@@ -328,7 +367,9 @@ class Materializer(SampleBuilder):
                 self._on_closed(tree, True)
             except Exception as e:  # the episode is gone either way: say so
                 log.error(
-                    "replay.episode.close_failed", episode_id=event.episode_id[:80], error=repr(e)[:300]
+                    "replay.episode.close_failed",
+                    episode_id=event.episode_id[:80],
+                    error=repr(e)[:300],
                 )
         self._release(event.episode_id)
         return EpisodeFailed(event, reason)
@@ -337,7 +378,9 @@ class Materializer(SampleBuilder):
         self.stats.episodes_abandoned += 1
         open_branches = sorted(b for b, node in tree.branches.items() if node.outcome is None)
         log.info(
-            "replay.episode.abandoned", episode_id=tree.started.episode_id, open_branches=open_branches[:20]
+            "replay.episode.abandoned",
+            episode_id=tree.started.episode_id,
+            open_branches=open_branches[:20],
         )
         return self._close(tree, Closed("abandoned"))
 

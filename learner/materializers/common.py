@@ -1,7 +1,8 @@
-"""What every materializer shares besides the fold itself: options, counters, ids and the prompt cache.
+"""What every materializer shares besides the fold itself: options, counters, ids and the prompt
+cache.
 
-``sample_id_for`` hashes the materializer tag, the sample kind and the sorted source event ids, so the
-sample *set* does not depend on how episodes interleave. ``selected_fraction`` is a seeded,
+``sample_id_for`` hashes the materializer tag, the sample kind and the sorted source event ids, so
+the sample *set* does not depend on how episodes interleave. ``selected_fraction`` is a seeded,
 order-independent coin. :class:`PromptCache` tokenizes chat prompts once for cf, rehearsal and
 verification.
 """
@@ -16,8 +17,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from protocol.prompt import ChatTokenizer
-from protocol.samples import ChatMessage
+from leafe.protocol.prompt import ChatTokenizer
+from leafe.protocol.samples import ChatMessage
 
 __all__ = [
     "CommonOptions",
@@ -30,8 +31,8 @@ __all__ = [
 ]
 
 MAX_TOKEN_ID = 2**31 - 1
-"""Largest id any tokenizer may give (int32, what the learner's tensors hold): the bound of a tokenizer
-that does not say its vocabulary size."""
+"""Largest id any tokenizer may give (int32, what the learner's tensors hold): the bound of a
+tokenizer that does not say its vocabulary size."""
 
 
 class CommonOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -44,14 +45,16 @@ class CommonOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     skip_unparsed_targets: bool = True
     """Never train on a completion whose action could not be parsed (``Step.parse_ok`` False)."""
     verify_prompts: bool = True
-    """Rebuild the exact prompt each target step was sent and compare it with ``Step.prompt_sha256``."""
+    """Rebuild the exact prompt each target step was sent and compare it with
+    ``Step.prompt_sha256``."""
     closed_memory: int = 100_000
-    """How many closed episode ids are remembered so that late duplicates are ignored, not rejected."""
+    """How many closed episode ids are remembered so that late duplicates are ignored, not
+    rejected."""
     prompt_cache: int = 4096
     """Entries of the tokenized-prompt LRU cache (cf, rehearsal and verification share prompts)."""
     max_branches: int = 2048
-    """Branches one episode may open (real trees have tens); a Branch past it is rejected. Bounds the
-    cost of rebuilding a path (proportional to the branch's depth) and the episode's state."""
+    """Branches one episode may open (real trees have tens); a Branch past it is rejected. Bounds
+    the cost of rebuilding a path (proportional to the branch's depth) and the episode's state."""
     max_episode_events: int = 32_768
     """Events one episode may hold (real episodes have hundreds); an event past it is rejected."""
 
@@ -77,7 +80,8 @@ class FoldStats:
     skipped_empty: int = 0
     skipped_no_target: int = 0
     skipped_repeated_action: int = 0
-    """Counterfactuals dropped because the branch repeated the blamed action (``cf_drop_repeated_action``)."""
+    """Counterfactuals dropped because the branch repeated the blamed action
+    (``cf_drop_repeated_action``)."""
     groups_emitted: int = 0
     groups_zero_variance: int = 0
     groups_dropped: int = 0
@@ -95,14 +99,14 @@ class FoldStats:
     conflicts: int = 0
     """Events whose id was already applied with different content (the first copy wins)."""
     reflections: dict[str, int] = field(default_factory=dict)
-    """The ``reflect`` materializer's counts: reflections ``seen`` (at their branch's Outcome), without an
-    oracle verdict (``unlabelled``), the oracle found no mistake (``no_mistake``), on a branch that
-    succeeded (``branch_succeeded``, with ``only_failed_branches``), ``unrenderable``, ``unformattable``,
-    and ``samples``."""
+    """The ``reflect`` materializer's counts: reflections ``seen`` (at their branch's Outcome),
+    without an oracle verdict (``unlabelled``), the oracle found no mistake (``no_mistake``), on a
+    branch that succeeded (``branch_succeeded``, with ``only_failed_branches``), ``unrenderable``,
+    ``unformattable``, and ``samples``."""
     follow: dict[str, int] = field(default_factory=dict)
     """The ``follow`` materializer's counts: reflections passed over (no verdict naming an action:
-    ``no_named_action``; ``unrenderable``; the same prompt again: ``duplicate_prompt``), verdicts ``seen``,
-    ``unformattable`` and ``samples``."""
+    ``no_named_action``; ``unrenderable``; the same prompt again: ``duplicate_prompt``), verdicts
+    ``seen``, ``unformattable`` and ``samples``."""
 
     def as_dict(self) -> dict[str, object]:
         """Plain dict (sorted sample counts) for logs and manifests."""
@@ -114,13 +118,15 @@ class FoldStats:
 
 
 def vocab_size_of(tokenizer: ChatTokenizer) -> int:
-    """The tokenizer's ``vocab_size`` (ids are ``0..vocab_size-1``), or ``MAX_TOKEN_ID + 1`` when it has none."""
+    """The tokenizer's ``vocab_size`` (ids are ``0..vocab_size-1``), or ``MAX_TOKEN_ID + 1`` when it
+    has none."""
     size = getattr(tokenizer, "vocab_size", None)
     return size if isinstance(size, int) and size > 0 else MAX_TOKEN_ID + 1
 
 
 def fast_prompt_sha256(token_ids: Sequence[int]) -> str:
-    """:func:`protocol.prompt.prompt_sha256` (4-byte little-endian per id), packed in one call."""
+    """:func:`leafe.protocol.prompt.prompt_sha256` (4-byte little-endian per id), packed in one
+    call."""
     return hashlib.sha256(struct.pack(f"<{len(token_ids)}I", *token_ids)).hexdigest()
 
 

@@ -1,40 +1,45 @@
 """The Early Experience baseline (Zhang et al. 2025) as folds over demonstration episodes.
 
-A demonstration with alternatives (``actors/early.py``) holds, per expert state s_t, one-step branches
-``b_n`` (parent ``b0``, tau = t) whose single Step is the policy's alternative action a' and the
-observation it led to, each after a ``Reflection(trigger="alternative")``. Two materializers:
+A demonstration with alternatives (``actors/early.py``) holds, per expert state s_t, one-step
+branches ``b_n`` (parent ``b0``, tau = t) whose single Step is the policy's alternative action a'
+and the observation it led to, each after a ``Reflection(trigger="alternative")``. Two
+materializers:
 
-- ``iwm`` (implicit world modelling): for each alternative branch, input = the state's prompt with the
-  closing question replaced by ``Action: a'`` and a request for the resulting observation; target = that
-  observation *exactly as executed* (``Step.observation``), then the end-of-turn token. Kind ``iwm``.
-- ``sr`` (self-reflection): for each alternative branch whose Reflection holds the policy's explanation
-  (``source = "model"``), input = the state's prompt prefilled with ``<think>``; target = the
-  explanation, ``</think>``, the response prefix, then the expert step's exact completion ids::
+- ``iwm`` (implicit world modelling): for each alternative branch, input = the state's prompt with
+  the closing question replaced by ``Action: a'`` and a request for the resulting observation;
+  target = that observation *exactly as executed* (``Step.observation``), then the end-of-turn
+  token. Kind ``iwm``.
+- ``sr`` (self-reflection): for each alternative branch whose Reflection holds the policy's
+  explanation (``source = "model"``), input = the state's prompt prefilled with ``<think>``; target
+  = the explanation, ``</think>``, the response prefix, then the expert step's exact completion
+  ids::
 
-      <think>Moving left walks into the wall, while up pushes the box onto the target.</think><action>up</action>
+      <think>Left walks into the wall; up pushes the box onto the target.</think><action>up</action>
 
-  (``actors.parsing.parse_action`` reads the action after the think block). Evaluate an ``sr``-trained
-  policy with ``response_prefix = "<think>"`` (and a ``max_new_tokens`` that fits the reasoning). Kind ``sr``.
+  (``leafe.actors.parsing.parse_action`` reads the action after the think block). Evaluate an
+  ``sr``-trained policy with ``response_prefix = "<think>"`` (and a ``max_new_tokens`` that fits the
+  reasoning). Kind ``sr``.
 
 Both also emit the demonstrations themselves (kind ``sft``, ``demonstrations = true``, as
-``learner/materializers/sft.py``): the paper trains IWM and then SFT on the demonstrations, and mixes SR
-with them; one mixed dataset is our simplification (set ``demonstrations = false`` and build an ``sft``
-dataset separately for two stages). Every state prompt is checked against the recorded
-``Step.prompt_sha256`` of the alternative (the same prompt the expert step was sent); IWM/SR targets are
-tokenized here with the served tokenizer (``protocol.answers``), since no engine generated them.
+``learner/materializers/sft.py``): the paper trains IWM and then SFT on the demonstrations, and
+mixes SR with them; one mixed dataset is our simplification (set ``demonstrations = false`` and
+build an ``sft`` dataset separately for two stages). Every state prompt is checked against the
+recorded ``Step.prompt_sha256`` of the alternative (the same prompt the expert step was sent);
+IWM/SR targets are tokenized here with the served tokenizer (``leafe.protocol.answers``), since no
+engine generated them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from learner.materializers.base import Materializer, path_entries, sample_id_for
-from learner.materializers.sft import DemoOptions, demonstration_samples
-from learner.materializers.tree import BranchNode, EpisodeTree
-from protocol.answers import THINK_CLOSE, THINK_OPEN, answer_ids, end_of_turn_id
-from protocol.events import ROOT_BRANCH, EpisodeEvent, Reflection, Step
-from protocol.prompt import ChatTokenizer
-from protocol.samples import ChatMessage, Sample, SampleKind
+from leafe.learner.materializers.base import Materializer, path_entries, sample_id_for
+from leafe.learner.materializers.sft import DemoOptions, demonstration_samples
+from leafe.learner.materializers.tree import BranchNode, EpisodeTree
+from leafe.protocol.answers import THINK_CLOSE, THINK_OPEN, answer_ids, end_of_turn_id
+from leafe.protocol.events import ROOT_BRANCH, EpisodeEvent, Reflection, Step
+from leafe.protocol.prompt import ChatTokenizer
+from leafe.protocol.samples import ChatMessage, Sample, SampleKind
 
 __all__ = ["IWM_QUESTION", "IwmMaterializer", "IwmOptions", "SrMaterializer", "SrOptions"]
 
@@ -66,7 +71,9 @@ class _EarlyExperience(Materializer):
 
     options: IwmOptions | SrOptions
 
-    def __init__(self, tokenizer: ChatTokenizer, options: IwmOptions | SrOptions | None = None) -> None:
+    def __init__(
+        self, tokenizer: ChatTokenizer, options: IwmOptions | SrOptions | None = None
+    ) -> None:
         super().__init__(tokenizer, options)
         self.eot = end_of_turn_id(tokenizer)
 
@@ -84,7 +91,8 @@ class _EarlyExperience(Materializer):
         raise NotImplementedError
 
     def state_messages(self, tree: EpisodeTree, alt: Step) -> list[ChatMessage]:
-        """The prompt of state s_tau (shared by the expert step and the alternative), verified once."""
+        """The prompt of state s_tau (shared by the expert step and the alternative), verified
+        once."""
         path = tree.path(alt.branch_id)
         t = alt.t
         messages = self.render(tree, path_entries(path[:t]), tree.observation(path, t), None)
@@ -159,7 +167,8 @@ class IwmMaterializer(_EarlyExperience):
 
 
 class SrMaterializer(_EarlyExperience):
-    """Self-reflection: state -> why the expert action beats the alternative, then the expert action."""
+    """Self-reflection: state -> why the expert action beats the alternative, then the expert
+    action."""
 
     name = "sr"
     version = 1
@@ -194,7 +203,10 @@ class SrMaterializer(_EarlyExperience):
         state = self.state_messages(tree, alt)
         prefix = tree.started.response_prefix
         head = f"{reflection.experience}{THINK_CLOSE}{prefix}"
-        completion = [*answer_ids(self.prompts.tokenizer, state, THINK_OPEN, head), *expert.token_ids]
+        completion = [
+            *answer_ids(self.prompts.tokenizer, state, THINK_OPEN, head),
+            *expert.token_ids,
+        ]
         return self.assemble(
             tree,
             kind="sr",

@@ -1,9 +1,9 @@
 """Folding a whole log into samples, offline: the driver ``leafe replay`` and the tests share.
 
-:class:`Folder` feeds decoded events (``None`` for an undecodable record) to a materializer and counts
-what it saw; at the end of the log every still-open episode is closed as abandoned (no samples from
-branches without an Outcome). :func:`write_folded` writes the result as a dataset
-(``learner.dataset.write_dataset``): folding the same log again gives byte-identical shards.
+:class:`Folder` feeds decoded events (``None`` for an undecodable record) to a materializer and
+counts what it saw; at the end of the log every still-open episode is closed as abandoned (no
+samples from branches without an Outcome). :func:`write_folded` writes the result as a dataset
+(``leafe.learner.dataset.write_dataset``): folding the same log again gives byte-identical shards.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import structlog
 
-from learner.dataset import DatasetManifest, write_dataset
-from learner.materializers.base import Materializer
-from learner.materializers.lifecycle import CAP_CODES
-from learner.materializers.tree import ReplayError
-from protocol.events import EpisodeEvent
-from protocol.samples import Sample
+from leafe.learner.dataset import DatasetManifest, write_dataset
+from leafe.learner.materializers.base import Materializer
+from leafe.learner.materializers.lifecycle import CAP_CODES
+from leafe.learner.materializers.tree import ReplayError
+from leafe.protocol.events import EpisodeEvent
+from leafe.protocol.samples import Sample
 
 __all__ = ["FoldResult", "Folder", "fold_events", "write_folded"]
 
@@ -36,7 +36,8 @@ class FoldResult:
     rejected: int = 0
     other_runs: int = 0
     capped: int = 0
-    """Rejections because an open-episode cap was reached (``OpenLimits``; counted in ``rejected`` too)."""
+    """Rejections because an open-episode cap was reached (``OpenLimits``; counted in ``rejected``
+    too)."""
     first_capped: str = ""
     """The first of those reasons."""
 

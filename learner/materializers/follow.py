@@ -1,24 +1,26 @@
 """Experience-following samples: the history at tau *with* the oracle's e -> the move e names.
 
-SmolLM2-135M takes an experience in its context as a nudge, not an instruction (``docs/experiments.md``):
-with the oracle's "... move X instead" in the prompt it picks X barely more often than without. LEAFE's
-Stage 1 only yields corrections when the policy acts on e, so the shared warm start teaches it to: one
-``sft`` sample per oracle verdict that names an action (``Reflection.oracle_action``), on train-split
-``explore`` episodes:
+SmolLM2-135M takes an experience in its context as a nudge, not an instruction
+(``docs/experiments.md``): with the oracle's "... move X instead" in the prompt it picks X barely
+more often than without. LEAFE's Stage 1 only yields corrections when the policy acts on e, so the
+shared warm start teaches it to: one ``sft`` sample per oracle verdict that names an action
+(``Reflection.oracle_action``), on train-split ``explore`` episodes:
 
 - prompt: the action prompt a branch opened from that verdict gets at its first step: the episode's
-  instructions and task, the reflected branch's first ``tau`` steps and o_tau, with the verdict's e in
-  context (``render_messages``, the episode's ``history_window`` and response prefix, tokenized by the same
-  chat tokenizer). Where an oracle reflection did open that branch, the branch's first step recorded the
-  digest of exactly this prompt, and it is checked (``prompts_verified`` / ``prompt_mismatches``);
-- completion: the named action written as the policy's answer (``protocol.answers.expert_answer``,
-  ``answer_format``, ending in the first of ``action_stop``), so the target is the move e names whatever
-  the policy did.
+  instructions and task, the reflected branch's first ``tau`` steps and o_tau, with the verdict's e
+  in context (``render_messages``, the episode's ``history_window`` and response prefix, tokenized
+  by the same chat tokenizer). Where an oracle reflection did open that branch, the branch's first
+  step recorded the digest of exactly this prompt, and it is checked (``prompts_verified`` /
+  ``prompt_mismatches``);
+- completion: the named action written as the policy's answer
+  (``leafe.protocol.answers.expert_answer``, ``answer_format``, ending in the first of
+  ``action_stop``), so the target is the move e names whatever the policy did.
 
 A verdict is the reflection itself (``source = "oracle"``) or a label beside a model reflection
-(``oracle_labels``); both carry ``oracle_action``. Identical prompts (the same prefix and e, from several
-reflections) give one sample. Samples are emitted when the episode finishes (every branch opened from a
-verdict is in the log then, for the check); abandoned episodes give none. Counts: ``FoldStats.follow``.
+(``oracle_labels``); both carry ``oracle_action``. Identical prompts (the same prefix and e, from
+several reflections) give one sample. Samples are emitted when the episode finishes (every branch
+opened from a verdict is in the log then, for the check); abandoned episodes give none. Counts:
+``FoldStats.follow``.
 """
 
 from __future__ import annotations
@@ -28,24 +30,30 @@ from dataclasses import dataclass
 import msgspec
 import structlog
 
-from learner.materializers.base import CommonOptions, Materializer, fast_prompt_sha256, path_entries
-from learner.materializers.common import sample_id_for
-from learner.materializers.tree import EpisodeTree
-from protocol.answers import AnswerFormat, AnswerTokenError, end_of_turn_id, expert_answer
-from protocol.events import Branch, EpisodeEvent, Reflection, Step
-from protocol.prompt import ChatTokenizer
-from protocol.samples import Sample
+from leafe.learner.materializers.base import (
+    CommonOptions,
+    Materializer,
+    fast_prompt_sha256,
+    path_entries,
+)
+from leafe.learner.materializers.common import sample_id_for
+from leafe.learner.materializers.tree import EpisodeTree
+from leafe.protocol.answers import AnswerFormat, AnswerTokenError, end_of_turn_id, expert_answer
+from leafe.protocol.events import Branch, EpisodeEvent, Reflection, Step
+from leafe.protocol.prompt import ChatTokenizer
+from leafe.protocol.samples import Sample
 
 __all__ = ["FollowMaterializer", "FollowOptions", "FollowProbe", "follow_probes"]
 
-log = structlog.get_logger("learner.materializers")
+log = structlog.get_logger("leafe.learner.materializers")
 
 
 class FollowOptions(CommonOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Options of the ``follow`` materializer: explore episodes of train tasks only."""
 
     answer_format: AnswerFormat = "tag"
-    """How the named action is written as the answer (as the environment's demonstrations write it)."""
+    """How the named action is written as the answer (as the environment's demonstrations write
+    it)."""
     action_stop: list[str] = msgspec.field(default_factory=lambda: ["</action>"])
     """The explorer's ``action_stop``: the answer's ids end with the first that matches."""
     weight: float = 1.0
@@ -55,7 +63,9 @@ class FollowOptions(CommonOptions, frozen=True, kw_only=True, forbid_unknown_fie
         if set(self.modes) - {"explore"}:
             raise ValueError(f"modes = {self.modes!r}: verdicts are read from mode 'explore' only")
         if "test" in self.splits:
-            raise ValueError(f"splits = {self.splits!r}: the warm start never trains on the test split")
+            raise ValueError(
+                f"splits = {self.splits!r}: the warm start never trains on the test split"
+            )
 
 
 class FollowMaterializer(Materializer):
@@ -87,10 +97,16 @@ class FollowMaterializer(Materializer):
 
     def _sample(self, tree: EpisodeTree, probe: FollowProbe) -> Sample | None:
         self._count("seen")
-        messages = self.render(tree, path_entries(probe.prefix), probe.observation, probe.experience)
+        messages = self.render(
+            tree, path_entries(probe.prefix), probe.observation, probe.experience
+        )
         s = tree.started
         prompt_ids = self.prompts.encode(messages, s.response_prefix)
-        if probe.opened is not None and probe.opened.experience_in_context and self.options.verify_prompts:
+        if (
+            probe.opened is not None
+            and probe.opened.experience_in_context
+            and self.options.verify_prompts
+        ):
             self._verify_opened(probe.opened, prompt_ids)
         try:
             answer = expert_answer(
@@ -105,7 +121,9 @@ class FollowMaterializer(Materializer):
         except (ValueError, AnswerTokenError) as err:
             self._count("unformattable")
             log.warning(
-                "replay.follow.unformattable", event_id=probe.reflection.event_id, error=str(err)[:200]
+                "replay.follow.unformattable",
+                event_id=probe.reflection.event_id,
+                error=str(err)[:200],
             )
             return None
         sources = [s.event_id, *(x.event_id for x in probe.prefix), probe.reflection.event_id]
@@ -131,13 +149,16 @@ class FollowMaterializer(Materializer):
             self.stats.prompts_verified += 1
         else:
             self.stats.prompt_mismatches += 1
-            log.warning("replay.follow.prompt_mismatch", episode_id=step.episode_id, event_id=step.event_id)
+            log.warning(
+                "replay.follow.prompt_mismatch", episode_id=step.episode_id, event_id=step.event_id
+            )
 
 
 @dataclass(frozen=True)
 class FollowProbe:
-    """One oracle verdict that names an action, with the state it speaks about: what a follow sample is
-    built from, and what ``bench/paper/follow_audit.py`` samples the policy at (with e, without, a placebo)."""
+    """One oracle verdict that names an action, with the state it speaks about: what a follow sample
+    is built from, and what ``experiments/paper/follow_audit.py`` samples the policy at (with e,
+    without, a placebo)."""
 
     reflection: Reflection
     """The reflection carrying the verdict (its own, or a label beside a model reflection)."""
@@ -158,8 +179,9 @@ class FollowProbe:
 
 
 def follow_probes(tree: EpisodeTree) -> tuple[list[FollowProbe], dict[str, int]]:
-    """Every distinct verdict of a finished episode that names an action (in event order), and how many
-    reflections were passed over and why (``no_named_action``, ``unrenderable``, ``duplicate_prompt``)."""
+    """Every distinct verdict of a finished episode that names an action (in event order), and how
+    many reflections were passed over and why (``no_named_action``, ``unrenderable``,
+    ``duplicate_prompt``)."""
     events = sorted(tree.seen.values(), key=lambda e: e.seq)
     first_steps = _first_steps_of_branches(events)
     probes: list[FollowProbe] = []
@@ -199,7 +221,8 @@ def follow_probes(tree: EpisodeTree) -> tuple[list[FollowProbe], dict[str, int]]
 
 
 def _first_steps_of_branches(events: list[EpisodeEvent]) -> dict[str, Step]:
-    """Reflection event id -> the first step of the branch it opened (the step at the branch's tau)."""
+    """Reflection event id -> the first step of the branch it opened (the step at the branch's
+    tau)."""
     opened = {e.branch_id: e for e in events if isinstance(e, Branch)}
     out: dict[str, Step] = {}
     for e in events:

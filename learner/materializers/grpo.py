@@ -1,19 +1,20 @@
 """GRPO baseline dataset: groups of n plain rollouts of one task, with group-normalised advantages.
 
-Rollout episodes carry ``EpisodeStarted.group_id`` and ``group_size``. When every member of a group has
-finished, each trajectory's return r_i (``reward``: ``success`` 1/0 by default, ``score``,
-``success_plus_score`` or ``sum`` of step rewards) becomes the advantage ``(r_i - mean) / (std + eps)``
-(population std over the group) and every step of the trajectory becomes one ``grpo`` sample carrying
-that advantage, the return, the behaviour logprobs and the group id. The prompt is the exact behaviour
-prompt (experience kept if it was there), since the policy gradient is taken w.r.t. what was sampled.
-Groups whose returns have zero variance carry no signal and produce nothing (counted).
+Rollout episodes carry ``EpisodeStarted.group_id`` and ``group_size``. When every member of a group
+has finished, each trajectory's return r_i (``reward``: ``success`` 1/0 by default, ``score``,
+``success_plus_score`` or ``sum`` of step rewards) becomes the advantage ``(r_i - mean) / (std +
+eps)`` (population std over the group) and every step of the trajectory becomes one ``grpo`` sample
+carrying that advantage, the return, the behaviour logprobs and the group id. The prompt is the
+exact behaviour prompt (experience kept if it was there), since the policy gradient is taken w.r.t.
+what was sampled. Groups whose returns have zero variance carry no signal and produce nothing
+(counted).
 
-Members are keyed by ``task_key``: when a task was redelivered and two attempts finish, the one with the
-smaller episode id is used. A member's events stay needed (its anchor unreleased) until the group is
-emitted or dropped; a group with no activity for the stale timeout is dropped. A rollout that cannot join
-its group (the group was already emitted, or it declares another ``group_size``, as when a task batch was
-resubmitted with another n under the same run) gives no samples and is counted (``group_outsiders``) and
-logged with the reason: use a new run id for a new group size.
+Members are keyed by ``task_key``: when a task was redelivered and two attempts finish, the one with
+the smaller episode id is used. A member's events stay needed (its anchor unreleased) until the
+group is emitted or dropped; a group with no activity for the stale timeout is dropped. A rollout
+that cannot join its group (the group was already emitted, or it declares another ``group_size``, as
+when a task batch was resubmitted with another n under the same run) gives no samples and is counted
+(``group_outsiders``) and logged with the reason: use a new run id for a new group size.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ import msgspec
 import numpy as np
 import structlog
 
-from learner.materializers.base import CommonOptions, Materializer, path_entries
-from learner.materializers.tree import EpisodeTree
-from protocol.events import ROOT_BRANCH, EpisodeEvent, Step
-from protocol.samples import Sample
+from leafe.learner.materializers.base import CommonOptions, Materializer, path_entries
+from leafe.learner.materializers.tree import EpisodeTree
+from leafe.protocol.events import ROOT_BRANCH, EpisodeEvent, Step
+from leafe.protocol.samples import Sample
 
 __all__ = ["GrpoMaterializer", "GrpoOptions"]
 
@@ -42,9 +43,11 @@ class GrpoOptions(CommonOptions, frozen=True, kw_only=True, forbid_unknown_field
     modes: list[str] = msgspec.field(default_factory=lambda: ["rollout"])
     """Episode modes that form groups (plain rollouts)."""
     skip_unparsed_targets: bool = False
-    """Unparsable completions keep their (usually negative) advantage: that is how format is learnt."""
+    """Unparsable completions keep their (usually negative) advantage: that is how format is
+    learnt."""
     reward: Literal["success", "score", "success_plus_score", "sum"] = "success"
-    """Trajectory return: Outcome success 1/0, Outcome score, both added, or the sum of step rewards."""
+    """Trajectory return: Outcome success 1/0, Outcome score, both added, or the sum of step
+    rewards."""
     eps: float = 1e-6
     """Added to the group's std in the advantage's denominator."""
     min_std: float = 1e-8
@@ -103,7 +106,10 @@ class GrpoMaterializer(Materializer):
             )
             self.stats.group_outsiders += 1
             log.warning(
-                "replay.grpo.group_outsider", episode_id=tree.started.episode_id, group_id=key[1], reason=why
+                "replay.grpo.group_outsider",
+                episode_id=tree.started.episode_id,
+                group_id=key[1],
+                reason=why,
             )
             return []
         group = self._groups.setdefault(key, _Group(size=size, last_active=0.0))
@@ -120,7 +126,10 @@ class GrpoMaterializer(Materializer):
         group.last_active = max(group.last_active, tree.last_active)
         root = tree.branches[ROOT_BRANCH]
         traj = _Trajectory(
-            tree, tree.path(ROOT_BRANCH), self._return(tree), root.outcome.event_id if root.outcome else ""
+            tree,
+            tree.path(ROOT_BRANCH),
+            self._return(tree),
+            root.outcome.event_id if root.outcome else "",
         )
         task_key = tree.started.task_key
         held = group.members.get(task_key)
@@ -147,7 +156,11 @@ class GrpoMaterializer(Materializer):
 
     def _return(self, tree: EpisodeTree) -> float:
         outcome = tree.branches[ROOT_BRANCH].outcome
-        success = outcome.success if outcome is not None else bool(tree.finished and tree.finished.success)
+        success = (
+            outcome.success
+            if outcome is not None
+            else bool(tree.finished and tree.finished.success)
+        )
         score = outcome.score if outcome is not None else 0.0
         match self.options.reward:
             case "success":
@@ -207,7 +220,8 @@ class GrpoMaterializer(Materializer):
             self._emitted_groups.popitem(last=False)
         for eid in sorted(group.episodes - group.open):
             self._release(eid)
-        # Members still open are released by their own close (they are no longer in a pending group).
+        # Members still open are released by their own close (they are no longer in a pending
+        # group).
         for eid in group.open:
             group.episodes.discard(eid)
 

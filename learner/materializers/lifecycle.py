@@ -1,30 +1,30 @@
 """Which episodes a fold holds, and what became of those it no longer holds.
 
-An episode is *held* from its ``EpisodeStarted`` until the fold releases it (finished or abandoned, and
-for GRPO its group emitted): the replayer keeps the episode's anchor unacked that long, so the number of
-held episodes is what ``max_ack_pending`` must cover. :class:`OpenLimits` caps it per run and per actor,
-and caps the bytes the held episodes' events take (:func:`event_bytes`, their text and token ids: what
-the fold keeps in memory), per run and per publishing actor; an ``EpisodeStarted`` past a cap is refused
-with the reason (the replayer dead-letters it and the rest of its episode), and an event that would take
-the held bytes past ``max_bytes`` or its publisher's past ``max_bytes_per_actor`` is rejected, so a flood
-of episodes that never finish can neither hold the consumer nor exhaust memory, online or offline
-(``leafe replay`` applies the same caps), and one actor's flood fills only its own share. Episodes that
-can give no samples are never held.
+An episode is *held* from its ``EpisodeStarted`` until the fold releases it (finished or abandoned,
+and for GRPO its group emitted): the replayer keeps the episode's anchor unacked that long, so the
+number of held episodes is what ``max_ack_pending`` must cover. :class:`OpenLimits` caps it per run
+and per actor, and caps the bytes the held episodes' events take (:func:`event_bytes`, their text
+and token ids: what the fold keeps in memory), per run and per publishing actor; an
+``EpisodeStarted`` past a cap is refused with the reason (the replayer dead-letters it and the rest
+of its episode), and an event that would take the held bytes past ``max_bytes`` or its publisher's
+past ``max_bytes_per_actor`` is rejected, so a flood of episodes that never finish can neither hold
+the consumer nor exhaust memory, online or offline (``leafe replay`` applies the same caps), and one
+actor's flood fills only its own share. Episodes that can give no samples are never held.
 
-Every refusal has a code (:data:`CAP_CODES` for the caps): what ``leafe replayer redrive`` selects dead
-letters by. The reason is text for people and may quote the input (an episode or branch id), so nothing
-decides on it.
+Every refusal has a code (:data:`CAP_CODES` for the caps): what ``leafe replayer redrive`` selects
+dead letters by. The reason is text for people and may quote the input (an episode or branch id), so
+nothing decides on it.
 
-Every episode the fold stopped holding is remembered (bounded, oldest forgotten first) with how it ended,
-so later events of it are ignored or rejected consistently:
+Every episode the fold stopped holding is remembered (bounded, oldest forgotten first) with how it
+ended, so later events of it are ignored or rejected consistently:
 
-| ended      | a later event                                                                       |
-|------------|-------------------------------------------------------------------------------------|
-| `finished` | ignored when its seq is at or below the EpisodeFinished's (a redelivery), else rejected |
-| `abandoned`| ignored (a straggler of a crashed actor)                                            |
-| `ignored`  | ignored (the materializer has no use for the episode)                               |
-| `refused`  | rejected, with the reason it was refused                                            |
-| `failed`   | rejected, with the exception that failed it                                         |
+| ended       | a later event                                                               |
+|-------------|-----------------------------------------------------------------------------|
+| `finished`  | ignored when its seq <= the EpisodeFinished's (a redelivery), else rejected |
+| `abandoned` | ignored (a straggler of a crashed actor)                                    |
+| `ignored`   | ignored (the materializer has no use for the episode)                       |
+| `refused`   | rejected, with the reason it was refused                                    |
+| `failed`    | rejected, with the exception that failed it                                 |
 """
 
 from __future__ import annotations
@@ -33,14 +33,15 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from protocol.events import Branch, EpisodeEvent, EpisodeStarted, Reflection, Step
+from leafe.protocol.events import Branch, EpisodeEvent, EpisodeStarted, Reflection, Step
 
 __all__ = ["CAP_CODES", "Closed", "Ledger", "OpenLimits", "Refusal", "event_bytes"]
 
 CAP_CODES = frozenset(
     {"max_open_per_actor", "max_open_episodes", "max_open_bytes", "max_open_bytes_per_actor"}
 )
-"""Refusal codes of the caps: an episode refused for one of them can be folded once the cause is gone."""
+"""Refusal codes of the caps: an episode refused for one of them can be folded once the cause is
+gone."""
 
 _EVENT_OVERHEAD = 256
 """Bytes charged per event besides its text and ids (ids, counters, the tree's bookkeeping)."""
@@ -49,14 +50,18 @@ _EVENT_OVERHEAD = 256
 def event_bytes(event: EpisodeEvent) -> int:
     """What holding ``event`` costs, roughly: its text fields and its token ids and logprobs.
 
-    An estimate, cheap enough for every event (no encoding); it grows with what an event can make large
-    (observations, completions, token ids: 32 bytes each, about what a decoded Python int or float and
-    its list slot take), so a cap on it bounds the fold's memory up to a small constant."""
+    An estimate, cheap enough for every event (no encoding); it grows with what an event can make
+    large (observations, completions, token ids: 32 bytes each, about what a decoded Python int or
+    float and its list slot take), so a cap on it bounds the fold's memory up to a small
+    constant."""
     n = _EVENT_OVERHEAD + len(event.event_id) + len(event.episode_id) + len(event.actor_id)
     match event:
         case Step():
             n += (
-                len(event.raw_text) + len(event.observation) + len(event.feedback) + 32 * len(event.token_ids)
+                len(event.raw_text)
+                + len(event.observation)
+                + len(event.feedback)
+                + 32 * len(event.token_ids)
             )
             n += len(event.action or "") + 32 * len(event.logprobs or ())
         case EpisodeStarted():
@@ -91,7 +96,8 @@ class Closed(NamedTuple):
     reason: str = ""
     """``refused``/``failed``: why."""
     code: str = ""
-    """``refused``/``failed``: the refusal's code (one of :data:`CAP_CODES`, or ``episode_failed``)."""
+    """``refused``/``failed``: the refusal's code (one of :data:`CAP_CODES`, or
+    ``episode_failed``)."""
 
 
 class Refusal(NamedTuple):
@@ -110,13 +116,13 @@ class OpenLimits:
     max_open: int | None = None
     """Held episodes of the whole fold (one run)."""
     max_per_actor: int | None = None
-    """Held episodes per ``actor_id`` (admitted events' ``actor_id`` is their publisher's NATS identity,
-    ``protocol.codec.admit_event``)."""
+    """Held episodes per ``actor_id`` (admitted events' ``actor_id`` is their publisher's NATS
+    identity, ``leafe.protocol.codec.admit_event``)."""
     max_bytes: int | None = None
     """:func:`event_bytes` of every event of the held episodes, together."""
     max_bytes_per_actor: int | None = None
-    """:func:`event_bytes` of the events one ``actor_id`` (the publisher's NATS identity) added to held
-    episodes, its own or another's."""
+    """:func:`event_bytes` of the events one ``actor_id`` (the publisher's NATS identity) added to
+    held episodes, its own or another's."""
 
     @property
     def bounds_bytes(self) -> bool:
@@ -140,7 +146,8 @@ class Ledger:
         self.per_actor: Counter[str] = Counter()
         self.released: list[str] = []
         self.bytes: dict[str, Counter[str]] = {}
-        """Held episode id -> :func:`event_bytes` of its events so far, by the actor that published them."""
+        """Held episode id -> :func:`event_bytes` of its events so far, by the actor that published
+        them."""
         self.actor_bytes: Counter[str] = Counter()
         """Actor id -> bytes its events take in held episodes."""
         self.held_bytes = 0
@@ -167,14 +174,16 @@ class Ledger:
         if cap is not None and mine + size > cap:
             return Refusal(
                 "max_open_bytes_per_actor",
-                f"actor {_shown(actor)} holds {mine:,} bytes in open episodes and this event adds {size:,} "
+                f"actor {_shown(actor)} holds {mine:,} bytes in open episodes and this event adds "
+                f"{size:,} "
                 f"(max_open_bytes_per_actor = {cap:,})",
             )
         cap = self.limits.max_bytes
         if cap is not None and self.held_bytes + size > cap:
             return Refusal(
                 "max_open_bytes",
-                f"{self.held_bytes:,} bytes are held by {len(self.held)} open episodes and this event adds "
+                f"{self.held_bytes:,} bytes are held by {len(self.held)} open episodes and this "
+                "event adds "
                 f"{size:,} (max_open_bytes = {cap:,})",
             )
         return None
@@ -187,8 +196,8 @@ class Ledger:
         self.charge(started.episode_id, event_bytes(started), started.actor_id)
 
     def charge(self, episode_id: str, size: int, actor: str) -> None:
-        """Count ``size`` more bytes, published by ``actor``, held by ``episode_id`` (a held episode; others
-        cost nothing here)."""
+        """Count ``size`` more bytes, published by ``actor``, held by ``episode_id`` (a held
+        episode; others cost nothing here)."""
         charged = self.bytes.get(episode_id)
         if charged is not None:
             charged[actor] += size

@@ -1,19 +1,18 @@
 """Rejection-sampling SFT baseline (RFT): every step of a successful plain rollout becomes a sample.
 
-On the ``Outcome`` of a successful branch of an eligible episode (``rollout`` mode by default), each step
-of the branch's path is an ``rft`` sample ``(q + h_t, a_t)`` with ``reward`` 1.0 (the
-successful trajectory's return).
-Prompts are rebuilt without experience (plain rollouts have none). Unparsable completions are skipped
-by default.
+On the ``Outcome`` of a successful branch of an eligible episode (``rollout`` mode by default), each
+step of the branch's path is an ``rft`` sample ``(q + h_t, a_t)`` with ``reward`` 1.0 (the
+successful trajectory's return). Prompts are rebuilt without experience (plain rollouts have none).
+Unparsable completions are skipped by default.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from learner.materializers.base import CommonOptions, Materializer, path_entries
-from learner.materializers.tree import BranchNode, EpisodeTree
-from protocol.samples import Sample
+from leafe.learner.materializers.base import CommonOptions, Materializer, path_entries
+from leafe.learner.materializers.tree import BranchNode, EpisodeTree
+from leafe.protocol.samples import Sample
 
 __all__ = ["RftMaterializer", "RftOptions"]
 

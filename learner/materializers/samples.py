@@ -1,11 +1,12 @@
 """Building one sample from an episode tree: the prompt rebuilt from the log, verified, tokenized.
 
-:class:`SampleBuilder` is the half of :class:`~learner.materializers.base.Materializer` that turns a
-target step on a branch's path into a :class:`~protocol.samples.Sample` (``build_sample``): the prompt is
-``render_messages`` of the task and the history before the step (without the experience unless asked),
-tokenized through the fold's :class:`~learner.materializers.common.PromptCache`, and the exact prompt the
-actor sent is checked against ``Step.prompt_sha256`` (``verify_prompts``; a mismatch is counted and
-logged, never fatal). Samples are deduplicated within their episode by id.
+:class:`SampleBuilder` is the half of :class:`~leafe.learner.materializers.base.Materializer` that
+turns a target step on a branch's path into a :class:`~leafe.protocol.samples.Sample`
+(``build_sample``): the prompt is ``render_messages`` of the task and the history before the step
+(without the experience unless asked), tokenized through the fold's
+:class:`~leafe.learner.materializers.common.PromptCache`, and the exact prompt the actor sent is
+checked against ``Step.prompt_sha256`` (``verify_prompts``; a mismatch is counted and logged, never
+fatal). Samples are deduplicated within their episode by id.
 """
 
 from __future__ import annotations
@@ -15,21 +16,21 @@ from typing import Any
 
 import structlog
 
-from learner.materializers.common import (
+from leafe.learner.materializers.common import (
     CommonOptions,
     FoldStats,
     PromptCache,
     fast_prompt_sha256,
     sample_id_for,
 )
-from learner.materializers.tree import EpisodeTree, history_entry
-from protocol.events import Step
-from protocol.prompt import HistoryEntry, render_messages
-from protocol.samples import ChatMessage, Sample, SampleKind
+from leafe.learner.materializers.tree import EpisodeTree, history_entry
+from leafe.protocol.events import Step
+from leafe.protocol.prompt import HistoryEntry, render_messages
+from leafe.protocol.samples import ChatMessage, Sample, SampleKind
 
 __all__ = ["SampleBuilder", "path_entries"]
 
-log = structlog.get_logger("learner.materializers")
+log = structlog.get_logger("leafe.learner.materializers")
 
 
 class SampleBuilder:
@@ -45,7 +46,11 @@ class SampleBuilder:
         raise NotImplementedError
 
     def render(
-        self, tree: EpisodeTree, history: Sequence[HistoryEntry], observation: str, experience: str | None
+        self,
+        tree: EpisodeTree,
+        history: Sequence[HistoryEntry],
+        observation: str,
+        experience: str | None,
     ) -> list[ChatMessage]:
         """The prompt messages for a step with ``history`` before it."""
         s = tree.started
@@ -76,11 +81,12 @@ class SampleBuilder:
         keep_experience: bool = False,
         **extra: Any,
     ) -> Sample | None:
-        """Sample whose target is ``path[t]`` and whose input is ``q + h_t``, or ``None`` when skipped.
+        """Sample whose target is ``path[t]`` and whose input is ``q + h_t``, or ``None`` when
+        skipped.
 
-        The training prompt carries no experience unless ``keep_experience`` (GRPO trains on the exact
-        behaviour prompt). ``entries[i]`` is the history entry of ``path[i]`` (at least ``t`` of them).
-        Deduplicated within the episode by sample id; tokenizes only what is emitted.
+        The training prompt carries no experience unless ``keep_experience`` (GRPO trains on the
+        exact behaviour prompt). ``entries[i]`` is the history entry of ``path[i]`` (at least ``t``
+        of them). Deduplicated within the episode by sample id; tokenizes only what is emitted.
         """
         target = path[t]
         if self.options.skip_unparsed_targets and not target.parse_ok:
@@ -102,7 +108,9 @@ class SampleBuilder:
             sent_ids = (
                 prompt_ids
                 if sent_e == train_e
-                else self.prompts.encode(self.render(tree, entries[:t], observation, sent_e), prefix)
+                else self.prompts.encode(
+                    self.render(tree, entries[:t], observation, sent_e), prefix
+                )
             )
             self._verify(tree, target, sent_ids)
         return self.finish_sample(

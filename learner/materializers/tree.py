@@ -1,17 +1,18 @@
 """Episode-tree state of the materializer fold: branches, their own steps, and validation.
 
-An :class:`EpisodeTree` holds one open episode: its ``EpisodeStarted``, every branch (root ``b0`` plus
-one per ``Branch`` event) with the steps it took itself, the reflection ids seen and the event ids
-already applied. Branch geometry (``protocol.events``): a branch ``b`` with parent ``p`` and rollback point
-``tau`` shares ``p``'s path ``0..tau-1``; its own steps start at ``t = tau``. :meth:`EpisodeTree.path`
-rebuilds the full path of any branch from that alone, walking up its ancestors in a loop: the depth of a
-tree is input, so nothing here recurses on it (a chain of thousands of Branch events is just long).
+An :class:`EpisodeTree` holds one open episode: its ``EpisodeStarted``, every branch (root ``b0``
+plus one per ``Branch`` event) with the steps it took itself, the reflection ids seen and the event
+ids already applied. Branch geometry (``leafe.protocol.events``): a branch ``b`` with parent ``p``
+and rollback point ``tau`` shares ``p``'s path ``0..tau-1``; its own steps start at ``t = tau``.
+:meth:`EpisodeTree.path` rebuilds the full path of any branch from that alone, walking up its
+ancestors in a loop: the depth of a tree is input, so nothing here recurses on it (a chain of
+thousands of Branch events is just long).
 
-:meth:`EpisodeTree.add` validates an event before recording it and raises :class:`ReplayError` (a Step
-for an unknown branch or out of order, a Branch before its Reflection, a second Outcome, an episode past
-``max_branches`` or ``max_events``...), leaving the tree unchanged. :meth:`EpisodeTree.is_duplicate`
-tells a redelivery (same id, same content) from a conflict (same id, other content: rejected). Pure data,
-no I/O.
+:meth:`EpisodeTree.add` validates an event before recording it and raises :class:`ReplayError` (a
+Step for an unknown branch or out of order, a Branch before its Reflection, a second Outcome, an
+episode past ``max_branches`` or ``max_events``...), leaving the tree unchanged.
+:meth:`EpisodeTree.is_duplicate` tells a redelivery (same id, same content) from a conflict (same
+id, other content: rejected). Pure data, no I/O.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from protocol.events import (
+from leafe.protocol.events import (
     ROOT_BRANCH,
     Branch,
     EpisodeEvent,
@@ -32,7 +33,7 @@ from protocol.events import (
     Rollback,
     Step,
 )
-from protocol.prompt import HistoryEntry
+from leafe.protocol.prompt import HistoryEntry
 
 __all__ = ["BranchNode", "EpisodeFailed", "EpisodeTree", "ReplayError", "history_entry"]
 
@@ -42,9 +43,10 @@ def _short(value: str) -> str:
 
 
 class ReplayError(ValueError):
-    """An event the fold cannot apply (unknown episode/branch, out of order...); ``reason`` says why (text
-    that may quote the input), ``code`` which kind of refusal it is (``rejected``, ``episode_failed`` or a
-    cap's, ``learner.materializers.lifecycle.CAP_CODES``): what tools decide on."""
+    """An event the fold cannot apply (unknown episode/branch, out of order...); ``reason`` says why
+    (text that may quote the input), ``code`` which kind of refusal it is (``rejected``,
+    ``episode_failed`` or a cap's, ``leafe.learner.materializers.lifecycle.CAP_CODES``): what tools
+    decide on."""
 
     def __init__(self, event: EpisodeEvent, reason: str, code: str = "rejected") -> None:
         kind = type(event).__name__
@@ -56,7 +58,8 @@ class ReplayError(ValueError):
 
 
 class EpisodeFailed(ReplayError):
-    """Folding ``event`` raised an unexpected exception; its episode was dropped (the cause is chained)."""
+    """Folding ``event`` raised an unexpected exception; its episode was dropped (the cause is
+    chained)."""
 
     def __init__(self, event: EpisodeEvent, reason: str, code: str = "episode_failed") -> None:
         super().__init__(event, reason, code)
@@ -104,7 +107,12 @@ class EpisodeTree:
 
     @classmethod
     def start(
-        cls, event: EpisodeStarted, now: float, *, max_branches: int = 2048, max_events: int = 32_768
+        cls,
+        event: EpisodeStarted,
+        now: float,
+        *,
+        max_branches: int = 2048,
+        max_events: int = 32_768,
     ) -> EpisodeTree:
         """A tree with its root branch ``b0``."""
         tree = cls(started=event, last_active=now, max_branches=max_branches, max_events=max_events)
@@ -145,7 +153,9 @@ class EpisodeTree:
             run, ours = _short(event.run_id), _short(self.started.run_id)
             raise ReplayError(event, f"run {run} is not the episode's {ours}")
         if len(self.seen) >= self.max_events:
-            raise ReplayError(event, f"the episode already has {len(self.seen)} events (max_episode_events)")
+            raise ReplayError(
+                event, f"the episode already has {len(self.seen)} events (max_episode_events)"
+            )
         match event:
             case Step():
                 self._add_step(event)
@@ -179,20 +189,28 @@ class EpisodeTree:
     def _add_step(self, step: Step) -> None:
         node = self._branch(step, step.branch_id)
         if node.outcome is not None:
-            raise ReplayError(step, f"step after branch {node.branch_id!r} ended ({node.outcome.event_id})")
+            raise ReplayError(
+                step, f"step after branch {node.branch_id!r} ended ({node.outcome.event_id})"
+            )
         if step.t != node.next_t:
             want, got = node.next_t, step.t
-            raise ReplayError(step, f"out of order: branch {node.branch_id!r} expects t={want}, got t={got}")
+            raise ReplayError(
+                step, f"out of order: branch {node.branch_id!r} expects t={want}, got t={got}"
+            )
         node.steps.append(step)
 
     def _add_branch(self, event: Branch) -> None:
         if event.branch_id in self.branches:
             raise ReplayError(event, f"branch {_short(event.branch_id)} already exists")
         if len(self.branches) >= self.max_branches:
-            raise ReplayError(event, f"the episode already has {len(self.branches)} branches (max_branches)")
+            raise ReplayError(
+                event, f"the episode already has {len(self.branches)} branches (max_branches)"
+            )
         parent = self._branch(event, event.parent_branch_id)
         if event.reflection_event_id not in self.reflections:
-            raise ReplayError(event, f"Branch before its Reflection {_short(event.reflection_event_id)}")
+            raise ReplayError(
+                event, f"Branch before its Reflection {_short(event.reflection_event_id)}"
+            )
         available = parent.next_t  # the length of the parent's path: its tau plus its own steps
         if not 0 <= event.tau <= available:
             where = _short(parent.branch_id)

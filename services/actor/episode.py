@@ -1,11 +1,13 @@
-"""One task assignment served by the actor service: episode, event publishing, keepalive, ack/nak/term.
+"""One task assignment served by the actor service: episode, event publishing, keepalive,
+ack/nak/term.
 
-For each delivery :class:`EpisodeRunner` opens a Publisher, runs the explorer (``mode = explore``), a
-demonstration (``demo``) or one plain rollout (``rollout``/``eval``) on a pooled env, flushes (every event
-acked by JetStream), then acks the task, extending its AckWait with in-progress acks meanwhile.
-Cancellation (drain, shutdown) naks at once; a sandbox that cannot isolate or an event over the size limit
-terminates the task at once (they would fail again); any other error naks with a delay and terminates
-the task on its ``max_attempts``-th delivery. The fetching side is ``services/actor/service.py``.
+For each delivery :class:`EpisodeRunner` opens a Publisher, runs the explorer (``mode = explore``),
+a demonstration (``demo``) or one plain rollout (``rollout``/``eval``) on a pooled env, flushes
+(every event acked by JetStream), then acks the task, extending its AckWait with in-progress acks
+meanwhile. Cancellation (drain, shutdown) naks at once; a sandbox that cannot isolate or an event
+over the size limit terminates the task at once (they would fail again); any other error naks with a
+delay and terminates the task on its ``max_attempts``-th delivery. The fetching side is
+``services/actor/service.py``.
 """
 
 from __future__ import annotations
@@ -18,22 +20,22 @@ import structlog
 from nats.js import JetStreamContext
 from prometheus_client import Histogram
 
-from actors.client import EngineUnavailable
-from actors.config import ActorServiceConfig
-from actors.demo import DemoRunner
-from actors.engine import Completion, Engine, SamplingParams
-from actors.env_pool import EnvPool
-from actors.episode import EpisodeSpec, EpisodeSummary
-from actors.explorer import Explorer
-from actors.rollout import run_rollout
-from envs.sandbox import SandboxUnavailable
-from protocol.config import config_digest
-from protocol.events import EpisodeEvent
-from protocol.prompt import ChatTokenizer
-from protocol.tasks import TaskAssignment, episode_id_for
-from services.bus import Delivery, MessageTooLargeError, Publisher
-from services.metrics import ActorMetrics
-from services.probes import Probe
+from leafe.actors.client import EngineUnavailable
+from leafe.actors.config import ActorServiceConfig
+from leafe.actors.demo import DemoRunner
+from leafe.actors.engine import Completion, Engine, SamplingParams
+from leafe.actors.env_pool import EnvPool
+from leafe.actors.episode import EpisodeSpec, EpisodeSummary
+from leafe.actors.explorer import Explorer
+from leafe.actors.rollout import run_rollout
+from leafe.envs.sandbox.launch import SandboxUnavailable
+from leafe.protocol.config import config_digest
+from leafe.protocol.events import EpisodeEvent
+from leafe.protocol.prompt import ChatTokenizer
+from leafe.protocol.tasks import TaskAssignment, episode_id_for
+from leafe.services.bus import Delivery, MessageTooLargeError, Publisher
+from leafe.services.metrics import ActorMetrics
+from leafe.services.probes import Probe
 
 __all__ = ["ActorStats", "EpisodeRunner", "PublisherSink"]
 
@@ -50,7 +52,12 @@ class TimedEngine:
         self.latency = latency
 
     async def generate(
-        self, input_ids: list[int], params: SamplingParams, *, n: int = 1, return_logprob: bool = False
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        return_logprob: bool = False,
     ) -> list[Completion]:
         """The wrapped engine's ``generate``, timed (failed calls too)."""
         t0 = time.perf_counter()
@@ -86,7 +93,8 @@ class ActorStats(msgspec.Struct, kw_only=True):
 
 
 class PublisherSink:
-    """``EventSink`` that publishes through the bus ``Publisher`` (queued; acks awaited by ``flush``)."""
+    """``EventSink`` that publishes through the bus ``Publisher`` (queued; acks awaited by
+    ``flush``)."""
 
     def __init__(
         self, publisher: Publisher, metrics: ActorMetrics | None = None, probe: Probe | None = None
@@ -96,7 +104,8 @@ class PublisherSink:
         self.probe = probe
 
     async def emit(self, event: EpisodeEvent) -> None:
-        """Queue ``event`` for publishing on its subject (and count it when the sink has metrics)."""
+        """Queue ``event`` for publishing on its subject (and count it when the sink has
+        metrics)."""
         await self.publisher.publish_event(event)
         if self.metrics is not None:
             self.metrics.observe_event(event)
@@ -132,7 +141,8 @@ class EpisodeRunner:
         self.actor_id = actor_id
         self.stats = stats
         self.engine_down = False
-        """Set when an episode met an unreachable engine: the fetch loop checks readiness before fetching."""
+        """Set when an episode met an unreachable engine: the fetch loop checks readiness before
+        fetching."""
         self._outages: dict[str, int] = {}
         """Deliveries per task key that ended on an unreachable engine (not counted as attempts)."""
 
@@ -141,9 +151,18 @@ class EpisodeRunner:
         task, attempt = delivery.value, delivery.num_delivered
         episode_id = episode_id_for(task.task_key, attempt)
         structlog.contextvars.bind_contextvars(
-            run_id=self.run_id, actor_id=self.actor_id, episode_id=episode_id, task_key=task.task_key
+            run_id=self.run_id,
+            actor_id=self.actor_id,
+            episode_id=episode_id,
+            task_key=task.task_key,
         )
-        log.info("actor.episode.started", attempt=attempt, env=task.env, task_id=task.task_id, mode=task.mode)
+        log.info(
+            "actor.episode.started",
+            attempt=attempt,
+            env=task.env,
+            task_id=task.task_id,
+            mode=task.mode,
+        )
         keepalive = asyncio.create_task(self._keepalive(delivery))
         started = time.monotonic()
         outcome = "error"
@@ -165,7 +184,9 @@ class EpisodeRunner:
             except Exception as e:  # connection gone: JetStream redelivers after ack_wait instead
                 log.warning("actor.task.nak_failed", error=f"{type(e).__name__}: {e}")
             raise
-        except Exception as e:  # per-task failure: logged with context, counted, retried or terminated
+        except (
+            Exception
+        ) as e:  # per-task failure: logged with context, counted, retried or terminated
             await self._failed(delivery, attempt, e)
             return
         finally:
@@ -184,22 +205,29 @@ class EpisodeRunner:
             await self._engine_unavailable(delivery, attempt, error)
             return
         attempt -= self._outages.get(delivery.value.task_key, 0)
-        # Not transient: a sandbox without its isolation refuses on every attempt on this machine, and an
-        # event over the size limit would be too large again.
-        if attempt >= self.config.max_attempts or isinstance(e, SandboxUnavailable | MessageTooLargeError):
+        # Not transient: a sandbox without its isolation refuses on every attempt on this machine,
+        # and an event over the size limit would be too large again.
+        if attempt >= self.config.max_attempts or isinstance(
+            e, SandboxUnavailable | MessageTooLargeError
+        ):
             self.stats.failed += 1
             log.error("actor.task.failed", attempt=attempt, error=error, exc_info=e)
             await delivery.term()
         else:
             self.stats.retried += 1
-            log.warning("actor.task.retry", attempt=attempt, error=error, delay_s=self.config.retry_delay_s)
+            log.warning(
+                "actor.task.retry", attempt=attempt, error=error, delay_s=self.config.retry_delay_s
+            )
             await delivery.nak(self.config.retry_delay_s)
 
-    async def _engine_unavailable(self, delivery: Delivery[TaskAssignment], attempt: int, error: str) -> None:
-        """The engine could not be reached: the episode never got its answer, so the task is not to blame.
-        Nak it (redelivered after ``retry_delay_s``), never terminate it, and remember the outage so this
-        actor does not count that delivery among the task's ``max_attempts``; the fetch loop meanwhile
-        waits for a ready engine before taking any task (``ActorService._engine_ready``)."""
+    async def _engine_unavailable(
+        self, delivery: Delivery[TaskAssignment], attempt: int, error: str
+    ) -> None:
+        """The engine could not be reached: the episode never got its answer, so the task is not to
+        blame. Nak it (redelivered after ``retry_delay_s``), never terminate it, and remember the
+        outage so this actor does not count that delivery among the task's ``max_attempts``; the
+        fetch loop meanwhile waits for a ready engine before taking any task
+        (``ActorService._engine_ready``)."""
         self.engine_down = True
         self.stats.engine_outages += 1
         key = delivery.value.task_key
@@ -207,7 +235,10 @@ class EpisodeRunner:
         while len(self._outages) > _OUTAGES_KEPT:
             del self._outages[next(iter(self._outages))]
         log.warning(
-            "actor.task.engine_unavailable", attempt=attempt, error=error, delay_s=self.config.retry_delay_s
+            "actor.task.engine_unavailable",
+            attempt=attempt,
+            error=error,
+            delay_s=self.config.retry_delay_s,
         )
         await delivery.nak(self.config.retry_delay_s)
 
@@ -219,7 +250,9 @@ class EpisodeRunner:
             except Exception as e:  # a lost keepalive only risks a redelivery; the episode goes on
                 log.warning("actor.task.keepalive_failed", error=f"{type(e).__name__}: {e}")
 
-    def _spec(self, task: TaskAssignment, attempt: int, episode_id: str, digest: str) -> EpisodeSpec:
+    def _spec(
+        self, task: TaskAssignment, attempt: int, episode_id: str, digest: str
+    ) -> EpisodeSpec:
         return EpisodeSpec(
             run_id=self.run_id,
             episode_id=episode_id,
@@ -242,7 +275,9 @@ class EpisodeRunner:
         explorer_cfg = self.config.explorer_config(task.env)
         demo_cfg = self.config.demo_config(task.env)
         in_thread = explorer_cfg.env_in_thread if explore else rollout_cfg.env_in_thread
-        digest = config_digest(explorer_cfg if explore else [rollout_cfg, demo_cfg] if demo else rollout_cfg)
+        digest = config_digest(
+            explorer_cfg if explore else [rollout_cfg, demo_cfg] if demo else rollout_cfg
+        )
         spec = self._spec(task, attempt, episode_id, digest)
         env = await self.pool.acquire(task.env, task.env_options, in_thread=in_thread)
         reusable = False
@@ -259,7 +294,9 @@ class EpisodeRunner:
                         spec=spec,
                     )
                     summary = await explorer.run()
-                elif demo:  # the expert's demonstration (+ Early Experience alternatives when configured)
+                elif (
+                    demo
+                ):  # the expert's demonstration (+ Early Experience alternatives when configured)
                     engine = self.engine if demo_cfg.uses_engine else None
                     runner = DemoRunner(
                         tokenizer=self.tokenizer,

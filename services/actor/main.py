@@ -1,15 +1,17 @@
-"""``leafe actor``: pull task assignments, run LEAFE exploration trees or plain rollouts, publish events.
+"""``leafe actor``: pull task assignments, run LEAFE exploration trees or plain rollouts, publish
+events.
 
-    leafe actor --nats nats://127.0.0.1:4222 --run r1 --engine http://127.0.0.1:30000 --model tiny \\
-        [--config actor.toml] [--concurrency 8] [--metrics-port 9464]
+    leafe actor --nats nats://127.0.0.1:4222 --run r1 --engine http://127.0.0.1:30000 \\
+        --model tiny [--config actor.toml] [--concurrency 8] [--metrics-port 9464]
 
-The service itself (work queue, acks, keepalives, drain) is ``services/actor/service.py``. The actor id is
-the last token of every event subject it publishes on, and NATS lets each actor's credentials publish on
-its own id only (``services/bus/auth.py``): credentials ``actor.<id>`` (user, or seed file
-``actor.<id>.nk``) give the id; ``--actor-id`` may repeat it, never differ from it. Without such
-credentials (a test server, an admin) the id is ``--actor-id``, else ``<host>-<pid>``. SIGTERM or
-Ctrl-C: stop fetching, let running episodes finish for ``drain_timeout_s``, nak the rest.
-In-process (tests, benchmarks): ``await run_actor(nats=..., run_id=..., engine=..., tokenizer=...)``.
+The service itself (work queue, acks, keepalives, drain) is ``services/actor/service.py``. The actor
+id is the last token of every event subject it publishes on, and NATS lets each actor's credentials
+publish on its own id only (``services/bus/auth.py``): credentials ``actor.<id>`` (user, or seed
+file ``actor.<id>.nk``) give the id; ``--actor-id`` may repeat it, never differ from it. Without
+such credentials (a test server, an admin) the id is ``--actor-id``, else ``<host>-<pid>``. SIGTERM
+or Ctrl-C: stop fetching, let running episodes finish for ``drain_timeout_s``, nak the rest.
+In-process (tests, benchmarks): ``await run_actor(nats=..., run_id=..., engine=...,
+tokenizer=...)``.
 """
 
 from __future__ import annotations
@@ -24,18 +26,18 @@ from contextlib import AsyncExitStack
 
 import structlog
 
-from actors.client import SGLangClient
-from actors.config import ActorServiceConfig
-from actors.engine import Engine
-from actors.env_pool import EnvFactory
-from protocol.prompt import ChatTokenizer
-from protocol.subjects import validate_actor_id
-from services.actor.service import ActorService, ActorStats
-from services.bus import NatsOptions, add_nats_arguments, connect, nats_options
-from services.bus.connection import credential_actor_id
-from services.config import dump_config, load_config
-from services.logsetup import configure_logging
-from services.metrics import ActorMetrics, add_metrics_arguments, serve_metrics
+from leafe.actors.client import SGLangClient
+from leafe.actors.config import ActorServiceConfig
+from leafe.actors.engine import Engine
+from leafe.actors.env_pool import EnvFactory
+from leafe.protocol.prompt import ChatTokenizer
+from leafe.protocol.subjects import validate_actor_id
+from leafe.services.actor.service import ActorService, ActorStats
+from leafe.services.bus import NatsOptions, add_nats_arguments, connect, nats_options
+from leafe.services.bus.connection import credential_actor_id
+from leafe.services.config import dump_config, load_config
+from leafe.services.logsetup import configure_logging
+from leafe.services.metrics import ActorMetrics, add_metrics_arguments, serve_metrics
 
 __all__ = ["default_actor_id", "main", "resolve_actor_id", "run_actor"]
 
@@ -56,7 +58,8 @@ async def run_actor(
     env_factory: EnvFactory | None = None,
     metrics: ActorMetrics | None = None,
 ) -> ActorStats:
-    """Connect, serve tasks until ``stop`` (or ``max_tasks``), drain, disconnect. Give ``engine`` or URLs."""
+    """Connect, serve tasks until ``stop`` (or ``max_tasks``), drain, disconnect. Give ``engine`` or
+    URLs."""
     if engine is None and not engine_urls:
         raise ValueError("run_actor needs an engine or at least one engine URL")
     opts = NatsOptions(url=nats) if isinstance(nats, str) else nats
@@ -93,13 +96,16 @@ def default_actor_id() -> str:
 
 
 def resolve_actor_id(opts: NatsOptions, actor_id: str | None) -> str:
-    """The id to publish as: the credentials' (``actor.<id>``), which ``actor_id`` may only repeat, else
-    ``actor_id``, else :func:`default_actor_id`; checked as a subject token (``InvalidRunId`` names it)."""
+    """The id to publish as: the credentials' (``actor.<id>``), which ``actor_id`` may only repeat,
+    else ``actor_id``, else :func:`default_actor_id`; checked as a subject token (``InvalidRunId``
+    names it)."""
     pinned = credential_actor_id(opts)
     if pinned is not None and actor_id and actor_id != pinned:
         raise ValueError(
-            f"actor id {actor_id!r} differs from the one the NATS credentials are pinned to ({pinned!r}): "
-            "the server would refuse every event; drop --actor-id or use the actor's own credentials"
+            f"actor id {actor_id!r} differs from the one the NATS credentials are pinned to "
+            f"({pinned!r}): "
+            "the server would refuse every event; drop --actor-id or use the actor's own "
+            "credentials"
         )
     return validate_actor_id(pinned or actor_id or default_actor_id())
 
@@ -109,9 +115,13 @@ def _parser() -> argparse.ArgumentParser:
     add_nats_arguments(p)
     p.add_argument("--run", required=True, help="run id")
     p.add_argument("--engine", required=True, help="inference server URL(s), comma-separated")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="tokenizer: model dir, 'tiny' or default")
+    p.add_argument(
+        "--model", default="smollm2-135m-instruct", help="tokenizer: model dir, 'tiny' or default"
+    )
     p.add_argument("--config", default=None, help="ActorServiceConfig TOML file")
-    p.add_argument("--concurrency", type=int, default=None, help="episodes at once (overrides the config)")
+    p.add_argument(
+        "--concurrency", type=int, default=None, help="episodes at once (overrides the config)"
+    )
     p.add_argument(
         "--actor-id",
         default=None,
@@ -138,7 +148,10 @@ def main(argv: list[str]) -> int:
         p.error(str(e))
     if not nats.url:
         p.error("give --nats or set LEAFE_NATS_URL")
-    from learner.model_io import HFChatTokenizer, resolve_model  # transformers: only once the flags are good
+    from leafe.learner.model_io import (  # transformers: only once the flags are good
+        HFChatTokenizer,
+        resolve_model,
+    )
 
     log.info("actor.config", config=dump_config(config), model=args.model)
     tokenizer = HFChatTokenizer.from_dir(resolve_model(args.model))

@@ -1,24 +1,24 @@
 """The actor service: pull task assignments, run episodes, publish their events, ack the tasks.
 
 ```
- LEAFE_TASKS ──fetch (durable actors-<run>, shared)──► up to C episodes ──events──► Publisher ──► LEAFE_EVENTS
-      ▲   in_progress every N s while an episode runs       │ flush (every event acked by JetStream)
-      └────────── ack ◄──────────────────────────────────────┘ then ack the task
- LEAFE_WEIGHTS ──(last message, re-read at most every 10 s)──► latest announced version (logs; events carry
-                                                               the engine's own)
+ LEAFE_TASKS ──fetch (durable actors-<run>, shared)──► up to C episodes ──events──► Publisher ──►
+      ▲   in_progress every N s while an episode runs       │                        LEAFE_EVENTS
+      │                                                     │ flush (every event acked by JetStream)
+      └────────── ack ◄─────────────────────────────────────┘ then ack the task
+ LEAFE_WEIGHTS ──(last message, re-read at most every 10 s)──► latest announced version
+                                                               (logs; events carry the engine's own)
 ```
 
 :class:`ActorService` owns fetching, concurrency and shutdown; :class:`EpisodeRunner`
-(``services/actor/episode.py``) serves one
-delivery: open a Publisher, run the explorer (``mode = explore``), one plain rollout
-(``rollout``/``eval``) or the expert's demonstration (``demo``, ``actors/demo.py``) on a pooled env,
-flush (every event acked by JetStream), then ack the task, extending its AckWait with in-progress acks
-meanwhile. One durable consumer name per run is shared by every actor, so JetStream spreads the work
-queue. An actor that dies mid-episode leaves the task unacked; JetStream redelivers it after
-``ack_wait_s`` and the next attempt is a new episode (``episode_id_for(task_key, attempt)``), while the
-partial one, lacking ``EpisodeFinished``, is recognisable as abandoned. Cancellation (drain, shutdown)
-naks at once; any other error naks with a delay, and terminates the task on its ``max_attempts``-th
-delivery.
+(``services/actor/episode.py``) serves one delivery: open a Publisher, run the explorer (``mode =
+explore``), one plain rollout (``rollout``/``eval``) or the expert's demonstration (``demo``,
+``actors/demo.py``) on a pooled env, flush (every event acked by JetStream), then ack the task,
+extending its AckWait with in-progress acks meanwhile. One durable consumer name per run is shared
+by every actor, so JetStream spreads the work queue. An actor that dies mid-episode leaves the task
+unacked; JetStream redelivers it after ``ack_wait_s`` and the next attempt is a new episode
+(``episode_id_for(task_key, attempt)``), while the partial one, lacking ``EpisodeFinished``, is
+recognisable as abandoned. Cancellation (drain, shutdown) naks at once; any other error naks with a
+delay, and terminates the task on its ``max_attempts``-th delivery.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ import structlog
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
-from actors.config import ActorServiceConfig
-from actors.engine import Engine
-from actors.env_pool import EnvFactory, EnvPool
-from envs.registry import make_env
-from protocol.codec import CODEC_HEADER, ProtocolError, decode_task, decode_weights
-from protocol.prompt import ChatTokenizer
-from protocol.subjects import (
+from leafe.actors.config import ActorServiceConfig
+from leafe.actors.engine import Engine
+from leafe.actors.env_pool import EnvFactory, EnvPool
+from leafe.envs.registry import make_env
+from leafe.protocol.codec import CODEC_HEADER, ProtocolError, decode_task, decode_weights
+from leafe.protocol.prompt import ChatTokenizer
+from leafe.protocol.subjects import (
     DEAD_LETTERS,
     EVENTS,
     TASKS,
@@ -50,23 +50,26 @@ from protocol.subjects import (
     validate_run_id,
     weights_subject,
 )
-from protocol.tasks import TaskAssignment
-from services.actor.episode import ActorStats, EpisodeRunner, PublisherSink
-from services.bus import Consumer, Delivery, wait_for_streams
-from services.metrics import ActorMetrics
-from services.probes import Probe, attach
+from leafe.protocol.tasks import TaskAssignment
+from leafe.services.actor.episode import ActorStats, EpisodeRunner, PublisherSink
+from leafe.services.bus import Consumer, Delivery, wait_for_streams
+from leafe.services.metrics import ActorMetrics
+from leafe.services.probes import Probe, attach
 
 __all__ = ["ActorService", "ActorStats", "EpisodeRunner", "PublisherSink"]
 
 log = structlog.get_logger(__name__)
 STREAMS_USED = (TASKS.name, EVENTS.name, WEIGHTS.name, DEAD_LETTERS.name)
-"""The streams the actor waits for on start (made by `leafe streams ensure`; it may not create them)."""
+"""The streams the actor waits for on start (made by `leafe streams ensure`; it may not create
+them)."""
 _WEIGHTS_POLL_S = 10.0
-"""How often the latest weights announcement is read (it is informational: events carry the engine's)."""
+"""How often the latest weights announcement is read (it is informational: events carry the
+engine's)."""
 
 
 class ActorService:
-    """Pulls tasks and runs up to ``config.concurrency`` episodes at once (see the module docstring)."""
+    """Pulls tasks and runs up to ``config.concurrency`` episodes at once (see the module
+    docstring)."""
 
     def __init__(
         self,
@@ -92,10 +95,11 @@ class ActorService:
         self.pool = EnvPool(env_factory or make_env, max_idle=config.env_pool_size)
         self.stats = ActorStats()
         self.metrics = metrics or ActorMetrics()
-        """Prometheus metrics (``services/metrics.py``); served by ``leafe actor --metrics-port``."""
+        """Prometheus metrics (``services/metrics.py``); served by ``leafe actor
+        --metrics-port``."""
         self.probe = Probe("actor", stale_after_s=max(120.0, 3 * config.engine.timeout_s))
-        """``/healthz`` (``services/probes.py``): progress is a fetch, an engine poll or a published event;
-        three request timeouts without any means every episode in flight is stuck."""
+        """``/healthz`` (``services/probes.py``): progress is a fetch, an engine poll or a published
+        event; three request timeouts without any means every episode in flight is stuck."""
         attach(self.metrics.registry, self.probe)
         self.probe.connected(nc)
         self.runner = EpisodeRunner(
@@ -113,7 +117,8 @@ class ActorService:
         self.durable = actors_durable(self.run_id, config.durable)
         """Consumer name: unique per run, because every run's tasks share the LEAFE_TASKS stream."""
         self.latest_weights: str | None = None
-        """Latest ``WeightsPublished.version`` seen (informational: events carry the engine's version)."""
+        """Latest ``WeightsPublished.version`` seen (informational: events carry the engine's
+        version)."""
         self._running: set[asyncio.Task[None]] = set()
         self.engine = engine
         self.engine_waiting = False
@@ -122,7 +127,8 @@ class ActorService:
         self._weights_checked = -math.inf
 
     async def run(self, stop: asyncio.Event | None = None) -> ActorStats:
-        """Serve tasks until ``stop`` is set (or ``max_tasks`` were taken), then drain; returns stats."""
+        """Serve tasks until ``stop`` is set (or ``max_tasks`` were taken), then drain; returns
+        stats."""
         stop = stop or asyncio.Event()
         await wait_for_streams(self.js, STREAMS_USED, timeout_s=self.streams_timeout_s)
         consumer = self._consumer()
@@ -130,7 +136,10 @@ class ActorService:
         self.probe.bound(self.durable)
         await self._refresh_weights()
         log.info(
-            "actor.started", run_id=self.run_id, actor_id=self.actor_id, concurrency=self.config.concurrency
+            "actor.started",
+            run_id=self.run_id,
+            actor_id=self.actor_id,
+            concurrency=self.config.concurrency,
         )
         try:
             await self._fetch_loop(consumer, stop)
@@ -162,9 +171,13 @@ class ActorService:
     async def _fetch_loop(self, consumer: Consumer[TaskAssignment], stop: asyncio.Event) -> None:
         stopping = asyncio.ensure_future(stop.wait())
         try:
-            while not stop.is_set() and (self.max_tasks is None or self.stats.taken < self.max_tasks):
+            while not stop.is_set() and (
+                self.max_tasks is None or self.stats.taken < self.max_tasks
+            ):
                 if len(self._running) >= self.config.concurrency:
-                    await asyncio.wait({*self._running, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(
+                        {*self._running, stopping}, return_when=asyncio.FIRST_COMPLETED
+                    )
                     continue
                 if not await self._engine_ready(stop):
                     break
@@ -180,15 +193,19 @@ class ActorService:
             stopping.cancel()
 
     async def _engine_ready(self, stop: asyncio.Event) -> bool:
-        """Take no task while the engine cannot generate (SGLang loading its model for up to 30 minutes, a
-        router without a healthy worker, an episode that just met an unreachable engine): poll the engine's
-        ``ready()`` every ``engine.ready_poll_s`` until it answers, so a cold start burns no delivery.
-        Engines without ``ready()`` (in-process fakes) are always ready. False when ``stop`` came first."""
+        """Take no task while the engine cannot generate (SGLang loading its model for up to 30
+        minutes, a router without a healthy worker, an episode that just met an unreachable engine):
+        poll the engine's ``ready()`` every ``engine.ready_poll_s`` until it answers, so a cold
+        start burns no delivery. Engines without ``ready()`` (in-process fakes) are always ready.
+        False when ``stop`` came first."""
         ready = getattr(self.engine, "ready", None)
         if ready is None:
             return True
         now = time.monotonic()
-        if not self.runner.engine_down and now - self._ready_checked < self.config.engine.ready_poll_s:
+        if (
+            not self.runner.engine_down
+            and now - self._ready_checked < self.config.engine.ready_poll_s
+        ):
             return True
         waited = False
         while not await ready():
@@ -211,7 +228,9 @@ class ActorService:
 
     def _spawn(self, delivery: Delivery[TaskAssignment]) -> None:
         self.stats.taken += 1
-        task = asyncio.create_task(self.runner.serve(delivery), name=f"episode:{delivery.value.task_key}")
+        task = asyncio.create_task(
+            self.runner.serve(delivery), name=f"episode:{delivery.value.task_key}"
+        )
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
@@ -229,7 +248,9 @@ class ActorService:
     async def _drain(self) -> None:
         if not self._running:
             return
-        log.info("actor.draining", running=len(self._running), timeout_s=self.config.drain_timeout_s)
+        log.info(
+            "actor.draining", running=len(self._running), timeout_s=self.config.drain_timeout_s
+        )
         await asyncio.wait(set(self._running), timeout=self.config.drain_timeout_s)
         await self._abandon_running()
 
@@ -243,8 +264,9 @@ class ActorService:
 
     async def _refresh_weights(self) -> None:
         """The run's latest ``WeightsPublished``, read at most every ``_WEIGHTS_POLL_S``. Read, not
-        subscribed: a subscriber receives the learner's publish with its reply inbox, and an actor may answer
-        what it receives (its NATS user acks tasks through ``allow_responses``), so it subscribes to nothing."""
+        subscribed: a subscriber receives the learner's publish with its reply inbox, and an actor
+        may answer what it receives (its NATS user acks tasks through ``allow_responses``), so it
+        subscribes to nothing."""
         now = time.monotonic()
         if now - self._weights_checked < _WEIGHTS_POLL_S:
             return

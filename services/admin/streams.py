@@ -1,10 +1,10 @@
-"""``leafe streams``: create, update or check the LEAFE JetStream streams and a run's durable consumers
-(the NATS admin's job alone).
+"""``leafe streams``: create, update or check the LEAFE JetStream streams and a run's durable
+consumers (the NATS admin's job alone).
 
 Services never create streams (their NATS users may not); they wait for the ones they use and exit
 non-zero naming them when they do not appear (``--streams-timeout``). This verb makes them, from
-``protocol.subjects.STREAMS``, idempotently: deploy/ runs it as the Job ``leafe-streams`` with the admin
-user, ``leafe run`` and the tests do the same before starting any service.
+``leafe.protocol.subjects.STREAMS``, idempotently: deploy/ runs it as the Job ``leafe-streams`` with
+the admin user, ``leafe run`` and the tests do the same before starting any service.
 
 ```
 leafe streams ensure --nats URL --nats-user admin --nats-password-file F --stream-replicas 3
@@ -12,10 +12,10 @@ leafe streams check  --nats URL ...    # exit 1 if a stream is missing or differ
 leafe streams ensure --nats URL ... --run RUN [--materializer leafe] [--learner-durable NAME]
 ```
 
-With ``--run`` ``ensure`` also makes the run's durable consumers (services/bus/durables.py): the actors'
-shared one on LEAFE_TASKS, the replayer's per materializer on LEAFE_EVENTS and the learner's on
-LEAFE_SAMPLES, with the settings of the services' default configs. No service may create or change a
-consumer: each binds its durable and waits for it, as it waits for its streams.
+With ``--run`` ``ensure`` also makes the run's durable consumers (services/bus/durables.py): the
+actors' shared one on LEAFE_TASKS, the replayer's per materializer on LEAFE_EVENTS and the learner's
+on LEAFE_SAMPLES, with the settings of the services' default configs. No service may create or
+change a consumer: each binds its durable and waits for it, as it waits for its streams.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from actors.config import ActorServiceConfig
-from learner.config import LearnerConfig
-from protocol.subjects import (
+from leafe.actors.config import ActorServiceConfig
+from leafe.learner.config import LearnerConfig
+from leafe.protocol.subjects import (
     EVENTS,
     SAMPLES,
     TASKS,
@@ -36,7 +36,7 @@ from protocol.subjects import (
     samples_filter,
     task_subject,
 )
-from services.bus import (
+from leafe.services.bus import (
     DurableMismatchError,
     DurableSpec,
     NatsOptions,
@@ -48,8 +48,8 @@ from services.bus import (
     ensure_streams,
     nats_options,
 )
-from services.logsetup import configure_logging
-from services.replayer.config import ReplayerConfig
+from leafe.services.logsetup import configure_logging
+from leafe.services.replayer.config import ReplayerConfig
 
 __all__ = ["durables_for_run", "main"]
 
@@ -62,8 +62,8 @@ def durables_for_run(
     replayer: ReplayerConfig | None = None,
     learner: LearnerConfig | None = None,
 ) -> list[DurableSpec]:
-    """The durables of ``run_id``'s services, each with the settings its service asks for under these
-    configs (the defaults when None): what the service then binds without changing it."""
+    """The durables of ``run_id``'s services, each with the settings its service asks for under
+    these configs (the defaults when None): what the service then binds without changing it."""
     actor, replayer, learner = (
         actor or ActorServiceConfig(),
         replayer or ReplayerConfig(),
@@ -124,8 +124,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="a replayer materializer of the run (repeatable; default leafe)",
     )
-    ensure.add_argument("--actors-durable", default="actors", help="actors' durable prefix (default actors)")
-    ensure.add_argument("--learner-durable", default="", help="learner durable name (default learner-<run>)")
+    ensure.add_argument(
+        "--actors-durable", default="actors", help="actors' durable prefix (default actors)"
+    )
+    ensure.add_argument(
+        "--learner-durable", default="", help="learner durable name (default learner-<run>)"
+    )
     return p
 
 

@@ -1,14 +1,14 @@
 """``leafe tasks``: build task assignments and submit them to a run's work queue (``LEAFE_TASKS``).
 
-Every assignment has a deterministic ``task_key`` (its ``Nats-Msg-Id``), so submitting the same batch
-twice queues it once while JetStream remembers the id; :func:`submit` also skips keys whose episode
-already finished (read from the log by the caller), which keeps resumption exact past the dedupe window.
+Every assignment has a deterministic ``task_key`` (its ``Nats-Msg-Id``), so submitting the same
+batch twice queues it once while JetStream remembers the id; :func:`submit` also skips keys whose
+episode already finished (read from the log by the caller), which keeps resumption exact past the
+dedupe window.
 
 ```
-leafe tasks submit --run r1 --env sokoban --split train --count 8 --mode explore
-leafe tasks submit --run r1 --env sokoban --split test --count 16 --samples 16 --mode eval --prefix eval-v0
-leafe tasks submit --run r1 --env sokoban --split train --count 64 --mode demo
-leafe tasks pending --run r1
+leafe tasks submit --run r1 --env sokoban --split train --count 8 --mode explore leafe tasks submit
+--run r1 --env sokoban --split test --count 16 --samples 16 --mode eval --prefix eval-v0 leafe tasks
+submit --run r1 --env sokoban --split train --count 64 --mode demo leafe tasks pending --run r1
 ```
 """
 
@@ -19,12 +19,19 @@ import asyncio
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, get_args
 
-from envs.registry import make_env
-from protocol.events import Mode
-from protocol.subjects import TASKS, task_subject, validate_run_id
-from protocol.tasks import TaskAssignment, task_slug
-from services.bus import NatsOptions, Publisher, add_nats_arguments, connect, nats_options, wait_for_streams
-from services.config import parse_key_value
+from leafe.envs.registry import make_env
+from leafe.protocol.events import Mode
+from leafe.protocol.subjects import TASKS, task_subject, validate_run_id
+from leafe.protocol.tasks import TaskAssignment, task_slug
+from leafe.services.bus import (
+    NatsOptions,
+    Publisher,
+    add_nats_arguments,
+    connect,
+    nats_options,
+    wait_for_streams,
+)
+from leafe.services.config import parse_key_value
 
 __all__ = ["main", "make_assignments", "pending", "submit"]
 
@@ -75,10 +82,12 @@ def make_assignments(
     return out
 
 
-async def submit(js: Any, assignments: Iterable[TaskAssignment], *, skip: Iterable[str] = ()) -> int:
-    """Publish assignments (deduplicated by ``task_key``) on the existing ``LEAFE_TASKS`` stream, skipping
-    the keys in ``skip``; returns the number published (JetStream may still drop exact duplicates it
-    remembers)."""
+async def submit(
+    js: Any, assignments: Iterable[TaskAssignment], *, skip: Iterable[str] = ()
+) -> int:
+    """Publish assignments (deduplicated by ``task_key``) on the existing ``LEAFE_TASKS`` stream,
+    skipping the keys in ``skip``; returns the number published (JetStream may still drop exact
+    duplicates it remembers)."""
     skipped = set(skip)
     count = 0
     async with Publisher(js) as pub:
@@ -103,11 +112,15 @@ def _parser() -> argparse.ArgumentParser:
     add_nats_arguments(s)
     s.add_argument("--run", required=True, help="run id")
     s.add_argument("--env", required=True, help="environment name (sokoban, scienceworld, ...)")
-    s.add_argument("--env-option", action="append", type=parse_key_value, default=[], help="KEY=VALUE")
+    s.add_argument(
+        "--env-option", action="append", type=parse_key_value, default=[], help="KEY=VALUE"
+    )
     s.add_argument("--split", default="train", help="train or test")
     s.add_argument("--offset", type=int, default=0, help="first task index of the split")
     s.add_argument("--count", type=int, required=True, help="number of tasks")
-    s.add_argument("--mode", choices=get_args(Mode), default="explore", help="demo: expert demonstrations")
+    s.add_argument(
+        "--mode", choices=get_args(Mode), default="explore", help="demo: expert demonstrations"
+    )
     s.add_argument("--samples", type=int, default=1, help="assignments per task (a group when > 1)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--prefix", default="", help="task key prefix (default: the mode)")
@@ -143,7 +156,10 @@ async def _main(args: argparse.Namespace, nats: NatsOptions) -> int:
         )
         await wait_for_streams(js, [TASKS.name], timeout_s=nats.streams_timeout_s)
         n = await submit(js, batch)
-        print(f"submitted {n} assignments ({len(ids)} tasks x {args.samples}) to {task_subject(args.run)}")
+        print(
+            f"submitted {n} assignments ({len(ids)} tasks x {args.samples}) to "
+            f"{task_subject(args.run)}"
+        )
         return 0
     finally:
         await nc.drain()

@@ -1,17 +1,19 @@
-"""The JetStream bus: connect, create or wait for the LEAFE streams, publish typed messages, consume them.
+"""The JetStream bus: connect, create or wait for the LEAFE streams, publish typed messages, consume
+them.
 
 Every service talks to NATS through this package::
 
-    nc = await connect(nats_options(args))       # or connect(url); flags in services/bus/connection.py
+    nc = await connect(nats_options(args))  # or connect(url); flags in services/bus/connection.py
     js = nc.jetstream()
-    await wait_for_streams(js, [EVENTS.name], timeout_s=opts.streams_timeout_s)  # made by the admin:
-    #                     `leafe streams ensure` runs ensure_streams(js), idempotent, from STREAMS
-    async with Publisher(js) as pub:             # flushes (awaits every ack) on exit
-        await pub.publish_event(event)           # Nats-Msg-Id = event id, Leafe-Codec = codec version
+    # made by the admin: `leafe streams ensure` runs ensure_streams(js), idempotent, from STREAMS
+    await wait_for_streams(js, [EVENTS.name], timeout_s=opts.streams_timeout_s)
+    async with Publisher(js) as pub:        # flushes (awaits every ack) on exit
+        await pub.publish_event(event)      # Nats-Msg-Id = event id, Leafe-Codec = codec version
     consumer = Consumer(js, stream="LEAFE_EVENTS", durable="replayer", filter_subject=...,
-                        decode=decode_event, dead_letter_subject=dead_letter_subject(run, "LEAFE_EVENTS"))
+                        decode=decode_event,
+                        dead_letter_subject=dead_letter_subject(run, "LEAFE_EVENTS"))
     await consumer.start()
-    await consumer.consume(handler)              # acks each message after handler(delivery) returned
+    await consumer.consume(handler)         # acks each message after handler(delivery) returned
 
 | module          | what                                                                    |
 |-----------------|-------------------------------------------------------------------------|
@@ -28,13 +30,19 @@ Every service talks to NATS through this package::
 | `nats_cluster`  | `NatsCluster`: a local cluster of them (`leafe nats --cluster N`)       |
 """
 
-from services.bus.connection import NatsOptions, add_nats_arguments, connect, nats_options, redact
-from services.bus.consumer import ERROR_HEADER, Consumer, Delivery
-from services.bus.durables import DurableMismatchError, DurableSpec, ensure_durables
-from services.bus.publisher import MessageTooLargeError, Publisher, PublishError
-from services.bus.pull import ConsumerError
-from services.bus.reader import read_range, read_stream
-from services.bus.streams import (
+from leafe.services.bus.connection import (
+    NatsOptions,
+    add_nats_arguments,
+    connect,
+    nats_options,
+    redact,
+)
+from leafe.services.bus.consumer import ERROR_HEADER, Consumer, Delivery
+from leafe.services.bus.durables import DurableMismatchError, DurableSpec, ensure_durables
+from leafe.services.bus.publisher import MessageTooLargeError, Publisher, PublishError
+from leafe.services.bus.pull import ConsumerError
+from leafe.services.bus.reader import read_range, read_stream
+from leafe.services.bus.streams import (
     StreamMismatchError,
     StreamsMissingError,
     check_streams,

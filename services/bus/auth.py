@@ -1,21 +1,24 @@
-"""NATS users and TLS for an embedded nats-server: one nkey user per role, from deploy's permissions.json.
+"""NATS users and TLS for an embedded nats-server: one nkey user per role, from deploy's
+permissions.json.
 
 ``deploy/base/nats/permissions.json`` is the one list of what each role may publish and subscribe to
-(deploy/README.md, "NATS: one user per role"); the cluster's ``authorization.conf`` is generated from it,
-and so is the ``authorization`` block of every embedded server (``leafe run``, the tests), so a service
-runs with the same rights on a laptop as in a cluster. Each role gets a fresh nkey pair per start: the
-seed goes to ``<dir>/<role>.nk`` (mode 0600 in a 0700 directory), the public key into the server config.
-A service is given its own seed file only (``--nats-nkey``); ``leafe run``'s supervisor uses ``admin``.
+(deploy/README.md, "NATS: one user per role"); the cluster's ``authorization.conf`` is generated
+from it, and so is the ``authorization`` block of every embedded server (``leafe run``, the tests),
+so a service runs with the same rights on a laptop as in a cluster. Each role gets a fresh nkey pair
+per start: the seed goes to ``<dir>/<role>.nk`` (mode 0600 in a 0700 directory), the public key into
+the server config. A service is given its own seed file only (``--nats-nkey``); ``leafe run``'s
+supervisor uses ``admin``.
 
 Actors are the exception: every actor process is a user of its own, ``actor.<id>`` (seed file
-``actor.<id>.nk``), whose permissions are the ``actor`` role's with ``{actor}`` replaced by its id and
-``{run}`` by the run it serves: it may publish events only on ``leafe.<run>.events.*.<id>``, pull only the
-run's task durable ``actors-<run>``, ack only the tasks delivered to it (``allow_responses``, no
-``$JS.ACK`` subject of its own) and read only its inboxes ``_INBOX_actor.<id>``. The event subject's last
-token is thus an identity no actor can forge (the replayer caps open episodes per that token,
-``protocol.codec.admit_event``). There is no shared ``actor`` user. A user for any run
-(``run=ANY_RUN``: every subject token naming the run becomes ``*``) is what the test suite's shared server
-and the cluster's generated config without ``--run`` use.
+``actor.<id>.nk``), whose permissions are the ``actor`` role's with ``{actor}`` replaced by its id
+and ``{run}`` by the run it serves: it may publish events only on ``leafe.<run>.events.*.<id>``,
+pull only the run's task durable ``actors-<run>``, ack only the tasks delivered to it
+(``allow_responses``, no ``$JS.ACK`` subject of its own) and read only its inboxes
+``_INBOX_actor.<id>``. The event subject's last token is thus an identity no actor can forge (the
+replayer caps open episodes per that token, ``leafe.protocol.codec.admit_event``). There is no
+shared ``actor`` user. A user for any run (``run=ANY_RUN``: every subject token naming the run
+becomes ``*``) is what the test suite's shared server and the cluster's generated config without
+``--run`` use.
 
     keys = write_role_keys(run_dir / "nats-keys", key_names(["r1-actor-0", "r1-actor-1"]))
     server = EmbeddedNats(store, users=nkey_users(keys, load_permissions(), run="r1")).start()
@@ -33,8 +36,8 @@ from typing import Any
 import msgspec
 import nkeys
 
-from protocol.subjects import validate_actor_id, validate_run_id
-from services.bus.connection import ROLES, NatsOptions, inbox_prefix
+from leafe.protocol.subjects import validate_actor_id, validate_run_id
+from leafe.services.bus.connection import ROLES, NatsOptions, inbox_prefix
 
 __all__ = [
     "ACTOR_PLACEHOLDER",
@@ -56,21 +59,26 @@ __all__ = [
     "write_role_keys",
 ]
 
-PERMISSIONS_FILE = Path(__file__).resolve().parents[2] / "deploy" / "base" / "nats" / "permissions.json"
+PERMISSIONS_FILE = (
+    Path(__file__).resolve().parents[2] / "deploy" / "base" / "nats" / "permissions.json"
+)
 """The per-role permissions, in the source tree (the container image runs no embedded server)."""
 ACTOR_PLACEHOLDER = "{actor}"
 """Stands for an actor's id in the ``actor`` role's subjects of permissions.json."""
 RUN_PLACEHOLDER = "{run}"
-"""Stands for the run an actor serves in the ``actor`` role's subjects (inside a token: ``actors-{run}``)."""
+"""Stands for the run an actor serves in the ``actor`` role's subjects (inside a token:
+``actors-{run}``)."""
 ANY_RUN = "*"
-"""``run`` of an actor user that serves every run: each token holding :data:`RUN_PLACEHOLDER` becomes ``*``."""
+"""``run`` of an actor user that serves every run: each token holding :data:`RUN_PLACEHOLDER`
+becomes ``*``."""
 
 
 class NatsUser(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One entry of a server's ``authorization.users``: an nkey user, or a user with a password."""
 
     permissions: dict[str, Any]
-    """``{"publish": {"allow": [...], "deny": [...]}, "subscribe": {...}}`` as in permissions.json."""
+    """``{"publish": {"allow": [...], "deny": [...]}, "subscribe": {...}}`` as in
+    permissions.json."""
     nkey: str = ""
     """The user's public nkey (``U...``); empty for a password user."""
     user: str = ""
@@ -80,7 +88,9 @@ class NatsUser(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     def __post_init__(self) -> None:
         if bool(self.nkey) == bool(self.user):
-            raise ValueError(f"a NATS user has an nkey or a user name, not both or neither: {self.user!r}")
+            raise ValueError(
+                f"a NATS user has an nkey or a user name, not both or neither: {self.user!r}"
+            )
         if self.nkey and not self.nkey.startswith("U"):
             raise ValueError(f"nkey {self.nkey!r} is not a user public key (U...)")
         if bool(self.user) != bool(self.password):
@@ -88,7 +98,8 @@ class NatsUser(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 
 class ServerTls(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The server's ``tls`` block: its certificate, and the CA that client certificates must chain to."""
+    """The server's ``tls`` block: its certificate, and the CA that client certificates must chain
+    to."""
 
     cert_file: str
     """Server certificate (PEM)."""
@@ -101,7 +112,8 @@ class ServerTls(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
 
 class RoleKey(msgspec.Struct, frozen=True, kw_only=True):
-    """A role's generated nkey: where its seed is and its public key (the seed itself is never held)."""
+    """A role's generated nkey: where its seed is and its public key (the seed itself is never
+    held)."""
 
     role: str
     """The role of permissions.json, or ``actor.<id>`` for one actor's own user."""
@@ -112,10 +124,12 @@ class RoleKey(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def load_permissions(path: Path = PERMISSIONS_FILE) -> dict[str, dict[str, Any]]:
-    """permissions.json, checked to hold exactly :data:`ROLES`; raises naming the file and the roles."""
+    """permissions.json, checked to hold exactly :data:`ROLES`; raises naming the file and the
+    roles."""
     if not path.is_file():
         raise FileNotFoundError(
-            f"NATS permissions file {path} not found: the embedded server's users come from deploy/ "
+            f"NATS permissions file {path} not found: the embedded server's users come from "
+            "deploy/ "
             "in the source tree"
         )
     table: dict[str, dict[str, Any]] = json.loads(path.read_text(encoding="utf-8"))
@@ -125,7 +139,8 @@ def load_permissions(path: Path = PERMISSIONS_FILE) -> dict[str, dict[str, Any]]
 
 
 def actor_key_name(actor_id: str) -> str:
-    """The user (and seed file stem) of one actor: ``actor.<id>`` (the id checked as a subject token)."""
+    """The user (and seed file stem) of one actor: ``actor.<id>`` (the id checked as a subject
+    token)."""
     return f"actor.{validate_actor_id(actor_id)}"
 
 
@@ -135,10 +150,12 @@ def key_names(actor_ids: Iterable[str]) -> list[str]:
 
 
 def _subject(text: str, actor_id: str, run: str) -> str:
-    """``{actor}`` and ``{run}`` filled in, token by token: a token naming the run is the run's own, or
-    ``*`` for :data:`ANY_RUN` (``actors-{run}`` cannot be half a wildcard)."""
+    """``{actor}`` and ``{run}`` filled in, token by token: a token naming the run is the run's own,
+    or ``*`` for :data:`ANY_RUN` (``actors-{run}`` cannot be half a wildcard)."""
     tokens = [
-        (ANY_RUN if run == ANY_RUN else t.replace(RUN_PLACEHOLDER, run)) if RUN_PLACEHOLDER in t else t
+        (ANY_RUN if run == ANY_RUN else t.replace(RUN_PLACEHOLDER, run))
+        if RUN_PLACEHOLDER in t
+        else t
         for t in text.split(".")
     ]
     return ".".join(tokens).replace(ACTOR_PLACEHOLDER, actor_id)
@@ -154,15 +171,18 @@ def _substituted(value: Any, actor_id: str, run: str) -> Any:
     return value
 
 
-def permissions_for(name: str, permissions: Mapping[str, dict[str, Any]], *, run: str) -> dict[str, Any]:
-    """The permissions of user ``name``: a role's, or for ``actor.<id>`` the actor role's with ``{actor}``
-    replaced by the id and ``{run}`` by ``run`` (:data:`ANY_RUN`: any run); the shared ``actor`` is
-    refused (it would publish as any actor)."""
+def permissions_for(
+    name: str, permissions: Mapping[str, dict[str, Any]], *, run: str
+) -> dict[str, Any]:
+    """The permissions of user ``name``: a role's, or for ``actor.<id>`` the actor role's with
+    ``{actor}`` replaced by the id and ``{run}`` by ``run`` (:data:`ANY_RUN`: any run); the shared
+    ``actor`` is refused (it would publish as any actor)."""
     role, dot, actor_id = name.partition(".")
     if role == "actor":
         if not dot:
             raise ValueError(
-                "the actor role has no shared user: give each actor its own, actor.<id> (key_names), so "
+                "the actor role has no shared user: give each actor its own, actor.<id> "
+                "(key_names), so "
                 "its events are pinned to its id"
             )
         pinned = run if run == ANY_RUN else validate_run_id(run)
@@ -182,8 +202,8 @@ def _write_secret(path: Path, data: bytes) -> None:
 
 
 def write_role_keys(directory: Path, roles: Iterable[str] | None = None) -> dict[str, RoleKey]:
-    """A fresh user nkey per name of ``roles`` (default :func:`key_names` of no actor: every role but the
-    shared ``actor``); each seed in ``directory/<name>.nk`` (0600, directory 0700)."""
+    """A fresh user nkey per name of ``roles`` (default :func:`key_names` of no actor: every role
+    but the shared ``actor``); each seed in ``directory/<name>.nk`` (0600, directory 0700)."""
     roles = key_names(()) if roles is None else roles
     directory.mkdir(parents=True, exist_ok=True)
     directory.chmod(0o700)
@@ -201,8 +221,9 @@ def write_role_keys(directory: Path, roles: Iterable[str] | None = None) -> dict
 def nkey_users(
     keys: Mapping[str, RoleKey], permissions: Mapping[str, dict[str, Any]], *, run: str
 ) -> list[NatsUser]:
-    """One nkey user per role of ``keys``, with that role's permissions (:func:`permissions_for`); the
-    actors' pinned to ``run`` (:data:`ANY_RUN`: a server shared by many runs, e.g. the test suite's)."""
+    """One nkey user per role of ``keys``, with that role's permissions (:func:`permissions_for`);
+    the actors' pinned to ``run`` (:data:`ANY_RUN`: a server shared by many runs, e.g. the test
+    suite's)."""
     return [
         NatsUser(nkey=key.public_key, permissions=permissions_for(role, permissions, run=run))
         for role, key in keys.items()
@@ -210,8 +231,8 @@ def nkey_users(
 
 
 def role_options(url: str, keys: Mapping[str, RoleKey], **options: Any) -> dict[str, NatsOptions]:
-    """Each role's client options: ``url``, its own seed file and its inbox prefix (``options``: TLS files,
-    timeouts)."""
+    """Each role's client options: ``url``, its own seed file and its inbox prefix (``options``: TLS
+    files, timeouts)."""
     out = {}
     for role, key in keys.items():
         opts = NatsOptions(url=url, nkey=key.seed_file, **options)
@@ -224,8 +245,8 @@ def _quoted(text: str) -> str:
 
 
 def authorization_config(users: Sequence[NatsUser]) -> str:
-    """The server config's ``authorization`` block for ``users`` (permissions written as JSON, which the
-    nats-server config format accepts)."""
+    """The server config's ``authorization`` block for ``users`` (permissions written as JSON, which
+    the nats-server config format accepts)."""
     lines = ["authorization {", "  users = ["]
     for u in users:
         who = (

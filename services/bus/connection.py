@@ -1,39 +1,43 @@
-"""Connecting to NATS: one set of options for every verb, turned into a client that reconnects forever.
+"""Connecting to NATS: one set of options for every verb, turned into a client that reconnects
+forever.
 
-Every verb that talks to NATS takes the same options (:func:`add_nats_arguments`), each defaulting to
-an environment variable. The variables carry only a URL and the *paths* of secret files, never a
+Every verb that talks to NATS takes the same options (:func:`add_nats_arguments`), each defaulting
+to an environment variable. The variables carry only a URL and the *paths* of secret files, never a
 secret itself, so nothing sandboxed code could read from the environment grants access:
 
-| flag                     | environment               | what                                        |
-|--------------------------|---------------------------|---------------------------------------------|
-| `--nats URL`             | `LEAFE_NATS_URL`          | server URL(s), comma-separated for a cluster |
-| `--nats-creds FILE`      | `LEAFE_NATS_CREDS`        | NATS JWT `.creds` file                       |
-| `--nats-nkey FILE`       | `LEAFE_NATS_NKEY`         | nkey seed file                               |
-| `--nats-user NAME`       | `LEAFE_NATS_USER`         | user name (with a password file)             |
-| `--nats-password-file F` | `LEAFE_NATS_PASSWORD_FILE`| file holding that user's password            |
-| `--nats-tls-ca FILE`     | `LEAFE_NATS_TLS_CA`       | CA bundle that signed the server's cert      |
-| `--nats-tls-cert FILE`   | `LEAFE_NATS_TLS_CERT`     | client certificate (mutual TLS)              |
-| `--nats-tls-key FILE`    | `LEAFE_NATS_TLS_KEY`      | client key                                   |
-| `--nats-inbox-prefix P`  | `LEAFE_NATS_INBOX_PREFIX` | inbox prefix (default: the role's, below)     |
-| `--streams-timeout S`    |                           | how long a service waits for its streams     |
+| flag                     | environment                | what                                     |
+|--------------------------|----------------------------|------------------------------------------|
+| `--nats URL`             | `LEAFE_NATS_URL`           | URL(s), comma-separated for a cluster    |
+| `--nats-creds FILE`      | `LEAFE_NATS_CREDS`         | NATS JWT `.creds` file                   |
+| `--nats-nkey FILE`       | `LEAFE_NATS_NKEY`          | nkey seed file                           |
+| `--nats-user NAME`       | `LEAFE_NATS_USER`          | user name (with a password file)         |
+| `--nats-password-file F` | `LEAFE_NATS_PASSWORD_FILE` | file holding that user's password        |
+| `--nats-tls-ca FILE`     | `LEAFE_NATS_TLS_CA`        | CA bundle that signed the server's cert  |
+| `--nats-tls-cert FILE`   | `LEAFE_NATS_TLS_CERT`      | client certificate (mutual TLS)          |
+| `--nats-tls-key FILE`    | `LEAFE_NATS_TLS_KEY`       | client key                               |
+| `--nats-inbox-prefix P`  | `LEAFE_NATS_INBOX_PREFIX`  | inbox prefix (default: role's, below)    |
+| `--streams-timeout S`    |                            | how long a service waits for its streams |
 
 At most one identity: a ``.creds`` file, an nkey seed, or a user with a password file. A URL with
-credentials in it (``nats://user:pass@host``) still works, but is never logged: every log line carries
-:func:`redact` of the URL, and error messages are redacted the same way (a URL's user info anywhere in
-the text). Streams are created by ``leafe streams ensure`` alone (the NATS admin); services only wait
-for theirs (:func:`services.bus.streams.wait_for_streams`, bounded by ``--streams-timeout``).
+credentials in it (``nats://user:pass@host``) still works, but is never logged: every log line
+carries :func:`redact` of the URL, and error messages are redacted the same way (a URL's user info
+anywhere in the text). Streams are created by ``leafe streams ensure`` alone (the NATS admin);
+services only wait for theirs (:func:`leafe.services.bus.streams.wait_for_streams`, bounded by
+``--streams-timeout``).
 
-Inboxes: pull deliveries and JetStream API replies arrive on a client's inbox subjects, so each service role
-may subscribe only to its own prefix, ``_INBOX_<role>`` (permissions.json), and makes every inbox under it
-(nats-py's ``inbox_prefix``: ``new_inbox()``, requests, JetStream acks and pulls all use it). The role is
-taken from the identity when ``--nats-inbox-prefix`` is not given: the user name, or the nkey seed file's
-name ``<role>.nk`` (how ``leafe run`` and deploy/ name them); the admin and any other identity keep
-nats-py's ``_INBOX`` (the admin's permissions allow ``_INBOX.>``, which no service prefix falls under).
+Inboxes: pull deliveries and JetStream API replies arrive on a client's inbox subjects, so each
+service role may subscribe only to its own prefix, ``_INBOX_<role>`` (permissions.json), and makes
+every inbox under it (nats-py's ``inbox_prefix``: ``new_inbox()``, requests, JetStream acks and
+pulls all use it). The role is taken from the identity when ``--nats-inbox-prefix`` is not given:
+the user name, or the nkey seed file's name ``<role>.nk`` (how ``leafe run`` and deploy/ name them);
+the admin and any other identity keep nats-py's ``_INBOX`` (the admin's permissions allow
+``_INBOX.>``, which no service prefix falls under).
 
-Actors: each actor has credentials of its own, pinned to its actor id (``services/bus/auth.py``): the
-user ``actor.<id>``, or the seed file ``actor.<id>.nk``. Such an actor's inboxes are under
-``_INBOX_actor.<id>`` (one actor cannot read another's deliveries) and :func:`credential_actor_id` is the
-id ``leafe actor`` publishes as (the server refuses event subjects with any other actor token).
+Actors: each actor has credentials of its own, pinned to its actor id (``services/bus/auth.py``):
+the user ``actor.<id>``, or the seed file ``actor.<id>.nk``. Such an actor's inboxes are under
+``_INBOX_actor.<id>`` (one actor cannot read another's deliveries) and :func:`credential_actor_id`
+is the id ``leafe actor`` publishes as (the server refuses event subjects with any other actor
+token).
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 ROLES = ("actor", "replayer", "learner", "weight-sync", "log-import", "admin")
-"""The NATS roles of deploy/base/nats/permissions.json: one per service, the log importer, and the admin."""
+"""The NATS roles of deploy/base/nats/permissions.json: one per service, the log importer, and the
+admin."""
 SERVICE_ROLES = frozenset(ROLES) - {"admin"}
 """The roles confined to an inbox prefix of their own (:func:`inbox_prefix`)."""
 DEFAULT_INBOX_PREFIX = "_INBOX"
@@ -92,18 +97,25 @@ class NatsOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     tls_key: str = ""
     """Client private key."""
     streams_timeout_s: float = 120.0
-    """How long a service waits for the streams it uses to exist before it exits non-zero (seconds)."""
+    """How long a service waits for the streams it uses to exist before it exits non-zero
+    (seconds)."""
     inbox_prefix: str = ""
     """Prefix of every inbox the client makes; empty = its role's (:func:`inbox_prefix`)."""
 
     def __post_init__(self) -> None:
         if not self.streams_timeout_s > 0:
-            raise ValueError(f"streams_timeout_s = {self.streams_timeout_s}: expected a positive number")
+            raise ValueError(
+                f"streams_timeout_s = {self.streams_timeout_s}: expected a positive number"
+            )
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key go together: give both or neither")
         if bool(self.user) != bool(self.password_file):
             raise ValueError("user and password_file go together: give both or neither")
-        given = [name for name, v in (("creds", self.creds), ("nkey", self.nkey), ("user", self.user)) if v]
+        given = [
+            name
+            for name, v in (("creds", self.creds), ("nkey", self.nkey), ("user", self.user))
+            if v
+        ]
         if len(given) > 1:
             raise ValueError(f"NATS identity given twice ({' and '.join(given)}): give exactly one")
         if self.inbox_prefix and not _PREFIX.fullmatch(self.inbox_prefix):
@@ -116,20 +128,24 @@ _PREFIX = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 
 
 def _identity_name(opts: NatsOptions) -> str:
-    """The user name, or the nkey seed file's name without ``.nk`` (``actor``, ``actor.a0``), else ``""``."""
-    return opts.user or (Path(opts.nkey).name.removesuffix(".nk") if opts.nkey.endswith(".nk") else "")
+    """The user name, or the nkey seed file's name without ``.nk`` (``actor``, ``actor.a0``), else
+    ``""``."""
+    return opts.user or (
+        Path(opts.nkey).name.removesuffix(".nk") if opts.nkey.endswith(".nk") else ""
+    )
 
 
 def credential_actor_id(opts: NatsOptions) -> str | None:
-    """The actor id ``opts``' credentials are pinned to (user or seed file ``actor.<id>``), else None."""
+    """The actor id ``opts``' credentials are pinned to (user or seed file ``actor.<id>``), else
+    None."""
     role, dot, actor = _identity_name(opts).partition(".")
     return actor if role == "actor" and dot and actor else None
 
 
 def inbox_prefix(opts: NatsOptions) -> str:
-    """The inbox prefix ``opts`` connects with: the explicit one, else ``_INBOX_<role>`` for a service role
-    named by the user name or the nkey seed file (``<role>.nk``; ``_INBOX_actor.<id>`` for an actor's own
-    credentials, ``actor.<id>``), else nats-py's ``_INBOX``."""
+    """The inbox prefix ``opts`` connects with: the explicit one, else ``_INBOX_<role>`` for a
+    service role named by the user name or the nkey seed file (``<role>.nk``; ``_INBOX_actor.<id>``
+    for an actor's own credentials, ``actor.<id>``), else nats-py's ``_INBOX``."""
     if opts.inbox_prefix:
         return opts.inbox_prefix
     actor = credential_actor_id(opts)
@@ -144,34 +160,51 @@ def _env(name: str) -> str:
 
 
 def add_nats_arguments(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
-    """The NATS flags every verb shares (defaults from the environment, see the module docstring)."""
+    """The NATS flags every verb shares (defaults from the environment, see the module
+    docstring)."""
     g = parser.add_argument_group("NATS")
     url = _env("LEAFE_NATS_URL")
     g.add_argument(
-        "--nats", default=url, required=required and not url, help="NATS URL(s) (default $LEAFE_NATS_URL)"
+        "--nats",
+        default=url,
+        required=required and not url,
+        help="NATS URL(s) (default $LEAFE_NATS_URL)",
     )
-    g.add_argument("--nats-creds", "--creds", default=_env("LEAFE_NATS_CREDS"), help="JWT .creds file")
+    g.add_argument(
+        "--nats-creds", "--creds", default=_env("LEAFE_NATS_CREDS"), help="JWT .creds file"
+    )
     g.add_argument("--nats-nkey", default=_env("LEAFE_NATS_NKEY"), help="nkey seed file")
-    g.add_argument("--nats-user", default=_env("LEAFE_NATS_USER"), help="user (with --nats-password-file)")
-    g.add_argument("--nats-password-file", default=_env("LEAFE_NATS_PASSWORD_FILE"), help="password file")
-    g.add_argument("--nats-tls-ca", default=_env("LEAFE_NATS_TLS_CA"), help="CA bundle (turns TLS on)")
-    g.add_argument("--nats-tls-cert", default=_env("LEAFE_NATS_TLS_CERT"), help="client certificate")
+    g.add_argument(
+        "--nats-user", default=_env("LEAFE_NATS_USER"), help="user (with --nats-password-file)"
+    )
+    g.add_argument(
+        "--nats-password-file", default=_env("LEAFE_NATS_PASSWORD_FILE"), help="password file"
+    )
+    g.add_argument(
+        "--nats-tls-ca", default=_env("LEAFE_NATS_TLS_CA"), help="CA bundle (turns TLS on)"
+    )
+    g.add_argument(
+        "--nats-tls-cert", default=_env("LEAFE_NATS_TLS_CERT"), help="client certificate"
+    )
     g.add_argument("--nats-tls-key", default=_env("LEAFE_NATS_TLS_KEY"), help="client key")
     g.add_argument(
         "--nats-inbox-prefix",
         default=_env("LEAFE_NATS_INBOX_PREFIX"),
-        help="inbox prefix (default: _INBOX_<role> for a service role's user or <role>.nk seed, else _INBOX)",
+        help="inbox prefix (default: _INBOX_<role> for a service role's user or <role>.nk seed, "
+        "else _INBOX)",
     )
     g.add_argument(
         "--streams-timeout",
         type=float,
         default=120.0,
-        help="seconds to wait for the streams to exist (made by `leafe streams ensure`; default 120)",
+        help="seconds to wait for the streams to exist (made by `leafe streams ensure`; "
+        "default 120)",
     )
 
 
 def nats_options(args: argparse.Namespace) -> NatsOptions:
-    """The :class:`NatsOptions` of parsed arguments (raises ``ValueError`` naming a bad combination)."""
+    """The :class:`NatsOptions` of parsed arguments (raises ``ValueError`` naming a bad
+    combination)."""
     return NatsOptions(
         url=args.nats or "",
         creds=args.nats_creds or "",
@@ -187,19 +220,20 @@ def nats_options(args: argparse.Namespace) -> NatsOptions:
 
 
 _USER_INFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)[^\s/,]*@")
-"""A URL's scheme and user info: greedy up to the last ``@`` before the host, so a password holding an
-unencoded ``@`` is covered too."""
+"""A URL's scheme and user info: greedy up to the last ``@`` before the host, so a password holding
+an unencoded ``@`` is covered too."""
 
 
 def redact(text: str) -> str:
-    """``text`` (a URL, comma-separated URLs, or an error message quoting them) with the user info of every
-    URL in it replaced by ``***``."""
+    """``text`` (a URL, comma-separated URLs, or an error message quoting them) with the user info
+    of every URL in it replaced by ``***``."""
     return _USER_INFO.sub(r"\g<scheme>***@", text)
 
 
 def confined_role(nc: Client) -> str | None:
-    """The service role a connection is confined to (its inbox prefix is ``_INBOX_<role>``), else None
-    (the admin, or an identity of its own): such a connection may not create or change consumers."""
+    """The service role a connection is confined to (its inbox prefix is ``_INBOX_<role>``), else
+    None (the admin, or an identity of its own): such a connection may not create or change
+    consumers."""
     prefix = bytes(nc._inbox_prefix).decode()
     role = prefix.removeprefix(f"{DEFAULT_INBOX_PREFIX}_").split(".", 1)[0]
     return role if role != prefix and role in SERVICE_ROLES else None
@@ -218,21 +252,26 @@ def _auth_kwargs(opts: NatsOptions) -> dict[str, Any]:
     if opts.nkey:
         kwargs["nkeys_seed"] = _existing(opts.nkey, "nkey seed")
     if opts.user:
-        password = Path(_existing(opts.password_file, "password")).read_text(encoding="utf-8").strip()
+        password = (
+            Path(_existing(opts.password_file, "password")).read_text(encoding="utf-8").strip()
+        )
         kwargs.update(user=opts.user, password=password)
     if opts.tls_ca or opts.tls_cert:
         context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
         if opts.tls_ca:
             context.load_verify_locations(_existing(opts.tls_ca, "TLS CA"))
         if opts.tls_cert:
-            context.load_cert_chain(_existing(opts.tls_cert, "TLS cert"), _existing(opts.tls_key, "TLS key"))
+            context.load_cert_chain(
+                _existing(opts.tls_cert, "TLS cert"), _existing(opts.tls_key, "TLS key")
+            )
         kwargs["tls"] = context
     return kwargs
 
 
 def _first_connect_limit(kwargs: dict[str, Any]) -> float | None:
-    """How long the first connection may take: every server tried ``max_reconnect_attempts`` times, each
-    ``connect_timeout`` + ``reconnect_time_wait``, plus slack; None when the attempts are unbounded."""
+    """How long the first connection may take: every server tried ``max_reconnect_attempts`` times,
+    each ``connect_timeout`` + ``reconnect_time_wait``, plus slack; None when the attempts are
+    unbounded."""
     attempts = int(kwargs["max_reconnect_attempts"])
     if attempts < 0:
         return None
@@ -247,14 +286,15 @@ async def connect(
     connect_attempts: int = 3,
     **options: Any,
 ) -> Client:
-    """Connect with ``nats_opts`` (or a bare URL); the first connection is tried ``connect_attempts``
-    times, then raises; once connected the client reconnects forever (a restarted server or cluster
-    node is waited for, with events logged). ``options`` go to ``nats.connect`` unchanged (an
-    ``error_cb`` among them is called after ours, which logs the error redacted).
+    """Connect with ``nats_opts`` (or a bare URL); the first connection is tried
+    ``connect_attempts`` times, then raises; once connected the client reconnects forever (a
+    restarted server or cluster node is waited for, with events logged). ``options`` go to
+    ``nats.connect`` unchanged (an ``error_cb`` among them is called after ours, which logs the
+    error redacted).
 
-    The first connection is bounded in time: nats-py never returns from a failed TLS handshake (a server
-    certificate it does not trust; nats-io/nats.py#718), so past the time its attempts could take this
-    raises ``ConnectionError`` naming the URL (redacted) and the last error."""
+    The first connection is bounded in time: nats-py never returns from a failed TLS handshake (a
+    server certificate it does not trust; nats-io/nats.py#718), so past the time its attempts could
+    take this raises ``ConnectionError`` naming the URL (redacted) and the last error."""
     opts = NatsOptions(url=nats_opts) if isinstance(nats_opts, str) else nats_opts
     if not opts.url:
         raise ValueError("no NATS URL: pass --nats URL or set LEAFE_NATS_URL")
@@ -290,11 +330,15 @@ async def connect(
     kwargs.update(options)
     limit = _first_connect_limit(kwargs)
     try:
-        async with asyncio.timeout(limit):  # not wait_for: 3.11's drops a cancel that meets the connect
+        async with asyncio.timeout(
+            limit
+        ):  # not wait_for: 3.11's drops a cancel that meets the connect
             nc = await nats.connect(**kwargs)
     except TimeoutError:
         why = last_error[0] if last_error else "no answer"
-        raise ConnectionError(f"no NATS connection to {shown} within {limit:g}s; last error: {why}") from None
+        raise ConnectionError(
+            f"no NATS connection to {shown} within {limit:g}s; last error: {why}"
+        ) from None
     client.append(nc)
     if "max_reconnect_attempts" not in options:
         nc.options["max_reconnect_attempts"] = -1  # after the first connection: reconnect forever

@@ -1,18 +1,20 @@
-"""Durable pull consumers for the LEAFE streams (re-exported by ``services.bus``; import from there).
+"""Durable pull consumers for the LEAFE streams (re-exported by ``leafe.services.bus``; import from
+there).
 
 A :class:`Consumer` binds a durable, explicitly acked pull consumer and turns messages into typed
 :class:`Delivery` objects, through ``decode(data, codec_header)`` or, when given, ``admit(subject,
-headers, data)`` (the replayer's ``protocol.codec.admit_event``: size, headers, subject). Messages that
-fail never reach the caller: they are dead-lettered (``services.bus.dead_letters``: the reason in
-``Leafe-Error``, its ``ProtocolError.category`` in ``Leafe-Error-Code``, the original's subject, stream,
-seq, size and sha256, the body truncated only if it would not fit), then acked and counted in
-``dead_letters``; a dead letter is stored before its message is acked, and storing it again after a crash
-is a no-op (its subject, keyed by the original's seq, holds it already; nobody else may write there).
+headers, data)`` (the replayer's ``leafe.protocol.codec.admit_event``: size, headers, subject).
+Messages that fail never reach the caller: they are dead-lettered
+(``leafe.services.bus.dead_letters``: the reason in ``Leafe-Error``, its ``ProtocolError.category``
+in ``Leafe-Error-Code``, the original's subject, stream, seq, size and sha256, the body truncated
+only if it would not fit), then acked and counted in ``dead_letters``; a dead letter is stored
+before its message is acked, and storing it again after a crash is a no-op (its subject, keyed by
+the original's seq, holds it already; nobody else may write there).
 
-Pulling goes through :class:`services.bus.pull.Puller` (batched requests, no per-message task). Acks
-are plain publishes on the message's reply subject: they go into the connection's write buffer and
-are flushed together, never waiting for a reply per message, and :meth:`Consumer.consume` sends each
-one only after the handler returned.
+Pulling goes through :class:`leafe.services.bus.pull.Puller` (batched requests, no per-message
+task). Acks are plain publishes on the message's reply subject: they go into the connection's write
+buffer and are flushed together, never waiting for a reply per message, and :meth:`Consumer.consume`
+sends each one only after the handler returned.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
 
-from protocol.codec import CODEC_HEADER, MSG_ID_HEADER, ProtocolError
-from services.bus.connection import confined_role
-from services.bus.dead_letters import (
+from leafe.protocol.codec import CODEC_HEADER, MSG_ID_HEADER, ProtocolError
+from leafe.services.bus.connection import confined_role
+from leafe.services.bus.dead_letters import (
     ERROR_HEADER,
     ORIGINAL_SEQ_HEADER,
     ORIGINAL_STREAM_HEADER,
@@ -40,7 +42,7 @@ from services.bus.dead_letters import (
     dead_letter_message,
     publish_dead_letter,
 )
-from services.bus.pull import ConsumerError, Puller
+from leafe.services.bus.pull import ConsumerError, Puller
 
 __all__ = ["ERROR_HEADER", "Consumer", "Delivery", "dead_letter_of"]
 
@@ -148,22 +150,24 @@ class Consumer(Generic[T]):
         )
         self._puller: Puller | None = None
         self.dead_letters = 0
-        self.dead_letters_by_category: dict[str, int] = {}
-        """Dead letters per ``ProtocolError.category`` (``protocol.codec.REFUSALS``)."""
         """Undecodable messages moved to the dead-letter subject."""
+        self.dead_letters_by_category: dict[str, int] = {}
+        """Dead letters per ``ProtocolError.category`` (``leafe.protocol.codec.REFUSALS``)."""
         self.handler_failures = 0
         """Handler exceptions in :meth:`consume` (each message was nak'ed for redelivery)."""
 
     async def start(self) -> None:
-        """Bind the durable consumer (idempotent); see :mod:`services.bus.durables` for who makes it.
+        """Bind the durable consumer (idempotent); see :mod:`leafe.services.bus.durables` for who
+        makes it.
 
-        Under a service role (a connection confined to its own inbox prefix) the durable is the admin's:
-        it is bound as it is, never created or changed, and waited for up to ``bind_timeout_s`` (logging
-        what is missing and the command that makes it). Its ``ack_wait`` is adopted; a ``max_ack_pending``
-        below what this service asked for raises :class:`ConsumerError`. An admin identity (tests, one-off
-        tools) still creates a missing durable, or updates the changeable settings of an existing one.
-        A different filter subject always raises :class:`ConsumerError`: the durable would carry its old
-        position and pending redeliveries into the new role.
+        Under a service role (a connection confined to its own inbox prefix) the durable is the
+        admin's: it is bound as it is, never created or changed, and waited for up to
+        ``bind_timeout_s`` (logging what is missing and the command that makes it). Its ``ack_wait``
+        is adopted; a ``max_ack_pending`` below what this service asked for raises
+        :class:`ConsumerError`. An admin identity (tests, one-off tools) still creates a missing
+        durable, or updates the changeable settings of an existing one. A different filter subject
+        always raises :class:`ConsumerError`: the durable would carry its old position and pending
+        redeliveries into the new role.
         """
         if self._puller is not None:
             return
@@ -171,7 +175,8 @@ class Consumer(Generic[T]):
         if existing is not None and existing.filter_subject != self.filter_subject:
             raise ConsumerError(
                 f"durable consumer {self.durable!r} on {self.stream!r} exists with filter "
-                f"{existing.filter_subject!r}, not {self.filter_subject!r}; use another durable name"
+                f"{existing.filter_subject!r}, not {self.filter_subject!r}; use another durable "
+                "name"
             )
         if confined_role(self._js._nc) is not None:
             self._adopt(existing or await self._wait_for_durable())
@@ -197,7 +202,10 @@ class Consumer(Generic[T]):
         deadline = time.monotonic() + self.bind_timeout_s
         while True:
             log.warning(
-                "bus.consumer.waiting", stream=self.stream, durable=self.durable, create_with=DURABLES_COMMAND
+                "bus.consumer.waiting",
+                stream=self.stream,
+                durable=self.durable,
+                create_with=DURABLES_COMMAND,
             )
             await asyncio.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
             existing = await self._existing()
@@ -219,8 +227,10 @@ class Consumer(Generic[T]):
         have_pending = int(existing.max_ack_pending or 0)
         if 0 < have_pending < int(self._config.max_ack_pending or 0):
             raise ConsumerError(
-                f"durable consumer {self.durable!r} on {self.stream!r} allows max_ack_pending {have_pending}, "
-                f"this service needs {self._config.max_ack_pending}; raise it with {DURABLES_COMMAND}"
+                f"durable consumer {self.durable!r} on {self.stream!r} allows max_ack_pending "
+                f"{have_pending}, "
+                f"this service needs {self._config.max_ack_pending}; raise it with "
+                f"{DURABLES_COMMAND}"
             )
         ack_wait = float(existing.ack_wait or self.ack_wait_s)
         if abs(ack_wait - self.ack_wait_s) > 1e-3:
@@ -246,8 +256,14 @@ class Consumer(Generic[T]):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def fetch(self, timeout: float = 1.0, *, max_messages: int | None = None) -> list[Delivery[T]]:  # noqa: ASYNC109
-        """Up to ``batch`` (or ``max_messages``) deliveries in stream order; ``[]`` after ``timeout`` s."""
+    async def fetch(
+        self,
+        timeout: float = 1.0,  # noqa: ASYNC109
+        *,
+        max_messages: int | None = None,
+    ) -> list[Delivery[T]]:
+        """Up to ``batch`` (or ``max_messages``) deliveries in stream order; ``[]`` after
+        ``timeout`` s."""
         if self._puller is None:
             raise ConsumerError(f"consumer {self.durable!r} is not started; call start() first")
         msgs = await self._puller.pull(min(self.batch, max_messages or self.batch), timeout)
@@ -309,15 +325,17 @@ class Consumer(Generic[T]):
         """Call ``handler`` on each delivery in order and ack it after the handler returned.
 
         A handler exception is logged, counted and the message nak'ed (redelivered after
-        ``nak_delay_s``); with ``stop_on_error`` the rest of the batch is nak'ed too and the exception
-        re-raised, so a handler that needs strict per-subject order never sees a later message first.
-        Deliveries still waiting in a batch get in-progress acks every ``ack_wait_s / 3`` s, so slow
-        handlers do not trigger redelivery. Returns the number handled successfully, once ``stop`` is
-        set or that number reaches ``limit`` (it never goes past it).
+        ``nak_delay_s``); with ``stop_on_error`` the rest of the batch is nak'ed too and the
+        exception re-raised, so a handler that needs strict per-subject order never sees a later
+        message first. Deliveries still waiting in a batch get in-progress acks every ``ack_wait_s /
+        3`` s, so slow handlers do not trigger redelivery. Returns the number handled successfully,
+        once ``stop`` is set or that number reaches ``limit`` (it never goes past it).
         """
         handled = 0
         while (stop is None or not stop.is_set()) and (limit is None or handled < limit):
-            batch = await self.fetch(fetch_timeout, max_messages=None if limit is None else limit - handled)
+            batch = await self.fetch(
+                fetch_timeout, max_messages=None if limit is None else limit - handled
+            )
             if not batch:
                 continue
             cursor = [0]
@@ -325,7 +343,9 @@ class Consumer(Generic[T]):
             try:
                 for i, delivery in enumerate(batch):
                     cursor[0] = i
-                    if not await self._handle(handler, delivery, nak_delay_s, batch[i + 1 :], stop_on_error):
+                    if not await self._handle(
+                        handler, delivery, nak_delay_s, batch[i + 1 :], stop_on_error
+                    ):
                         continue
                     handled += 1
             finally:
@@ -372,7 +392,8 @@ class Consumer(Generic[T]):
 def dead_letter_of(
     js: JetStreamContext, msg: Msg, reason: str, dead_subject: str, *, code: str
 ) -> DeadLetter:
-    """The dead letter of stored message ``msg`` (keyed by its seq; see ``dead_letters``), of kind ``code``."""
+    """The dead letter of stored message ``msg`` (keyed by its seq; see ``dead_letters``), of kind
+    ``code``."""
     meta = msg.metadata
     origin = {
         ORIGINAL_SUBJECT_HEADER: msg.subject,

@@ -1,30 +1,34 @@
 """Dead letters: where a rejected message goes, with its reason, so nothing refused is lost.
 
 A dead letter is published on ``<dead subject>.<key>`` (stream ``LEAFE_DEAD``; the dead subject is
-``leafe.<run>.dead.<stream>`` of the consumer's stream: the replayer's all go to ``dead.leafe_events``,
-samples it could not store included; an actor's to ``dead.leafe_tasks.<actor id>``) with the reason in
-``Leafe-Error``, its code in ``Leafe-Error-Code`` (a small fixed set: what tools select letters by, never
-the reason's text, which can quote the input) and where the original lives in
-``Leafe-Original-Subject/-Stream/-Seq`` (or ``Leafe-Sample-Id``); its body is the original's bytes, with
-their size and sha256 in ``Leafe-Original-Bytes`` and ``Leafe-Original-Sha256``.
+``leafe.<run>.dead.<stream>`` of the consumer's stream: the replayer's all go to
+``dead.leafe_events``, samples it could not store included; an actor's to ``dead.leafe_tasks.<actor
+id>``) with the reason in ``Leafe-Error``, its code in ``Leafe-Error-Code`` (a small fixed set: what
+tools select letters by, never the reason's text, which can quote the input) and where the original
+lives in ``Leafe-Original-Subject/-Stream/-Seq`` (or ``Leafe-Sample-Id``); its body is the
+original's bytes, with their size and sha256 in ``Leafe-Original-Bytes`` and
+``Leafe-Original-Sha256``.
 
 The key is a function of the original alone (its stream seq, or ``sample-<sample id>`` for a sample
 that was never stored), so each letter has a subject of its own, and it is published with
-``Nats-Expected-Last-Subject-Sequence: 0``: JetStream stores it only if that subject is empty. A redo after
-a crash is refused as "wrong last sequence" and taken as stored: a restarted consumer can always redo it,
-and acks a message only after its dead letter is stored. Why not a ``Nats-Msg-Id``: JetStream deduplicates
-ids stream-wide, whatever the subject, so anyone who may publish anything into ``LEAFE_DEAD`` (an actor,
-its task letters) could store a predictable id first and make the real letter a "duplicate" that is never
-written. A subject is what NATS permissions pin: only the replayer may publish ``dead.leafe_events.*``,
-only the learner ``dead.leafe_samples.*``, each actor only ``dead.leafe_tasks.<its id>.*``.
+``Nats-Expected-Last-Subject-Sequence: 0``: JetStream stores it only if that subject is empty. A
+redo after a crash is refused as "wrong last sequence" and taken as stored: a restarted consumer can
+always redo it, and acks a message only after its dead letter is stored. Why not a ``Nats-Msg-Id``:
+JetStream deduplicates ids stream-wide, whatever the subject, so anyone who may publish anything
+into ``LEAFE_DEAD`` (an actor, its task letters) could store a predictable id first and make the
+real letter a "duplicate" that is never written. A subject is what NATS permissions pin: only the
+replayer may publish ``dead.leafe_events.*``, only the learner ``dead.leafe_samples.*``, each actor
+only ``dead.leafe_tasks.<its id>.*``.
 
-Sizes: a dead letter must fit the server's ``max_payload`` (headers included, or the server closes the
-connection). When the original plus the dead letter's headers would not fit, the body is the original's
-first bytes and ``Leafe-Truncated`` is set; the original stays in its stream at ``Leafe-Original-Seq``
-(a sample too large to store is rebuilt from its source events by ``leafe replay``).
+Sizes: a dead letter must fit the server's ``max_payload`` (headers included, or the server closes
+the connection). When the original plus the dead letter's headers would not fit, the body is the
+original's first bytes and ``Leafe-Truncated`` is set; the original stays in its stream at
+``Leafe-Original-Seq`` (a sample too large to store is rebuilt from its source events by ``leafe
+replay``).
 
-Redrive: ``leafe replayer redrive`` publishes the originals of chosen dead letters again on their subject
-with ``Leafe-Redrive`` (the original's seq), once their cause is gone (``services/replayer/redrive.py``).
+Redrive: ``leafe replayer redrive`` publishes the originals of chosen dead letters again on their
+subject with ``Leafe-Redrive`` (the original's seq), once their cause is gone
+(``services/replayer/redrive.py``).
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ from typing import Any
 import structlog
 from nats.js.errors import APIError
 
-from protocol.codec import CODEC_HEADER, message_bytes
-from protocol.subjects import DEAD_LETTERS
+from leafe.protocol.codec import CODEC_HEADER, message_bytes
+from leafe.protocol.subjects import DEAD_LETTERS
 
 __all__ = [
     "ERROR_CODE_HEADER",
@@ -64,10 +68,12 @@ log = structlog.get_logger(__name__)
 ERROR_HEADER = "Leafe-Error"
 """Header of a dead-lettered message: why it was rejected (text for people; may quote the input)."""
 ERROR_CODE_HEADER = "Leafe-Error-Code"
-"""Header of a dead letter: which kind of refusal it is (``protocol.codec.REFUSALS``, the fold's
-``learner.materializers.lifecycle`` codes, ``sample_too_large``); set by the writer, never from input."""
+"""Header of a dead letter: which kind of refusal it is (``leafe.protocol.codec.REFUSALS``, the
+fold's ``leafe.learner.materializers.lifecycle`` codes, ``sample_too_large``); set by the writer,
+never from input."""
 EXPECTED_EMPTY_HEADER = "Nats-Expected-Last-Subject-Sequence"
-"""JetStream stores the message only if its subject's last sequence is this value (``0``: no message yet)."""
+"""JetStream stores the message only if its subject's last sequence is this value (``0``: no message
+yet)."""
 _WRONG_LAST_SEQUENCE = 10071
 """JetStream's error code when ``Nats-Expected-Last-Subject-Sequence`` does not hold."""
 _KEY = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -84,8 +90,8 @@ TRUNCATED_HEADER = "Leafe-Truncated"
 SAMPLE_ID_HEADER = "Leafe-Sample-Id"
 """Id of a dead-lettered sample."""
 REDRIVE_HEADER = "Leafe-Redrive"
-"""On an event published again by ``leafe replayer redrive``: the stream seq of the dead-lettered original
-(the replayer then lets an episode refused for a cap be tried again)."""
+"""On an event published again by ``leafe replayer redrive``: the stream seq of the dead-lettered
+original (the replayer then lets an episode refused for a cap be tried again)."""
 _REASON_CHARS = 512
 _HEADER_CHARS = 1024
 
@@ -116,13 +122,17 @@ def dead_letter_message(
     codec: str | None = None,
     code: str = "rejected",
 ) -> DeadLetter:
-    """The dead letter of ``data`` (rejected for ``reason``, of kind ``code``), fitting ``max_bytes``.
+    """The dead letter of ``data`` (rejected for ``reason``, of kind ``code``), fitting
+    ``max_bytes``.
 
-    ``key`` (the original's stream seq, or ``sample-<id>``: one subject token) is the last token of its
-    subject; ``origin`` are the ``Leafe-Original-*``/``Leafe-Sample-Id`` headers that locate the original.
+    ``key`` (the original's stream seq, or ``sample-<id>``: one subject token) is the last token of
+    its subject; ``origin`` are the ``Leafe-Original-*``/``Leafe-Sample-Id`` headers that locate the
+    original.
     """
     if not _KEY.fullmatch(key) or not _KEY.fullmatch(code):
-        raise ValueError(f"a dead letter's key and code are subject tokens: {key[:80]!r}, {code[:80]!r}")
+        raise ValueError(
+            f"a dead letter's key and code are subject tokens: {key[:80]!r}, {code[:80]!r}"
+        )
     headers = {
         ERROR_HEADER: _clean(reason, _REASON_CHARS) or "rejected",
         ERROR_CODE_HEADER: code,
@@ -140,13 +150,15 @@ def dead_letter_message(
 
 
 def letters_filter(dead_subject: str) -> str:
-    """Subject filter of every dead letter written under ``dead_subject`` (one subject per letter)."""
+    """Subject filter of every dead letter written under ``dead_subject`` (one subject per
+    letter)."""
     return f"{dead_subject}.>"
 
 
 async def publish_dead_letter(js: Any, letter: DeadLetter) -> bool:
-    """Store ``letter`` and wait for its ack; ``False`` when its subject holds a letter already (a redo:
-    only the writer's role may publish there, so what is there is its own letter of the same original)."""
+    """Store ``letter`` and wait for its ack; ``False`` when its subject holds a letter already (a
+    redo: only the writer's role may publish there, so what is there is its own letter of the same
+    original)."""
     try:
         await js.publish(letter.subject, letter.data, headers=letter.headers)
     except APIError as e:
@@ -157,6 +169,7 @@ async def publish_dead_letter(js: Any, letter: DeadLetter) -> bool:
 
 
 def dead_letter_limit(js: Any) -> int:
-    """Largest dead letter this connection may send: the server's ``max_payload`` and the stream's."""
+    """Largest dead letter this connection may send: the server's ``max_payload`` and the
+    stream's."""
     server = int(getattr(js._nc, "max_payload", 0) or DEAD_LETTERS.max_msg_bytes)
     return min(server, DEAD_LETTERS.max_msg_bytes)

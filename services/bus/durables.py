@@ -1,14 +1,15 @@
-"""Durable consumers are the NATS admin's, like streams: made by ``leafe streams ensure --run RUN``, bound by
-services.
+"""Durable consumers are the NATS admin's, like streams: made by ``leafe streams ensure --run RUN``,
+bound by services.
 
-A durable's configuration decides what every service behind it gets: its filter (which run's messages),
-``max_deliver`` (how often a task is retried), ``ack_wait`` and ``max_ack_pending``. JetStream treats a
-create on an existing durable as an update, so a service allowed to create its durable could change it for
-every other service of the run (an actor once emptied the run's task filter, or set ``max_deliver`` 1). So
-no service role may create, update or delete a consumer (deploy/base/nats/permissions.json): the admin makes
-each run's durables here, with :func:`ensure_durables`, and a service binds the existing one
-(:meth:`services.bus.Consumer.start`: consumer info, next message and acks on its own durable only),
-waiting for it as it waits for its streams.
+A durable's configuration decides what every service behind it gets: its filter (which run's
+messages), ``max_deliver`` (how often a task is retried), ``ack_wait`` and ``max_ack_pending``.
+JetStream treats a create on an existing durable as an update, so a service allowed to create its
+durable could change it for every other service of the run (an actor once emptied the run's task
+filter, or set ``max_deliver`` 1). So no service role may create, update or delete a consumer
+(deploy/base/nats/permissions.json): the admin makes each run's durables here, with
+:func:`ensure_durables`, and a service binds the existing one
+(:meth:`leafe.services.bus.Consumer.start`: consumer info, next message and acks on its own durable
+only), waiting for it as it waits for its streams.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ log = structlog.get_logger(__name__)
 
 
 class DurableMismatchError(RuntimeError):
-    """A durable exists with another filter subject: it belongs to something else; never rewritten."""
+    """A durable exists with another filter subject: it belongs to something else; never
+    rewritten."""
 
 
 class DurableSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,7 +51,8 @@ class DurableSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def consumer_config(spec: DurableSpec) -> ConsumerConfig:
-    """The JetStream configuration of ``spec``: explicit acks, delivering the whole filter from the start."""
+    """The JetStream configuration of ``spec``: explicit acks, delivering the whole filter from the
+    start."""
     return ConsumerConfig(
         name=spec.name,
         durable_name=spec.name,
@@ -74,10 +77,11 @@ def _differences(have: ConsumerConfig, spec: DurableSpec) -> list[str]:
 
 
 async def ensure_durables(js: JetStreamContext, specs: Sequence[DurableSpec]) -> dict[str, str]:
-    """Create each durable, or update an existing one whose settings differ (admin only); idempotent.
+    """Create each durable, or update an existing one whose settings differ (admin only);
+    idempotent.
 
-    Returns ``{name: created | updated: <fields> | unchanged}``. A durable that exists with another filter
-    subject raises :class:`DurableMismatchError` naming both and is left untouched.
+    Returns ``{name: created | updated: <fields> | unchanged}``. A durable that exists with another
+    filter subject raises :class:`DurableMismatchError` naming both and is left untouched.
     """
     done: dict[str, str] = {}
     for spec in specs:
@@ -85,12 +89,18 @@ async def ensure_durables(js: JetStreamContext, specs: Sequence[DurableSpec]) ->
             have = (await js.consumer_info(spec.stream, spec.name)).config
         except NotFoundError:
             await js.add_consumer(spec.stream, consumer_config(spec))
-            log.info("bus.durable.created", stream=spec.stream, durable=spec.name, filter=spec.filter_subject)
+            log.info(
+                "bus.durable.created",
+                stream=spec.stream,
+                durable=spec.name,
+                filter=spec.filter_subject,
+            )
             done[spec.name] = "created"
             continue
         if have.filter_subject != spec.filter_subject:
             raise DurableMismatchError(
-                f"durable {spec.name!r} on {spec.stream} exists with filter {have.filter_subject!r}, not "
+                f"durable {spec.name!r} on {spec.stream} exists with filter "
+                f"{have.filter_subject!r}, not "
                 f"{spec.filter_subject!r}; delete it or use another name"
             )
         diffs = _differences(have, spec)

@@ -1,9 +1,9 @@
 """A local NATS JetStream cluster: N real nats-server processes on loopback, routed to each other.
 
-Each node is an :class:`~services.bus.nats_server.EmbeddedNats` with its own client, route and monitoring
-port and its own JetStream store, so streams created with ``num_replicas=3`` are replicated with Raft
-exactly as on the 3-node StatefulSet in deploy/. The cluster tests use it to kill and restart single
-nodes; ``leafe nats --store DIR --cluster 3`` runs one by hand.
+Each node is an :class:`~leafe.services.bus.nats_server.EmbeddedNats` with its own client, route and
+monitoring port and its own JetStream store, so streams created with ``num_replicas=3`` are
+replicated with Raft exactly as on the 3-node StatefulSet in deploy/. The cluster tests use it to
+kill and restart single nodes; ``leafe nats --store DIR --cluster 3`` runs one by hand.
 
     with NatsCluster(tmp / "nats", size=3) as cluster:   # start() waits until every node is healthy
         nc = await connect(cluster.url)                  # "nats://127.0.0.1:p0,nats://...:p1,..."
@@ -23,7 +23,7 @@ from types import TracebackType
 
 import structlog
 
-from services.bus.nats_server import ClusterRoutes, EmbeddedNats, NatsServerError, free_port
+from leafe.services.bus.nats_server import ClusterRoutes, EmbeddedNats, NatsServerError, free_port
 
 __all__ = ["NatsCluster"]
 
@@ -31,9 +31,12 @@ log = structlog.get_logger(__name__)
 
 
 class NatsCluster:
-    """``size`` clustered nats-server nodes with JetStream, named ``n0``, ``n1``, ... (see module doc)."""
+    """``size`` clustered nats-server nodes with JetStream, named ``n0``, ``n1``, ... (see module
+    doc)."""
 
-    def __init__(self, root: Path, *, size: int = 3, host: str = "127.0.0.1", name: str = "leafe") -> None:
+    def __init__(
+        self, root: Path, *, size: int = 3, host: str = "127.0.0.1", name: str = "leafe"
+    ) -> None:
         if size < 1:
             raise ValueError(f"a cluster needs at least one node, got size={size}")
         self.root = Path(root)
@@ -41,7 +44,8 @@ class NatsCluster:
         self.nodes = self._plan()
 
     def _plan(self) -> list[EmbeddedNats]:
-        """Nodes on freshly picked free ports (a port free when picked can be taken before its node binds)."""
+        """Nodes on freshly picked free ports (a port free when picked can be taken before its node
+        binds)."""
         host, size = self._host, self._size
         route_ports = [free_port(host) for _ in range(size)]
         routes = tuple(f"nats-route://{host}:{p}" for p in route_ports)
@@ -61,20 +65,22 @@ class NatsCluster:
 
     @property
     def url(self) -> str:
-        """Every node's client URL, comma-separated (what ``services.bus.connect`` takes)."""
+        """Every node's client URL, comma-separated (what ``leafe.services.bus.connect`` takes)."""
         return ",".join(node.url for node in self.nodes)
 
     def index_of(self, server_name: str) -> int:
-        """The index of the node called ``server_name`` (e.g. a stream's leader from ``stream_info``)."""
+        """The index of the node called ``server_name`` (e.g. a stream's leader from
+        ``stream_info``)."""
         for i, node in enumerate(self.nodes):
             if node.server_name == server_name:
                 return i
         raise KeyError(f"no node named {server_name!r} in {[n.server_name for n in self.nodes]}")
 
     def start(self, timeout_s: float = 60.0, attempts: int = 3) -> NatsCluster:
-        """Start every node, then wait until each reports JetStream healthy (a meta leader elected). A
-        node that cannot bind a port another process took since it was picked makes the whole cluster
-        start again on new ports (up to ``attempts`` times; the stores are empty at first start)."""
+        """Start every node, then wait until each reports JetStream healthy (a meta leader elected).
+        A node that cannot bind a port another process took since it was picked makes the whole
+        cluster start again on new ports (up to ``attempts`` times; the stores are empty at first
+        start)."""
         self.root.mkdir(parents=True, exist_ok=True)
         for attempt in range(1, attempts + 1):
             try:
@@ -99,7 +105,8 @@ class NatsCluster:
         return self
 
     def health(self, i: int) -> tuple[bool, str]:
-        """``(healthy, detail)`` of node ``i`` from its ``/healthz`` (JetStream current with the cluster)."""
+        """``(healthy, detail)`` of node ``i`` from its ``/healthz`` (JetStream current with the
+        cluster)."""
         node = self.nodes[i]
         url = f"http://{node.host}:{node.monitor_port}/healthz"
         try:
@@ -111,7 +118,8 @@ class NatsCluster:
             return False, f"{type(e).__name__}: {e}"
 
     def wait_healthy(self, i: int, timeout_s: float = 60.0) -> float:
-        """Wait until node ``i`` is healthy; returns the seconds waited (raises after ``timeout_s``)."""
+        """Wait until node ``i`` is healthy; returns the seconds waited (raises after
+        ``timeout_s``)."""
         t0 = time.monotonic()
         detail = ""
         while time.monotonic() - t0 < timeout_s:
@@ -120,13 +128,16 @@ class NatsCluster:
                 return time.monotonic() - t0
             time.sleep(0.1)
         raise NatsServerError(
-            f"nats node n{i} ({self.nodes[i].url}) not healthy after {timeout_s:.0f}s: {detail.strip()}"
+            f"nats node n{i} ({self.nodes[i].url}) not healthy after {timeout_s:.0f}s: "
+            f"{detail.strip()}"
         )
 
     def jsz(self, i: int) -> dict[str, object]:
         """Node ``i``'s ``/jsz`` (JetStream state: meta leader, stream counts) as a dict."""
         node = self.nodes[i]
-        with urllib.request.urlopen(f"http://{node.host}:{node.monitor_port}/jsz", timeout=2.0) as resp:
+        with urllib.request.urlopen(
+            f"http://{node.host}:{node.monitor_port}/jsz", timeout=2.0
+        ) as resp:
             data = json.loads(resp.read())
         if not isinstance(data, dict):
             raise NatsServerError(f"unexpected /jsz answer from n{i}: {data!r}")

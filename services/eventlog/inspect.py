@@ -1,8 +1,9 @@
-"""``leafe log inspect``: counts per kind and per episode, sequence range, engine requests and their prefix
-cache share by kind, and a readable episode dump.
+"""``leafe log inspect``: counts per kind and per episode, sequence range, engine requests and their
+prefix cache share by kind, and a readable episode dump.
 
-A fold over :class:`services.eventlog.fileformat.LogRecord` (from a file or the stream), rendered with rich
-(plain text when not on a terminal) or as JSON (``--json``). See ``services/eventlog/cli.py`` for the CLI.
+A fold over :class:`leafe.services.eventlog.fileformat.LogRecord` (from a file or the stream),
+rendered with rich (plain text when not on a terminal) or as JSON (``--json``). See
+``services/eventlog/cli.py`` for the CLI.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from protocol.codec import CODEC_HEADER, ProtocolError, decode_event
-from protocol.events import (
+from leafe.protocol.codec import CODEC_HEADER, ProtocolError, decode_event
+from leafe.protocol.events import (
     ROOT_BRANCH,
     Branch,
     EpisodeEvent,
@@ -27,7 +28,7 @@ from protocol.events import (
     Rollback,
     Step,
 )
-from services.eventlog.fileformat import LogRecord
+from leafe.services.eventlog.fileformat import LogRecord
 
 __all__ = [
     "REQUEST_KINDS",
@@ -58,19 +59,21 @@ class EpisodeSummary(msgspec.Struct, kw_only=True):
     branches: int = 0
     reflections: int = 0
     success: bool | None = None
-    """From ``EpisodeFinished``; ``None`` when the episode never finished (abandoned or in progress)."""
+    """From ``EpisodeFinished``; ``None`` when the episode never finished (abandoned or in
+    progress)."""
     first_seq: int = 0
     last_seq: int = 0
 
 
 REQUEST_KINDS = ("root_step", "branch_step", "reflection")
-"""Engine requests by what they were for: an action on a tree's root branch (every step of a rollout or an
-evaluation), an action on a rolled-back branch, a reflection written by the policy."""
+"""Engine requests by what they were for: an action on a tree's root branch (every step of a rollout
+or an evaluation), an action on a rolled-back branch, a reflection written by the policy."""
 
 
 def request_kind(event: EpisodeEvent, mode: str) -> str | None:
-    """Which of :data:`REQUEST_KINDS` the engine answered for ``event`` (an episode of ``mode``); ``None``
-    when no engine did: the expert's steps of a demonstration, an oracle's reflection, other events."""
+    """Which of :data:`REQUEST_KINDS` the engine answered for ``event`` (an episode of ``mode``);
+    ``None`` when no engine did: the expert's steps of a demonstration, an oracle's reflection,
+    other events."""
     match event:
         case Step(branch_id=branch):
             if branch == ROOT_BRANCH:
@@ -82,10 +85,10 @@ def request_kind(event: EpisodeEvent, mode: str) -> str | None:
 
 
 class EngineUsage(msgspec.Struct, kw_only=True):
-    """Engine requests of one kind and their tokens, as the events record them (``Step.prompt_tokens``,
-    ``cached_tokens``, ``token_ids``; the same on ``Reflection``). Logs written before the events carried
-    ``cached_tokens`` (and, for reflections, ``prompt_tokens``) count as ``unrecorded`` (and 0 prompt
-    tokens): the cache share is then unknown, not 0."""
+    """Engine requests of one kind and their tokens, as the events record them
+    (``Step.prompt_tokens``, ``cached_tokens``, ``token_ids``; the same on ``Reflection``). Logs
+    written before the events carried ``cached_tokens`` (and, for reflections, ``prompt_tokens``)
+    count as ``unrecorded`` (and 0 prompt tokens): the cache share is then unknown, not 0."""
 
     requests: int = 0
     prompt_tokens: int = 0
@@ -106,19 +109,28 @@ class EngineUsage(msgspec.Struct, kw_only=True):
 
     @property
     def prefilled_tokens(self) -> int:
-        """Prompt tokens the engine had to compute (all of them where the cached count is unrecorded)."""
+        """Prompt tokens the engine had to compute (all of them where the cached count is
+        unrecorded)."""
         return self.prompt_tokens - self.cached_tokens
 
     @property
     def cache_share(self) -> float | None:
-        """Share of the prompt tokens served from the prefix cache; ``None`` without prompt tokens or when
-        some request did not record it."""
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens and not self.unrecorded else None
+        """Share of the prompt tokens served from the prefix cache; ``None`` without prompt tokens
+        or when some request did not record it."""
+        return (
+            self.cached_tokens / self.prompt_tokens
+            if self.prompt_tokens and not self.unrecorded
+            else None
+        )
 
     def as_dict(self) -> dict[str, int | float | None]:
         """The counts with ``prefilled_tokens`` and ``cache_share``."""
         counts: dict[str, int | float | None] = dict(msgspec.structs.asdict(self))
-        return {**counts, "prefilled_tokens": self.prefilled_tokens, "cache_share": self.cache_share}
+        return {
+            **counts,
+            "prefilled_tokens": self.prefilled_tokens,
+            "cache_share": self.cache_share,
+        }
 
 
 class LogSummary(msgspec.Struct, kw_only=True):
@@ -162,7 +174,9 @@ class Summarizer:
         s.kinds[kind] = s.kinds.get(kind, 0) + 1
         ep = s.episodes.get(event.episode_id)
         if ep is None:
-            ep = s.episodes[event.episode_id] = EpisodeSummary(episode_id=event.episode_id, first_seq=seq)
+            ep = s.episodes[event.episode_id] = EpisodeSummary(
+                episode_id=event.episode_id, first_seq=seq
+            )
         ep.events += 1
         ep.last_seq = seq
         request = request_kind(event, ep.mode)
@@ -187,7 +201,8 @@ class Summarizer:
 def summarize(
     records: Iterable[LogRecord], episode: str | None = None
 ) -> tuple[LogSummary, list[tuple[int, EpisodeEvent]]]:
-    """Summary of ``records`` and the ``(stream_seq, event)`` list of ``episode`` (empty if not given)."""
+    """Summary of ``records`` and the ``(stream_seq, event)`` list of ``episode`` (empty if not
+    given)."""
     folder = Summarizer(episode)
     for record in records:
         folder.add(record)
@@ -217,7 +232,8 @@ def describe(event: EpisodeEvent) -> str:
         case Step(branch_id=b, t=t, action=action, reward=reward):
             flags = (" done" if event.done else "") + (" SUCCESS" if event.success else "")
             return (
-                f"{b} t={t} {action!r} r={reward:g}{flags} -> {_short(event.feedback or event.observation)}"
+                f"{b} t={t} {action!r} r={reward:g}{flags} -> "
+                f"{_short(event.feedback or event.observation)}"
             )
         case Reflection(branch_id=b, at_t=at_t, trigger=trigger, tau=tau):
             return f"{b} at_t={at_t} {trigger} tau={tau}: {_short(event.experience)}"
@@ -228,7 +244,10 @@ def describe(event: EpisodeEvent) -> str:
         case Outcome(branch_id=b, success=success, score=score, steps=steps):
             return f"{b} success={success} score={score:g} steps={steps} ({event.reason})"
         case EpisodeFinished(success=success, branches=branches, actions=actions):
-            return f"success={success} branches={branches} actions={actions} reflections={event.reflections}"
+            return (
+                f"success={success} branches={branches} actions={actions} "
+                f"reflections={event.reflections}"
+            )
     return repr(event)
 
 
@@ -240,16 +259,20 @@ def render(
     limit: int = 50,
     console: Console | None = None,
 ) -> None:
-    """Print the summary tables, or the one-line summary and the episode dump, or one JSON document."""
+    """Print the summary tables, or the one-line summary and the episode dump, or one JSON
+    document."""
     if as_json:
         doc = msgspec.to_builtins(summary)
         doc["engine"] = {kind: usage.as_dict() for kind, usage in summary.engine.items()}
-        doc["dump"] = [{"stream_seq": seq, "kind": _kind(e), **msgspec.to_builtins(e)} for seq, e in dump]
+        doc["dump"] = [
+            {"stream_seq": seq, "kind": _kind(e), **msgspec.to_builtins(e)} for seq, e in dump
+        ]
         print(json.dumps(doc, indent=2))
         return
     console = console or Console(width=None if sys.stdout.isatty() else 140)
     console.print(
-        f"[bold]{summary.records}[/bold] records, sequences {summary.first_seq}..{summary.last_seq}, "
+        f"[bold]{summary.records}[/bold] records, sequences "
+        f"{summary.first_seq}..{summary.last_seq}, "
         f"{len(summary.episodes)} episodes, {summary.undecodable} undecodable"
     )
     if dump:
@@ -267,14 +290,24 @@ def render(
         for kind in REQUEST_KINDS:
             if (u := summary.engine.get(kind)) is not None:
                 share = "-" if u.cache_share is None else f"{u.cache_share:.1%}"
-                engine.add_row(kind, str(u.requests), str(u.prompt_tokens), share, str(u.output_tokens))
+                engine.add_row(
+                    kind, str(u.requests), str(u.prompt_tokens), share, str(u.output_tokens)
+                )
         console.print(engine)
-    episodes = Table("episode", "env", "task", "mode", "events", "steps", "branches", "success", "seqs")
+    episodes = Table(
+        "episode", "env", "task", "mode", "events", "steps", "branches", "success", "seqs"
+    )
     for ep in list(summary.episodes.values())[:limit]:
         success = "-" if ep.success is None else str(ep.success)
         counts = (str(ep.events), str(ep.steps), str(ep.branches))
         episodes.add_row(
-            ep.episode_id, ep.env, ep.task_id, ep.mode, *counts, success, f"{ep.first_seq}..{ep.last_seq}"
+            ep.episode_id,
+            ep.env,
+            ep.task_id,
+            ep.mode,
+            *counts,
+            success,
+            f"{ep.first_seq}..{ep.last_seq}",
         )
     if len(summary.episodes) > limit:
         episodes.caption = f"{len(summary.episodes) - limit} more episodes not shown (--limit)"

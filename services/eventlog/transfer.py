@@ -1,23 +1,25 @@
-"""Moving a run's event log between JetStream and a ``.leafelog`` file (``leafe log export|import``).
+"""Moving a run's event log between JetStream and a ``.leafelog`` file (``leafe log
+export|import``).
 
 Import first reads the whole file once to verify it (checksums, trailer), then reads it again to
-publish, so a damaged file publishes nothing and a huge one is never held in memory; ``partial=True``
-publishes the records before the first damage instead. Import republishes every record with its
-``Nats-Msg-Id``, so importing a file twice (within the stream's duplicate window, a day by default)
-stores it once. ``run_id=NEWRUN`` rewrites subjects and each event's ``run_id``, and publishes under
-``<event_id>@<NEWRUN>`` so a copy next to the original run on the same server is not mistaken for a
-duplicate of it. The file format is ``services/eventlog/fileformat.py``.
+publish, so a damaged file publishes nothing and a huge one is never held in memory;
+``partial=True`` publishes the records before the first damage instead. Import republishes every
+record with its ``Nats-Msg-Id``, so importing a file twice (within the stream's duplicate window, a
+day by default) stores it once. ``run_id=NEWRUN`` rewrites subjects and each event's ``run_id``, and
+publishes under ``<event_id>@<NEWRUN>`` so a copy next to the original run on the same server is not
+mistaken for a duplicate of it. The file format is ``services/eventlog/fileformat.py``.
 
 A log file is input from outside, so import admits each record exactly as the replayer does
-(``protocol.codec.admit_event``: an event of the file's run on its own kind's events subject, with its
-actor's token, its id ``<episode_id>.<seq>``), and allows only the headers the Publisher writes, with a
-``Nats-Msg-Id`` that is the event's own id: a record on any other subject (the JetStream API, another run's
-samples) or a dedupe id borrowed from another event raises :class:`ImportRefusedError` in the verification
-pass, before anything is published. A record of a log written before actor tokens
-(``leafe.<run>.events.<kind>``) keeps its subject, and the replayer counts it as actor ``legacy``; moved to
-another run, it is published on the ``legacy`` token with that ``actor_id``. Import creates nothing: it runs
-as the ``log-import`` role of permissions.json, which may publish events (on any actor token: importing is an
-operator's act) and read its own inbox (the acks), nothing else; ``leafe streams ensure`` makes the streams.
+(``leafe.protocol.codec.admit_event``: an event of the file's run on its own kind's events subject,
+with its actor's token, its id ``<episode_id>.<seq>``), and allows only the headers the Publisher
+writes, with a ``Nats-Msg-Id`` that is the event's own id: a record on any other subject (the
+JetStream API, another run's samples) or a dedupe id borrowed from another event raises
+:class:`ImportRefusedError` in the verification pass, before anything is published. A record of a
+log written before actor tokens (``leafe.<run>.events.<kind>``) keeps its subject, and the replayer
+counts it as actor ``legacy``; moved to another run, it is published on the ``legacy`` token with
+that ``actor_id``. Import creates nothing: it runs as the ``log-import`` role of permissions.json,
+which may publish events (on any actor token: importing is an operator's act) and read its own inbox
+(the acks), nothing else; ``leafe streams ensure`` makes the streams.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import TypeVar
 import msgspec
 from nats.js import JetStreamContext
 
-from protocol.codec import (
+from leafe.protocol.codec import (
     CODEC_HEADER,
     CODEC_VERSION,
     MSG_ID_HEADER,
@@ -38,11 +40,17 @@ from protocol.codec import (
     admit_event,
     encode,
 )
-from protocol.events import EpisodeEvent
-from protocol.subjects import EVENTS, event_subject, validate_run_id
-from services.bus import Publisher, PublishError, read_stream
-from services.bus.streams import ENSURE_COMMAND
-from services.eventlog.fileformat import LogFile, LogRecord, LogWriter, decode_record, run_filter
+from leafe.protocol.events import EpisodeEvent
+from leafe.protocol.subjects import EVENTS, event_subject, validate_run_id
+from leafe.services.bus import Publisher, PublishError, read_stream
+from leafe.services.bus.streams import ENSURE_COMMAND
+from leafe.services.eventlog.fileformat import (
+    LogFile,
+    LogRecord,
+    LogWriter,
+    decode_record,
+    run_filter,
+)
 
 __all__ = [
     "IMPORT_HEADERS",
@@ -57,14 +65,17 @@ __all__ = [
 
 R = TypeVar("R")
 IMPORT_HEADERS = frozenset({MSG_ID_HEADER, CODEC_HEADER})
-"""The only headers an imported record may carry: what the Publisher writes (``Nats-*`` headers such as
-``Nats-Expected-Last-Sequence`` or ``Nats-Rollup`` would steer JetStream itself)."""
+"""The only headers an imported record may carry: what the Publisher writes (``Nats-*`` headers such
+as ``Nats-Expected-Last-Sequence`` or ``Nats-Rollup`` would steer JetStream itself)."""
 
 
 class ImportRefusedError(ProtocolError):
-    """A record of a log file that the replayer would not admit; nothing of the file was published."""
+    """A record of a log file that the replayer would not admit; nothing of the file was
+    published."""
 
-    def __init__(self, path: Path, index: int, record: LogRecord, reason: str, category: str) -> None:
+    def __init__(
+        self, path: Path, index: int, record: LogRecord, reason: str, category: str
+    ) -> None:
         where = f"{path}: record {index} (seq {record.stream_seq}) on {record.subject[:200]!r}"
         super().__init__(where, reason, category)
         self.args = (f"{where} refused: {reason}; nothing was imported",)
@@ -85,27 +96,36 @@ class ImportStats(msgspec.Struct, frozen=True, kw_only=True):
     bytes: int = 0
     """Bytes of the file the published records came from (the good prefix's end when ``damage``)."""
     damage: str | None = None
-    """With ``partial``: the damage that ended the good prefix (``None`` when the file was whole)."""
+    """With ``partial``: the damage that ended the good prefix (``None`` when the file was
+    whole)."""
 
 
 async def iter_stream_records(js: JetStreamContext, run_id: str) -> AsyncIterator[LogRecord]:
-    """Every stored event message of ``run_id`` (at call time) as :class:`LogRecord`, in stream order."""
+    """Every stored event message of ``run_id`` (at call time) as :class:`LogRecord`, in stream
+    order."""
     async for msg in read_stream(js, stream=EVENTS.name, filter_subject=run_filter(run_id)):
         meta = msg.metadata
         headers = {str(k): str(v) for k, v in (msg.headers or {}).items()}
         ts = meta.timestamp.timestamp() if meta.timestamp else 0.0
         yield LogRecord(
-            subject=msg.subject, headers=headers, data=msg.data, stream_seq=meta.sequence.stream, ts=ts
+            subject=msg.subject,
+            headers=headers,
+            data=msg.data,
+            stream_seq=meta.sequence.stream,
+            ts=ts,
         )
 
 
 async def iter_stream_events(js: JetStreamContext, run_id: str) -> AsyncIterator[EpisodeEvent]:
-    """Decoded events of ``run_id`` from ``LEAFE_EVENTS``, in stream order; raises :class:`ProtocolError`."""
+    """Decoded events of ``run_id`` from ``LEAFE_EVENTS``, in stream order; raises
+    :class:`ProtocolError`."""
     async for record in iter_stream_records(js, run_id):
         try:
             yield decode_record(record)
         except ProtocolError as e:
-            raise ProtocolError(f"stream record {record.subject} seq {record.stream_seq}", e.reason) from None
+            raise ProtocolError(
+                f"stream record {record.subject} seq {record.stream_seq}", e.reason
+            ) from None
 
 
 async def read_stream_events(js: JetStreamContext, run_id: str) -> list[EpisodeEvent]:
@@ -114,7 +134,8 @@ async def read_stream_events(js: JetStreamContext, run_id: str) -> list[EpisodeE
 
 
 async def export_run(js: JetStreamContext, run_id: str, out: Path) -> int:
-    """Write the run's events to ``out`` (atomically: a temp file renamed at the end); returns the count."""
+    """Write the run's events to ``out`` (atomically: a temp file renamed at the end); returns the
+    count."""
     with LogWriter(out, run_id=run_id) as writer:
         async for record in iter_stream_records(js, run_id):
             writer.write(record)
@@ -122,12 +143,14 @@ async def export_run(js: JetStreamContext, run_id: str, out: Path) -> int:
 
 
 def _admitted(record: LogRecord, source_run: str, admission: Admission) -> EpisodeEvent:
-    """The record's event if the replayer would admit it as an event of ``source_run`` (and its headers are
-    the Publisher's, with the event's own dedupe id); else :class:`ProtocolError`."""
+    """The record's event if the replayer would admit it as an event of ``source_run`` (and its
+    headers are the Publisher's, with the event's own dedupe id); else :class:`ProtocolError`."""
     what = "imported record"
     extra = sorted(set(record.headers) - IMPORT_HEADERS)
     if extra:
-        raise ProtocolError(what, f"header(s) {extra[:5]} (an event carries only {sorted(IMPORT_HEADERS)})")
+        raise ProtocolError(
+            what, f"header(s) {extra[:5]} (an event carries only {sorted(IMPORT_HEADERS)})"
+        )
     event = admit_event(record.subject, record.headers, record.data, admission)
     if event.run_id != source_run:
         raise ProtocolError(
@@ -153,8 +176,8 @@ def _renamed(event: EpisodeEvent, run_id: str) -> tuple[str, bytes, dict[str, st
 def _admit_all(
     log_file: LogFile, records: int | None, admission: Admission
 ) -> Iterator[tuple[LogRecord, EpisodeEvent]]:
-    """``(record, event)`` of the first ``records`` records (all when None), each admitted as an event of the
-    file's run; the first refusal raises :class:`ImportRefusedError`."""
+    """``(record, event)`` of the first ``records`` records (all when None), each admitted as an
+    event of the file's run; the first refusal raises :class:`ImportRefusedError`."""
     source_run = log_file.header.run_id
     for index, record in enumerate(log_file.records(limit=records), start=1):
         try:
@@ -175,10 +198,10 @@ async def import_log(
 
     The file is verified first (checksums, trailer, and every record admitted as the replayer would,
     with ``admission``): a damaged one raises :class:`LogFileError` and a hostile or foreign record
-    :class:`ImportRefusedError` before anything is published, unless ``partial``, which publishes the
-    records before the damage (``ImportStats.damage`` says what ended them; a refused record is never
-    skipped). With ``run_id`` the records are moved to that run (subjects, payload ``run_id``, dedupe id).
-    Raises :class:`services.bus.PublishError` if any record was not acknowledged.
+    :class:`ImportRefusedError` before anything is published, unless ``partial``, which publishes
+    the records before the damage (``ImportStats.damage`` says what ended them; a refused record is
+    never skipped). With ``run_id`` the records are moved to that run (subjects, payload ``run_id``,
+    dedupe id). Raises :class:`leafe.services.bus.PublishError` if any record was not acknowledged.
     """
     if run_id is not None:
         validate_run_id(run_id)
@@ -186,7 +209,8 @@ async def import_log(
     check = log_file.check()
     if check.error is not None and not partial:
         raise check.error.extended(
-            f"nothing was imported (--partial would publish the {check.records} records before byte "
+            f"nothing was imported (--partial would publish the {check.records} records before "
+            "byte "
             f"{check.bytes})"
         )
     limit = None if check.error is None else check.records
@@ -197,7 +221,9 @@ async def import_log(
     except PublishError as e:
         if "NoStreamResponse" not in str(e):
             raise
-        hint = f"; is there a stream {EVENTS.name}? (made by {ENSURE_COMMAND}; import creates nothing)"
+        hint = (
+            f"; is there a stream {EVENTS.name}? (made by {ENSURE_COMMAND}; import creates nothing)"
+        )
         raise PublishError(str(e) + hint, e.unacked, e.reasons) from None
     return msgspec.structs.replace(
         stats, bytes=check.bytes, damage=None if check.error is None else str(check.error)
@@ -205,7 +231,11 @@ async def import_log(
 
 
 async def _publish(
-    js: JetStreamContext, log_file: LogFile, limit: int | None, admission: Admission, run_id: str | None
+    js: JetStreamContext,
+    log_file: LogFile,
+    limit: int | None,
+    admission: Admission,
+    run_id: str | None,
 ) -> ImportStats:
     records = 0
     async with Publisher(js) as pub:
@@ -217,4 +247,6 @@ async def _publish(
             else:
                 await pub.publish_raw(*_renamed(event, run_id))
             records += 1
-    return ImportStats(records=records, stored=pub.acked - pub.duplicates, duplicates=pub.duplicates)
+    return ImportStats(
+        records=records, stored=pub.acked - pub.duplicates, duplicates=pub.duplicates
+    )

@@ -1,6 +1,7 @@
-"""Request parsing and response shaping of SGLang's ``/generate`` (the subset in docs/sglang-api.md), shared by
-the CPU inference server's handlers. Pure functions: JSON in, validated jobs out; finished sequences in,
-SGLang response bodies out. Every rejection is a :class:`RequestError` whose message names the value.
+"""Request parsing and response shaping of SGLang's ``/generate`` (the subset in
+docs/sglang-api.md), shared by the CPU inference server's handlers. Pure functions: JSON in,
+validated jobs out; finished sequences in, SGLang response bodies out. Every rejection is a
+:class:`RequestError` whose message names the value.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from services.inference.decode import GenSequence, GenSpec
+from leafe.services.inference.decode import GenSequence, GenSpec
 
 __all__ = [
     "MAX_N",
@@ -38,7 +39,8 @@ MAX_PROMPTS = 256
 MAX_SEQUENCES = 1024
 """Most sequences one call may start (prompts x n): each holds KV memory while it decodes."""
 MAX_TEXT_CONTEXTS = 4
-"""A request's texts together may hold at most this many prompts' bound of bytes (``max_text_bytes``)."""
+"""A request's texts together may hold at most this many prompts' bound of bytes
+(``max_text_bytes``)."""
 
 
 class RequestError(ValueError):
@@ -120,7 +122,8 @@ def _check_ranges(s: _Sampling) -> None:
     for key, neutral in _NEUTRAL.items():
         if getattr(s, key) != neutral:
             raise RequestError(
-                f"sampling parameter {key!r}={getattr(s, key)!r} is not supported by the LEAFE CPU server "
+                f"sampling parameter {key!r}={getattr(s, key)!r} is not supported by the LEAFE CPU "
+                "server "
                 f"(only its default {neutral!r})."
             )
 
@@ -183,8 +186,8 @@ def _as_batch(
 
 
 def _check_text_bytes(texts: list[str], max_text_bytes: int) -> None:
-    """Before any tokenizing (about 1.7 s of CPU per MB): each text and all of them together are bounded by
-    their UTF-8 size, which takes ~1 ms per MB to measure."""
+    """Before any tokenizing (about 1.7 s of CPU per MB): each text and all of them together are
+    bounded by their UTF-8 size, which takes ~1 ms per MB to measure."""
     total = 0
     for t in texts:
         size = len(t.encode("utf-8", "surrogatepass"))
@@ -196,14 +199,16 @@ def _check_text_bytes(texts: list[str], max_text_bytes: int) -> None:
         total += size
     if total > MAX_TEXT_CONTEXTS * max_text_bytes:
         raise RequestError(
-            f"The request's texts of {total} bytes together are more than one request may tokenize (at most "
-            f"{MAX_TEXT_CONTEXTS * max_text_bytes} bytes: {MAX_TEXT_CONTEXTS} prompts at their bound)."
+            f"The request's texts of {total} bytes together are more than one request may tokenize "
+            "(at most "
+            f"{MAX_TEXT_CONTEXTS * max_text_bytes} bytes: {MAX_TEXT_CONTEXTS} prompts at their "
+            "bound)."
         )
 
 
 def decode_json(raw: bytes) -> Any:
-    """The JSON value of a request body; malformed, or nested deeper than Python's decoder recurses, is a
-    :class:`RequestError` (a 400), never an exception that becomes a 500."""
+    """The JSON value of a request body; malformed, or nested deeper than Python's decoder recurses,
+    is a :class:`RequestError` (a 400), never an exception that becomes a 500."""
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -214,7 +219,9 @@ def decode_json(raw: bytes) -> Any:
 
 def _check_count(prompts: int) -> None:
     if prompts > MAX_PROMPTS:
-        raise RequestError(f"The request has {prompts} prompts; a batch may hold at most {MAX_PROMPTS}.")
+        raise RequestError(
+            f"The request has {prompts} prompts; a batch may hold at most {MAX_PROMPTS}."
+        )
 
 
 def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
@@ -235,7 +242,8 @@ def _check_ids(ids: Any, vocab_size: int, context_len: int) -> list[int]:
             )
     if len(ids) >= context_len:
         raise RequestError(
-            f"The input ({len(ids)} tokens) is longer than the model's context length ({context_len} tokens)."
+            f"The input ({len(ids)} tokens) is longer than the model's context length "
+            f"({context_len} tokens)."
         )
     return [int(t) for t in ids]
 
@@ -248,13 +256,14 @@ def parse_generate(
     context_len: int,
     max_text_bytes: int,
 ) -> tuple[list[PromptJob], bool]:
-    """Validate a ``/generate`` body; returns its prompts and whether it was a batch (list response).
+    """Validate a ``/generate`` body; returns its prompts and whether it was a batch (list
+    response).
 
     Bounded before any work: ``n`` by :data:`MAX_N`, prompts by :data:`MAX_PROMPTS`, prompts x n by
     :data:`MAX_SEQUENCES`, and each text by ``max_text_bytes`` before it is tokenized (a text longer
-    than the context length times the longest token's bytes cannot fit the context anyway), all texts
-    together by :data:`MAX_TEXT_CONTEXTS` times that. ``encode`` may take seconds within those bounds:
-    the server calls this off its event loop."""
+    than the context length times the longest token's bytes cannot fit the context anyway), all
+    texts together by :data:`MAX_TEXT_CONTEXTS` times that. ``encode`` may take seconds within those
+    bounds: the server calls this off its event loop."""
     if not isinstance(body, dict):
         raise RequestError("The request body must be a JSON object.")
     if body.get("stream"):
@@ -272,15 +281,17 @@ def parse_generate(
     sequences = sum(j.n for j in jobs)
     if sequences > MAX_SEQUENCES:
         raise RequestError(
-            f"The request asks for {sequences} sequences (prompts x n); one request may start at most "
+            f"The request asks for {sequences} sequences (prompts x n); one request may start at "
+            "most "
             f"{MAX_SEQUENCES}."
         )
     return jobs, batched or any(j.n > 1 for j in jobs)
 
 
 def copy_seed(seed: int | None, copy: int) -> int | None:
-    """Seed of the ``copy``-th of ``n`` samples: copy 0 uses ``seed`` itself, so ``n=1`` and the first of
-    ``n>1`` agree; the others get distinct derived seeds (identical copies would defeat ``n``)."""
+    """Seed of the ``copy``-th of ``n`` samples: copy 0 uses ``seed`` itself, so ``n=1`` and the
+    first of ``n>1`` agree; the others get distinct derived seeds (identical copies would defeat
+    ``n``)."""
     if seed is None or copy == 0:
         return seed
     return (seed + copy * _SEED_STRIDE) % (1 << 63)

@@ -1,12 +1,13 @@
-"""Who may use the CPU inference server: an API key, as SGLang's ``--api-key`` (``Authorization: Bearer``),
-and an admin key for the routes that steer the server itself, as SGLang's ``--admin-api-key``.
+"""Who may use the CPU inference server: an API key, as SGLang's ``--api-key`` (``Authorization:
+Bearer``), and an admin key for the routes that steer the server itself, as SGLang's
+``--admin-api-key``.
 
-With a key configured every route needs it except the probes (``/health``, ``/ready``), exactly as SGLang
-leaves only its health routes open; a missing or wrong key is HTTP 401 with an SGLang-shaped body. The
-admin routes (:data:`ADMIN_ROUTES`: ``/set_threads``, which every actor's key could once use to stall
-generation) need the admin key instead, and are refused (403) on a server without one. Keys come from
-files (``--api-key-file``, ``--admin-key-file``), never from the command line or the environment, so they
-show in no process listing and no environment a sandboxed child could read.
+With a key configured every route needs it except the probes (``/health``, ``/ready``), exactly as
+SGLang leaves only its health routes open; a missing or wrong key is HTTP 401 with an SGLang-shaped
+body. The admin routes (:data:`ADMIN_ROUTES`: ``/set_threads``, which every actor's key could once
+use to stall generation) need the admin key instead, and are refused (403) on a server without one.
+Keys come from files (``--api-key-file``, ``--admin-key-file``), never from the command line or the
+environment, so they show in no process listing and no environment a sandboxed child could read.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def read_api_key(path: str) -> str:
-    """The key in ``path`` (surrounding whitespace stripped); an empty or unreadable file is an error."""
+    """The key in ``path`` (surrounding whitespace stripped); an empty or unreadable file is an
+    error."""
     try:
         key = Path(path).read_text(encoding="utf-8").strip()
     except OSError as e:
@@ -42,7 +44,8 @@ def read_api_key(path: str) -> str:
 
 
 def write_api_key(path: Path) -> Path:
-    """A fresh random key in ``path`` (mode 0600, its directory 0700); kept if it exists (a resumed run)."""
+    """A fresh random key in ``path`` (mode 0600, its directory 0700); kept if it exists (a resumed
+    run)."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if not path.is_file():
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -56,8 +59,9 @@ def _refused(status: int, message: str) -> web.Response:
 
 
 def key_middleware(api_key: str, admin_key: str) -> Middleware:
-    """An aiohttp middleware: :data:`ADMIN_ROUTES` need ``Authorization: Bearer admin_key`` (403 without an
-    admin key), every other route but the probes ``Bearer api_key`` (none needed when ``api_key`` is empty)."""
+    """An aiohttp middleware: :data:`ADMIN_ROUTES` need ``Authorization: Bearer admin_key`` (403
+    without an admin key), every other route but the probes ``Bearer api_key`` (none needed when
+    ``api_key`` is empty)."""
     expected = f"Bearer {api_key}".encode()
     admin = f"Bearer {admin_key}".encode()
 
@@ -66,11 +70,19 @@ def key_middleware(api_key: str, admin_key: str) -> Middleware:
         given = request.headers.get("Authorization", "").encode()
         if request.path in ADMIN_ROUTES:
             if not admin_key:
-                return _refused(403, f"{request.path} needs the server's admin key; none is configured")
+                return _refused(
+                    403, f"{request.path} needs the server's admin key; none is configured"
+                )
             if not hmac.compare_digest(given, admin):
-                return _refused(401, "Unauthorized: a valid Authorization: Bearer <admin key> is required")
-        elif api_key and request.path not in OPEN_ROUTES and not hmac.compare_digest(given, expected):
-            return _refused(401, "Unauthorized: a valid Authorization: Bearer <api key> is required")
+                return _refused(
+                    401, "Unauthorized: a valid Authorization: Bearer <admin key> is required"
+                )
+        elif (
+            api_key and request.path not in OPEN_ROUTES and not hmac.compare_digest(given, expected)
+        ):
+            return _refused(
+                401, "Unauthorized: a valid Authorization: Bearer <api key> is required"
+            )
         return await handler(request)
 
     return check

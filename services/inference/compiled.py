@@ -1,12 +1,13 @@
-"""The compiled CPU attention kernels of the inference server (``csrc/decode_attention.c``): built once
-per machine with the system C compiler, loaded with ctypes (which releases the GIL during a call), and
-called on torch tensors. ``services/inference/kernels.py`` decides where they serve and checks them
-against exact attention first.
+"""The compiled CPU attention kernels of the inference server (``csrc/decode_attention.c``): built
+once per machine with the system C compiler, loaded with ctypes (which releases the GIL during a
+call), and called on torch tensors. ``services/inference/kernels.py`` decides where they serve and
+checks them against exact attention first.
 
-The library lands in ``$LEAFE_CACHE/kernels`` (default ``~/.cache/leafe``) under a hash of the source, the
-flags, the compiler's version and the CPU's flags (``-march=native`` code must not move to another CPU);
-it is built in a temporary directory and renamed, so processes starting together do not see half a file.
-Where it cannot be had (no compiler, a read-only cache), :func:`fused_library` returns the reason.
+The library lands in ``$LEAFE_CACHE/kernels`` (default ``~/.cache/leafe``) under a hash of the
+source, the flags, the compiler's version and the CPU's flags (``-march=native`` code must not move
+to another CPU); it is built in a temporary directory and renamed, so processes starting together do
+not see half a file. Where it cannot be had (no compiler, a read-only cache), :func:`fused_library`
+returns the reason.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ _CFLAGS = (
     "-march=native",
     "-fopenmp-simd",
     "-fno-math-errno",
-    # reassociation, so dot products reduce as a tree (~1.5-2x); not -ffast-math: the kernel tests for -inf
+    # reassociation, so dot products reduce as a tree (~1.5-2x); not -ffast-math: the kernel tests
+    # for -inf
     "-fassociative-math",
     "-fno-signed-zeros",
     "-fno-trapping-math",
@@ -63,10 +65,14 @@ def fused_library() -> ctypes.CDLL | str:
     if not cc:
         return "no C compiler (cc or gcc) on PATH"
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
         source = _CSRC.read_bytes()
         key = hashlib.sha256(
-            b"\0".join([source, " ".join(_CFLAGS).encode(), version.encode(), _cpu_flags().encode()])
+            b"\0".join(
+                [source, " ".join(_CFLAGS).encode(), version.encode(), _cpu_flags().encode()]
+            )
         ).hexdigest()[:16]
         target = _kernel_dir() / f"decode_attention-{key}.so"
         if not target.exists():
@@ -108,7 +114,8 @@ def _loaded() -> ctypes.CDLL:
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when its rows are contiguous (the kernels take any other strides), else a copy."""
+    """``t`` itself when its rows are contiguous (the kernels take any other strides), else a
+    copy."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
@@ -120,7 +127,8 @@ def fused_decode(
     scaling: float,
 ) -> torch.Tensor:
     """One query token's attention through the compiled kernel: ``query [B, H, 1, D]``, ``key, value
-    [B, KV, W, D]``, boolean ``attention_mask`` broadcastable to ``[B, 1, 1, W]``; returns ``[B, 1, H, D]``."""
+    [B, KV, W, D]``, boolean ``attention_mask`` broadcastable to ``[B, 1, 1, W]``; returns ``[B, 1,
+    H, D]``."""
     lib = _loaded()
     bsz, heads, _, dim = query.shape
     kv_heads, width = key.shape[1], key.shape[2]
@@ -157,19 +165,27 @@ def fused_decode(
 
 
 def fused_prefill(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor, scaling: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    scaling: float,
 ) -> torch.Tensor:
-    """Several query tokens' attention through the compiled kernel: ``query [B, H, S, D]`` (any strides
-    with the last one 1), ``key, value [B, KV, W, D]``, boolean ``attention_mask [B, 1, S, W]`` (causal
-    and padding, as transformers builds it); returns ``[B, S, H, D]``, zeros for a query with nothing to
-    attend to (a left-padding token)."""
+    """Several query tokens' attention through the compiled kernel: ``query [B, H, S, D]`` (any
+    strides with the last one 1), ``key, value [B, KV, W, D]``, boolean ``attention_mask [B, 1, S,
+    W]`` (causal and padding, as transformers builds it); returns ``[B, S, H, D]``, zeros for a
+    query with nothing to attend to (a left-padding token)."""
     lib = _loaded()
     bsz, heads, q_len, dim = query.shape
     kv_heads, width = key.shape[1], key.shape[2]
     query, key, value = (_last_dim_contiguous(t) for t in (query, key, value))
-    mask_t = attention_mask.expand(bsz, 1, q_len, width)[:, 0].transpose(1, 2).contiguous()  # [B, W, S]
+    mask_t = (
+        attention_mask.expand(bsz, 1, q_len, width)[:, 0].transpose(1, 2).contiguous()
+    )  # [B, W, S]
     cols = -(-(heads // kv_heads) * q_len // 64) * 64
-    scratch = torch.empty(dim * cols + width * cols + 2 * cols + 2 * width * dim, dtype=torch.float32)
+    scratch = torch.empty(
+        dim * cols + width * cols + 2 * cols + 2 * width * dim, dtype=torch.float32
+    )
     out = torch.empty((bsz, q_len, heads, dim), dtype=query.dtype)
     rc = getattr(lib, FUSED_DTYPES[query.dtype].replace("decode_", "prefill_"))(
         query.data_ptr(),

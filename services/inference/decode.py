@@ -1,15 +1,16 @@
 """Continuous batching for the CPU inference server: the running sequences, their decode steps, and
 SGLang's stop rules. Pure torch, no I/O and no threads (``services/inference/engine.py`` runs it).
 
-A :class:`DecodeBatch` keeps its sequences in the rows of one KV arena (``services/inference/kv.py``):
-every row's tokens end at the arena's write column, where a decode step writes the next token of every
-row in place. A prefilled prompt (``services/inference/prefill.py``) joins by copying its KV into a free
-row, right-aligned; one longer than the batch moves the write column on and leaves the older rows a
-masked gap. A finished row is replaced by the last row (one row copied), so the rows in use stay
-``0..n-1`` and the model always sees contiguous KV. Positions are tracked per row, so a row's keys are
-exactly those of the same prompt run alone (RoPE is applied before caching; gaps are only masked
-columns). The arena is reallocated only when it runs out of rows or columns; that also drops the
-leading columns no row uses any more.
+A :class:`DecodeBatch` keeps its sequences in the rows of one KV arena
+(``services/inference/kv.py``): every row's tokens end at the arena's write column, where a decode
+step writes the next token of every row in place. A prefilled prompt
+(``services/inference/prefill.py``) joins by copying its KV into a free row, right-aligned; one
+longer than the batch moves the write column on and leaves the older rows a masked gap. A finished
+row is replaced by the last row (one row copied), so the rows in use stay ``0..n-1`` and the model
+always sees contiguous KV. Positions are tracked per row, so a row's keys are exactly those of the
+same prompt run alone (RoPE is applied before caching; gaps are only masked columns). The arena is
+reallocated only when it runs out of rows or columns; that also drops the leading columns no row
+uses any more.
 
 Token choice (greedy, seeded sampling, top-p/top-k) is in ``services/inference/sampling.py``.
 """
@@ -22,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from services.inference.kv import ArenaCache, KVLayout
+from leafe.services.inference.kv import ArenaCache, KVLayout
 
 __all__ = ["DecodeBatch", "GenSequence", "GenSpec", "StopChecker"]
 
@@ -32,7 +33,8 @@ class _Decoder(Protocol):
 
 
 class PromptKV(Protocol):
-    """What decoding needs of a prefilled group (``prefill.Prefilled``; a protocol keeps the import one-way)."""
+    """What decoding needs of a prefilled group (``prefill.Prefilled``; a protocol keeps the import
+    one-way)."""
 
     arena: torch.Tensor
 
@@ -74,7 +76,9 @@ class GenSequence:
     """Prompt tokens whose KV came from the prefix cache."""
 
     def __post_init__(self) -> None:
-        self.generator.manual_seed(self.spec.seed if self.spec.seed is not None else secrets.randbits(63))
+        self.generator.manual_seed(
+            self.spec.seed if self.spec.seed is not None else secrets.randbits(63)
+        )
 
 
 class StopChecker:
@@ -99,7 +103,9 @@ class StopChecker:
         return seq.finish is not None
 
     def _stop_string(self, seq: GenSequence) -> str | None:
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.spec.skip_special_tokens)
+        text = self.tokenizer.decode(
+            seq.output_ids, skip_special_tokens=seq.spec.skip_special_tokens
+        )
         found = [(text.find(s), s) for s in seq.spec.stop if s and s in text]
         return min(found)[1] if found else None
 
@@ -117,13 +123,14 @@ class StopChecker:
 
 
 _SPARE_COLUMNS = 32
-"""Columns allocated beyond the need when an arena grows: one reallocation (a copy of the batch's KV) per
-~32 decode steps, against attention over ~16 masked spare columns per step on average."""
+"""Columns allocated beyond the need when an arena grows: one reallocation (a copy of the batch's
+KV) per ~32 decode steps, against attention over ~16 masked spare columns per step on average."""
 
 
 @dataclass(eq=False)
 class DecodeBatch:
-    """Running sequences in rows ``0..n-1`` of a KV arena ``[layers, 2, rows, kv_heads, columns, dim]``."""
+    """Running sequences in rows ``0..n-1`` of a KV arena ``[layers, 2, rows, kv_heads, columns,
+    dim]``."""
 
     layout: KVLayout
     seqs: list[GenSequence] = field(default_factory=list)
@@ -193,8 +200,8 @@ class DecodeBatch:
             self.seqs.pop()
 
     def _reserve(self, rows: int, length: int) -> None:
-        """Make room for ``rows`` rows, a row of ``length`` tokens ending at the write column, and the
-        token the next step writes; a reallocation also drops leading columns no row uses."""
+        """Make room for ``rows`` rows, a row of ``length`` tokens ending at the write column, and
+        the token the next step writes; a reallocation also drops leading columns no row uses."""
         have_rows = 0 if self.arena is None else self.arena.shape[2]
         if rows <= have_rows and max(self.write, length) < self.columns:
             return

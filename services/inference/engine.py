@@ -1,20 +1,21 @@
-"""Generation engine of the CPU inference server: one worker thread that batches requests dynamically and
-swaps weights between batches.
+"""Generation engine of the CPU inference server: one worker thread that batches requests
+dynamically and swaps weights between batches.
 
 ```
  HTTP handlers ──submit(seqs)──► pending ──(collect batch_wait_s, up to max_batch)──► admit ──┐
       ▲                                                                                       ▼
-      └──── future resolved ◄── finished rows dropped ◄── stop rules ◄── sample ◄── decode step (all rows)
- admit: identical prompts share one row; each distinct prompt starts from its longest prefix in the radix
-        cache, groups of similar new-token counts are prefilled in one pass each, their KV goes into the
-        cache (LRU-evicted down to its budget), and the rows join the running batch between decode steps
- swap_weights(state) ──► admission paused ──► running rows finish ──► load_state_dict(assign) ──► resume
+      └─ future resolved ◄─ finished rows dropped ◄─ stop rules ◄─ sample ◄─ decode step (all rows)
+ admit: identical prompts share one row; each distinct prompt starts from its longest prefix in the
+        radix cache, groups of similar new-token counts are prefilled in one pass each, their KV
+        goes into the cache (LRU-evicted down to its budget), and the rows join the running batch
+        between decode steps
+ swap_weights(state) ─► admission paused ─► running rows finish ─► load_state_dict(assign) ─► resume
  every trim_every_s, between steps or once idle: glibc's free pages go back to the OS (malloc_trim)
 ```
 Torch releases the GIL in its kernels, so the asyncio loop serving HTTP stays responsive while the
 worker computes. Each request is served by one weight version: a swap waits for the running rows (or
-aborts them with ``abort_all``), as SGLang's ``/update_weights_from_disk`` does, and empties the prefix
-cache (its KV belongs to the old weights).
+aborts them with ``abort_all``), as SGLang's ``/update_weights_from_disk`` does, and empties the
+prefix cache (its KV belongs to the old weights).
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ from typing import Any
 import structlog
 import torch
 
-from learner.memory import return_free_memory
-from services.inference.decode import DecodeBatch, GenSequence, StopChecker
-from services.inference.kernels import repack
-from services.inference.kv import KVLayout
-from services.inference.prefill import Prefilled, PrefillRow, plan_chunks, prefill
-from services.inference.prefix import PrefixCache, PrefixMatch
-from services.inference.sampling import choose_tokens
+from leafe.learner.memory import return_free_memory
+from leafe.services.inference.decode import DecodeBatch, GenSequence, StopChecker
+from leafe.services.inference.kernels import repack
+from leafe.services.inference.kv import KVLayout
+from leafe.services.inference.prefill import Prefilled, PrefillRow, plan_chunks, prefill
+from leafe.services.inference.prefix import PrefixCache, PrefixMatch
+from leafe.services.inference.sampling import choose_tokens
 
 __all__ = ["EngineClosed", "EngineStats", "GenRequest", "GenerationEngine"]
 
@@ -49,10 +50,13 @@ class EngineClosed(RuntimeError):
 
 @dataclass(eq=False)
 class GenRequest:
-    """The sequences of one ``/generate`` call; ``future`` resolves with them once all are finished."""
+    """The sequences of one ``/generate`` call; ``future`` resolves with them once all are
+    finished."""
 
     seqs: list[GenSequence]
-    future: concurrent.futures.Future[list[GenSequence]] = field(default_factory=concurrent.futures.Future)
+    future: concurrent.futures.Future[list[GenSequence]] = field(
+        default_factory=concurrent.futures.Future
+    )
     remaining: int = 0
     cancelled: bool = False
 
@@ -74,8 +78,8 @@ class EngineStats:
     decode_s: float = 0.0
     """Wall seconds of decode steps."""
     prefill_cpu_s: float = 0.0
-    """CPU seconds of the worker thread in admissions: unlike ``prefill_s``, without the time it waited
-    for a core (what to compare on a shared machine)."""
+    """CPU seconds of the worker thread in admissions: unlike ``prefill_s``, without the time it
+    waited for a core (what to compare on a shared machine)."""
     decode_cpu_s: float = 0.0
     """CPU seconds of the worker thread in decode steps."""
     prefill_tokens: int = 0
@@ -85,8 +89,8 @@ class EngineStats:
     cached_tokens: int = 0
     """Prompt tokens of distinct prompts taken from the prefix cache instead of being prefilled."""
     shared_tokens: int = 0
-    """Prompt tokens of sequences whose identical prompt was prefilled once for several of them (the n
-    samples of a request, or equal prompts of different requests admitted together)."""
+    """Prompt tokens of sequences whose identical prompt was prefilled once for several of them (the
+    n samples of a request, or equal prompts of different requests admitted together)."""
     prefill_calls: int = 0
     decode_steps: int = 0
     finished: int = 0
@@ -96,13 +100,15 @@ class EngineStats:
     trim_s: float = 0.0
     """Wall seconds spent doing so."""
     batch_sizes: dict[int, int] = field(default_factory=dict)
-    """Decode steps by batch size (sequences decoded together), for ``leafe_inference_batch_size``."""
+    """Decode steps by batch size (sequences decoded together), for
+    ``leafe_inference_batch_size``."""
 
 
 def _settle(
     future: concurrent.futures.Future[Any], *, result: Any = None, error: Exception | None = None
 ) -> None:
-    """Resolve ``future`` unless its HTTP handler already cancelled it (a race we lose harmlessly)."""
+    """Resolve ``future`` unless its HTTP handler already cancelled it (a race we lose
+    harmlessly)."""
     if future.done():
         return
     try:
@@ -130,8 +136,9 @@ class GenerationEngine:
         prefix_cache: PrefixCache | None = None,
         trim_every_s: float = 0.0,
     ) -> None:
-        """``trim_every_s``: give glibc's free pages back to the OS at most this often, between steps or
-        once the engine has gone idle after work (0: never; :func:`learner.memory.return_free_memory`)."""
+        """``trim_every_s``: give glibc's free pages back to the OS at most this often, between
+        steps or once the engine has gone idle after work (0: never;
+        :func:`leafe.learner.memory.return_free_memory`)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model = model
@@ -154,9 +161,12 @@ class GenerationEngine:
         self._threads = 0
         self._stopping = False
         self._batch = DecodeBatch(self.layout)
-        self._thread = threading.Thread(target=self._run, name="leafe-inference-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="leafe-inference-engine", daemon=True
+        )
 
-    # ---- API (any thread) -------------------------------------------------------------------------
+    # ---- API (any thread)
+    # -------------------------------------------------------------------------
     def start(self) -> None:
         """Start the worker thread."""
         self._thread.start()
@@ -208,9 +218,10 @@ class GenerationEngine:
         return swap.future
 
     def set_threads(self, threads: int) -> None:
-        """Use ``threads`` intra-op threads from the next step on (``leafe run`` gives the engine every free
-        core while the learner is idle and shares them while both work). Applied by the worker thread
-        itself: OpenMP's thread count is per calling thread, so setting it from here would not reach it."""
+        """Use ``threads`` intra-op threads from the next step on (``leafe run`` gives the engine
+        every free core while the learner is idle and shares them while both work). Applied by the
+        worker thread itself: OpenMP's thread count is per calling thread, so setting it from here
+        would not reach it."""
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         with self._cond:
@@ -222,7 +233,8 @@ class GenerationEngine:
         """The worker's intra-op threads as last applied (0 until its first step)."""
         return self._threads
 
-    # ---- worker thread ----------------------------------------------------------------------------
+    # ---- worker thread
+    # ----------------------------------------------------------------------------
     def _apply_threads(self) -> None:
         wanted = self._threads_wanted
         if wanted and wanted != self._threads:
@@ -246,7 +258,9 @@ class GenerationEngine:
                         self._admit(new)
                     if self._batch:
                         self._decode_step()
-                except Exception as e:  # a failed forward must not kill the server: fail its requests
+                except (
+                    Exception
+                ) as e:  # a failed forward must not kill the server: fail its requests
                     log.exception("inference.batch.failed", rows=len(self._batch) + len(new))
                     self._fail(new + self._batch.seqs, e)
                     self._batch = DecodeBatch(self.layout)
@@ -255,7 +269,8 @@ class GenerationEngine:
         self._fail([*self._batch.seqs, *self._pending], None)
 
     def _next_work(self) -> tuple[list[GenSequence] | None, _Swap | None]:
-        """Wait for something to do; returns (sequences to admit, pending swap), or (None, None) to stop."""
+        """Wait for something to do; returns (sequences to admit, pending swap), or (None, None) to
+        stop."""
         with self._cond:
             idle = not self._batch and not self._pending and self._swap is None
             if idle and not self._stopping and self._threads_wanted in (0, self._threads):
@@ -263,7 +278,11 @@ class GenerationEngine:
                 if not woken and not self._pending and self._swap is None and not self._stopping:
                     return [], None  # idle past the trim's time: the caller trims, then waits again
                 deadline = time.monotonic() + self.batch_wait_s
-                while len(self._pending) < self.max_batch and self._swap is None and not self._stopping:
+                while (
+                    len(self._pending) < self.max_batch
+                    and self._swap is None
+                    and not self._stopping
+                ):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
@@ -277,7 +296,8 @@ class GenerationEngine:
         return [s for s in new if not s.group.cancelled], None
 
     def _trim_wait(self) -> float | None:
-        """Seconds until a trim is due (0.0: now), or None when none is (trimming off, or no work since)."""
+        """Seconds until a trim is due (0.0: now), or None when none is (trimming off, or no work
+        since)."""
         if not self.trim_every_s or not self._worked:
             return None
         return max(0.0, self._trimmed_at + self.trim_every_s - time.monotonic())
@@ -293,8 +313,8 @@ class GenerationEngine:
         self._trimmed_at, self._worked = time.monotonic(), False
 
     def _admit(self, seqs: list[GenSequence]) -> None:
-        """Prefill new sequences (one row per distinct prompt, from its cached prefix; rows of similar new
-        lengths in one pass), cache their KV and merge them into the running batch."""
+        """Prefill new sequences (one row per distinct prompt, from its cached prefix; rows of
+        similar new lengths in one pass), cache their KV and merge them into the running batch."""
         for chunk in plan_chunks(self._distinct(seqs), self.max_prefill_tokens):
             t0, c0 = time.perf_counter(), time.thread_time()
             group, logits = prefill(self.model, self.layout, chunk, self.pad_id)
@@ -309,7 +329,8 @@ class GenerationEngine:
             self.stats.cached_tokens += sum(r.cached.length for r in chunk)
             self.stats.shared_tokens += sum(len(r.prompt) * (len(r.seqs) - 1) for r in chunk)
         if self.prefix is not None:
-            self.prefix.evict()  # only now: the rows above may hold KV of nodes an eviction would drop
+            # only now: the rows above may hold KV of nodes an eviction would drop
+            self.prefix.evict()
 
     def _distinct(self, seqs: list[GenSequence]) -> list[PrefillRow]:
         """One row per distinct prompt, with its longest cached prefix."""
@@ -348,7 +369,8 @@ class GenerationEngine:
         self.stats.batch_sizes[rows] = self.stats.batch_sizes.get(rows, 0) + 1
 
     def _sample(self, seqs: list[GenSequence], logits: torch.Tensor) -> set[int]:
-        """Sample a token per row of ``seqs``; returns the rows that are done (finished or cancelled)."""
+        """Sample a token per row of ``seqs``; returns the rows that are done (finished or
+        cancelled)."""
         tokens, logprobs = choose_tokens(logits, seqs)
         done: set[int] = set()
         for row, (seq, tok, lp) in enumerate(zip(seqs, tokens, logprobs, strict=True)):

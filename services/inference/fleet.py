@@ -1,13 +1,13 @@
 """Several CPU inference servers as child processes, one per free core, for a caller that only reads
 (``leafe eval``): the client spreads episodes over them by affinity (``actors/client.py``).
 
-One server per core with one torch thread each is what uses a small CPU well: measured on 2 cores for
-Base's Sokoban evaluation (8 tasks x 16 samples, float32), one in-process server with 2 threads took
-553 s, two pinned processes with one thread each 238 s. An in-process server shares the GIL with the
-client's event loop and its two OpenMP threads spin on decode-sized matmuls; separate processes share
-nothing. Each child gets its own API key file (0600, in a private temporary directory, removed at stop),
-is pinned to its core where the affinity can be set, and is sent SIGTERM by the kernel if this process
-dies without stopping it.
+One server per core with one torch thread each is what uses a small CPU well: measured on 2 cores
+for Base's Sokoban evaluation (8 tasks x 16 samples, float32), one in-process server with 2 threads
+took 553 s, two pinned processes with one thread each 238 s. An in-process server shares the GIL
+with the client's event loop and its two OpenMP threads spin on decode-sized matmuls; separate
+processes share nothing. Each child gets its own API key file (0600, in a private temporary
+directory, removed at stop), is pinned to its core where the affinity can be set, and is sent
+SIGTERM by the kernel if this process dies without stopping it.
 
     async with ServerFleet(FleetConfig(model=str(path), servers=2, dtype="float32")) as fleet:
         async with SGLangClient(fleet.urls, api_key_file=fleet.api_key_file) as client: ...
@@ -27,15 +27,16 @@ from pathlib import Path
 
 import structlog
 
-from services.inference.auth import write_api_key
-from services.lifetime import die_with_parent
+from leafe.services.inference.auth import write_api_key
+from leafe.services.lifetime import die_with_parent
 
 __all__ = ["FleetConfig", "FleetError", "ServerFleet"]
 
 log = structlog.get_logger(__name__)
 
 SERVING = "leafe inference: serving on "
-"""The line ``leafe inference`` prints on stdout once it accepts requests (``services/inference/main.py``)."""
+"""The line ``leafe inference`` prints on stdout once it accepts requests
+(``services/inference/main.py``)."""
 
 
 class FleetError(RuntimeError):
@@ -54,15 +55,18 @@ class FleetConfig:
     served_model_name: str = ""
     weight_version: str = "default"
     threads: int = 1
-    """Torch threads per server (1: a core each, no OpenMP pool spinning on decode-sized matmuls)."""
+    """Torch threads per server (1: a core each, no OpenMP pool spinning on decode-sized
+    matmuls)."""
     cores: tuple[int, ...] = ()
-    """Core of each server (``sched_setaffinity``); empty = this process's usable cores, in order."""
+    """Core of each server (``sched_setaffinity``); empty = this process's usable cores, in
+    order."""
     start_timeout_s: float = 300.0
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
 class ServerFleet:
-    """Start ``servers`` ``leafe inference`` children, each with one thread; ``urls`` once started."""
+    """Start ``servers`` ``leafe inference`` children, each with one thread; ``urls`` once
+    started."""
 
     def __init__(self, config: FleetConfig) -> None:
         if config.servers < 1:
@@ -102,8 +106,15 @@ class ServerFleet:
         cfg = self.config
         return [
             sys.executable,
-            *("-m", "services.cli", "inference", "--model", cfg.model, "--port", "0"),
-            *("--threads", str(cfg.threads), "--dtype", cfg.dtype, "--max-batch", str(cfg.max_batch)),
+            *("-m", "leafe.services.cli", "inference", "--model", cfg.model, "--port", "0"),
+            *(
+                "--threads",
+                str(cfg.threads),
+                "--dtype",
+                cfg.dtype,
+                "--max-batch",
+                str(cfg.max_batch),
+            ),
             *("--served-model-name", cfg.served_model_name or Path(cfg.model).name),
             *("--weight-version", cfg.weight_version, "--api-key-file", self.api_key_file),
             *("--log-level", "warning"),
@@ -147,10 +158,13 @@ class ServerFleet:
                         return line[len(SERVING) :].strip()
         except TimeoutError:
             raise FleetError(
-                f"inference server {i} did not start within {self.config.start_timeout_s:.0f}s:\n{self._tail(i)}"
+                f"inference server {i} did not start within "
+                f"{self.config.start_timeout_s:.0f}s:\n{self._tail(i)}"
             ) from None
         await proc.wait()
-        raise FleetError(f"inference server {i} exited with code {proc.returncode}:\n{self._tail(i)}")
+        raise FleetError(
+            f"inference server {i} exited with code {proc.returncode}:\n{self._tail(i)}"
+        )
 
     def _tail(self, i: int, lines: int = 15) -> str:
         try:
@@ -159,7 +173,8 @@ class ServerFleet:
             return ""
 
     async def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM every server (each drains), SIGKILL after ``grace_s``; remove the key and logs."""
+        """SIGTERM every server (each drains), SIGKILL after ``grace_s``; remove the key and
+        logs."""
         for proc in self._procs:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

@@ -1,34 +1,38 @@
-"""CPU kernels the inference server puts into its HF decoder: linear layers through oneDNN with weights
-reordered once, and attention through compiled C kernels (``services/inference/compiled.py``), or as two
-grouped matmuls at decode where those cannot be built.
+"""CPU kernels the inference server puts into its HF decoder: linear layers through oneDNN with
+weights reordered once, and attention through compiled C kernels
+(``services/inference/compiled.py``), or as two grouped matmuls at decode where those cannot be
+built.
 
-Both replace a slow default of torch 2.13's CPU build on this machine (one Zen 5 core; ``bench/inference.py``
-``decode_floor`` section):
-- **Linear layers.** aten's float32 ``linear`` calls MKL, which on AMD CPUs runs at ~90 GFLOP/s; oneDNN's
-  ``mkldnn::_linear_pointwise`` with a weight reordered into its blocked layout once reaches ~200-235
-  GFLOP/s on the same shapes (2.1-3.0x at 16-256 rows). A layer keeps its ``weight`` parameter (state
-  dicts, weight updates and validation see the same keys and tensors) and holds the reordered copy in a
-  non-persistent buffer, which :func:`repack` rebuilds after every weight swap (a stale copy would serve
-  the old weights: the engine repacks before it resumes, and a test checks it).
-- **Decode attention.** torch's CPU SDPA at one query token costs ~4.7 ms per layer in bfloat16 (16 rows,
-  340 columns, in cache), more than the whole layer's matmuls. As two grouped-query matmuls with float32
-  scores, softmax and value sum (``grouped_decode_attention``) it is ~0.8 ms, and closer to a float64
-  reference than SDPA's (mean error 6.1e-4 vs 7.0e-4): in the model's decode step (16 rows, 300 columns)
-  52-57 ms against SDPA's 60-65 in bfloat16. That is still bound by reading the KV, ~10 GB/s through 48
-  small matmuls per layer and a float32 copy of the keys and values (keeping a bfloat16 model's KV in
-  float32 measured no faster). ``csrc/decode_attention.c`` fuses it: one pass over the key rows and one
-  over the value rows, each converted in registers and used by every head of its group, masked columns
-  skipped (built and called by ``services/inference/compiled.py``). Without a compiler, or if its output
-  differs from the exact attention at start, the grouped matmuls serve and the reason is reported.
-- **Prefill attention** (several query tokens, transformers' boolean causal and padding mask) is in the
-  same file: per row and KV head, the group's queries are transposed so that 4 key rows x 64 queries
-  accumulate in registers (no horizontal sums), softmax runs down each query's column, and the values are
-  summed the same way. On 6 rows x 60 new tokens over 280 columns it takes 2.2-2.3 ms per layer against
-  SDPA's 3.3-3.6 (flash kernel, ~55 GFLOP/s here), in float32 arithmetic whatever the model's dtype.
+Both replace a slow default of torch 2.13's CPU build on this machine (one Zen 5 core;
+``bench/inference.py`` ``decode_floor`` section):
+- **Linear layers.** aten's float32 ``linear`` calls MKL, which on AMD CPUs runs at ~90 GFLOP/s;
+  oneDNN's ``mkldnn::_linear_pointwise`` with a weight reordered into its blocked layout once
+  reaches ~200-235 GFLOP/s on the same shapes (2.1-3.0x at 16-256 rows). A layer keeps its
+  ``weight`` parameter (state dicts, weight updates and validation see the same keys and tensors)
+  and holds the reordered copy in a non-persistent buffer, which :func:`repack` rebuilds after every
+  weight swap (a stale copy would serve the old weights: the engine repacks before it resumes, and a
+  test checks it).
+- **Decode attention.** torch's CPU SDPA at one query token costs ~4.7 ms per layer in bfloat16 (16
+  rows, 340 columns, in cache), more than the whole layer's matmuls. As two grouped-query matmuls
+  with float32 scores, softmax and value sum (``grouped_decode_attention``) it is ~0.8 ms, and
+  closer to a float64 reference than SDPA's (mean error 6.1e-4 vs 7.0e-4): in the model's decode
+  step (16 rows, 300 columns) 52-57 ms against SDPA's 60-65 in bfloat16. That is still bound by
+  reading the KV, ~10 GB/s through 48 small matmuls per layer and a float32 copy of the keys and
+  values (keeping a bfloat16 model's KV in float32 measured no faster). ``csrc/decode_attention.c``
+  fuses it: one pass over the key rows and one over the value rows, each converted in registers and
+  used by every head of its group, masked columns skipped (built and called by
+  ``services/inference/compiled.py``). Without a compiler, or if its output differs from the exact
+  attention at start, the grouped matmuls serve and the reason is reported.
+- **Prefill attention** (several query tokens, transformers' boolean causal and padding mask) is in
+  the same file: per row and KV head, the group's queries are transposed so that 4 key rows x 64
+  queries accumulate in registers (no horizontal sums), softmax runs down each query's column, and
+  the values are summed the same way. On 6 rows x 60 new tokens over 280 columns it takes 2.2-2.3 ms
+  per layer against SDPA's 3.3-3.6 (flash kernel, ~55 GFLOP/s here), in float32 arithmetic whatever
+  the model's dtype.
 
 The kernels are checked against the plain forward when installed (:func:`accelerate`): a layer whose
-reordered output differs from ``F.linear`` beyond float rounding, or a build without oneDNN, keeps aten's
-path and the reason is logged and returned.
+reordered output differs from ``F.linear`` beyond float rounding, or a build without oneDNN, keeps
+aten's path and the reason is logged and returned.
 """
 
 from __future__ import annotations
@@ -42,7 +46,12 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from services.inference.compiled import FUSED_DTYPES, fused_decode, fused_library, fused_prefill
+from leafe.services.inference.compiled import (
+    FUSED_DTYPES,
+    fused_decode,
+    fused_library,
+    fused_prefill,
+)
 
 __all__ = [
     "ATTENTION",
@@ -59,18 +68,21 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 ATTENTION = "leafe_cpu"
-"""Attention registered with transformers (masks as for ``sdpa``): grouped matmuls at decode, SDPA else."""
+"""Attention registered with transformers (masks as for ``sdpa``): grouped matmuls at decode, SDPA
+else."""
 
 FUSED_ATTENTION = "leafe_cpu_fused"
 """The same with decode through the compiled kernel (``csrc/decode_attention.c``)."""
 
 _BATCH_HINT = 16
-"""Rows oneDNN is told to expect when it picks the weight layout (the server's default ``max_batch``; the
-layout serves any row count: a 8 x 256-token float32 prefill ran 1.9x aten with this hint)."""
+"""Rows oneDNN is told to expect when it picks the weight layout (the server's default
+``max_batch``; the layout serves any row count: a 8 x 256-token float32 prefill ran 1.9x aten with
+this hint)."""
 
 
 class PackedLinear(torch.nn.Linear):
-    """An ``nn.Linear`` whose forward multiplies by a oneDNN-reordered copy of its weight (``packed``)."""
+    """An ``nn.Linear`` whose forward multiplies by a oneDNN-reordered copy of its weight
+    (``packed``)."""
 
     packed: torch.Tensor
 
@@ -98,7 +110,8 @@ def _onednn_unavailable(dtype: torch.dtype) -> str | None:
 
 
 def _agrees(layer: torch.nn.Linear) -> bool:
-    """Whether the reordered path gives ``F.linear``'s output on a random input (float rounding aside)."""
+    """Whether the reordered path gives ``F.linear``'s output on a random input (float rounding
+    aside)."""
     w = layer.weight.detach()
     x = torch.randn(3, layer.in_features, dtype=w.dtype, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -109,8 +122,8 @@ def _agrees(layer: torch.nn.Linear) -> bool:
 
 
 def repack(model: torch.nn.Module) -> int:
-    """Reorder the current weight of every :class:`PackedLinear` of ``model`` (after weights changed, e.g.
-    ``load_state_dict(..., assign=True)``); returns how many layers were repacked."""
+    """Reorder the current weight of every :class:`PackedLinear` of ``model`` (after weights
+    changed, e.g. ``load_state_dict(..., assign=True)``); returns how many layers were repacked."""
     count = 0
     with torch.inference_mode():
         for module in model.modules():
@@ -130,13 +143,17 @@ def grouped_decode_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention: grouped matmuls with float32 scores for one query token, SDPA otherwise."""
+    """transformers attention: grouped matmuls with float32 scores for one query token, SDPA
+    otherwise."""
     bsz, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     plain = attention_mask is None or attention_mask.dtype == torch.bool
     if q_len != 1 or dropout or kwargs.get("softcap") or not plain:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    # head h reads kv head h // groups (transformers' repeat_kv), so [B, H, 1, D] -> [B, KV, groups, D]
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout, scaling, **kwargs
+        )
+    # head h reads kv head h // groups (transformers' repeat_kv), so [B, H, 1, D] -> [B, KV, groups,
+    # D]
     q = query.reshape(bsz, kv_heads, heads // kv_heads, dim).float()
     scores = torch.matmul(q, key.float().transpose(-1, -2))
     scores.mul_(scaling if scaling is not None else dim**-0.5)
@@ -156,9 +173,9 @@ def fused_decode_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention through the compiled kernels: decode (one query token) and prefill (several,
-    with transformers' boolean mask); ``grouped_decode_attention`` for what they do not take (no mask,
-    dropout, softcap, other dtypes, a head size not a multiple of 4)."""
+    """transformers attention through the compiled kernels: decode (one query token) and prefill
+    (several, with transformers' boolean mask); ``grouped_decode_attention`` for what they do not
+    take (no mask, dropout, softcap, other dtypes, a head size not a multiple of 4)."""
     plain = attention_mask is not None and attention_mask.dtype == torch.bool
     if (
         dropout
@@ -168,7 +185,9 @@ def fused_decode_attention(
         or (query.shape[2] != 1 and (not plain or query.shape[-1] % 4))
         or (query.shape[2] == 1 and attention_mask is not None and not plain)
     ):
-        return grouped_decode_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return grouped_decode_attention(
+            module, query, key, value, attention_mask, dropout, scaling, **kwargs
+        )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if query.shape[2] == 1:
         return fused_decode(query, key, value, attention_mask, scale), None
@@ -187,8 +206,8 @@ AttentionMaskInterface.register(FUSED_ATTENTION, sdpa_mask)
 def exact_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    """The reference the kernels are checked against: SDPA in float64 with each KV head repeated for its
-    query heads; ``[B, S, H, D]``."""
+    """The reference the kernels are checked against: SDPA in float64 with each KV head repeated for
+    its query heads; ``[B, S, H, D]``."""
     groups = query.shape[1] // key.shape[1]
     return F.scaled_dot_product_attention(
         query.double(),
@@ -214,14 +233,16 @@ def _fused_agrees() -> str | None:
     q = torch.randn(3, 6, 5, 32, generator=gen)
     causal = torch.ones(5, 20, dtype=torch.bool).tril(15)[None, None].expand(3, 1, 5, 20)
     want = exact_attention(q, k, v, causal)
-    if not torch.allclose(fused_prefill(q, k, v, causal, 32**-0.5).double(), want, rtol=1e-4, atol=1e-5):
+    if not torch.allclose(
+        fused_prefill(q, k, v, causal, 32**-0.5).double(), want, rtol=1e-4, atol=1e-5
+    ):
         return "the compiled prefill kernel's output differs from exact attention on this machine"
     return None
 
 
 def accelerate(model: torch.nn.Module, *, fused: bool = True) -> dict[str, Any]:
-    """Install the kernels into ``model`` (in place); returns what was installed and why not otherwise.
-    ``fused=False`` keeps decode attention on the grouped matmuls (for comparisons)."""
+    """Install the kernels into ``model`` (in place); returns what was installed and why not
+    otherwise. ``fused=False`` keeps decode attention on the grouped matmuls (for comparisons)."""
     dtype = next(model.parameters()).dtype
     applied: dict[str, Any] = {
         "dtype": str(dtype).removeprefix("torch."),

@@ -1,13 +1,14 @@
-"""KV storage of the CPU inference server's batches: one preallocated tensor per batch (an arena) that the
-model writes into in place.
+"""KV storage of the CPU inference server's batches: one preallocated tensor per batch (an arena)
+that the model writes into in place.
 
-An arena is ``[layers, 2 (keys, values), rows, kv_heads, columns, head_dim]``. Row ``r``'s tokens sit in
-columns marked in the batch's ``[rows, columns]`` mask; every row writes its next token at the same
-column ``write``, so a decode step appends one column without copying the cache (transformers'
-``DynamicLayer`` concatenates, copying every layer's KV on every step). Columns past ``write`` are
-spare capacity, masked for every row; the model sees the full width, so keys and values reach attention
-as contiguous tensors (the bf16 matmul of a strided view is ~4x slower on CPU). Attention over it is the
-model's (SDPA), or with the server's kernels (``services/inference/kernels.py``) grouped matmuls at decode.
+An arena is ``[layers, 2 (keys, values), rows, kv_heads, columns, head_dim]``. Row ``r``'s tokens
+sit in columns marked in the batch's ``[rows, columns]`` mask; every row writes its next token at
+the same column ``write``, so a decode step appends one column without copying the cache
+(transformers' ``DynamicLayer`` concatenates, copying every layer's KV on every step). Columns past
+``write`` are spare capacity, masked for every row; the model sees the full width, so keys and
+values reach attention as contiguous tensors (the bf16 matmul of a strided view is ~4x slower on
+CPU). Attention over it is the model's (SDPA), or with the server's kernels
+(``services/inference/kernels.py``) grouped matmuls at decode.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ class KVLayout:
         config = model.config.get_text_config(decoder=True)
         kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
         if kinds != {"full_attention"}:
-            raise TypeError(f"the CPU server only batches full-attention models, got layer types {kinds}")
+            raise TypeError(
+                f"the CPU server only batches full-attention models, got layer types {kinds}"
+            )
         heads = int(config.num_attention_heads)
         return cls(
             layers=int(config.num_hidden_layers),
@@ -61,9 +64,9 @@ class _ArenaLayer(DynamicLayer):
 
     def __init__(self, cache: ArenaCache, index: int) -> None:
         super().__init__()
-        # A weak reference: cache -> layers -> cache would be a cycle, and each forward's ArenaCache (with
-        # the arena it pins) would then live until the cyclic collector ran. In a long evaluation that
-        # held GBs of dead arenas and got the server OOM-killed at 24 GiB.
+        # A weak reference: cache -> layers -> cache would be a cycle, and each forward's ArenaCache
+        # (with the arena it pins) would then live until the cyclic collector ran. In a long
+        # evaluation that held GBs of dead arenas and got the server OOM-killed at 24 GiB.
         self.cache = weakref.proxy(cache)
         self.index = index
         self.is_initialized = True
@@ -96,8 +99,8 @@ class _ArenaLayer(DynamicLayer):
 
 
 class ArenaCache(Cache):
-    """A transformers ``Cache`` over the first ``rows`` rows of ``arena``; a forward writes its tokens at
-    columns ``write..write+q-1`` (the caller advances ``write`` afterwards)."""
+    """A transformers ``Cache`` over the first ``rows`` rows of ``arena``; a forward writes its
+    tokens at columns ``write..write+q-1`` (the caller advances ``write`` afterwards)."""
 
     def __init__(self, arena: torch.Tensor, rows: int, write: int) -> None:
         self.arena = arena

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from services.inference.server import InferenceConfig, InferenceServer
+from leafe.services.inference.server import InferenceConfig, InferenceServer
 
 __all__ = ["ServerThread", "start_in_thread"]
 
@@ -48,7 +48,9 @@ class ServerThread:
         """Start and wait until the server answers; raises what the server raised on start-up."""
         self._thread.start()
         if not self._ready.wait(timeout):
-            raise TimeoutError(f"inference server for {self.config.model!r} not ready after {timeout} s")
+            raise TimeoutError(
+                f"inference server for {self.config.model!r} not ready after {timeout} s"
+            )
         if self._error is not None:
             raise RuntimeError(f"inference server failed to start: {self._error}") from self._error
         return self

@@ -1,5 +1,6 @@
-"""Prefill of the CPU inference server: one forward pass over a group of new prompts, each starting from
-the KV of its cached prefix (``services/inference/prefix.py``), so only the tokens after it are computed.
+"""Prefill of the CPU inference server: one forward pass over a group of new prompts, each starting
+from the KV of its cached prefix (``services/inference/prefix.py``), so only the tokens after it are
+computed.
 
 ```
  arena columns:  0 ........ cached_width ................ cached_width + suffix_width
@@ -7,9 +8,9 @@ the KV of its cached prefix (``services/inference/prefix.py``), so only the toke
                        copied from the tree      left-padded input block, computed now
 ```
 Row ``i``'s cached KV ends at column ``cached_width`` and its suffix ends at the last column; the
-columns between are masked. Positions are explicit (``m_i .. m_i + s_i - 1``) and RoPE is applied before
-caching, so a row's keys are those of the prompt run alone, whatever shares its pass (up to float
-rounding of batched matmuls). Prompts with nothing cached are rows with ``m_i = 0``.
+columns between are masked. Positions are explicit (``m_i .. m_i + s_i - 1``) and RoPE is applied
+before caching, so a row's keys are those of the prompt run alone, whatever shares its pass (up to
+float rounding of batched matmuls). Prompts with nothing cached are rows with ``m_i = 0``.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from typing import Any
 
 import torch
 
-from services.inference.decode import GenSequence
-from services.inference.kv import ArenaCache, KVLayout
-from services.inference.prefix import PrefixMatch
+from leafe.services.inference.decode import GenSequence
+from leafe.services.inference.kv import ArenaCache, KVLayout
+from leafe.services.inference.prefix import PrefixMatch
 
 __all__ = ["PrefillRow", "Prefilled", "plan_chunks", "prefill"]
 
@@ -56,7 +57,8 @@ class Prefilled:
         return self.cached_width + self.suffix_width
 
     def spans(self, row: int) -> list[tuple[int, int]]:
-        """Column ranges holding ``row``'s prompt tokens, in token order (one, or two around the gap)."""
+        """Column ranges holding ``row``'s prompt tokens, in token order (one, or two around the
+        gap)."""
         r = self.rows[row]
         m = r.cached.length
         suffix = (self.width - r.suffix, self.width)
@@ -76,7 +78,8 @@ class Prefilled:
 def _inputs(
     rows: Sequence[PrefillRow], cached_width: int, suffix_width: int, pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Input ids ``[R, S]`` (suffixes left-padded), attention mask ``[R, Wc + S]`` and positions ``[R, S]``."""
+    """Input ids ``[R, S]`` (suffixes left-padded), attention mask ``[R, Wc + S]`` and positions
+    ``[R, S]``."""
     count = len(rows)
     ids = torch.full((count, suffix_width), pad_id, dtype=torch.long)
     mask = torch.zeros((count, cached_width + suffix_width), dtype=torch.bool)
@@ -93,10 +96,12 @@ def _inputs(
 def prefill(
     model: Any, layout: KVLayout, rows: Sequence[PrefillRow], pad_id: int
 ) -> tuple[Prefilled, torch.Tensor]:
-    """Run the suffixes of ``rows`` over their cached prefixes; returns the group's KV and each row's
-    next-token logits ``[R, V]``."""
+    """Run the suffixes of ``rows`` over their cached prefixes; returns the group's KV and each
+    row's next-token logits ``[R, V]``."""
     if not rows or any(r.suffix < 1 for r in rows):
-        raise ValueError(f"prefill needs rows with >= 1 new token, got suffixes {[r.suffix for r in rows]}")
+        raise ValueError(
+            f"prefill needs rows with >= 1 new token, got suffixes {[r.suffix for r in rows]}"
+        )
     cached_width = max(r.cached.length for r in rows)
     suffix_width = max(r.suffix for r in rows)
     arena = layout.arena(len(rows), cached_width + suffix_width)
@@ -115,13 +120,15 @@ def prefill(
         use_cache=True,
         logits_to_keep=1,
     )
-    group = Prefilled(rows=list(rows), arena=arena, cached_width=cached_width, suffix_width=suffix_width)
+    group = Prefilled(
+        rows=list(rows), arena=arena, cached_width=cached_width, suffix_width=suffix_width
+    )
     return group, out.logits[:, -1, :]
 
 
 def plan_chunks(rows: Sequence[PrefillRow], max_tokens: int) -> list[list[PrefillRow]]:
-    """Group rows by similar suffix length, so a pass pads its input block by at most ~25% and stays under
-    ``max_tokens`` padded input tokens (a longer row runs alone)."""
+    """Group rows by similar suffix length, so a pass pads its input block by at most ~25% and stays
+    under ``max_tokens`` padded input tokens (a longer row runs alone)."""
     chunks: list[list[PrefillRow]] = []
     cur: list[PrefillRow] = []
     real = 0

@@ -1,15 +1,17 @@
-"""Prompt prefix cache of the CPU inference server: a radix tree over token ids whose edges hold the KV of
-their tokens, so a prompt that starts like an earlier one prefills only the tokens after the shared part.
+"""Prompt prefix cache of the CPU inference server: a radix tree over token ids whose edges hold the
+KV of their tokens, so a prompt that starts like an earlier one prefills only the tokens after the
+shared part.
 
-Agent prompts repeat: every step's prompt opens with the same instructions and task, an episode's next
-turn extends its last prompt, the n samples of a task send the same first prompt. As in SGLang's radix
-cache (page size 1), a lookup walks the tree from the root and matches token by token, so any shared
-prefix is reused whatever its length and wherever it ends (inside an edge included); an insertion adds
-only the tokens the tree does not hold, splitting an edge where two prompts part. The tree keeps at most
-``capacity_tokens`` tokens after :meth:`PrefixCache.evict`: least recently used leaves go first (a node
-is used by every lookup and insertion that passes through it, so a parent is never older than its
-children). Edges hold copies, never views of a running batch, and the KV of the weights that computed
-them: the engine clears the tree when weights change.
+Agent prompts repeat: every step's prompt opens with the same instructions and task, an episode's
+next turn extends its last prompt, the n samples of a task send the same first prompt. As in
+SGLang's radix cache (page size 1), a lookup walks the tree from the root and matches token by
+token, so any shared prefix is reused whatever its length and wherever it ends (inside an edge
+included); an insertion adds only the tokens the tree does not hold, splitting an edge where two
+prompts part. The tree keeps at most ``capacity_tokens`` tokens after :meth:`PrefixCache.evict`:
+least recently used leaves go first (a node is used by every lookup and insertion that passes
+through it, so a parent is never older than its children). Edges hold copies, never views of a
+running batch, and the KV of the weights that computed them: the engine clears the tree when weights
+change.
 
 KV of ``n`` tokens is one tensor ``[layers, 2 (keys, values), kv_heads, n, head_dim]``.
 """
@@ -27,7 +29,8 @@ import torch
 __all__ = ["PrefixCache", "PrefixMatch", "PrefixStats"]
 
 KVSlice = Callable[[int, int], torch.Tensor]
-"""``kv(start, end)``: the KV of a prompt's tokens ``start..end-1``, ``[layers, 2, kv_heads, n, dim]``."""
+"""``kv(start, end)``: the KV of a prompt's tokens ``start..end-1``, ``[layers, 2, kv_heads, n,
+dim]``."""
 
 
 @dataclass
@@ -77,7 +80,8 @@ def _common(key: tuple[int, ...], prompt: Sequence[int], start: int) -> int:
 
 
 class PrefixCache:
-    """Radix tree of prompt KV bounded by ``capacity_tokens`` (enforced by :meth:`evict`); thread-safe."""
+    """Radix tree of prompt KV bounded by ``capacity_tokens`` (enforced by :meth:`evict`);
+    thread-safe."""
 
     def __init__(self, capacity_tokens: int) -> None:
         if capacity_tokens < 1:
@@ -101,8 +105,8 @@ class PrefixCache:
             return sum(1 for _ in self._walk()) - 1
 
     def match(self, prompt: Sequence[int]) -> PrefixMatch:
-        """The longest cached prefix of ``prompt``, at most ``len(prompt) - 1`` tokens (the last prompt
-        token must run through the model to give the next-token logits)."""
+        """The longest cached prefix of ``prompt``, at most ``len(prompt) - 1`` tokens (the last
+        prompt token must run through the model to give the next-token logits)."""
         limit = len(prompt) - 1
         segments: list[torch.Tensor] = []
         pos = 0
@@ -126,15 +130,18 @@ class PrefixCache:
         return PrefixMatch(length=pos, segments=tuple(segments))
 
     def insert(self, prompt: Sequence[int], kv: KVSlice) -> int:
-        """Add the tokens of ``prompt`` the tree lacks, their KV read with ``kv(start, end)`` (copied);
-        returns how many were added. Call :meth:`evict` afterwards to return under the capacity."""
+        """Add the tokens of ``prompt`` the tree lacks, their KV read with ``kv(start, end)``
+        (copied); returns how many were added. Call :meth:`evict` afterwards to return under the
+        capacity."""
         with self._lock:
             now = next(self._clock)
             node, pos = self._root, 0
             while pos < len(prompt):
                 child = node.children.get(prompt[pos])
                 if child is None:
-                    leaf = _Node(key=tuple(prompt[pos:]), kv=kv(pos, len(prompt)).clone(), parent=node)
+                    leaf = _Node(
+                        key=tuple(prompt[pos:]), kv=kv(pos, len(prompt)).clone(), parent=node
+                    )
                     leaf.used = now
                     node.children[prompt[pos]] = leaf
                     added = len(prompt) - pos
@@ -149,18 +156,20 @@ class PrefixCache:
             return 0
 
     def _split(self, node: _Node, n: int) -> _Node:
-        """Cut ``node``'s edge after ``n`` tokens; returns the new upper node (``node`` becomes its child).
-        Both halves are copies, so evicting one frees its memory."""
+        """Cut ``node``'s edge after ``n`` tokens; returns the new upper node (``node`` becomes its
+        child). Both halves are copies, so evicting one frees its memory."""
         assert node.kv is not None and node.parent is not None
-        upper = _Node(key=node.key[:n], kv=node.kv[:, :, :, :n].clone(), parent=node.parent, used=node.used)
+        upper = _Node(
+            key=node.key[:n], kv=node.kv[:, :, :, :n].clone(), parent=node.parent, used=node.used
+        )
         node.parent.children[node.key[0]] = upper
         node.key, node.kv, node.parent = node.key[n:], node.kv[:, :, :, n:].clone(), upper
         upper.children[node.key[0]] = node
         return upper
 
     def evict(self) -> int:
-        """Drop least recently used leaves until at most ``capacity_tokens`` are held; returns how many
-        tokens went."""
+        """Drop least recently used leaves until at most ``capacity_tokens`` are held; returns how
+        many tokens went."""
         with self._lock:
             if self._tokens <= self.capacity_tokens:
                 return 0
@@ -189,11 +198,18 @@ class PrefixCache:
         return out
 
     def clear(self) -> int:
-        """Forget every entry (weights changed, or ``/flush_cache``); returns how many tokens it held."""
+        """Forget every entry (weights changed, or ``/flush_cache``); returns how many tokens it
+        held."""
         with self._lock:
             held = self._tokens
-            for node in self._walk():  # parent <-> children are cycles: free the KV now, not at the next
-                node.kv, node.parent, node.children = None, None, {}  # cyclic GC (a cache's KV per swap)
+            for (
+                node
+            ) in self._walk():  # parent <-> children are cycles: free the KV now, not at the next
+                node.kv, node.parent, node.children = (
+                    None,
+                    None,
+                    {},
+                )  # cyclic GC (a cache's KV per swap)
             self._root = _Node(key=(), kv=None, parent=None)
             self._tokens = 0
             return held

@@ -1,15 +1,16 @@
-"""Next-token choice for the CPU inference server: greedy, or seeded sampling with temperature, top-k
-and top-p (SGLang's rules), batched over rows that each own a ``torch.Generator``.
+"""Next-token choice for the CPU inference server: greedy, or seeded sampling with temperature,
+top-k and top-p (SGLang's rules), batched over rows that each own a ``torch.Generator``.
 
-Sampling is Gumbel-max: every sampled row draws one uniform per vocabulary entry from its own generator
-(seeded by ``sampling_seed``), indexed by token id, and takes the argmax of ``logits / T + noise`` over
-the allowed tokens. So a seeded request gives the same tokens whatever else shares its batch: the
-choice flips only if the top two perturbed scores differ by less than the float noise of batched
-matmuls, which is rare, unlike inverse-CDF sampling over a 49k-token vocabulary.
+Sampling is Gumbel-max: every sampled row draws one uniform per vocabulary entry from its own
+generator (seeded by ``sampling_seed``), indexed by token id, and takes the argmax of ``logits / T +
+noise`` over the allowed tokens. So a seeded request gives the same tokens whatever else shares its
+batch: the choice flips only if the top two perturbed scores differ by less than the float noise of
+batched matmuls, which is rare, unlike inverse-CDF sampling over a 49k-token vocabulary.
 
-As in SGLang, top-k and top-p both apply to the temperature-scaled distribution: a token is kept when
-its rank is below top_k and the probability mass before it is at most top_p. Reported logprobs are
-``log_softmax`` of the raw logits (temperature 1, before filtering), as SGLang reports them by default.
+As in SGLang, top-k and top-p both apply to the temperature-scaled distribution: a token is kept
+when its rank is below top_k and the probability mass before it is at most top_p. Reported logprobs
+are ``log_softmax`` of the raw logits (temperature 1, before filtering), as SGLang reports them by
+default.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ from collections.abc import Sequence
 
 import torch
 
-from services.inference.decode import GenSequence, GenSpec
+from leafe.services.inference.decode import GenSequence, GenSpec
 
 __all__ = ["choose_tokens"]
 
 _THRESHOLDS = (1e-4, 1e-6, 0.0)
 """Probability floors tried for the candidate set of top-k/top-p: the first whose candidates already
-decide the cut (hold top_k tokens, or top_p of the mass) is exact, since every token left out is less
-likely than every candidate; 0.0 is a full sort of the vocabulary."""
+decide the cut (hold top_k tokens, or top_p of the mass) is exact, since every token left out is
+less likely than every candidate; 0.0 is a full sort of the vocabulary."""
 
 
 def _gumbel(vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -33,12 +34,16 @@ def _gumbel(vocab: int, generator: torch.Generator) -> torch.Tensor:
     return -torch.log(-torch.log(uniform))
 
 
-def _filtered_choice(scores: torch.Tensor, probs: torch.Tensor, noise: torch.Tensor, spec: GenSpec) -> int:
-    """Gumbel-max within top-k/top-p, sorting only the likely tokens (a full sort of the vocabulary costs
-    milliseconds per row, ``torch.topk`` with a large k even more)."""
+def _filtered_choice(
+    scores: torch.Tensor, probs: torch.Tensor, noise: torch.Tensor, spec: GenSpec
+) -> int:
+    """Gumbel-max within top-k/top-p, sorting only the likely tokens (a full sort of the vocabulary
+    costs milliseconds per row, ``torch.topk`` with a large k even more)."""
     for floor in _THRESHOLDS:
         cand = (probs >= floor).nonzero()[:, 0]
-        if (0 < spec.top_k <= len(cand)) or (spec.top_p < 1.0 and float(probs[cand].sum()) >= spec.top_p):
+        if (0 < spec.top_k <= len(cand)) or (
+            spec.top_p < 1.0 and float(probs[cand].sum()) >= spec.top_p
+        ):
             break
     p_sorted, order = torch.sort(probs[cand], descending=True)
     idx = cand[order]
@@ -61,7 +66,9 @@ def _sample(scores: torch.Tensor, noise: torch.Tensor, specs: list[GenSpec]) -> 
     return choice
 
 
-def choose_tokens(logits: torch.Tensor, seqs: Sequence[GenSequence]) -> tuple[list[int], list[float]]:
+def choose_tokens(
+    logits: torch.Tensor, seqs: Sequence[GenSequence]
+) -> tuple[list[int], list[float]]:
     """Next token of each row of ``logits`` ``[B, V]`` and its logprob under the raw logits."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)

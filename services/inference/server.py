@@ -1,8 +1,9 @@
-"""CPU inference server speaking SGLang's native HTTP API (the subset in docs/sglang-api.md), so actors use the
-same client against it and against real SGLang servers.
+"""CPU inference server speaking SGLang's native HTTP API (the subset in docs/sglang-api.md), so
+actors use the same client against it and against real SGLang servers.
 
 Run it:
-    leafe inference --model tiny|smollm2-135m-instruct|DIR --port 30000 --max-batch 16 --batch-wait-ms 5
+    leafe inference --model tiny|smollm2-135m-instruct|DIR --port 30000 --max-batch 16 \\
+        --batch-wait-ms 5
 
 In-process (``leafe run``, tests, benchmarks)::
 
@@ -12,13 +13,13 @@ In-process (``leafe run``, tests, benchmarks)::
     handle = start_in_thread(InferenceConfig(model="tiny", port=0)); handle.url; handle.stop()
 
 Routes: POST /generate, POST /update_weights_from_disk, POST /update_weight_version, GET /model_info
-(+ /get_model_info), GET /get_server_info, GET /health, GET /ready, GET|POST /flush_cache; anything else is
-404 ``{"detail": "Not Found"}``. Generation runs in :class:`services.inference.engine.GenerationEngine`'s
-worker thread with dynamic (continuous) batching; a weight reload is read and checked in another
-thread and swapped in between batches. Prompt prefixes are reused from a radix tree of KV
-(``services/inference/prefix.py``; ``meta_info.cached_tokens`` says how many). Simplified against SGLang:
-no streaming, no input logprobs, no paged attention (each batch keeps its KV in one arena,
-``services/inference/kv.py``).
+(+ /get_model_info), GET /get_server_info, GET /health, GET /ready, GET|POST /flush_cache; anything
+else is 404 ``{"detail": "Not Found"}``. Generation runs in
+:class:`leafe.services.inference.engine.GenerationEngine`'s worker thread with dynamic (continuous)
+batching; a weight reload is read and checked in another thread and swapped in between batches.
+Prompt prefixes are reused from a radix tree of KV (``services/inference/prefix.py``;
+``meta_info.cached_tokens`` says how many). Simplified against SGLang: no streaming, no input
+logprobs, no paged attention (each batch keeps its KV in one arena, ``services/inference/kv.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from services.inference.api import (
+from leafe.services.inference.api import (
     PromptJob,
     RequestError,
     copy_seed,
@@ -47,12 +48,12 @@ from services.inference.api import (
     output_body,
     parse_generate,
 )
-from services.inference.auth import key_middleware, read_api_key
-from services.inference.config import InferenceConfig
-from services.inference.decode import GenSequence, StopChecker
-from services.inference.engine import EngineClosed, GenerationEngine
-from services.inference.prefix import PrefixCache
-from services.inference.weights import WeightLoadError, load_weight_dir
+from leafe.services.inference.auth import key_middleware, read_api_key
+from leafe.services.inference.config import InferenceConfig
+from leafe.services.inference.decode import GenSequence, StopChecker
+from leafe.services.inference.engine import EngineClosed, GenerationEngine
+from leafe.services.inference.prefix import PrefixCache
+from leafe.services.inference.weights import WeightLoadError, load_weight_dir
 
 __all__ = ["InferenceConfig", "InferenceServer", "serve"]
 
@@ -70,11 +71,13 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
 
 
 def _longest_token_bytes(tokenizer: Any) -> int:
-    """UTF-8 bytes of the longest text one token stands for (81 for SmolLM2's vocabulary, a newline and 80
-    spaces; a partial UTF-8 sequence counts as the 3 bytes of its replacement char, so this never undercounts):
-    a text longer than context length x this cannot fit the context and is refused untokenized."""
+    """UTF-8 bytes of the longest text one token stands for (81 for SmolLM2's vocabulary, a newline
+    and 80 spaces; a partial UTF-8 sequence counts as the 3 bytes of its replacement char, so this
+    never undercounts): a text longer than context length x this cannot fit the context and is
+    refused untokenized."""
     return max(
-        len(tokenizer.convert_tokens_to_string([token]).encode("utf-8")) for token in tokenizer.get_vocab()
+        len(tokenizer.convert_tokens_to_string([token]).encode("utf-8"))
+        for token in tokenizer.get_vocab()
     )
 
 
@@ -83,8 +86,8 @@ def _json(body: Any, status: int = 200) -> web.Response:
 
 
 async def _json_body(request: web.Request) -> Any:
-    """The request's JSON value (:func:`decode_json`: a :class:`RequestError` when it is none); a large
-    body is decoded off the event loop."""
+    """The request's JSON value (:func:`decode_json`: a :class:`RequestError` when it is none); a
+    large body is decoded off the event loop."""
     raw = await request.read()
     return decode_json(raw) if len(raw) <= 1 << 20 else await asyncio.to_thread(decode_json, raw)
 
@@ -103,7 +106,8 @@ async def _sglang_errors(
 
 
 class InferenceServer:
-    """The HTTP server and its engine; ``await start()`` returns the URL, ``await stop()`` drains."""
+    """The HTTP server and its engine; ``await start()`` returns the URL, ``await stop()``
+    drains."""
 
     def __init__(self, config: InferenceConfig) -> None:
         self.config = config
@@ -134,7 +138,7 @@ class InferenceServer:
     def _load(self) -> GenerationEngine:
         import torch
 
-        from learner.model_io import load_model, load_tokenizer, resolve_model
+        from leafe.learner.model_io import load_model, load_tokenizer, resolve_model
 
         if self.config.threads > 0:
             self._saved_threads = torch.get_num_threads()
@@ -143,7 +147,7 @@ class InferenceServer:
         self.model_path = self.tokenizer_path = path
         model = load_model(path, dtype=getattr(torch, self.config.dtype))
         if self.config.cpu_kernels:
-            from services.inference.kernels import accelerate
+            from leafe.services.inference.kernels import accelerate
 
             self.kernels = accelerate(model)
         self._tokenizer = load_tokenizer(path)
@@ -214,14 +218,17 @@ class InferenceServer:
             self._runner = None
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
-        if self._saved_threads:  # the thread count is process-wide: give in-process callers theirs back
+        if (
+            self._saved_threads
+        ):  # the thread count is process-wide: give in-process callers theirs back
             import torch
 
             torch.set_num_threads(self._saved_threads)
             self._saved_threads = 0
         log.info("inference.server.stopped", url=self.url)
 
-    # ---- handlers ---------------------------------------------------------------------------------
+    # ---- handlers
+    # ---------------------------------------------------------------------------------
     def _parse_generate(self, raw: bytes) -> tuple[list[PromptJob], bool]:
         return parse_generate(
             decode_json(raw),
@@ -235,7 +242,8 @@ class InferenceServer:
         engine = self.engine
         assert engine is not None
         raw = await request.read()
-        try:  # off the event loop: decoding and tokenizing a bounded request still take up to seconds
+        # off the event loop: decoding and tokenizing a bounded request still take up to seconds
+        try:
             jobs, batched = await asyncio.to_thread(self._parse_generate, raw)
         except RequestError as e:
             log.info("inference.request.rejected", reason=str(e))
@@ -243,7 +251,9 @@ class InferenceServer:
         seqs: list[list[GenSequence]] = []
         for job in jobs:
             copies = [
-                GenSequence(prompt=job.input_ids, spec=replace(job.spec, seed=copy_seed(job.spec.seed, i)))
+                GenSequence(
+                    prompt=job.input_ids, spec=replace(job.spec, seed=copy_seed(job.spec.seed, i))
+                )
                 for i in range(job.n)
             ]
             seqs.append(copies)
@@ -280,12 +290,21 @@ class InferenceServer:
             return _json({"success": False, "message": str(e), "num_paused_requests": 0}, 400)
         if not isinstance(body, dict):
             return _json(
-                {"success": False, "message": "body must be a JSON object", "num_paused_requests": 0}, 400
+                {
+                    "success": False,
+                    "message": "body must be a JSON object",
+                    "num_paused_requests": 0,
+                },
+                400,
             )
         path, version = body.get("model_path"), body.get("weight_version")
         fmt = body.get("load_format")
         if not isinstance(path, str) or not path or fmt not in (None, "auto", "safetensors"):
-            msg = "model_path (a directory) is required" if not path else f"unsupported load_format {fmt!r}"
+            msg = (
+                "model_path (a directory) is required"
+                if not path
+                else f"unsupported load_format {fmt!r}"
+            )
             return _json({"success": False, "message": msg, "num_paused_requests": 0}, 400)
         async with self._reload_lock:
             t0 = time.perf_counter()
@@ -294,7 +313,9 @@ class InferenceServer:
                     load_weight_dir, Path(path), engine.model, root=self.weights_root
                 )
             except WeightLoadError as e:
-                log.warning("inference.weights.rejected", path=path, reason=str(e), version=engine.version)
+                log.warning(
+                    "inference.weights.rejected", path=path, reason=str(e), version=engine.version
+                )
                 return _json({"success": False, "message": str(e), "num_paused_requests": 0}, 400)
             load_s = time.perf_counter() - t0
             aborted = await asyncio.wrap_future(
@@ -328,7 +349,11 @@ class InferenceServer:
         version = body.get("new_version") if isinstance(body, dict) else None
         if not isinstance(version, str) or not version:
             return _json(
-                {"success": False, "message": f"new_version must be a non-empty string: {version!r}"}, 400
+                {
+                    "success": False,
+                    "message": f"new_version must be a non-empty string: {version!r}",
+                },
+                400,
             )
         abort = bool(body.get("abort_all_requests", True))
         await asyncio.wrap_future(engine.swap_weights(None, version, abort_all=abort))
@@ -369,8 +394,8 @@ class InferenceServer:
         return web.Response(status=200 if ok else 503)
 
     async def _set_threads(self, request: web.Request) -> web.Response:
-        """``{"threads": n}``: the engine's intra-op threads from its next step on, at most the cores this
-        process may use (an admin route: ``auth.ADMIN_ROUTES``)."""
+        """``{"threads": n}``: the engine's intra-op threads from its next step on, at most the
+        cores this process may use (an admin route: ``auth.ADMIN_ROUTES``)."""
         assert self.engine is not None
         try:
             body = await _json_body(request)
@@ -379,7 +404,10 @@ class InferenceServer:
         threads = body.get("threads") if isinstance(body, dict) else None
         usable = len(os.sched_getaffinity(0))
         if type(threads) is not int or not 1 <= threads <= usable:
-            message = f"threads must be an int in 1..{usable} (the cores this process may use): {threads!r}"
+            message = (
+                f"threads must be an int in 1..{usable} "
+                f"(the cores this process may use): {threads!r}"
+            )
             return _json({"success": False, "message": message}, 400)
         self.engine.set_threads(threads)
         return _json({"success": True, "message": f"threads set to {threads} from the next step"})

@@ -1,17 +1,19 @@
-"""Loading a weight directory for ``/update_weights_from_disk``: only under the server's weights root and
-only with a sha256 manifest, read exactly the files the manifest lists into memory, and validate names,
-shapes and dtypes against the serving model, so the swap itself (``load_state_dict(assign=True)`` between
-batches) cannot fail half-way. Whoever can call the route can therefore only make the server load an
-export that sits under the root and is whole.
+"""Loading a weight directory for ``/update_weights_from_disk``: only under the server's weights
+root and only with a sha256 manifest, read exactly the files the manifest lists into memory, and
+validate names, shapes and dtypes against the serving model, so the swap itself
+(``load_state_dict(assign=True)`` between batches) cannot fail half-way. Whoever can call the route
+can therefore only make the server load an export that sits under the root and is whole.
 
 Each file is opened once and what is hashed is what is parsed: the directory is opened component by
-component from the root without following a symlink (a directory fd taken at check time), each file is
-opened relative to it with ``O_NOFOLLOW`` (a symlinked file is refused, even one whose bytes hash right),
-read into memory, and that one buffer is both hashed and parsed. A writer that renames other bytes over
-a file while it loads gets either a manifest mismatch or the hashed bytes, never something in between.
+component from the root without following a symlink (a directory fd taken at check time), each file
+is opened relative to it with ``O_NOFOLLOW`` (a symlinked file is refused, even one whose bytes hash
+right), read into memory, and that one buffer is both hashed and parsed. A writer that renames other
+bytes over a file while it loads gets either a manifest mismatch or the hashed bytes, never
+something in between.
 
-Failure messages follow SGLang's wording ("Failed to get weights iterator: ..." when the path cannot be
-read, "Failed to update weights: ... Rolling back to original weights." otherwise); the old weights stay.
+Failure messages follow SGLang's wording ("Failed to get weights iterator: ..." when the path cannot
+be read, "Failed to update weights: ... Rolling back to original weights." otherwise); the old
+weights stay.
 """
 
 from __future__ import annotations
@@ -26,17 +28,20 @@ from pathlib import Path
 import torch
 from safetensors.torch import load
 
-from learner.model_io import MANIFEST, ManifestError, manifest_table
+from leafe.learner.model_io import MANIFEST, ManifestError, manifest_table
 
 __all__ = ["WeightLoadError", "check_under_root", "load_weight_dir"]
 
 _SHOWN = 3
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO never hangs us
+_FILE_FLAGS = (
+    os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+)  # NONBLOCK: a FIFO never hangs us
 
 
 class WeightLoadError(RuntimeError):
-    """A weight directory that cannot be served; the message is SGLang-shaped and names the cause."""
+    """A weight directory that cannot be served; the message is SGLang-shaped and names the
+    cause."""
 
 
 def _failed(reason: str) -> WeightLoadError:
@@ -44,7 +49,8 @@ def _failed(reason: str) -> WeightLoadError:
 
 
 def check_under_root(path: Path, root: Path | None) -> Path:
-    """``path`` resolved (symlinks, ``..``); a path outside ``root`` (or no root at all) is refused."""
+    """``path`` resolved (symlinks, ``..``); a path outside ``root`` (or no root at all) is
+    refused."""
     if root is None:
         raise WeightLoadError(
             "Failed to get weights iterator: this server loads no weights from disk (start it with "
@@ -52,14 +58,19 @@ def check_under_root(path: Path, root: Path | None) -> Path:
         )
     resolved, base = path.resolve(), root.resolve()
     if not resolved.is_relative_to(base):
-        raise WeightLoadError(f"Failed to get weights iterator: {path} is outside the weights root {base}.")
+        raise WeightLoadError(
+            f"Failed to get weights iterator: {path} is outside the weights root {base}."
+        )
     return resolved
 
 
 def _open_dir(resolved: Path, base: Path) -> int:
-    """A directory fd of ``resolved`` (inside ``base``, symlinks already resolved), opened one component at
-    a time without following a symlink: one that appeared since the check is refused, not followed."""
-    fd = os.open(base, _DIR_FLAGS & ~os.O_NOFOLLOW)  # the root itself may be a symlink its operator chose
+    """A directory fd of ``resolved`` (inside ``base``, symlinks already resolved), opened one
+    component at a time without following a symlink: one that appeared since the check is refused,
+    not followed."""
+    fd = os.open(
+        base, _DIR_FLAGS & ~os.O_NOFOLLOW
+    )  # the root itself may be a symlink its operator chose
     try:
         for part in resolved.relative_to(base).parts:
             fd, parent = os.open(part, _DIR_FLAGS, dir_fd=fd), fd
@@ -68,9 +79,12 @@ def _open_dir(resolved: Path, base: Path) -> int:
         os.close(fd)
         if e.errno == errno.ELOOP:
             raise WeightLoadError(
-                f"Failed to get weights iterator: {resolved} turned into a symlink while it was opened."
+                f"Failed to get weights iterator: {resolved} turned into a symlink while it was "
+                "opened."
             ) from None
-        raise WeightLoadError(f"Failed to get weights iterator: {resolved} (repository not found).") from None
+        raise WeightLoadError(
+            f"Failed to get weights iterator: {resolved} (repository not found)."
+        ) from None
     return fd
 
 
@@ -79,10 +93,14 @@ def _read_file(dir_fd: int, name: str, where: Path) -> bytes:
     try:
         fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
-        raise _failed(f"{where}: {name} listed in manifest.json is missing (half-written export?)") from None
+        raise _failed(
+            f"{where}: {name} listed in manifest.json is missing (half-written export?)"
+        ) from None
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise _failed(f"{where / name} is a symlink (only files of the export itself are read)") from None
+            raise _failed(
+                f"{where / name} is a symlink (only files of the export itself are read)"
+            ) from None
         raise _failed(f"cannot open {where / name}: {e.strerror}") from None
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -91,9 +109,12 @@ def _read_file(dir_fd: int, name: str, where: Path) -> bytes:
 
 
 def _listed_files(dir_fd: int, path: Path) -> dict[str, str]:
-    """The manifest's ``files`` table; an unlisted ``*.safetensors`` file in the directory is refused."""
+    """The manifest's ``files`` table; an unlisted ``*.safetensors`` file in the directory is
+    refused."""
     if MANIFEST not in os.listdir(dir_fd):
-        raise _failed(f"{path} has no manifest.json (only exports with a sha256 manifest are loaded)")
+        raise _failed(
+            f"{path} has no manifest.json (only exports with a sha256 manifest are loaded)"
+        )
     try:
         listed = manifest_table(_read_file(dir_fd, MANIFEST, path), path / MANIFEST)
     except ManifestError as e:
@@ -101,7 +122,8 @@ def _listed_files(dir_fd: int, path: Path) -> dict[str, str]:
     present = {n for n in os.listdir(dir_fd) if n.endswith(".safetensors")}
     if present - listed.keys():
         raise _failed(
-            f"{path} holds *.safetensors files its manifest does not list: {sorted(present - listed.keys())}"
+            f"{path} holds *.safetensors files its manifest does not list: "
+            f"{sorted(present - listed.keys())}"
         )
     if not any(n.endswith(".safetensors") for n in listed):
         raise WeightLoadError(f"Failed to get weights iterator: {path} (no *.safetensors files).")
@@ -113,8 +135,9 @@ def _sha256s(files: dict[str, bytes]) -> dict[str, str]:
 
 
 def _read_checked(dir_fd: int, path: Path) -> dict[str, torch.Tensor]:
-    """Every listed file read once; the buffers hashed (in a thread: hashlib releases the GIL) while the
-    same buffers are parsed. A mismatch is reported before a parse error: it explains a damaged file better."""
+    """Every listed file read once; the buffers hashed (in a thread: hashlib releases the GIL) while
+    the same buffers are parsed. A mismatch is reported before a parse error: it explains a damaged
+    file better."""
     listed = _listed_files(dir_fd, path)
     files = {name: _read_file(dir_fd, name, path) for name in sorted(listed)}
     state: dict[str, torch.Tensor] = {}
@@ -125,7 +148,9 @@ def _read_checked(dir_fd: int, path: Path) -> dict[str, torch.Tensor]:
             if name.endswith(".safetensors") and parse_error is None:
                 try:
                     state.update(load(data))
-                except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+                except (
+                    Exception
+                ) as e:  # safetensors raises its own error types for truncated/corrupt files
                     parse_error = name, e
         digests = hashed.result()
     for name, digest in listed.items():
@@ -138,7 +163,8 @@ def _read_checked(dir_fd: int, path: Path) -> dict[str, torch.Tensor]:
 
 
 def _fill_tied(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
-    """Tied parameters (lm_head = embeddings) are saved once; give the missing name its twin's tensor."""
+    """Tied parameters (lm_head = embeddings) are saved once; give the missing name its twin's
+    tensor."""
     by_storage: dict[int, list[str]] = {}
     for name, t in reference.items():
         by_storage.setdefault(t.data_ptr(), []).append(name)
@@ -149,7 +175,9 @@ def _fill_tied(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor
                 state.setdefault(n, state[present[0]])
 
 
-def load_weight_dir(path: Path, model: torch.nn.Module, *, root: Path | None) -> dict[str, torch.Tensor]:
+def load_weight_dir(
+    path: Path, model: torch.nn.Module, *, root: Path | None
+) -> dict[str, torch.Tensor]:
     """State dict of ``path`` ready for ``model.load_state_dict(state, strict=True, assign=True)``.
 
     Raises :class:`WeightLoadError` (outside ``root``, path missing, no or a mismatching manifest, a
@@ -166,10 +194,13 @@ def load_weight_dir(path: Path, model: torch.nn.Module, *, root: Path | None) ->
     missing = sorted(reference.keys() - state.keys())
     unexpected = sorted(state.keys() - reference.keys())
     if missing:
-        raise _failed(f"{path} lacks {len(missing)} tensors of the serving model, e.g. {missing[:_SHOWN]}")
+        raise _failed(
+            f"{path} lacks {len(missing)} tensors of the serving model, e.g. {missing[:_SHOWN]}"
+        )
     if unexpected:
         raise _failed(
-            f"{path} has {len(unexpected)} tensors the serving model lacks, e.g. {unexpected[:_SHOWN]}"
+            f"{path} has {len(unexpected)} tensors the serving model lacks, e.g. "
+            f"{unexpected[:_SHOWN]}"
         )
     # Convert each storage once: tied weights (embed_tokens / lm_head) must stay one tensor, or the
     # assign-load unties them and the next reload of a file without lm_head fails.

@@ -1,5 +1,7 @@
-"""The learner role (``leafe learner``, deploy's ``learner``; offline ``leafe train``): consumes samples from
-``LEAFE_SAMPLES`` or dataset shards; produces checkpoints, weight versions and ``WeightsPublished``.
+"""The learner role (``leafe learner``, deploy's ``learner``; offline ``leafe train``): consumes
+samples from ``LEAFE_SAMPLES`` or dataset shards; produces checkpoints, weight versions and
+``WeightsPublished``.
 
-``main`` (flags, ranks, signals), ``service`` (buffer, steps, checkpoints, pushes), ``train`` (offline).
+``main`` (flags, ranks, signals), ``service`` (buffer, steps, checkpoints, pushes), ``train``
+(offline).
 """

@@ -1,18 +1,21 @@
-"""What ``leafe run`` tells its learner while it runs: a small JSON file (``leafe learner --control PATH``).
+"""What ``leafe run`` tells its learner while it runs: a small JSON file (``leafe learner --control
+PATH``).
 
     {"threads": 2, "release_seq": 1234}
 
-- ``threads``: torch threads for the next steps (0 keeps the current count). ``leafe run`` gives the learner
-  every free core while the engines idle (the warm start's demonstrations need no engine; a phased run
-  trains between rounds) and takes them back when the actors run (``services/threads.py``).
-- ``release_seq`` (phased runs, ``[explore] schedule = "phased"``): train nothing past this sequence of
-  ``LEAFE_SAMPLES``; once every sample up to it is in hand, train them all as batches in sample-id order,
-  then push. So a phase trains the same steps on a fast or a slow machine. ``null``: train as samples come
-  (continuous runs, and any learner started without the file). A phase must hold fewer samples than the
-  consumer's ``max_ack_pending`` (4096 by default): the learner holds them all, unacked, until released.
+- ``threads``: torch threads for the next steps (0 keeps the current count). ``leafe run`` gives the
+  learner every free core while the engines idle (the warm start's demonstrations need no engine; a
+  phased run trains between rounds) and takes them back when the actors run
+  (``services/threads.py``).
+- ``release_seq`` (phased runs, ``[explore] schedule = "phased"``): train nothing past this sequence
+  of ``LEAFE_SAMPLES``; once every sample up to it is in hand, train them all as batches in
+  sample-id order, then push. So a phase trains the same steps on a fast or a slow machine.
+  ``null``: train as samples come (continuous runs, and any learner started without the file). A
+  phase must hold fewer samples than the consumer's ``max_ack_pending`` (4096 by default): the
+  learner holds them all, unacked, until released.
 
-The supervisor writes the file atomically (:func:`write_control`); the learner re-reads it when it changed
-(:class:`ControlFile`), between steps. One machine only: deploy/ runs learners without it.
+The supervisor writes the file atomically (:func:`write_control`); the learner re-reads it when it
+changed (:class:`ControlFile`), between steps. One machine only: deploy/ runs learners without it.
 """
 
 from __future__ import annotations
@@ -56,8 +59,8 @@ class ControlFile:
         self.current = LearnerControl()
 
     def read(self) -> LearnerControl:
-        """The file's content, re-read only when it changed; a missing or unreadable file keeps the last
-        good content (logged), so a half-made edit by hand never stops training."""
+        """The file's content, re-read only when it changed; a missing or unreadable file keeps the
+        last good content (logged), so a half-made edit by hand never stops training."""
         if self.path is None:
             return self.current
         try:
@@ -78,8 +81,9 @@ class ControlFile:
 
 
 def apply_threads(threads: int) -> None:
-    """Set torch's intra-op threads of the calling thread to ``threads`` (> 0). torch initialises each
-    thread's OpenMP pool once, so this runs in the thread that trains, right before it trains."""
+    """Set torch's intra-op threads of the calling thread to ``threads`` (> 0). torch initialises
+    each thread's OpenMP pool once, so this runs in the thread that trains, right before it
+    trains."""
     import torch
 
     if threads > 0 and torch.get_num_threads() != threads:

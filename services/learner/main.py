@@ -1,16 +1,19 @@
-"""``leafe learner``: online continual learning from ``LEAFE_SAMPLES`` with FSDP2, checkpoints, pushes.
+"""``leafe learner``: online continual learning from ``LEAFE_SAMPLES`` with FSDP2, checkpoints,
+pushes.
 
     leafe learner --nats nats://127.0.0.1:4222 --run r1 --model smollm2-135m-instruct \\
-        --store runs/r1/weights --checkpoint-dir runs/r1/learner [--preset cpu] [--config learner.toml] \\
-        [--metrics-port 9464] [--tensorboard-dir runs/r1/tensorboard/learner]
-    torchrun --nproc_per_node=2 -m services.learner.main --run-id r1 ...  # rank 0 reads the stream, all train
+        --store runs/r1/weights --checkpoint-dir runs/r1/learner [--preset cpu] \\
+        [--config learner.toml] [--metrics-port 9464] \\
+        [--tensorboard-dir runs/r1/tensorboard/learner]
+    # rank 0 reads the stream, all train:
+    torchrun --nproc_per_node=2 -m leafe.services.learner.main --run-id r1 ...
 
-(Under torchrun spell the run ``--run-id``: torchrun's own parser would take ``--run`` as an abbreviation
-of its ``--run-path``.)
+(Under torchrun spell the run ``--run-id``: torchrun's own parser would take ``--run`` as an
+abbreviation of its ``--run-path``.)
 
 The loop itself (ordering, acks, exactly-once relative to checkpoints, pushes) is described in
-``services/learner/service.py``. SIGTERM/SIGINT stop it gracefully: the current step finishes, a final
-checkpoint is written and everything it covers is acked.
+``services/learner/service.py``. SIGTERM/SIGINT stop it gracefully: the current step finishes, a
+final checkpoint is written and everything it covers is acked.
 """
 
 from __future__ import annotations
@@ -23,16 +26,16 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from learner.config import LearnerConfig, learner_preset
-from protocol.subjects import validate_run_id
-from services.bus import NatsOptions, add_nats_arguments, nats_options
-from services.config import dump_config, load_config
-from services.logsetup import configure_logging
-from services.metrics import LearnerMetrics, add_metrics_arguments, serve_metrics
+from leafe.learner.config import LearnerConfig, learner_preset
+from leafe.protocol.subjects import validate_run_id
+from leafe.services.bus import NatsOptions, add_nats_arguments, nats_options
+from leafe.services.config import dump_config, load_config
+from leafe.services.logsetup import configure_logging
+from leafe.services.metrics import LearnerMetrics, add_metrics_arguments, serve_metrics
 
 if TYPE_CHECKING:
-    from learner.checkpoint import Progress
-    from learner.distributed import DistEnv
+    from leafe.learner.checkpoint import Progress
+    from leafe.learner.distributed import DistEnv
 
 __all__ = ["build_parser", "main", "run_learner"]
 
@@ -43,19 +46,29 @@ def build_parser() -> argparse.ArgumentParser:
     """Arguments of ``leafe learner``."""
     p = argparse.ArgumentParser(prog="leafe learner", description=__doc__.split("\n\n")[0])
     add_nats_arguments(p)
-    p.add_argument("--run", "--run-id", dest="run", required=True, help="run id (--run-id under torchrun)")
+    p.add_argument(
+        "--run", "--run-id", dest="run", required=True, help="run id (--run-id under torchrun)"
+    )
     p.add_argument(
         "--model", default="smollm2-135m-instruct", help="HF model dir, 'tiny' or the default name"
     )
     p.add_argument(
-        "--store", type=Path, required=True, help="weight store directory (versions are written here)"
+        "--store",
+        type=Path,
+        required=True,
+        help="weight store directory (versions are written here)",
     )
     p.add_argument(
-        "--checkpoint-dir", type=Path, default=None, help="DCP checkpoints (default: <store>/../learner)"
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="DCP checkpoints (default: <store>/../learner)",
     )
     p.add_argument("--preset", default="cpu", help="trainer preset: cpu or paper")
     p.add_argument("--config", type=Path, default=None, help="TOML file with LearnerConfig fields")
-    p.add_argument("--kinds", default=None, help="comma-separated sample kinds to train (default cf,reh)")
+    p.add_argument(
+        "--kinds", default=None, help="comma-separated sample kinds to train (default cf,reh)"
+    )
     p.add_argument("--stop-after-steps", type=int, default=None)
     p.add_argument("--backend", default="auto", help="auto, gloo or nccl")
     p.add_argument("--log-level", default="info")
@@ -70,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--control",
         type=Path,
         default=None,
-        help="JSON file leafe run writes: threads, and a phased run's released samples (control.py)",
+        help="JSON file leafe run writes: threads, and a phased run's released samples "
+        "(control.py)",
     )
     add_metrics_arguments(p)
     return p
@@ -82,9 +96,12 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def resolve(args: argparse.Namespace) -> LearnerConfig:
-    """Preset, then ``--config``, then flags (``services.config.load_config``)."""
+    """Preset, then ``--config``, then flags (``leafe.services.config.load_config``)."""
     return load_config(
-        LearnerConfig, preset=learner_preset(args.preset), files=[args.config], overrides=_overrides(args)
+        LearnerConfig,
+        preset=learner_preset(args.preset),
+        files=[args.config],
+        overrides=_overrides(args),
     )
 
 
@@ -109,14 +126,15 @@ def run_learner(
     tensorboard_dir: Path | None = None,
     control: Path | None = None,
 ) -> Progress:
-    """Build the trainer on every rank, resume from the latest checkpoint, then lead (rank 0) or follow."""
-    from learner.checkpoint import Progress, load_latest
-    from learner.executor import Executor, StopCmd
-    from learner.model_io import resolve_model
-    from learner.scalars import open_scalar_writer
-    from learner.trainer import Trainer
-    from services.learner.control import ControlFile
-    from services.learner.service import OnlineLearner
+    """Build the trainer on every rank, resume from the latest checkpoint, then lead (rank 0) or
+    follow."""
+    from leafe.learner.checkpoint import Progress, load_latest
+    from leafe.learner.executor import Executor, StopCmd
+    from leafe.learner.model_io import resolve_model
+    from leafe.learner.scalars import open_scalar_writer
+    from leafe.learner.trainer import Trainer
+    from leafe.services.learner.control import ControlFile
+    from leafe.services.learner.service import OnlineLearner
 
     model_dir = resolve_model(model)
     trainer = Trainer(cfg.trainer, model_dir, env)
@@ -159,12 +177,15 @@ def main(argv: list[str]) -> int:
         p.error(str(e))
     if not nats.url:
         p.error("give --nats URL or set LEAFE_NATS_URL")
-    from learner.distributed import distributed_env  # torch: only once the flags are good
+    from leafe.learner.distributed import distributed_env  # torch: only once the flags are good
 
     checkpoint_dir = args.checkpoint_dir or (args.store.resolve().parent / "learner")
     structlog.contextvars.bind_contextvars(run_id=args.run)
     log.info(
-        "learner.config", config=dump_config(cfg), store=str(args.store), checkpoints=str(checkpoint_dir)
+        "leafe.learner.config",
+        config=dump_config(cfg),
+        store=str(args.store),
+        checkpoints=str(checkpoint_dir),
     )
     metrics = LearnerMetrics()
     serve_metrics(args.metrics_port, metrics.registry, args.metrics_host)  # LOCAL_RANK 0 only

@@ -1,25 +1,27 @@
-"""The online learner service, rank 0 of ``leafe learner``: samples -> steps -> checkpoints -> pushes.
+"""The online learner service, rank 0 of ``leafe learner``: samples -> steps -> checkpoints ->
+pushes.
 
 ```
- LEAFE_SAMPLES ──fetch──► SampleBuffer (seq order) ──take──► TrainCmd ──► Executor (all ranks, FSDP2)
+ LEAFE_SAMPLES ──fetch──► SampleBuffer (seq order) ──take──► TrainCmd ─► Executor (all ranks, FSDP2)
       ▲  in_progress every ack_wait/3 for held + buffered          │ every checkpoint_every steps
-      └──────────── ack after the checkpoint that covers them ◄─ CheckpointCmd (DCP: weights + samples_seq)
+      └───── ack after the checkpoint that covers them ◄─ CheckpointCmd (DCP: weights + samples_seq)
                                                                    │ every push_every steps
  LEAFE_WEIGHTS ◄── WeightsPublished ◄── ExportCmd <store>/v<N>/ ◄──┘ (checkpoint first, then export)
 ```
 
-| loop      | produces                   | consumes                   | waits on                        |
-|-----------|----------------------------|----------------------------|---------------------------------|
-| main      | steps, checkpoints, pushes | deliveries                 | a full batch or max_batch_wait_s|
-| heartbeat | in-progress acks           | held + buffered deliveries | ack_wait_s / 3                  |
+| loop     | main                             | heartbeat                  |
+|----------|----------------------------------|----------------------------|
+| produces | steps, checkpoints, pushes       | in-progress acks           |
+| consumes | deliveries                       | held + buffered deliveries |
+| waits on | a full batch or max_batch_wait_s | ack_wait_s / 3             |
 
 Exactly-once relative to the checkpointed weights: the checkpoint records ``samples_seq`` (every
 sequence <= it was trained or deliberately dropped). On start the durable consumer is re-created to
-deliver from ``samples_seq + 1``, so samples trained before the checkpoint are never trained again and
-those trained after it (lost with the process) are trained again. Acks follow checkpoints and only keep
-JetStream's pending window small. A push checkpoints first (recording the new version index), then
-exports and publishes; a crash in between is repaired on start by re-exporting the checkpointed weights
-under the same version, so a version name always means one set of weights.
+deliver from ``samples_seq + 1``, so samples trained before the checkpoint are never trained again
+and those trained after it (lost with the process) are trained again. Acks follow checkpoints and
+only keep JetStream's pending window small. A push checkpoints first (recording the new version
+index), then exports and publishes; a crash in between is repaired on start by re-exporting the
+checkpointed weights under the same version, so a version name always means one set of weights.
 """
 
 from __future__ import annotations
@@ -38,24 +40,24 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from learner.batching import out_of_vocab
-from learner.checkpoint import Progress
-from learner.config import LearnerConfig
-from learner.executor import CheckpointCmd, Executor, ExportCmd, NoopCmd, TrainCmd
-from learner.model_io import ManifestError, verify_manifest
-from learner.online import Batch, SampleBuffer, policy_lag
-from learner.scalars import NullScalarWriter, ScalarWriter, write_step_scalars
-from learner.trainer import StepStats
-from learner.weight_store import prune_versions, version_name
-from protocol import WeightsPublished, dead_letter_subject, decode_sample, weights_subject
-from protocol.codec import CODEC_HEADER, ProtocolError
-from protocol.samples import Sample
-from protocol.subjects import DEAD_LETTERS, SAMPLES, WEIGHTS, learner_durable, samples_filter
-from services.bus import Consumer, Delivery, NatsOptions, Publisher, connect, wait_for_streams
-from services.bus.connection import confined_role
-from services.learner.control import ControlFile, apply_threads
-from services.metrics import LearnerMetrics
-from services.probes import Probe, attach
+from leafe.learner.batching import out_of_vocab
+from leafe.learner.checkpoint import Progress
+from leafe.learner.config import LearnerConfig
+from leafe.learner.executor import CheckpointCmd, Executor, ExportCmd, NoopCmd, TrainCmd
+from leafe.learner.model_io import ManifestError, verify_manifest
+from leafe.learner.online import Batch, SampleBuffer, policy_lag
+from leafe.learner.scalars import NullScalarWriter, ScalarWriter, write_step_scalars
+from leafe.learner.trainer import StepStats
+from leafe.learner.weight_store import prune_versions, version_name
+from leafe.protocol import WeightsPublished, dead_letter_subject, decode_sample, weights_subject
+from leafe.protocol.codec import CODEC_HEADER, ProtocolError
+from leafe.protocol.samples import Sample
+from leafe.protocol.subjects import DEAD_LETTERS, SAMPLES, WEIGHTS, learner_durable, samples_filter
+from leafe.services.bus import Consumer, Delivery, NatsOptions, Publisher, connect, wait_for_streams
+from leafe.services.bus.connection import confined_role
+from leafe.services.learner.control import ControlFile, apply_threads
+from leafe.services.metrics import LearnerMetrics
+from leafe.services.probes import Probe, attach
 
 __all__ = ["OnlineLearner", "SampleConsumer", "StepCallback"]
 
@@ -64,16 +66,18 @@ STREAMS_USED = (SAMPLES.name, WEIGHTS.name, DEAD_LETTERS.name)
 """The streams the learner waits for on start (made by `leafe streams ensure`)."""
 
 PROBE_STALE_S = 1800.0
-"""``/healthz`` fails after this long without a fetch or step: above the slowest step + checkpoint + export
-of a large model on GPU (the export of a 7B model writes ~15 GB)."""
+"""``/healthz`` fails after this long without a fetch or step: above the slowest step + checkpoint +
+export of a large model on GPU (the export of a 7B model writes ~15 GB)."""
 StepCallback = Callable[[StepStats, list[str], Progress], None]
-"""Called after each step with the stats, the trained sample ids and the progress (not yet checkpointed)."""
+"""Called after each step with the stats, the trained sample ids and the progress (not yet
+checkpointed)."""
 _NOOP_EVERY_S = 300.0
 
 
 class SampleConsumer(Consumer[Sample]):
-    """The learner's durable consumer, re-created on start to deliver from ``start_seq`` (the checkpoint's
-    ``samples_seq + 1``): the checkpoint, not the consumer's ack floor, says where training resumes."""
+    """The learner's durable consumer, re-created on start to deliver from ``start_seq`` (the
+    checkpoint's ``samples_seq + 1``): the checkpoint, not the consumer's ack floor, says where
+    training resumes."""
 
     def __init__(
         self,
@@ -91,19 +95,23 @@ class SampleConsumer(Consumer[Sample]):
             durable=durable,
             filter_subject=samples_filter(run_id),
             decode=decode_sample,
-            admit=None if vocab_size is None else functools.partial(_admit_sample, vocab_size=vocab_size),
+            admit=None
+            if vocab_size is None
+            else functools.partial(_admit_sample, vocab_size=vocab_size),
             dead_letter_subject=dead_letter_subject(run_id, SAMPLES.name),
             deliver_policy="by_start_sequence",
             **kw,
         )
-        # services.bus.Consumer has no start-sequence parameter; its config is a plain nats-py dataclass.
+        # leafe.services.bus.Consumer has no start-sequence parameter; its config is a plain nats-py
+        # dataclass.
         self._config.opt_start_seq = max(1, start_seq)
         self._js_ctx = js
 
     async def start(self) -> None:
-        """Delete any previous durable consumer of this name, then create it at ``start_seq``; under the
-        learner role, which may not (services/bus/durables.py), bind the admin's durable instead: what it
-        redelivers at or below the checkpoint is set aside as a duplicate (``SampleBuffer.floor``)."""
+        """Delete any previous durable consumer of this name, then create it at ``start_seq``; under
+        the learner role, which may not (services/bus/durables.py), bind the admin's durable
+        instead: what it redelivers at or below the checkpoint is set aside as a duplicate
+        (``SampleBuffer.floor``)."""
         if confined_role(self._js_ctx._nc) is None:
             try:
                 await self._js_ctx.delete_consumer(self.stream, self.durable)
@@ -112,7 +120,9 @@ class SampleConsumer(Consumer[Sample]):
         await super().start()
 
 
-def _admit_sample(subject: str, headers: Mapping[str, str] | None, data: bytes, *, vocab_size: int) -> Sample:
+def _admit_sample(
+    subject: str, headers: Mapping[str, str] | None, data: bytes, *, vocab_size: int
+) -> Sample:
     """The sample, if every token id has a row in the model's embedding; else ``ProtocolError`` (the
     consumer dead-letters it with the reason, as the replayer does an event with such an id)."""
     sample = decode_sample(data, headers.get(CODEC_HEADER) if headers else None)
@@ -154,7 +164,8 @@ class OnlineLearner:
         self.base_model = base_model
         self.on_step = on_step
         self.metrics = metrics or LearnerMetrics()
-        """Prometheus metrics (``services/metrics.py``); served by ``leafe learner --metrics-port``."""
+        """Prometheus metrics (``services/metrics.py``); served by ``leafe learner
+        --metrics-port``."""
         self.scalars = scalars or NullScalarWriter()
         """TensorBoard scalars of every step (``leafe learner --tensorboard-dir``)."""
         self.control = control or ControlFile(None)
@@ -169,11 +180,13 @@ class OnlineLearner:
         self._pushed_at_step: int | None = None
         self._last_command = time.monotonic()
         self.probe = Probe("learner", stale_after_s=PROBE_STALE_S)
-        """``/healthz`` (``services/probes.py``): progress is a fetch or a finished step/checkpoint/push."""
+        """``/healthz`` (``services/probes.py``): progress is a fetch or a finished
+        step/checkpoint/push."""
         attach(self.metrics.registry, self.probe)
 
     async def run(self, stop: asyncio.Event) -> Progress:
-        """Train until ``stop`` is set (or ``stop_after_steps``); then checkpoint, ack and return."""
+        """Train until ``stop`` is set (or ``stop_after_steps``); then checkpoint, ack and
+        return."""
         async with AsyncExitStack() as stack:
             nc = await connect(self.nats, name=f"learner-{self.run_id}")
             stack.push_async_callback(nc.close)
@@ -205,7 +218,11 @@ class OnlineLearner:
             )
             await self._announce_current(pub)
             await self._loop(consumer, pub, stop)
-            if self.cfg.push_on_stop and self.steps_here > 0 and self._pushed_at_step != self.progress.step:
+            if (
+                self.cfg.push_on_stop
+                and self.steps_here > 0
+                and self._pushed_at_step != self.progress.step
+            ):
                 await self._push(pub)  # checkpoints too
             else:
                 await self._checkpoint()
@@ -228,7 +245,10 @@ class OnlineLearner:
             if fetched:
                 self.buffer.add(fetched)
                 log.debug(
-                    "learner.fetched", count=len(fetched), buffered=len(self.buffer), held=len(self.held)
+                    "learner.fetched",
+                    count=len(fetched),
+                    buffered=len(self.buffer),
+                    held=len(self.held),
                 )
             release = self.control.read().release_seq
             if release is not None:
@@ -236,26 +256,40 @@ class OnlineLearner:
             while (
                 release is None
                 and not self._done(stop)
-                and self.buffer.ready(tc.batch.global_batch, self.cfg.max_batch_wait_s, self.cfg.min_batch)
+                and self.buffer.ready(
+                    tc.batch.global_batch, self.cfg.max_batch_wait_s, self.cfg.min_batch
+                )
             ):
-                if await self._train(self.buffer.take(tc.batch.global_batch, self.progress.version_index)):
+                if await self._train(
+                    self.buffer.take(tc.batch.global_batch, self.progress.version_index)
+                ):
                     await self._after_step(pub)
                 self.probe.progress()
-            if self._held_count() >= self.cfg.max_ack_pending - tc.batch.global_batch - self.cfg.fetch_batch:
-                await self._checkpoint()  # free JetStream's pending window before it blocks delivery
+            if (
+                self._held_count()
+                >= self.cfg.max_ack_pending - tc.batch.global_batch - self.cfg.fetch_batch
+            ):
+                await (
+                    self._checkpoint()
+                )  # free JetStream's pending window before it blocks delivery
             await self._keep_followers_alive()
 
     async def _train_release(self, release_seq: int, pub: Publisher) -> None:
-        """A phased run: once every sample up to ``release_seq`` is here, train them all (sample-id order,
-        ``SampleBuffer.take_release``) with no checkpoint in between, then push (checkpoint only when no
-        step was taken), so that the phase's batches, steps and pushed weights do not depend on timing."""
+        """A phased run: once every sample up to ``release_seq`` is here, train them all (sample-id
+        order, ``SampleBuffer.take_release``) with no checkpoint in between, then push (checkpoint
+        only when no step was taken), so that the phase's batches, steps and pushed weights do not
+        depend on timing."""
         if self.progress.samples_seq >= release_seq or not self.buffer.holds_through(release_seq):
             return
         tc, steps = self.cfg.trainer, 0
-        batches = self.buffer.take_release(release_seq, tc.batch.global_batch, self.progress.version_index)
+        batches = self.buffer.take_release(
+            release_seq, tc.batch.global_batch, self.progress.version_index
+        )
         for batch in batches:
             steps += await self._train(batch)
-        log.info("learner.release.trained", release_seq=release_seq, steps=steps, batches=len(batches))
+        log.info(
+            "learner.release.trained", release_seq=release_seq, steps=steps, batches=len(batches)
+        )
         await (self._push(pub) if steps else self._checkpoint())
 
     def _held_count(self) -> int:
@@ -271,7 +305,10 @@ class OnlineLearner:
         return self.executor.submit(cmd)
 
     async def _keep_followers_alive(self) -> None:
-        if self.executor.trainer.env.world_size > 1 and time.monotonic() - self._last_command > _NOOP_EVERY_S:
+        if (
+            self.executor.trainer.env.world_size > 1
+            and time.monotonic() - self._last_command > _NOOP_EVERY_S
+        ):
             await self._submit(NoopCmd())
 
     async def _train(self, batch: Batch[Delivery[Sample]]) -> bool:
@@ -304,8 +341,12 @@ class OnlineLearner:
         if stats is None or stats.samples == 0:
             return False
         self.steps_here += 1
-        log.info("learner.step", samples_seq=self.progress.samples_seq, **msgspec.to_builtins(stats))
-        lag = max((policy_lag(s.policy_version, p.version_index) or 0 for s in batch.samples), default=0)
+        log.info(
+            "learner.step", samples_seq=self.progress.samples_seq, **msgspec.to_builtins(stats)
+        )
+        lag = max(
+            (policy_lag(s.policy_version, p.version_index) or 0 for s in batch.samples), default=0
+        )
         tokens_per_second = stats.real_tokens / seconds if seconds > 0 else 0.0
         self.metrics.observe_step(stats, tokens_per_second=tokens_per_second, policy_lag=lag)
         self.metrics.observe_lags(batch.lags)
@@ -341,13 +382,16 @@ class OnlineLearner:
 
     async def _push(self, pub: Publisher) -> None:
         self._pushed_at_step = self.progress.step
-        self.progress = msgspec.structs.replace(self.progress, version_index=self.progress.version_index + 1)
+        self.progress = msgspec.structs.replace(
+            self.progress, version_index=self.progress.version_index + 1
+        )
         with self.metrics.push_seconds.time():
             await self._checkpoint()
             await self._export_and_publish(pub)
 
     async def _announce_current(self, pub: Publisher) -> None:
-        """On start: make sure the checkpoint's latest version is exported and announced (idempotent)."""
+        """On start: make sure the checkpoint's latest version is exported and announced
+        (idempotent)."""
         if self.progress.version_index > 0:
             await self._export_and_publish(pub)
 
@@ -364,7 +408,10 @@ class OnlineLearner:
             t0 = time.perf_counter()
             digest = await self._submit(ExportCmd(out_dir=str(out), version=version, extra=extra))
             log.info(
-                "learner.weights.exported", version=version, path=str(out), seconds=time.perf_counter() - t0
+                "learner.weights.exported",
+                version=version,
+                path=str(out),
+                seconds=time.perf_counter() - t0,
             )
         event = WeightsPublished(
             event_id=f"weights.{self.run_id}.{version}",
@@ -379,10 +426,14 @@ class OnlineLearner:
         )
         await pub.publish(weights_subject(self.run_id), event)
         await pub.flush()
-        log.info("learner.weights.published", version=version, step=self.progress.step, uri=event.uri)
+        log.info(
+            "learner.weights.published", version=version, step=self.progress.step, uri=event.uri
+        )
         pruned = prune_versions(self.store, self.cfg.trainer.retain_versions, protect={version})
         if pruned:
-            log.info("learner.weights.pruned", versions=pruned, retain=self.cfg.trainer.retain_versions)
+            log.info(
+                "learner.weights.pruned", versions=pruned, retain=self.cfg.trainer.retain_versions
+            )
 
     @staticmethod
     async def _existing_export(out: Path) -> str | None:

@@ -1,11 +1,11 @@
 """``leafe replayer``: the online replayer, events in, samples out, with no loss and no duplicates.
 
-    leafe replayer --nats URL --run RUN --materializer leafe [--model DIR] [--config replayer.toml] \\
-        [--metrics-port 9464]
+    leafe replayer --nats URL --run RUN --materializer leafe [--model DIR] \\
+        [--config replayer.toml] [--metrics-port 9464]
 
-The ack protocol that makes it restartable at any moment is described in ``services/replayer/service.py``.
-Run exactly one replayer per (run, materializer): its durable consumer is its identity. SIGTERM/SIGINT:
-finish the batch in hand, then exit.
+The ack protocol that makes it restartable at any moment is described in
+``services/replayer/service.py``. Run exactly one replayer per (run, materializer): its durable
+consumer is its identity. SIGTERM/SIGINT: finish the batch in hand, then exit.
 
     leafe replayer redrive --nats URL --run RUN [--code CAP ...] [--dry-run]
 
@@ -21,12 +21,12 @@ import signal
 
 import structlog
 
-from services.bus import add_nats_arguments, nats_options
-from services.config import dump_config, load_config
-from services.logsetup import configure_logging
-from services.metrics import ReplayerMetrics, add_metrics_arguments, serve_metrics
-from services.replayer.config import ReplayerConfig
-from services.replayer.service import serve
+from leafe.services.bus import add_nats_arguments, nats_options
+from leafe.services.config import dump_config, load_config
+from leafe.services.logsetup import configure_logging
+from leafe.services.metrics import ReplayerMetrics, add_metrics_arguments, serve_metrics
+from leafe.services.replayer.config import ReplayerConfig
+from leafe.services.replayer.service import serve
 
 __all__ = ["main"]
 
@@ -35,11 +35,15 @@ log = structlog.get_logger(__name__)
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="leafe replayer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="leafe replayer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_nats_arguments(p)
     p.add_argument("--run", required=True, help="run id whose events are materialized")
-    p.add_argument("--materializer", default=None, help="leafe | grpo | rft (default from config: leafe)")
+    p.add_argument(
+        "--materializer", default=None, help="leafe | grpo | rft (default from config: leafe)"
+    )
     p.add_argument("--model", default=None, help="tokenizer: default | tiny | HF model dir")
     p.add_argument("--config", default=None, help="TOML file with ReplayerConfig fields")
     p.add_argument("--log-level", default="info", help="log level (default info)")
@@ -50,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     """Entry point of ``leafe replayer`` (and of ``leafe replayer redrive``)."""
     if argv[:1] == ["redrive"]:
-        from services.replayer.redrive import main as redrive_main
+        from leafe.services.replayer.redrive import main as redrive_main
 
         return redrive_main(argv[1:])
     p = _parser()

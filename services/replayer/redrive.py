@@ -2,31 +2,33 @@
 
     leafe replayer redrive --nats URL --run RUN [--code max_open_episodes ...] [--dry-run]
 
-A flood of episodes that never finish fills ``max_open_episodes`` (or a byte cap), and every valid episode
-after it is refused and dead-lettered until the flood is closed as abandoned (``stale_timeout_s``). Its
-events are not lost: each dead letter names its original (``Leafe-Original-Subject/-Stream/-Seq``) and
-carries its bytes (``services.bus.dead_letters``). Once the cause is gone, this command publishes the
-originals of the run's event dead letters whose code (``Leafe-Error-Code``, written by the replayer) is
-one of ``--code`` (default: every cap, ``learner.materializers.lifecycle.CAP_CODES``; which covers the
-later events of a refused episode, whose code repeats the cap's) again on their own subject, in original
-order, with ``Leafe-Redrive: <original seq>``; the replayer then tries each such episode against the caps
-anew (``Replayer._readmit``). Sample ids depend only on event ids, so a redriven episode gives the samples
-an offline rebuild gives; events that are folded already are duplicates the fold ignores. Letters are
-chosen by code, never by their reason's text: a reason can quote what the publisher wrote (a branch id
-``(max_open_...``).
+A flood of episodes that never finish fills ``max_open_episodes`` (or a byte cap), and every valid
+episode after it is refused and dead-lettered until the flood is closed as abandoned
+(``stale_timeout_s``). Its events are not lost: each dead letter names its original
+(``Leafe-Original-Subject/-Stream/-Seq``) and carries its bytes
+(``leafe.services.bus.dead_letters``). Once the cause is gone, this command publishes the originals
+of the run's event dead letters whose code (``Leafe-Error-Code``, written by the replayer) is one of
+``--code`` (default: every cap, ``leafe.learner.materializers.lifecycle.CAP_CODES``; which covers
+the later events of a refused episode, whose code repeats the cap's) again on their own subject, in
+original order, with ``Leafe-Redrive: <original seq>``; the replayer then tries each such episode
+against the caps anew (``Replayer._readmit``). Sample ids depend only on event ids, so a redriven
+episode gives the samples an offline rebuild gives; events that are folded already are duplicates
+the fold ignores. Letters are chosen by code, never by their reason's text: a reason can quote what
+the publisher wrote (a branch id ``(max_open_...``).
 
 Only what the replayer itself could have received is published again: an original must come from
-``LEAFE_EVENTS``, lie on an events subject of ``--run``, have the sha256 its letter recorded, and pass
-``protocol.codec.admit_event``; anything else is skipped and counted. A redriven letter is marked on
-``leafe.<run>.dead.redriven.<letter seq>`` (written once, ``Nats-Expected-Last-Subject-Sequence: 0``),
-and marked letters are not published again, so running the command twice publishes nothing new, while a
-letter written when a redriven copy was refused again is a letter of its own. Only the admin may write
-markers; each copy's ``Nats-Msg-Id`` (``<run>.redrive.<letter seq>.<random>``) is one no publisher can
-predict, so nobody can store it first and make the copy a dropped "duplicate" (a predictable id once
-let any actor empty a redrive). The markers are written once every copy is out, so an episode's copies go
-out back to back (within ``stale_timeout_s`` of each other); a crash in between publishes those copies
-once more next time: duplicate events the fold ignores. Needs a NATS user that may read ``LEAFE_DEAD``
-and publish events and markers (the admin).
+``LEAFE_EVENTS``, lie on an events subject of ``--run``, have the sha256 its letter recorded, and
+pass ``leafe.protocol.codec.admit_event``; anything else is skipped and counted. A redriven letter
+is marked on ``leafe.<run>.dead.redriven.<letter seq>`` (written once,
+``Nats-Expected-Last-Subject-Sequence: 0``), and marked letters are not published again, so running
+the command twice publishes nothing new, while a letter written when a redriven copy was refused
+again is a letter of its own. Only the admin may write markers; each copy's ``Nats-Msg-Id``
+(``<run>.redrive.<letter seq>.<random>``) is one no publisher can predict, so nobody can store it
+first and make the copy a dropped "duplicate" (a predictable id once let any actor empty a redrive).
+The markers are written once every copy is out, so an episode's copies go out back to back (within
+``stale_timeout_s`` of each other); a crash in between publishes those copies once more next time:
+duplicate events the fold ignores. Needs a NATS user that may read ``LEAFE_DEAD`` and publish events
+and markers (the admin).
 """
 
 from __future__ import annotations
@@ -44,11 +46,24 @@ import structlog
 from nats.aio.msg import Msg
 from nats.js.errors import APIError
 
-from learner.materializers.lifecycle import CAP_CODES
-from protocol.codec import CODEC_HEADER, MSG_ID_HEADER, Admission, ProtocolError, admit_event
-from protocol.subjects import DEAD_LETTERS, EVENTS, dead_letter_subject, event_subject_parts, validate_run_id
-from services.bus import NatsOptions, add_nats_arguments, connect, nats_options, read_stream, redact
-from services.bus.dead_letters import (
+from leafe.learner.materializers.lifecycle import CAP_CODES
+from leafe.protocol.codec import CODEC_HEADER, MSG_ID_HEADER, Admission, ProtocolError, admit_event
+from leafe.protocol.subjects import (
+    DEAD_LETTERS,
+    EVENTS,
+    dead_letter_subject,
+    event_subject_parts,
+    validate_run_id,
+)
+from leafe.services.bus import (
+    NatsOptions,
+    add_nats_arguments,
+    connect,
+    nats_options,
+    read_stream,
+    redact,
+)
+from leafe.services.bus.dead_letters import (
     ERROR_CODE_HEADER,
     EXPECTED_EMPTY_HEADER,
     ORIGINAL_SEQ_HEADER,
@@ -59,7 +74,7 @@ from services.bus.dead_letters import (
     TRUNCATED_HEADER,
     letters_filter,
 )
-from services.logsetup import configure_logging
+from leafe.services.logsetup import configure_logging
 
 __all__ = ["RedriveStats", "main", "redrive", "redriven_subject"]
 
@@ -69,7 +84,8 @@ _WRONG_LAST_SEQUENCE = 10071
 
 
 def redriven_subject(run_id: str, letter_seq: int) -> str:
-    """Where redrive marks a dead letter it published again: ``leafe.<run>.dead.redriven.<letter seq>``."""
+    """Where redrive marks a dead letter it published again: ``leafe.<run>.dead.redriven.<letter
+    seq>``."""
     return f"{dead_letter_subject(run_id, 'redriven')}.{int(letter_seq)}"
 
 
@@ -86,9 +102,11 @@ class RedriveStats:
     already: int = 0
     """Selected letters an earlier redrive published again (marked), left alone."""
     skipped: int = 0
-    """Matched, but not an admissible event of the run (or its original is gone): never published."""
+    """Matched, but not an admissible event of the run (or its original is gone): never
+    published."""
     originals: int = 0
-    """Distinct originals to publish (letters of one original, from repeated refusals, count once)."""
+    """Distinct originals to publish (letters of one original, from repeated refusals, count
+    once)."""
 
 
 def _skip(stats: RedriveStats, letter: Msg, why: str) -> None:
@@ -97,7 +115,8 @@ def _skip(stats: RedriveStats, letter: Msg, why: str) -> None:
 
 
 async def _original(js: Any, letter: Msg, seq: int) -> bytes | None:
-    """The original's bytes: the letter's body when whole, else the stored original (``None`` if gone)."""
+    """The original's bytes: the letter's body when whole, else the stored original (``None`` if
+    gone)."""
     h = letter.headers or {}
     if TRUNCATED_HEADER not in h:
         return bytes(letter.data)
@@ -107,8 +126,11 @@ async def _original(js: Any, letter: Msg, seq: int) -> bytes | None:
         return None
 
 
-async def _pick(js: Any, run_id: str, letter: Msg, stats: RedriveStats, admission: Admission) -> Any:
-    """``(seq, subject, data, codec)`` of the letter's original if it may be published again, else ``None``."""
+async def _pick(
+    js: Any, run_id: str, letter: Msg, stats: RedriveStats, admission: Admission
+) -> Any:
+    """``(seq, subject, data, codec)`` of the letter's original if it may be published again, else
+    ``None``."""
     h = letter.headers or {}
     subject = h.get(ORIGINAL_SUBJECT_HEADER, "")
     try:
@@ -120,7 +142,9 @@ async def _pick(js: Any, run_id: str, letter: Msg, stats: RedriveStats, admissio
         return _skip(stats, letter, f"not an event of run {run_id!r}: {subject!r}")
     data = await _original(js, letter, seq)
     if data is None or hashlib.sha256(data).hexdigest() != h.get(ORIGINAL_SHA256_HEADER):
-        return _skip(stats, letter, f"original seq {seq} is gone or differs from its letter's sha256")
+        return _skip(
+            stats, letter, f"original seq {seq} is gone or differs from its letter's sha256"
+        )
     codec = h.get(CODEC_HEADER)
     try:
         admit_event(subject, {CODEC_HEADER: codec} if codec else None, data, admission)
@@ -139,7 +163,8 @@ async def _marked(js: Any, run_id: str) -> set[int]:
 
 
 async def _mark(js: Any, run_id: str, letter_seqs: list[int], copy_seq: int) -> None:
-    """Mark each letter as published again (as the copy at ``copy_seq``); one marked already is left."""
+    """Mark each letter as published again (as the copy at ``copy_seq``); one marked already is
+    left."""
     for letter_seq in letter_seqs:
         headers = {EXPECTED_EMPTY_HEADER: "0", REDRIVE_HEADER: str(copy_seq)}
         try:
@@ -157,8 +182,8 @@ async def redrive(
     dry_run: bool = False,
     admission: Admission = Admission(),
 ) -> RedriveStats:
-    """Publish again the originals of ``run_id``'s event dead letters whose code is one of ``codes`` and
-    that no earlier redrive published again."""
+    """Publish again the originals of ``run_id``'s event dead letters whose code is one of ``codes``
+    and that no earlier redrive published again."""
     run_id = validate_run_id(run_id)
     stats = RedriveStats()
     marked = await _marked(js, run_id)
@@ -192,7 +217,10 @@ async def redrive(
         ack = await js.publish(subject, data, headers=headers)
         copies.append((letter_seqs, ack.seq))
         stats.published += 1
-    for letter_seqs, copy_seq in copies:  # after every copy: an episode's copies go out back to back
+    for (
+        letter_seqs,
+        copy_seq,
+    ) in copies:  # after every copy: an episode's copies go out back to back
         await _mark(js, run_id, letter_seqs, copy_seq)
     log.info("redrive.done", run_id=run_id, dry_run=dry_run, **asdict(stats))
     return stats
@@ -205,7 +233,9 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_nats_arguments(p)
-    p.add_argument("--run", required=True, help="run whose dead-lettered events are published again")
+    p.add_argument(
+        "--run", required=True, help="run whose dead-lettered events are published again"
+    )
     p.add_argument(
         "--code",
         action="append",
@@ -213,7 +243,9 @@ def _parser() -> argparse.ArgumentParser:
         help="refusal code (Leafe-Error-Code) of the letters to publish again; repeat for several "
         "(default: every cap)",
     )
-    p.add_argument("--dry-run", action="store_true", help="count what would be published; publish nothing")
+    p.add_argument(
+        "--dry-run", action="store_true", help="count what would be published; publish nothing"
+    )
     p.add_argument("--log-level", default="warning", help="log level (default warning)")
     return p
 
@@ -232,7 +264,10 @@ def main(argv: list[str]) -> int:
         codes = frozenset(args.code or CAP_CODES)
         stats = asyncio.run(_redrive(opts, args.run, codes, args.dry_run))
     except (OSError, ValueError, nats_errors.Error) as e:
-        print(f"leafe replayer redrive: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
+        print(
+            f"leafe replayer redrive: {type(e).__name__}: {' '.join(str(e).split())}",
+            file=sys.stderr,
+        )
         return 1
     done = f"would publish {stats.originals}" if args.dry_run else f"published {stats.published}"
     print(
@@ -243,13 +278,17 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-async def _redrive(opts: NatsOptions, run_id: str, codes: frozenset[str], dry_run: bool) -> RedriveStats:
+async def _redrive(
+    opts: NatsOptions, run_id: str, codes: frozenset[str], dry_run: bool
+) -> RedriveStats:
     if not opts.url:
         raise ValueError("no NATS URL: pass --nats URL or set LEAFE_NATS_URL")
     try:
         nc = await connect(opts, name="leafe-redrive")
     except (OSError, nats_errors.Error) as e:
-        raise ConnectionError(f"no NATS connection to {redact(opts.url)}: {type(e).__name__}: {e}") from e
+        raise ConnectionError(
+            f"no NATS connection to {redact(opts.url)}: {type(e).__name__}: {e}"
+        ) from e
     try:
         return await redrive(nc.jetstream(), run_id, codes=codes, dry_run=dry_run)
     finally:

@@ -3,26 +3,25 @@
     leafe replay --from nats://127.0.0.1:4222 --run RUN --materializer leafe --model tiny --out DIR
     leafe replay --from runs/r1/events.leafelog --materializer grpo --out DIR [--config replay.toml]
 
-``--from`` is a NATS URL (then ``--run`` is required and ``LEAFE_EVENTS`` is read for that run) or a log
-file written by ``leafe log export`` (``--run`` then filters). Events are folded in log order by the
-same materializer the online replayer runs (``learner.materializers``), after the same admission checks
-(``protocol.codec.admit_event``: size, ``Leafe-Codec`` header, subject, event id), so it rebuilds what
-the replayer published; at the end of the log every still-open episode is closed as abandoned (no
-samples from branches without an Outcome). Records that fail admission and events the fold rejects are
-counted and logged, never fatal. The online replayer's open-episode caps apply here too
-(``max_open_episodes``, ``max_open_per_actor``, ``max_open_bytes``, ``max_open_bytes_per_actor``: the
-fold's memory is bounded by them,
-whatever the log holds); what they refuse is counted, and named on stderr in one line that says which
-cap to raise. The dataset is written with
-``learner.dataset.write_dataset``: rebuilding the same log gives byte-identical shards. A damaged or
-truncated log file (``services.eventlog.fileformat.LogFileError``, checked to its trailer) or one that
-cannot be opened fails the command with one line on stderr and no dataset written (``--debug``: the
-traceback); a partial dataset is never written from a damaged file. So does every other failure a user
-can cause: a model that is not there, an ``--out`` that cannot be written, a NATS server that does not
-answer.
+``--from`` is a NATS URL (then ``--run`` is required and ``LEAFE_EVENTS`` is read for that run) or a
+log file written by ``leafe log export`` (``--run`` then filters). Events are folded in log order by
+the same materializer the online replayer runs (``leafe.learner.materializers``), after the same
+admission checks (``leafe.protocol.codec.admit_event``: size, ``Leafe-Codec`` header, subject, event
+id), so it rebuilds what the replayer published; at the end of the log every still-open episode is
+closed as abandoned (no samples from branches without an Outcome). Records that fail admission and
+events the fold rejects are counted and logged, never fatal. The online replayer's open-episode caps
+apply here too (``max_open_episodes``, ``max_open_per_actor``, ``max_open_bytes``,
+``max_open_bytes_per_actor``: the fold's memory is bounded by them, whatever the log holds); what
+they refuse is counted, and named on stderr in one line that says which cap to raise. The dataset is
+written with ``leafe.learner.dataset.write_dataset``: rebuilding the same log gives byte-identical
+shards. A damaged or truncated log file (``leafe.services.eventlog.fileformat.LogFileError``,
+checked to its trailer) or one that cannot be opened fails the command with one line on stderr and
+no dataset written (``--debug``: the traceback); a partial dataset is never written from a damaged
+file. So does every other failure a user can cause: a model that is not there, an ``--out`` that
+cannot be written, a NATS server that does not answer.
 
-``--config`` is a TOML file decoded into :class:`ReplayConfig`; flags override it. A rich progress bar
-shows events and samples on a terminal (``--no-progress`` hides it).
+``--config`` is a TOML file decoded into :class:`ReplayConfig`; flags override it. A rich progress
+bar shows events and samples on a terminal (``--no-progress`` hides it).
 """
 
 from __future__ import annotations
@@ -38,17 +37,37 @@ import msgspec
 import nats.errors as nats_errors
 import structlog
 
-from learner.materializers import Folder, FoldResult, OpenLimits, make_materializer, write_folded
-from protocol.codec import Admission, ProtocolError, admit_event
-from protocol.events import EpisodeEvent
-from protocol.subjects import EVENTS, events_filter
-from services.bus import NatsOptions, add_nats_arguments, connect, nats_options, read_stream, redact
-from services.config import load_config
-from services.eventlog.fileformat import LogFileError, iter_log_file
-from services.logsetup import configure_logging
-from services.replayer.config import DEFAULT_MAX_OPEN_BYTES, DEFAULT_MAX_OPEN_BYTES_PER_ACTOR
+from leafe.learner.materializers import (
+    Folder,
+    FoldResult,
+    OpenLimits,
+    make_materializer,
+    write_folded,
+)
+from leafe.protocol.codec import Admission, ProtocolError, admit_event
+from leafe.protocol.events import EpisodeEvent
+from leafe.protocol.subjects import EVENTS, events_filter
+from leafe.services.bus import (
+    NatsOptions,
+    add_nats_arguments,
+    connect,
+    nats_options,
+    read_stream,
+    redact,
+)
+from leafe.services.config import load_config
+from leafe.services.eventlog.fileformat import LogFileError, iter_log_file
+from leafe.services.logsetup import configure_logging
+from leafe.services.replayer.config import DEFAULT_MAX_OPEN_BYTES, DEFAULT_MAX_OPEN_BYTES_PER_ACTOR
 
-__all__ = ["ReplayConfig", "file_events", "main", "resolve_config", "stream_event_count", "stream_events"]
+__all__ = [
+    "ReplayConfig",
+    "file_events",
+    "main",
+    "resolve_config",
+    "stream_event_count",
+    "stream_events",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -61,21 +80,25 @@ class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     model: str = "default"
     """Tokenizer source: ``default`` (SmolLM2), ``tiny`` or an HF model directory."""
     options: dict[str, Any] = msgspec.field(default_factory=dict)
-    """Materializer options (see ``learner.materializers``), e.g. ``rehearsal_fraction = 0.2``."""
+    """Materializer options (see ``leafe.learner.materializers``), e.g. ``rehearsal_fraction =
+    0.2``."""
     shard_size: int = 10_000
     """Samples per shard file."""
     max_event_bytes: int = EVENTS.max_msg_bytes
-    """Records larger than this (headers included) are skipped, as the online replayer skips them."""
+    """Records larger than this (headers included) are skipped, as the online replayer skips
+    them."""
     require_codec_header: bool = True
     """Skip records without ``Leafe-Codec``; ``false`` to replay logs written before the header."""
     max_open_episodes: int = 16_384
-    """Episodes held at once (as the online replayer's); an EpisodeStarted past it is refused, counted."""
+    """Episodes held at once (as the online replayer's); an EpisodeStarted past it is refused,
+    counted."""
     max_open_per_actor: int = 1024
     """Episodes one ``actor_id`` may hold at once; past it, refused."""
     max_open_bytes: int = DEFAULT_MAX_OPEN_BYTES
-    """Bytes the held episodes' events may take (``learner.materializers.lifecycle.event_bytes``); an
-    event past it is refused. Bounds memory whatever the log holds (a 2.6 MB file of unfinished
-    episodes with 1 MB observations took 2.3 GB without it)."""
+    """Bytes the held episodes' events may take
+    (``leafe.learner.materializers.lifecycle.event_bytes``); an event past it is refused. Bounds
+    memory whatever the log holds (a 2.6 MB file of unfinished episodes with 1 MB observations took
+    2.3 GB without it)."""
     max_open_bytes_per_actor: int = DEFAULT_MAX_OPEN_BYTES_PER_ACTOR
     """Bytes one ``actor_id``'s events may take in held episodes (as the online replayer's)."""
 
@@ -103,7 +126,9 @@ class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     @property
     def admission(self) -> Admission:
         """The admission checks these settings ask for."""
-        return Admission(max_event_bytes=self.max_event_bytes, require_codec_header=self.require_codec_header)
+        return Admission(
+            max_event_bytes=self.max_event_bytes, require_codec_header=self.require_codec_header
+        )
 
 
 def _decode(
@@ -117,10 +142,11 @@ def _decode(
 
 
 def file_events(path: Path, admission: Admission = Admission()) -> Iterator[EpisodeEvent | None]:
-    """Events of a ``leafe log export`` file in log order (``None`` for a record that fails admission).
+    """Events of a ``leafe log export`` file in log order (``None`` for a record that fails
+    admission).
 
-    Raises ``LogFileError`` (after the records before it) when the file is damaged or truncated, so the
-    iteration ending without an error is what proves the log was whole.
+    Raises ``LogFileError`` (after the records before it) when the file is damaged or truncated, so
+    the iteration ending without an error is what proves the log was whole.
     """
     for i, (subject, headers, data) in enumerate(iter_log_file(path)):
         yield _decode(subject, data, headers, f"{path} record {i} ({subject})", admission)
@@ -129,7 +155,8 @@ def file_events(path: Path, admission: Admission = Admission()) -> Iterator[Epis
 async def stream_events(
     js: Any, run_id: str, admission: Admission = Admission()
 ) -> AsyncIterator[EpisodeEvent | None]:
-    """Events of ``run_id`` on ``LEAFE_EVENTS`` at call time, in stream order (``None`` if refused)."""
+    """Events of ``run_id`` on ``LEAFE_EVENTS`` at call time, in stream order (``None`` if
+    refused)."""
     async for msg in read_stream(js, stream=EVENTS.name, filter_subject=events_filter(run_id)):
         where = f"{msg.subject} seq {msg.metadata.sequence.stream}"
         yield _decode(msg.subject, msg.data, msg.headers, where, admission)
@@ -148,7 +175,13 @@ class _Progress:
         self._bar: Any = None
         if not enabled:
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         self._bar = Progress(
             TextColumn("replay"),
@@ -163,7 +196,9 @@ class _Progress:
 
     def update(self, folder: Folder, *, force: bool = False) -> None:
         if self._bar is not None and (force or folder.result.events % 2000 == 0):
-            self._bar.update(self._task, completed=folder.result.events, samples=len(folder.result.samples))
+            self._bar.update(
+                self._task, completed=folder.result.events, samples=len(folder.result.samples)
+            )
 
     def close(self, folder: Folder) -> None:
         if self._bar is not None:
@@ -187,8 +222,13 @@ async def _fold_stream(
 ) -> FoldResult:
     try:
         nc = await connect(nats, name="leafe-replay")
-    except (OSError, nats_errors.Error) as e:  # said once, naming the server (its retries log at warning)
-        raise ConnectionError(f"no NATS connection to {redact(nats.url)}: {type(e).__name__}: {e}") from e
+    except (
+        OSError,
+        nats_errors.Error,
+    ) as e:  # said once, naming the server (its retries log at warning)
+        raise ConnectionError(
+            f"no NATS connection to {redact(nats.url)}: {type(e).__name__}: {e}"
+        ) from e
     try:
         js = nc.jetstream()
         bar = _Progress(progress, await stream_event_count(js, run_id))
@@ -205,11 +245,17 @@ async def _fold_stream(
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="leafe replay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="leafe replay",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--from", dest="source", required=True, help="NATS URL (nats://...) or a leafe log file")
+    p.add_argument(
+        "--from", dest="source", required=True, help="NATS URL (nats://...) or a leafe log file"
+    )
     p.add_argument("--run", default=None, help="run id (required with a NATS URL; filters a file)")
-    p.add_argument("--materializer", default=None, help="leafe | grpo | rft (default from config: leafe)")
+    p.add_argument(
+        "--materializer", default=None, help="leafe | grpo | rft (default from config: leafe)"
+    )
     p.add_argument("--model", default=None, help="tokenizer: default | tiny | HF model dir")
     p.add_argument("--out", type=Path, required=True, help="dataset directory to (re)write")
     p.add_argument("--config", type=Path, default=None, help="TOML file with ReplayConfig fields")
@@ -218,10 +264,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-level",
         default="error",
-        help="log level (default error: rejections are counted in the summary; warning logs each one)",
+        help="log level (default error: rejections are counted in the summary; "
+        "warning logs each one)",
     )
     add_nats_arguments(p)
-    p.add_argument("--debug", action="store_true", help="on a log file error, raise it with its traceback")
+    p.add_argument(
+        "--debug", action="store_true", help="on a log file error, raise it with its traceback"
+    )
     return p
 
 
@@ -231,13 +280,17 @@ def _is_url(source: str) -> bool:
 
 def resolve_config(args: argparse.Namespace) -> ReplayConfig:
     """The config file (if any) with flags applied on top."""
-    overrides = {"materializer": args.materializer, "model": args.model, "shard_size": args.shard_size}
+    overrides = {
+        "materializer": args.materializer,
+        "model": args.model,
+        "shard_size": args.shard_size,
+    }
     return load_config(ReplayConfig, files=[args.config], overrides=overrides)
 
 
 _USER_ERRORS = (LogFileError, OSError, ValueError, nats_errors.Error)
-"""What a user can cause (a damaged log, a missing model, an unwritable ``--out``, a NATS server that is
-down or refuses): one line on stderr, never a traceback (``--debug`` raises it)."""
+"""What a user can cause (a damaged log, a missing model, an unwritable ``--out``, a NATS server
+that is down or refuses): one line on stderr, never a traceback (``--debug`` raises it)."""
 
 
 def main(argv: list[str]) -> int:
@@ -257,7 +310,9 @@ def main(argv: list[str]) -> int:
     except _USER_ERRORS as e:
         if args.debug:
             raise
-        print(f"leafe replay: {_one_line(e)}", file=sys.stderr)  # nothing written: it would be partial
+        print(
+            f"leafe replay: {_one_line(e)}", file=sys.stderr
+        )  # nothing written: it would be partial
         return 1
 
 
@@ -267,7 +322,10 @@ def _one_line(e: BaseException) -> str:
 
 
 def _replay(args: argparse.Namespace, config: ReplayConfig, nats_opts: NatsOptions) -> int:
-    from learner.model_io import HFChatTokenizer, resolve_model  # transformers: only once the flags are good
+    from leafe.learner.model_io import (  # transformers: only once the flags are good
+        HFChatTokenizer,
+        resolve_model,
+    )
 
     fold = make_materializer(
         config.materializer, HFChatTokenizer.from_dir(resolve_model(config.model)), **config.options
@@ -283,15 +341,19 @@ def _replay(args: argparse.Namespace, config: ReplayConfig, nats_opts: NatsOptio
     manifest = write_folded(result, fold, args.out, run_id=args.run, shard_size=config.shard_size)
     counts = ", ".join(f"{k}={v}" for k, v in manifest.counts_by_kind.items()) or "none"
     print(
-        f"replayed {result.events} events -> {manifest.samples} samples ({counts}) in {len(manifest.shards)} "
+        f"replayed {result.events} events -> {manifest.samples} samples ({counts}) in "
+        f"{len(manifest.shards)} "
         f"shard(s) at {args.out}; rejected {result.rejected}, undecodable {result.undecodable}, "
-        f"prompt mismatches {fold.stats.prompt_mismatches}; content sha256 {manifest.content_sha256}"
+        f"prompt mismatches {fold.stats.prompt_mismatches}; content sha256 "
+        f"{manifest.content_sha256}"
     )
     if result.capped:
         print(
             f"leafe replay: {result.capped} events refused over the open-episode caps "
-            f"({fold.stats.episodes_refused} episodes; first: {result.first_capped}); raise max_open_episodes, "
-            "max_open_per_actor, max_open_bytes or max_open_bytes_per_actor in --config to fold them",
+            f"({fold.stats.episodes_refused} episodes; first: {result.first_capped}); raise "
+            "max_open_episodes, "
+            "max_open_per_actor, max_open_bytes or max_open_bytes_per_actor in --config to fold "
+            "them",
             file=sys.stderr,
         )
     return 0

@@ -1,15 +1,16 @@
 """Storing the replayer's samples on ``LEAFE_SAMPLES``: every one acknowledged, or dead-lettered.
 
 :meth:`SampleSink.store` publishes a batch of samples (``Nats-Msg-Id`` = sample id, so a retry or a
-recovery's republish is stored once) and retries what JetStream did not acknowledge, up to ``attempts``
-times, then raises :class:`ReplayerError` (the replayer exits; a restart recovers). A sample over the
-samples limit (the stream's ``max_msg_bytes``, the server's ``max_payload``, or ``max_sample_bytes``)
-cannot be stored and retrying cannot help: it is dead-lettered with the reason and the batch goes on.
-Its dead letter goes where all of the replayer's go, under ``leafe.<run>.dead.leafe_events`` (the only
-dead subjects the ``replayer`` NATS role may publish to, ``deploy/base/nats/permissions.json``), told
-apart by its ``Leafe-Sample-Id`` and ``Leafe-Original-Stream: LEAFE_SAMPLES`` headers and its code
-``sample_too_large``, on a subject keyed by sample id (``...dead.leafe_events.sample-<id>``), so a redo is
-a no-op (``services.bus.dead_letters``). ``leafe replay`` rebuilds such samples into datasets.
+recovery's republish is stored once) and retries what JetStream did not acknowledge, up to
+``attempts`` times, then raises :class:`ReplayerError` (the replayer exits; a restart recovers). A
+sample over the samples limit (the stream's ``max_msg_bytes``, the server's ``max_payload``, or
+``max_sample_bytes``) cannot be stored and retrying cannot help: it is dead-lettered with the reason
+and the batch goes on. Its dead letter goes where all of the replayer's go, under
+``leafe.<run>.dead.leafe_events`` (the only dead subjects the ``replayer`` NATS role may publish to,
+``deploy/base/nats/permissions.json``), told apart by its ``Leafe-Sample-Id`` and
+``Leafe-Original-Stream: LEAFE_SAMPLES`` headers and its code ``sample_too_large``, on a subject
+keyed by sample id (``...dead.leafe_events.sample-<id>``), so a redo is a no-op
+(``leafe.services.bus.dead_letters``). ``leafe replay`` rebuilds such samples into datasets.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from typing import Any
 
 import structlog
 
-from protocol.codec import CODEC_VERSION, encode
-from protocol.samples import Sample
-from protocol.subjects import EVENTS, SAMPLES, dead_letter_subject, sample_subject
-from services.bus import MessageTooLargeError, Publisher, PublishError
-from services.bus.dead_letters import (
+from leafe.protocol.codec import CODEC_VERSION, encode
+from leafe.protocol.samples import Sample
+from leafe.protocol.subjects import EVENTS, SAMPLES, dead_letter_subject, sample_subject
+from leafe.services.bus import MessageTooLargeError, Publisher, PublishError
+from leafe.services.bus.dead_letters import (
     ORIGINAL_STREAM_HEADER,
     SAMPLE_ID_HEADER,
     dead_letter_limit,
@@ -74,13 +75,19 @@ class SampleSink:
                 self.published += len(pending)
                 return list(pending.values())
             except PublishError as e:
-                log.warning("replayer.publish.retry", attempt=attempt, unacked=len(e.unacked), error=str(e))
+                log.warning(
+                    "replayer.publish.retry", attempt=attempt, unacked=len(e.unacked), error=str(e)
+                )
                 try:
-                    await self.publisher.flush()  # settle what is in flight; all of `pending` is retried
+                    await (
+                        self.publisher.flush()
+                    )  # settle what is in flight; all of `pending` is retried
                 except PublishError:
                     pass  # already being retried as part of `pending`
                 await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
-        raise ReplayerError(f"{len(pending)} samples not acknowledged after {self.attempts} attempts")
+        raise ReplayerError(
+            f"{len(pending)} samples not acknowledged after {self.attempts} attempts"
+        )
 
     async def _dead_letter(self, sample: Sample, reason: str) -> None:
         origin = {

@@ -2,49 +2,54 @@
 
 ::
 
-    LEAFE_EVENTS leafe.<run>.events.>  ──durable pull──►  fold (learner.materializers)  ──►  Publisher
-        ▲  plain events: acked once the samples they produced are acked        leafe.<run>.samples.<kind>
-        └─ anchors (each episode's EpisodeStarted): held with in-progress acks until the fold releases
-           the episode (finished or abandoned, and for GRPO its group emitted), then acked
+    LEAFE_EVENTS ──durable pull──► fold (leafe.learner.materializers) ──► Publisher
+    leafe.<run>.events.>                                                  leafe.<run>.samples.<kind>
+        ▲  plain events: acked once the samples they produced are acked
+        └─ anchors (each episode's EpisodeStarted): held with in-progress acks until the fold
+           releases the episode (finished or abandoned, and for GRPO its group emitted), then acked
 
-Restart at any moment. The fold's per-episode state lives in memory, so a restarted replayer must see
-every event of every episode that was still open. Acking every event after its samples are stored would
-lose that state; holding every event until its episode ends would make ``max_ack_pending`` a limit on
-(open episodes x events per episode) and redeliver in a scrambled order. Instead only each episode's
-first event, its *anchor*, is held. JetStream's ack floor F (every seq <= F acked) then stays below the
-anchor of every episode not yet released, so all their events lie after F. On start the replayer reads
-its durable's F and D (last seq delivered to the previous process), re-folds the range (F, D] with an
-ephemeral reader (``services.bus.read_range``; republishing its samples: same ids, dropped by
-JetStream's duplicate window, one day by default), then resumes the durable, which delivers seqs > D and
-redelivers the previous process's unacked messages (held anchors become this process's anchors; the rest
-are duplicates the fold ignores, or rejects it dead-letters again). Recovery skips what the fold rejects:
-the previous process dead-lettered it before acking it, or the durable redelivers it. Ordering inside a
-batch: fold -> publish samples -> flush (retry what was not acked) -> dead-letter rejects -> ack the rest
--> dead-letter the anchors of failed episodes and ack the anchors of released ones; a crash between any
-two steps is repaired by the next start. Anchors go last, so an acked anchor means every event of its
-episode up to its release is acked: after a restart, a redelivered event of an episode the recovered fold
-does not know was never applied (it is dead-lettered, its reason marked "redelivered after a restart":
-its episode never started, or held nothing and started below the ack floor). Run exactly one replayer
-per (run, materializer): the durable consumer is its identity.
+Restart at any moment. The fold's per-episode state lives in memory, so a restarted replayer must
+see every event of every episode that was still open. Acking every event after its samples are
+stored would lose that state; holding every event until its episode ends would make
+``max_ack_pending`` a limit on (open episodes x events per episode) and redeliver in a scrambled
+order. Instead only each episode's first event, its *anchor*, is held. JetStream's ack floor F
+(every seq <= F acked) then stays below the anchor of every episode not yet released, so all their
+events lie after F. On start the replayer reads its durable's F and D (last seq delivered to the
+previous process), re-folds the range (F, D] with an ephemeral reader
+(``leafe.services.bus.read_range``; republishing its samples: same ids, dropped by JetStream's
+duplicate window, one day by default), then resumes the durable, which delivers seqs > D and
+redelivers the previous process's unacked messages (held anchors become this process's anchors; the
+rest are duplicates the fold ignores, or rejects it dead-letters again). Recovery skips what the
+fold rejects: the previous process dead-lettered it before acking it, or the durable redelivers it.
+Ordering inside a batch: fold -> publish samples -> flush (retry what was not acked) -> dead-letter
+rejects -> ack the rest -> dead-letter the anchors of failed episodes and ack the anchors of
+released ones; a crash between any two steps is repaired by the next start. Anchors go last, so an
+acked anchor means every event of its episode up to its release is acked: after a restart, a
+redelivered event of an episode the recovered fold does not know was never applied (it is
+dead-lettered, its reason marked "redelivered after a restart": its episode never started, or held
+nothing and started below the ack floor). Run exactly one replayer per (run, materializer): the
+durable consumer is its identity.
 
 Bad input (see the "Trust" section of ``docs/architecture.md``): every message passes
-``protocol.codec.admit_event`` first (size <= ``max_event_bytes``, a ``Leafe-Codec`` header, a
-decodable body, subject run, kind and actor token equal to the event's, event id ``<episode>.<seq>``),
-or ``services.bus.Consumer`` dead-letters it. The actor token is the publisher's NATS identity, so
-``max_open_per_actor`` and ``max_open_bytes_per_actor`` cap what each credential can hold open, whatever
-its payloads say. An event the fold rejects (``ReplayError``: unknown branch, Branch before its Reflection,
-a conflicting copy of an applied id, an episode past ``max_open_episodes``, ``max_open_per_actor``,
-``max_open_bytes`` or ``max_open_bytes_per_actor``, a token id outside the tokenizer's vocabulary...) is
-dead-lettered with the reason and its code (``ReplayError.code``); an exception while folding an episode
-(``EpisodeFailed``) dead-letters that event and the episode's anchor, and its later events follow. A
-sample over the samples limit (``max_sample_bytes``) is dead-lettered instead of stored
-(``services.replayer.sample_sink``). Dead letters are stored before their message is acked, on subjects
-that make a redo after a crash a no-op (``services.bus.dead_letters``); recovery folds the same events
-through the same checks, so a restarted process rejects what the crashed one rejected. Episodes without
-activity for ``stale_timeout_s`` are closed as abandoned. Episodes refused for a cap can be folded later: ``leafe
-replayer redrive`` (``services/replayer/redrive.py``) publishes their dead-lettered events again with
-``Leafe-Redrive``, and an EpisodeStarted carrying it is tried against the caps anew (``_readmit``; in
-recovery too, so a restart decides the same). SIGTERM/SIGINT: finish the batch in hand, then exit.
+``leafe.protocol.codec.admit_event`` first (size <= ``max_event_bytes``, a ``Leafe-Codec`` header, a
+decodable body, subject run, kind and actor token equal to the event's, event id
+``<episode>.<seq>``), or ``leafe.services.bus.Consumer`` dead-letters it. The actor token is the
+publisher's NATS identity, so ``max_open_per_actor`` and ``max_open_bytes_per_actor`` cap what each
+credential can hold open, whatever its payloads say. An event the fold rejects (``ReplayError``:
+unknown branch, Branch before its Reflection, a conflicting copy of an applied id, an episode past
+``max_open_episodes``, ``max_open_per_actor``, ``max_open_bytes`` or ``max_open_bytes_per_actor``, a
+token id outside the tokenizer's vocabulary...) is dead-lettered with the reason and its code
+(``ReplayError.code``); an exception while folding an episode (``EpisodeFailed``) dead-letters that
+event and the episode's anchor, and its later events follow. A sample over the samples limit
+(``max_sample_bytes``) is dead-lettered instead of stored (``leafe.services.replayer.sample_sink``).
+Dead letters are stored before their message is acked, on subjects that make a redo after a crash a
+no-op (``leafe.services.bus.dead_letters``); recovery folds the same events through the same checks,
+so a restarted process rejects what the crashed one rejected. Episodes without activity for
+``stale_timeout_s`` are closed as abandoned. Episodes refused for a cap can be folded later: ``leafe
+replayer redrive`` (``services/replayer/redrive.py``) publishes their dead-lettered events again
+with ``Leafe-Redrive``, and an EpisodeStarted carrying it is tried against the caps anew
+(``_readmit``; in recovery too, so a restart decides the same). SIGTERM/SIGINT: finish the batch in
+hand, then exit.
 """
 
 from __future__ import annotations
@@ -59,11 +64,17 @@ from typing import Any
 import structlog
 from nats.js.errors import NotFoundError
 
-from learner.materializers import EpisodeFailed, Materializer, OpenLimits, ReplayError, make_materializer
-from protocol.codec import Admission, ProtocolError, admit_event, decode_event
-from protocol.events import EpisodeStarted
-from protocol.samples import Sample
-from protocol.subjects import (
+from leafe.learner.materializers import (
+    EpisodeFailed,
+    Materializer,
+    OpenLimits,
+    ReplayError,
+    make_materializer,
+)
+from leafe.protocol.codec import Admission, ProtocolError, admit_event, decode_event
+from leafe.protocol.events import EpisodeStarted
+from leafe.protocol.samples import Sample
+from leafe.protocol.subjects import (
     DEAD_LETTERS,
     EVENTS,
     SAMPLES,
@@ -72,13 +83,13 @@ from protocol.subjects import (
     replayer_durable,
     validate_run_id,
 )
-from services.bus import Consumer, NatsOptions, connect, read_range, wait_for_streams
-from services.bus.consumer import dead_letter_of
-from services.bus.dead_letters import ERROR_HEADER, REDRIVE_HEADER, publish_dead_letter
-from services.metrics import ReplayerMetrics
-from services.probes import Probe, attach
-from services.replayer.config import ReplayerConfig, ReplayerStats
-from services.replayer.sample_sink import ReplayerError, SampleSink
+from leafe.services.bus import Consumer, NatsOptions, connect, read_range, wait_for_streams
+from leafe.services.bus.consumer import dead_letter_of
+from leafe.services.bus.dead_letters import ERROR_HEADER, REDRIVE_HEADER, publish_dead_letter
+from leafe.services.metrics import ReplayerMetrics
+from leafe.services.probes import Probe, attach
+from leafe.services.replayer.config import ReplayerConfig, ReplayerStats
+from leafe.services.replayer.sample_sink import ReplayerError, SampleSink
 
 __all__ = ["Replayer", "ReplayerConfig", "ReplayerError", "ReplayerStats", "serve"]
 
@@ -128,15 +139,18 @@ class Replayer:
         self.anchors: dict[str, Any] = {}
         self.unreleased: set[str] = set()
         self.failed: dict[str, str] = {}
-        """Episodes whose fold raised in this batch -> why (their anchors are dead-lettered on release)."""
+        """Episodes whose fold raised in this batch -> why (their anchors are dead-lettered on
+        release)."""
         self.recovery_until = 0
         self.stats = ReplayerStats()
         self.metrics = metrics or ReplayerMetrics()
-        """Prometheus metrics (``services/metrics.py``); served by ``leafe replayer --metrics-port``."""
+        """Prometheus metrics (``services/metrics.py``); served by ``leafe replayer
+        --metrics-port``."""
         self.metrics.open_episodes.set_function(lambda: self.fold.open_episodes)
         self.metrics.held_anchors.set_function(lambda: len(self.anchors))
         self.probe = Probe("replayer", stale_after_s=max(300.0, 4 * config.ack_wait_s))
-        """``/healthz`` (``services/probes.py``): progress is a fetch returning (a batch or nothing)."""
+        """``/healthz`` (``services/probes.py``): progress is a fetch returning (a batch or
+        nothing)."""
         attach(self.metrics.registry, self.probe)
         self._last_lag = 0.0
         self._last_keepalive = time.monotonic()
@@ -161,7 +175,9 @@ class Replayer:
             await self._recover(floor + 1, delivered)
         self.recovery_until = delivered
         await self.consumer.start()
-        self.probe.connected(self.js._nc)  # the connection behind the JetStream context (as services/bus)
+        self.probe.connected(
+            self.js._nc
+        )  # the connection behind the JetStream context (as services/bus)
         self.probe.bound(self.durable)
         log.info(
             "replayer.started",
@@ -205,10 +221,16 @@ class Replayer:
                 samples = []
         await self._publish(samples)
         await self._release()
-        log.info("replayer.recovered", start_seq=start, end_seq=end, open_episodes=self.fold.open_episodes)
+        log.info(
+            "replayer.recovered",
+            start_seq=start,
+            end_seq=end,
+            open_episodes=self.fold.open_episodes,
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Fetch, fold, publish and ack until ``stop`` is set; the batch in hand is always finished."""
+        """Fetch, fold, publish and ack until ``stop`` is set; the batch in hand is always
+        finished."""
         if self.consumer is None:
             await self.start()
         while not stop.is_set():
@@ -239,7 +261,9 @@ class Replayer:
                 if self.fold.is_open(event.episode_id):
                     self.unreleased.add(event.episode_id)
                 if event.episode_id in self.unreleased:
-                    self.anchors[event.episode_id] = d  # a redelivered anchor replaces the older delivery
+                    self.anchors[event.episode_id] = (
+                        d  # a redelivered anchor replaces the older delivery
+                    )
                     continue
             to_ack.append(d)
         self.stats.events += len(deliveries)
@@ -255,9 +279,10 @@ class Replayer:
         self.stats.anchors_held = len(self.anchors)
 
     def _readmit(self, event: Any, headers: dict[str, str] | None) -> None:
-        """An EpisodeStarted published again by ``leafe replayer redrive`` (``Leafe-Redrive``) of an episode
-        refused for a cap is tried against the caps anew. Anyone who may publish events could set the
-        header, but it grants nothing a fresh episode id would not: the caps still apply."""
+        """An EpisodeStarted published again by ``leafe replayer redrive`` (``Leafe-Redrive``) of an
+        episode refused for a cap is tried against the caps anew. Anyone who may publish events
+        could set the header, but it grants nothing a fresh episode id would not: the caps still
+        apply."""
         if isinstance(event, EpisodeStarted) and headers and REDRIVE_HEADER in headers:
             if self.fold.readmit(event.episode_id):
                 self.stats.redriven += 1
@@ -272,8 +297,8 @@ class Replayer:
             self.stats.episodes_failed += 1
             self.failed[error.event.episode_id] = error.reason
         if d.stream_seq <= self.recovery_until and not self.fold.knows(d.value.episode_id):
-            # The crashed process may have dead-lettered it already (then this is a no-op), or its episode
-            # may lie below the ack floor (an episode that held nothing): say so.
+            # The crashed process may have dead-lettered it already (then this is a no-op), or its
+            # episode may lie below the ack floor (an episode that held nothing): say so.
             return f"{error.reason} (redelivered after a restart)"
         return error.reason
 
@@ -305,10 +330,12 @@ class Replayer:
             if reason is not None:
                 await self._dead_letter(anchor, reason, "episode_failed")
             await anchor.ack()
-        self.failed.clear()  # failures of episodes without a held anchor (dead-lettered event by event)
+        # failures of episodes without a held anchor (dead-lettered event by event)
+        self.failed.clear()
 
     async def _refresh_lag(self, now: float) -> None:
-        """``leafe_replayer_consumer_lag`` from the durable's ``num_pending`` (a failed read only logs)."""
+        """``leafe_replayer_consumer_lag`` from the durable's ``num_pending`` (a failed read only
+        logs)."""
         self.metrics.admission_refusals(self.consumer.dead_letters_by_category)
         if now - self._last_lag < _LAG_CHECK_S:
             return
@@ -359,7 +386,10 @@ async def serve(
     metrics: ReplayerMetrics | None = None,
 ) -> ReplayerStats:
     """Connect, build the materializer, run the replayer until ``stop``; returns its counters."""
-    from learner.model_io import HFChatTokenizer, resolve_model  # transformers: loaded by the service only
+    from leafe.learner.model_io import (  # transformers: loaded by the service only
+        HFChatTokenizer,
+        resolve_model,
+    )
 
     opts = NatsOptions(url=nats) if isinstance(nats, str) else nats
     tokenizer = HFChatTokenizer.from_dir(resolve_model(config.model))

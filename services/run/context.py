@@ -1,4 +1,5 @@
-"""What the stages of ``leafe run`` share: the config, the run directory, the services, the results."""
+"""What the stages of ``leafe run`` share: the config, the run directory, the services, the
+results."""
 
 from __future__ import annotations
 
@@ -11,16 +12,16 @@ import msgspec
 from nats.js import JetStreamContext
 from rich.console import Console
 
-from actors.evaluate import EvalResult
-from services.bus import NatsOptions
-from services.bus.nats_server import EmbeddedNats, free_port
-from services.learner.control import LearnerControl, write_control
-from services.metrics import RunMetrics
-from services.run.plan import RunPlan, plan_stages
-from services.run.presets import RunConfig
-from services.run.progress import RunProgress
-from services.run.supervisor import ServiceProcess
-from services.threads import ThreadPlan
+from leafe.actors.evaluate import EvalResult
+from leafe.services.bus import NatsOptions
+from leafe.services.bus.nats_server import EmbeddedNats, free_port
+from leafe.services.learner.control import LearnerControl, write_control
+from leafe.services.metrics import RunMetrics
+from leafe.services.run.plan import RunPlan, plan_stages
+from leafe.services.run.presets import RunConfig
+from leafe.services.run.progress import RunProgress
+from leafe.services.run.supervisor import ServiceProcess
+from leafe.services.threads import ThreadPlan
 
 __all__ = ["RunContext"]
 
@@ -49,7 +50,8 @@ class RunContext:
     """The supervisor's NATS options: the embedded server's admin, or the environment's identity."""
     nats_server: EmbeddedNats | None = None
     role_nats: dict[str, NatsOptions] = field(default_factory=dict)
-    """Each role's options on the embedded server (its own nkey seed file); empty with an external one."""
+    """Each role's options on the embedded server (its own nkey seed file); empty with an external
+    one."""
     engine_urls: list[str] = field(default_factory=list)
     """Every inference server (weight sync and the drain talk to each)."""
     router_url: str = ""
@@ -65,15 +67,18 @@ class RunContext:
     """The API key file of the inference server the run started ('' for external engines: then the
     clients use ``$LEAFE_ENGINE_API_KEY_FILE``); children get it in their environment."""
     engine_services: list[str] = field(default_factory=list)
-    """Names of the run's own CPU inference servers in ``services`` (``inference``, ``inference-1``, ...)."""
+    """Names of the run's own CPU inference servers in ``services`` (``inference``, ``inference-1``,
+    ...)."""
     metrics_urls: dict[str, str] = field(default_factory=dict)
-    """Each service's Prometheus /metrics URL (the supervisor reads the learner's progress there)."""
+    """Each service's Prometheus /metrics URL (the supervisor reads the learner's progress
+    there)."""
     started: float = 0.0
     """``time.monotonic()`` when the run started (the learning curve's time axis)."""
     rounds: list[Any] = field(default_factory=list)
-    """``services.run.rounds.RoundRecord`` of each explore round so far."""
+    """``leafe.services.run.rounds.RoundRecord`` of each explore round so far."""
     curve: list[Any] = field(default_factory=list)
-    """``services.run.rounds.CurvePoint`` of each validation evaluation so far (the learning curve)."""
+    """``leafe.services.run.rounds.CurvePoint`` of each validation evaluation so far (the learning
+    curve)."""
     run_metrics: RunMetrics = field(default_factory=RunMetrics)
     """The supervisor's own /metrics (``metrics_urls["run"]``): the learning curve's last point."""
     learner_threads: int = 1
@@ -87,10 +92,11 @@ class RunContext:
     released_samples: int = 0
     """Trainable samples counted when the learner was last released (a phased run's plan)."""
     plan: RunPlan = field(init=False)
-    """The work the config plans and the time left (``services/run/plan.py``), followed by :meth:`enter`."""
+    """The work the config plans and the time left (``services/run/plan.py``), followed by
+    :meth:`enter`."""
     threads: ThreadPlan | None = None
-    """How the free cores are split between the CPU inference server and the learner (None with external
-    engines or fixed ``inference_threads``: then nobody resizes the engine)."""
+    """How the free cores are split between the CPU inference server and the learner (None with
+    external engines or fixed ``inference_threads``: then nobody resizes the engine)."""
     thread_plan: str = ""
     """The plan in words, with the cores it divides and why (the report's ``threads``)."""
 
@@ -113,12 +119,14 @@ class RunContext:
 
     @property
     def client_urls(self) -> list[str]:
-        """Where actors and evaluations send requests: the router when there is one, else every server."""
+        """Where actors and evaluations send requests: the router when there is one, else every
+        server."""
         return [self.router_url] if self.router_url else self.engine_urls
 
     @property
     def tensorboard_dir(self) -> Path:
-        """Where the learner and the evaluations write TensorBoard scalars (one sub-directory each)."""
+        """Where the learner and the evaluations write TensorBoard scalars (one sub-directory
+        each)."""
         return self.run_dir / "tensorboard"
 
     @property
@@ -127,23 +135,27 @@ class RunContext:
         return self.run_dir / "learner-control.json"
 
     def tell_learner(self, **changes: Any) -> None:
-        """Change fields of the learner's control (``threads``, ``release_seq``) and write the file."""
+        """Change fields of the learner's control (``threads``, ``release_seq``) and write the
+        file."""
         self.learner_control = msgspec.structs.replace(self.learner_control, **changes)
         write_control(self.control_file, self.learner_control)
 
     def nats_args(self, role: str) -> list[str]:
-        """``--nats``, the role's own identity on the embedded server (``role``: a role, or ``actor.<id>``
-        for one actor; none with an external server: the services inherit the ``LEAFE_NATS_*`` variables)
-        and ``--run``."""
+        """``--nats``, the role's own identity on the embedded server (``role``: a role, or
+        ``actor.<id>`` for one actor; none with an external server: the services inherit the
+        ``LEAFE_NATS_*`` variables) and ``--run``."""
         args = ["--nats", self.nats.url, "--run", self.config.run_id]
         if self.role_nats:
             args += ["--nats-nkey", self.role_nats[role].nkey]
         return args
 
-    def service(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ServiceProcess:
-        """A child ``leafe`` process logging to ``logs/<name>.log``, serving /metrics on a free local port
-        (kept across restarts: the port is part of its arguments). With the embedded server, identities in
-        the ``LEAFE_NATS_*`` variables are not passed on: each child gets exactly its role's."""
+    def service(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None
+    ) -> ServiceProcess:
+        """A child ``leafe`` process logging to ``logs/<name>.log``, serving /metrics on a free
+        local port (kept across restarts: the port is part of its arguments). With the embedded
+        server, identities in the ``LEAFE_NATS_*`` variables are not passed on: each child gets
+        exactly its role's."""
         port = free_port()
         self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
         argv = [*argv, "--metrics-port", str(port), "--metrics-host", "127.0.0.1"]
@@ -151,6 +163,8 @@ class RunContext:
             env = {"LEAFE_ENGINE_API_KEY_FILE": self.engine_key_file, **(env or {})}
         if self.role_nats:
             env = {**dict.fromkeys(_IDENTITY_VARIABLES, ""), **(env or {})}
-        proc = ServiceProcess(name, argv, self.run_dir / "logs" / f"{name}.log", env, run_dir=self.run_dir)
+        proc = ServiceProcess(
+            name, argv, self.run_dir / "logs" / f"{name}.log", env, run_dir=self.run_dir
+        )
         self.services[name] = proc
         return proc

@@ -1,10 +1,11 @@
-"""Starting a run: the run directory (configs, identity), NATS, the inference server, then the services.
+"""Starting a run: the run directory (configs, identity), NATS, the inference server, then the
+services.
 
-The embedded nats-server runs with authorization on, from deploy's permissions.json (services/bus/auth.py):
-fresh nkeys per start, each role's seed in ``<run dir>/nats-keys/<role>.nk`` (0600). The supervisor is the
-admin (it alone creates the streams, before any service starts); each service gets its role's seed file,
-and each actor one of its own, ``actor.<id>.nk``, pinned to its actor id ``<run>-actor-<i>`` (it can
-publish events on no other actor's subject token).
+The embedded nats-server runs with authorization on, from deploy's permissions.json
+(services/bus/auth.py): fresh nkeys per start, each role's seed in ``<run dir>/nats-keys/<role>.nk``
+(0600). The supervisor is the admin (it alone creates the streams, before any service starts); each
+service gets its role's seed file, and each actor one of its own, ``actor.<id>.nk``, pinned to its
+actor id ``<run>-actor-<i>`` (it can publish events on no other actor's subject token).
 
 A run directory is bound to what produced its log: the model, the environment and the materializer
 (:meth:`RunConfig.identity`, saved in ``identity.json`` on the first start). Resuming it with any of
@@ -28,10 +29,10 @@ import msgspec
 import structlog
 import tomli_w
 
-from learner.model_io import resolve_model
-from protocol.config import ConfigError, dump_config
-from services.admin.streams import durables_for_run
-from services.bus import (
+from leafe.learner.model_io import resolve_model
+from leafe.protocol.config import ConfigError, dump_config
+from leafe.services.admin.streams import durables_for_run
+from leafe.services.bus import (
     NatsOptions,
     add_nats_arguments,
     connect,
@@ -39,7 +40,7 @@ from services.bus import (
     ensure_streams,
     nats_options,
 )
-from services.bus.auth import (
+from leafe.services.bus.auth import (
     actor_key_name,
     key_names,
     load_permissions,
@@ -47,15 +48,15 @@ from services.bus.auth import (
     role_options,
     write_role_keys,
 )
-from services.bus.nats_server import EmbeddedNats, free_port
-from services.config import tomlable
-from services.inference.auth import read_api_key, write_api_key
-from services.run.context import RunContext
-from services.run.orphans import record_child
-from services.run.presets import MAX_AUTO_SERVERS
-from services.run.router import open_router, router_available
-from services.run.supervisor import wait_http_ok
-from services.threads import ThreadPlan, plan_cores, plan_threads
+from leafe.services.bus.nats_server import EmbeddedNats, free_port
+from leafe.services.config import tomlable
+from leafe.services.inference.auth import read_api_key, write_api_key
+from leafe.services.run.context import RunContext
+from leafe.services.run.orphans import record_child
+from leafe.services.run.presets import MAX_AUTO_SERVERS
+from leafe.services.run.router import open_router, router_available
+from leafe.services.run.supervisor import wait_http_ok
+from leafe.services.threads import ThreadPlan, plan_cores, plan_threads
 
 __all__ = [
     "actor_ids",
@@ -71,8 +72,8 @@ IDENTITY = "identity.json"
 
 
 def check_identity(ctx: RunContext, *, fresh: bool) -> None:
-    """Refuse to resume a run directory made by another model, environment or materializer; ``fresh``
-    deletes the directory (its embedded log, checkpoints, weights, evaluations) first."""
+    """Refuse to resume a run directory made by another model, environment or materializer;
+    ``fresh`` deletes the directory (its embedded log, checkpoints, weights, evaluations) first."""
     run_dir, want = ctx.run_dir, ctx.config.identity()
     if fresh and run_dir.exists():
         ctx.console.print(f"--fresh: deleting {run_dir}")
@@ -97,8 +98,11 @@ def prepare_run_dir(ctx: RunContext) -> None:
     cfg, conf = ctx.config, ctx.run_dir / "config"
     (ctx.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     conf.mkdir(exist_ok=True)
-    (ctx.run_dir / "config.toml").write_text(tomli_w.dumps(tomlable(dump_config(cfg))), encoding="utf-8")
-    # The offline rebuild must fold with the replayer's materializer options, or the datasets differ.
+    (ctx.run_dir / "config.toml").write_text(
+        tomli_w.dumps(tomlable(dump_config(cfg))), encoding="utf-8"
+    )
+    # The offline rebuild must fold with the replayer's materializer options, or the datasets
+    # differ.
     replay = {"materializer": cfg.materializer, "model": cfg.model, "options": cfg.replayer.options}
     tables: dict[str, Any] = {
         "actor": dump_config(cfg.actor),
@@ -116,18 +120,20 @@ def actor_ids(ctx: RunContext) -> list[str]:
 
 
 def _external_nats(url: str) -> NatsOptions:
-    """An external server: the identity and TLS files of the ``LEAFE_NATS_*`` variables (an admin's, as
-    the supervisor creates the streams); the services inherit the same variables."""
+    """An external server: the identity and TLS files of the ``LEAFE_NATS_*`` variables (an admin's,
+    as the supervisor creates the streams); the services inherit the same variables."""
     parser = argparse.ArgumentParser()
     add_nats_arguments(parser)
     return msgspec.structs.replace(nats_options(parser.parse_args([])), url=url)
 
 
 def _start_nats(ctx: RunContext, stack: AsyncExitStack) -> None:
-    """The embedded server with one nkey user per role (permissions.json) and per actor; the supervisor is
-    admin."""
+    """The embedded server with one nkey user per role (permissions.json) and per actor; the
+    supervisor is admin."""
     keys = write_role_keys(ctx.run_dir / "nats-keys", key_names(actor_ids(ctx)))
-    users = nkey_users(keys, load_permissions(), run=ctx.config.run_id)  # each actor pinned to this run
+    users = nkey_users(
+        keys, load_permissions(), run=ctx.config.run_id
+    )  # each actor pinned to this run
     log_file = ctx.run_dir / "logs" / "nats.log"
     server = EmbeddedNats(ctx.run_dir / "nats", log_file=log_file, users=users).start()
     stack.callback(server.stop)
@@ -141,16 +147,22 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
     """NATS (embedded unless a URL is configured), the model, the inference server, the streams."""
     cfg = ctx.config
     if cfg.services.router and not router_available():
-        raise ConfigError("services.router = true needs sglang-router: pip install sglang-router==0.3.2")
+        raise ConfigError(
+            "services.router = true needs sglang-router: pip install sglang-router==0.3.2"
+        )
     if cfg.services.nats_url:
         ctx.nats = _external_nats(cfg.services.nats_url)
     else:
         _start_nats(ctx, stack)
-    ctx.console.print(f"nats: {ctx.nats_server.url if ctx.nats_server else 'external'}; model {cfg.model!r}")
+    ctx.console.print(
+        f"nats: {ctx.nats_server.url if ctx.nats_server else 'external'}; model {cfg.model!r}"
+    )
     ctx.model_dir = await asyncio.to_thread(resolve_model, cfg.model)
     ctx.engine_urls = list(cfg.services.engines)
     cores, why = await asyncio.to_thread(plan_cores, cfg.services.cores)
-    plan = plan_threads(cores, learner=cfg.services.learner, learner_threads=cfg.services.learner_threads)
+    plan = plan_threads(
+        cores, learner=cfg.services.learner, learner_threads=cfg.services.learner_threads
+    )
     ctx.thread_plan = f"{plan.describe()} ({why})"
     ctx.console.print(ctx.thread_plan, markup=False, highlight=False)
     log.info("run.threads", plan=plan.__dict__, why=why)
@@ -187,7 +199,9 @@ async def _start_engines(ctx: RunContext, stack: AsyncExitStack, plan: ThreadPla
     ctx.threads = None if svc.inference_threads > 0 else plan
     threads = svc.inference_threads or max(1, plan.inference_alone // servers)
     ctx.engine_key_file = str(write_api_key(ctx.run_dir / "secrets" / "engine-api-key"))
-    admin_key_file = str(write_api_key(_engine_admin_key(ctx)))  # /set_threads: the supervisor's alone
+    admin_key_file = str(
+        write_api_key(_engine_admin_key(ctx))
+    )  # /set_threads: the supervisor's alone
     started = []
     for i in range(servers):
         port = free_port()
@@ -215,18 +229,22 @@ async def _start_engines(ctx: RunContext, stack: AsyncExitStack, plan: ThreadPla
 
 async def _start_router(ctx: RunContext, stack: AsyncExitStack) -> None:
     """sglang-router in front of the servers (``services.router``), supervised like a service."""
-    router = await open_router(ctx.engine_urls, ctx.run_dir / "logs" / "router.log", run_dir=ctx.run_dir)
+    router = await open_router(
+        ctx.engine_urls, ctx.run_dir / "logs" / "router.log", run_dir=ctx.run_dir
+    )
     stack.push_async_callback(router.stop)
     ctx.services[router.name] = router
     ctx.router_url, ctx.metrics_urls[router.name] = router.url, router.metrics_url
-    ctx.console.print(f"router: {router.url} in front of {len(ctx.engine_urls)} inference server(s)")
+    ctx.console.print(
+        f"router: {router.url} in front of {len(ctx.engine_urls)} inference server(s)"
+    )
 
 
 async def engine_threads(ctx: RunContext, *, shared: bool) -> None:
-    """Fit the run's CPU inference servers to the plan: ``shared`` while the learner works (pinned to the
-    cores it leaves, when there are several servers), every free core while it is idle. A no-op for
-    external engines or a fixed ``inference_threads``; a failure is logged and the run goes on with the
-    old placement (a slower run, never a wrong one)."""
+    """Fit the run's CPU inference servers to the plan: ``shared`` while the learner works (pinned
+    to the cores it leaves, when there are several servers), every free core while it is idle. A
+    no-op for external engines or a fixed ``inference_threads``; a failure is logged and the run
+    goes on with the old placement (a slower run, never a wrong one)."""
     plan = ctx.threads
     if plan is None or not ctx.engine_urls:
         return
@@ -241,18 +259,22 @@ async def engine_threads(ctx: RunContext, *, shared: bool) -> None:
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
             for url in ctx.engine_urls:
-                async with s.post(f"{url}/set_threads", json={"threads": threads}, headers=headers) as r:
+                async with s.post(
+                    f"{url}/set_threads", json={"threads": threads}, headers=headers
+                ) as r:
                     if r.status != 200:
                         raise RuntimeError(f"{url}: HTTP {r.status}: {(await r.text())[:200]}")
     except (aiohttp.ClientError, TimeoutError, RuntimeError) as e:
         log.warning("run.threads.failed", threads=threads, error=f"{type(e).__name__}: {e}")
         return
-    log.info("run.threads.engine", threads=threads, servers=len(ctx.engine_urls), learner_busy=shared)
+    log.info(
+        "run.threads.engine", threads=threads, servers=len(ctx.engine_urls), learner_busy=shared
+    )
 
 
 def _pin_engines(ctx: RunContext, cores: int) -> None:
-    """Pin every local inference server to the last ``cores`` usable cores (the learner, unpinned, takes
-    the others), or let them run anywhere (``cores`` = 0)."""
+    """Pin every local inference server to the last ``cores`` usable cores (the learner, unpinned,
+    takes the others), or let them run anywhere (``cores`` = 0)."""
     try:
         usable = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -274,7 +296,14 @@ async def start_pipeline(ctx: RunContext) -> None:
     model = str(ctx.model_dir)
     await ctx.service(
         "replayer",
-        ["replayer", *ctx.nats_args("replayer"), "--model", model, "--config", str(conf / "replayer.toml")],
+        [
+            "replayer",
+            *ctx.nats_args("replayer"),
+            "--model",
+            model,
+            "--config",
+            str(conf / "replayer.toml"),
+        ],
     ).start()
     if cfg.services.learner:
         learner = [
@@ -292,12 +321,21 @@ async def start_pipeline(ctx: RunContext) -> None:
         threads = {"OMP_NUM_THREADS": str(ctx.learner_threads)}
         await ctx.service("learner", learner, env=threads).start()
         servers = [a for url in ctx.engine_urls for a in ("--server", url)]
-        await ctx.service("weight-sync", ["weight-sync", *ctx.nats_args("weight-sync"), *servers]).start()
+        await ctx.service(
+            "weight-sync", ["weight-sync", *ctx.nats_args("weight-sync"), *servers]
+        ).start()
     for i, actor_id in enumerate(actor_ids(ctx)):
         actor = [
             "actor",
             *ctx.nats_args(actor_key_name(actor_id)),
-            *("--engine", ",".join(ctx.client_urls), "--model", model, "--config", str(conf / "actor.toml")),
+            *(
+                "--engine",
+                ",".join(ctx.client_urls),
+                "--model",
+                model,
+                "--config",
+                str(conf / "actor.toml"),
+            ),
             *("--concurrency", str(cfg.services.actor_concurrency), "--actor-id", actor_id),
         ]
         await ctx.service(f"actor-{i}", actor).start()

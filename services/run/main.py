@@ -1,27 +1,28 @@
 """``leafe run``: the whole LEAFE pipeline on one machine (the main job, ``make run``).
 
 ```
- embedded nats-server (run dir) ── LEAFE_TASKS ──► leafe actor ×N ──/generate──► leafe inference (CPU)
-        │                                              │ events                ▲ /update_weights_from_disk
-        │                                 LEAFE_EVENTS ▼                            │
-        │                        leafe replayer ──► LEAFE_SAMPLES ──► leafe learner ──► WeightsPublished
-        │                                                                  └────► leafe weight-sync ─┘
- this supervisor: eval before ─► submit tasks ─► progress ─► drain ─► eval after ─► export, replay, report
+ embedded nats-server (run dir) ─ LEAFE_TASKS ─► leafe actor ×N ─/generate─► leafe inference (CPU)
+        │                                            │ events                                 ▲
+        │                               LEAFE_EVENTS ▼              /update_weights_from_disk │
+        │                      leafe replayer ─► LEAFE_SAMPLES ─► leafe learner               │
+        │                                             WeightsPublished └─► leafe weight-sync ─┘
+ this supervisor: eval before ─► submit tasks ─► progress ─► drain ─► eval after
+                  ─► export, replay, report
 ```
 
-Every service is its own ``leafe <verb>`` process (as deploy/ runs them) with its log in
-``<run dir>/logs``. Stages: (1) Pass@k of the starting weights on held-out tasks; (2) explore: submit
-the train tasks, the actors explore, the replayer materializes samples, the learner trains and pushes
+Every service is its own ``leafe <verb>`` process (as deploy/ runs them) with its log in ``<run
+dir>/logs``. Stages: (1) Pass@k of the starting weights on held-out tasks; (2) explore: submit the
+train tasks, the actors explore, the replayer materializes samples, the learner trains and pushes
 weights, weight sync reloads the inference server; (3) drain: wait until every episode is folded and
 every sample trained, push the final weights; (4) Pass@k of the final weights; (5) export the log,
 rebuild the dataset offline, check it equals what the learner was fed, and write ``report.md``.
-Ctrl-C drains gracefully; running again with the same run id resumes (the nats store, checkpoints and
-finished evaluations live in the run directory; finished tasks are not resubmitted).
+Ctrl-C drains gracefully; running again with the same run id resumes (the nats store, checkpoints
+and finished evaluations live in the run directory; finished tasks are not resubmitted).
 
-    leafe run                       # default preset: Sokoban, SmolLM2-135M-Instruct, ~15 min on 2 cores
-    leafe run --preset tiny         # tiny random model, a couple of tasks (the end-to-end test)
+    leafe run                # default preset: Sokoban, SmolLM2-135M-Instruct (times: README.md)
+    leafe run --preset tiny  # tiny random model, a couple of tasks (the end-to-end test)
     leafe run --config my.toml --run-id exp1
-    leafe run --fresh               # start the preset's run over instead of resuming it
+    leafe run --fresh        # start the preset's run over instead of resuming it
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ from pathlib import Path
 import structlog
 from rich.console import Console
 
-from protocol.config import ConfigError
-from services.run.context import RunContext
-from services.run.orphans import RunLocked
-from services.run.presets import PRESETS, RunConfig, resolve_run_config
-from services.run.stages import run_stages
-from services.run.supervisor import ServiceError
+from leafe.protocol.config import ConfigError
+from leafe.services.run.context import RunContext
+from leafe.services.run.orphans import RunLocked
+from leafe.services.run.presets import PRESETS, RunConfig, resolve_run_config
+from leafe.services.run.stages import run_stages
+from leafe.services.run.supervisor import ServiceError
 
 __all__ = ["main", "run"]
 
@@ -53,10 +54,14 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="leafe run", description=(__doc__ or "").split("\n")[0])
     p.add_argument("--preset", default="default", help=f"one of {', '.join(PRESETS)}")
     p.add_argument("--config", type=Path, default=None, help="TOML file merged over the preset")
-    p.add_argument("--run-id", default=None, help="run id (default: the preset's name; same id = resume)")
+    p.add_argument(
+        "--run-id", default=None, help="run id (default: the preset's name; same id = resume)"
+    )
     p.add_argument("--runs-dir", default=None, help="parent of run directories (default runs/)")
     p.add_argument("--budget-minutes", type=float, default=None, help="explore + learn budget")
-    p.add_argument("--fresh", action="store_true", help="delete this run's directory first (no resume)")
+    p.add_argument(
+        "--fresh", action="store_true", help="delete this run's directory first (no resume)"
+    )
     p.add_argument(
         "--no-live", action="store_true", help="no live table (a progress line per change instead)"
     )
@@ -104,7 +109,10 @@ def main(argv: list[str]) -> int:
     started = time.time()
     try:
         run_dir = asyncio.run(run(config, live=not args.no_live, console=console, fresh=args.fresh))
-    except (ConfigError, RunLocked) as e:  # the run directory belongs to another run, or it is running
+    except (
+        ConfigError,
+        RunLocked,
+    ) as e:  # the run directory belongs to another run, or it is running
         console.print(f"[red]leafe run: {e}[/red]")
         return 2
     except ServiceError as e:

@@ -1,6 +1,6 @@
-"""How ``leafe run`` reads its services' Prometheus metrics (progress, drain): :func:`scrape` a /metrics
-endpoint and :func:`parse_samples` its text. Its own metrics (``RunMetrics``) are in ``services/metrics.py``
-with every other service's."""
+"""How ``leafe run`` reads its services' Prometheus metrics (progress, drain): :func:`scrape` a
+/metrics endpoint and :func:`parse_samples` its text. Its own metrics (``RunMetrics``) are in
+``services/metrics.py`` with every other service's."""
 
 from __future__ import annotations
 

@@ -1,28 +1,30 @@
 """One supervisor per run directory, and nothing left running by one that was killed.
 
-Every child of ``leafe run`` (the services, the embedded nats-server) runs in its own session, so a Ctrl-C
-reaches only the supervisor, which drains them. A supervisor killed with SIGKILL (the OOM killer, a node
-drain, ``kill -9``) drains nothing: its children keep running, an actor still taking tasks and a learner
-still training, and a resumed run would start a second set beside them on the same store. So:
+Every child of ``leafe run`` (the services, the embedded nats-server) runs in its own session, so a
+Ctrl-C reaches only the supervisor, which drains them. A supervisor killed with SIGKILL (the OOM
+killer, a node drain, ``kill -9``) drains nothing: its children keep running, an actor still taking
+tasks and a learner still training, and a resumed run would start a second set beside them on the
+same store. So:
 
-- the supervisor holds an exclusive lock on ``<runs_dir>/.<run_id>.lock`` for its whole life (the kernel
-  drops it when the process dies, however it dies; the descriptor is not inherited by children); a second
-  ``leafe run`` of the same run id is refused while the first lives. Taking it makes the run directory
-  private (0700, refused when it is a symlink or another user's) and marks the supervisor's environment
-  with ``LEAFE_RUN=<run dir>`` (:data:`RUN_MARKER`), which every child it starts inherits;
-- each child's pid is recorded in ``<run_dir>/pids/<name>.pid`` with its start time (``/proc``), so a pid
-  reused by an unrelated process is never taken for a child;
+- the supervisor holds an exclusive lock on ``<runs_dir>/.<run_id>.lock`` for its whole life (the
+  kernel drops it when the process dies, however it dies; the descriptor is not inherited by
+  children); a second ``leafe run`` of the same run id is refused while the first lives. Taking it
+  makes the run directory private (0700, refused when it is a symlink or another user's) and marks
+  the supervisor's environment with ``LEAFE_RUN=<run dir>`` (:data:`RUN_MARKER`), which every child
+  it starts inherits;
+- each child's pid is recorded in ``<run_dir>/pids/<name>.pid`` with its start time (``/proc``), so
+  a pid reused by an unrelated process is never taken for a child;
 - a supervisor that holds the lock and finds a recorded child still alive knows its supervisor died:
-  it SIGKILLs the child's process group (its sandboxed subprocesses too) before anything else starts. To
-  the pipeline that is one more crash, which it survives without loss (at-least-once delivery, idempotent
-  folding, checkpoints).
+  it SIGKILLs the child's process group (its sandboxed subprocesses too) before anything else
+  starts. To the pipeline that is one more crash, which it survives without loss (at-least-once
+  delivery, idempotent folding, checkpoints).
 
-Whoever can write the runs directory could once plant records: a record naming any process-group leader
-got its group killed. The reaper now kills only what it can prove is the run's own: a record that is a
-regular file of this user reached without following a symlink (run dir, ``pids/``, the file), a process
-of this user that leads its group, has the recorded start time and carries the run's marker in its
-environment. The lock and the records are opened without following links, so a planted symlink redirects
-no write.
+Whoever can write the runs directory could once plant records: a record naming any process-group
+leader got its group killed. The reaper now kills only what it can prove is the run's own: a record
+that is a regular file of this user reached without following a symlink (run dir, ``pids/``, the
+file), a process of this user that leads its group, has the recorded start time and carries the
+run's marker in its environment. The lock and the records are opened without following links, so a
+planted symlink redirects no write.
 
 Linux only (``/proc``); elsewhere the lock still holds and no pid is recorded.
 """
@@ -66,20 +68,24 @@ def _own(fd: int, what: str, kind: int) -> None:
 
 
 def _private_run_dir(run_dir: Path) -> None:
-    """Create ``run_dir`` 0700, or make an existing one so; refused when it is a symlink or not ours."""
+    """Create ``run_dir`` 0700, or make an existing one so; refused when it is a symlink or not
+    ours."""
     run_dir.mkdir(mode=0o700, exist_ok=True)
     try:
         fd = os.open(run_dir, _DIR_FLAGS)
     except OSError as e:
-        raise PermissionError(f"run directory {run_dir} is a symlink or unreadable: {e.strerror}") from None
+        raise PermissionError(
+            f"run directory {run_dir} is a symlink or unreadable: {e.strerror}"
+        ) from None
     _own(fd, f"run directory {run_dir}", stat.S_IFDIR)
     os.fchmod(fd, 0o700)
     os.close(fd)
 
 
 def lock_run(runs_dir: Path, run_id: str) -> int:
-    """Take the run's lock (a descriptor to keep open while the run lives); :class:`RunLocked` if taken.
-    Also makes the run directory private and marks this process's environment (see the module)."""
+    """Take the run's lock (a descriptor to keep open while the run lives); :class:`RunLocked` if
+    taken. Also makes the run directory private and marks this process's environment (see the
+    module)."""
     runs_dir.mkdir(parents=True, exist_ok=True)
     _private_run_dir(runs_dir / run_id)
     path = runs_dir / f".{run_id}.lock"
@@ -104,19 +110,21 @@ def lock_run(runs_dir: Path, run_id: str) -> int:
 
 
 def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22); ``None`` if it
-    is gone or a zombie (or there is no /proc)."""
+    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22); ``None``
+    if it is gone or a zombie (or there is no /proc)."""
     try:
         stat_line = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat_line.rsplit(")", 1)[1].split()  # the fields after "(comm)", from field 3 (the state) on
+    fields = stat_line.rsplit(")", 1)[
+        1
+    ].split()  # the fields after "(comm)", from field 3 (the state) on
     return None if fields[0] in "ZX" else fields[19]
 
 
 def _pid_dir(run_dir: Path, *, create: bool) -> int | None:
-    """A descriptor of ``run_dir/pids`` reached without following a symlink and owned by this user, or
-    ``None``."""
+    """A descriptor of ``run_dir/pids`` reached without following a symlink and owned by this user,
+    or ``None``."""
     try:
         run_fd = os.open(run_dir, _DIR_FLAGS)
     except OSError:
@@ -140,14 +148,17 @@ def _pid_dir(run_dir: Path, *, create: bool) -> int | None:
 
 
 def record_child(run_dir: Path, name: str, pid: int) -> None:
-    """Remember a child (``pid`` and start time) so a later supervisor can reap it as an orphan; the record
-    is a new file (an existing entry, a planted symlink included, is removed first, never written through)."""
+    """Remember a child (``pid`` and start time) so a later supervisor can reap it as an orphan; the
+    record is a new file (an existing entry, a planted symlink included, is removed first, never
+    written through)."""
     start = _start_time(pid)
     if start is None:
         return
     dir_fd = _pid_dir(run_dir, create=True)
     if dir_fd is None:
-        raise PermissionError(f"{run_dir / PID_DIR} is a symlink or unusable: no pid recorded for {name}")
+        raise PermissionError(
+            f"{run_dir / PID_DIR} is a symlink or unusable: no pid recorded for {name}"
+        )
     try:
         try:
             os.unlink(f"{name}.pid", dir_fd=dir_fd)
@@ -162,9 +173,12 @@ def record_child(run_dir: Path, name: str, pid: int) -> None:
 
 
 def _read_record(dir_fd: int, entry: str) -> tuple[int, str] | None:
-    """``(pid, start)`` of a record that is this user's regular file (not a symlink), or ``None``."""
+    """``(pid, start)`` of a record that is this user's regular file (not a symlink), or
+    ``None``."""
     try:
-        fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+        fd = os.open(
+            entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd
+        )
     except OSError:
         return None
     try:
@@ -181,8 +195,9 @@ def _read_record(dir_fd: int, entry: str) -> tuple[int, str] | None:
 
 
 def _ours(pid: int, start: str, marker: str) -> bool:
-    """Whether live process ``pid`` is a child this run started: this user's, the recorded start time, a
-    process-group leader (what is killed is its group), the run's marker in its environment."""
+    """Whether live process ``pid`` is a child this run started: this user's, the recorded start
+    time, a process-group leader (what is killed is its group), the run's marker in its
+    environment."""
     proc = Path(f"/proc/{pid}")
     try:
         if proc.stat().st_uid != os.geteuid() or os.getpgid(pid) != pid:
@@ -194,15 +209,18 @@ def _ours(pid: int, start: str, marker: str) -> bool:
 
 
 def reap_orphans(run_dir: Path, *, timeout_s: float = 10.0) -> list[str]:
-    """SIGKILL every recorded child that is still alive and provably the run's (call with the run's lock
-    held: then no live supervisor owns them); returns their names. Every record is removed; one that is
-    not a plain record of this user, or names a process that is not the run's, is logged and left alone."""
+    """SIGKILL every recorded child that is still alive and provably the run's (call with the run's
+    lock held: then no live supervisor owns them); returns their names. Every record is removed; one
+    that is not a plain record of this user, or names a process that is not the run's, is logged and
+    left alone."""
     pids = run_dir / PID_DIR
     if not os.path.lexists(pids):
         return []
     dir_fd = _pid_dir(run_dir, create=False)
     if dir_fd is None:
-        log.warning("run.orphans.refused", path=str(pids), reason="a symlink, or not this user's directory")
+        log.warning(
+            "run.orphans.refused", path=str(pids), reason="a symlink, or not this user's directory"
+        )
         return []
     killed: list[str] = []
     marker = _marker(run_dir)
@@ -222,7 +240,9 @@ def reap_orphans(run_dir: Path, *, timeout_s: float = 10.0) -> list[str]:
                 continue
             log.warning("run.orphans.kill", service=name, pid=pid)
             try:
-                os.killpg(pid, signal.SIGKILL)  # a session leader: its group is the child and its own
+                os.killpg(
+                    pid, signal.SIGKILL
+                )  # a session leader: its group is the child and its own
             except ProcessLookupError:
                 pass
             deadline = time.monotonic() + timeout_s

@@ -1,14 +1,16 @@
-"""The work a run plans, the work done so far, and the time left from the rates measured in this run.
+"""The work a run plans, the work done so far, and the time left from the rates measured in this
+run.
 
-:func:`plan_stages` lists a run's stages from its config, each with its work: episodes of evaluations,
-demonstrations and rounds (counted from the log: ``RunProgress.episodes_finished`` by mode), or learner
-steps of a phased run's training (known once the phase's samples are released). :class:`RunPlan` follows
-the stage the supervisor enters (:meth:`RunPlan.enter`), measures each kind of work's rate over the
-stages that did it, and estimates the time left of the stage and of the run. A stage whose kind of work
-has not run yet (the first round's trees) has no rate: it is named as untimed, never guessed. Progress
-lines read::
+:func:`plan_stages` lists a run's stages from its config, each with its work: episodes of
+evaluations, demonstrations and rounds (counted from the log: ``RunProgress.episodes_finished`` by
+mode), or learner steps of a phased run's training (known once the phase's samples are released).
+:class:`RunPlan` follows the stage the supervisor enters (:meth:`RunPlan.enter`), measures each kind
+of work's rate over the stages that did it, and estimates the time left of the stage and of the run.
+A stage whose kind of work has not run yet (the first round's trees) has no rate: it is named as
+untimed, never guessed. Progress lines read::
 
-    [exploring round 0 03:12 | 5/8 episodes, ~01:40 left | run ~04:30 left + 3 stages not yet timed] ...
+    [exploring round 0 03:12 | 5/8 episodes, ~01:40 left | run ~04:30 left + 3 stages not yet timed]
+        ...                                                                 (one line, wrapped here)
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.run.presets import RunConfig
-from services.run.progress import RunProgress
+from leafe.services.run.presets import RunConfig
+from leafe.services.run.progress import RunProgress
 
 __all__ = ["PlannedStage", "RunPlan", "plan_stages", "stage_key"]
 
@@ -27,7 +29,8 @@ _VERSION = re.compile(r"-v\d+$")
 
 
 def stage_key(stage: str) -> str:
-    """A stage's name without the weight version an evaluation label carries (``evaluating warm``)."""
+    """A stage's name without the weight version an evaluation label carries (``evaluating
+    warm``)."""
     return _VERSION.sub("", stage)
 
 
@@ -38,8 +41,8 @@ class PlannedStage:
     key: str
     """The supervisor's stage name (:func:`stage_key`)."""
     counter: str
-    """What counts its work: an episode mode (``eval``, ``demo``, ``explore``, ``rollout``), ``steps``
-    (learner steps), or ``""`` (no counted work: draining, finishing)."""
+    """What counts its work: an episode mode (``eval``, ``demo``, ``explore``, ``rollout``),
+    ``steps`` (learner steps), or ``""`` (no counted work: draining, finishing)."""
     planned: int | None
     """Units of work planned (``None``: not known yet)."""
     base: int = 0
@@ -53,8 +56,9 @@ class PlannedStage:
 
 
 def plan_stages(cfg: RunConfig) -> list[PlannedStage]:
-    """Every stage ``cfg`` plans, in order (rounds: ``explore.rounds``; 0 = until a budget or a step cap
-    plans round 0 only). Training stages are phased runs' only; their steps are known at release."""
+    """Every stage ``cfg`` plans, in order (rounds: ``explore.rounds``; 0 = until a budget or a step
+    cap plans round 0 only). Training stages are phased runs' only; their steps are known at
+    release."""
     ev, ex, ov = cfg.eval, cfg.explore, cfg.online_eval
     phased = ex.schedule == "phased" and cfg.services.learner
     held_out = ev.tasks * ev.samples
@@ -107,7 +111,9 @@ def _clock(seconds: float) -> str:
 class RunPlan:
     """The stages of :func:`plan_stages`, followed as the supervisor enters them."""
 
-    def __init__(self, stages: list[PlannedStage], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, stages: list[PlannedStage], clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.stages = stages
         self._clock = clock
         self.current: PlannedStage | None = None
@@ -117,8 +123,8 @@ class RunPlan:
         return next((s for s in self.stages if s.key == key and s.ended is None), None)
 
     def enter(self, stage: str, progress: RunProgress) -> None:
-        """The supervisor enters ``stage``: the current stage ends, the new one starts counting (a stage
-        the plan does not know, such as ``starting``, is followed by nothing)."""
+        """The supervisor enters ``stage``: the current stage ends, the new one starts counting (a
+        stage the plan does not know, such as ``starting``, is followed by nothing)."""
         now, key = self._clock(), stage_key(stage)
         if self.current is not None and self.current.key == key:
             return
@@ -142,7 +148,8 @@ class RunPlan:
             s.planned = planned
 
     def rate(self, counter: str) -> float | None:
-        """Units per second of ``counter``'s kind of work over the stages that did it (None: none yet)."""
+        """Units per second of ``counter``'s kind of work over the stages that did it (None: none
+        yet)."""
         now = self._clock()
         spans = [
             (s.done, (s.ended or now) - s.started)
@@ -161,15 +168,18 @@ class RunPlan:
         return 0.0 if left == 0 else (left / rate if rate else None)
 
     def line(self) -> str:
-        """``5/8 episodes, ~01:40 left | run ~04:30 left + 3 stages not yet timed`` (the time left of stages
-        whose kind of work has a measured rate, and how many have none yet); empty outside the plan."""
+        """``5/8 episodes, ~01:40 left | run ~04:30 left + 3 stages not yet timed`` (the time left
+        of stages whose kind of work has a measured rate, and how many have none yet); empty outside
+        the plan."""
         s = self.current
         if s is None:
             return ""
         if s.counter:
             planned = "?" if s.planned is None else str(s.planned)
             left = self._left(s)
-            stage = f"{s.done}/{planned} {s.unit}" + (f", ~{_clock(left)} left" if left is not None else "")
+            stage = f"{s.done}/{planned} {s.unit}" + (
+                f", ~{_clock(left)} left" if left is not None else ""
+            )
         else:
             stage = "no counted work"
         later = [x for x in self.stages[self.stages.index(s) :] if x.ended is None]
@@ -179,5 +189,7 @@ class RunPlan:
         if untimed == len(later):
             run = f"run: {untimed} stages not yet timed"
         else:
-            run = f"run ~{_clock(known)} left" + (f" + {untimed} stages not yet timed" if untimed else "")
+            run = f"run ~{_clock(known)} left" + (
+                f" + {untimed} stages not yet timed" if untimed else ""
+            )
         return f"{stage} | {run}"

@@ -1,14 +1,14 @@
 """The typed configuration of ``leafe run`` (one TOML file) and its presets.
 
-A run config names the model, the environment, how many tasks to explore and evaluate, the services to
-start, and carries each service's own config as a typed section (``[actor]`` is
-``actors.config.ActorServiceConfig``, ``[replayer]`` ``ReplayerConfig``, ``[learner]``
-``learner.config.LearnerConfig``), so one file configures the whole pipeline and every field is
-validated before anything starts. Presets: ``default`` (``make run``: warm start + one LEAFE round,
-Sokoban, SmolLM2, bounded by work), ``leafe`` and ``grpo`` (warm start + continual LEAFE or GRPO rounds,
-a learning curve, a 40-minute budget), ``warmstart`` (demonstrations -> ``sft`` only), ``explore-only``
-(one LEAFE pass from Base) and ``tiny`` (the tiny random model; the end-to-end tests). Each preset's run id
-is its own name, so two presets never share a run directory.
+A run config names the model, the environment, how many tasks to explore and evaluate, the services
+to start, and carries each service's own config as a typed section (``[actor]`` is
+``leafe.actors.config.ActorServiceConfig``, ``[replayer]`` ``ReplayerConfig``, ``[learner]``
+``leafe.learner.config.LearnerConfig``), so one file configures the whole pipeline and every field
+is validated before anything starts. Presets: ``default`` (``make run``: warm start + one LEAFE
+round, Sokoban, SmolLM2, bounded by work), ``leafe`` and ``grpo`` (warm start + continual LEAFE or
+GRPO rounds, a learning curve, a 40-minute budget), ``warmstart`` (demonstrations -> ``sft`` only),
+``explore-only`` (one LEAFE pass from Base) and ``tiny`` (the tiny random model; the end-to-end
+tests). Each preset's run id is its own name, so two presets never share a run directory.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Any, Literal
 
 import msgspec
 
-from actors.config import ActorServiceConfig
-from learner.config import LearnerConfig, learner_preset
-from learner.materializers import SAMPLE_KINDS
-from protocol.config import ConfigError, convert_config, dotted, dump_config, merge_tables
-from protocol.subjects import validate_run_id
-from services.config import read_toml
-from services.replayer.config import ReplayerConfig
+from leafe.actors.config import ActorServiceConfig
+from leafe.learner.config import LearnerConfig, learner_preset
+from leafe.learner.materializers import SAMPLE_KINDS
+from leafe.protocol.config import ConfigError, convert_config, dotted, dump_config, merge_tables
+from leafe.protocol.subjects import validate_run_id
+from leafe.services.config import read_toml
+from leafe.services.replayer.config import ReplayerConfig
 
 __all__ = [
     "PRESETS",
@@ -40,12 +40,12 @@ __all__ = [
 
 
 class EnvSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The environment (``envs.registry``)."""
+    """The environment (``leafe.envs.registry``)."""
 
     name: str = "sokoban"
     """Registry name."""
     options: dict[str, Any] = msgspec.field(default_factory=dict)
-    """Options of the environment's config type (``python -m envs.registry`` lists them)."""
+    """Options of the environment's config type (``python -m leafe.envs.registry`` lists them)."""
 
 
 class ExploreSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -56,38 +56,38 @@ class ExploreSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     offset: int = 0
     """First task index."""
     mode: Literal["explore", "rollout", "demo"] = "explore"
-    """``explore``: LEAFE trees; ``rollout``: plain samples (GRPO/RFT baselines); ``demo``: the env expert's
-    demonstrations (for the ``sft`` materializer: ``leafe run --preset warmstart``)."""
+    """``explore``: LEAFE trees; ``rollout``: plain samples (GRPO/RFT baselines); ``demo``: the env
+    expert's demonstrations (for the ``sft`` materializer: ``leafe run --preset warmstart``)."""
     samples: int = 1
     """Assignments per task (a GRPO group when > 1)."""
     seed: int = 0
     """Base sampling seed."""
     rounds: int = 1
-    """Continual rounds: the task pool is submitted again each round (fresh sampling seeds: round r uses
-    ``seed + r * seed_stride``) and the learner trains and pushes (while the round runs, or after it when
-    phased), so later rounds sample from newer weights. 0 = until ``budget_minutes`` or
-    ``max_learner_steps`` (one of them must be set). Round r waits for round r-1's tasks."""
+    """Continual rounds: the task pool is submitted again each round (fresh sampling seeds: round r
+    uses ``seed + r * seed_stride``) and the learner trains and pushes (while the round runs, or
+    after it when phased), so later rounds sample from newer weights. 0 = until ``budget_minutes``
+    or ``max_learner_steps`` (one of them must be set). Round r waits for round r-1's tasks."""
     seed_stride: int = 1_000_000
     """Seed offset between rounds (larger than any in-round offset: 1000 per task)."""
     max_learner_steps: int = 0
     """Stop submitting rounds once the learner has taken this many steps (0 = no cap)."""
     demos: int = 0
-    """Warm start: the expert's demonstrations of this many train tasks (from ``demo_offset``) go through
-    the log before round 0, and round 0 starts once the learner trained them (needs a materializer that
-    reads demonstrations: ``warm-leafe``, ``warm-grpo`` or ``sft``)."""
+    """Warm start: the expert's demonstrations of this many train tasks (from ``demo_offset``) go
+    through the log before round 0, and round 0 starts once the learner trained them (needs a
+    materializer that reads demonstrations: ``warm-leafe``, ``warm-grpo`` or ``sft``)."""
     demo_offset: int = 0
     """First train task of the demonstrations."""
     demo_epochs: int = 1
-    """Passes over the demonstrations in the warm start: each pass is submitted again under its own keys
-    (``demo-e<k>``), so the learner trains every demonstration this many times (the offline warm start's
-    epochs)."""
+    """Passes over the demonstrations in the warm start: each pass is submitted again under its own
+    keys (``demo-e<k>``), so the learner trains every demonstration this many times (the offline
+    warm start's epochs)."""
     schedule: Literal["phased", "continuous"] = "phased"
-    """``phased``: each phase (a warm-start pass, a round) runs to its end, then the learner trains exactly
-    its samples (every free core, batches in sample-id order) and pushes, and the next phase samples from
-    those weights: the same config gives the same tasks, samples, steps and figures on a fast or a slow
-    machine (``services/run/phases.py``). ``continuous``: actors and learner overlap, actors sample from
-    the newest version their engine serves, so what a round trains on depends on the machine's speed (the
-    online mode for long runs)."""
+    """``phased``: each phase (a warm-start pass, a round) runs to its end, then the learner trains
+    exactly its samples (every free core, batches in sample-id order) and pushes, and the next phase
+    samples from those weights: the same config gives the same tasks, samples, steps and figures on
+    a fast or a slow machine (``services/run/phases.py``). ``continuous``: actors and learner
+    overlap, actors sample from the newest version their engine serves, so what a round trains on
+    depends on the machine's speed (the online mode for long runs)."""
 
     def __post_init__(self) -> None:
         if self.demo_epochs < 1:
@@ -99,8 +99,9 @@ class ExploreSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 class OnlineEvalSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The learning curve: Pass@k of pushed versions on a fixed validation slice of the train split.
 
-    It runs between rounds, on the run's engine while the actors wait (the learner keeps training its
-    backlog), so it never starves them of the engine; its cost is its wall time, reported per point."""
+    It runs between rounds, on the run's engine while the actors wait (the learner keeps training
+    its backlog), so it never starves them of the engine; its cost is its wall time, reported per
+    point."""
 
     every_rounds: int = 0
     """Evaluate after every N rounds (and after the last); 0 = off."""
@@ -130,8 +131,9 @@ class EvalSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     before: bool = True
     """Evaluate the starting weights."""
     after_warm_start: bool = True
-    """With a warm start (``explore.demos``): evaluate its weights too, before round 0, so the report
-    separates what the warm start did from what the rounds did (paired: same tasks and seed)."""
+    """With a warm start (``explore.demos``): evaluate its weights too, before round 0, so the
+    report separates what the warm start did from what the rounds did (paired: same tasks and
+    seed)."""
     after: bool = True
     """Evaluate the final weights."""
     concurrency: int = 16
@@ -141,7 +143,8 @@ class EvalSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 MAX_AUTO_SERVERS = 4
-"""Most CPU inference servers ``inference_servers = 0`` starts (each holds the model and its caches)."""
+"""Most CPU inference servers ``inference_servers = 0`` starts (each holds the model and its
+caches)."""
 
 
 class ServicesSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -154,42 +157,49 @@ class ServicesSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     engines: list[str] = msgspec.field(default_factory=list)
     """External SGLang URLs; empty = start the CPU inference server."""
     nats_url: str = ""
-    """External NATS URL; empty = embedded nats-server on the run directory (also $LEAFE_NATS_URL)."""
+    """External NATS URL; empty = embedded nats-server on the run directory (also
+    $LEAFE_NATS_URL)."""
     stream_replicas: int = 1
-    """Replicas of the streams the run creates (3 on a clustered JetStream given by ``nats_url``)."""
+    """Replicas of the streams the run creates (3 on a clustered JetStream given by
+    ``nats_url``)."""
     inference_max_batch: int = 16
     """CPU inference server: largest dynamic batch."""
     inference_servers: int = 0
-    """CPU inference server processes (the actors and evaluations spread episodes over them by affinity,
-    weight sync pushes to each); 0 = one per free core, at most :data:`MAX_AUTO_SERVERS`. Processes
-    rather than threads: on 2 cores two one-thread servers evaluated 1.45x faster than one with 2 threads."""
+    """CPU inference server processes (the actors and evaluations spread episodes over them by
+    affinity, weight sync pushes to each); 0 = one per free core, at most :data:`MAX_AUTO_SERVERS`.
+    Processes rather than threads: on 2 cores two one-thread servers evaluated 1.45x faster than one
+    with 2 threads."""
     inference_threads: int = 0
-    """CPU inference torch threads per server; 0 = from the thread plan (``services/threads.py``): the
-    servers share every free core while the learner is idle (the evaluations), the cores the learner leaves
-    while both work."""
+    """CPU inference torch threads per server; 0 = from the thread plan (``services/threads.py``):
+    the servers share every free core while the learner is idle (the evaluations), the cores the
+    learner leaves while both work."""
     inference_dtype: Literal["float32", "bfloat16"] = "float32"
-    """CPU inference server dtype: ``float32`` (small weight updates are not rounded away) or ``bfloat16``
-    (~2x faster prefill on CPU; the paper table served in bf16, so a run compared with its rows uses it)."""
+    """CPU inference server dtype: ``float32`` (small weight updates are not rounded away) or
+    ``bfloat16`` (~2x faster prefill on CPU; the paper table served in bf16, so a run compared with
+    its rows uses it)."""
     learner_threads: int = 0
-    """Learner torch threads (``OMP_NUM_THREADS``); 0 = from the thread plan (half the free cores, >= 1)."""
+    """Learner torch threads (``OMP_NUM_THREADS``); 0 = from the thread plan (half the free cores,
+    >= 1)."""
     cores: int = 0
-    """Cores the thread plan divides among the servers and the learner; 0 = the cores free at the start
-    (those other processes keep busy are left out). The learner's arithmetic depends on its thread count
-    (the same bf16 step gives another loss at 1 and 2 threads), so two runs agree bit for bit only under the
-    same plan (the report's ``threads``): pin this to repeat a run on a busier or another machine."""
+    """Cores the thread plan divides among the servers and the learner; 0 = the cores free at the
+    start (those other processes keep busy are left out). The learner's arithmetic depends on its
+    thread count (the same bf16 step gives another loss at 1 and 2 threads), so two runs agree bit
+    for bit only under the same plan (the report's ``threads``): pin this to repeat a run on a
+    busier or another machine."""
     learner: bool = True
     """Run the continuous learner (and weight sync)."""
     router: bool = False
-    """Put sglang-router 0.3.2 (the gpu overlay's router, ``pip install sglang-router==0.3.2``) in front of
-    the inference servers: actors and evaluations send every request through it, as on the cluster; weight
-    sync and the drain still talk to each server (``services/run/router.py``)."""
+    """Put sglang-router 0.3.2 (the gpu overlay's router, ``pip install sglang-router==0.3.2``) in
+    front of the inference servers: actors and evaluations send every request through it, as on the
+    cluster; weight sync and the drain still talk to each server (``services/run/router.py``)."""
 
 
 class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything ``leafe run`` needs."""
 
     run_id: str = "default"
-    """Run id (subjects, episode ids); rerunning with the same id resumes. Defaults to the preset's name."""
+    """Run id (subjects, episode ids); rerunning with the same id resumes. Defaults to the preset's
+    name."""
     runs_dir: str = "runs"
     """Parent of the run directory ``<runs_dir>/<run_id>``."""
     model: str = "smollm2-135m-instruct"
@@ -197,9 +207,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     materializer: str = "leafe"
     """Replayer materializer: ``leafe`` (cf + reh), ``rft`` or ``grpo``."""
     budget_minutes: float = 0.0
-    """Wall-clock budget for exploring + learning (0 = none: the config's work bounds the run, so a slow
-    machine finishes the same work later). When reached, the run stops submitting and drains; the report
-    says what it cut. An option for long online runs."""
+    """Wall-clock budget for exploring + learning (0 = none: the config's work bounds the run, so a
+    slow machine finishes the same work later). When reached, the run stops submitting and drains;
+    the report says what it cut. An option for long online runs."""
     env: EnvSection = msgspec.field(default_factory=EnvSection)
     """Environment."""
     explore: ExploreSection = msgspec.field(default_factory=ExploreSection)
@@ -211,11 +221,13 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     services: ServicesSection = msgspec.field(default_factory=ServicesSection)
     """Services."""
     actor: ActorServiceConfig = msgspec.field(default_factory=ActorServiceConfig)
-    """The actors' config (per-env ``[actor.explorer.<env>]`` and ``[actor.rollout.<env>]`` tables too)."""
+    """The actors' config (per-env ``[actor.explorer.<env>]`` and ``[actor.rollout.<env>]`` tables
+    too)."""
     replayer: ReplayerConfig = msgspec.field(default_factory=ReplayerConfig)
     """The replayer's config; its ``materializer`` and ``model`` follow the run's."""
     learner: LearnerConfig = msgspec.field(default_factory=lambda: learner_preset("cpu"))
-    """The learner's config; its defaults are the ``learner_preset``'s (``[learner.trainer.optim]`` etc.)."""
+    """The learner's config; its defaults are the ``learner_preset``'s
+    (``[leafe.learner.trainer.optim]`` etc.)."""
     learner_preset: str = "cpu"
     """Trainer preset the ``[learner]`` table starts from: ``cpu`` or ``paper``."""
 
@@ -223,7 +235,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         validate_run_id(self.run_id)
         kinds = SAMPLE_KINDS.get(self.materializer)
         if kinds is None:
-            raise ValueError(f"materializer = {self.materializer!r}: known are {sorted(SAMPLE_KINDS)}")
+            raise ValueError(
+                f"materializer = {self.materializer!r}: known are {sorted(SAMPLE_KINDS)}"
+            )
         ov, ex = self.online_eval, self.explore
         if ov.every_rounds:
             start, count = self.validation_slice()
@@ -237,10 +251,13 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                         f"{lo}..{lo + n - 1} of the train split: choose another offset"
                     )
             if any(k > ov.samples for k in ov.ks):
-                raise ValueError(f"online_eval.ks = {ov.ks}: every k must be <= samples = {ov.samples}")
+                raise ValueError(
+                    f"online_eval.ks = {ov.ks}: every k must be <= samples = {ov.samples}"
+                )
         if ex.rounds == 0 and self.budget_minutes <= 0 and ex.max_learner_steps == 0:
             raise ValueError(
-                "explore.rounds = 0 (until a limit) with no budget_minutes and no explore.max_learner_steps "
+                "explore.rounds = 0 (until a limit) with no budget_minutes and no "
+                "explore.max_learner_steps "
                 "would never stop: set one of them"
             )
         if self.services.learner and not set(self.learner.kinds) & set(kinds):
@@ -250,7 +267,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             )
 
     def validation_slice(self) -> tuple[int, int]:
-        """``(offset, count)`` of the online evaluator's train-split slice (checked disjoint from the pool)."""
+        """``(offset, count)`` of the online evaluator's train-split slice (checked disjoint from
+        the pool)."""
         ex, ov = self.explore, self.online_eval
         start = max(ex.offset + ex.tasks, ex.demo_offset + ex.demos) if ov.offset < 0 else ov.offset
         return start, ov.tasks
@@ -266,7 +284,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
 
 _SMALL_SOKOBAN = {"height": 5, "width": 5, "num_boxes": 1, "max_solution_len": 2, "max_steps": 6}
-"""Rooms SmolLM2-135M solves sometimes but not always (Base Pass@8 25% in bench/results/paper_table.md)."""
+"""Rooms SmolLM2-135M solves sometimes but not always (Base Pass@8 25% in
+experiments/results/paper_table.md)."""
 _COMPACT = {"sokoban": {"history_window": 2, "horizon": 8}}
 """Prefill bounds CPU speed: the board already holds the state, so prompts show 2 past steps, and a
 branch takes at most 8 actions (invalid answers do not advance the env's own 6-step limit)."""
@@ -289,12 +308,13 @@ def _warm_learner(kinds: list[str]) -> dict[str, Any]:
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {
-        # make run: the whole method, sized for 2 idle cores and bounded by work, not time (phased): the
-        # expert's demonstrations of 128 train rooms (the warm start, sft; the paper table's warm start took
-        # 2 epochs of 96), one round of LEAFE trees on 8 train rooms, and Pass@k on 24 held-out test rooms x
-        # 4 samples before, after the warm start and after the round, with paired intervals per k (24 tasks
-        # for power: at 16 the intervals were +-25 points). No validation curve: with one round its two
-        # points would score the same weights as the two later held-out evaluations.
+        # make run: the whole method, sized for 2 idle cores and bounded by work, not time (phased):
+        # the expert's demonstrations of 128 train rooms (the warm start, sft; the paper table's
+        # warm start took 2 epochs of 96), one round of LEAFE trees on 8 train rooms, and Pass@k on
+        # 24 held-out test rooms x 4 samples before, after the warm start and after the round, with
+        # paired intervals per k (24 tasks for power: at 16 the intervals were +-25 points). No
+        # validation curve: with one round its two points would score the same weights as the two
+        # later held-out evaluations.
         "materializer": "warm-leafe",
         "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
         "explore": {"tasks": 8, "rounds": 1, "demos": 128},
@@ -308,12 +328,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "explore": {"tasks": 8},
         "eval": {"tasks": 12, "samples": 8, "ks": [1, 2, 4, 8]},
         "actor": {"explorer": _EXPLORE, "rollout": _COMPACT},
-        "learner": {"trainer": {"push_every": 4, "checkpoint_every": 4, "batch": {"global_batch": 16}}},
+        "learner": {
+            "trainer": {"push_every": 4, "checkpoint_every": 4, "batch": {"global_batch": 16}}
+        },
     },
     "warmstart": {
-        # Learning that shows within minutes: expert demonstrations of train rooms (no engine needed),
-        # the sft materializer, and the online learner fix SmolLM2's answer format; the report compares
-        # Pass@k and unparseable answers before and after on held-out rooms.
+        # Learning that shows within minutes: expert demonstrations of train rooms (no engine
+        # needed), the sft materializer, and the online learner fix SmolLM2's answer format; the
+        # report compares Pass@k and unparseable answers before and after on held-out rooms.
         "materializer": "sft",
         "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
         "explore": {"mode": "demo", "tasks": 96},
@@ -331,8 +353,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
     },
     "leafe": {
-        # The whole method online: the expert's demonstrations (warm start, sft samples) through the log,
-        # then continual LEAFE rounds on the RL pool with a learning curve on a validation slice.
+        # The whole method online: the expert's demonstrations (warm start, sft samples) through the
+        # log, then continual LEAFE rounds on the RL pool with a learning curve on a validation
+        # slice.
         "materializer": "warm-leafe",
         "budget_minutes": 40.0,
         "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
@@ -343,7 +366,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "learner": _warm_learner(["sft", "cf", "reh"]),
     },
     "grpo": {
-        # The online baseline: the same warm start, then continual GRPO (groups of 4 plain rollouts).
+        # The online baseline: the same warm start, then continual GRPO (groups of 4 plain
+        # rollouts).
         "materializer": "warm-grpo",
         "budget_minutes": 40.0,
         "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
@@ -364,16 +388,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model": "tiny",
         "materializer": "warm-leafe",
         "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
-        # make run's shape in small: a warm start from 2 demonstrations, then two phased rounds with a
-        # validation point after each; the e2e tests cover the whole loop and its determinism.
+        # make run's shape in small: a warm start from 2 demonstrations, then two phased rounds with
+        # a validation point after each; the e2e tests cover the whole loop and its determinism.
         "explore": {"tasks": 2, "rounds": 2, "demos": 2},
         "online_eval": {"every_rounds": 1, "tasks": 2, "samples": 2, "ks": [1, 2]},
         "eval": {"tasks": 2, "samples": 2, "ks": [1, 2], "concurrency": 4},
-        # Two inference servers whatever the cores: the tests cover pushes to, and waits for, each of them.
+        # Two inference servers whatever the cores: the tests cover pushes to, and waits for, each
+        # of them.
         "services": {"actor_concurrency": 2, "inference_max_batch": 4, "inference_servers": 2},
         "actor": {"explorer": {"sokoban": {"max_actions": 12, "max_branches": 3, "horizon": 6}}},
-        # The random model never solves a room: fold a counterfactual from every branch (parsed or not)
-        # so the test still drives samples through the learner, a push and a reload.
+        # The random model never solves a room: fold a counterfactual from every branch (parsed or
+        # not) so the test still drives samples through the learner, a push and a reload.
         "replayer": {"options": {"cf_only_successful": False, "skip_unparsed_targets": False}},
         "learner": {
             "kinds": ["sft", "cf", "reh"],
@@ -386,11 +411,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def resolve_run_config(
-    preset: str, *, files: Sequence[Path | str | None] = (), overrides: Mapping[str, Any] | None = None
+    preset: str,
+    *,
+    files: Sequence[Path | str | None] = (),
+    overrides: Mapping[str, Any] | None = None,
 ) -> RunConfig:
-    """The preset, then each TOML file, then dotted ``overrides`` (``services.config.load_config``'s
-    layering), with two run-specific rules: the ``[learner]`` table starts from ``learner_preset``'s
-    settings, and the replayer follows the run's ``materializer`` and ``model``."""
+    """The preset, then each TOML file, then dotted ``overrides``
+    (``leafe.services.config.load_config``'s layering), with two run-specific rules: the
+    ``[learner]`` table starts from ``learner_preset``'s settings, and the replayer follows the
+    run's ``materializer`` and ``model``."""
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     table: dict[str, Any] = merge_tables({"run_id": preset}, PRESETS[preset])

@@ -1,13 +1,14 @@
 """Live progress of a run, read from the log itself: episodes, successes, reflections, rollbacks,
 branches, events/s, samples, weight versions, policy lag, and the learner's step and loss.
 
-Counters are fed by ordered (ephemeral) JetStream consumers from the start of the run's subjects, so a
-resumed run shows its whole history; the learner's step, loss and consumed sample sequence are read from
-its Prometheus metrics (:meth:`RunProgress.on_learner_metrics`). Shown as a rich table on a terminal
-(:meth:`RunProgress.table`) and as one line per change elsewhere (:meth:`RunProgress.status_line`)::
+Counters are fed by ordered (ephemeral) JetStream consumers from the start of the run's subjects, so
+a resumed run shows its whole history; the learner's step, loss and consumed sample sequence are
+read from its Prometheus metrics (:meth:`RunProgress.on_learner_metrics`). Shown as a rich table on
+a terminal (:meth:`RunProgress.table`) and as one line per change elsewhere
+(:meth:`RunProgress.status_line`)::
 
-    [exploring 03:12] episodes 5/8 (1 ok) steps 214 (31% unparseable) refl/rb/br 12/12/12 samples cf=3 reh=9
-        learner step 4 loss 1.92 weights v000004                                      (one line, wrapped here)
+    [exploring 03:12] episodes 5/8 (1 ok) steps 214 (31% unparseable) refl/rb/br 12/12/12
+        samples cf=3 reh=9 learner step 4 loss 1.92 weights v000004         (one line, wrapped here)
 """
 
 from __future__ import annotations
@@ -22,10 +23,17 @@ import msgspec
 import structlog
 from rich.table import Table
 
-from protocol import EpisodeFinished, EpisodeStarted, Outcome, Step, decode_event, decode_weights
-from protocol.events import Branch, Reflection, Rollback
-from protocol.subjects import events_filter, samples_filter
-from services.run.metrics import parse_samples, scrape
+from leafe.protocol import (
+    EpisodeFinished,
+    EpisodeStarted,
+    Outcome,
+    Step,
+    decode_event,
+    decode_weights,
+)
+from leafe.protocol.events import Branch, Reflection, Rollback
+from leafe.protocol.subjects import events_filter, samples_filter
+from leafe.services.run.metrics import parse_samples, scrape
 
 __all__ = ["RunProgress"]
 
@@ -55,7 +63,8 @@ class RunProgress(msgspec.Struct, kw_only=True):
     """The learner step of the newest published version (0 before any push)."""
     learner_step: int = 0
     lag_buckets: dict[str, float] = msgspec.field(default_factory=dict)
-    """The learner's cumulative per-sample policy-lag histogram as scraped (``..._bucket{le="k"}``)."""
+    """The learner's cumulative per-sample policy-lag histogram as scraped
+    (``..._bucket{le="k"}``)."""
     stale_dropped: int = 0
     """Samples the learner dropped for exceeding ``max_policy_lag``."""
     learner_loss: float | None = None
@@ -110,7 +119,7 @@ class RunProgress(msgspec.Struct, kw_only=True):
 
     def on_learner_metrics(self, samples: Mapping[str, float]) -> None:
         """Take the learner's step, loss and consumed sample sequence from its scraped metrics
-        (``services.metrics.parse_samples``); what the scrape lacks keeps its last value."""
+        (``leafe.services.metrics.parse_samples``); what the scrape lacks keeps its last value."""
         if "leafe_learner_step" in samples:
             self.learner_step = int(samples["leafe_learner_step"])
         if "leafe_learner_samples_seq" in samples:
@@ -118,7 +127,11 @@ class RunProgress(msgspec.Struct, kw_only=True):
         loss = samples.get('leafe_learner_loss{term="total"}')
         if loss is not None:
             self.learner_loss = loss
-        buckets = {k: v for k, v in samples.items() if k.startswith("leafe_learner_sample_policy_lag_bucket")}
+        buckets = {
+            k: v
+            for k, v in samples.items()
+            if k.startswith("leafe_learner_sample_policy_lag_bucket")
+        }
         if buckets:
             self.lag_buckets = buckets
         stale = samples.get('leafe_learner_samples_dropped_total{reason="stale"}')
@@ -126,8 +139,8 @@ class RunProgress(msgspec.Struct, kw_only=True):
             self.stale_dropped = int(stale)
 
     async def read_learner(self, url: str) -> bool:
-        """Refresh the learner's figures from its /metrics at ``url``; False when it does not answer (while
-        it starts or restarts), and the last values stay."""
+        """Refresh the learner's figures from its /metrics at ``url``; False when it does not answer
+        (while it starts or restarts), and the last values stay."""
         try:
             text = await scrape(url)
         except (aiohttp.ClientError, TimeoutError) as e:
@@ -144,7 +157,9 @@ class RunProgress(msgspec.Struct, kw_only=True):
             f"{self.episodes_started.get(m, 0)} ({self.successes.get(m, 0)} ok)"
             for m in modes
         ]
-        unparseable = f" ({100 * self.parse_failures / self.steps:.0f}% unparseable)" if self.steps else ""
+        unparseable = (
+            f" ({100 * self.parse_failures / self.steps:.0f}% unparseable)" if self.steps else ""
+        )
         samples = " ".join(f"{k}={v}" for k, v in sorted(self.samples.items())) or "0"
         loss = f"{self.learner_loss:.2f}" if self.learner_loss is not None else "-"
         return (
@@ -154,8 +169,9 @@ class RunProgress(msgspec.Struct, kw_only=True):
         )
 
     def status_line(self, stage: str, elapsed_s: float, plan: str = "") -> str:
-        """``[<stage> <mm:ss> | <plan>] <summary>`` (``h:mm:ss`` past an hour; ``plan``: the stage's work
-        done of planned and the time left, ``RunPlan.line``), for logs and non-terminal output."""
+        """``[<stage> <mm:ss> | <plan>] <summary>`` (``h:mm:ss`` past an hour; ``plan``: the stage's
+        work done of planned and the time left, ``RunPlan.line``), for logs and non-terminal
+        output."""
         minutes, seconds = divmod(int(elapsed_s), 60)
         hours, minutes = divmod(minutes, 60)
         clock = f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes:02d}:{seconds:02d}"
@@ -165,13 +181,16 @@ class RunProgress(msgspec.Struct, kw_only=True):
         """Versions between the newest published weights and the weights of the latest step."""
 
         def index(v: str) -> int | None:
-            return 0 if v == "default" else (int(v[1:]) if v[:1] == "v" and v[1:].isdigit() else None)
+            return (
+                0 if v == "default" else (int(v[1:]) if v[:1] == "v" and v[1:].isdigit() else None)
+            )
 
         a, b = index(self.weights_version), index(self.policy_version)
         return None if a is None or b is None else max(0, a - b)
 
     def table(self, stage: str, plan: str = "") -> Table:
-        """A rich table of the counters (``plan``: work done of planned and time left, a row first)."""
+        """A rich table of the counters (``plan``: work done of planned and time left, a row
+        first)."""
         elapsed = max(1e-6, time.time() - self.started_at)
         t = Table(title=f"leafe run {self.run_id} — {stage}", show_header=False, min_width=60)
         t.add_column("what", style="bold")
@@ -182,11 +201,13 @@ class RunProgress(msgspec.Struct, kw_only=True):
             done, ok = self.episodes_finished.get(mode, 0), self.successes.get(mode, 0)
             rate = f"{100 * ok / done:.0f}%" if done else "-"
             t.add_row(
-                f"episodes ({mode})", f"{done}/{self.episodes_started.get(mode, 0)} done, success {rate}"
+                f"episodes ({mode})",
+                f"{done}/{self.episodes_started.get(mode, 0)} done, success {rate}",
             )
         t.add_row("steps", f"{self.steps} ({self.parse_failures} unparseable)")
         t.add_row(
-            "reflections / rollbacks / branches", f"{self.reflections} / {self.rollbacks} / {self.branches}"
+            "reflections / rollbacks / branches",
+            f"{self.reflections} / {self.rollbacks} / {self.branches}",
         )
         t.add_row("env steps replayed", str(self.replay_steps))
         t.add_row("events", f"{self.events} ({self.events / elapsed:.1f}/s)")
@@ -195,13 +216,14 @@ class RunProgress(msgspec.Struct, kw_only=True):
         t.add_row("learner step / loss", f"{self.learner_step} / {loss}")
         lag = self.policy_lag()
         t.add_row(
-            "weights published / policy lag", f"{self.weights_version} / {lag if lag is not None else '-'}"
+            "weights published / policy lag",
+            f"{self.weights_version} / {lag if lag is not None else '-'}",
         )
         return t
 
     async def follow(self, js: Any, stop: asyncio.Event) -> None:
         """Feed the counters from the run's events, samples and weights subjects until ``stop``."""
-        from protocol.subjects import weights_subject
+        from leafe.protocol.subjects import weights_subject
 
         subs = [
             await js.subscribe(events_filter(self.run_id), ordered_consumer=True),

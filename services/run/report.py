@@ -1,7 +1,8 @@
-"""The end of ``leafe run``: export the log, rebuild the dataset offline from it, check it equals the
-samples the learner was fed, and write ``report.json`` (the data, ``services/run/report_data.py``) and
-``report.md`` (rendered from it by ``services/run/report_md.py``: the Pass@k table with paired bootstrap
-intervals and a verdict per k, what each part of the run did, the run's counters, curves and one tree)."""
+"""The end of ``leafe run``: export the log, rebuild the dataset offline from it, check it equals
+the samples the learner was fed, and write ``report.json`` (the data,
+``services/run/report_data.py``) and ``report.md`` (rendered from it by
+``services/run/report_md.py``: the Pass@k table with paired bootstrap intervals and a verdict per k,
+what each part of the run did, the run's counters, curves and one tree)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,24 @@ import msgspec
 import structlog
 from nats.js import JetStreamContext
 
-from learner.dataset import DatasetManifest, iter_samples, read_manifest
-from protocol.codec import MSG_ID_HEADER
-from protocol.events import Branch, EpisodeFinished, EpisodeStarted
-from protocol.subjects import SAMPLES, samples_filter
-from services.bus import read_stream
-from services.eventlog.fileformat import read_events
-from services.eventlog.transfer import export_run
-from services.figures import lag_histogram, plot_curve, plot_passk, plot_tree
-from services.run.context import RunContext
-from services.run.report_data import DatasetCheck, RunReport, RunSummary, comparisons, part_comparisons
-from services.run.report_md import render_report
-from services.run.supervisor import ServiceProcess
+from leafe.learner.dataset import DatasetManifest, iter_samples, read_manifest
+from leafe.protocol.codec import MSG_ID_HEADER
+from leafe.protocol.events import Branch, EpisodeFinished, EpisodeStarted
+from leafe.protocol.subjects import SAMPLES, samples_filter
+from leafe.services.bus import read_stream
+from leafe.services.eventlog.fileformat import read_events
+from leafe.services.eventlog.transfer import export_run
+from leafe.services.figures import lag_histogram, plot_curve, plot_passk, plot_tree
+from leafe.services.run.context import RunContext
+from leafe.services.run.report_data import (
+    DatasetCheck,
+    RunReport,
+    RunSummary,
+    comparisons,
+    part_comparisons,
+)
+from leafe.services.run.report_md import render_report
+from leafe.services.run.supervisor import ServiceProcess
 
 __all__ = ["build_report", "finish"]
 
@@ -125,7 +132,8 @@ def build_report(
 
 
 async def finish(ctx: RunContext) -> None:
-    """Export, rebuild, compare, plot and write ``report.json`` and ``report.md`` into the run directory."""
+    """Export, rebuild, compare, plot and write ``report.json`` and ``report.md`` into the run
+    directory."""
     run_dir = ctx.run_dir
     log_file = run_dir / "events.leafelog"
     n = await export_run(ctx.jetstream, ctx.config.run_id, log_file)
@@ -134,7 +142,9 @@ async def finish(ctx: RunContext) -> None:
     stream_ids = await _stream_sample_ids(ctx.jetstream, ctx.config.run_id)
     if ids != stream_ids:
         log.error(
-            "run.dataset.mismatch", offline_only=len(ids - stream_ids), stream_only=len(stream_ids - ids)
+            "run.dataset.mismatch",
+            offline_only=len(ids - stream_ids),
+            stream_only=len(stream_ids - ids),
         )
     if ctx.evals:
         plot_passk({k: r.passk for k, r in ctx.evals.items()}, run_dir / "passk.png")
@@ -146,5 +156,7 @@ async def finish(ctx: RunContext) -> None:
     if tree:
         await asyncio.to_thread(plot_tree, tree, run_dir / "tree.png")
     report = await asyncio.to_thread(build_report, ctx, manifest, stream_ids, ids)
-    (run_dir / "report.json").write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=1) + b"\n")
+    (run_dir / "report.json").write_bytes(
+        msgspec.json.format(msgspec.json.encode(report), indent=1) + b"\n"
+    )
     (run_dir / "report.md").write_text(render_report(report, ctx.config.eval), encoding="utf-8")

@@ -1,7 +1,7 @@
-"""``report.json`` of ``leafe run`` as data: what the run did (:class:`RunSummary`), the offline rebuild's
-check (:class:`DatasetCheck`), the held-out evaluations and what each part of the run changed in them
-(:class:`PartComparison`, paired). ``services/run/report.py`` builds it, ``services/run/report_md.py``
-renders it."""
+"""``report.json`` of ``leafe run`` as data: what the run did (:class:`RunSummary`), the offline
+rebuild's check (:class:`DatasetCheck`), the held-out evaluations and what each part of the run
+changed in them (:class:`PartComparison`, paired). ``services/run/report.py`` builds it,
+``services/run/report_md.py`` renders it."""
 
 from __future__ import annotations
 
@@ -9,11 +9,18 @@ from typing import Any
 
 import msgspec
 
-from actors.evaluate import EvalResult
-from actors.passk import PassKDiff, paired_difference
-from services.run.rounds import CurvePoint, RoundRecord
+from leafe.actors.evaluate import EvalResult
+from leafe.actors.passk import PassKDiff, paired_difference
+from leafe.services.run.rounds import CurvePoint, RoundRecord
 
-__all__ = ["DatasetCheck", "PartComparison", "RunReport", "RunSummary", "comparisons", "part_comparisons"]
+__all__ = [
+    "DatasetCheck",
+    "PartComparison",
+    "RunReport",
+    "RunSummary",
+    "comparisons",
+    "part_comparisons",
+]
 
 
 class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,8 +60,8 @@ class DatasetCheck(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PartComparison(msgspec.Struct, frozen=True, kw_only=True):
-    """One part of the run on the held-out tasks: the evaluation after it minus the one before it, paired
-    (same tasks, same sampling seeds), with a 95% interval per k."""
+    """One part of the run on the held-out tasks: the evaluation after it minus the one before it,
+    paired (same tasks, same sampling seeds), with a 95% interval per k."""
 
     part: str
     """``warm start`` or the rounds (``LEAFE rounds``, ``rollout rounds``)."""
@@ -100,11 +107,14 @@ class RunReport(msgspec.Struct, frozen=True, kw_only=True):
     cuts: list[str] = msgspec.field(default_factory=list)
     """What the budget cut (empty: nothing)."""
     threads: str = ""
-    """The thread plan the run used and why (``services.cores`` pins it; runs agree bit for bit under one)."""
+    """The thread plan the run used and why (``services.cores`` pins it; runs agree bit for bit
+    under one)."""
 
 
 def _diffs(a: EvalResult, b: EvalResult) -> list[PassKDiff]:
-    return [paired_difference(a.successes, b.successes, k) for k in sorted(set(a.passk) & set(b.passk))]
+    return [
+        paired_difference(a.successes, b.successes, k) for k in sorted(set(a.passk) & set(b.passk))
+    ]
 
 
 def _last(evals: dict[str, EvalResult], prefix: str) -> str | None:
@@ -112,7 +122,8 @@ def _last(evals: dict[str, EvalResult], prefix: str) -> str | None:
 
 
 def comparisons(evals: dict[str, EvalResult]) -> list[PassKDiff]:
-    """The last evaluation after the rounds minus the one before everything, per k (empty without both)."""
+    """The last evaluation after the rounds minus the one before everything, per k (empty without
+    both)."""
     after = _last(evals, "after-")
     if "before" not in evals or after is None:
         return []

@@ -1,14 +1,15 @@
-"""``report.md`` of ``leafe run``, rendered from the report's data (``services/run/report_data.py``): the Pass@k
-table with a paired interval and verdict per k, what each part of the run did, the run's counters, the
-rounds and learning curve, and whether the offline rebuild equals what the learner was fed."""
+"""``report.md`` of ``leafe run``, rendered from the report's data
+(``services/run/report_data.py``): the Pass@k table with a paired interval and verdict per k, what
+each part of the run did, the run's counters, the rounds and learning curve, and whether the offline
+rebuild equals what the learner was fed."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from actors.passk import PassKDiff
-from services.figures import passk_markdown
-from services.run.report_data import PartComparison, RunReport
+from leafe.actors.passk import PassKDiff
+from leafe.services.figures import passk_markdown
+from leafe.services.run.report_data import PartComparison, RunReport
 
 __all__ = ["render_report"]
 
@@ -21,7 +22,10 @@ def _verdict(d: PassKDiff) -> str:
 
 def _eval_lines(r: RunReport, cfg_eval: Any) -> list[str]:
     table = {label: e.passk for label, e in r.evals.items()}
-    title = f"Pass@k on {cfg_eval.tasks} {cfg_eval.split} tasks, n = {cfg_eval.samples} samples each (%)"
+    title = (
+        f"Pass@k on {cfg_eval.tasks} {cfg_eval.split} tasks, "
+        f"n = {cfg_eval.samples} samples each (%)"
+    )
     lines = [passk_markdown(table, title=title), "![Pass@k](passk.png)", ""]
     for label, e in r.evals.items():
         lines.append(
@@ -33,8 +37,10 @@ def _eval_lines(r: RunReport, cfg_eval: Any) -> list[str]:
         lines += ["", *_diff_table("after - before", r.comparisons)]
         lines += [
             "",
-            f'Two-level bootstrap over the {r.comparisons[0].tasks} tasks and their samples. "within noise": the '
-            "interval contains 0, so these evaluations cannot tell the weights apart; evaluate more tasks "
+            f"Two-level bootstrap over the {r.comparisons[0].tasks} tasks and their samples. "
+            '"within noise": the '
+            "interval contains 0, so these evaluations cannot tell the weights apart; evaluate "
+            "more tasks "
             "(`[eval] tasks`) for a verdict that means something.",
         ]
     return [*lines, ""]
@@ -44,7 +50,8 @@ def _diff_table(title: str, diffs: list[PassKDiff]) -> list[str]:
     lines = [f"| {title} | difference (points) | 95% interval | verdict |", "|---|---|---|---|"]
     for d in diffs:
         lines.append(
-            f"| Pass@{d.k} | {100 * d.diff:+.1f} | [{100 * d.lo:+.1f}, {100 * d.hi:+.1f}] | {_verdict(d)} |"
+            f"| Pass@{d.k} | {100 * d.diff:+.1f} | [{100 * d.lo:+.1f}, {100 * d.hi:+.1f}] | "
+            f"{_verdict(d)} |"
         )
     return lines
 
@@ -56,12 +63,17 @@ def _parts_lines(parts: list[PartComparison]) -> list[str]:
     lines = [
         "## What each part did",
         "",
-        "Each part's evaluation on the held-out tasks minus the one before it, paired (same tasks, same "
+        "Each part's evaluation on the held-out tasks minus the one before it, paired (same tasks, "
+        "same "
         "sampling seeds); the parts add up to after - before.",
         "",
     ]
     for p in parts:
-        same = " (the same weights: this part changed nothing the engines serve)" if p.same_weights else ""
+        same = (
+            " (the same weights: this part changed nothing the engines serve)"
+            if p.same_weights
+            else ""
+        )
         lines += [f"**{p.part}** (`{p.label}` - `{p.baseline}`){same}", ""]
         lines += [*_diff_table(p.part, p.diffs), ""]
     return lines
@@ -86,7 +98,8 @@ def _continual_lines(r: RunReport) -> list[str]:
         lines += ["|---|---|---|---|---|---|---|"]
         for x in r.rounds:
             lines.append(
-                f"| {x.round} | {x.tasks} | {'yes' if x.finished else 'cut'} | {x.wall_s / 60:.1f} | "
+                f"| {x.round} | {x.tasks} | {'yes' if x.finished else 'cut'} | {x.wall_s / 60:.1f} "
+                "| "
                 f"{x.episodes} ({x.successes}) | {x.learner_step} | {x.weights_version} |"
             )
         lines.append("")
@@ -103,14 +116,16 @@ def _continual_lines(r: RunReport) -> list[str]:
             cells = " | ".join(f"{100 * p.passk.get(k, 0.0):.1f}" for k in ks)
             mixed = "" if len(p.policy_versions) <= 1 else " (mixed)"
             lines.append(
-                f"| {p.round} | {p.wall_s / 60:.1f} | {p.learner_step} | {p.weight_version}{mixed} | {cells} | "
+                f"| {p.round} | {p.wall_s / 60:.1f} | {p.learner_step} | {p.weight_version}{mixed} "
+                f"| {cells} | "
                 f"{100 * p.parse_failure_rate:.0f}% | {p.eval_wall_s:.0f} |"
             )
         lines += ["", "![learning curve](learning_curve.png)", ""]
     if r.policy_lag or r.stale_dropped:
         hist = ", ".join(f"{k}: {v}" for k, v in r.policy_lag.items() if v)
         lines += [
-            f"Policy lag of the trained samples (versions behind the learner's latest push): {hist or 'none'}; "
+            "Policy lag of the trained samples (versions behind the learner's latest push): "
+            f"{hist or 'none'}; "
             f"dropped as stale (past max_policy_lag): {r.stale_dropped}.",
             "",
         ]
@@ -121,7 +136,8 @@ def render_report(r: RunReport, cfg_eval: Any) -> str:
     """``report.md`` from the report's data."""
     lines = [f"# leafe run `{r.run_id}`", ""]
     lines += [
-        f"Model `{r.model}`, environment `{r.env}` {r.env_options}, materializer `{r.materializer}`.",
+        f"Model `{r.model}`, environment `{r.env}` {r.env_options}, materializer "
+        f"`{r.materializer}`.",
         "",
     ]
     if r.evals:
@@ -154,8 +170,10 @@ def render_report(r: RunReport, cfg_eval: Any) -> str:
     d = r.dataset
     verdict = "identical to" if d.identical else "DIFFERENT from"
     lines += [
-        f"The dataset rebuilt offline from `events.leafelog` (`dataset/`, {d.samples} samples, sha256 "
-        f"{d.content_sha256[:16]}...) is {verdict} the {d.stream_samples} samples the replayer published to "
+        f"The dataset rebuilt offline from `events.leafelog` (`dataset/`, {d.samples} samples, "
+        "sha256 "
+        f"{d.content_sha256[:16]}...) is {verdict} the {d.stream_samples} samples the replayer "
+        "published to "
         "the learner.",
         "",
         "![exploration tree](tree.png)",

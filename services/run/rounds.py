@@ -1,19 +1,23 @@
-"""Continual rounds of ``leafe run``: the task pool flows round after round while the learner trains.
+"""Continual rounds of ``leafe run``: the task pool flows round after round while the learner
+trains.
 
 ```
  warm start (explore.demos > 0): demonstrations ──► sft samples ──► learner; wait until trained
            then (eval.after_warm_start) Pass@k of its weights on the held-out tasks
  round r:  submit pool (seed + r * seed_stride) ──► actors (newest weights their engine serves)
-           wait until every task of round r finished   (continuous: learner trains and pushes all along;
-                                                        phased: then it trains the round, services/run/phases.py)
+           wait until every task of round r finished
+             (continuous: learner trains and pushes all along;
+              phased: then it trains the round, services/run/phases.py)
            every N rounds: Pass@k of the served version on the validation slice ──► a curve point
-           stop: explore.rounds reached | max_learner_steps reached | budget_minutes (if set) | Ctrl-C
+           stop: explore.rounds reached | max_learner_steps reached | budget_minutes (if set)
+                 | Ctrl-C
 ```
 
-Round r's task keys carry ``-r<r>`` (round 0 keeps the one-pass keys, so older run directories resume), so
-JetStream's dedupe never swallows a later round, and a resumed run skips every task whose episode already
-finished. The evaluator runs between rounds on the run's own engine while the actors wait, so it never
-competes with them for the engine; its wall time is its cost and is reported with each point.
+Round r's task keys carry ``-r<r>`` (round 0 keeps the one-pass keys, so older run directories
+resume), so JetStream's dedupe never swallows a later round, and a resumed run skips every task
+whose episode already finished. The evaluator runs between rounds on the run's own engine while the
+actors wait, so it never competes with them for the engine; its wall time is its cost and is
+reported with each point.
 """
 
 from __future__ import annotations
@@ -26,19 +30,26 @@ from collections.abc import Awaitable, Callable
 import msgspec
 import structlog
 
-from actors.evaluate import EvalResult
-from envs.registry import make_env
-from protocol.events import EpisodeFinished, EpisodeStarted
-from protocol.tasks import TaskAssignment
-from services.admin.tasks import make_assignments, submit
-from services.eventlog.transfer import iter_stream_events
-from services.run.context import RunContext
-from services.run.launch import engine_threads
-from services.run.phases import learner_cores, train_phase
-from services.run.presets import RunConfig
-from services.run.waits import wait_trained, watch
+from leafe.actors.evaluate import EvalResult
+from leafe.envs.registry import make_env
+from leafe.protocol.events import EpisodeFinished, EpisodeStarted
+from leafe.protocol.tasks import TaskAssignment
+from leafe.services.admin.tasks import make_assignments, submit
+from leafe.services.eventlog.transfer import iter_stream_events
+from leafe.services.run.context import RunContext
+from leafe.services.run.launch import engine_threads
+from leafe.services.run.phases import learner_cores, train_phase
+from leafe.services.run.presets import RunConfig
+from leafe.services.run.waits import wait_trained, watch
 
-__all__ = ["CurvePoint", "RoundRecord", "budget_deadline", "demo_assignments", "explore_rounds", "task_ids"]
+__all__ = [
+    "CurvePoint",
+    "RoundRecord",
+    "budget_deadline",
+    "demo_assignments",
+    "explore_rounds",
+    "task_ids",
+]
 
 log = structlog.get_logger(__name__)
 Evaluate = Callable[[str, list[str], int, list[int], int], Awaitable[EvalResult]]
@@ -76,7 +87,8 @@ class CurvePoint(msgspec.Struct, frozen=True, kw_only=True):
     weight_version: str
     """Version the engine served at the evaluation's start."""
     policy_versions: list[str]
-    """Every version stamped on the evaluation's steps (more than one: it changed mid-evaluation)."""
+    """Every version stamped on the evaluation's steps (more than one: it changed
+    mid-evaluation)."""
     passk: dict[int, float]
     parse_failure_rate: float
     eval_wall_s: float
@@ -108,8 +120,8 @@ async def finished_task_keys(ctx: RunContext) -> set[str]:
 
 
 def demo_assignments(cfg: RunConfig) -> list[TaskAssignment]:
-    """The warm start's demonstrations, ``explore.demo_epochs`` passes under distinct keys (pass 0 keeps
-    the one-pass keys, so older run directories resume)."""
+    """The warm start's demonstrations, ``explore.demo_epochs`` passes under distinct keys (pass 0
+    keeps the one-pass keys, so older run directories resume)."""
     ex = cfg.explore
     demo_tasks = task_ids(cfg, "train", ex.demo_offset, ex.demos)
     return [
@@ -132,10 +144,12 @@ def budget_deadline(cfg: RunConfig) -> float:
     return time.monotonic() + 60 * cfg.budget_minutes if cfg.budget_minutes > 0 else math.inf
 
 
-async def _warm_start(ctx: RunContext, read_learner: Callable[[], Awaitable[None]], deadline: float) -> None:
-    """The expert's demonstrations through the log, then wait until the learner trained them (every free
-    core on the learner: the demonstrations need no engine). Phased: one pass at a time, each trained
-    before the next is submitted."""
+async def _warm_start(
+    ctx: RunContext, read_learner: Callable[[], Awaitable[None]], deadline: float
+) -> None:
+    """The expert's demonstrations through the log, then wait until the learner trained them (every
+    free core on the learner: the demonstrations need no engine). Phased: one pass at a time, each
+    trained before the next is submitted."""
     cfg = ctx.config
     batch = demo_assignments(cfg)
     phased = cfg.explore.schedule == "phased"
@@ -149,7 +163,9 @@ async def _warm_start(ctx: RunContext, read_learner: Callable[[], Awaitable[None
         keys = [a.task_key for a in part]
         done = await finished_task_keys(ctx)
         n = await submit(ctx.jetstream, part, skip=done)
-        ctx.console.print(f"warm start: submitted {n} demonstrations ({len(done & set(keys))} already done)")
+        ctx.console.print(
+            f"warm start: submitted {n} demonstrations ({len(done & set(keys))} already done)"
+        )
         if not await _wait(ctx, set(keys), deadline, f"warm start pass {e}"):
             break
         if phased:
@@ -160,7 +176,8 @@ async def _warm_start(ctx: RunContext, read_learner: Callable[[], Awaitable[None
     ctx.timings["warm_start"] = time.monotonic() - t0
     assert ctx.progress is not None
     ctx.console.print(
-        f"warm start trained: learner step {ctx.progress.learner_step}, weights {ctx.progress.weights_version}"
+        f"warm start trained: learner step {ctx.progress.learner_step}, weights "
+        f"{ctx.progress.weights_version}"
     )
 
 
@@ -181,7 +198,9 @@ async def submit_round(ctx: RunContext, r: int) -> list[str]:
     keys = [a.task_key for a in batch]
     done = await finished_task_keys(ctx)
     n = await submit(ctx.jetstream, batch, skip=done)
-    ctx.console.print(f"round {r}: submitted {n} {ex.mode} tasks ({len(done & set(keys))} already done)")
+    ctx.console.print(
+        f"round {r}: submitted {n} {ex.mode} tasks ({len(done & set(keys))} already done)"
+    )
     return keys
 
 
@@ -220,7 +239,9 @@ async def _curve_point(ctx: RunContext, r: int, evaluate: Evaluate, started: flo
     assert ctx.progress is not None
     step = ctx.progress.learner_step
     label = "val-warm" if r < 0 else f"val-r{r}"
-    result = await evaluate(label, task_ids(cfg, "train", offset, count), ov.samples, ov.ks, ov.seed)
+    result = await evaluate(
+        label, task_ids(cfg, "train", offset, count), ov.samples, ov.ks, ov.seed
+    )
     point = CurvePoint(
         round=r,
         wall_s=round(time.monotonic() - started, 1),

@@ -1,17 +1,17 @@
-"""sglang-router 0.3.2 in front of inference servers: the gpu overlay's topology (actors -> router -> engines)
-on one machine, so requests, seeds, readiness, weight versions and reloads go through the real router in CI
-and in ``leafe run`` with ``services.router = true``.
+"""sglang-router 0.3.2 in front of inference servers: the gpu overlay's topology (actors -> router
+-> engines) on one machine, so requests, seeds, readiness, weight versions and reloads go through
+the real router in CI and in ``leafe run`` with ``services.router = true``.
 
     router = await open_router(["http://127.0.0.1:30001", "http://127.0.0.1:30002"], log_path)
     router.url            # what actors and evaluations use as their one engine URL
     await router.stop()
 
-The flags are deploy/components/sglang/router.yaml's (cache-aware routing, workers checked on the cheap
-``/ready``, 3 misses of 5 s, 2 attempts per request) with the workers given as URLs instead of discovered
-as pods. Weight sync and the drain keep talking to each server: the router has no
-``/update_weights_from_disk`` and answers ``/get_model_info`` from its first healthy worker. The router gets
-no ``--api-key`` here: it passes the clients' ``Authorization`` header on to the servers, which check it
-(a key on its command line would be visible to every local user in ``ps``).
+The flags are deploy/components/sglang/router.yaml's (cache-aware routing, workers checked on the
+cheap ``/ready``, 3 misses of 5 s, 2 attempts per request) with the workers given as URLs instead of
+discovered as pods. Weight sync and the drain keep talking to each server: the router has no
+``/update_weights_from_disk`` and answers ``/get_model_info`` from its first healthy worker. The
+router gets no ``--api-key`` here: it passes the clients' ``Authorization`` header on to the
+servers, which check it (a key on its command line would be visible to every local user in ``ps``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pathlib import Path
 import aiohttp
 import structlog
 
-from services.bus.nats_server import free_port
-from services.run.supervisor import ServiceError, ServiceProcess
+from leafe.services.bus.nats_server import free_port
+from leafe.services.run.supervisor import ServiceError, ServiceProcess
 
 __all__ = [
     "ROUTER_VERSION",
@@ -79,7 +79,13 @@ class RouterProcess(ServiceProcess):
     """The router as a supervised child: logged, recorded, restarted like the ``leafe`` services."""
 
     def __init__(
-        self, command: list[str], log_path: Path, *, url: str, metrics_url: str, run_dir: Path | None = None
+        self,
+        command: list[str],
+        log_path: Path,
+        *,
+        url: str,
+        metrics_url: str,
+        run_dir: Path | None = None,
     ) -> None:
         super().__init__("router", [], log_path, run_dir=run_dir)
         self.argv = command  # not a `leafe` verb: the router's own launch
@@ -101,8 +107,8 @@ class RouterProcess(ServiceProcess):
         return int(body.get("healthy_workers", 0)) if isinstance(body, dict) else None
 
     async def wait_workers(self, count: int, timeout_s: float = 60.0) -> None:
-        """Wait until ``count`` workers are healthy; :class:`ServiceError` with the log tail if it dies or
-        times out."""
+        """Wait until ``count`` workers are healthy; :class:`ServiceError` with the log tail if it
+        dies or times out."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while (await self.healthy_workers() or 0) < count:
             self.check()
@@ -125,7 +131,8 @@ async def open_router(
     """Start the router in front of ``workers`` and wait until every one is healthy behind it."""
     if not router_available():
         raise ServiceError(
-            f"sglang_router is not importable by {sys.executable}: pip install sglang-router=={ROUTER_VERSION}"
+            f"sglang_router is not importable by {sys.executable}: pip install "
+            f"sglang-router=={ROUTER_VERSION}"
         )
     port, prometheus_port = free_port(), free_port()
     command = router_command(

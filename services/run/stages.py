@@ -1,6 +1,7 @@
-"""The stages of ``leafe run`` (see ``services/run/main.py`` for the picture): start, evaluate, explore,
-drain, evaluate, finish. Each stage is a short coroutine over a shared :class:`RunContext`; starting is
-``services/run/launch.py``, draining ``services/run/drain.py``, the report ``services/run/report.py``."""
+"""The stages of ``leafe run`` (see ``services/run/main.py`` for the picture): start, evaluate,
+explore, drain, evaluate, finish. Each stage is a short coroutine over a shared :class:`RunContext`;
+starting is ``services/run/launch.py``, draining ``services/run/drain.py``, the report
+``services/run/report.py``."""
 
 from __future__ import annotations
 
@@ -17,23 +18,29 @@ import structlog
 from prometheus_client import generate_latest
 from rich.live import Live
 
-from actors.client import SGLangClient
-from actors.evaluate import EvalRequest, EvalResult, evaluate
-from learner.model_io import HFChatTokenizer
-from services.actor.service import PublisherSink
-from services.bus import Publisher
-from services.bus.nats_server import free_port
-from services.eval.scalars import write_curve_scalars, write_passk_scalars
-from services.logsetup import configure_logging
-from services.metrics import serve_metrics
-from services.run.context import RunContext
-from services.run.drain import drain, save_metrics
-from services.run.launch import check_identity, engine_threads, prepare_run_dir, start_infra, start_pipeline
-from services.run.orphans import lock_run, reap_orphans
-from services.run.presets import RunConfig
-from services.run.progress import RunProgress
-from services.run.report import finish
-from services.run.rounds import explore_rounds, task_ids
+from leafe.actors.client import SGLangClient
+from leafe.actors.evaluate import EvalRequest, EvalResult, evaluate
+from leafe.learner.model_io import HFChatTokenizer
+from leafe.services.actor.service import PublisherSink
+from leafe.services.bus import Publisher
+from leafe.services.bus.nats_server import free_port
+from leafe.services.eval.scalars import write_curve_scalars, write_passk_scalars
+from leafe.services.logsetup import configure_logging
+from leafe.services.metrics import serve_metrics
+from leafe.services.run.context import RunContext
+from leafe.services.run.drain import drain, save_metrics
+from leafe.services.run.launch import (
+    check_identity,
+    engine_threads,
+    prepare_run_dir,
+    start_infra,
+    start_pipeline,
+)
+from leafe.services.run.orphans import lock_run, reap_orphans
+from leafe.services.run.presets import RunConfig
+from leafe.services.run.progress import RunProgress
+from leafe.services.run.report import finish
+from leafe.services.run.rounds import explore_rounds, task_ids
 
 __all__ = ["run_stages"]
 
@@ -43,16 +50,23 @@ LINE_EVERY_S = 5.0
 
 
 def rollout_overrides(cfg: RunConfig) -> dict[str, Any]:
-    """The actors' ``[actor.rollout]`` settings for this env ("*" first), so evaluation samples exactly
-    as the actors' plain rollouts do."""
+    """The actors' ``[actor.rollout]`` settings for this env ("*" first), so evaluation samples
+    exactly as the actors' plain rollouts do."""
     tables = cfg.actor.rollout
     return {**tables.get("*", {}), **tables.get(cfg.env.name, {})}
 
 
 async def _run_eval(
-    ctx: RunContext, label: str, task_ids: list[str], samples: int, ks: list[int], seed: int, split: str
+    ctx: RunContext,
+    label: str,
+    task_ids: list[str],
+    samples: int,
+    ks: list[int],
+    seed: int,
+    split: str,
 ) -> EvalResult:
-    """Pass@k of the served weights on ``task_ids`` (``eval/<label>.json``; a resumed run reuses it)."""
+    """Pass@k of the served weights on ``task_ids`` (``eval/<label>.json``; a resumed run reuses
+    it)."""
     cfg = ctx.config
     path = ctx.run_dir / "eval" / f"{label}.json"
     if path.is_file():  # resumed run: this evaluation already finished
@@ -77,7 +91,9 @@ async def _run_eval(
         engine_cfg = msgspec.structs.replace(engine_cfg, api_key_file=ctx.engine_key_file)
     client = SGLangClient.from_config(ctx.client_urls, engine_cfg)
     async with client as engine, Publisher(ctx.jetstream) as pub:
-        result = await evaluate(request, engine=engine, tokenizer=tokenizer, sink=PublisherSink(pub))
+        result = await evaluate(
+            request, engine=engine, tokenizer=tokenizer, sink=PublisherSink(pub)
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(msgspec.json.format(msgspec.json.encode(result)))
     return result
@@ -100,7 +116,8 @@ async def _evaluate(ctx: RunContext, label: str) -> None:
 async def _validate(
     ctx: RunContext, label: str, ids: list[str], samples: int, ks: list[int], seed: int
 ) -> EvalResult:
-    """A learning-curve point on the validation slice (train split), with its TensorBoard scalars."""
+    """A learning-curve point on the validation slice (train split), with its TensorBoard
+    scalars."""
     assert ctx.progress is not None
     step = ctx.progress.learner_step
     result = await _run_eval(ctx, label, ids, samples, ks, seed, "train")
@@ -109,7 +126,9 @@ async def _validate(
 
 
 async def _explore(ctx: RunContext) -> None:
-    async def validate(label: str, ids: list[str], samples: int, ks: list[int], seed: int) -> EvalResult:
+    async def validate(
+        label: str, ids: list[str], samples: int, ks: list[int], seed: int
+    ) -> EvalResult:
         return await _validate(ctx, label, ids, samples, ks, seed)
 
     async def heldout(label: str) -> None:
@@ -125,8 +144,8 @@ async def _read_learner(ctx: RunContext) -> None:
 
 
 async def _display(ctx: RunContext) -> None:
-    """A live table on a terminal; elsewhere (CI, ``| tee``, a pod log) one line whenever the stage or a
-    counter changed, at most every :data:`LINE_EVERY_S` seconds."""
+    """A live table on a terminal; elsewhere (CI, ``| tee``, a pod log) one line whenever the stage
+    or a counter changed, at most every :data:`LINE_EVERY_S` seconds."""
     assert ctx.progress is not None
     started = time.monotonic()
     if ctx.live:
@@ -149,7 +168,8 @@ async def _display(ctx: RunContext) -> None:
 
 
 async def _follow(ctx: RunContext, stop: asyncio.Event) -> None:
-    """Keep the progress counters fed; if the subscription fails, say so and rebuild them from the log."""
+    """Keep the progress counters fed; if the subscription fails, say so and rebuild them from the
+    log."""
     while not stop.is_set():
         old = ctx.progress
         assert old is not None
@@ -160,8 +180,8 @@ async def _follow(ctx: RunContext, stop: asyncio.Event) -> None:
             ctx.console.print(
                 f"[yellow]progress follower failed ({type(e).__name__}: {e}); rebuilding[/yellow]"
             )
-            # Stream-fed counters restart from zero (the new subscription replays the log from its start);
-            # the learner's come from its log file and carry over.
+            # Stream-fed counters restart from zero (the new subscription replays the log from its
+            # start); the learner's come from its log file and carry over.
             ctx.progress = RunProgress(
                 run_id=old.run_id,
                 started_at=old.started_at,
@@ -173,7 +193,8 @@ async def _follow(ctx: RunContext, stop: asyncio.Event) -> None:
 
 
 async def _unless_stopped(ctx: RunContext, coro: Coroutine[Any, Any, None]) -> None:
-    """Run ``coro`` but cancel it on Ctrl-C/SIGTERM (an unfinished evaluation is redone on resume)."""
+    """Run ``coro`` but cancel it on Ctrl-C/SIGTERM (an unfinished evaluation is redone on
+    resume)."""
     work = asyncio.ensure_future(coro)
     stopped = asyncio.ensure_future(ctx.stop.wait())
     await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -181,7 +202,9 @@ async def _unless_stopped(ctx: RunContext, coro: Coroutine[Any, Any, None]) -> N
     if not work.done():
         work.cancel()
         await asyncio.gather(work, return_exceptions=True)
-        ctx.console.print("[yellow]interrupted: evaluation cancelled (it is redone on resume)[/yellow]")
+        ctx.console.print(
+            "[yellow]interrupted: evaluation cancelled (it is redone on resume)[/yellow]"
+        )
         return
     work.result()
 
@@ -195,7 +218,9 @@ async def _eval_after(ctx: RunContext) -> None:
     assert ctx.progress is not None
     version = ctx.progress.weights_version
     if ctx.config.eval.after and version != "default" and not ctx.stop.is_set():
-        await engine_threads(ctx, shared=False)  # drained: the learner is idle, the engine gets every core
+        await engine_threads(
+            ctx, shared=False
+        )  # drained: the learner is idle, the engine gets every core
         await _unless_stopped(ctx, _evaluate(ctx, f"after-{version}"))
 
 
@@ -216,7 +241,9 @@ async def _stages(ctx: RunContext) -> None:
 async def run_stages(ctx: RunContext, *, fresh: bool = False) -> None:
     """All stages, with every child process stopped on the way out (also on Ctrl-C and errors)."""
     cfg = ctx.config
-    lock = lock_run(Path(cfg.runs_dir), cfg.run_id)  # held until this process exits, however it exits
+    lock = lock_run(
+        Path(cfg.runs_dir), cfg.run_id
+    )  # held until this process exits, however it exits
     try:
         await _run_locked(ctx, fresh=fresh)
     finally:
@@ -225,7 +252,9 @@ async def run_stages(ctx: RunContext, *, fresh: bool = False) -> None:
 
 async def _run_locked(ctx: RunContext, *, fresh: bool) -> None:
     cfg = ctx.config
-    orphans = reap_orphans(ctx.run_dir)  # a killed supervisor's children, before anything touches the dir
+    orphans = reap_orphans(
+        ctx.run_dir
+    )  # a killed supervisor's children, before anything touches the dir
     if orphans:
         ctx.console.print(f"stopped what a killed supervisor left running: {', '.join(orphans)}")
     check_identity(ctx, fresh=fresh)
@@ -251,7 +280,9 @@ async def _run_locked(ctx: RunContext, *, fresh: bool) -> None:
             for name in [*ctx.engine_services, *(["router"] if ctx.router_url else [])]:
                 await save_metrics(ctx, name)  # the other services' were saved as they stopped
             (ctx.run_dir / "metrics").mkdir(exist_ok=True)
-            (ctx.run_dir / "metrics" / "run.prom").write_bytes(generate_latest(ctx.run_metrics.registry))
+            (ctx.run_dir / "metrics" / "run.prom").write_bytes(
+                generate_latest(ctx.run_metrics.registry)
+            )
             ctx.enter("finishing")
             ctx.timings["total"] = time.monotonic() - started
             await finish(ctx)

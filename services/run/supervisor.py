@@ -1,7 +1,8 @@
-"""Child service processes for ``leafe run``: start with logs to the run directory, watch, stop, kill.
+"""Child service processes for ``leafe run``: start with logs to the run directory, watch, stop,
+kill.
 
-Each service runs as its own ``leafe <verb>`` process (as in deploy/), in its own session so a terminal
-Ctrl-C reaches only the supervisor, which then drains them in order with SIGTERM.
+Each service runs as its own ``leafe <verb>`` process (as in deploy/), in its own session so a
+terminal Ctrl-C reaches only the supervisor, which then drains them in order with SIGTERM.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import structlog
 
-from services.run.orphans import record_child
+from leafe.services.run.orphans import record_child
 
 __all__ = ["ServiceError", "ServiceProcess", "restart_crashed", "wait_http_ok"]
 
@@ -41,7 +42,7 @@ class ServiceProcess:
         self.name = name
         self.run_dir = run_dir
         """Where the pid is recorded (``services/run/orphans.py``); ``None``: not recorded."""
-        self.argv = [sys.executable, "-m", "services.cli", *argv]
+        self.argv = [sys.executable, "-m", "leafe.services.cli", *argv]
         self.log_path = log_path
         self.env = {**os.environ, **(env or {})}
         self.proc: asyncio.subprocess.Process | None = None
@@ -65,11 +66,17 @@ class ServiceProcess:
         self.wanted = True
         with self.log_path.open("ab") as out:
             self.proc = await asyncio.create_subprocess_exec(
-                *self.argv, stdout=out, stderr=asyncio.subprocess.STDOUT, env=self.env, start_new_session=True
+                *self.argv,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
             )
         if self.run_dir is not None:
             record_child(self.run_dir, self.name, self.proc.pid)
-        log.info("run.service.started", service=self.name, pid=self.proc.pid, log=str(self.log_path))
+        log.info(
+            "run.service.started", service=self.name, pid=self.proc.pid, log=str(self.log_path)
+        )
         return self
 
     def check(self) -> None:
@@ -77,7 +84,8 @@ class ServiceProcess:
         if self.proc is not None and self.proc.returncode is not None:
             tail = self.tail()
             raise ServiceError(
-                f"service {self.name} exited with code {self.proc.returncode}; see {self.log_path}:\n{tail}"
+                f"service {self.name} exited with code {self.proc.returncode}; see "
+                f"{self.log_path}:\n{tail}"
             )
 
     def tail(self, lines: int = 15) -> str:
@@ -130,8 +138,8 @@ async def wait_http_ok(url: str, service: ServiceProcess | None, timeout_s: floa
 
 async def restart_crashed(services: Iterable[ServiceProcess], *, max_restarts: int) -> list[str]:
     """Restart every service that crashed (exited while wanted), up to ``max_restarts`` times each;
-    one that crashes again after that raises :class:`ServiceError` with its log tail. A service stopped
-    on purpose is left alone. Returns the names restarted."""
+    one that crashes again after that raises :class:`ServiceError` with its log tail. A service
+    stopped on purpose is left alone. Returns the names restarted."""
     restarted = []
     for proc in services:
         if not proc.crashed:

@@ -1,22 +1,22 @@
-"""What keeps a weight push from stopping every engine at once: one load at a time among the weight syncs
-that share a weight store, and a lock the engine's liveness probe reads so it never asks a loading engine for
-a generation.
+"""What keeps a weight push from stopping every engine at once: one load at a time among the weight
+syncs that share a weight store, and a lock the engine's liveness probe reads so it never asks a
+loading engine for a generation.
 
-- :class:`ReloadLease` is a file, ``<store>/.in_use/reload/lease``, created exclusively (``O_EXCL``, atomic on
-  local disks and NFS alike) by the weight sync about to load its server and removed when the load is done.
-  Every SGLang pod's sidecar reacts to the same ``WeightsPublished``; the one that creates the file loads,
-  the others retry every ``lease_poll_s``, so the router always has servers that are not loading. A holder
-  refreshes the file's mtime while its server loads; a lease older than ``ttl_s`` (its holder died
-  mid-load) is moved aside and the next try takes it. Two breakers of one stale lease can, in a window of a
-  few system calls, leave two holders: then two servers load at once, which the liveness lock below keeps
-  from costing more than the time of the load.
-- :func:`engine_lock`: an exclusive ``flock`` on a file shared with the engine's container (an ``emptyDir``),
-  held while the server loads, with the load's deadline written in it. ``deploy/components/sglang/
-  liveness.py`` (the SGLang container's liveness probe) takes the shared lock before calling SGLang's
-  generating ``/health``: while a load holds the file it answers alive until the deadline instead, and a
-  load waits for a check in progress. SGLang's ``/health`` that lands in a load longer than 20 s marks the
-  server unhealthy, and its ``/ready`` then answers 503 until a later ``/health`` succeeds; the router drops
-  such a worker.
+- :class:`ReloadLease` is a file, ``<store>/.in_use/reload/lease``, created exclusively (``O_EXCL``,
+  atomic on local disks and NFS alike) by the weight sync about to load its server and removed when
+  the load is done. Every SGLang pod's sidecar reacts to the same ``WeightsPublished``; the one that
+  creates the file loads, the others retry every ``lease_poll_s``, so the router always has servers
+  that are not loading. A holder refreshes the file's mtime while its server loads; a lease older
+  than ``ttl_s`` (its holder died mid-load) is moved aside and the next try takes it. Two breakers
+  of one stale lease can, in a window of a few system calls, leave two holders: then two servers
+  load at once, which the liveness lock below keeps from costing more than the time of the load.
+- :func:`engine_lock`: an exclusive ``flock`` on a file shared with the engine's container (an
+  ``emptyDir``), held while the server loads, with the load's deadline written in it.
+  ``deploy/components/sglang/ liveness.py`` (the SGLang container's liveness probe) takes the shared
+  lock before calling SGLang's generating ``/health``: while a load holds the file it answers alive
+  until the deadline instead, and a load waits for a check in progress. SGLang's ``/health`` that
+  lands in a load longer than 20 s marks the server unhealthy, and its ``/ready`` then answers 503
+  until a later ``/health`` succeeds; the router drops such a worker.
 """
 
 from __future__ import annotations
@@ -32,20 +32,20 @@ from pathlib import Path
 
 import structlog
 
-from learner.weight_store import IN_USE_DIR
+from leafe.learner.weight_store import IN_USE_DIR
 
 __all__ = ["LEASE_DIR", "LoadSlots", "ReloadLease", "engine_lock"]
 
 log = structlog.get_logger(__name__)
 
 LEASE_DIR = "reload"
-"""The lease's directory under the store's ``.in_use/`` (a directory: the learner's pruning reads only the
-files there, as in-use markers)."""
+"""The lease's directory under the store's ``.in_use/`` (a directory: the learner's pruning reads
+only the files there, as in-use markers)."""
 
 
 class ReloadLease:
-    """The right to load weights now, among every weight sync whose store is ``directory``'s (see the
-    module docstring). Not thread-safe; one per weight sync."""
+    """The right to load weights now, among every weight sync whose store is ``directory``'s (see
+    the module docstring). Not thread-safe; one per weight sync."""
 
     def __init__(self, directory: Path, holder: str, *, ttl_s: float) -> None:
         if not ttl_s > 0:
@@ -106,8 +106,9 @@ class ReloadLease:
         return 0.0
 
     def _break_stale(self) -> None:
-        """Move the stale lease aside under a name of our own (one rename wins); a lease refreshed or taken
-        anew between our look and the rename is put back unless a newer one exists already."""
+        """Move the stale lease aside under a name of our own (one rename wins); a lease refreshed
+        or taken anew between our look and the rename is put back unless a newer one exists
+        already."""
         aside = self.path.with_name(f"stale.{uuid.uuid4().hex}")
         try:
             os.rename(self.path, aside)
@@ -118,22 +119,25 @@ class ReloadLease:
                 with suppress(FileExistsError):
                     os.link(aside, self.path)
             else:
-                log.warning("weight_sync.lease.broken", holder=aside.read_text(encoding="utf-8").strip())
+                log.warning(
+                    "weight_sync.lease.broken", holder=aside.read_text(encoding="utf-8").strip()
+                )
         finally:
             aside.unlink(missing_ok=True)
 
 
 @asynccontextmanager
 async def engine_lock(path: str, *, deadline_s: float) -> AsyncIterator[None]:
-    """Hold ``path`` exclusively while the server loads, with the load's deadline (epoch seconds, ``now +
-    deadline_s``) written in it for the liveness probe; waits for a liveness check in progress. A no-op for
-    an empty ``path``."""
+    """Hold ``path`` exclusively while the server loads, with the load's deadline (epoch seconds,
+    ``now + deadline_s``) written in it for the liveness probe; waits for a liveness check in
+    progress. A no-op for an empty ``path``."""
     if not path:
         yield
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o664)
     try:
-        # written before the lock is taken: the probe reads the deadline only when it finds the lock held
+        # written before the lock is taken: the probe reads the deadline only when it finds the lock
+        # held
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{time.time() + deadline_s:.3f}\n".encode(), 0)
         await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
@@ -146,13 +150,14 @@ async def engine_lock(path: str, *, deadline_s: float) -> AsyncIterator[None]:
 
 
 class LoadSlots:
-    """Whether a weight sync's server may load now: the reload lease of the export's store is its own (held
-    and refreshed for the load), and the engine lock is held for the liveness probe."""
+    """Whether a weight sync's server may load now: the reload lease of the export's store is its
+    own (held and refreshed for the load), and the engine lock is held for the liveness probe."""
 
     def __init__(
         self, *, holder: str, lease_ttl_s: float | None, engine_lock: str, load_deadline_s: float
     ) -> None:
-        """``lease_ttl_s`` ``None``: no lease (this weight sync's own servers still load one at a time)."""
+        """``lease_ttl_s`` ``None``: no lease (this weight sync's own servers still load one at a
+        time)."""
         self.holder = holder
         self.lease_ttl_s = lease_ttl_s
         self.engine_lock = engine_lock
@@ -170,7 +175,9 @@ class LoadSlots:
         if lease is not None and not self._try(lease):
             if (url, version) not in self._waiting:
                 self._waiting.add((url, version))
-                log.info("weight_sync.server.waiting", url=url, version=version, holder=lease.owner())
+                log.info(
+                    "weight_sync.server.waiting", url=url, version=version, holder=lease.owner()
+                )
             yield False
             return
         keeper = asyncio.create_task(_keep(lease)) if lease is not None else None
@@ -193,8 +200,8 @@ class LoadSlots:
         return self._leases[store]
 
     def _try(self, lease: ReloadLease) -> bool:
-        """``lease.try_acquire()``; a lease that cannot be written at all does not stop the load (said
-        once)."""
+        """``lease.try_acquire()``; a lease that cannot be written at all does not stop the load
+        (said once)."""
         try:
             return lease.try_acquire()
         except OSError as e:
@@ -204,7 +211,8 @@ class LoadSlots:
                     "weight_sync.lease.unwritable",
                     path=str(lease.path),
                     error=f"{type(e).__name__}: {e}",
-                    effect="weight syncs sharing this store may load their servers at the same time",
+                    effect="weight syncs sharing this store may load their servers "
+                    "at the same time",
                 )
             return True
 

@@ -1,10 +1,15 @@
 """``leafe weight-sync``: make every inference server serve the latest published weight version.
 
-    leafe weight-sync --nats URL --run r1 --server http://127.0.0.1:30000 --server http://gpu-2:30000
-    leafe weight-sync ... --once         # apply the latest version, report, exit 1 if any server failed
-    leafe weight-sync ... --config weight-sync.toml     # WeightSyncConfig fields; flags override
-    leafe weight-sync ... --metrics-port 9465           # Prometheus /metrics (leafe_weight_sync_*)
-    leafe weight-sync ... --engine-lock /run/leafe/engine/reload.lock   # read by the engine's liveness probe
+    leafe weight-sync --nats URL --run r1 --server http://127.0.0.1:30000 \\
+        --server http://gpu-2:30000
+    # apply the latest version, report, exit 1 if any server failed
+    leafe weight-sync ... --once
+    # WeightSyncConfig fields; flags override
+    leafe weight-sync ... --config weight-sync.toml
+    # Prometheus /metrics (leafe_weight_sync_*)
+    leafe weight-sync ... --metrics-port 9465
+    # read by the engine's liveness probe
+    leafe weight-sync ... --engine-lock /run/leafe/engine/reload.lock
 
 How it reconciles is described in ``services/weight_sync/service.py``.
 """
@@ -17,11 +22,11 @@ import signal
 
 import structlog
 
-from services.bus import NatsOptions, add_nats_arguments, nats_options
-from services.config import dump_config, load_config
-from services.logsetup import configure_logging
-from services.metrics import WeightSyncMetrics, add_metrics_arguments, serve_metrics
-from services.weight_sync.service import WeightSync, WeightSyncConfig
+from leafe.services.bus import NatsOptions, add_nats_arguments, nats_options
+from leafe.services.config import dump_config, load_config
+from leafe.services.logsetup import configure_logging
+from leafe.services.metrics import WeightSyncMetrics, add_metrics_arguments, serve_metrics
+from leafe.services.weight_sync.service import WeightSync, WeightSyncConfig
 
 __all__ = ["main"]
 
@@ -31,22 +36,32 @@ log = structlog.get_logger(__name__)
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="leafe weight-sync", description=__doc__.split("\n\n")[0])
     add_nats_arguments(p)
-    p.add_argument("--run", "--run-id", dest="run", required=True, help="run id (--run-id under torchrun)")
-    p.add_argument("--server", action="append", default=None, help="inference server base URL (repeatable)")
+    p.add_argument(
+        "--run", "--run-id", dest="run", required=True, help="run id (--run-id under torchrun)"
+    )
+    p.add_argument(
+        "--server", action="append", default=None, help="inference server base URL (repeatable)"
+    )
     p.add_argument("--config", default=None, help="TOML file with WeightSyncConfig fields")
-    p.add_argument("--reconcile-interval", type=float, default=None, help="seconds between server checks")
+    p.add_argument(
+        "--reconcile-interval", type=float, default=None, help="seconds between server checks"
+    )
     p.add_argument(
         "--verify",
         choices=["manifest", "files", "off"],
         default=None,
-        help="check the export against the announcement: every file (default), the manifest sha256 only, or off",
+        help="check the export against the announcement: every file (default), "
+        "the manifest sha256 only, or off",
     )
     p.add_argument(
         "--engine-lock",
         default=None,
-        help="file held locked while the server loads, read by the engine's liveness probe (one per pod)",
+        help="file held locked while the server loads, read by the engine's liveness probe "
+        "(one per pod)",
     )
-    p.add_argument("--once", action="store_true", help="apply the latest version and exit (1 if any failed)")
+    p.add_argument(
+        "--once", action="store_true", help="apply the latest version and exit (1 if any failed)"
+    )
     p.add_argument("--log-level", default="info")
     add_metrics_arguments(p)
     return p

@@ -2,14 +2,15 @@
 
 A reconciler, not a relay: the desired state is the newest ``WeightsPublished`` on
 ``leafe.<run>.weights`` (read with ``get_last_msg`` on start, then pushed by a subscription); each
-server's actual state is its ``/model_info`` ``weight_version``. Whenever they differ the server gets
-``POST /update_weights_from_disk {"model_path": uri, "weight_version": version}`` (actors/client.py's
-``SGLangClient``), with backoff on failure. Servers are re-checked every ``reconcile_interval_s``, so a
-restarted server (back at ``default``) is brought up to date without a new push. Versions arriving
-faster than servers load are coalesced: only the newest is applied. Per-server results are logged
-(``weight_sync.server.updated`` / ``weight_sync.server.failed``) and returned by :meth:`WeightSync.sync`.
-When the export directory is visible here, its manifest is verified against the announced sha256 first
-and each server's version is recorded in ``<store>/.in_use/`` so the learner never prunes it.
+server's actual state is its ``/model_info`` ``weight_version``. Whenever they differ the server
+gets ``POST /update_weights_from_disk {"model_path": uri, "weight_version": version}``
+(actors/client.py's ``SGLangClient``), with backoff on failure. Servers are re-checked every
+``reconcile_interval_s``, so a restarted server (back at ``default``) is brought up to date without
+a new push. Versions arriving faster than servers load are coalesced: only the newest is applied.
+Per-server results are logged (``weight_sync.server.updated`` / ``weight_sync.server.failed``) and
+returned by :meth:`WeightSync.sync`. When the export directory is visible here, its manifest is
+verified against the announced sha256 first and each server's version is recorded in
+``<store>/.in_use/`` so the learner never prunes it.
 """
 
 from __future__ import annotations
@@ -26,16 +27,16 @@ import msgspec
 import structlog
 from nats.js.errors import NotFoundError
 
-from actors.client import SGLangClient
-from actors.engine import EngineError
-from learner.model_io import ManifestError, verify_manifest
-from learner.weight_store import IN_USE_DIR, mark_in_use, version_index
-from protocol import WeightsPublished, decode_weights, weights_subject
-from protocol.codec import CODEC_HEADER, ProtocolError
-from protocol.subjects import WEIGHTS
-from services.bus import NatsOptions, connect, wait_for_streams
-from services.metrics import WeightSyncMetrics
-from services.weight_sync.lease import LoadSlots
+from leafe.actors.client import SGLangClient
+from leafe.actors.engine import EngineError
+from leafe.learner.model_io import ManifestError, verify_manifest
+from leafe.learner.weight_store import IN_USE_DIR, mark_in_use, version_index
+from leafe.protocol import WeightsPublished, decode_weights, weights_subject
+from leafe.protocol.codec import CODEC_HEADER, ProtocolError
+from leafe.protocol.subjects import WEIGHTS
+from leafe.services.bus import NatsOptions, connect, wait_for_streams
+from leafe.services.metrics import WeightSyncMetrics
+from leafe.services.weight_sync.lease import LoadSlots
 
 __all__ = ["SyncResult", "WeightSync", "WeightSyncConfig"]
 
@@ -57,23 +58,25 @@ class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     """First wait before retrying a failed server (doubles up to ``reconcile_interval_s``)."""
     verify: Literal["manifest", "files", "off"] = "files"
     """Before any server loads an export visible here: check its manifest's sha256 against the
-    announcement and every file against the manifest (``files``, the default: SGLang's rollback after a
-    failed load re-reads the *new* path, so a bad file must never reach it), only the manifest
-    (``manifest``), or nothing (``off``). Each version is hashed once, not at every reconcile."""
+    announcement and every file against the manifest (``files``, the default: SGLang's rollback
+    after a failed load re-reads the *new* path, so a bad file must never reach it), only the
+    manifest (``manifest``), or nothing (``off``). Each version is hashed once, not at every
+    reconcile."""
     reload_lease: bool = True
-    """Load one server at a time among every weight sync sharing the store (``<store>/.in_use/reload/lease``,
-    when the store is visible here): SGLang pods' sidecars all react to the same announcement, and servers
-    that reload together all stop serving together. This weight sync's own servers load one at a time
-    regardless."""
+    """Load one server at a time among every weight sync sharing the store
+    (``<store>/.in_use/reload/lease``, when the store is visible here): SGLang pods' sidecars all
+    react to the same announcement, and servers that reload together all stop serving together. This
+    weight sync's own servers load one at a time regardless."""
     lease_ttl_s: float = 60.0
-    """A lease not refreshed for this long is taken over (its holder died mid-load); a holder refreshes it
-    every quarter of this while its server loads."""
+    """A lease not refreshed for this long is taken over (its holder died mid-load); a holder
+    refreshes it every quarter of this while its server loads."""
     lease_poll_s: float = 1.0
     """How often a weight sync waiting for the lease tries again."""
     engine_lock: str = ""
-    """A file held locked (``flock``) while the server loads, with the load's deadline in it: the engine's
-    liveness probe (deploy/components/sglang/liveness.py) then answers alive instead of asking SGLang for a
-    generation. Empty: none (``leafe inference`` never generates for ``/health``)."""
+    """A file held locked (``flock``) while the server loads, with the load's deadline in it: the
+    engine's liveness probe (deploy/components/sglang/liveness.py) then answers alive instead of
+    asking SGLang for a generation. Empty: none (``leafe inference`` never generates for
+    ``/health``)."""
 
     def __post_init__(self) -> None:
         for name in ("reconcile_interval_s", "update_timeout_s", "lease_ttl_s", "lease_poll_s"):
@@ -91,7 +94,8 @@ class SyncResult(msgspec.Struct, frozen=True, kw_only=True):
     seconds: float
     """Duration of the update call."""
     started_at: float = 0.0
-    """When the update call began (``time.time()``): with ``seconds``, when the server was loading."""
+    """When the update call began (``time.time()``): with ``seconds``, when the server was
+    loading."""
 
 
 def _sha256(path: Path) -> str:
@@ -126,7 +130,8 @@ class WeightSync:
         self.host = socket.gethostname()
         self._marker_warned = False
         self.metrics = metrics or WeightSyncMetrics()
-        """Prometheus metrics (``services/metrics.py``); served by ``leafe weight-sync --metrics-port``."""
+        """Prometheus metrics (``services/metrics.py``); served by ``leafe weight-sync
+        --metrics-port``."""
         self._wake = asyncio.Event()
         self._checked: dict[tuple[str, str, str], bool] = {}
         """The verdict of ``_verified`` on the desired export (version, uri, manifest sha256)."""
@@ -143,13 +148,21 @@ class WeightSync:
         sha256 is refused (nothing could tell its weights from any other files at that path)."""
         if not event.manifest_sha256 and self.cfg.verify != "off":
             reason = "announcement carries no manifest sha256"
-            log.error("weight_sync.version.unverifiable", version=event.version, uri=event.uri, reason=reason)
+            log.error(
+                "weight_sync.version.unverifiable",
+                version=event.version,
+                uri=event.uri,
+                reason=reason,
+            )
             return
         if _newer(event, self.desired):
             self.desired = event
             self._wake.set()
             log.info(
-                "weight_sync.version.announced", version=event.version, uri=event.uri, step=event.learner_step
+                "weight_sync.version.announced",
+                version=event.version,
+                uri=event.uri,
+                step=event.learner_step,
             )
 
     async def close(self) -> None:
@@ -165,8 +178,8 @@ class WeightSync:
             return None
 
     async def _verified(self, event: WeightsPublished) -> bool:
-        """The export is the announced one: its ``manifest.json`` has the announced sha256 (cheap; the
-        export appears atomically, so a matching manifest means a complete directory). With
+        """The export is the announced one: its ``manifest.json`` has the announced sha256 (cheap;
+        the export appears atomically, so a matching manifest means a complete directory). With
         ``verify = "files"`` every file is hashed too (our CPU server does that itself on load)."""
         path = Path(event.uri)
         if self.cfg.verify == "off" or not await asyncio.to_thread(path.is_dir):
@@ -184,10 +197,13 @@ class WeightSync:
                 digest = await asyncio.to_thread(_sha256, path / "manifest.json")
                 if digest != event.manifest_sha256:
                     raise ManifestError(
-                        f"{path}/manifest.json: sha256 {digest} != announced {event.manifest_sha256}"
+                        f"{path}/manifest.json: sha256 {digest} != announced "
+                        f"{event.manifest_sha256}"
                     )
         except (ManifestError, FileNotFoundError) as e:
-            log.error("weight_sync.version.corrupt", version=event.version, uri=event.uri, error=str(e))
+            log.error(
+                "weight_sync.version.corrupt", version=event.version, uri=event.uri, error=str(e)
+            )
             return False
         return True
 
@@ -223,7 +239,9 @@ class WeightSync:
         else:
             self.metrics.failures.labels(engine=url).inc()
             n = self.failures[url] = self.failures.get(url, 0) + 1
-            backoff = min(self.cfg.reconcile_interval_s, self.cfg.retry_backoff_s * 2 ** min(n - 1, 10))
+            backoff = min(
+                self.cfg.reconcile_interval_s, self.cfg.retry_backoff_s * 2 ** min(n - 1, 10)
+            )
             self.retry_at[url] = time.monotonic() + backoff
             log.warning(
                 "weight_sync.server.failed",
@@ -235,8 +253,9 @@ class WeightSync:
         return res
 
     def _mark_in_use(self, url: str, event: WeightsPublished) -> None:
-        """Tell the learner's pruning that ``url`` serves ``event.version`` (refreshed every reconcile).
-        Skipped when the store is not visible here (remote engines); said once when it cannot be written."""
+        """Tell the learner's pruning that ``url`` serves ``event.version`` (refreshed every
+        reconcile). Skipped when the store is not visible here (remote engines); said once when it
+        cannot be written."""
         store = Path(event.uri).parent
         if not store.is_dir():
             return
@@ -290,7 +309,8 @@ class WeightSync:
         return [url for url, behind in zip(self.clients, flags, strict=True) if behind]
 
     def report(self) -> dict[str, str]:
-        """Each server's known version (``unknown``: never answered), logged as ``weight_sync.report``."""
+        """Each server's known version (``unknown``: never answered), logged as
+        ``weight_sync.report``."""
         state = {u: self.served.get(u, "unknown") for u in self.clients}
         desired = self.desired.version if self.desired else None
         log.info("weight_sync.report", desired=desired, servers=state, converged=self.converged())
@@ -301,7 +321,9 @@ class WeightSync:
         d = self.desired
         return d is not None and all(self.served.get(u) == d.version for u in self.clients)
 
-    async def run(self, nats: NatsOptions | str, stop: asyncio.Event, *, once: bool = False) -> bool:
+    async def run(
+        self, nats: NatsOptions | str, stop: asyncio.Event, *, once: bool = False
+    ) -> bool:
         """Follow announcements until ``stop``; with ``once``, one round for the latest version.
 
         Returns True when every server serves the desired version at exit.
@@ -329,8 +351,13 @@ class WeightSync:
                     last_refresh = time.monotonic()
                 await self.sync(refresh=refresh)
                 self._wake.clear()
-                waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stop.wait())]
-                await asyncio.wait(waits, timeout=self._next_wait(), return_when=asyncio.FIRST_COMPLETED)
+                waits = [
+                    asyncio.ensure_future(self._wake.wait()),
+                    asyncio.ensure_future(stop.wait()),
+                ]
+                await asyncio.wait(
+                    waits, timeout=self._next_wait(), return_when=asyncio.FIRST_COMPLETED
+                )
                 for w in waits:
                     w.cancel()
         return self.converged()

@@ -1,4 +1,5 @@
-"""Fixtures shared by the integration tests that fold real logs (a file may still define its own)."""
+"""Fixtures shared by the integration tests that fold real logs (a file may still define its
+own)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ from typing import Any
 
 import pytest
 
-from learner.model_io import HFChatTokenizer, tiny_model_dir
-from services.bus import connect, ensure_streams
+from leafe.learner.model_io import HFChatTokenizer, tiny_model_dir
+from leafe.services.bus import connect, ensure_streams
 
 
 @pytest.fixture(scope="module")
 def tokenizer(cache_dir: Path) -> HFChatTokenizer:
-    """The tiny model's tokenizer (SmolLM2's, 49,152 ids), shared by the log builders and the folds."""
+    """The tiny model's tokenizer (SmolLM2's, 49,152 ids), shared by the log builders and the
+    folds."""
     return HFChatTokenizer.from_dir(tiny_model_dir(cache_dir))
 
 

@@ -1,5 +1,5 @@
-"""Actors against an engine that is not ready (a real nats-server, a real HTTP client): a cold start (SGLang
-loading its model) or an outage mid-run must not burn a task's delivery attempts (issue 27, item 2).
+"""Actors against an engine that is not ready (a real nats-server, a real HTTP client): a cold start
+(SGLang loading its model) or an outage mid-run must not burn a task's delivery attempts.
 
 The engine is a small aiohttp server speaking SGLang's wire format (``/ready``, ``/generate``,
 ``/model_info``) that answers 503 until it is "loaded" and can be taken down for a while mid-run.
@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import pytest
 from aiohttp import web
 
-from actors.client import SGLangClient, SGLangClientConfig
-from actors.config import ActorServiceConfig
-from actors.fakes import ByteChatTokenizer
-from protocol.events import EpisodeFinished
-from services.actor.service import ActorService
-from services.bus import connect, ensure_streams
+from leafe.actors.client import SGLangClient, SGLangClientConfig
+from leafe.actors.config import ActorServiceConfig
+from leafe.actors.fakes import ByteChatTokenizer
+from leafe.protocol.events import EpisodeFinished
+from leafe.services.actor.service import ActorService
+from leafe.services.bus import connect, ensure_streams
 from tests.integration.test_actor_service import corridor_factory, corridor_tasks
 from tests.support.actor_service import read_events, submit, tasks_left, until
 
@@ -30,8 +30,8 @@ pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 
 @dataclass
 class LateEngine:
-    """503 on every route until ``load_after_s`` has passed; ``outage_on`` = the n-th /generate (1-based)
-    starts an outage of ``outage_s`` (503 everywhere, ``/ready`` included)."""
+    """503 on every route until ``load_after_s`` has passed; ``outage_on`` = the n-th /generate
+    (1-based) starts an outage of ``outage_s`` (503 everywhere, ``/ready`` included)."""
 
     load_after_s: float
     outage_on: int = 0
@@ -91,16 +91,24 @@ async def serve(engine: LateEngine) -> AsyncIterator[LateEngine]:
 
 
 def fast_config(max_attempts: int) -> ActorServiceConfig:
-    engine = SGLangClientConfig(backoff_s=0.01, max_backoff_s=0.02, cooldown_s=0.05, ready_poll_s=0.1)
-    return ActorServiceConfig(concurrency=2, max_attempts=max_attempts, retry_delay_s=0.2, engine=engine)
+    engine = SGLangClientConfig(
+        backoff_s=0.01, max_backoff_s=0.02, cooldown_s=0.05, ready_poll_s=0.1
+    )
+    return ActorServiceConfig(
+        concurrency=2, max_attempts=max_attempts, retry_delay_s=0.2, engine=engine
+    )
 
 
-async def run_against(nats_url: str, run_id: str, stub: LateEngine, n: int, max_attempts: int) -> tuple:
+async def run_against(
+    nats_url: str, run_id: str, stub: LateEngine, n: int, max_attempts: int
+) -> tuple:
     nc = await connect(nats_url)
     js = nc.jetstream()
     await ensure_streams(js)
     tasks = corridor_tasks(run_id, n, "rollout")
-    await submit(js, run_id, tasks)  # the documented order's hazard: tasks before the engine is ready
+    await submit(
+        js, run_id, tasks
+    )  # the documented order's hazard: tasks before the engine is ready
     config = fast_config(max_attempts)
     async with SGLangClient.from_config([stub.url], config.engine) as client:
         service = ActorService(
@@ -115,7 +123,9 @@ async def run_against(nats_url: str, run_id: str, stub: LateEngine, n: int, max_
         stop = asyncio.Event()
         runner = asyncio.create_task(service.run(stop))
         try:
-            await until(lambda: service.stats.done + service.stats.failed >= n, f"{n} tasks settled")
+            await until(
+                lambda: service.stats.done + service.stats.failed >= n, f"{n} tasks settled"
+            )
         finally:
             stop.set()
         stats = await asyncio.wait_for(runner, 30)
@@ -127,7 +137,8 @@ async def run_against(nats_url: str, run_id: str, stub: LateEngine, n: int, max_
 
 async def test_a_cold_start_burns_no_delivery(nats_url: str, run_id: str) -> None:
     """Tasks submitted while the engine loads (3 s of 503s) wait for it: none is terminated or even
-    retried, every one completes on its first delivery, and no /generate reached the loading engine."""
+    retried, every one completes on its first delivery, and no /generate reached the loading
+    engine."""
     async with serve(LateEngine(load_after_s=3.0)) as stub:
         stats, episodes, left = await run_against(nats_url, run_id, stub, n=4, max_attempts=2)
     assert (stats.done, stats.failed, stats.retried, stats.engine_outages) == (4, 0, 0, 0)
@@ -137,9 +148,11 @@ async def test_a_cold_start_burns_no_delivery(nats_url: str, run_id: str) -> Non
     assert left == 0
 
 
-async def test_an_outage_mid_run_is_not_counted_against_the_task(nats_url: str, run_id: str) -> None:
-    """The engine goes away mid-episode (a reload, a restart) with ``max_attempts = 1``: the task it hit is
-    nak'ed, not terminated, and completes on a later delivery once the engine is back."""
+async def test_an_outage_mid_run_is_not_counted_against_the_task(
+    nats_url: str, run_id: str
+) -> None:
+    """The engine goes away mid-episode (a reload, a restart) with ``max_attempts = 1``: the task it
+    hit is nak'ed, not terminated, and completes on a later delivery once the engine is back."""
     async with serve(LateEngine(load_after_s=0.0, outage_on=2, outage_s=1.5)) as stub:
         stats, episodes, left = await run_against(nats_url, run_id, stub, n=3, max_attempts=1)
     assert stats.failed == 0 and stats.done == 3

@@ -1,7 +1,7 @@
 """The actor service against a real nats-server: tasks in, complete episodes out, crashes recovered.
 
-These use the scripted engine and the corridor env (real JetStream, real Publisher/Consumer); the real
-stack (CPU inference server, Sokoban) is in ``test_actor_service_sokoban.py``.
+These use the scripted engine and the corridor env (real JetStream, real Publisher/Consumer); the
+real stack (CPU inference server, Sokoban) is in ``test_actor_service_sokoban.py``.
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from typing import Any
 
 import pytest
 
-from actors.config import ActorServiceConfig
-from actors.engine import EngineError
-from actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
-from protocol.events import Branch, EpisodeFinished, EpisodeStarted, Step, WeightsPublished
-from protocol.subjects import weights_subject
-from protocol.tasks import TaskAssignment
-from services.actor.main import run_actor
-from services.actor.service import ActorService
-from services.bus import Publisher, connect, ensure_streams
+from leafe.actors.config import ActorServiceConfig
+from leafe.actors.engine import EngineError
+from leafe.actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
+from leafe.protocol.events import Branch, EpisodeFinished, EpisodeStarted, Step, WeightsPublished
+from leafe.protocol.subjects import weights_subject
+from leafe.protocol.tasks import TaskAssignment
+from leafe.services.actor.main import run_actor
+from leafe.services.actor.service import ActorService
+from leafe.services.bus import Publisher, connect, ensure_streams
 from tests.support.actor_service import read_events, submit, tasks_left, until
 from tests.support.event_checks import check_episode
 
@@ -37,7 +37,8 @@ async def wait_for_calls(engine: ScriptedEngine, n: int) -> None:
 
 
 def left_first_then_learn(kind: str, prompt: str) -> str:
-    """Step 0 without a lesson walks into the pit; the reflection says go right; otherwise go right."""
+    """Step 0 without a lesson walks into the pit; the reflection says go right; otherwise go
+    right."""
     if kind == "reflection":
         return "<step>0</step><experience>go right</experience>"
     return "<action>left</action>" if "(step 0)" in prompt and "Lesson" not in prompt else "right"
@@ -91,9 +92,10 @@ async def test_actor_serves_tasks_end_to_end(nats_url: str, run_id: str) -> None
 
 
 async def test_demo_tasks_become_demonstration_episodes(nats_url: str, run_id: str) -> None:
-    """``--mode demo`` assignments are served by the demonstration runner: one complete demo episode per
-    task with the expert's steps, and the configured Early Experience alternatives off its path."""
-    from services.admin.tasks import make_assignments
+    """``--mode demo`` assignments are served by the demonstration runner: one complete demo episode
+    per task with the expert's steps, and the configured Early Experience alternatives off its
+    path."""
+    from leafe.services.admin.tasks import make_assignments
     from tests.support.demos import ProposalEngine, check_demo_episode
 
     nc = await connect(nats_url)
@@ -179,10 +181,14 @@ async def test_crashed_actor_task_is_redelivered_and_completed(nats_url: str, ru
     await js_nc.close()
 
 
-async def test_drain_abandons_long_episodes_for_immediate_redelivery(nats_url: str, run_id: str) -> None:
-    """Stopping with a drain timeout: running episodes are cancelled and nak'ed, so a new actor gets the task
-    at once (well before ack_wait) and the abandoned episode lacks EpisodeFinished."""
-    config = ActorServiceConfig(concurrency=2, ack_wait_s=60.0, in_progress_interval_s=5, drain_timeout_s=0.2)
+async def test_drain_abandons_long_episodes_for_immediate_redelivery(
+    nats_url: str, run_id: str
+) -> None:
+    """Stopping with a drain timeout: running episodes are cancelled and nak'ed, so a new actor gets
+    the task at once (well before ack_wait) and the abandoned episode lacks EpisodeFinished."""
+    config = ActorServiceConfig(
+        concurrency=2, ack_wait_s=60.0, in_progress_interval_s=5, drain_timeout_s=0.2
+    )
     nc = await connect(nats_url)
     js = nc.jetstream()
     await ensure_streams(js)
@@ -245,9 +251,9 @@ async def test_run_actor_connects_serves_and_disconnects(nats_url: str, run_id: 
 
 
 async def test_engine_failures_are_retried_then_terminated(nats_url: str, run_id: str) -> None:
-    """An engine that keeps failing: the task is nak'ed for a retry, then terminated on its last allowed
-    attempt; no attempt got a completion, so none left an event (EpisodeStarted waits for the first
-    completion's weight version) and the queue is left empty."""
+    """An engine that keeps failing: the task is nak'ed for a retry, then terminated on its last
+    allowed attempt; no attempt got a completion, so none left an event (EpisodeStarted waits for
+    the first completion's weight version) and the queue is left empty."""
 
     def down(kind: str, prompt: str) -> str:
         raise EngineError("every server is down")
@@ -275,10 +281,12 @@ async def test_engine_failures_are_retried_then_terminated(nats_url: str, run_id
     await nc.close()
 
 
-async def test_a_sandbox_that_cannot_isolate_fails_the_task_at_once(nats_url: str, run_id: str) -> None:
-    """An env whose sandbox refuses (the isolation it requires is missing) is not a transient error: the
-    task is terminated on its first attempt with the reason, never retried in a loop."""
-    from envs.sandbox import SandboxUnavailable
+async def test_a_sandbox_that_cannot_isolate_fails_the_task_at_once(
+    nats_url: str, run_id: str
+) -> None:
+    """An env whose sandbox refuses (the isolation it requires is missing) is not a transient error:
+    the task is terminated on its first attempt with the reason, never retried in a loop."""
+    from leafe.envs.sandbox.launch import SandboxUnavailable
 
     def no_sandbox(name: str, **options: object) -> object:
         raise SandboxUnavailable("user namespaces are unavailable here (test)")
@@ -343,4 +351,5 @@ async def test_actor_follows_weights_announcements(nats_url: str, run_id: str) -
     await nc.close()
 
 
-# -- the real stack: CPU inference server (tiny model), SmolLM2's chat template, Sokoban ---------------
+# -- the real stack: CPU inference server (tiny model), SmolLM2's chat template, Sokoban
+# ---------------

@@ -1,5 +1,6 @@
-"""The actor service on the real stack: CPU inference server with the tiny model, SmolLM2's tokenizer,
-Sokoban; events rebuild exactly, and a SIGKILLed actor process's task is finished by another."""
+"""The actor service on the real stack: CPU inference server with the tiny model, SmolLM2's
+tokenizer, Sokoban; events rebuild exactly, and a SIGKILLed actor process's task is finished by
+another."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from subprocess import DEVNULL
 
 import pytest
 
-from actors.config import ActorServiceConfig
-from protocol.events import Branch, EpisodeFinished, Step
-from protocol.prompt import ChatTokenizer, prompt_sha256
-from protocol.tasks import TaskAssignment
-from services.actor.service import ActorService
-from services.bus import connect, ensure_streams
-from services.config import load_config
+from leafe.actors.config import ActorServiceConfig
+from leafe.protocol.events import Branch, EpisodeFinished, Step
+from leafe.protocol.prompt import ChatTokenizer, prompt_sha256
+from leafe.protocol.tasks import TaskAssignment
+from leafe.services.actor.service import ActorService
+from leafe.services.bus import connect, ensure_streams
+from leafe.services.config import load_config
 from tests.support.actor_service import read_events, submit, tasks_left
 from tests.support.event_checks import check_episode, rebuild_step_prompts
 
@@ -40,8 +41,8 @@ SMALL_SOKOBAN = {
 @pytest.fixture(scope="module")
 def inference_url() -> Iterator[str]:
     """A CPU inference server with the tiny random model, in a thread of this process."""
-    from services.inference.local import start_in_thread
-    from services.inference.server import InferenceConfig
+    from leafe.services.inference.local import start_in_thread
+    from leafe.services.inference.server import InferenceConfig
 
     server = start_in_thread(InferenceConfig(model="tiny", port=0, threads=1))
     try:
@@ -52,7 +53,7 @@ def inference_url() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def hf_tokenizer() -> ChatTokenizer:
-    from learner.model_io import HFChatTokenizer, resolve_model
+    from leafe.learner.model_io import HFChatTokenizer, resolve_model
 
     return HFChatTokenizer.from_dir(resolve_model("tiny"))
 
@@ -76,7 +77,7 @@ async def test_real_engine_and_sokoban_episodes_rebuild_exactly(
 ) -> None:
     """With the real client, server, tokenizer and env, tasks become complete episodes whose every
     Step prompt is rebuilt from the log to the recorded sha256 (the replayer's contract)."""
-    from actors.client import SGLangClient
+    from leafe.actors.client import SGLangClient
 
     nc = await connect(nats_url)
     js = nc.jetstream()
@@ -115,9 +116,9 @@ async def test_real_engine_and_sokoban_episodes_rebuild_exactly(
 async def test_sigkilled_actor_process_task_is_finished_by_another(
     nats_url: str, run_id: str, inference_url: str, hf_tokenizer: ChatTokenizer, tmp_path: Path
 ) -> None:
-    """``leafe actor`` SIGKILLed mid-episode: the task comes back after ack_wait, another actor completes it
-    as attempt 2; the killed attempt's episode has Steps but no EpisodeFinished."""
-    from actors.client import SGLangClient
+    """``leafe actor`` SIGKILLed mid-episode: the task comes back after ack_wait, another actor
+    completes it as attempt 2; the killed attempt's episode has Steps but no EpisodeFinished."""
+    from leafe.actors.client import SGLangClient
 
     nc = await connect(nats_url)
     js = nc.jetstream()
@@ -145,7 +146,7 @@ async def test_sigkilled_actor_process_task_is_finished_by_another(
         "victim",
     ]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", *args, cwd=REPO, stdout=DEVNULL, stderr=DEVNULL
+        sys.executable, "-m", "leafe.services.cli", *args, cwd=REPO, stdout=DEVNULL, stderr=DEVNULL
     )
     try:
         deadline = time.monotonic() + 120

@@ -1,4 +1,5 @@
-"""The bus on a real nats-server: streams, acked publishes, dedupe, durable consumers, dead letters."""
+"""The bus on a real nats-server: streams, acked publishes, dedupe, durable consumers, dead
+letters."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from collections.abc import AsyncIterator
 import pytest
 from nats.aio.client import Client
 
-from protocol.codec import CODEC_HEADER, MSG_ID_HEADER, decode_event, encode
-from protocol.events import EpisodeEvent
-from protocol.subjects import STREAMS, StreamSpec, dead_letter_subject, event_subject
-from services.bus import (
+from leafe.protocol.codec import CODEC_HEADER, MSG_ID_HEADER, decode_event, encode
+from leafe.protocol.events import EpisodeEvent
+from leafe.protocol.subjects import STREAMS, StreamSpec, dead_letter_subject, event_subject
+from leafe.services.bus import (
     ERROR_HEADER,
     Consumer,
     ConsumerError,
@@ -25,7 +26,7 @@ from services.bus import (
     ensure_streams,
     read_stream,
 )
-from services.bus.dead_letters import letters_filter
+from leafe.services.bus.dead_letters import letters_filter
 from tests.support.acks import settled_counts
 from tests.support.strategies import make_episode
 
@@ -41,7 +42,9 @@ async def nc(nats_url: str) -> AsyncIterator[Client]:
     await client.close()
 
 
-def events_consumer(nc: Client, run_id: str, durable: str = "", **kw: object) -> Consumer[EpisodeEvent]:
+def events_consumer(
+    nc: Client, run_id: str, durable: str = "", **kw: object
+) -> Consumer[EpisodeEvent]:
     """A consumer of the run's events; the durable defaults to the run id (one per test)."""
     return Consumer(
         nc.jetstream(),
@@ -59,7 +62,8 @@ async def stored(nc: Client, stream: str, subject: str) -> list:
 
 
 async def test_ensure_streams_is_idempotent_and_applies_the_specs(nc: Client) -> None:
-    """Creating the streams twice changes nothing; each stream has its spec's retention and dedupe window."""
+    """Creating the streams twice changes nothing; each stream has its spec's retention and dedupe
+    window."""
     js = nc.jetstream()
     await ensure_streams(js)
     for spec in STREAMS:
@@ -73,7 +77,8 @@ async def test_ensure_streams_is_idempotent_and_applies_the_specs(nc: Client) ->
 async def test_ensure_streams_updates_compatible_and_refuses_incompatible_changes(
     nc: Client, run_id: str
 ) -> None:
-    """A changed max_age/subjects is applied in place; a storage change is refused naming the stream."""
+    """A changed max_age/subjects is applied in place; a storage change is refused naming the
+    stream."""
     js = nc.jetstream()
     name = f"T_{run_id.replace('-', '_')}"[:60]
     spec = StreamSpec(name=name, subjects=[f"t.{run_id}.a"], duplicate_window_s=60.0)
@@ -83,14 +88,19 @@ async def test_ensure_streams_updates_compatible_and_refuses_incompatible_change
     info = await js.stream_info(name)
     assert sorted(info.config.subjects or []) == sorted(wider.subjects)
     assert info.config.max_age == pytest.approx(3600.0)
-    assert info.config.duplicate_window == pytest.approx(3600.0)  # the default day, capped by max_age
+    assert info.config.duplicate_window == pytest.approx(
+        3600.0
+    )  # the default day, capped by max_age
     with pytest.raises(StreamMismatchError, match=rf"{name}.*storage"):
         await ensure_streams(js, [StreamSpec(name=name, subjects=wider.subjects, storage="memory")])
     await js.delete_stream(name)
 
 
-async def test_10k_events_are_consumed_as_published_in_order_per_subject(nc: Client, run_id: str) -> None:
-    """10k events from one publisher come back from a durable consumer identical and in order per subject."""
+async def test_10k_events_are_consumed_as_published_in_order_per_subject(
+    nc: Client, run_id: str
+) -> None:
+    """10k events from one publisher come back from a durable consumer identical and in order per
+    subject."""
     js = nc.jetstream()
     events = [e for i in range(800) for e in make_episode(run_id, f"{run_id}-ep{i:04d}")][:10_000]
     assert len(events) == 10_000
@@ -110,9 +120,9 @@ async def test_10k_events_are_consumed_as_published_in_order_per_subject(nc: Cli
     assert [d.value for d in got] == events
     by_subject: dict[str, list[EpisodeEvent]] = defaultdict(list)
     for event in events:
-        by_subject[event_subject(run_id, str(type(event).__struct_config__.tag), event.actor_id)].append(
-            event
-        )
+        by_subject[
+            event_subject(run_id, str(type(event).__struct_config__.tag), event.actor_id)
+        ].append(event)
     assert {s: [d.value for d in got if d.subject == s] for s in by_subject} == by_subject
     assert [d.stream_seq for d in got] == sorted(d.stream_seq for d in got)
     assert await settled_counts(js, "LEAFE_EVENTS", run_id) == (0, 0)
@@ -120,7 +130,8 @@ async def test_10k_events_are_consumed_as_published_in_order_per_subject(nc: Cli
 
 
 async def test_publishing_the_same_event_twice_stores_it_once(nc: Client, run_id: str) -> None:
-    """A retried publish (same Nats-Msg-Id), even from another publisher later, is stored exactly once."""
+    """A retried publish (same Nats-Msg-Id), even from another publisher later, is stored exactly
+    once."""
     js = nc.jetstream()
     event = make_episode(run_id, f"{run_id}-ep")[1]
     async with Publisher(js) as first:
@@ -152,8 +163,11 @@ async def test_unacked_publishes_are_reported_never_hidden(nc: Client, run_id: s
         await pub.publish_raw(f"nowhere.{run_id}", b"x", {})
 
 
-async def test_malformed_payloads_are_dead_lettered_with_the_reason(nc: Client, run_id: str) -> None:
-    """Undecodable messages go to the dead-letter subject with Leafe-Error + origin headers, and are acked."""
+async def test_malformed_payloads_are_dead_lettered_with_the_reason(
+    nc: Client, run_id: str
+) -> None:
+    """Undecodable messages go to the dead-letter subject with Leafe-Error + origin headers, and are
+    acked."""
     js = nc.jetstream()
     good = make_episode(run_id, f"{run_id}-ep")[1]
     subject = event_subject(run_id, "step", good.actor_id)
@@ -166,24 +180,33 @@ async def test_malformed_payloads_are_dead_lettered_with_the_reason(nc: Client, 
         assert [d.value for d in deliveries] == [good]
         await deliveries[0].msg.ack_sync(timeout=5.0)  # applied before consumer_info reads it
         assert consumer.dead_letters == 2
-    dead = await stored(nc, "LEAFE_DEAD", letters_filter(dead_letter_subject(run_id, "LEAFE_EVENTS")))
+    dead = await stored(
+        nc, "LEAFE_DEAD", letters_filter(dead_letter_subject(run_id, "LEAFE_EVENTS"))
+    )
     assert [m.data for m in dead] == [b"\xc1garbage", encode(good)]
     assert "msgpack" in dead[0].headers[ERROR_HEADER]
     assert "'99'" in dead[1].headers[ERROR_HEADER]
     assert dead[0].headers["Leafe-Original-Subject"] == subject
     assert dead[0].headers["Leafe-Original-Stream"] == "LEAFE_EVENTS"
-    assert int(dead[1].headers["Leafe-Original-Seq"]) == int(dead[0].headers["Leafe-Original-Seq"]) + 1
+    assert (
+        int(dead[1].headers["Leafe-Original-Seq"]) == int(dead[0].headers["Leafe-Original-Seq"]) + 1
+    )
     info = await js.consumer_info("LEAFE_EVENTS", run_id)
     assert info.num_ack_pending == 0 and info.num_pending == 0
 
 
-async def test_a_failed_dead_letter_raises_and_hands_the_batch_back(nc: Client, run_id: str) -> None:
-    """If the dead-letter publish fails, fetch raises naming it and naks the batch for prompt redelivery."""
+async def test_a_failed_dead_letter_raises_and_hands_the_batch_back(
+    nc: Client, run_id: str
+) -> None:
+    """If the dead-letter publish fails, fetch raises naming it and naks the batch for prompt
+    redelivery."""
     js = nc.jetstream()
     good = make_episode(run_id, f"{run_id}-ep")[1]
     async with Publisher(js) as pub:
         await pub.publish_event(good)
-        await pub.publish_raw(event_subject(run_id, "step", "a0"), b"\xc1", {MSG_ID_HEADER: f"{run_id}-bad"})
+        await pub.publish_raw(
+            event_subject(run_id, "step", "a0"), b"\xc1", {MSG_ID_HEADER: f"{run_id}-bad"}
+        )
     broken = Consumer(
         js,
         stream="LEAFE_EVENTS",
@@ -203,7 +226,8 @@ async def test_a_failed_dead_letter_raises_and_hands_the_batch_back(nc: Client, 
 
 
 async def test_a_message_is_acked_only_after_the_handler_succeeded(nc: Client, run_id: str) -> None:
-    """A failing handler's message is nak'ed and redelivered; the others are acked once and not seen again."""
+    """A failing handler's message is nak'ed and redelivered; the others are acked once and not seen
+    again."""
     js = nc.jetstream()
     events = make_episode(run_id, f"{run_id}-ep")[:4]
     async with Publisher(js) as pub:
@@ -225,7 +249,8 @@ async def test_a_message_is_acked_only_after_the_handler_succeeded(nc: Client, r
 
 
 async def test_an_unacked_delivery_is_redelivered_after_ack_wait(nc: Client, run_id: str) -> None:
-    """Fetching without acking (a crashed handler) gets the message again after ack_wait; term() stops it."""
+    """Fetching without acking (a crashed handler) gets the message again after ack_wait; term()
+    stops it."""
     js = nc.jetstream()
     event = make_episode(run_id, f"{run_id}-ep")[1]
     async with Publisher(js) as pub:
@@ -234,13 +259,18 @@ async def test_an_unacked_delivery_is_redelivered_after_ack_wait(nc: Client, run
         (first,) = await consumer.fetch(timeout=2.0)
         assert first.num_delivered == 1
         (again,) = await consumer.fetch(timeout=5.0)
-        assert again.value == event and again.num_delivered == 2 and again.stream_seq == first.stream_seq
+        assert (
+            again.value == event
+            and again.num_delivered == 2
+            and again.stream_seq == first.stream_seq
+        )
         await again.term()  # terminated: never delivered again, although it was not acked
         assert await consumer.fetch(timeout=1.5) == []
 
 
 async def test_in_progress_keeps_slow_work_from_being_redelivered(nc: Client, run_id: str) -> None:
-    """consume() sends in-progress acks while a handler outlasts ack_wait, so nothing is delivered twice."""
+    """consume() sends in-progress acks while a handler outlasts ack_wait, so nothing is delivered
+    twice."""
     js = nc.jetstream()
     events = make_episode(run_id, f"{run_id}-ep")[:2]
     async with Publisher(js) as pub:
@@ -253,13 +283,18 @@ async def test_in_progress_keeps_slow_work_from_being_redelivered(nc: Client, ru
         await asyncio.sleep(1.8)
 
     async with events_consumer(nc, run_id, ack_wait_s=1.5) as consumer:
-        assert await consumer.consume(slow, limit=2) == 2  # the second waits 1.8 s, handled for 3.6 s
+        assert (
+            await consumer.consume(slow, limit=2) == 2
+        )  # the second waits 1.8 s, handled for 3.6 s
         assert await consumer.fetch(timeout=1.7) == []
     assert seen == [1, 1]
 
 
-async def test_durable_consumers_resume_and_refuse_conflicting_configs(nc: Client, run_id: str) -> None:
-    """A restarted consumer with the same durable resumes after the last ack; a changed policy is refused."""
+async def test_durable_consumers_resume_and_refuse_conflicting_configs(
+    nc: Client, run_id: str
+) -> None:
+    """A restarted consumer with the same durable resumes after the last ack; a changed policy is
+    refused."""
     js = nc.jetstream()
     events = make_episode(run_id, f"{run_id}-ep")[:3]
     async with Publisher(js) as pub:
@@ -287,7 +322,8 @@ async def test_durable_consumers_resume_and_refuse_conflicting_configs(nc: Clien
 
 
 async def test_fetch_waits_for_new_messages_then_returns_the_burst(nc: Client, run_id: str) -> None:
-    """An empty consumer parks until messages arrive, then returns them together (not one by one)."""
+    """An empty consumer parks until messages arrive, then returns them together (not one by
+    one)."""
     js = nc.jetstream()
     events = make_episode(run_id, f"{run_id}-ep")
     async with events_consumer(nc, run_id) as consumer:

@@ -1,7 +1,8 @@
 """Crash test of the whole pipeline: while real services explore, materialize and train, SIGKILL an
-actor, the replayer, the learner and the nats-server at random points and restart them. At the end the
-samples on the stream (what the learner consumed) equal the set ``leafe replay`` rebuilds from the log,
-each stored once, and the learner has consumed all of them: nothing lost, nothing duplicated."""
+actor, the replayer, the learner and the nats-server at random points and restart them. At the end
+the samples on the stream (what the learner consumed) equal the set ``leafe replay`` rebuilds from
+the log, each stored once, and the learner has consumed all of them: nothing lost, nothing
+duplicated."""
 
 from __future__ import annotations
 
@@ -14,15 +15,15 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from protocol.subjects import SAMPLES, learner_durable
-from services.bus import connect
-from services.bus.nats_server import EmbeddedNats
-from services.run.context import RunContext
-from services.run.presets import resolve_run_config
-from services.run.stages import run_stages
+from leafe.protocol.subjects import SAMPLES, learner_durable
+from leafe.services.bus import connect
+from leafe.services.bus.nats_server import EmbeddedNats
+from leafe.services.run.context import RunContext
+from leafe.services.run.presets import resolve_run_config
+from leafe.services.run.stages import run_stages
 
-# ~1 min on 2 cores since a redelivered task's earlier attempt is closed at once (the drain used to wait
-# 180 s for it after every actor kill, ~5 min in all): it runs in CI.
+# ~1 min on 2 cores since a redelivered task's earlier attempt is closed at once (the drain used to
+# wait 180 s for it after every actor kill, ~5 min in all): it runs in CI.
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
 
@@ -48,11 +49,13 @@ async def _started(ctx: RunContext, names: set[str], timeout_s: float = 300) -> 
         await asyncio.sleep(0.5)
 
 
-async def test_sigkill_every_service_loses_and_duplicates_nothing(tmp_path: Path, cache_dir: Path) -> None:
-    """Random SIGKILLs of actor, replayer, learner and nats-server during a tiny run of two continual
-    rounds: both rounds finish, the stream's sample ids equal the offline rebuild (report.json says
-    identical) and the learner consumed every sample. (SIGKILL of the supervisor itself:
-    test_run_supervisor_kill.py.)"""
+async def test_sigkill_every_service_loses_and_duplicates_nothing(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """Random SIGKILLs of actor, replayer, learner and nats-server during a tiny run of two
+    continual rounds: both rounds finish, the stream's sample ids equal the offline rebuild
+    (report.json says identical) and the learner consumed every sample. (SIGKILL of the supervisor
+    itself: test_run_supervisor_kill.py.)"""
     overrides = {
         "runs_dir": str(tmp_path),
         "run_id": "chaos",
@@ -64,7 +67,9 @@ async def test_sigkill_every_service_loses_and_duplicates_nothing(tmp_path: Path
         "learner": {"ack_wait_s": 10.0},
     }
     config = resolve_run_config("tiny", overrides=overrides)
-    ctx = RunContext(config=config, console=Console(file=io.StringIO()), stop=asyncio.Event(), live=False)
+    ctx = RunContext(
+        config=config, console=Console(file=io.StringIO()), stop=asyncio.Event(), live=False
+    )
     kills: list[str] = []
     run = asyncio.create_task(run_stages(ctx))
     await _started(ctx, {"actor-0", "replayer", "learner"})
@@ -74,7 +79,9 @@ async def test_sigkill_every_service_loses_and_duplicates_nothing(tmp_path: Path
     report = json.loads((ctx.run_dir / "report.json").read_text())
     assert report["dataset"]["identical"], report
     # the tiny preset's two continual rounds both ran to the end through the kills
-    assert [r["round"] for r in report["rounds"]] == [0, 1] and all(r["finished"] for r in report["rounds"])
+    assert [r["round"] for r in report["rounds"]] == [0, 1] and all(
+        r["finished"] for r in report["rounds"]
+    )
     assert ctx.progress is not None and set(ctx.explore_keys) <= ctx.progress.finished_keys, report
     assert ctx.progress.samples, "no samples were produced; the test would prove nothing"
     with EmbeddedNats(ctx.run_dir / "nats") as server:  # the run's own store, reopened

@@ -1,5 +1,6 @@
-"""``leafe eval`` end to end: the real CLI with the tiny model on Sokoban, two inference server processes
-per model, two models side by side, and the eval episodes published to a real nats-server."""
+"""``leafe eval`` end to end: the real CLI with the tiny model on Sokoban, two inference server
+processes per model, two models side by side, and the eval episodes published to a real
+nats-server."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from learner.model_io import export_weights, load_model, tiny_model_dir
-from protocol.events import EpisodeFinished, EpisodeStarted, Step
-from services.cli import main as leafe
-from services.eval.main import EvalReport
-from services.inference.local import start_in_thread
-from services.inference.server import InferenceConfig
+from leafe.learner.model_io import export_weights, load_model, tiny_model_dir
+from leafe.protocol.events import EpisodeFinished, EpisodeStarted, Step
+from leafe.services.cli import main as leafe
+from leafe.services.eval.main import EvalReport
+from leafe.services.inference.local import start_in_thread
+from leafe.services.inference.server import InferenceConfig
 
 pytestmark = pytest.mark.integration
 
@@ -33,8 +34,8 @@ def _table(markdown: str) -> dict[str, list[float]]:
 
 
 async def _published(nats_url: str, run_id: str) -> list[object]:
-    from services.bus import connect
-    from services.replayer.replay import stream_events
+    from leafe.services.bus import connect
+    from leafe.services.replayer.replay import stream_events
 
     nc = await connect(nats_url, name="test-eval")
     try:
@@ -46,13 +47,16 @@ async def _published(nats_url: str, run_id: str) -> list[object]:
 def test_eval_cli_compares_two_models_writes_files_and_publishes(
     tmp_path: Path, nats_url: str, run_id: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Two models (tiny, and an exported weight version of it) x 2 tasks x 2 samples, k = 1,2: eval.json
-    decodes with a result per model (the export's manifest version stamped on its steps), eval.md's
-    table parses with a row per model, passk.png is a PNG, the table is printed, and every eval episode
-    (8, mode eval, finished) is in the run's log."""
+    """Two models (tiny, and an exported weight version of it) x 2 tasks x 2 samples, k = 1,2:
+    eval.json decodes with a result per model (the export's manifest version stamped on its steps),
+    eval.md's table parses with a row per model, passk.png is a PNG, the table is printed, and every
+    eval episode (8, mode eval, finished) is in the run's log."""
     weights = tmp_path / "weights" / "v000001"
     export_weights(
-        load_model(tiny_model_dir()).state_dict(), weights, config_dir=tiny_model_dir(), version="v1"
+        load_model(tiny_model_dir()).state_dict(),
+        weights,
+        config_dir=tiny_model_dir(),
+        version="v1",
     )
     out = tmp_path / "eval"
     argv = [
@@ -108,7 +112,9 @@ def test_eval_cli_compares_two_models_writes_files_and_publishes(
     assert markdown.count("reproducible: yes") == 2
     assert "| model | Pass@1 | Pass@2 |" in printed.out
     assert (out / "passk.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    if importlib.util.find_spec("tensorboard") is not None:  # each model's Pass@k curve in TensorBoard
+    if (
+        importlib.util.find_spec("tensorboard") is not None
+    ):  # each model's Pass@k curve in TensorBoard
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
         for r in report.results:
@@ -158,14 +164,16 @@ def test_eval_cli_against_a_running_engine_uses_its_tokenizer(tmp_path: Path) ->
     assert (result.label, result.weight_version, result.episodes) == ("served", "w9", 2)
     assert result.reproducible == "unknown", "an external engine's seed handling was not stated"
     assert "reproducible: unknown" in (tmp_path / "eval.md").read_text()
-    assert result.mean_steps <= 2 and _table((tmp_path / "eval.md").read_text()).keys() == {"served"}
+    assert result.mean_steps <= 2 and _table((tmp_path / "eval.md").read_text()).keys() == {
+        "served"
+    }
 
 
 def test_eval_cli_rejects_bad_input_with_a_message(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A model path that is not an HF directory and too many tasks for the split fail with exit 2 and a
-    message naming the value; --nats without --run is a usage error."""
+    """A model path that is not an HF directory and too many tasks for the split fail with exit 2
+    and a message naming the value; --nats without --run is a usage error."""
     base = ["eval", "--env", "sokoban", "--samples", "1", "--k", "1", "--out", str(tmp_path)]
     assert leafe([*base, "--model", str(tmp_path / "nope"), "--tasks", "1"]) == 2
     assert "no config.json" in capsys.readouterr().err

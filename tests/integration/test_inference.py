@@ -1,6 +1,7 @@
-"""The SGLang client against the real CPU inference server (``services/inference/server.py``) with the
-tiny random model: generation, stop rules, exact ids and logprobs, seeded sampling inside batches, n>1,
-weight reloads (good and bad), bad requests; and one chat reply from the real SmolLM2 weights.
+"""The SGLang client against the real CPU inference server (``services/inference/server.py``) with
+the tiny random model: generation, stop rules, exact ids and logprobs, seeded sampling inside
+batches, n>1, weight reloads (good and bad), bad requests; and one chat reply from the real SmolLM2
+weights.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import aiohttp
 import pytest
 import torch
 
-from actors.client import SGLangClient, parse_completions
-from actors.engine import Completion, EngineError, SamplingParams
-from learner.model_io import (
+from leafe.actors.client import SGLangClient, parse_completions
+from leafe.actors.engine import Completion, EngineError, SamplingParams
+from leafe.learner.model_io import (
     HFChatTokenizer,
     export_weights,
     load_model,
@@ -25,9 +26,9 @@ from learner.model_io import (
     resolve_model,
     tiny_model_dir,
 )
-from protocol.samples import ChatMessage
-from services.inference.local import ServerThread, start_in_thread
-from services.inference.server import InferenceConfig
+from leafe.protocol.samples import ChatMessage
+from leafe.services.inference.local import ServerThread, start_in_thread
+from leafe.services.inference.server import InferenceConfig
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 
@@ -71,8 +72,11 @@ def tokenizer() -> Any:
 
 @pytest.fixture
 def fresh_server(tmp_path: Path) -> Iterator[ServerThread]:
-    """A private tiny-model server for tests that change its weights (exports under the test's tmp_path)."""
-    handle = start_in_thread(InferenceConfig(model="tiny", port=0, threads=1, weights_root=str(tmp_path)))
+    """A private tiny-model server for tests that change its weights (exports under the test's
+    tmp_path)."""
+    handle = start_in_thread(
+        InferenceConfig(model="tiny", port=0, threads=1, weights_root=str(tmp_path))
+    )
     try:
         yield handle
     finally:
@@ -80,7 +84,9 @@ def fresh_server(tmp_path: Path) -> Iterator[ServerThread]:
 
 
 async def raw(client: SGLangClient, ids: list[int], **sampling: Any) -> list[Completion]:
-    return parse_completions(await client.generate_raw({"input_ids": ids, "sampling_params": sampling}))
+    return parse_completions(
+        await client.generate_raw({"input_ids": ids, "sampling_params": sampling})
+    )
 
 
 def prompt(tokenizer: Any, text: str) -> list[int]:
@@ -88,14 +94,17 @@ def prompt(tokenizer: Any, text: str) -> list[int]:
 
 
 async def test_greedy_generation_ids_round_trip(tiny_url: str, tokenizer: Any) -> None:
-    """Greedy output: exact ids whose decoding is the returned text, prompt length and default version;
-    a text prompt is tokenized by the server exactly as by our tokenizer."""
+    """Greedy output: exact ids whose decoding is the returned text, prompt length and default
+    version; a text prompt is tokenized by the server exactly as by our tokenizer."""
     ids = prompt(tokenizer, "The weather today is")
     async with SGLangClient(tiny_url) as client:
         [c] = await client.generate(ids, GREEDY)
         body = json.loads(
             await client.generate_raw(
-                {"text": "The weather today is", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+                {
+                    "text": "The weather today is",
+                    "sampling_params": {"max_new_tokens": 12, "temperature": 0},
+                }
             )
         )
     assert 1 <= len(c.output_ids) <= 12 and c.prompt_tokens == len(ids)
@@ -117,22 +126,30 @@ async def test_stop_string_and_stop_token(tiny_url: str, tokenizer: Any) -> None
         stop = next((w for w in words if w.strip() and w in text), None)
         assert stop is not None, f"no usable stop string in {words}"
         [s] = await raw(client, ids, **sampling, stop=[stop])
-        i = next(k for k, t in enumerate(full.output_ids) if k >= 1 and t not in full.output_ids[:k])
+        i = next(
+            k for k, t in enumerate(full.output_ids) if k >= 1 and t not in full.output_ids[:k]
+        )
         stop_id = full.output_ids[i]
         [t] = await raw(client, ids, **{**sampling, "ignore_eos": False}, stop_token_ids=[stop_id])
     assert s.finish_reason == "stop" and s.text == text[: text.find(stop)]
     assert s.output_ids == full.output_ids[: len(s.output_ids)]
-    assert stop in tokenizer.decode(s.output_ids) and stop not in tokenizer.decode(s.output_ids[:-1])
+    assert stop in tokenizer.decode(s.output_ids) and stop not in tokenizer.decode(
+        s.output_ids[:-1]
+    )
     assert t.output_ids == full.output_ids[: i + 1] and t.finish_reason == "stop"
     assert t.text == tokenizer.decode(full.output_ids[:i], skip_special_tokens=True)
 
 
-async def test_logprobs_match_a_direct_forward_pass(tiny_url: str, tokenizer: Any, sharp_dir: Path) -> None:
+async def test_logprobs_match_a_direct_forward_pass(
+    tiny_url: str, tokenizer: Any, sharp_dir: Path
+) -> None:
     """Returned logprobs are log_softmax of the serving model's logits at each output token."""
     ids = prompt(tokenizer, "Logprobs should match")
     async with SGLangClient(tiny_url) as client:
         [c] = await client.generate(
-            ids, SamplingParams(max_new_tokens=8, temperature=1.0, sampling_seed=3), return_logprob=True
+            ids,
+            SamplingParams(max_new_tokens=8, temperature=1.0, sampling_seed=3),
+            return_logprob=True,
         )
     model = load_model(sharp_dir)
     with torch.inference_mode():
@@ -144,21 +161,28 @@ async def test_logprobs_match_a_direct_forward_pass(tiny_url: str, tokenizer: An
     assert torch.allclose(torch.tensor(c.logprobs), ref[:, 0], atol=1e-4)
 
 
-async def test_seeded_sampling_is_reproducible_inside_other_batches(tiny_url: str, tokenizer: Any) -> None:
-    """The same seeded request gives the same tokens alone and batched with other prompts; greedy outputs
-    are the same served concurrently as serially."""
+async def test_seeded_sampling_is_reproducible_inside_other_batches(
+    tiny_url: str, tokenizer: Any
+) -> None:
+    """The same seeded request gives the same tokens alone and batched with other prompts; greedy
+    outputs are the same served concurrently as serially."""
     ids = prompt(tokenizer, "A seeded sample")
     seeded = SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, sampling_seed=1234)
     others = [prompt(tokenizer, "x " * k + "other prompt") for k in (1, 5, 20, 40)]
     async with SGLangClient(tiny_url) as client:
         [alone] = await client.generate(ids, seeded)
         crowd = await asyncio.gather(
-            *(client.generate(o, SamplingParams(max_new_tokens=14, temperature=1.0)) for o in others),
+            *(
+                client.generate(o, SamplingParams(max_new_tokens=14, temperature=1.0))
+                for o in others
+            ),
             client.generate(ids, seeded),
             *(client.generate(o, GREEDY) for o in others),
         )
         serial = [(await client.generate(o, GREEDY))[0].output_ids for o in others]
-        [other_seed] = await client.generate(ids, SamplingParams(max_new_tokens=10, sampling_seed=99))
+        [other_seed] = await client.generate(
+            ids, SamplingParams(max_new_tokens=10, sampling_seed=99)
+        )
     assert crowd[len(others)][0].output_ids == alone.output_ids
     assert [c[0].output_ids for c in crowd[len(others) + 1 :]] == serial
     assert other_seed.output_ids != alone.output_ids
@@ -171,7 +195,9 @@ async def test_staggered_arrivals_join_the_running_batch(tiny_url: str, tokenize
     lengths = [40, 5, 20, 12]
     async with SGLangClient(tiny_url) as client:
         serial = [
-            (await client.generate(p, SamplingParams(max_new_tokens=n, temperature=0.0)))[0].output_ids
+            (await client.generate(p, SamplingParams(max_new_tokens=n, temperature=0.0)))[
+                0
+            ].output_ids
             for p, n in zip(prompts, lengths, strict=True)
         ]
 
@@ -184,9 +210,11 @@ async def test_staggered_arrivals_join_the_running_batch(tiny_url: str, tokenize
     assert list(staggered) == serial
 
 
-async def test_prefix_cache_reuses_prompt_kv_without_changing_outputs(tiny_url: str, tokenizer: Any) -> None:
-    """A prompt extending an earlier one reports the shared tokens as cached_tokens and gets the same
-    tokens and logprobs as after /flush_cache (computed from scratch)."""
+async def test_prefix_cache_reuses_prompt_kv_without_changing_outputs(
+    tiny_url: str, tokenizer: Any
+) -> None:
+    """A prompt extending an earlier one reports the shared tokens as cached_tokens and gets the
+    same tokens and logprobs as after /flush_cache (computed from scratch)."""
     base = prompt(tokenizer, "Task: push the box onto the target. " * 4)
     longer = base + prompt(tokenizer, " Step 1: up -> you moved. Your next action?")
     params = SamplingParams(max_new_tokens=8, temperature=0.0)
@@ -204,7 +232,8 @@ async def test_prefix_cache_reuses_prompt_kv_without_changing_outputs(tiny_url: 
 
 
 async def test_n_samples_and_batch_requests(tiny_url: str, tokenizer: Any) -> None:
-    """n=3 returns 3 distinct samples with fresh ids; a batch of prompts returns results in input order."""
+    """n=3 returns 3 distinct samples with fresh ids; a batch of prompts returns results in input
+    order."""
     ids = prompt(tokenizer, "Sample me")
     async with SGLangClient(tiny_url) as client:
         three = await client.generate(ids, SamplingParams(max_new_tokens=6), n=3)
@@ -222,14 +251,19 @@ async def test_n_samples_and_batch_requests(tiny_url: str, tokenizer: Any) -> No
     assert len({b["meta_info"]["id"] for b in body}) == 4
 
 
-async def test_bad_requests_are_400_and_the_server_keeps_serving(tiny_url: str, tokenizer: Any) -> None:
-    """Unknown sampling keys (seed, OpenAI's max_tokens), an over-long prompt and out-of-vocabulary ids
-    are HTTP 400 with SGLang-like messages surfaced by EngineError; generation still works after."""
+async def test_bad_requests_are_400_and_the_server_keeps_serving(
+    tiny_url: str, tokenizer: Any
+) -> None:
+    """Unknown sampling keys (seed, OpenAI's max_tokens), an over-long prompt and out-of-vocabulary
+    ids are HTTP 400 with SGLang-like messages surfaced by EngineError; generation still works
+    after."""
     async with SGLangClient(tiny_url) as client:
         for key in ("seed", "max_tokens"):
             with pytest.raises(EngineError, match=f"HTTP 400.*unexpected keyword argument '{key}'"):
                 await client.generate_raw({"input_ids": [1, 2], "sampling_params": {key: 1}})
-        with pytest.raises(EngineError, match=r"The input \(2100 tokens\) is longer than .* \(2048 tokens\)"):
+        with pytest.raises(
+            EngineError, match=r"The input \(2100 tokens\) is longer than .* \(2048 tokens\)"
+        ):
             await client.generate([5] * 2100, GREEDY)
         with pytest.raises(EngineError, match="outside the vocabulary"):
             await client.generate([10**7], GREEDY)
@@ -238,8 +272,9 @@ async def test_bad_requests_are_400_and_the_server_keeps_serving(tiny_url: str, 
 
 
 async def test_routes_and_dead_peer(tiny_url: str) -> None:
-    """/health is 200 with an empty body, unknown routes are 404 {"detail": "Not Found"}, /model_info and
-    its alias report the version, and a client with a dead second URL still generates."""
+    """/health is 200 with an empty body, unknown routes are 404 {"detail": "Not Found"},
+    /model_info and its alias report the version, and a client with a dead second URL still
+    generates."""
     async with aiohttp.ClientSession() as http:
         async with http.get(tiny_url + "/health") as r:
             assert r.status == 200 and await r.read() == b""
@@ -255,22 +290,30 @@ async def test_routes_and_dead_peer(tiny_url: str) -> None:
             assert (await client.generate([1, 2, 3], GREEDY))[0].output_ids
 
 
-async def test_weight_reload_changes_version_and_outputs(fresh_server: ServerThread, tmp_path: Path) -> None:
-    """A good export is loaded: the reply and later meta_info carry the new version, greedy outputs change,
-    logprobs follow the new weights, and no prompt KV of the old weights is reused."""
+async def test_weight_reload_changes_version_and_outputs(
+    fresh_server: ServerThread, tmp_path: Path
+) -> None:
+    """A good export is loaded: the reply and later meta_info carry the new version, greedy outputs
+    change, logprobs follow the new weights, and no prompt KV of the old weights is reused."""
     ids = [1, *range(400, 430)]
     async with SGLangClient(fresh_server.url) as client:
         [before] = await client.generate(ids, GREEDY)
-        results = await client.update_weights_from_disk(str(_perturbed_export(tmp_path / "v1", "v1")), "v1")
+        results = await client.update_weights_from_disk(
+            str(_perturbed_export(tmp_path / "v1", "v1")), "v1"
+        )
         [after] = await client.generate(ids, GREEDY, return_logprob=True)
         version = await client.weight_version()
     async with aiohttp.ClientSession() as http:
-        async with http.post(fresh_server.url + "/update_weight_version", json={"new_version": "v1b"}) as r:
+        async with http.post(
+            fresh_server.url + "/update_weight_version", json={"new_version": "v1b"}
+        ) as r:
             assert r.status == 200
     async with SGLangClient(fresh_server.url) as client:
         [renamed] = await client.generate(ids, GREEDY)
     assert renamed.weight_version == "v1b" and renamed.output_ids == after.output_ids
-    assert after.cached_tokens == 0  # the prefix cache held KV of the old weights: cleared by the swap
+    assert (
+        after.cached_tokens == 0
+    )  # the prefix cache held KV of the old weights: cleared by the swap
     assert [r.success for r in results] == [True]
     assert "Weight version updated to v1" in results[0].message
     assert version == "v1" and after.weight_version == "v1" and before.weight_version == "default"
@@ -291,7 +334,9 @@ async def test_version_update_with_abort_ends_running_requests(fresh_server: Ser
         payload = {"input_ids": [1, 2, 3], "sampling_params": long.to_sglang()}
         running = asyncio.create_task(client.generate_raw(payload))
         await asyncio.sleep(0.3)
-        async with http.get(fresh_server.url + "/ready") as r:  # the HTTP loop answers during generation
+        async with http.get(
+            fresh_server.url + "/ready"
+        ) as r:  # the HTTP loop answers during generation
             assert r.status == 200 and not running.done()
         body = {"new_version": "v9", "abort_all_requests": True}
         async with http.post(fresh_server.url + "/update_weight_version", json=body) as r:
@@ -338,8 +383,8 @@ async def test_smollm2_chat_reply() -> None:
 async def test_bfloat16_server_matches_a_bfloat16_forward_and_casts_reloaded_weights(
     sharp_dir: Path, tokenizer: Any, tmp_path: Path
 ) -> None:
-    """``dtype="bfloat16"``: the served logprobs are those of the bf16 model (float32 softmax), and an fp32
-    export loaded by ``update_weights_from_disk`` is cast to bf16 rather than rejected."""
+    """``dtype="bfloat16"``: the served logprobs are those of the bf16 model (float32 softmax), and
+    an fp32 export loaded by ``update_weights_from_disk`` is cast to bf16 rather than rejected."""
     cfg = InferenceConfig(
         model=str(sharp_dir), port=0, threads=1, dtype="bfloat16", weights_root=str(tmp_path)
     )

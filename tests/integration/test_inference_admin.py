@@ -1,6 +1,6 @@
 """The CPU inference server's admin surface (services/inference/): weights load only from under the
-weights root and only with a matching sha256 manifest, an API key guards every route but the probes, and
-every refusal is an SGLang-shaped 4xx with the old weights kept, never a 500."""
+weights root and only with a matching sha256 manifest, an API key guards every route but the probes,
+and every refusal is an SGLang-shaped 4xx with the old weights kept, never a 500."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import aiohttp
 import pytest
 import torch
 
-from actors.client import SGLangClient
-from actors.engine import EngineError, SamplingParams
-from learner.model_io import export_weights, load_model, tiny_model_dir
-from services.inference.config import InferenceConfig
-from services.inference.local import ServerThread, start_in_thread
+from leafe.actors.client import SGLangClient
+from leafe.actors.engine import EngineError, SamplingParams
+from leafe.learner.model_io import export_weights, load_model, tiny_model_dir
+from leafe.services.inference.config import InferenceConfig
+from leafe.services.inference.local import ServerThread, start_in_thread
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0)
@@ -43,7 +43,9 @@ def root(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def server(root: Path) -> Iterator[ServerThread]:
-    handle = start_in_thread(InferenceConfig(model="tiny", port=0, threads=1, weights_root=str(root)))
+    handle = start_in_thread(
+        InferenceConfig(model="tiny", port=0, threads=1, weights_root=str(root))
+    )
     try:
         yield handle
     finally:
@@ -51,13 +53,15 @@ def server(root: Path) -> Iterator[ServerThread]:
 
 
 async def _refused(url: str, path: Path, *, expect: str) -> None:
-    """The update is a 400 whose message contains ``expect``; the server keeps its version and outputs."""
+    """The update is a 400 whose message contains ``expect``; the server keeps its version and
+    outputs."""
     async with SGLangClient(url) as client:
         [before] = await client.generate(IDS, GREEDY)
         async with (
             aiohttp.ClientSession() as s,
             s.post(
-                f"{url}/update_weights_from_disk", json={"model_path": str(path), "weight_version": "evil"}
+                f"{url}/update_weights_from_disk",
+                json={"model_path": str(path), "weight_version": "evil"},
             ) as r,
         ):
             body = await r.json()
@@ -67,9 +71,11 @@ async def _refused(url: str, path: Path, *, expect: str) -> None:
     assert after.output_ids == before.output_ids and after.weight_version == "default"
 
 
-async def test_exports_outside_the_root_are_refused(server: ServerThread, root: Path, tmp_path: Path) -> None:
-    """A whole export elsewhere, a ``..`` path out of the root and a symlink in the root pointing out are
-    all refused; the same export inside the root loads."""
+async def test_exports_outside_the_root_are_refused(
+    server: ServerThread, root: Path, tmp_path: Path
+) -> None:
+    """A whole export elsewhere, a ``..`` path out of the root and a symlink in the root pointing
+    out are all refused; the same export inside the root loads."""
     outside = _export(tmp_path / "elsewhere")
     await _refused(server.url, outside, expect="outside the weights root")
     await _refused(server.url, root / ".." / "elsewhere", expect="outside the weights root")
@@ -103,8 +109,8 @@ async def test_a_server_without_a_root_loads_nothing() -> None:
 async def test_a_missing_or_malformed_manifest_is_a_400(
     server: ServerThread, root: Path, damage: str, expect: str
 ) -> None:
-    """Every way a manifest can be missing or wrong is a 400 naming it (formerly: loaded unverified, or a
-    500 with plain text)."""
+    """Every way a manifest can be missing or wrong is a 400 naming it (formerly: loaded unverified,
+    or a 500 with plain text)."""
     export = _export(root / "v1")
     manifest = export / "manifest.json"
     if damage == "no_manifest":
@@ -123,14 +129,17 @@ async def test_a_missing_or_malformed_manifest_is_a_400(
 
 
 async def test_the_api_key_guards_every_route_but_the_probes(root: Path, tmp_path: Path) -> None:
-    """With a key file: no or a wrong key is 401 on generate, weight updates and model info; the probes
-    answer without it; the client sends it from ``api_key_file`` or ``$LEAFE_ENGINE_API_KEY_FILE``."""
+    """With a key file: no or a wrong key is 401 on generate, weight updates and model info; the
+    probes answer without it; the client sends it from ``api_key_file`` or
+    ``$LEAFE_ENGINE_API_KEY_FILE``."""
     key = tmp_path / "api-key"
     key.write_text("s3cret-key\n")
     wrong = tmp_path / "wrong-key"
     wrong.write_text("guess\n")
     handle = start_in_thread(
-        InferenceConfig(model="tiny", port=0, threads=1, weights_root=str(root), api_key_file=str(key))
+        InferenceConfig(
+            model="tiny", port=0, threads=1, weights_root=str(root), api_key_file=str(key)
+        )
     )
     try:
         async with aiohttp.ClientSession() as s:

@@ -1,5 +1,6 @@
-"""``services/inference/fleet.py``: real ``leafe inference`` children with the tiny model, one per core,
-each behind the fleet's API key; a server that cannot start fails with its log, and stop leaves nothing."""
+"""``services/inference/fleet.py``: real ``leafe inference`` children with the tiny model, one per
+core, each behind the fleet's API key; a server that cannot start fails with its log, and stop
+leaves nothing."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from actors.client import SGLangClient
-from actors.engine import SamplingParams
-from services.inference.fleet import FleetConfig, FleetError, ServerFleet
+from leafe.actors.client import SGLangClient
+from leafe.actors.engine import SamplingParams
+from leafe.services.inference.fleet import FleetConfig, FleetError, ServerFleet
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 
@@ -26,7 +27,9 @@ async def test_two_servers_answer_behind_the_key_on_their_own_cores_and_stop_cle
         assert len(set(fleet.urls)) == 2
         assert _mode(key_file) == 0o600
         pids = [p.pid for p in fleet._procs]
-        assert all(os.sched_getaffinity(pid) == {0} for pid in pids), "each child is pinned to its core"
+        assert all(os.sched_getaffinity(pid) == {0} for pid in pids), (
+            "each child is pinned to its core"
+        )
         bearer = {"Authorization": f"Bearer {_read(key_file)}"}
         async with aiohttp.ClientSession() as s:
             for url in fleet.urls:
@@ -37,7 +40,9 @@ async def test_two_servers_answer_behind_the_key_on_their_own_cores_and_stop_cle
                     assert (await r.json())["internal_states"][0]["threads"] == 1
         for url in fleet.urls:  # every server generates
             async with SGLangClient(url, api_key_file=fleet.api_key_file) as client:
-                [out] = await client.generate([1, 2, 3], SamplingParams(max_new_tokens=3, temperature=0))
+                [out] = await client.generate(
+                    [1, 2, 3], SamplingParams(max_new_tokens=3, temperature=0)
+                )
                 assert out.output_ids
     assert not _exists(key_file), "stop removes the key and the logs"
     assert all(_gone(pid) for pid in pids), "no server outlives stop"
@@ -72,7 +77,7 @@ async def test_a_server_that_cannot_start_fails_the_fleet_with_its_log(tmp_path:
 
 _PARENT = """
 import asyncio, sys
-from services.inference.fleet import FleetConfig, ServerFleet
+from leafe.services.inference.fleet import FleetConfig, ServerFleet
 
 async def main():
     async with ServerFleet(FleetConfig(model="tiny", servers=1, max_batch=1)) as fleet:
@@ -84,8 +89,8 @@ asyncio.run(main())
 
 
 def test_a_sigkilled_parent_leaves_no_server_behind() -> None:
-    """The kernel sends each server SIGTERM when the process that started the fleet dies (SIGKILL leaves
-    it no chance to stop them), so a killed ``leafe eval`` does not leak servers."""
+    """The kernel sends each server SIGTERM when the process that started the fleet dies (SIGKILL
+    leaves it no chance to stop them), so a killed ``leafe eval`` does not leak servers."""
     parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout is not None

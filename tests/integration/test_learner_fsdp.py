@@ -1,5 +1,6 @@
-"""FSDP2 over 2 gloo ranks (``torchrun -m services.learner.train``) against the same run on 1 plain-python rank:
-same per-step losses and the same final weights, with uneven micro-batch shares (dummy rows) included."""
+"""FSDP2 over 2 gloo ranks (``torchrun -m leafe.services.learner.train``) against the same run on 1
+plain-python rank: same per-step losses and the same final weights, with uneven micro-batch shares
+(dummy rows) included."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from learner.config import TrainConfig, train_preset
-from learner.offline import train
-from services.bus.nats_server import free_port
-from services.config import load_config
+from leafe.learner.config import TrainConfig, train_preset
+from leafe.learner.offline import train
+from leafe.services.bus.nats_server import free_port
+from leafe.services.config import load_config
 from tests.support.learner import assert_same_weights, make_samples, write_shards
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
@@ -38,7 +39,9 @@ micro_batch_tokens = 40
 """
 
 
-def _torchrun(data: Path, model: Path, out: Path, cfg_path: Path) -> subprocess.CompletedProcess[str]:
+def _torchrun(
+    data: Path, model: Path, out: Path, cfg_path: Path
+) -> subprocess.CompletedProcess[str]:
     cmd = [
         sys.executable,
         "-m",
@@ -46,7 +49,7 @@ def _torchrun(data: Path, model: Path, out: Path, cfg_path: Path) -> subprocess.
         "--nproc_per_node=2",
         f"--master-port={free_port()}",
         "-m",
-        "services.learner.train",
+        "leafe.services.learner.train",
         "--data",
         str(data),
         "--model",
@@ -61,13 +64,20 @@ def _torchrun(data: Path, model: Path, out: Path, cfg_path: Path) -> subprocess.
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        cmd, cwd=Path(__file__).parents[2], env=env, capture_output=True, text=True, timeout=300, check=False
+        cmd,
+        cwd=Path(__file__).parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
 
 
 def test_two_ranks_match_one_rank(dist_env, tiny_dir: Path, tmp_path: Path) -> None:
-    """torchrun with 2 gloo ranks and one plain-python rank give the same loss at every step and the same
-    trained weights (fp32 exports), on batches whose micro-batch shares are uneven across ranks."""
+    """torchrun with 2 gloo ranks and one plain-python rank give the same loss at every step and the
+    same trained weights (fp32 exports), on batches whose micro-batch shares are uneven across
+    ranks."""
     data = write_shards(tmp_path / "data", make_samples(21, kinds=("cf", "reh", "cf")))
     cfg_path = tmp_path / "cfg.toml"
     cfg_path.write_text(CONFIG, encoding="utf-8")
@@ -110,11 +120,12 @@ micro_batch_tokens = 48
 async def test_online_learner_on_two_ranks(
     nats_url: str, run_id: str, tiny_dir: Path, tmp_path: Path
 ) -> None:
-    """`torchrun -m services.learner.main` on 2 ranks: rank 0 reads the stream and broadcasts each batch, both
-    ranks train, checkpoint and export together; the push is announced on LEAFE_WEIGHTS."""
-    from protocol import decode_weights, weights_subject
-    from protocol.subjects import WEIGHTS
-    from services.bus import connect
+    """`torchrun -m leafe.services.learner.main` on 2 ranks: rank 0 reads the stream and broadcasts
+    each batch, both ranks train, checkpoint and export together; the push is announced on
+    LEAFE_WEIGHTS."""
+    from leafe.protocol import decode_weights, weights_subject
+    from leafe.protocol.subjects import WEIGHTS
+    from leafe.services.bus import connect
     from tests.support.learner import make_sample, publish_samples
 
     await publish_samples(nats_url, [make_sample(i, run_id=run_id) for i in range(16)])
@@ -127,7 +138,7 @@ async def test_online_learner_on_two_ranks(
         "--nproc_per_node=2",
         f"--master-port={free_port()}",
         "-m",
-        "services.learner.main",
+        "leafe.services.learner.main",
         "--nats",
         nats_url,
         "--run-id",

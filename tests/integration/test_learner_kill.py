@@ -1,5 +1,5 @@
-"""A real SIGKILL of ``leafe train`` mid-run, then a rerun on the same ``--out``: it resumes from the
-latest checkpoint and every later step has the loss an uninterrupted run has."""
+"""A real SIGKILL of ``leafe train`` mid-run, then a rerun on the same ``--out``: it resumes from
+the latest checkpoint and every later step has the loss an uninterrupted run has."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from learner.checkpoint import latest_checkpoint
-from learner.config import TrainConfig, train_preset
-from learner.offline import train
-from services.config import load_config
+from leafe.learner.checkpoint import latest_checkpoint
+from leafe.learner.config import TrainConfig, train_preset
+from leafe.learner.offline import train
+from leafe.services.config import load_config
 from tests.support.learner import make_samples, write_shards
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -37,13 +37,20 @@ global_batch = 4
 
 
 def _metrics(out: Path) -> dict[int, float]:
-    """Loss per step; a step trained twice (after the kill, before its checkpoint) keeps its last loss."""
-    return {m["step"]: m["loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    """Loss per step; a step trained twice (after the kill, before its checkpoint) keeps its last
+    loss."""
+    return {
+        m["step"]: m["loss"]
+        for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    }
 
 
-def test_sigkill_then_resume_matches_an_uninterrupted_run(dist_env, tiny_dir: Path, tmp_path: Path) -> None:
-    """Kill -9 after the second checkpoint; the rerun continues from the latest checkpoint (epoch and
-    position inside the epoch included) and reproduces the uninterrupted run's losses step for step."""
+def test_sigkill_then_resume_matches_an_uninterrupted_run(
+    dist_env, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """Kill -9 after the second checkpoint; the rerun continues from the latest checkpoint (epoch
+    and position inside the epoch included) and reproduces the uninterrupted run's losses step for
+    step."""
     data = write_shards(tmp_path / "data", make_samples(24))
     cfg = load_config(TrainConfig, preset=train_preset("cpu"), overrides=tomllib.loads(CONFIG))
     straight = tmp_path / "straight"
@@ -57,7 +64,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(dist_env, tiny_dir: Pa
     cmd = [
         sys.executable,
         "-m",
-        "services.learner.train",
+        "leafe.services.learner.train",
         "--data",
         str(data),
         "--model",
@@ -71,12 +78,18 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(dist_env, tiny_dir: Pa
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        cmd, cwd=Path(__file__).parents[2], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        cmd,
+        cwd=Path(__file__).parents[2],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None:
-            latest = latest_checkpoint(out / "checkpoints") if (out / "checkpoints").is_dir() else None
+            latest = (
+                latest_checkpoint(out / "checkpoints") if (out / "checkpoints").is_dir() else None
+            )
             if latest is not None and latest.name >= "step_00000002":
                 break
             time.sleep(0.05)

@@ -1,9 +1,9 @@
-"""The learner on two nodes: two torchrun agents on loopback form one job through c10d rendezvous (the
-launch of deploy/base/learner.yaml's StatefulSet: ``torchrun --nnodes --rdzv-backend=c10d
+"""The learner on two nodes: two torchrun agents on loopback form one job through c10d rendezvous
+(the launch of deploy/base/learner.yaml's StatefulSet: ``torchrun --nnodes --rdzv-backend=c10d
 --rdzv-endpoint --rdzv-id --max-restarts --no-python sh -c "exec leafe ..."``), one gloo rank each,
-running the offline trainer (``leafe train``). Half the steps on 2 nodes with a DCP checkpoint, then the
-rest resumed on 1 node and, separately, on 2 nodes (DCP reshards the FSDP state): both end with the
-weights of one uninterrupted single-process run on the same data, within float tolerance."""
+running the offline trainer (``leafe train``). Half the steps on 2 nodes with a DCP checkpoint, then
+the rest resumed on 1 node and, separately, on 2 nodes (DCP reshards the FSDP state): both end with
+the weights of one uninterrupted single-process run on the same data, within float tolerance."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from learner.config import TrainConfig, train_preset
-from learner.offline import train
-from services.bus.nats_server import free_port
-from services.config import load_config
+from leafe.learner.config import TrainConfig, train_preset
+from leafe.learner.offline import train
+from leafe.services.bus.nats_server import free_port
+from leafe.services.config import load_config
 from tests.support.learner import assert_same_weights, make_samples, write_shards
 
 # 40-100 s on 2 cores: five torchrun agents and their workers, each importing torch.
@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures
 
 REPO = Path(__file__).parents[2]
 STEPS = 4
-# total_steps is fixed, so stopping after 2 steps (--max-steps) leaves the LR schedule of a full run.
+# total_steps is fixed, so stopping after 2 steps (--max-steps) leaves the LR schedule of a full
+# run.
 CONFIG = f"""
 epochs = 1
 [trainer]
@@ -46,12 +47,18 @@ micro_batch_tokens = 48
 """
 
 
-def _launch(nodes: int, data: Path, model: Path, out: Path, cfg: Path, *extra: str) -> set[tuple[int, int]]:
+def _launch(
+    nodes: int, data: Path, model: Path, out: Path, cfg: Path, *extra: str
+) -> set[tuple[int, int]]:
     """``nodes`` torchrun agents (one process each) started together, as the StatefulSet's pods are;
     returns the ``(rank, world_size)`` each worker logged at ``train.start``."""
     leafe = Path(sys.executable).parent / "leafe"
     inner = " ".join(
-        [f"exec {leafe} train --data {data} --model {model} --out {out} --preset cpu --config {cfg}", *extra]
+        [
+            f"exec {leafe} train --data {data} --model {model} --out {out} --preset cpu --config "
+            f"{cfg}",
+            *extra,
+        ]
     )
     rdzv = [
         f"--nnodes={nodes}",
@@ -92,7 +99,9 @@ def _weights(out: Path) -> dict:
     return load_file(str(out / "final" / "model.safetensors"))
 
 
-def test_checkpoint_on_two_nodes_resumes_on_one_and_on_two(dist_env, tiny_dir: Path, tmp_path: Path) -> None:
+def test_checkpoint_on_two_nodes_resumes_on_one_and_on_two(
+    dist_env, tiny_dir: Path, tmp_path: Path
+) -> None:
     """2 nodes train steps 1-2 and checkpoint; resumed on 1 node and on 2 nodes, steps 3-4 give the
     losses and final weights of a single uninterrupted process."""
     data = write_shards(tmp_path / "data", make_samples(6 * STEPS, kinds=("cf", "reh")))
@@ -111,7 +120,11 @@ def test_checkpoint_on_two_nodes_resumes_on_one_and_on_two(dist_env, tiny_dir: P
 
     ref = tmp_path / "reference"
     result = train(
-        load_config(TrainConfig, preset=train_preset("cpu"), files=[cfg]), data, str(tiny_dir), ref, dist_env
+        load_config(TrainConfig, preset=train_preset("cpu"), files=[cfg]),
+        data,
+        str(tiny_dir),
+        ref,
+        dist_env,
     )
     assert result.steps == STEPS
     expected = _metrics(ref)

@@ -1,5 +1,5 @@
-"""The online learner (services/learner/service.py) against a real nats-server: training from the samples
-stream in sequence order, staleness and kind filtering, checkpoint-then-ack, pushes with
+"""The online learner (services/learner/service.py) against a real nats-server: training from the
+samples stream in sequence order, staleness and kind filtering, checkpoint-then-ack, pushes with
 ``WeightsPublished``, and a crash + restart that neither loses nor double-trains a sample."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from learner.checkpoint import Progress, latest_checkpoint, load_latest
-from learner.config import BatchConfig, LearnerConfig, OptimConfig, TrainerConfig
-from learner.executor import Executor
-from learner.model_io import verify_manifest
-from learner.trainer import StepStats, Trainer
-from protocol import decode_weights, weights_subject
-from protocol.subjects import SAMPLES, WEIGHTS
-from services.bus import connect
-from services.learner.service import OnlineLearner
+from leafe.learner.checkpoint import Progress, latest_checkpoint, load_latest
+from leafe.learner.config import BatchConfig, LearnerConfig, OptimConfig, TrainerConfig
+from leafe.learner.executor import Executor
+from leafe.learner.model_io import verify_manifest
+from leafe.learner.trainer import StepStats, Trainer
+from leafe.protocol import decode_weights, weights_subject
+from leafe.protocol.subjects import SAMPLES, WEIGHTS
+from leafe.services.bus import connect
+from leafe.services.learner.service import OnlineLearner
 from tests.support.acks import settled_counts
 from tests.support.learner import make_sample, publish_samples
 
@@ -70,10 +70,10 @@ def _learner(
 async def test_trains_in_order_filters_pushes_and_acks(
     nats_url: str, run_id: str, dist_env, tiny_dir: Path, tmp_path: Path
 ) -> None:
-    """Fresh samples are trained once each; stale (lag > 1) and untrained-kind samples are consumed but
-    dropped; a learner resumed at version 3 re-exports v000003 on start, pushes v000004 at step 2 and v000005
-    when it stops after step 3 (the announcement's manifest verifies; older versions are pruned with
-    retain 1); after the final checkpoint nothing is left unacknowledged."""
+    """Fresh samples are trained once each; stale (lag > 1) and untrained-kind samples are consumed
+    but dropped; a learner resumed at version 3 re-exports v000003 on start, pushes v000004 at step
+    2 and v000005 when it stops after step 3 (the announcement's manifest verifies; older versions
+    are pruned with retain 1); after the final checkpoint nothing is left unacknowledged."""
     fresh = [
         make_sample(i, kind="cf" if i % 2 else "reh", policy_version="v000003", run_id=run_id)
         for i in range(24)
@@ -99,9 +99,15 @@ async def test_trains_in_order_filters_pushes_and_acks(
     js = nc.jetstream()
     raw = await js.get_last_msg(WEIGHTS.name, weights_subject(run_id))
     event = decode_weights(raw.data)
-    assert (event.version, event.learner_step, event.event_id) == ("v000005", 3, f"weights.{run_id}.v000005")
+    assert (event.version, event.learner_step, event.event_id) == (
+        "v000005",
+        3,
+        f"weights.{run_id}.v000005",
+    )
     assert verify_manifest(Path(event.uri), event.manifest_sha256) is not None
-    assert sorted(p.name for p in (tmp_path / "store").iterdir() if p.name.startswith("v")) == ["v000005"]
+    assert sorted(p.name for p in (tmp_path / "store").iterdir() if p.name.startswith("v")) == [
+        "v000005"
+    ]
     assert await settled_counts(js, SAMPLES.name, f"learner-{run_id}") == (0, 0)
     info = await js.consumer_info(SAMPLES.name, f"learner-{run_id}")
     assert info.ack_floor.stream_seq == progress.samples_seq
@@ -111,10 +117,10 @@ async def test_trains_in_order_filters_pushes_and_acks(
 async def test_crash_and_restart_train_every_sample_once_relative_to_the_checkpoint(
     nats_url: str, run_id: str, dist_env, tiny_dir: Path, tmp_path: Path
 ) -> None:
-    """A learner checkpointing every 2 steps dies after step 3. The restarted one resumes from the step-2
-    checkpoint: it trains step 3 on the same samples with the same loss as before the crash (those
-    weights were lost), then the rest; over both lives every sample is trained exactly once relative to
-    the checkpointed weights."""
+    """A learner checkpointing every 2 steps dies after step 3. The restarted one resumes from the
+    step-2 checkpoint: it trains step 3 on the same samples with the same loss as before the crash
+    (those weights were lost), then the rest; over both lives every sample is trained exactly once
+    relative to the checkpointed weights."""
     samples = [make_sample(i, kind="cf" if i % 3 else "reh", run_id=run_id) for i in range(40)]
     await publish_samples(nats_url, samples)
     cfg = _cfg(checkpoint_every=2)
@@ -137,7 +143,13 @@ async def test_crash_and_restart_train_every_sample_once_relative_to_the_checkpo
     assert progress is not None and progress.step == 2
     after: list[tuple[StepStats, list[str]]] = []
     second = _learner(
-        _cfg(checkpoint_every=2, stop_after_steps=3), trainer, progress, tmp_path, nats_url, run_id, after
+        _cfg(checkpoint_every=2, stop_after_steps=3),
+        trainer,
+        progress,
+        tmp_path,
+        nats_url,
+        run_id,
+        after,
     )
     await asyncio.wait_for(second.run(asyncio.Event()), 240)
 

@@ -1,6 +1,6 @@
-"""The online learner under ``leafe run``'s control file (services/learner/control.py) against a real
-nats-server: a phased learner trains nothing until its samples are released, then the same batches
-whatever order they reached the stream in; threads follow the file."""
+"""The online learner under ``leafe run``'s control file (services/learner/control.py) against a
+real nats-server: a phased learner trains nothing until its samples are released, then the same
+batches whatever order they reached the stream in; threads follow the file."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import pytest
 import torch
 from nats.js.errors import NotFoundError
 
-from learner.checkpoint import Progress
-from learner.config import BatchConfig, LearnerConfig, OptimConfig, TrainerConfig
-from learner.executor import Executor
-from learner.trainer import StepStats, Trainer
-from protocol.subjects import SAMPLES, learner_durable
-from services.bus import connect
-from services.learner.control import ControlFile, LearnerControl, apply_threads, write_control
-from services.learner.service import OnlineLearner
+from leafe.learner.checkpoint import Progress
+from leafe.learner.config import BatchConfig, LearnerConfig, OptimConfig, TrainerConfig
+from leafe.learner.executor import Executor
+from leafe.learner.trainer import StepStats, Trainer
+from leafe.protocol.subjects import SAMPLES, learner_durable
+from leafe.services.bus import connect
+from leafe.services.learner.control import ControlFile, LearnerControl, apply_threads, write_control
+from leafe.services.learner.service import OnlineLearner
 from tests.support.learner import make_sample, publish_samples
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
@@ -28,13 +28,17 @@ pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixture
 
 def _cfg() -> LearnerConfig:
     trainer = TrainerConfig(
-        optim=OptimConfig(lr=1e-3), batch=BatchConfig(global_batch=8), checkpoint_every=1, push_every=1
+        optim=OptimConfig(lr=1e-3),
+        batch=BatchConfig(global_batch=8),
+        checkpoint_every=1,
+        push_every=1,
     )
     return LearnerConfig(trainer=trainer, ack_wait_s=6.0, max_batch_wait_s=0.5)
 
 
 async def _delivered_seq(nats_url: str, run: str) -> int:
-    """The learner consumer's last delivered sequence once nothing is pending (how leafe run releases)."""
+    """The learner consumer's last delivered sequence once nothing is pending (how leafe run
+    releases)."""
     nc = await connect(nats_url)
     try:
         for _ in range(600):
@@ -51,10 +55,17 @@ async def _delivered_seq(nats_url: str, run: str) -> int:
 
 
 async def _phased_run(
-    nats_url: str, run: str, order: list[int], dist_env: object, tiny_dir: Path, tmp: Path, threads: int
+    nats_url: str,
+    run: str,
+    order: list[int],
+    dist_env: object,
+    tiny_dir: Path,
+    tmp: Path,
+    threads: int,
 ) -> tuple[list[tuple[int, list[str], float]], Progress, set[int]]:
-    """Publish 10 samples in ``order`` to a phased learner, release them with ``threads`` torch threads;
-    returns its steps (step, sample ids, loss), its final progress and the thread counts it trained with."""
+    """Publish 10 samples in ``order`` to a phased learner, release them with ``threads`` torch
+    threads; returns its steps (step, sample ids, loss), its final progress and the thread counts it
+    trained with."""
     samples = [make_sample(i, kind="cf" if i % 3 else "reh", run_id=run) for i in range(10)]
     control = tmp / "control.json"
     write_control(control, LearnerControl(release_seq=0, threads=1))
@@ -78,7 +89,9 @@ async def _phased_run(
     used: set[int] = set()
     submit = learner.executor.submit
 
-    def spy(cmd: Any) -> Any:  # runs in the worker thread that trains, after the learner set its threads
+    def spy(
+        cmd: Any,
+    ) -> Any:  # runs in the worker thread that trains, after the learner set its threads
         used.add(torch.get_num_threads())
         return submit(cmd)
 
@@ -87,7 +100,9 @@ async def _phased_run(
     task = asyncio.create_task(learner.run(stop))
     await publish_samples(nats_url, [samples[i] for i in order])
     release = await _delivered_seq(nats_url, run)
-    await asyncio.sleep(1.5)  # three times max_batch_wait_s: a continuous learner would have trained
+    await asyncio.sleep(
+        1.5
+    )  # three times max_batch_wait_s: a continuous learner would have trained
     assert steps == [] and learner.progress.samples_seq == 0
     write_control(control, LearnerControl(release_seq=release, threads=threads))
     for _ in range(600):
@@ -103,12 +118,12 @@ async def _phased_run(
 async def test_a_phased_learner_waits_for_its_release_then_trains_the_same_steps_in_any_order(
     nats_url: str, run_id: str, dist_env: object, tiny_dir: Path, tmp_path: Path
 ) -> None:
-    """Until released (``release_seq`` 0) the learner trains nothing although a partial batch waited past
-    ``max_batch_wait_s``; released up to the last sample, it trains all 10 as a batch of 8 and one of 2 in
-    sample-id order, with one push at the end (not one per step, as push_every = 1 would do while
-    streaming), on the threads the file gives; two runs whose samples reached the stream in different
-    orders, trained on 2 threads and on 1, take the same steps on the same samples with the same
-    losses."""
+    """Until released (``release_seq`` 0) the learner trains nothing although a partial batch waited
+    past ``max_batch_wait_s``; released up to the last sample, it trains all 10 as a batch of 8 and
+    one of 2 in sample-id order, with one push at the end (not one per step, as push_every = 1 would
+    do while streaming), on the threads the file gives; two runs whose samples reached the stream in
+    different orders, trained on 2 threads and on 1, take the same steps on the same samples with
+    the same losses."""
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
     runs = [(f"{run_id}-a", list(range(10)), 2), (f"{run_id}-b", [7, 3, 9, 0, 5, 1, 8, 2, 6, 4], 1)]
@@ -127,8 +142,8 @@ async def test_a_phased_learner_waits_for_its_release_then_trains_the_same_steps
 
 
 def test_threads_are_set_in_the_thread_that_trains() -> None:
-    """torch's thread count is per OS thread: ``apply_threads`` sets it where it is called (the learner
-    calls it in the worker that runs the step), and 0 leaves it alone."""
+    """torch's thread count is per OS thread: ``apply_threads`` sets it where it is called (the
+    learner calls it in the worker that runs the step), and 0 leaves it alone."""
     import torch
 
     seen: list[int] = []

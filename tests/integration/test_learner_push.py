@@ -12,15 +12,15 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from actors.client import SGLangClient
-from actors.engine import SamplingParams
-from learner.checkpoint import Progress
-from learner.config import BatchConfig, LearnerConfig, OptimConfig, TrainerConfig
-from learner.executor import Executor
-from learner.trainer import Trainer
-from services.inference.server import InferenceConfig, InferenceServer
-from services.learner.service import OnlineLearner
-from services.weight_sync.service import WeightSync, WeightSyncConfig
+from leafe.actors.client import SGLangClient
+from leafe.actors.engine import SamplingParams
+from leafe.learner.checkpoint import Progress
+from leafe.learner.config import BatchConfig, LearnerConfig, OptimConfig, TrainerConfig
+from leafe.learner.executor import Executor
+from leafe.learner.trainer import Trainer
+from leafe.services.inference.server import InferenceConfig, InferenceServer
+from leafe.services.learner.service import OnlineLearner
+from leafe.services.weight_sync.service import WeightSync, WeightSyncConfig
 from tests.support.learner import make_sample, publish_samples
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
@@ -30,7 +30,8 @@ GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 
 @pytest.fixture
 async def servers(tiny_dir: Path, tmp_path: Path) -> AsyncIterator[list[str]]:
-    """URLs of two CPU inference servers on the tiny model (in this event loop; engines in threads)."""
+    """URLs of two CPU inference servers on the tiny model (in this event loop; engines in
+    threads)."""
     async with AsyncExitStack() as stack:
         cfg = InferenceConfig(model=str(tiny_dir), port=0, threads=1, weights_root=str(tmp_path))
         started = [await stack.enter_async_context(InferenceServer(cfg)) for _ in range(2)]
@@ -56,10 +57,11 @@ async def _served(sync: WeightSync, urls: list[str], version: str) -> None:
 async def test_pushes_reach_every_inference_server(
     nats_url: str, run_id: str, dist_env, tiny_dir: Path, tmp_path: Path, servers: list[str]
 ) -> None:
-    """Two steps with a push after each: after each push weight-sync reports success for both servers;
-    each server's /model_info says the new version, its generations carry it, and its greedy output
-    changed. A third, unreachable server does not block the others and keeps weight-sync from claiming
-    convergence. (The second push checks that a reload on top of a reload works.)"""
+    """Two steps with a push after each: after each push weight-sync reports success for both
+    servers; each server's /model_info says the new version, its generations carry it, and its
+    greedy output changed. A third, unreachable server does not block the others and keeps
+    weight-sync from claiming convergence. (The second push checks that a reload on top of a reload
+    works.)"""
     urls = servers
     base = make_sample(0, run_id=run_id, prompt_len=12, completion_len=4)
     samples = [msgspec.structs.replace(base, sample_id=f"{run_id}.{i}") for i in range(16)]
@@ -67,12 +69,15 @@ async def test_pushes_reach_every_inference_server(
     assert {v for v, _ in outputs[0]} == {"default"}
 
     sync = WeightSync(
-        WeightSyncConfig(servers=[*urls, "http://127.0.0.1:9"], reconcile_interval_s=0.5), run_id=run_id
+        WeightSyncConfig(servers=[*urls, "http://127.0.0.1:9"], reconcile_interval_s=0.5),
+        run_id=run_id,
     )
     stop_sync = asyncio.Event()
     sync_task = asyncio.create_task(sync.run(nats_url, stop_sync))
     cfg = LearnerConfig(
-        trainer=TrainerConfig(optim=OptimConfig(lr=5e-2), batch=BatchConfig(global_batch=8), push_every=1),
+        trainer=TrainerConfig(
+            optim=OptimConfig(lr=5e-2), batch=BatchConfig(global_batch=8), push_every=1
+        ),
         max_batch_wait_s=0.5,
         stop_after_steps=1,
     )
@@ -92,7 +97,9 @@ async def test_pushes_reach_every_inference_server(
         progress = await asyncio.wait_for(learner.run(asyncio.Event()), 120)
         assert progress.version_index == k + 1
         await _served(sync, urls, version)
-        assert all(sync.results[u].success and sync.results[u].version == version for u in urls), sync.results
+        assert all(sync.results[u].success and sync.results[u].version == version for u in urls), (
+            sync.results
+        )
         for url in urls:
             async with SGLangClient(url) as client:
                 assert await client.weight_version() == version

@@ -1,6 +1,7 @@
-"""A real SIGTERM to ``leafe train`` mid-run (a preempted node, a scheduler's time limit): the run ends
-after the step it is in with a checkpoint of it and exit code 75, and a rerun on the same ``--out`` loses
-no step: every later step has the loss an uninterrupted run has, and the exports are the same."""
+"""A real SIGTERM to ``leafe train`` mid-run (a preempted node, a scheduler's time limit): the run
+ends after the step it is in with a checkpoint of it and exit code 75, and a rerun on the same
+``--out`` loses no step: every later step has the loss an uninterrupted run has, and the exports are
+the same."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from learner.checkpoint import latest_checkpoint
-from learner.config import TrainConfig, train_preset
-from learner.offline import train
-from services.config import load_config
-from services.learner.train import EXIT_STOPPED
+from leafe.learner.checkpoint import latest_checkpoint
+from leafe.learner.config import TrainConfig, train_preset
+from leafe.learner.offline import train
+from leafe.services.config import load_config
+from leafe.services.learner.train import EXIT_STOPPED
 from tests.support.learner import make_samples, write_shards
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
@@ -40,18 +41,25 @@ global_batch = 4
 
 def _steps(out: Path) -> list[int]:
     path = out / "metrics.jsonl"
-    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.is_file() else []
+    return (
+        [json.loads(line)["step"] for line in path.read_text().splitlines()]
+        if path.is_file()
+        else []
+    )
 
 
 def _losses(out: Path) -> dict[int, float]:
-    return {m["step"]: m["loss"] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    return {
+        m["step"]: m["loss"]
+        for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    }
 
 
 def _signal_after_two_steps(
     cmd: list[str], out: Path, target: Callable[[subprocess.Popen[str]], int], stderr: int | None
 ) -> tuple[subprocess.Popen[str], str]:
-    """Start ``cmd`` (a training into ``out``), SIGTERM the pid ``target`` picks once two steps are logged,
-    and return the process and its stdout once it has exited."""
+    """Start ``cmd`` (a training into ``out``), SIGTERM the pid ``target`` picks once two steps are
+    logged, and return the process and its stdout once it has exited."""
     proc = subprocess.Popen(
         cmd,
         cwd=Path(__file__).parents[2],
@@ -84,7 +92,15 @@ def test_sigterm_checkpoints_the_step_it_is_in_and_the_rerun_loses_nothing(
     out = tmp_path / "stopped"
     cfg_path = tmp_path / "cfg.toml"
     cfg_path.write_text(CONFIG)
-    cmd = [sys.executable, "-m", "services.learner.train", "--data", str(data), "--model", str(tiny_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "leafe.services.learner.train",
+        "--data",
+        str(data),
+        "--model",
+        str(tiny_dir),
+    ]
     cmd += ["--out", str(out), "--preset", "cpu", "--config", str(cfg_path)]
     proc, stdout = _signal_after_two_steps(cmd, out, lambda p: p.pid, subprocess.DEVNULL)
     assert proc.returncode == EXIT_STOPPED
@@ -107,10 +123,10 @@ def _children(pid: int) -> list[int]:
 
 
 def test_one_rank_signalled_stops_both_at_the_same_step(tiny_dir: Path, tmp_path: Path) -> None:
-    """Under torchrun only rank 1 gets SIGTERM (a signal need not reach every rank at once): both ranks
-    stop before the same step and save its checkpoint together (a rank that went on alone would hang in
-    the next collective), with exit code 75."""
-    from services.bus.nats_server import free_port
+    """Under torchrun only rank 1 gets SIGTERM (a signal need not reach every rank at once): both
+    ranks stop before the same step and save its checkpoint together (a rank that went on alone
+    would hang in the next collective), with exit code 75."""
+    from leafe.services.bus.nats_server import free_port
 
     data = write_shards(tmp_path / "data", make_samples(48))
     cfg_path = tmp_path / "cfg.toml"
@@ -123,7 +139,16 @@ def test_one_rank_signalled_stops_both_at_the_same_step(tiny_dir: Path, tmp_path
         "--nproc_per_node=2",
         f"--master-port={free_port()}",
     ]
-    cmd += ["-m", "services.learner.train", "--data", str(data), "--model", str(tiny_dir), "--out", str(out)]
+    cmd += [
+        "-m",
+        "leafe.services.learner.train",
+        "--data",
+        str(data),
+        "--model",
+        str(tiny_dir),
+        "--out",
+        str(out),
+    ]
     cmd += ["--preset", "cpu", "--config", str(cfg_path)]
 
     def rank_1(p: subprocess.Popen[str]) -> int:
@@ -137,5 +162,6 @@ def test_one_rank_signalled_stops_both_at_the_same_step(tiny_dir: Path, tmp_path
     assert latest_checkpoint(out / "checkpoints").name == f"step_{taken[-1]:08d}", output[-3000:]  # type: ignore[union-attr]
     assert not (out / "final").exists()
     assert output.count('"train.stopped"') == 2, output[-3000:]
-    # torchrun reports the first rank to exit (75) and SIGTERMs the other, which may already be leaving
+    # torchrun reports the first rank to exit (75) and SIGTERMs the other, which may already be
+    # leaving
     assert proc.returncode != 0 and re.search(r"exitcode\s*:\s*75", output), output[-3000:]

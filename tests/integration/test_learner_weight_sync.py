@@ -1,6 +1,6 @@
-"""``leafe weight-sync`` (services/weight_sync/main.py) against a real nats-server and a real CPU inference
-server: the latest announcement is applied on start, and an export whose manifest does not match the
-announced sha256 is never sent to a server."""
+"""``leafe weight-sync`` (services/weight_sync/main.py) against a real nats-server and a real CPU
+inference server: the latest announcement is applied on start, and an export whose manifest does not
+match the announced sha256 is never sent to a server."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from actors.client import SGLangClient
-from learner.model_io import export_weights, load_model
-from protocol import WeightsPublished, weights_subject
-from services.bus import Publisher, connect, ensure_streams
-from services.inference.server import InferenceConfig, InferenceServer
-from services.weight_sync.service import WeightSync, WeightSyncConfig
+from leafe.actors.client import SGLangClient
+from leafe.learner.model_io import export_weights, load_model
+from leafe.protocol import WeightsPublished, weights_subject
+from leafe.services.bus import Publisher, connect, ensure_streams
+from leafe.services.inference.server import InferenceConfig, InferenceServer
+from leafe.services.weight_sync.service import WeightSync, WeightSyncConfig
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
@@ -61,15 +61,16 @@ async def _version(url: str) -> str:
 async def test_once_applies_the_latest_announcement(
     nats_url: str, run_id: str, tiny_dir: Path, tmp_path: Path, server: str
 ) -> None:
-    """Announced before weight-sync starts: `--once` still finds it (last message of the subject), loads
-    it into the server, reports success and records the server's version in the store's in-use marks."""
+    """Announced before weight-sync starts: `--once` still finds it (last message of the subject),
+    loads it into the server, reports success and records the server's version in the store's in-use
+    marks."""
     await _announce(nats_url, run_id, tiny_dir, tmp_path / "store" / "v000001", "v000001", None)
     await _announce(nats_url, run_id, tiny_dir, tmp_path / "store" / "v000002", "v000002", None)
     sync = WeightSync(WeightSyncConfig(servers=[server]), run_id=run_id)
     assert await asyncio.wait_for(sync.run(nats_url, asyncio.Event(), once=True), 60)
     assert sync.results[server].success and sync.results[server].version == "v000002"
     assert await _version(server) == "v000002"
-    from learner.weight_store import in_use_versions
+    from leafe.learner.weight_store import in_use_versions
 
     assert in_use_versions(tmp_path / "store") == {"v000002"}
 
@@ -77,8 +78,9 @@ async def test_once_applies_the_latest_announcement(
 async def test_an_export_not_matching_its_announcement_is_not_loaded(
     nats_url: str, run_id: str, tiny_dir: Path, tmp_path: Path, server: str
 ) -> None:
-    """A manifest whose sha256 differs from the announced one (half-written, tampered) is refused before
-    any server is asked to load it: the server keeps its weights and weight-sync does not converge."""
+    """A manifest whose sha256 differs from the announced one (half-written, tampered) is refused
+    before any server is asked to load it: the server keeps its weights and weight-sync does not
+    converge."""
     await _announce(nats_url, run_id, tiny_dir, tmp_path / "v000001", "v000001", "0" * 64)
     sync = WeightSync(WeightSyncConfig(servers=[server]), run_id=run_id)
     assert not await asyncio.wait_for(sync.run(nats_url, asyncio.Event(), once=True), 60)
@@ -110,11 +112,12 @@ async def test_an_announcement_without_a_manifest_hash_is_refused(
 async def test_markers_are_named_by_host_and_url(
     nats_url: str, run_id: str, tiny_dir: Path, tmp_path: Path, server: str
 ) -> None:
-    """The marker is written under ``.in_use/`` and named by weight-sync's host as well as the URL, so the
-    sidecars of one Deployment (each calling its own engine at 127.0.0.1) do not overwrite each other."""
+    """The marker is written under ``.in_use/`` and named by weight-sync's host as well as the URL,
+    so the sidecars of one Deployment (each calling its own engine at 127.0.0.1) do not overwrite
+    each other."""
     import re
 
-    from learner.weight_store import IN_USE_DIR, in_use_versions
+    from leafe.learner.weight_store import IN_USE_DIR, in_use_versions
 
     store = tmp_path / "store"
     await _announce(nats_url, run_id, tiny_dir, store / "v000001", "v000001", None)

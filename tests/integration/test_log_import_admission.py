@@ -1,10 +1,12 @@
-"""`leafe log import` admits each record as the replayer does, and runs as a role that can only publish events.
+"""`leafe log import` admits each record as the replayer does, and runs as a role that can only
+publish events.
 
-A crafted but well-formed log file (valid frames, checksums and trailer) names its own subjects: once it
-deleted a JetStream stream (a record on ``$JS.API.STREAM.DELETE.<name>``) and planted a sample on another
-run's samples subject. Now every record must be an event of the file's run, on its own kind's subject, with
-an id derived from its episode and a ``Nats-Msg-Id`` of its own, before anything is published; and the
-``log-import`` role of permissions.json may publish events only, never the JetStream API.
+A crafted but well-formed log file (valid frames, checksums and trailer) names its own subjects:
+once it deleted a JetStream stream (a record on ``$JS.API.STREAM.DELETE.<name>``) and planted a
+sample on another run's samples subject. Now every record must be an event of the file's run, on its
+own kind's subject, with an id derived from its episode and a ``Nats-Msg-Id`` of its own, before
+anything is published; and the ``log-import`` role of permissions.json may publish events only,
+never the JetStream API.
 """
 
 from __future__ import annotations
@@ -18,14 +20,14 @@ import msgspec
 import pytest
 from nats.js.api import StreamConfig
 
-from protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, encode
-from protocol.events import EpisodeEvent
-from protocol.subjects import LEGACY_ACTOR, event_subject
-from services.bus import NatsOptions, connect
-from services.eventlog.cli import main
-from services.eventlog.fileformat import LogRecord, LogWriter, record_for
-from services.eventlog.transfer import ImportRefusedError, import_log, iter_stream_records
-from services.replayer.replay import stream_events
+from leafe.protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, encode
+from leafe.protocol.events import EpisodeEvent
+from leafe.protocol.subjects import LEGACY_ACTOR, event_subject
+from leafe.services.bus import NatsOptions, connect
+from leafe.services.eventlog.cli import main
+from leafe.services.eventlog.fileformat import LogRecord, LogWriter, record_for
+from leafe.services.eventlog.transfer import ImportRefusedError, import_log, iter_stream_records
+from leafe.services.replayer.replay import stream_events
 from tests.integration.test_log_tools import restore_logging  # noqa: F401 (a fixture)
 from tests.support.nats_auth import RoleClient, stored
 from tests.support.strategies import make_episode
@@ -60,7 +62,8 @@ def raw(subject: str, data: bytes, msg_id: str, seq: int = 99) -> LogRecord:
 
 @pytest.fixture
 async def victim(admin_client: RoleClient, run_id: str) -> AsyncIterator[str]:
-    """A stream of this test's own (never a LEAFE stream), which a hostile record tries to delete."""
+    """A stream of this test's own (never a LEAFE stream), which a hostile record tries to
+    delete."""
     name = f"V_{run_id.replace('-', '_')}"[:60]
     await admin_client.js.add_stream(StreamConfig(name=name, subjects=[f"leafe.{run_id}.victim"]))
     yield name
@@ -71,15 +74,20 @@ async def victim(admin_client: RoleClient, run_id: str) -> AsyncIterator[str]:
 async def test_a_record_on_the_jetstream_api_or_another_runs_subject_is_refused(
     nats_url: str, admin_client: RoleClient, victim: str, run_id: str, tmp_path: Path
 ) -> None:
-    """Imported as the admin (the identity import used to need): the file is refused naming the record, and
-    nothing of it is published: the stream survives, no sample is planted, not even the genuine episode."""
+    """Imported as the admin (the identity import used to need): the file is refused naming the
+    record, and nothing of it is published: the stream survives, no sample is planted, not even the
+    genuine episode."""
     other = f"{run_id}-other"[:64]
     events = make_episode(run_id, f"{run_id}-ep0")
     hostile = {
         "delete": raw(f"$JS.API.STREAM.DELETE.{victim}", b"", "x1"),
         "sample": raw(f"leafe.{other}.samples.cf", encode(events[1]), events[1].event_id),
-        "other run's event": raw(f"leafe.{other}.events.step", encode(events[1]), events[1].event_id),
-        "forged dedupe id": raw(f"leafe.{run_id}.events.step", encode(events[2]), f"{run_id}-ep9.0"),
+        "other run's event": raw(
+            f"leafe.{other}.events.step", encode(events[1]), events[1].event_id
+        ),
+        "forged dedupe id": raw(
+            f"leafe.{run_id}.events.step", encode(events[2]), f"{run_id}-ep9.0"
+        ),
         "control header": LogRecord(
             subject=f"leafe.{run_id}.events.step",
             headers={
@@ -114,7 +122,9 @@ def test_the_cli_refuses_it_in_one_line(
         nc = await connect(nats_url)
         try:
             if action == "add":
-                await nc.jetstream().add_stream(StreamConfig(name=name, subjects=[f"leafe.{run_id}.w"]))
+                await nc.jetstream().add_stream(
+                    StreamConfig(name=name, subjects=[f"leafe.{run_id}.w"])
+                )
             names = [n async for n in _names(nc.jetstream())]
             if action == "delete":
                 await nc.jetstream().delete_stream(name)
@@ -138,32 +148,41 @@ async def _names(js: Any) -> AsyncIterator[str]:
 
 @anyio
 async def test_the_log_import_role_imports_events_and_can_do_nothing_else(
-    nats_roles: dict[str, NatsOptions], admin_client: RoleClient, victim: str, run_id: str, tmp_path: Path
+    nats_roles: dict[str, NatsOptions],
+    admin_client: RoleClient,
+    victim: str,
+    run_id: str,
+    tmp_path: Path,
 ) -> None:
-    """As ``log-import``: a genuine file imports (publish + acks on its own inbox); a raw publish on the
-    JetStream API or on a samples subject is a permissions violation and changes nothing."""
+    """As ``log-import``: a genuine file imports (publish + acks on its own inbox); a raw publish on
+    the JetStream API or on a samples subject is a permissions violation and changes nothing."""
     path = tmp_path / "ok.leafelog"
     events = crafted_log(path, run_id, [])
     async with RoleClient(nats_roles["log-import"]) as client:
         stats = await import_log(client.js, path)
         assert (stats.records, stats.stored) == (len(events), len(events))
-        for subject in (f"$JS.API.STREAM.DELETE.{victim}", f"leafe.{run_id}.samples.cf", "$JS.API.INFO"):
+        for subject in (
+            f"$JS.API.STREAM.DELETE.{victim}",
+            f"leafe.{run_id}.samples.cf",
+            "$JS.API.INFO",
+        ):
             await client.nc.publish(subject, b"{}")
             assert await client.violated(subject), (subject, client.violations)
     assert (await admin_client.js.stream_info(victim)).config.name == victim
     assert await stored(admin_client.js, f"leafe.{run_id}.samples.cf") == 0
-    assert [r.headers[MSG_ID_HEADER] async for r in iter_stream_records(admin_client.js, run_id)] == [
-        e.event_id for e in events
-    ]
+    assert [
+        r.headers[MSG_ID_HEADER] async for r in iter_stream_records(admin_client.js, run_id)
+    ] == [e.event_id for e in events]
 
 
 @anyio
 async def test_a_log_written_before_actor_tokens_imports_and_replays_as_actor_legacy(
     nats_roles: dict[str, NatsOptions], admin_client: RoleClient, run_id: str, tmp_path: Path
 ) -> None:
-    """Records on ``leafe.<run>.events.<kind>`` (every log exported before subjects named their actor)
-    import as they are, and the replayer's admission reads them as actor ``legacy`` (their payload ids
-    vouched for by nobody); moved to another run they are published on the ``legacy`` token."""
+    """Records on ``leafe.<run>.events.<kind>`` (every log exported before subjects named their
+    actor) import as they are, and the replayer's admission reads them as actor ``legacy`` (their
+    payload ids vouched for by nobody); moved to another run they are published on the ``legacy``
+    token."""
     events = make_episode(run_id, f"{run_id}-ep0")
     path = tmp_path / "legacy.leafelog"
     with LogWriter(path, run_id=run_id) as writer:

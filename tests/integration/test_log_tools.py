@@ -1,4 +1,5 @@
-"""``leafe log`` export/import/inspect against real nats-servers, and the ``.leafelog`` file format."""
+"""``leafe log`` export/import/inspect against real nats-servers, and the ``.leafelog`` file
+format."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ import msgspec
 import pytest
 import structlog
 
-from protocol.codec import CODEC_HEADER, MSG_ID_HEADER, ProtocolError
-from protocol.events import EpisodeEvent
-from services.bus import Publisher, connect, ensure_streams
-from services.bus.nats_server import EmbeddedNats
-from services.eventlog.cli import main
-from services.eventlog.fileformat import (
+from leafe.protocol.codec import CODEC_HEADER, MSG_ID_HEADER, ProtocolError
+from leafe.protocol.events import EpisodeEvent
+from leafe.services.bus import Publisher, connect, ensure_streams
+from leafe.services.bus.nats_server import EmbeddedNats
+from leafe.services.eventlog.cli import main
+from leafe.services.eventlog.fileformat import (
     MAGIC,
     LogFileError,
     LogHeader,
@@ -32,7 +33,12 @@ from services.eventlog.fileformat import (
     read_log_header,
     write_events,
 )
-from services.eventlog.transfer import export_run, import_log, iter_stream_records, read_stream_events
+from leafe.services.eventlog.transfer import (
+    export_run,
+    import_log,
+    iter_stream_records,
+    read_stream_events,
+)
 from tests.support.logfiles import cut, flip_bit, frame_spans
 from tests.support.strategies import make_episode
 
@@ -44,7 +50,8 @@ KINDS_PER_EPISODE = dict(
 
 @pytest.fixture
 def restore_logging() -> Iterator[None]:
-    """``main()`` configures logging onto the (captured) stderr of the moment; undo it for later tests."""
+    """``main()`` configures logging onto the (captured) stderr of the moment; undo it for later
+    tests."""
     saved, handlers, level = structlog.get_config(), logging.root.handlers[:], logging.root.level
     yield
     structlog.configure(**saved)
@@ -76,7 +83,8 @@ def as_messages(records: list[LogRecord]) -> list[tuple[str, dict[str, str], byt
 async def test_export_then_import_into_a_fresh_server_gives_an_identical_log(
     nats_url: str, run_id: str, tmp_path: Path
 ) -> None:
-    """A run exported from one server and imported into a fresh one has the same messages, in order."""
+    """A run exported from one server and imported into a fresh one has the same messages, in
+    order."""
     events = episodes(run_id)
     await publish(nats_url, events)
     nc = await connect(nats_url)
@@ -94,7 +102,10 @@ async def test_export_then_import_into_a_fresh_server_gives_an_identical_log(
             stats = await import_log(js, tmp_path / "run.leafelog")
             assert (stats.records, stats.stored, stats.duplicates) == (len(events), len(events), 0)
             again = await import_log(js, tmp_path / "run.leafelog")
-            assert (again.stored, again.duplicates) == (0, len(events))  # importing twice stores once
+            assert (again.stored, again.duplicates) == (
+                0,
+                len(events),
+            )  # importing twice stores once
             copied = [r async for r in iter_stream_records(js, run_id)]
             assert await read_stream_events(js, run_id) == events
         finally:
@@ -108,7 +119,8 @@ async def test_export_then_import_into_a_fresh_server_gives_an_identical_log(
 async def test_import_under_a_new_run_rewrites_subjects_and_payloads(
     nats_url: str, run_id: str, tmp_path: Path
 ) -> None:
-    """``--run NEWRUN`` stores a copy under the new run (subjects, run_id) beside the untouched original."""
+    """``--run NEWRUN`` stores a copy under the new run (subjects, run_id) beside the untouched
+    original."""
     events = episodes(run_id, n=2)
     path = tmp_path / "run.leafelog.gz"
     write_events(path, events, run_id=run_id)
@@ -140,7 +152,8 @@ def test_cli_export_inspect_and_import(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """The CLI uses LEAFE_NATS_URL, and inspect reports counts per kind/episode from a file or the stream."""
+    """The CLI uses LEAFE_NATS_URL, and inspect reports counts per kind/episode from a file or the
+    stream."""
     events = episodes(run_id, n=3)
     asyncio.run(publish(nats_url, events))
     monkeypatch.setenv("LEAFE_NATS_URL", nats_url)
@@ -154,7 +167,12 @@ def test_cli_export_inspect_and_import(
     assert from_file["kinds"] == {k: 3 * v for k, v in KINDS_PER_EPISODE.items()}
     assert from_file["last_seq"] - from_file["first_seq"] == len(events) - 1
     episode = from_file["episodes"][f"{run_id}-ep1"]
-    assert (episode["events"], episode["steps"], episode["branches"], episode["success"]) == (14, 7, 2, True)
+    assert (episode["events"], episode["steps"], episode["branches"], episode["success"]) == (
+        14,
+        7,
+        2,
+        True,
+    )
 
     assert main(["inspect", "--run", run_id, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == from_file
@@ -184,7 +202,8 @@ def test_log_file_round_trip_without_a_server(tmp_path: Path) -> None:
 
 
 def test_damaged_log_files_are_reported_with_what_is_wrong(tmp_path: Path) -> None:
-    """A wrong magic, a truncated frame or an unknown format version raise LogFileError saying which."""
+    """A wrong magic, a truncated frame or an unknown format version raise LogFileError saying
+    which."""
     path = tmp_path / "a.leafelog"
     write_events(path, episodes("r1", n=1), run_id="r1")
     data = path.read_bytes()
@@ -195,7 +214,9 @@ def test_damaged_log_files_are_reported_with_what_is_wrong(tmp_path: Path) -> No
     with pytest.raises(LogFileError, match=r"frame \d+ at byte \d+.*truncated"):
         list(iter_log_records(tmp_path / "cut.leafelog"))
     future = msgspec.msgpack.encode(LogHeader(format=3, run_id="r1", filter_subject="x"))
-    (tmp_path / "v3.leafelog").write_bytes(MAGIC + len(future).to_bytes(4, "big") + future + b"\0" * 4)
+    (tmp_path / "v3.leafelog").write_bytes(
+        MAGIC + len(future).to_bytes(4, "big") + future + b"\0" * 4
+    )
     with pytest.raises(LogFileError, match="format 3"):
         read_log_header(tmp_path / "v3.leafelog")
 
@@ -209,7 +230,12 @@ def test_undecodable_records_raise_or_are_skipped_and_counted(
     path = tmp_path / "bad.leafelog"
     with LogWriter(path, run_id="r1") as writer:
         writer.write(
-            LogRecord(subject="leafe.r1.events.step", headers={CODEC_HEADER: "1"}, data=b"\xc1", stream_seq=7)
+            LogRecord(
+                subject="leafe.r1.events.step",
+                headers={CODEC_HEADER: "1"},
+                data=b"\xc1",
+                stream_seq=7,
+            )
         )
         for seq, event in enumerate(events, start=8):
             writer.write(
@@ -225,7 +251,11 @@ def test_undecodable_records_raise_or_are_skipped_and_counted(
     assert list(read_events(path, strict=False)) == events
     assert main(["inspect", "--file", str(path), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert (summary["undecodable"], summary["first_seq"], summary["records"]) == (1, 7, len(events) + 1)
+    assert (summary["undecodable"], summary["first_seq"], summary["records"]) == (
+        1,
+        7,
+        len(events) + 1,
+    )
 
 
 def test_a_failed_write_leaves_no_file(tmp_path: Path) -> None:
@@ -237,7 +267,8 @@ def test_a_failed_write_leaves_no_file(tmp_path: Path) -> None:
 
 
 def damaged_log(path: Path, run_id: str, *, bad_record: int) -> tuple[list[EpisodeEvent], int]:
-    """A v2 log of two episodes with one bit flipped in record ``bad_record``; returns events, its offset."""
+    """A v2 log of two episodes with one bit flipped in record ``bad_record``; returns events, its
+    offset."""
     events = episodes(run_id, n=2)
     write_events(path, events, run_id=run_id)
     start, _ = frame_spans(path.read_bytes())[bad_record]
@@ -276,7 +307,8 @@ def test_import_of_a_damaged_file_publishes_nothing_and_says_where_in_one_line(
 def test_import_partial_publishes_exactly_the_good_prefix_and_says_how_much(
     nats_url: str, run_id: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``--partial`` stores the 20 records before the bad frame, in order, and reports frames and bytes."""
+    """``--partial`` stores the 20 records before the bad frame, in order, and reports frames and
+    bytes."""
     path = tmp_path / "bad.leafelog"
     events, offset = damaged_log(path, run_id, bad_record=21)
     assert main(["import", "--nats", nats_url, "--in", str(path), "--partial"]) == 0
@@ -292,7 +324,8 @@ def test_import_partial_publishes_exactly_the_good_prefix_and_says_how_much(
 def test_import_of_an_intact_file_works_and_a_cut_one_does_not(
     nats_url: str, run_id: str, tmp_path: Path
 ) -> None:
-    """import_log publishes a whole valid file; a copy cut at a frame boundary raises before publishing."""
+    """import_log publishes a whole valid file; a copy cut at a frame boundary raises before
+    publishing."""
     events = episodes(run_id, n=1)
     path, cut_path = tmp_path / "ok.leafelog", tmp_path / "cut.leafelog"
     write_events(path, events, run_id=run_id)
@@ -318,9 +351,10 @@ def test_import_of_an_intact_file_works_and_a_cut_one_does_not(
 def test_leafe_replay_of_a_file_cut_at_a_frame_boundary_fails_in_one_line(
     tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Today the cut file replays with exit 0 and fewer samples; now: exit 1, one line, no dataset."""
-    from learner.model_io import tiny_model_dir
-    from services.replayer import replay
+    """Today the cut file replays with exit 0 and fewer samples; now: exit 1, one line, no
+    dataset."""
+    from leafe.learner.model_io import tiny_model_dir
+    from leafe.services.replayer import replay
 
     path = tmp_path / "run.leafelog"
     write_events(path, episodes("r1", n=3), run_id="r1")
@@ -338,14 +372,15 @@ def test_leafe_replay_of_a_file_cut_at_a_frame_boundary_fails_in_one_line(
 
 @pytest.mark.integration
 def test_the_leafe_command_prints_one_line_and_no_traceback(tmp_path: Path) -> None:
-    """As a user sees it (a subprocess): exit code 1, one stderr line naming the offset, no traceback."""
+    """As a user sees it (a subprocess): exit code 1, one stderr line naming the offset, no
+    traceback."""
     path = tmp_path / "run.leafelog"
     write_events(path, episodes("r1", n=1), run_id="r1")
     start, _ = frame_spans(path.read_bytes())[3]
     cut(path, start + 2)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "log", "inspect", "--file", str(path)],
+        [sys.executable, "-m", "leafe.services.cli", "log", "inspect", "--file", str(path)],
         capture_output=True,
         text=True,
         env=env,

@@ -1,8 +1,8 @@
-"""Every long-running service's /metrics during a tiny run, in-process against the session's nats-server:
-an actor (scripted engine, corridor env) explores, the replayer folds its events into samples (and
-dead-letters two bad messages), the learner trains and pushes, weight sync loads the push into a CPU
-inference server (tiny model) that also serves a few generations. Each endpoint is scraped over HTTP and
-parsed with prometheus-client's parser; the counters show what happened."""
+"""Every long-running service's /metrics during a tiny run, in-process against the session's
+nats-server: an actor (scripted engine, corridor env) explores, the replayer folds its events into
+samples (and dead-letters two bad messages), the learner trains and pushes, weight sync loads the
+push into a CPU inference server (tiny model) that also serves a few generations. Each endpoint is
+scraped over HTTP and parsed with prometheus-client's parser; the counters show what happened."""
 
 from __future__ import annotations
 
@@ -18,25 +18,25 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
-from actors.client import SGLangClient
-from actors.config import ActorServiceConfig
-from actors.engine import SamplingParams
-from actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
-from learner.checkpoint import Progress
-from learner.config import BatchConfig, LearnerConfig, OptimConfig, TrainerConfig
-from learner.executor import Executor
-from learner.materializers import make_materializer
-from learner.trainer import Trainer
-from protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, decode_event, encode
-from protocol.events import EpisodeStarted
-from protocol.subjects import event_subject, task_subject
-from protocol.tasks import TaskAssignment
-from services.actor.service import ActorService
-from services.bus import Publisher, connect, ensure_streams, read_stream
-from services.bus.nats_server import free_port
-from services.inference.server import InferenceConfig, InferenceServer
-from services.learner.service import OnlineLearner
-from services.metrics import (
+from leafe.actors.client import SGLangClient
+from leafe.actors.config import ActorServiceConfig
+from leafe.actors.engine import SamplingParams
+from leafe.actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
+from leafe.learner.checkpoint import Progress
+from leafe.learner.config import BatchConfig, LearnerConfig, OptimConfig, TrainerConfig
+from leafe.learner.executor import Executor
+from leafe.learner.materializers import make_materializer
+from leafe.learner.trainer import Trainer
+from leafe.protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, decode_event, encode
+from leafe.protocol.events import EpisodeStarted
+from leafe.protocol.subjects import event_subject, task_subject
+from leafe.protocol.tasks import TaskAssignment
+from leafe.services.actor.service import ActorService
+from leafe.services.bus import Publisher, connect, ensure_streams, read_stream
+from leafe.services.bus.nats_server import free_port
+from leafe.services.inference.server import InferenceConfig, InferenceServer
+from leafe.services.learner.service import OnlineLearner
+from leafe.services.metrics import (
     ActorMetrics,
     InferenceCollector,
     LearnerMetrics,
@@ -45,16 +45,17 @@ from services.metrics import (
     WeightSyncMetrics,
     serve_metrics,
 )
-from services.replayer.service import Replayer, ReplayerConfig
-from services.run.metrics import parse_samples, scrape
-from services.weight_sync.service import WeightSync, WeightSyncConfig
+from leafe.services.replayer.service import Replayer, ReplayerConfig
+from leafe.services.run.metrics import parse_samples, scrape
+from leafe.services.weight_sync.service import WeightSync, WeightSyncConfig
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 TASKS = 4
 
 
 def _script(kind: str, prompt: str) -> str:
-    """Walk into the pit first; the reflection says go right; with the lesson (or later) go right."""
+    """Walk into the pit first; the reflection says go right; with the lesson (or later) go
+    right."""
     if kind == "reflection":
         return "<step>0</step><experience>go right</experience>"
     return "<action>left</action>" if "(step 0)" in prompt and "Lesson" not in prompt else "right"
@@ -110,7 +111,9 @@ async def _bad_messages(js: Any, run_id: str) -> None:
     ):
         event = decode_event(msg.data, (msg.headers or {}).get(CODEC_HEADER))
         assert isinstance(event, EpisodeStarted)
-        alien = msgspec.structs.replace(event, run_id="another-run", event_id=f"{event.event_id}-alien")
+        alien = msgspec.structs.replace(
+            event, run_id="another-run", event_id=f"{event.event_id}-alien"
+        )
         headers = {MSG_ID_HEADER: alien.event_id, CODEC_HEADER: CODEC_VERSION}
         subject = event_subject(run_id, "episode_started", alien.actor_id)
         await js.publish(subject, encode(alien), headers=headers)
@@ -120,9 +123,10 @@ async def _bad_messages(js: Any, run_id: str) -> None:
 async def test_every_service_exports_parseable_metrics_that_move(
     nats_url: str, run_id: str, dist_env: Any, tiny_dir: Path, tmp_path: Path
 ) -> None:
-    """Actor: episodes by outcome, steps, reflections, rollbacks, branches, engine latency. Replayer:
-    events, samples by kind, dead letters by category, lag. Learner: steps, loss, tokens/s, position.
-    Weight sync: the engine's version index and update time. Inference: tokens, batch sizes, cache hits."""
+    """Actor: episodes by outcome, steps, reflections, rollbacks, branches, engine latency.
+    Replayer: events, samples by kind, dead letters by category, lag. Learner: steps, loss,
+    tokens/s, position. Weight sync: the engine's version index and update time. Inference: tokens,
+    batch sizes, cache hits."""
     tok = ByteChatTokenizer()
     nc = await connect(nats_url)
     js = nc.jetstream()
@@ -173,10 +177,15 @@ async def test_every_service_exports_parseable_metrics_that_move(
         )
         urls["replayer"] = _serve(stack, replayer.metrics.registry)
         trainer_cfg = TrainerConfig(
-            optim=OptimConfig(lr=1e-3), batch=BatchConfig(global_batch=2), checkpoint_every=1, push_every=1
+            optim=OptimConfig(lr=1e-3),
+            batch=BatchConfig(global_batch=2),
+            checkpoint_every=1,
+            push_every=1,
         )
         cfg = LearnerConfig(trainer=trainer_cfg, max_batch_wait_s=0.3, ack_wait_s=30.0)
-        executor = Executor(Trainer(trainer_cfg, tiny_dir, dist_env), tmp_path / "ckpt", keep_checkpoints=1)
+        executor = Executor(
+            Trainer(trainer_cfg, tiny_dir, dist_env), tmp_path / "ckpt", keep_checkpoints=1
+        )
         learner = OnlineLearner(
             cfg,
             executor,
@@ -209,18 +218,23 @@ async def test_every_service_exports_parseable_metrics_that_move(
         finally:
             stop.set()
             await asyncio.wait_for(asyncio.gather(*loops), 120)
-        # With the learner and weight sync stopped no push can land between the two prompts (a weight update
-        # empties the prefix cache: under load one did, and the second prompt missed).
+        # With the learner and weight sync stopped no push can land between the two prompts (a
+        # weight update empties the prefix cache: under load one did, and the second prompt missed).
         async with SGLangClient(inference.url) as client:
             for _ in range(2):  # the second prompt is a prefix-cache hit
                 await client.generate(list(range(5, 40)), SamplingParams(max_new_tokens=4), n=2)
         got["inference"] = await _metrics(urls["inference"])
 
-    # /healthz on the same port: the actor has stopped (its consumer closed), replayer and learner run.
+    # /healthz on the same port: the actor has stopped (its consumer closed), replayer and learner
+    # run.
     assert health["actor"] == (503, "actor: consumer not bound")
     for name in ("replayer", "learner"):
-        assert health[name][0] == 200 and health[name][1].startswith(f"{name}: ok, consumer "), health[name]
-    assert health["weight-sync"][0] == 200 and health["inference"][0] == 200  # nothing attached to check
+        assert health[name][0] == 200 and health[name][1].startswith(f"{name}: ok, consumer "), (
+            health[name]
+        )
+    assert (
+        health["weight-sync"][0] == 200 and health["inference"][0] == 200
+    )  # nothing attached to check
     actor_m, replayer_m, learner_m = got["actor"], got["replayer"], got["learner"]
     assert actor_m['leafe_actor_episodes_total{mode="explore",outcome="success"}'] == TASKS
     assert actor_m["leafe_actor_steps_total"] > TASKS
@@ -233,17 +247,26 @@ async def test_every_service_exports_parseable_metrics_that_move(
     assert replayer_m['leafe_replayer_samples_total{kind="cf"}'] >= TASKS
     assert replayer_m['leafe_replayer_dead_letters_total{reason="undecodable"}'] == 1
     assert replayer_m['leafe_replayer_dead_letters_total{reason="wrong_run"}'] == 1
-    assert replayer_m["leafe_replayer_open_episodes"] == 0 and "leafe_replayer_consumer_lag" in replayer_m
+    assert (
+        replayer_m["leafe_replayer_open_episodes"] == 0
+        and "leafe_replayer_consumer_lag" in replayer_m
+    )
 
     assert learner_m["leafe_learner_steps_total"] >= 1 and learner_m["leafe_learner_step"] >= 1
     assert learner_m['leafe_learner_loss{term="total"}'] > 0
-    assert learner_m["leafe_learner_tokens_per_second"] > 0 and learner_m["leafe_learner_samples_seq"] > 0
+    assert (
+        learner_m["leafe_learner_tokens_per_second"] > 0
+        and learner_m["leafe_learner_samples_seq"] > 0
+    )
     assert learner_m["leafe_learner_push_seconds_count"] >= 1
     assert learner_m["leafe_learner_checkpoint_seconds_count"] >= 1
 
     assert got["weight-sync"]["leafe_weight_sync_push_seconds_count"] >= 1
 
     inf = got["inference"]
-    assert inf["leafe_inference_prefill_tokens_total"] > 0 and inf["leafe_inference_decode_tokens_total"] > 0
+    assert (
+        inf["leafe_inference_prefill_tokens_total"] > 0
+        and inf["leafe_inference_decode_tokens_total"] > 0
+    )
     assert inf["leafe_inference_prefix_cache_hit_tokens_total"] > 0
     assert inf["leafe_inference_batch_size_count"] > 0 and inf["leafe_inference_queue_depth"] == 0

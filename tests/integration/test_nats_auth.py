@@ -1,10 +1,11 @@
-"""NATS least privilege on a real nats-server running deploy/base/nats/permissions.json (the session server of
-tests/conftest.py: every role an nkey user of its own).
+"""NATS least privilege on a real nats-server running deploy/base/nats/permissions.json (the session
+server of tests/conftest.py: every role an nkey user of its own).
 
-Nobody gets in without a known identity; each role is refused every subject it must not touch (the server
-reports a permissions violation naming the subject, and nothing happens: no message stored, no stream or
-consumer created, changed or deleted); the admin may do all of it (so the probes would notice a permitted
-action). That each service's real code does its whole job under its own role is test_nats_roles.py.
+Nobody gets in without a known identity; each role is refused every subject it must not touch (the
+server reports a permissions violation naming the subject, and nothing happens: no message stored,
+no stream or consumer created, changed or deleted); the admin may do all of it (so the probes would
+notice a permitted action). That each service's real code does its whole job under its own role is
+test_nats_roles.py.
 """
 
 from __future__ import annotations
@@ -20,18 +21,18 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 from nats.js.errors import NotFoundError
 
-from protocol.codec import encode, headers_for
-from protocol.subjects import EVENTS, SAMPLES, TASKS, WEIGHTS, event_subject
-from services.actor import service as actor_service
-from services.admin.streams import durables_for_run
-from services.bus import NatsOptions, Publisher, connect, ensure_durables, wait_for_streams
-from services.bus.auth import write_role_keys
-from services.bus.durables import DurableSpec, consumer_config
-from services.bus.nats_server import EmbeddedNats
-from services.bus.pull import Puller
-from services.learner import service as learner_service
-from services.replayer import service as replayer_service
-from services.weight_sync import service as weight_sync_service
+from leafe.protocol.codec import encode, headers_for
+from leafe.protocol.subjects import EVENTS, SAMPLES, TASKS, WEIGHTS, event_subject
+from leafe.services.actor import service as actor_service
+from leafe.services.admin.streams import durables_for_run
+from leafe.services.bus import NatsOptions, Publisher, connect, ensure_durables, wait_for_streams
+from leafe.services.bus.auth import write_role_keys
+from leafe.services.bus.durables import DurableSpec, consumer_config
+from leafe.services.bus.nats_server import EmbeddedNats
+from leafe.services.bus.pull import Puller
+from leafe.services.learner import service as learner_service
+from leafe.services.replayer import service as replayer_service
+from leafe.services.weight_sync import service as weight_sync_service
 from tests.support.nats_auth import RoleClient, stored
 from tests.support.strategies import make_episode
 
@@ -42,9 +43,12 @@ SERVICES = ("actor", "replayer", "learner", "weight-sync")
 
 @pytest.fixture
 async def scratch(admin_client: RoleClient, run_id: str) -> AsyncIterator[str]:
-    """A stream of this test's own (one message in it) to try administering: never a LEAFE stream."""
+    """A stream of this test's own (one message in it) to try administering: never a LEAFE
+    stream."""
     name = f"T_{run_id.replace('-', '_')}"[:60]
-    await admin_client.js.add_stream(StreamConfig(name=name, subjects=[f"leafe.{run_id}.scratch.>"]))
+    await admin_client.js.add_stream(
+        StreamConfig(name=name, subjects=[f"leafe.{run_id}.scratch.>"])
+    )
     await admin_client.js.publish(f"leafe.{run_id}.scratch.a", b"keep me")
     yield name
     await admin_client.js.delete_stream(name)
@@ -106,9 +110,13 @@ async def no_effect(admin_client: RoleClient, kind: str, target: str, run_id: st
             await admin_client.js.stream_info(target)
     elif kind in ("update-stream", "delete-stream", "purge-stream"):
         info = await admin_client.js.stream_info(target)
-        assert (info.config.subjects, info.state.messages) == ([f"leafe.{run_id}.scratch.>"], 1), info
+        assert (info.config.subjects, info.state.messages) == ([f"leafe.{run_id}.scratch.>"], 1), (
+            info
+        )
     elif kind == "create-consumer":
-        assert not await consumer_exists(admin_client.js, target, _probe_consumer(target, run_id)[1])
+        assert not await consumer_exists(
+            admin_client.js, target, _probe_consumer(target, run_id)[1]
+        )
 
 
 async def test_clients_without_a_known_identity_are_refused(
@@ -116,7 +124,10 @@ async def test_clients_without_a_known_identity_are_refused(
 ) -> None:
     """No anonymous access: a bare URL and a seed the server does not know are both refused."""
     stranger = write_role_keys(tmp_path, ["stranger"])["stranger"]
-    for opts in (NatsOptions(url=nats_server.url), NatsOptions(url=nats_server.url, nkey=stranger.seed_file)):
+    for opts in (
+        NatsOptions(url=nats_server.url),
+        NatsOptions(url=nats_server.url, nkey=stranger.seed_file),
+    ):
         errors: list[str] = []
 
         async def seen(e: Exception, errors: list[str] = errors) -> None:
@@ -163,7 +174,8 @@ DENIED = [
     ("actor", "publish", "leafe.{run}.events.episode_started.forged-9"),
     ("actor", "publish", "leafe.{run}.events.step"),
     ("actor", "publish", "leafe.{run}.events.step.actor-0.x"),
-    # inboxes: pull deliveries and JetStream API replies; each role (each actor) reads only its own prefix
+    # inboxes: pull deliveries and JetStream API replies; each role (each actor) reads only its own
+    # prefix
     ("actor", "subscribe", "_INBOX_actor.actor-1.>"),
     ("actor", "subscribe", "_INBOX_actor.>"),
     ("actor", "subscribe", "_INBOX_learner.>"),
@@ -192,9 +204,9 @@ async def test_each_role_is_refused_what_it_must_not_touch(
     kind: str,
     template: str,
 ) -> None:
-    """Only the learner publishes weights, only the actor events, only the replayer samples, only the admin
-    tasks; no service creates, updates, deletes or purges a stream or reads another role's stream: the
-    server reports the violation naming the subject, and the attempt leaves no trace."""
+    """Only the learner publishes weights, only the actor events, only the replayer samples, only
+    the admin tasks; no service creates, updates, deletes or purges a stream or reads another role's
+    stream: the server reports the violation naming the subject, and the attempt leaves no trace."""
     target = _target(template, run_id, scratch)
     async with RoleClient(nats_roles[role]) as client:
         subject = await attempt(client, kind, target, run_id)
@@ -214,8 +226,8 @@ async def test_each_role_is_refused_what_it_must_not_touch(
 async def test_the_admin_may_do_what_the_services_may_not(
     admin_client: RoleClient, scratch: str, run_id: str, kind: str, template: str
 ) -> None:
-    """The same probes as the admin take effect without a violation (so a refusal above is the server's
-    permissions at work, not a probe that could never succeed)."""
+    """The same probes as the admin take effect without a violation (so a refusal above is the
+    server's permissions at work, not a probe that could never succeed)."""
     target = _target(template, run_id, scratch)
     if kind == "publish":
         await admin_client.js.publish(target, b"x")
@@ -256,14 +268,18 @@ async def test_each_service_may_read_the_streams_it_waits_for(
 async def test_each_role_pulls_and_asks_jetstream_through_its_own_inbox(
     nats_roles: dict[str, NatsOptions], admin_client: RoleClient, run_id: str
 ) -> None:
-    """Every service role's client makes its inboxes under ``_INBOX_<role>``, where its JetStream API
-    replies and pull deliveries arrive: the learner pulls a message through it, while the actor, listening
-    on the learner's prefix, is refused and sees nothing (it once read the learner's pulled samples on
-    ``_INBOX.>``)."""
+    """Every service role's client makes its inboxes under ``_INBOX_<role>``, where its JetStream
+    API replies and pull deliveries arrive: the learner pulls a message through it, while the actor,
+    listening on the learner's prefix, is refused and sees nothing (it once read the learner's
+    pulled samples on ``_INBOX.>``)."""
     for role, opts in nats_roles.items():
-        want = {"admin": b"_INBOX", "actor": b"_INBOX_actor.actor-0"}.get(role, f"_INBOX_{role}".encode())
+        want = {"admin": b"_INBOX", "actor": b"_INBOX_actor.actor-0"}.get(
+            role, f"_INBOX_{role}".encode()
+        )
         async with RoleClient(opts) as client:
-            assert bytes(client.nc._inbox_prefix) == want and client.nc.new_inbox().startswith(want.decode())
+            assert bytes(client.nc._inbox_prefix) == want and client.nc.new_inbox().startswith(
+                want.decode()
+            )
             if role != "log-import":  # it may ask the JetStream API nothing at all
                 await client.js.stream_info(WEIGHTS.name if role != "replayer" else EVENTS.name)
             assert client.violations == [], role
@@ -275,7 +291,10 @@ async def test_each_role_pulls_and_asks_jetstream_through_its_own_inbox(
     )
     await admin_client.js.publish(subject, b"a learner's sample")
     try:
-        async with RoleClient(nats_roles["actor"]) as spy, RoleClient(nats_roles["learner"]) as learner:
+        async with (
+            RoleClient(nats_roles["actor"]) as spy,
+            RoleClient(nats_roles["learner"]) as learner,
+        ):
             seen: list[bytes] = []
 
             async def snoop(msg: Any) -> None:
@@ -298,25 +317,33 @@ async def test_each_role_pulls_and_asks_jetstream_through_its_own_inbox(
 async def test_each_actor_publishes_events_only_under_its_own_id(
     nats_roles: dict[str, NatsOptions], admin_client: RoleClient, run_id: str
 ) -> None:
-    """Two actors, each with its own nkey user (``actor.<id>``, as ``leafe run`` makes them): each one's
-    events are stored on its own subject token; actor-0 publishing actor-1's event (the Publisher puts it
-    on actor-1's token) or a made-up token is refused by the server, and nothing is stored, so the token the
-    replayer caps open episodes by is one no actor can forge."""
+    """Two actors, each with its own nkey user (``actor.<id>``, as ``leafe run`` makes them): each
+    one's events are stored on its own subject token; actor-0 publishing actor-1's event (the
+    Publisher puts it on actor-1's token) or a made-up token is refused by the server, and nothing
+    is stored, so the token the replayer caps open episodes by is one no actor can forge."""
     theirs = msgspec.structs.replace(make_episode(run_id, f"{run_id}-b")[0], actor_id="actor-1")
     mine = make_episode(run_id, f"{run_id}-a")[0]
     assert mine.actor_id == "actor-0"
-    async with RoleClient(nats_roles["actor.actor-0"]) as a, RoleClient(nats_roles["actor.actor-1"]) as b:
+    async with (
+        RoleClient(nats_roles["actor.actor-0"]) as a,
+        RoleClient(nats_roles["actor.actor-1"]) as b,
+    ):
         for client, event in ((a, mine), (b, theirs)):
             async with Publisher(client.js) as pub:
                 await pub.publish_event(event)
             assert (
-                await stored(admin_client.js, event_subject(run_id, "episode_started", event.actor_id)) == 1
+                await stored(
+                    admin_client.js, event_subject(run_id, "episode_started", event.actor_id)
+                )
+                == 1
             )
         forged = make_episode(run_id, f"{run_id}-f")[0]
         for token in ("actor-1", "mallory"):
             subject = event_subject(run_id, "episode_started", token)
             await a.nc.publish(
-                subject, encode(msgspec.structs.replace(forged, actor_id=token)), headers=headers_for(forged)
+                subject,
+                encode(msgspec.structs.replace(forged, actor_id=token)),
+                headers=headers_for(forged),
             )
             assert await a.violated(subject), (token, a.violations)
         assert b.violations == []
@@ -325,7 +352,8 @@ async def test_each_actor_publishes_events_only_under_its_own_id(
 
 
 def _changed(spec: DurableSpec, change: str) -> tuple[ConsumerConfig, str]:
-    """A create request that would rewrite ``spec``'s durable, and the API subject nats-py sends it on."""
+    """A create request that would rewrite ``spec``'s durable, and the API subject nats-py sends it
+    on."""
     config = consumer_config(spec)
     if change == "max_deliver 1":
         config.max_deliver = 1
@@ -359,9 +387,10 @@ async def test_no_service_may_change_or_delete_a_durable(
     which: int,
     change: str,
 ) -> None:
-    """The run's durables are the admin's (`leafe streams ensure --run`): an actor once set the shared task
-    durable's filter to nothing (the run starves) or max_deliver to 1 (tasks lost), and the replayer could
-    delete any run's durable. Now each attempt is refused and the durable stays exactly as made."""
+    """The run's durables are the admin's (`leafe streams ensure --run`): an actor once set the
+    shared task durable's filter to nothing (the run starves) or max_deliver to 1 (tasks lost), and
+    the replayer could delete any run's durable. Now each attempt is refused and the durable stays
+    exactly as made."""
     specs = durables_for_run(run_id)
     await ensure_durables(admin_client.js, specs)
     spec = specs[which]

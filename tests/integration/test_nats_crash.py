@@ -1,7 +1,8 @@
-"""SIGKILL the nats-server mid-publish: acked events survive, unacked ones are reported, never hidden.
+"""SIGKILL the nats-server mid-publish: acked events survive, unacked ones are reported, never
+hidden.
 
-Uses its own EmbeddedNats (not the session server), killed with SIGKILL while a Publisher is streaming,
-then restarted on the same store directory and port while the client reconnects.
+Uses its own EmbeddedNats (not the session server), killed with SIGKILL while a Publisher is
+streaming, then restarted on the same store directory and port while the client reconnects.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from protocol.codec import MSG_ID_HEADER
-from protocol.events import EpisodeEvent
-from services.bus import Publisher, PublishError, connect, ensure_streams, read_stream
-from services.bus.nats_server import EmbeddedNats
+from leafe.protocol.codec import MSG_ID_HEADER
+from leafe.protocol.events import EpisodeEvent
+from leafe.services.bus import Publisher, PublishError, connect, ensure_streams, read_stream
+from leafe.services.bus.nats_server import EmbeddedNats
 from tests.support.strategies import make_episode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
@@ -36,8 +37,11 @@ async def _stored_ids(url: str) -> list[str]:
         await nc.close()
 
 
-async def _publish_all(pub: Publisher, events: list[EpisodeEvent], reported: dict[str, str]) -> None:
-    """Publish every event, collecting whatever the publisher reports instead of stopping at the first."""
+async def _publish_all(
+    pub: Publisher, events: list[EpisodeEvent], reported: dict[str, str]
+) -> None:
+    """Publish every event, collecting whatever the publisher reports instead of stopping at the
+    first."""
     for event in events:
         try:
             await pub.publish_event(event)
@@ -52,7 +56,8 @@ async def _publish_all(pub: Publisher, events: list[EpisodeEvent], reported: dic
 
 @dataclass
 class KilledRun:
-    """What publishing through a SIGKILL of the server left: the restarted server and the figures."""
+    """What publishing through a SIGKILL of the server left: the restarted server and the
+    figures."""
 
     server: EmbeddedNats
     pub: Publisher
@@ -61,11 +66,14 @@ class KilledRun:
     killed_at: int
 
 
-async def _publish_through_a_kill(tmp_path: Path, retries: int, *, freeze: bool = False) -> KilledRun:
-    """Stream every event through a Publisher, SIGKILL the server once 500 are acked, restart it on the
-    same store and port, and let the publisher finish (the client reconnects). With ``freeze``, the server
-    is SIGSTOPped first and killed once the publisher has sent more into it: those publishes reached the
-    connection, so the client will not resend them itself, and their acks can never come."""
+async def _publish_through_a_kill(
+    tmp_path: Path, retries: int, *, freeze: bool = False
+) -> KilledRun:
+    """Stream every event through a Publisher, SIGKILL the server once 500 are acked, restart it on
+    the same store and port, and let the publisher finish (the client reconnects). With ``freeze``,
+    the server is SIGSTOPped first and killed once the publisher has sent more into it: those
+    publishes reached the connection, so the client will not resend them itself, and their acks can
+    never come."""
     store = tmp_path / "js"
     server = EmbeddedNats(store, log_file=tmp_path / "nats.log").start()
     events = [e for i in range(N_EPISODES) for e in make_episode(RUN, f"ep{i:04d}", obs_chars=900)]
@@ -81,7 +89,9 @@ async def _publish_through_a_kill(tmp_path: Path, retries: int, *, freeze: bool 
         if freeze and (pid := server.pid) is not None:
             os.kill(pid, signal.SIGSTOP)
             sent = pub.published
-            for _ in range(400):  # up to 2 s: the window may be full already, its publishes unacked anyway
+            for _ in range(
+                400
+            ):  # up to 2 s: the window may be full already, its publishes unacked anyway
                 if pub.published >= sent + 16 or task.done():
                     break
                 await asyncio.sleep(0.005)
@@ -99,9 +109,16 @@ async def _publish_through_a_kill(tmp_path: Path, retries: int, *, freeze: bool 
 
 
 async def test_sigkill_mid_publish_keeps_acked_events_and_reports_the_rest(tmp_path: Path) -> None:
-    """After SIGKILL + restart on the same store, every event not reported as unacked is stored, once."""
+    """After SIGKILL + restart on the same store, every event not reported as unacked is stored,
+    once."""
     run = await _publish_through_a_kill(tmp_path, retries=0)
-    server, pub, events, reported, killed_at = run.server, run.pub, run.events, run.reported, run.killed_at
+    server, pub, events, reported, killed_at = (
+        run.server,
+        run.pub,
+        run.events,
+        run.reported,
+        run.killed_at,
+    )
     ids = [e.event_id for e in events]
     try:
         stored = await _stored_ids(server.url)
@@ -110,7 +127,9 @@ async def test_sigkill_mid_publish_keeps_acked_events_and_reports_the_rest(tmp_p
         # Never hidden: everything that is not stored was reported (acked => stored).
         assert missing <= set(reported), sorted(missing - set(reported))[:5]
         assert killed_at < len(events), "the kill came after the last publish; nothing was tested"
-        assert pub.acked + len(reported) == len(ids), "every publish ends acked or reported, exactly once"
+        assert pub.acked + len(reported) == len(ids), (
+            "every publish ends acked or reported, exactly once"
+        )
 
         # Republishing what was reported completes the log, and nothing is stored twice.
         nc = await connect(server.url)
@@ -130,18 +149,21 @@ async def test_sigkill_mid_publish_keeps_acked_events_and_reports_the_rest(tmp_p
 async def test_sigkill_mid_publish_with_retries_stores_every_event_once_and_reports_nothing(
     tmp_path: Path,
 ) -> None:
-    """The default publisher republishes what had no ack once the server is back (Msg-Id dedupe makes
-    that safe): after SIGKILL + restart every event is stored exactly once and flush raises nothing.
+    """The default publisher republishes what had no ack once the server is back (Msg-Id dedupe
+    makes that safe): after SIGKILL + restart every event is stored exactly once and flush raises
+    nothing.
 
-    A kill that happens to land between two windows loses no ack (what nats-py still buffers is sent again
-    on reconnect by the client itself) and so tests no republish; eight such kills in a row happened under
-    load (`make test` beside a training, 2026-12-04). So the server is frozen first and killed with
-    publishes sent into it and unacked: the retry path runs every time."""
+    A kill that happens to land between two windows loses no ack (what nats-py still buffers is sent
+    again on reconnect by the client itself) and so tests no republish; eight such kills in a row
+    happened under load (`make test` beside a training, 2026-12-04). So the server is frozen first
+    and killed with publishes sent into it and unacked: the retry path runs every time."""
     run = await _publish_through_a_kill(tmp_path, retries=2, freeze=True)
     server, pub, events, reported = run.server, run.pub, run.events, run.reported
     ids = [e.event_id for e in events]
     try:
-        assert run.killed_at < len(events), "the kill came after the last publish; nothing was tested"
+        assert run.killed_at < len(events), (
+            "the kill came after the last publish; nothing was tested"
+        )
         assert pub.republished > 0, "the kill lost no ack: the retry path was not tested"
         assert not reported, sorted(reported.items())[:5]
         stored = await _stored_ids(server.url)

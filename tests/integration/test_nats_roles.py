@@ -1,9 +1,10 @@
-"""Each service's real code does its whole job under its own NATS role, on the session server running
-deploy/base/nats/permissions.json: the actor (its durable on the tasks, events, a dead letter, the weights
-announcements), the replayer (events, recovery reads after a crash, samples), the learner (samples, a push)
-and weight sync (the latest announcement and new ones), without one operation refused. The durables are the
-admin's (``leafe streams ensure --run``: :func:`services.admin.streams.durables_for_run`); each service binds its
-own, waiting for it when it is not there yet.
+"""Each service's real code does its whole job under its own NATS role, on the session server
+running deploy/base/nats/permissions.json: the actor (its durable on the tasks, events, a dead
+letter, the weights announcements), the replayer (events, recovery reads after a crash, samples),
+the learner (samples, a push) and weight sync (the latest announcement and new ones), without one
+operation refused. The durables are the admin's (``leafe streams ensure --run``:
+:func:`leafe.services.admin.streams.durables_for_run`); each service binds its own, waiting for it
+when it is not there yet.
 """
 
 from __future__ import annotations
@@ -17,29 +18,42 @@ from typing import Any
 
 import pytest
 
-from actors.config import ActorServiceConfig
-from actors.fake_episodes import ExploreSpec, build_explore_episode, interleave
-from actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
-from learner.checkpoint import Progress
-from learner.config import BatchConfig, LearnerConfig, OptimConfig, TrainerConfig
-from learner.executor import Executor
-from learner.materializers import fold_events, make_materializer
-from learner.model_io import HFChatTokenizer
-from learner.trainer import Trainer
-from protocol import WeightsPublished, decode_weights, weights_subject
-from protocol.codec import decode_sample
-from protocol.subjects import EVENTS, SAMPLES, TASKS, WEIGHTS, dead_letter_subject, task_subject
-from protocol.subjects import replayer_durable as replayer_durable_name
-from protocol.tasks import TaskAssignment
-from services.actor.service import ActorService
-from services.admin.streams import durables_for_run
-from services.bus import NatsOptions, Publisher, ensure_durables, read_stream, wait_for_streams
-from services.bus.dead_letters import letters_filter
-from services.learner.service import OnlineLearner
-from services.replayer import service as replayer_service
-from services.replayer.replay import stream_events
-from services.replayer.service import Replayer, ReplayerConfig
-from services.weight_sync.service import WeightSync, WeightSyncConfig
+from leafe.actors.config import ActorServiceConfig
+from leafe.actors.fake_episodes import ExploreSpec, build_explore_episode, interleave
+from leafe.actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
+from leafe.learner.checkpoint import Progress
+from leafe.learner.config import BatchConfig, LearnerConfig, OptimConfig, TrainerConfig
+from leafe.learner.executor import Executor
+from leafe.learner.materializers import fold_events, make_materializer
+from leafe.learner.model_io import HFChatTokenizer
+from leafe.learner.trainer import Trainer
+from leafe.protocol import WeightsPublished, decode_weights, weights_subject
+from leafe.protocol.codec import decode_sample
+from leafe.protocol.subjects import (
+    EVENTS,
+    SAMPLES,
+    TASKS,
+    WEIGHTS,
+    dead_letter_subject,
+    task_subject,
+)
+from leafe.protocol.subjects import replayer_durable as replayer_durable_name
+from leafe.protocol.tasks import TaskAssignment
+from leafe.services.actor.service import ActorService
+from leafe.services.admin.streams import durables_for_run
+from leafe.services.bus import (
+    NatsOptions,
+    Publisher,
+    ensure_durables,
+    read_stream,
+    wait_for_streams,
+)
+from leafe.services.bus.dead_letters import letters_filter
+from leafe.services.learner.service import OnlineLearner
+from leafe.services.replayer import service as replayer_service
+from leafe.services.replayer.replay import stream_events
+from leafe.services.replayer.service import Replayer, ReplayerConfig
+from leafe.services.weight_sync.service import WeightSync, WeightSyncConfig
 from tests.support.acks import settled_counts
 from tests.support.learner import make_sample, publish_samples
 from tests.support.nats_auth import RoleClient, stored
@@ -68,8 +82,8 @@ def _weights(run_id: str, version: str, uri: str = "/nowhere") -> WeightsPublish
 async def test_the_actor_serves_tasks_under_its_own_identity(
     nats_roles: dict[str, NatsOptions], admin_client: RoleClient, run_id: str
 ) -> None:
-    """As `actor`: the durable on LEAFE_TASKS, events published, an undecodable task dead-lettered, the
-    latest weights read and followed, every task acked; not one operation refused."""
+    """As `actor`: the durable on LEAFE_TASKS, events published, an undecodable task dead-lettered,
+    the latest weights read and followed, every task acked; not one operation refused."""
     tasks = [
         TaskAssignment(
             task_key=f"{run_id}-c{i}",
@@ -80,7 +94,9 @@ async def test_the_actor_serves_tasks_under_its_own_identity(
         )
         for i in range(2)
     ]
-    await admin_client.js.publish(task_subject(run_id), b"not a task")  # first: the actor stops after 2 tasks
+    await admin_client.js.publish(
+        task_subject(run_id), b"not a task"
+    )  # first: the actor stops after 2 tasks
     async with Publisher(admin_client.js) as pub:
         for task in tasks:
             await pub.publish(task_subject(run_id), task)
@@ -108,7 +124,10 @@ async def test_the_actor_serves_tasks_under_its_own_identity(
     assert (stats.done, stats.failed) == (2, 0)
     assert service.latest_weights == "v000001"
     events = [
-        m async for m in read_stream(admin_client.js, stream=EVENTS.name, filter_subject=f"leafe.{run_id}.>")
+        m
+        async for m in read_stream(
+            admin_client.js, stream=EVENTS.name, filter_subject=f"leafe.{run_id}.>"
+        )
     ]
     assert {m.headers["Nats-Msg-Id"].split(".")[0] for m in events} >= {t.task_key for t in tasks}
     # the actor's own letters: leafe.<run>.dead.leafe_tasks.actor-0.<seq>
@@ -118,11 +137,14 @@ async def test_the_actor_serves_tasks_under_its_own_identity(
 
 
 async def test_the_replayer_folds_and_recovers_under_its_own_identity(
-    nats_roles: dict[str, NatsOptions], admin_client: RoleClient, run_id: str, tokenizer: HFChatTokenizer
+    nats_roles: dict[str, NatsOptions],
+    admin_client: RoleClient,
+    run_id: str,
+    tokenizer: HFChatTokenizer,
 ) -> None:
-    """As `replayer` (events published as `actor`): cancelled mid-stream and restarted (recovery reads the
-    unreleased episodes by sequence, with no consumer of its own), it publishes exactly the offline rebuild's samples;
-    not one operation refused."""
+    """As `replayer` (events published as `actor`): cancelled mid-stream and restarted (recovery
+    reads the unreleased episodes by sequence, with no consumer of its own), it publishes exactly
+    the offline rebuild's samples; not one operation refused."""
     episodes = [
         build_explore_episode(
             ExploreSpec(seed=i, max_depth=2, budget=12, horizon=4, p_success=0.3, reflect_every=2),
@@ -135,10 +157,18 @@ async def test_the_replayer_folds_and_recovers_under_its_own_identity(
     events = interleave(episodes, random.Random(3))
     half = len(events) // 2
     config = ReplayerConfig(
-        materializer="leafe", model="tiny", batch=8, ack_wait_s=2.0, fetch_timeout_s=0.2, stale_check_s=0.5
+        materializer="leafe",
+        model="tiny",
+        batch=8,
+        ack_wait_s=2.0,
+        fetch_timeout_s=0.2,
+        stale_check_s=0.5,
     )
     await ensure_durables(admin_client.js, durables_for_run(run_id, replayer=config))
-    async with RoleClient(nats_roles["actor"]) as actor, RoleClient(nats_roles["replayer"]) as client:
+    async with (
+        RoleClient(nats_roles["actor"]) as actor,
+        RoleClient(nats_roles["replayer"]) as client,
+    ):
         await publish_events(actor, events[:half])
         await wait_for_streams(client.js, replayer_service.STREAMS_USED, timeout_s=5.0)
         first = Replayer(
@@ -187,8 +217,8 @@ async def test_the_replayer_folds_and_recovers_under_its_own_identity(
 async def test_weight_sync_follows_announcements_under_its_own_identity(
     nats_roles: dict[str, NatsOptions], run_id: str
 ) -> None:
-    """As `weight-sync` (announcements published as `learner`): the latest version is read on start and a
-    new one arrives through the subscription."""
+    """As `weight-sync` (announcements published as `learner`): the latest version is read on start
+    and a new one arrives through the subscription."""
     async with RoleClient(nats_roles["learner"]) as learner:
         async with Publisher(learner.js) as pub:
             await pub.publish(weights_subject(run_id), _weights(run_id, "v000001"))
@@ -199,7 +229,9 @@ async def test_weight_sync_follows_announcements_under_its_own_identity(
         assert sync.desired is not None and sync.desired.version == "v000001"
         async with Publisher(learner.js) as pub:
             await pub.publish(weights_subject(run_id), _weights(run_id, "v000002"))
-        await _until(lambda: sync.desired is not None and sync.desired.version == "v000002", "v000002")
+        await _until(
+            lambda: sync.desired is not None and sync.desired.version == "v000002", "v000002"
+        )
         stop.set()
         await asyncio.wait_for(task, 30)
         assert learner.violations == []
@@ -214,13 +246,15 @@ async def test_the_learner_trains_and_pushes_under_its_own_identity(
     tmp_path: Path,
     one_thread: None,
 ) -> None:
-    """As `learner` (samples published as `replayer`): its durable on LEAFE_SAMPLES, one step, the push on
-    stop announced on the weights subject, every sample acked."""
+    """As `learner` (samples published as `replayer`): its durable on LEAFE_SAMPLES, one step, the
+    push on stop announced on the weights subject, every sample acked."""
     await publish_samples(nats_roles["replayer"], [make_sample(i, run_id=run_id) for i in range(8)])
     trainer_cfg = TrainerConfig(
         optim=OptimConfig(lr=1e-3), batch=BatchConfig(global_batch=8), retain_versions=1
     )
-    cfg = LearnerConfig(trainer=trainer_cfg, ack_wait_s=6.0, max_batch_wait_s=0.5, stop_after_steps=1)
+    cfg = LearnerConfig(
+        trainer=trainer_cfg, ack_wait_s=6.0, max_batch_wait_s=0.5, stop_after_steps=1
+    )
     await ensure_durables(admin_client.js, durables_for_run(run_id, learner=cfg))
     learner = OnlineLearner(
         cfg,
@@ -255,12 +289,17 @@ async def _until_async(predicate: Callable[[], Awaitable[bool]], what: str) -> N
 async def test_offline_replay_reads_a_run_under_the_replayer_role(
     nats_roles: dict[str, NatsOptions], run_id: str, tokenizer: HFChatTokenizer
 ) -> None:
-    """`leafe replay` from the stream (the replay Job, as `replayer`): the run's events are read by sequence,
-    in order, with their stream sequence, though the role may not create the ephemeral consumer the admin's
-    export uses."""
+    """`leafe replay` from the stream (the replay Job, as `replayer`): the run's events are read by
+    sequence, in order, with their stream sequence, though the role may not create the ephemeral
+    consumer the admin's export uses."""
     spec = ExploreSpec(seed=1, max_depth=2, budget=8, horizon=3, p_success=0.5, reflect_every=2)
-    events = build_explore_episode(spec, run_id=run_id, episode_id=f"{run_id}-ep0", tokenizer=tokenizer)
-    async with RoleClient(nats_roles["actor"]) as actor, RoleClient(nats_roles["replayer"]) as client:
+    events = build_explore_episode(
+        spec, run_id=run_id, episode_id=f"{run_id}-ep0", tokenizer=tokenizer
+    )
+    async with (
+        RoleClient(nats_roles["actor"]) as actor,
+        RoleClient(nats_roles["replayer"]) as client,
+    ):
         await publish_events(actor, events)
         assert [e async for e in stream_events(client.js, run_id)] == events
         seqs = [

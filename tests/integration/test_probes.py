@@ -11,18 +11,21 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from actors.config import ActorServiceConfig
-from actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
-from services.actor.service import ActorService
-from services.bus import connect, ensure_streams
-from services.bus.nats_server import EmbeddedNats, free_port
-from services.metrics import MetricsServer, serve_metrics
+from leafe.actors.config import ActorServiceConfig
+from leafe.actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
+from leafe.services.actor.service import ActorService
+from leafe.services.bus import connect, ensure_streams
+from leafe.services.bus.nats_server import EmbeddedNats, free_port
+from leafe.services.metrics import MetricsServer, serve_metrics
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 
 
 async def _healthz(url: str) -> tuple[int, str]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s, s.get(url) as resp:
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s,
+        s.get(url) as resp,
+    ):
         return resp.status, (await resp.text()).strip()
 
 

@@ -1,10 +1,11 @@
-"""``leafe replay`` as a user runs it (a subprocess): failures a user can cause print one line, and a log
-of unfinished episodes with huge observations cannot take its memory past the open-episode caps.
+"""``leafe replay`` as a user runs it (a subprocess): failures a user can cause print one line, and
+a log of unfinished episodes with huge observations cannot take its memory past the open-episode
+caps.
 
-The memory case measures the child's peak RSS (``os.wait4``) on the same crafted ``.leafelog.gz`` twice:
-with caps raised out of the way (the old behaviour: every episode held to the end of the log) and with a
-``max_open_bytes`` cap; the capped run must stay well below, name the cap on stderr in one line, and
-still rebuild the valid episode's samples.
+The memory case measures the child's peak RSS (``os.wait4``) on the same crafted ``.leafelog.gz``
+twice: with caps raised out of the way (the old behaviour: every episode held to the end of the log)
+and with a ``max_open_bytes`` cap; the capped run must stay well below, name the cap on stderr in
+one line, and still rebuild the valid episode's samples.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from actors.fake_episodes import EventWriter
-from learner.dataset import iter_samples
-from protocol.events import EpisodeEvent, EpisodeStarted
-from services.bus.nats_server import free_port
-from services.eventlog.fileformat import write_events
+from leafe.actors.fake_episodes import EventWriter
+from leafe.learner.dataset import iter_samples
+from leafe.protocol.events import EpisodeEvent, EpisodeStarted
+from leafe.services.bus.nats_server import free_port
+from leafe.services.eventlog.fileformat import write_events
 from tests.support.hostile import started_fields
 from tests.support.strategies import make_episode
 
@@ -32,14 +33,14 @@ REPO = Path(__file__).resolve().parents[2]
 def leafe_replay(tmp_path: Path, *args: str) -> tuple[int, str, int]:
     """Run ``leafe replay ARGS`` as a user would; its exit code, stderr, and peak RSS in KiB.
 
-    The peak is the child's ``VmHWM``, polled while it runs (monotonic; its exec'd image's own, where
-    ``ru_maxrss`` would include the forking test process's)."""
+    The peak is the child's ``VmHWM``, polled while it runs (monotonic; its exec'd image's own,
+    where ``ru_maxrss`` would include the forking test process's)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     err_path = tmp_path / "stderr.txt"
     peak = 0
     with err_path.open("w") as err_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "replay", "--no-progress", *args],
+            [sys.executable, "-m", "leafe.services.cli", "replay", "--no-progress", *args],
             cwd=REPO,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -48,7 +49,9 @@ def leafe_replay(tmp_path: Path, *args: str) -> tuple[int, str, int]:
         status = Path(f"/proc/{proc.pid}/status")
         while proc.poll() is None:
             try:
-                hwm = [line for line in status.read_text().splitlines() if line.startswith("VmHWM:")]
+                hwm = [
+                    line for line in status.read_text().splitlines() if line.startswith("VmHWM:")
+                ]
             except OSError:
                 break  # exited between poll and read
             if hwm:
@@ -73,7 +76,14 @@ def log_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_missing_model_is_one_line(log_file: Path, tmp_path: Path) -> None:
     """Today: a 13-line traceback ending in ModelNotFound. Now: exit 1, one line naming the path."""
-    args = ["--from", str(log_file), "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "d")]
+    args = [
+        "--from",
+        str(log_file),
+        "--model",
+        str(tmp_path / "nope"),
+        "--out",
+        str(tmp_path / "d"),
+    ]
     code, err, _ = leafe_replay(tmp_path, *args)
     assert code == 1
     line = one_line(err)
@@ -106,11 +116,14 @@ def test_a_nats_server_that_is_down_is_one_line(tiny_dir: Path, tmp_path: Path) 
 
 
 def flood(n: int, obs_bytes: int) -> list[EpisodeEvent]:
-    """``n`` EpisodeStarted (distinct actors) with ``obs_bytes``-character observations, never finished."""
+    """``n`` EpisodeStarted (distinct actors) with ``obs_bytes``-character observations, never
+    finished."""
     out: list[EpisodeEvent] = []
     for i in range(n):
         w = EventWriter("r1", f"r1-flood{i}", actor_id=f"a{i}")
-        out.append(w.emit(EpisodeStarted, **started_fields(f"r1-flood{i}", observation="x" * obs_bytes)))
+        out.append(
+            w.emit(EpisodeStarted, **started_fields(f"r1-flood{i}", observation="x" * obs_bytes))
+        )
     return out
 
 
@@ -118,9 +131,9 @@ def test_unfinished_episodes_with_huge_observations_are_capped_offline(
     tiny_dir: Path, tmp_path: Path
 ) -> None:
     """160 unfinished episodes with 1 MB observations (each event under the 1 MiB limit; the gzipped
-    file is small) ahead of a valid one: with the caps out of the way the replay holds 160 MB to the end
-    of the log; with ``max_open_bytes`` 16 MB it refuses the rest, says so in one stderr line, peaks
-    >= 100 MB lower, and folds the valid episode the same."""
+    file is small) ahead of a valid one: with the caps out of the way the replay holds 160 MB to the
+    end of the log; with ``max_open_bytes`` 16 MB it refuses the rest, says so in one stderr line,
+    peaks >= 100 MB lower, and folds the valid episode the same."""
     path = tmp_path / "flood.leafelog.gz"
     write_events(path, [*flood(160, 1_000_000), *make_episode("r1", "r1-ok")], run_id="r1")
     assert path.stat().st_size < 2 * 2**20
@@ -136,7 +149,9 @@ def test_unfinished_episodes_with_huge_observations_are_capped_offline(
     ]
     free = tmp_path / "free.toml"
     free.write_text("max_open_bytes = 1_000_000_000_000\n[options]\nrehearsal_fraction = 1.0\n")
-    code, err, rss_free = leafe_replay(tmp_path, *common, "--config", str(free), "--out", str(tmp_path / "a"))
+    code, err, rss_free = leafe_replay(
+        tmp_path, *common, "--config", str(free), "--out", str(tmp_path / "a")
+    )
     assert code == 0, err
     capped = tmp_path / "capped.toml"
     capped.write_text("max_open_bytes = 16_000_000\n[options]\nrehearsal_fraction = 1.0\n")
@@ -148,4 +163,6 @@ def test_unfinished_episodes_with_huge_observations_are_capped_offline(
     assert "open-episode caps" in line and "max_open_bytes = 16,000,000" in line
     assert rss_free - rss_capped > 100 * 1024, (rss_free, rss_capped)
     ok = sorted(s.sample_id for s in iter_samples(tmp_path / "b") if s.episode_id == "r1-ok")
-    assert ok and ok == sorted(s.sample_id for s in iter_samples(tmp_path / "a") if s.episode_id == "r1-ok")
+    assert ok and ok == sorted(
+        s.sample_id for s in iter_samples(tmp_path / "a") if s.episode_id == "r1-ok"
+    )

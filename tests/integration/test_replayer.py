@@ -1,8 +1,10 @@
-"""The replayer service against a real nats-server: crash/restart exactness, dead letters, abandonment.
+"""The replayer service against a real nats-server: crash/restart exactness, dead letters,
+abandonment.
 
 The headline test kills the replayer mid-stream (its task cancelled at an arbitrary await, or the
 process SIGKILLed) while events keep arriving, restarts it, and checks that the samples stream ends
-with exactly the sample ids an offline ``leafe replay`` of the same log rebuilds: none lost, none twice.
+with exactly the sample ids an offline ``leafe replay`` of the same log rebuilds: none lost, none
+twice.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from actors.fake_episodes import ExploreSpec, build_explore_episode
-from learner.dataset import iter_samples
-from learner.model_io import HFChatTokenizer, tiny_model_dir
-from protocol.events import EpisodeEvent, EpisodeStarted, Step, event_id_for
-from services.bus import ERROR_HEADER, connect, ensure_streams
+from leafe.actors.fake_episodes import ExploreSpec, build_explore_episode
+from leafe.learner.dataset import iter_samples
+from leafe.learner.model_io import HFChatTokenizer, tiny_model_dir
+from leafe.protocol.events import EpisodeEvent, EpisodeStarted, Step, event_id_for
+from leafe.services.bus import ERROR_HEADER, connect, ensure_streams
 from tests.support.replaying import (
     Running,
     by_id,
@@ -42,8 +44,8 @@ pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 async def test_replayer_killed_and_restarted_matches_offline_rebuild(
     nats_url: str, run_id: str, name: str, tokenizer: HFChatTokenizer
 ) -> None:
-    """Cancelled twice mid-stream while events keep arriving, the replayer still publishes exactly the
-    offline rebuild's samples, each once, and ends with no pending or unacked events."""
+    """Cancelled twice mid-stream while events keep arriving, the replayer still publishes exactly
+    the offline rebuild's samples, each once, and ends with no pending or unacked events."""
     run_id = f"{run_id}-{name}"[:60]
     events = make_log(run_id, tokenizer)
     nc = await connect(nats_url)
@@ -59,7 +61,9 @@ async def test_replayer_killed_and_restarted_matches_offline_rebuild(
             await r2.crash_after(third // 3)
         await publish(js, events[2 * third :])
         async with Running(nats_url, run_id, name, tokenizer) as r3:
-            await wait_for(r3.settled(js, unfinished(events, name)), what="all events processed and acked")
+            await wait_for(
+                r3.settled(js, unfinished(events, name)), what="all events processed and acked"
+            )
             assert r3.replayer.stats.recovered_events > 0
         online = by_id(await published_samples(js, run_id))
         offline = await offline_samples(js, run_id, name, tokenizer)
@@ -72,11 +76,13 @@ async def test_replayer_killed_and_restarted_matches_offline_rebuild(
 async def test_bad_events_are_dead_lettered_and_the_replayer_keeps_going(
     nats_url: str, run_id: str, tokenizer: HFChatTokenizer
 ) -> None:
-    """A Step for an unknown branch and a Step after its episode's EpisodeFinished go to the dead-letter
-    subject with their reasons; every other sample flows."""
+    """A Step for an unknown branch and a Step after its episode's EpisodeFinished go to the
+    dead-letter subject with their reasons; every other sample flows."""
     events = make_log(run_id, tokenizer, episodes=3, groups=0)
     first = events[0]
-    assert isinstance(first, EpisodeStarted)  # so the first bad Step lands while its episode is open
+    assert isinstance(
+        first, EpisodeStarted
+    )  # so the first bad Step lands while its episode is open
 
     def bad_step(seq: int, branch_id: str) -> Step:
         return Step(
@@ -104,7 +110,9 @@ async def test_bad_events_are_dead_lettered_and_the_replayer_keeps_going(
         dead = await dead_letters(js, run_id)
         reasons = " | ".join((m.headers or {})[ERROR_HEADER] for m in dead)
         assert len(dead) == 2
-        assert "after the episode's EpisodeFinished" in reasons and "unknown branch 'b42'" in reasons
+        assert (
+            "after the episode's EpisodeFinished" in reasons and "unknown branch 'b42'" in reasons
+        )
         online = {s.sample_id for s in await published_samples(js, run_id)}
         assert online == set(await offline_samples(js, run_id, "leafe", tokenizer))
     finally:
@@ -114,8 +122,8 @@ async def test_bad_events_are_dead_lettered_and_the_replayer_keeps_going(
 async def test_abandoned_episode_is_closed_after_the_timeout(
     nats_url: str, run_id: str, tokenizer: HFChatTokenizer
 ) -> None:
-    """An episode whose actor vanished is closed after stale_timeout_s, its anchor acked, nothing emitted
-    from its unfinished branches."""
+    """An episode whose actor vanished is closed after stale_timeout_s, its anchor acked, nothing
+    emitted from its unfinished branches."""
     spec = ExploreSpec(seed=3, max_depth=1, budget=10, horizon=4, p_success=0.0, truncate=0.6)
     events = build_explore_episode(spec, run_id=run_id, episode_id="lost", tokenizer=tokenizer)
     nc = await connect(nats_url)
@@ -131,11 +139,13 @@ async def test_abandoned_episode_is_closed_after_the_timeout(
         await nc.close()
 
 
-def _spawn(nats_url: str, run_id: str, model: Path, cfg: Path, log: Path) -> subprocess.Popen[bytes]:
+def _spawn(
+    nats_url: str, run_id: str, model: Path, cfg: Path, log: Path
+) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable,
         "-m",
-        "services.cli",
+        "leafe.services.cli",
         "replayer",
         "--nats",
         nats_url,
@@ -156,7 +166,7 @@ def test_replayer_process_sigkilled_matches_leafe_replay(
 ) -> None:
     """`leafe replayer` SIGKILLed twice mid-stream and restarted ends with exactly the ids that
     `leafe replay` writes for the same log; SIGTERM then stops it cleanly (exit 0)."""
-    from services.replayer import replay
+    from leafe.services.replayer import replay
 
     model = tiny_model_dir(cache_dir)
     cfg = tmp_path / "replayer.toml"
@@ -181,7 +191,8 @@ def test_replayer_process_sigkilled_matches_leafe_replay(
             await nc.close()
 
     def spawn(n: int) -> subprocess.Popen[bytes]:
-        """Start replayer process number ``n`` and wait until it has recovered and bound its consumer."""
+        """Start replayer process number ``n`` and wait until it has recovered and bound its
+        consumer."""
         proc = _spawn(nats_url, run_id, model, cfg, log)
         deadline = time.monotonic() + 90
         while log.read_text().count('"replayer.started"') < n:
@@ -240,9 +251,9 @@ def test_leafe_replay_from_file_equals_replay_from_stream(
     nats_url: str, run_id: str, tokenizer: HFChatTokenizer, cache_dir: Path, tmp_path: Path
 ) -> None:
     """`leafe replay` of an exported log file and of the stream write byte-identical datasets."""
-    from learner.dataset import read_manifest
-    from services.eventlog.transfer import export_run
-    from services.replayer import replay
+    from leafe.learner.dataset import read_manifest
+    from leafe.services.eventlog.transfer import export_run
+    from leafe.services.replayer import replay
 
     events = make_log(run_id, tokenizer, episodes=16, groups=1)  # enough samples for two shards
     log_file = tmp_path / "run.leafelog"
@@ -258,7 +269,8 @@ def test_leafe_replay_from_file_equals_replay_from_stream(
 
     asyncio.run(prepare())
     model = str(tiny_model_dir(cache_dir))
-    # Every successful step is rehearsed: which 20% would be kept depends on sample ids, so on the run id.
+    # Every successful step is rehearsed: which 20% would be kept depends on sample ids, so on the
+    # run id.
     config = tmp_path / "replay.toml"
     config.write_text("[options]\nrehearsal_fraction = 1.0\n")
     common = [
@@ -276,4 +288,6 @@ def test_leafe_replay_from_file_equals_replay_from_stream(
     assert replay.main(["--from", str(log_file), "--out", str(tmp_path / "b"), *common]) == 0
     a, b = read_manifest(tmp_path / "a"), read_manifest(tmp_path / "b")
     assert a == b and a.samples > 0 and len(a.shards) > 1
-    assert (tmp_path / "a" / "manifest.json").read_bytes() == (tmp_path / "b" / "manifest.json").read_bytes()
+    assert (tmp_path / "a" / "manifest.json").read_bytes() == (
+        tmp_path / "b" / "manifest.json"
+    ).read_bytes()

@@ -1,7 +1,7 @@
-"""The gpu topology on CPU: the actors' client -> sglang-router 0.3.2 (the real one, as deploy/ runs it) ->
-two ``leafe inference`` servers, each with a weight sync of its own as the SGLang pods' sidecars have.
-Requests, seeds, readiness, weight versions and a push under load all go through the router (issue 38,
-items 1 and 2). Needs ``sglang-router==0.3.2`` (the dev extra)."""
+"""The gpu topology on CPU: the actors' client -> sglang-router 0.3.2 (the real one, as deploy/ runs
+it) -> two ``leafe inference`` servers, each with a weight sync of its own as the SGLang pods'
+sidecars have. Requests, seeds, readiness, weight versions and a push under load all go through the
+router. Needs ``sglang-router==0.3.2`` (the dev extra)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from actors.client import SGLangClient
-from actors.engine import EngineError, SamplingParams
-from protocol import WeightsPublished, weights_subject
-from services.bus import NatsOptions, Publisher, connect
-from services.inference.auth import write_api_key
-from services.inference.server import InferenceConfig, InferenceServer
-from services.run.router import RouterProcess, open_router, router_available
-from services.weight_sync.service import WeightSync, WeightSyncConfig
+from leafe.actors.client import SGLangClient
+from leafe.actors.engine import EngineError, SamplingParams
+from leafe.protocol import WeightsPublished, weights_subject
+from leafe.services.bus import NatsOptions, Publisher, connect
+from leafe.services.inference.auth import write_api_key
+from leafe.services.inference.server import InferenceConfig, InferenceServer
+from leafe.services.run.router import RouterProcess, open_router, router_available
+from leafe.services.weight_sync.service import WeightSync, WeightSyncConfig
 from tests.support.manifests import DEPLOY
 from tests.support.weights import scaled_export
 
@@ -31,7 +31,9 @@ pytestmark = [
     pytest.mark.anyio,
     pytest.mark.integration,
     pytest.mark.usefixtures("one_thread"),
-    pytest.mark.skipif(not router_available(), reason="pip install sglang-router==0.3.2 (the dev extra)"),
+    pytest.mark.skipif(
+        not router_available(), reason="pip install sglang-router==0.3.2 (the dev extra)"
+    ),
 ]
 
 PROMPT = [1, 504, 3180, 288, 260, 1542]
@@ -57,8 +59,9 @@ class Topology:
 async def topology(
     tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[Topology]:
-    """Two CPU engines (one API key, exports loadable from ``tmp_path/store``) behind the router; every
-    client finds the key through ``$LEAFE_ENGINE_API_KEY_FILE``, as deploy/'s actors and sidecars do."""
+    """Two CPU engines (one API key, exports loadable from ``tmp_path/store``) behind the router;
+    every client finds the key through ``$LEAFE_ENGINE_API_KEY_FILE``, as deploy/'s actors and
+    sidecars do."""
     key_file = str(write_api_key(tmp_path / "api-key"))
     monkeypatch.setenv("LEAFE_ENGINE_API_KEY_FILE", key_file)
     store = tmp_path / "store"
@@ -75,27 +78,35 @@ async def topology(
         router = await open_router(engines, tmp_path / "router.log", health_interval_s=1)
         stack.push_async_callback(router.stop, 10.0)
         yield Topology(
-            router=router, servers=servers, engines=engines, key_file=key_file, store=store, model=tiny_dir
+            router=router,
+            servers=servers,
+            engines=engines,
+            key_file=key_file,
+            store=store,
+            model=tiny_dir,
         )
 
 
 async def test_seeded_samples_go_through_the_router(topology: Topology) -> None:
-    """``n`` seeded samples of one prompt (Early Experience's alternatives) are accepted by the router,
-    come back as ``n`` completions with distinct seeds, and the same seed gives the same samples again
-    (the router passes ``sampling_seed`` on); unseeded ``n`` works too."""
+    """``n`` seeded samples of one prompt (Early Experience's alternatives) are accepted by the
+    router, come back as ``n`` completions with distinct seeds, and the same seed gives the same
+    samples again (the router passes ``sampling_seed`` on); unseeded ``n`` works too."""
     seeded = SamplingParams(max_new_tokens=6, temperature=1.0, sampling_seed=1234)
     async with topology.client() as client:
         first = await client.generate(PROMPT, seeded, n=3)
         again = await client.generate(PROMPT, seeded, n=3)
-        unseeded = await client.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=1.0), n=3)
+        unseeded = await client.generate(
+            PROMPT, SamplingParams(max_new_tokens=6, temperature=1.0), n=3
+        )
     assert len(first) == len(unseeded) == 3
     assert [c.output_ids for c in first] == [c.output_ids for c in again]
     assert len({tuple(c.output_ids) for c in first}) > 1, "every sample had the same seed"
 
 
 async def test_readiness_and_versions_through_the_router(topology: Topology) -> None:
-    """The client finds the router ready (its ``/readiness``, as ``/ready`` is 404 there), and a completion
-    carries the version of the engine that generated it (``meta_info.weight_version``, passed through)."""
+    """The client finds the router ready (its ``/readiness``, as ``/ready`` is 404 there), and a
+    completion carries the version of the engine that generated it (``meta_info.weight_version``,
+    passed through)."""
     async with topology.client() as client:
         assert await client.ready()
         [c] = await client.generate(PROMPT, SamplingParams(max_new_tokens=2))
@@ -112,8 +123,8 @@ async def test_readiness_and_versions_through_the_router(topology: Topology) -> 
 
 @dataclass
 class Traffic:
-    """What the actors would see while something happens to the engines: generations and their failures,
-    and the router's healthy workers probed every 0.1 s."""
+    """What the actors would see while something happens to the engines: generations and their
+    failures, and the router's healthy workers probed every 0.1 s."""
 
     generated: int = 0
     failures: list[str] = field(default_factory=list)
@@ -122,9 +133,10 @@ class Traffic:
 
 @asynccontextmanager
 async def traffic(topology: Topology, loops: int = 4) -> AsyncIterator[Traffic]:
-    """``loops`` generation loops through the router and a probe of its healthy workers, for the block; one
-    second of it before the block starts. Each loop's prompts start with a token of their own: cache-aware
-    routing sends a prefix it has not seen to the engine with the smaller tree, so both engines get loops."""
+    """``loops`` generation loops through the router and a probe of its healthy workers, for the
+    block; one second of it before the block starts. Each loop's prompts start with a token of their
+    own: cache-aware routing sends a prefix it has not seen to the engine with the smaller tree, so
+    both engines get loops."""
     seen, stop = Traffic(), asyncio.Event()
     async with topology.client() as client:
 
@@ -143,7 +155,9 @@ async def traffic(topology: Topology, loops: int = 4) -> AsyncIterator[Traffic]:
                 seen.probes.append(await topology.router.healthy_workers())
                 await asyncio.sleep(0.1)
 
-        tasks = [asyncio.create_task(generate(i)) for i in range(loops)] + [asyncio.create_task(probe())]
+        tasks = [asyncio.create_task(generate(i)) for i in range(loops)] + [
+            asyncio.create_task(probe())
+        ]
         try:
             await asyncio.sleep(1.0)
             yield seen
@@ -154,11 +168,11 @@ async def traffic(topology: Topology, loops: int = 4) -> AsyncIterator[Traffic]:
 
 
 async def test_an_engine_that_dies_costs_no_request(topology: Topology) -> None:
-    """An engine that goes away under load (a pod evicted, a node lost) fails no request and leaves the
-    router a healthy worker throughout: until the router's checks drop it, the router retries elsewhere
-    or answers 500 ``call_upstream_request_error``, which the client retries like a refused connection.
-    The router's /metrics then has every series the dashboard's router panels read (retries and errors
-    included: one request with a wrong API key makes an error)."""
+    """An engine that goes away under load (a pod evicted, a node lost) fails no request and leaves
+    the router a healthy worker throughout: until the router's checks drop it, the router retries
+    elsewhere or answers 500 ``call_upstream_request_error``, which the client retries like a
+    refused connection. The router's /metrics then has every series the dashboard's router panels
+    read (retries and errors included: one request with a wrong API key makes an error)."""
     async with traffic(topology) as seen:
         await topology.servers[1].stop()
         await asyncio.sleep(4.0)  # the router's checks (every 1 s here, 3 misses) drop it meanwhile
@@ -166,12 +180,16 @@ async def test_an_engine_that_dies_costs_no_request(topology: Topology) -> None:
     assert all(p is not None and p >= 1 for p in seen.probes) and seen.probes[-1] == 1, seen.probes
     wrong_key = topology.store.parent / "wrong-key"
     wrong_key.write_text("not-the-key\n")
-    async with SGLangClient(topology.router.url, api_key_file=str(wrong_key), retries=0) as stranger:
+    async with SGLangClient(
+        topology.router.url, api_key_file=str(wrong_key), retries=0
+    ) as stranger:
         with pytest.raises(EngineError, match="401"):
             await stranger.generate(PROMPT, _short())
     async with aiohttp.ClientSession() as http, http.get(topology.router.metrics_url) as resp:
         exported = {line.split("{")[0].split(" ")[0] for line in (await resp.text()).splitlines()}
-    dashboard = (DEPLOY / "components" / "monitoring" / "dashboard.json").read_text(encoding="utf-8")
+    dashboard = (DEPLOY / "components" / "monitoring" / "dashboard.json").read_text(
+        encoding="utf-8"
+    )
     used = set(re.findall(r"\bsmg_\w+", dashboard))
     missing = used - exported
     assert used and not missing, f"the dashboard reads series the router does not export: {missing}"
@@ -180,9 +198,10 @@ async def test_an_engine_that_dies_costs_no_request(topology: Topology) -> None:
 async def test_a_push_under_load_keeps_serving(
     topology: Topology, nats_roles: dict[str, NatsOptions], run_id: str
 ) -> None:
-    """Both engines' weight syncs get the same WeightsPublished while generations go through the router:
-    the engines load one after the other (never both at once), the router has a healthy worker at every
-    probe, no generation fails, and the completions after the push carry the new version."""
+    """Both engines' weight syncs get the same WeightsPublished while generations go through the
+    router: the engines load one after the other (never both at once), the router has a healthy
+    worker at every probe, no generation fails, and the completions after the push carry the new
+    version."""
     syncs = [
         WeightSync(WeightSyncConfig(servers=[url], reconcile_interval_s=1.0), run_id=run_id)
         for url in topology.engines
@@ -200,7 +219,9 @@ async def test_a_push_under_load_keeps_serving(
     await asyncio.gather(*followers)
     assert not seen.failures, seen.failures[:3]
     assert all(p is not None and p >= 1 for p in seen.probes), seen.probes
-    spans = sorted((r.started_at, r.started_at + r.seconds) for s in syncs for r in s.results.values())
+    spans = sorted(
+        (r.started_at, r.started_at + r.seconds) for s in syncs for r in s.results.values()
+    )
     assert len(spans) == 2 and spans[0][1] <= spans[1][0], f"both engines loaded at once: {spans}"
     async with topology.client() as client:
         after = await client.generate(PROMPT, _short(), n=4)

@@ -1,7 +1,7 @@
-"""End to end: ``leafe run --preset tiny`` runs every service for real (nats-server, CPU inference server
-with the tiny model, actor, replayer, learner, weight sync); the assertions read ``report.json``, the
-report's data, the learner's TensorBoard event files and each service's last /metrics. The resume test is
-slow (a second full run) and runs with ``make test-slow``."""
+"""End to end: ``leafe run --preset tiny`` runs every service for real (nats-server, CPU inference
+server with the tiny model, actor, replayer, learner, weight sync); the assertions read
+``report.json``, the report's data, the learner's TensorBoard event files and each service's last
+/metrics. The resume test is slow (a second full run) and runs with ``make test-slow``."""
 
 from __future__ import annotations
 
@@ -13,18 +13,20 @@ from typing import Any
 
 import pytest
 
-from protocol.events import EpisodeStarted
-from services.bus.auth import ROLES
-from services.eventlog.fileformat import read_events
-from services.run.metrics import parse_samples
-from services.run.router import router_available
+from leafe.protocol.events import EpisodeStarted
+from leafe.services.bus.auth import ROLES
+from leafe.services.eventlog.fileformat import read_events
+from leafe.services.run.metrics import parse_samples
+from leafe.services.run.router import router_available
 from tests.support.leafe_run import Throttle, leafe_run_argv, leafe_run_env
 from tests.support.nats_auth import SEED_PATTERN
 
 pytestmark = pytest.mark.integration
 
 
-def _leafe_run(runs: Path, run_id: str, cache_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _leafe_run(
+    runs: Path, run_id: str, cache_dir: Path, *args: str
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         leafe_run_argv(runs, "--run-id", run_id, "--no-live", *args),
         env=leafe_run_env(cache_dir),
@@ -53,10 +55,12 @@ def _learner_losses(run_dir: Path) -> list[tuple[int, float]]:
 
 
 def _check_observability(run_dir: Path, stderr: str, learner_step: int) -> None:
-    """The TensorBoard line is printed, the progress reads as log lines, the learner's loss of every step is
-    in TensorBoard, and each service's last /metrics shows its work."""
+    """The TensorBoard line is printed, the progress reads as log lines, the learner's loss of every
+    step is in TensorBoard, and each service's last /metrics shows its work."""
     assert f"tensorboard --logdir {run_dir / 'tensorboard'}" in stderr
-    progress = [line for line in stderr.splitlines() if line.startswith("[") and " episodes " in line]
+    progress = [
+        line for line in stderr.splitlines() if line.startswith("[") and " episodes " in line
+    ]
     assert progress and not any(ch in stderr for ch in "┃━┏┗"), stderr[-2000:]
     losses = _learner_losses(run_dir)
     assert [step for step, _ in losses] == list(range(1, learner_step + 1)), losses
@@ -66,19 +70,30 @@ def _check_observability(run_dir: Path, stderr: str, learner_step: int) -> None:
     services = {"actor-0", "replayer", "learner", "weight-sync", "inference", "inference-1", "run"}
     assert set(last) == services | routed, set(last)
     if routed:  # every generation of the actors and evaluations went through the router
-        generated = sum(v for k, v in last["router"].items() if k.startswith("smg_router_requests_total"))
+        generated = sum(
+            v for k, v in last["router"].items() if k.startswith("smg_router_requests_total")
+        )
         assert generated > 0, last["router"]
-    assert sum(v for k, v in last["actor-0"].items() if k.startswith("leafe_actor_episodes_total")) >= 2
+    assert (
+        sum(v for k, v in last["actor-0"].items() if k.startswith("leafe_actor_episodes_total"))
+        >= 2
+    )
     assert last["replayer"]["leafe_replayer_events_total"] > 0
     assert last["learner"]["leafe_learner_step"] == learner_step
-    assert max(v for k, v in last["weight-sync"].items() if k.startswith("leafe_weight_sync_version")) >= 1
-    assert sum(last[s]["leafe_inference_decode_tokens_total"] for s in ("inference", "inference-1")) > 0
+    assert (
+        max(v for k, v in last["weight-sync"].items() if k.startswith("leafe_weight_sync_version"))
+        >= 1
+    )
+    assert (
+        sum(last[s]["leafe_inference_decode_tokens_total"] for s in ("inference", "inference-1"))
+        > 0
+    )
 
 
 def _assert_no_credential_in_logs(run_dir: Path) -> None:
-    """The run's NATS ran with one nkey user per role and one per actor, ``actor.<id>`` (seeds 0600 in
-    nats-keys/), and no log file holds a seed: neither a role's own nor anything shaped like one (``SU`` +
-    56 base32 characters)."""
+    """The run's NATS ran with one nkey user per role and one per actor, ``actor.<id>`` (seeds 0600
+    in nats-keys/), and no log file holds a seed: neither a role's own nor anything shaped like one
+    (``SU`` + 56 base32 characters)."""
     seeds = {p.stem: p for p in (run_dir / "nats-keys").iterdir()}
     assert set(seeds) == set(ROLES) - {"actor"} | {f"actor.{run_dir.name}-actor-0"}
     assert all(p.stat().st_mode & 0o077 == 0 for p in seeds.values())
@@ -86,7 +101,9 @@ def _assert_no_credential_in_logs(run_dir: Path) -> None:
     assert all(SEED_PATTERN.fullmatch(s) for s in secrets)
     assert (run_dir / "nats" / "nats-server.conf").read_text().count("nkey:") == len(seeds)
     logs = [p for p in (run_dir / "logs").rglob("*") if p.is_file()]
-    assert {"run.jsonl", "nats.log", "actor-0.log", "replayer.log", "learner.log"} <= {p.name for p in logs}
+    assert {"run.jsonl", "nats.log", "actor-0.log", "replayer.log", "learner.log"} <= {
+        p.name for p in logs
+    }
     for path in logs:
         text = path.read_text(encoding="utf-8", errors="replace")
         assert not any(s in text for s in secrets), f"a NATS seed is in {path}"
@@ -94,14 +111,17 @@ def _assert_no_credential_in_logs(run_dir: Path) -> None:
 
 
 def _tiny_run(runs: Path, cache_dir: Path, *, slow_learner: bool = False) -> tuple[Path, str]:
-    """The tiny preset through sglang-router 0.3.2 (``services.router``, the gpu overlay's topology) when
-    the dev extra installed it; ``slow_learner``: the learner process is stopped 3 s of every 4 (a learner
-    on a 4x slower machine). Returns the run directory and the run's stderr."""
+    """The tiny preset through sglang-router 0.3.2 (``services.router``, the gpu overlay's topology)
+    when the dev extra installed it; ``slow_learner``: the learner process is stopped 3 s of every 4
+    (a learner on a 4x slower machine). Returns the run directory and the run's stderr."""
     runs.mkdir(parents=True, exist_ok=True)
     routed = runs / "router.toml"
-    # Both runs divide the same 2 cores, whatever else keeps them busy: the learner's arithmetic depends on
-    # its thread count, so a free-core count that differed between the runs could change the weights.
-    routed.write_text(f"[services]\ncores = 2\nrouter = {'true' if router_available() else 'false'}\n")
+    # Both runs divide the same 2 cores, whatever else keeps them busy: the learner's arithmetic
+    # depends on its thread count, so a free-core count that differed between the runs could change
+    # the weights.
+    routed.write_text(
+        f"[services]\ncores = 2\nrouter = {'true' if router_available() else 'false'}\n"
+    )
     with Throttle(runs / "e2e" / "pids" / "learner.pid", enabled=slow_learner) as throttle:
         done = _leafe_run(runs, "e2e", cache_dir, "--config", str(routed))
     assert done.returncode == 0, done.stderr[-4000:]
@@ -116,17 +136,19 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> tuple
 
 
 def test_tiny_run_end_to_end(tiny_run: tuple[Path, str], tmp_path: Path) -> None:
-    """The tiny run warms up on demonstrations, explores, materializes, trains, pushes and serves new
-    weights, evaluates before, after the warm start and after the rounds (with a paired interval per k for
-    each part), and its offline-rebuilt dataset equals what the learner consumed; every service ran as its
-    own NATS role and no credential reached a log."""
+    """The tiny run warms up on demonstrations, explores, materializes, trains, pushes and serves
+    new weights, evaluates before, after the warm start and after the rounds (with a paired interval
+    per k for each part), and its offline-rebuilt dataset equals what the learner consumed; every
+    service ran as its own NATS role and no credential reached a log."""
     run_dir, stderr = tiny_run
     report = _report(run_dir)
     assert report["dataset"]["identical"] and report["dataset"]["samples"] > 0, report["dataset"]
     assert report["dataset"]["samples"] == report["dataset"]["stream_samples"]
     assert report["run"]["weights_version"] != "default" and report["run"]["learner_step"] > 0
     labels = list(report["evals"])
-    assert labels[0] == "before" and labels[-1] == f"after-{report['run']['weights_version']}", labels
+    assert labels[0] == "before" and labels[-1] == f"after-{report['run']['weights_version']}", (
+        labels
+    )
     assert labels[1].startswith("warm-v") and len(labels) == 3, labels
     assert [(p["part"], p["baseline"], p["label"]) for p in report["parts"]] == [
         ("warm start", "before", labels[1]),
@@ -146,8 +168,8 @@ def test_tiny_run_end_to_end(tiny_run: tuple[Path, str], tmp_path: Path) -> None
 
 
 def _check_continual(run_dir: Path, report: dict[str, Any]) -> None:
-    """Two rounds of the pool with fresh seeds, a validation point after each (steps never go back), and a
-    lag histogram that counts exactly the samples the learner trained."""
+    """Two rounds of the pool with fresh seeds, a validation point after each (steps never go back),
+    and a lag histogram that counts exactly the samples the learner trained."""
     rounds = report["rounds"]
     assert [r["round"] for r in rounds] == [0, 1] and all(r["finished"] for r in rounds), rounds
     seeds = [
@@ -160,8 +182,12 @@ def _check_continual(run_dir: Path, report: dict[str, Any]) -> None:
     assert [p["round"] for p in curve] == [-1, 0, 1], curve
     assert curve[0]["learner_step"] <= curve[1]["learner_step"] <= curve[2]["learner_step"]
     assert all(set(p["passk"]) == {"1", "2"} for p in curve)
-    assert (run_dir / "learning_curve.png").is_file() and (run_dir / "eval" / "val-r1.json").is_file()
-    run_metrics = parse_samples((run_dir / "metrics" / "run.prom").read_text())  # the supervisor's /metrics
+    assert (run_dir / "learning_curve.png").is_file() and (
+        run_dir / "eval" / "val-r1.json"
+    ).is_file()
+    run_metrics = parse_samples(
+        (run_dir / "metrics" / "run.prom").read_text()
+    )  # the supervisor's /metrics
     assert run_metrics["leafe_run_validation_points_total"] == len(curve)
     assert run_metrics['leafe_run_validation_passk{k="1"}'] == curve[-1]["passk"]["1"]
     assert run_metrics["leafe_run_validation_learner_step"] == curve[-1]["learner_step"]
@@ -169,14 +195,16 @@ def _check_continual(run_dir: Path, report: dict[str, Any]) -> None:
     steps = [json.loads(line) for line in lines if line.startswith("{")]
     trained = sum(e["samples"] for e in steps if e.get("event") == "learner.step")
     # The expert's demonstrations carry version "expert": trained, but no lag to histogram.
-    expert = sum(e["unknown_version"] for e in steps if e.get("event") == "learner.samples.filtered")
+    expert = sum(
+        e["unknown_version"] for e in steps if e.get("event") == "learner.samples.filtered"
+    )
     lagged = sum(report["policy_lag"].values())
     assert lagged == trained - expert > 0 and expert > 0, (report["policy_lag"], trained, expert)
 
 
 def _same_weights(a: Path, b: Path) -> bool:
-    """The two exports hold equal tensors (not equal files: safetensors writes its metadata header in a
-    hash map's order, so the same weights can hash differently)."""
+    """The two exports hold equal tensors (not equal files: safetensors writes its metadata header
+    in a hash map's order, so the same weights can hash differently)."""
     import torch
     from safetensors.torch import load_file
 
@@ -191,17 +219,19 @@ def _without_clock(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def test_a_slow_learner_changes_the_time_never_the_result(
     tiny_run: tuple[Path, str], tmp_path: Path, cache_dir: Path
 ) -> None:
-    """Work, not the wall clock, bounds the run: the tiny config again, its learner stopped 3 s of every 4
-    (start-up included), gives the same samples (the rebuilt dataset's digest), the same learner steps,
-    pushes and final weights, the same rounds, and the same figures: every evaluation's successes sample
-    for sample and the learning curve. Before, actors sampled from whatever version the learner had
-    pushed by then, and a 4-minute budget cut the rounds."""
+    """Work, not the wall clock, bounds the run: the tiny config again, its learner stopped 3 s of
+    every 4 (start-up included), gives the same samples (the rebuilt dataset's digest), the same
+    learner steps, pushes and final weights, the same rounds, and the same figures: every
+    evaluation's successes sample for sample and the learning curve. Before, actors sampled from
+    whatever version the learner had pushed by then, and a 4-minute budget cut the rounds."""
     fast_dir, _ = tiny_run
     slow_dir, _ = _tiny_run(tmp_path, cache_dir, slow_learner=True)
     fast, slow = _report(fast_dir), _report(slow_dir)
     assert slow["dataset"]["content_sha256"] == fast["dataset"]["content_sha256"], (slow, fast)
     assert slow["run"]["samples"] == fast["run"]["samples"]
-    assert slow["threads"] == fast["threads"] and "2 cores as configured" in fast["threads"], fast["threads"]
+    assert slow["threads"] == fast["threads"] and "2 cores as configured" in fast["threads"], fast[
+        "threads"
+    ]
     version = fast["run"]["weights_version"]
     assert (slow["run"]["learner_step"], slow["run"]["weights_version"]) == (
         fast["run"]["learner_step"],
@@ -231,16 +261,17 @@ def test_tiny_run_resumes_without_redoing_finished_work(tmp_path: Path, cache_di
 
 
 def _offline_eval(model: Path, label: str, result: dict[str, Any], out: Path) -> dict[str, Any]:
-    """``leafe eval`` (its own in-process server) of ``model`` on exactly the run's tasks, samples and seed."""
-    from services.run.presets import resolve_run_config
-    from services.run.stages import rollout_overrides
+    """``leafe eval`` (its own in-process server) of ``model`` on exactly the run's tasks, samples
+    and seed."""
+    from leafe.services.run.presets import resolve_run_config
+    from leafe.services.run.stages import rollout_overrides
 
     cfg = resolve_run_config("tiny")
     split, ids = result["split"], result["task_ids"]
     first = int(ids[0].rsplit("/", 1)[1])
     assert ids == [f"sokoban/{split}/{first + i}" for i in range(len(ids))], ids
     argv = [
-        sys.executable, "-m", "services.cli", "eval", "--model", str(model), "--label", label,
+        sys.executable, "-m", "leafe.services.cli", "eval", "--model", str(model), "--label", label,
         "--split", split, "--task-offset", str(first), "--tasks", str(len(ids)),
         "--samples", str(result["samples"]), "--k", ",".join(str(k) for k in result["passk"]),
         "--seed", str(cfg.eval.seed if split == "test" else cfg.online_eval.seed),
@@ -255,12 +286,12 @@ def _offline_eval(model: Path, label: str, result: dict[str, Any], out: Path) ->
 
 
 def _check_offline_eval_equals_the_runs(run_dir: Path, report: dict[str, Any], out: Path) -> None:
-    """The run's own evaluations (the online evaluator's curve points and the after-evaluation share one
-    code path) equal an offline ``leafe eval`` of the same weights on the same tasks and seeds: the same
-    success of every sample, and the same steps, unparseable answers and prompt tokens (which follow
-    every sampled token), so the curve can be read against any offline row. Checked for the final
-    version, the warm start's, and every curve point served by one version whose weights are still in
-    the store."""
+    """The run's own evaluations (the online evaluator's curve points and the after-evaluation share
+    one code path) equal an offline ``leafe eval`` of the same weights on the same tasks and seeds:
+    the same success of every sample, and the same steps, unparseable answers and prompt tokens
+    (which follow every sampled token), so the curve can be read against any offline row. Checked
+    for the final version, the warm start's, and every curve point served by one version whose
+    weights are still in the store."""
     store = run_dir / "weights"
     final = f"after-{report['run']['weights_version']}"
     warm = [label for label in report["evals"] if label.startswith("warm-")]

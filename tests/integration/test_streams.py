@@ -1,6 +1,7 @@
-"""Streams are the admin's: ``leafe streams ensure`` creates and updates them, ``leafe streams check`` reports
-them, and a service only waits for its own, then exits non-zero naming the missing streams and the command
-that creates them. Each test has its own nats-server (no streams, no users), not the session one."""
+"""Streams are the admin's: ``leafe streams ensure`` creates and updates them, ``leafe streams
+check`` reports them, and a service only waits for its own, then exits non-zero naming the missing
+streams and the command that creates them. Each test has its own nats-server (no streams, no users),
+not the session one."""
 
 from __future__ import annotations
 
@@ -14,10 +15,16 @@ from pathlib import Path
 import pytest
 from nats.js.errors import NotFoundError
 
-from protocol.subjects import STREAMS, WEIGHTS
-from services.admin import streams
-from services.bus import StreamsMissingError, connect, ensure_streams, stream_config, wait_for_streams
-from services.bus.nats_server import EmbeddedNats
+from leafe.protocol.subjects import STREAMS, WEIGHTS
+from leafe.services.admin import streams
+from leafe.services.bus import (
+    StreamsMissingError,
+    connect,
+    ensure_streams,
+    stream_config,
+    wait_for_streams,
+)
+from leafe.services.bus.nats_server import EmbeddedNats
 
 pytestmark = pytest.mark.integration
 
@@ -40,8 +47,9 @@ def _streams(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[
 def test_streams_ensure_creates_then_changes_nothing_and_check_reports(
     empty_server: EmbeddedNats, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`check` finds every stream missing (exit 1); `ensure` creates each, a second `ensure` leaves each
-    unchanged; `check` then says ok (exit 0), and against another replica count names the field (exit 1)."""
+    """`check` finds every stream missing (exit 1); `ensure` creates each, a second `ensure` leaves
+    each unchanged; `check` then says ok (exit 0), and against another replica count names the field
+    (exit 1)."""
     names = {s.name for s in STREAMS}
     nats = ("--nats", empty_server.url)
     assert _streams(capsys, "check", *nats) == (1, dict.fromkeys(names, "missing"))
@@ -54,14 +62,22 @@ def test_streams_ensure_creates_then_changes_nothing_and_check_reports(
 
 
 def test_a_service_without_its_streams_exits_naming_them(empty_server: EmbeddedNats) -> None:
-    """`leafe weight-sync` on a server without LEAFE_WEIGHTS waits its --streams-timeout, then exits non-zero
-    naming the stream and `leafe streams ensure`; it created nothing."""
+    """`leafe weight-sync` on a server without LEAFE_WEIGHTS waits its --streams-timeout, then exits
+    non-zero naming the stream and `leafe streams ensure`; it created nothing."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for name in ("LEAFE_NATS_URL", "LEAFE_NATS_CREDS", "LEAFE_NATS_NKEY", "LEAFE_NATS_USER"):
         env.pop(name, None)
-    argv = ["weight-sync", "--nats", empty_server.url, "--run", "r1", "--server", "http://127.0.0.1:9"]
+    argv = [
+        "weight-sync",
+        "--nats",
+        empty_server.url,
+        "--run",
+        "r1",
+        "--server",
+        "http://127.0.0.1:9",
+    ]
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", *argv, "--streams-timeout", "1"],
+        [sys.executable, "-m", "leafe.services.cli", *argv, "--streams-timeout", "1"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -82,15 +98,21 @@ def test_a_service_without_its_streams_exits_naming_them(empty_server: EmbeddedN
 
 
 def test_waiting_ends_when_the_admin_creates_the_streams(empty_server: EmbeddedNats) -> None:
-    """A service that started first carries on as soon as the streams exist; with none, the wait ends in
-    StreamsMissingError naming each missing stream."""
+    """A service that started first carries on as soon as the streams exist; with none, the wait
+    ends in StreamsMissingError naming each missing stream."""
 
     async def scenario() -> None:
         nc = await connect(empty_server.url)
         js = nc.jetstream()
-        with pytest.raises(StreamsMissingError, match=r"LEAFE_EVENTS \(missing\), LEAFE_SAMPLES \(missing\)"):
-            await wait_for_streams(js, ["LEAFE_EVENTS", "LEAFE_SAMPLES"], timeout_s=0.2, interval_s=0.1)
-        waiting = asyncio.create_task(wait_for_streams(js, [WEIGHTS.name], timeout_s=60, interval_s=0.1))
+        with pytest.raises(
+            StreamsMissingError, match=r"LEAFE_EVENTS \(missing\), LEAFE_SAMPLES \(missing\)"
+        ):
+            await wait_for_streams(
+                js, ["LEAFE_EVENTS", "LEAFE_SAMPLES"], timeout_s=0.2, interval_s=0.1
+            )
+        waiting = asyncio.create_task(
+            wait_for_streams(js, [WEIGHTS.name], timeout_s=60, interval_s=0.1)
+        )
         await asyncio.sleep(0.3)
         assert not waiting.done()
         await ensure_streams(js)
@@ -101,19 +123,21 @@ def test_waiting_ends_when_the_admin_creates_the_streams(empty_server: EmbeddedN
 
 
 def test_the_server_refuses_an_event_over_the_events_limit(empty_server: EmbeddedNats) -> None:
-    """LEAFE_EVENTS holds at most ``EVENTS.max_msg_bytes`` (1 MiB, headers included) on the server itself,
-    not only in the Publisher: a client that publishes raw is refused, and a stream made before the limit
-    existed gets it from the next `ensure`."""
+    """LEAFE_EVENTS holds at most ``EVENTS.max_msg_bytes`` (1 MiB, headers included) on the server
+    itself, not only in the Publisher: a client that publishes raw is refused, and a stream made
+    before the limit existed gets it from the next `ensure`."""
     import msgspec
     from nats.js.errors import APIError
 
-    from protocol.subjects import EVENTS
+    from leafe.protocol.subjects import EVENTS
 
     async def scenario() -> None:
         nc = await connect(empty_server.url)
         try:
             js = nc.jetstream()
-            old = msgspec.structs.replace(EVENTS, max_msg_bytes=-1)  # what the spec made before the limit
+            old = msgspec.structs.replace(
+                EVENTS, max_msg_bytes=-1
+            )  # what the spec made before the limit
             await js.add_stream(stream_config(old))
             assert (await ensure_streams(js))[EVENTS.name] == "updated: max_msg_size"
             info = await js.stream_info(EVENTS.name)
@@ -130,14 +154,15 @@ def test_the_server_refuses_an_event_over_the_events_limit(empty_server: Embedde
 def test_ensure_with_a_run_makes_its_durables_which_a_service_binds_or_waits_for(
     empty_server: EmbeddedNats, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`ensure --run r1` makes the run's durables (then leaves them unchanged); a service role binds its
-    durable without creating it, waits for a missing one, and gives up naming the command that makes it."""
+    """`ensure --run r1` makes the run's durables (then leaves them unchanged); a service role binds
+    its durable without creating it, waits for a missing one, and gives up naming the command that
+    makes it."""
     from nats.js.api import ConsumerConfig
 
-    from protocol.codec import decode_task
-    from protocol.subjects import TASKS
-    from services.bus import Consumer, NatsOptions
-    from services.bus.pull import ConsumerError
+    from leafe.protocol.codec import decode_task
+    from leafe.protocol.subjects import TASKS
+    from leafe.services.bus import Consumer, NatsOptions
+    from leafe.services.bus.pull import ConsumerError
 
     nats = ("--nats", empty_server.url)
     durables = {"actors-r1": "created", "replayer-r1-leafe": "created", "learner-r1": "created"}
@@ -163,7 +188,9 @@ def test_ensure_with_a_run_makes_its_durables_which_a_service_binds_or_waits_for
         actor = await connect(NatsOptions(url=empty_server.url, inbox_prefix="_INBOX_actor"))
         try:
             bound = task_consumer(actor.jetstream(), "actors-r1")
-            await bound.start()  # the admin's durable: bound as it is (its ack_wait of 60 s adopted)
+            await (
+                bound.start()
+            )  # the admin's durable: bound as it is (its ack_wait of 60 s adopted)
             assert bound.ack_wait_s == 60.0
             await bound.close()
             late = task_consumer(actor.jetstream(), "actors-r2")

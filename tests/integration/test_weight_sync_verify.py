@@ -1,6 +1,7 @@
-"""Weight sync hashes every file of an export before asking a server to load it (issue 27, item 7): SGLang's
+"""Weight sync hashes every file of an export before asking a server to load it: SGLang's
 rollback after a failed load re-reads the new path, so a corrupted file must never reach
-``/update_weights_from_disk``. The server is a loopback stub answering with recorded SGLang bodies."""
+``/update_weights_from_disk``. The server is a loopback stub answering with recorded SGLang
+bodies."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.weight_sync.service import WeightSync, WeightSyncConfig
+from leafe.services.weight_sync.service import WeightSync, WeightSyncConfig
 from tests.support.weights import scaled_export
 from tests.unit.actors.test_client_contract import fixture, replay
 
@@ -16,8 +17,11 @@ pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixture
 
 
 def _corrupt(export: Path) -> Path:
-    """Flip one byte in the middle of the largest weight file (the manifest still matches its sha256)."""
-    target = max((p for p in export.iterdir() if p.name != "manifest.json"), key=lambda p: p.stat().st_size)
+    """Flip one byte in the middle of the largest weight file (the manifest still matches its
+    sha256)."""
+    target = max(
+        (p for p in export.iterdir() if p.name != "manifest.json"), key=lambda p: p.stat().st_size
+    )
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0xFF
     target.write_bytes(bytes(data))
@@ -25,8 +29,8 @@ def _corrupt(export: Path) -> Path:
 
 
 async def test_a_corrupted_file_is_never_sent_to_the_server(tiny_dir: Path, tmp_path: Path) -> None:
-    """Default settings: the export's manifest matches the announcement but one weight file was damaged
-    after export: no /update_weights_from_disk call is made; an intact export is loaded."""
+    """Default settings: the export's manifest matches the announcement but one weight file was
+    damaged after export: no /update_weights_from_disk call is made; an intact export is loaded."""
     routes = {
         "/model_info": (200, fixture("model_info.json")),
         "/update_weights_from_disk": (200, fixture("update_weights_ok.json")),

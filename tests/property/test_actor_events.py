@@ -1,9 +1,9 @@
 """Hypothesis over the actor's emitted event streams: random completions, reflections and budgets.
 
 Whatever the policy says and however the tree is configured, the stream is well formed (every Branch
-names an earlier Reflection of its parent and a tau inside the parent's path, every branch has exactly one
-Outcome, counts add up), and the prompt of every Step, rebuilt from the events alone, is byte-for-byte the
-prompt the engine received (and hashes to the recorded ``prompt_sha256``).
+names an earlier Reflection of its parent and a tau inside the parent's path, every branch has
+exactly one Outcome, counts add up), and the prompt of every Step, rebuilt from the events alone, is
+byte-for-byte the prompt the engine received (and hashes to the recorded ``prompt_sha256``).
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.config import ExplorerConfig
-from actors.episode import EpisodeSpec, ListSink
-from actors.explorer import Explorer
-from actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
-from protocol.events import Branch, Step
-from protocol.prompt import ChatTokenizer, prompt_sha256
+from leafe.actors.config import ExplorerConfig
+from leafe.actors.episode import EpisodeSpec, ListSink
+from leafe.actors.explorer import Explorer
+from leafe.actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
+from leafe.protocol.events import Branch, Step
+from leafe.protocol.prompt import ChatTokenizer, prompt_sha256
 from tests.support.event_checks import check_episode, path_of, rebuild_step_prompts
 
 ACTION_TEXTS = [
@@ -41,7 +41,10 @@ reflection_texts = st.one_of(
         st.integers(min_value=-3, max_value=25),
         st.sampled_from(EXPERIENCES),
     ),
-    st.builds(lambda tau: f"I think step {tau} was wrong; go right.", st.integers(min_value=0, max_value=9)),
+    st.builds(
+        lambda tau: f"I think step {tau} was wrong; go right.",
+        st.integers(min_value=0, max_value=9),
+    ),
     st.sampled_from(["", "garbage", "<step>x</step>"]),
 )
 
@@ -75,7 +78,11 @@ class Cycling:
 
 
 def run_episode(
-    cfg: dict[str, Any], actions: list[str], reflections: list[str], snapshots: bool, tokenizer: ChatTokenizer
+    cfg: dict[str, Any],
+    actions: list[str],
+    reflections: list[str],
+    snapshots: bool,
+    tokenizer: ChatTokenizer,
 ) -> tuple[list, ScriptedEngine, CorridorEnv]:
     engine = ScriptedEngine(script=Cycling(actions, reflections), tokenizer=tokenizer)
     env = CorridorEnv(supports_snapshot=snapshots)
@@ -89,7 +96,12 @@ def run_episode(
         task_id="corridor/train/00005",
     )
     explorer = Explorer(
-        engine=engine, tokenizer=tokenizer, env=env, config=ExplorerConfig(**cfg), sink=sink, spec=spec
+        engine=engine,
+        tokenizer=tokenizer,
+        env=env,
+        config=ExplorerConfig(**cfg),
+        sink=sink,
+        spec=spec,
     )
     asyncio.run(explorer.run())
     return sink.events, engine, env
@@ -101,7 +113,9 @@ def assert_prompts_rebuilt(events: list, engine: ScriptedEngine, tokenizer: Chat
     assert len(rebuilt) == len(action_calls)
     for (step, messages), call in zip(rebuilt, action_calls, strict=True):
         ids = tokenizer.encode_chat(messages, events[0].response_prefix)
-        assert ids == call.input_ids, f"prompt of {step.event_id} differs from what the engine received"
+        assert ids == call.input_ids, (
+            f"prompt of {step.event_id} differs from what the engine received"
+        )
         assert prompt_sha256(ids) == step.prompt_sha256 and len(ids) == step.prompt_tokens
 
 
@@ -167,10 +181,17 @@ def test_branch_prefix_is_the_parents_path(
 
 def test_prompts_rebuild_with_the_real_chat_template(tiny_dir: Path) -> None:
     """With SmolLM2's tokenizer and chat template, the rebuilt prompt ids equal the ids sent."""
-    from learner.model_io import HFChatTokenizer
+    from leafe.learner.model_io import HFChatTokenizer
 
     tok = HFChatTokenizer.from_dir(tiny_dir)
-    cfg = {"k": 2, "max_depth": 2, "max_branches": 4, "max_actions": 20, "horizon": 6, "history_window": 2}
+    cfg = {
+        "k": 2,
+        "max_depth": 2,
+        "max_branches": 4,
+        "max_actions": 20,
+        "horizon": 6,
+        "history_window": 2,
+    }
     events, engine, _ = run_episode(
         cfg, ACTION_TEXTS, ["<step>1</step><experience>é ✓ go</experience>"], True, tok
     )

@@ -1,9 +1,10 @@
 """Property suite of what stands between the wire and the fold: admission and dead letters.
 
-Pins: ``admit_event`` raises nothing but ``ProtocolError`` on any bytes, headers and subject, and what it
-admits is consistent with its subject and id; every event the ``Publisher`` would send is admitted
-unchanged; size, header, subject and id violations are refused naming the rule; a dead letter always fits
-its limit, keeps the original's digest and size, and its body is a prefix of the original.
+Pins: ``admit_event`` raises nothing but ``ProtocolError`` on any bytes, headers and subject, and
+what it admits is consistent with its subject and id; every event the ``Publisher`` would send is
+admitted unchanged; size, header, subject and id violations are refused naming the rule; a dead
+letter always fits its limit, keeps the original's digest and size, and its body is a prefix of the
+original.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.codec import (
+from leafe.protocol.codec import (
     CODEC_HEADER,
     MSG_ID_HEADER,
     Admission,
@@ -26,8 +27,8 @@ from protocol.codec import (
     headers_for,
     message_bytes,
 )
-from protocol.events import EpisodeEvent, EpisodeStarted, event_id_for
-from protocol.subjects import (
+from leafe.protocol.events import EpisodeEvent, EpisodeStarted, event_id_for
+from leafe.protocol.subjects import (
     DEAD_LETTERS,
     EVENTS,
     LEGACY_ACTOR,
@@ -42,7 +43,7 @@ from protocol.subjects import (
     task_subject,
     weights_subject,
 )
-from services.bus.dead_letters import (
+from leafe.services.bus.dead_letters import (
     EXPECTED_EMPTY_HEADER,
     ORIGINAL_BYTES_HEADER,
     ORIGINAL_SHA256_HEADER,
@@ -52,7 +53,15 @@ from services.bus.dead_letters import (
 from tests.support.strategies import actor_ids, episode_events, run_ids
 
 SETTINGS = settings(max_examples=200, deadline=None)
-KINDS = ["episode_started", "step", "reflection", "rollback", "branch", "outcome", "episode_finished"]
+KINDS = [
+    "episode_started",
+    "step",
+    "reflection",
+    "rollback",
+    "branch",
+    "outcome",
+    "episode_finished",
+]
 
 
 def kind_of(event: EpisodeEvent) -> str:
@@ -68,12 +77,16 @@ def wellformed(event: EpisodeEvent) -> EpisodeEvent:
 subjects = st.one_of(
     st.builds(lambda r, k: f"leafe.{r}.events.{k}", run_ids, st.sampled_from([*KINDS, "x"])),
     st.builds(
-        lambda r, k, a: f"leafe.{r}.events.{k}.{a}", run_ids, st.sampled_from([*KINDS, "x"]), actor_ids
+        lambda r, k, a: f"leafe.{r}.events.{k}.{a}",
+        run_ids,
+        st.sampled_from([*KINDS, "x"]),
+        actor_ids,
     ),
     st.text(max_size=60),
 )
 headers = st.none() | st.dictionaries(
-    st.sampled_from([CODEC_HEADER, MSG_ID_HEADER, "X-Other"]), st.sampled_from(["1", "2", "", "abc"])
+    st.sampled_from([CODEC_HEADER, MSG_ID_HEADER, "X-Other"]),
+    st.sampled_from(["1", "2", "", "abc"]),
 )
 bodies = st.one_of(
     st.binary(max_size=300), episode_events.map(encode), episode_events.map(wellformed).map(encode)
@@ -93,16 +106,18 @@ def test_admission_raises_only_protocol_errors_and_admits_only_consistent_events
         return
     assert event_subject_parts(subject) == (event.run_id, kind_of(event), event.actor_id)
     assert (
-        event.event_id == event_id_for(event.episode_id, event.seq) and hdrs and hdrs.get(CODEC_HEADER) == "1"
+        event.event_id == event_id_for(event.episode_id, event.seq)
+        and hdrs
+        and hdrs.get(CODEC_HEADER) == "1"
     )
 
 
 @SETTINGS
 @given(event=episode_events.map(wellformed))
 def test_every_event_the_publisher_sends_is_admitted_unchanged(event: EpisodeEvent) -> None:
-    """Encoded with the Publisher's headers on its own subject, an event under the size limit is admitted
-    as itself; the same bytes on another kind's subject, without Leafe-Codec, or over a smaller limit are
-    refused naming the rule."""
+    """Encoded with the Publisher's headers on its own subject, an event under the size limit is
+    admitted as itself; the same bytes on another kind's subject, without Leafe-Codec, or over a
+    smaller limit are refused naming the rule."""
     data, hdrs = encode(event), headers_for(event)
     subject = event_subject(event.run_id, kind_of(event), event.actor_id)
     if message_bytes(data, hdrs) > EVENTS.max_msg_bytes:
@@ -123,9 +138,12 @@ def test_every_event_the_publisher_sends_is_admitted_unchanged(event: EpisodeEve
 
 @SETTINGS
 @given(event=episode_events.map(wellformed), other=actor_ids)
-def test_an_actor_id_other_than_the_subjects_actor_token_is_refused(event: EpisodeEvent, other: str) -> None:
-    """The subject's actor token is the publisher's identity: an event naming another actor is refused as
-    ``forged_actor`` naming both; on a legacy tokenless subject it is admitted as actor ``legacy``."""
+def test_an_actor_id_other_than_the_subjects_actor_token_is_refused(
+    event: EpisodeEvent, other: str
+) -> None:
+    """The subject's actor token is the publisher's identity: an event naming another actor is
+    refused as ``forged_actor`` naming both; on a legacy tokenless subject it is admitted as actor
+    ``legacy``."""
     data, hdrs = encode(event), headers_for(event)
     if message_bytes(data, hdrs) > EVENTS.max_msg_bytes:
         return
@@ -165,12 +183,16 @@ def test_a_dead_letter_always_fits_and_keeps_the_originals_digest(
     """Whatever the reason and origin, the dead letter fits ``limit`` on the wire; its body is the
     original or a marked prefix of it; size and sha256 are the original's."""
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
-    letter = dead_letter_message("leafe.r.dead.x", data, reason, key="7", origin=origin, max_bytes=limit)
+    letter = dead_letter_message(
+        "leafe.r.dead.x", data, reason, key="7", origin=origin, max_bytes=limit
+    )
     h: dict[str, Any] = letter.headers
     assert message_bytes(letter.data, h) <= limit
     assert data.startswith(letter.data) and (letter.data == data) == (TRUNCATED_HEADER not in h)
-    assert h[ORIGINAL_SHA256_HEADER] == hashlib.sha256(data).hexdigest() and h[ORIGINAL_BYTES_HEADER] == str(
-        size
-    )
+    assert h[ORIGINAL_SHA256_HEADER] == hashlib.sha256(data).hexdigest() and h[
+        ORIGINAL_BYTES_HEADER
+    ] == str(size)
     assert letter.subject == "leafe.r.dead.x.7" and MSG_ID_HEADER not in h
-    assert h[EXPECTED_EMPTY_HEADER] == "0" and all(v.isascii() and "\n" not in v for v in h.values())
+    assert h[EXPECTED_EMPTY_HEADER] == "0" and all(
+        v.isascii() and "\n" not in v for v in h.values()
+    )

@@ -1,9 +1,11 @@
-"""Property suite of the demonstration materializers (``sft``, ``iwm``, ``sr``) and the Sokoban oracle.
+"""Property suite of the demonstration materializers (``sft``, ``iwm``, ``sr``) and the Sokoban
+oracle.
 
-Pins: folds are deterministic and do not depend on how episodes interleave (an interleaved log folds to
-the union of per-episode folds); no sample ever comes from a non-demo or test-split episode; every
-sample's prompt is the one the actor recorded and its targets are exact (demonstration ids, executed
-observations); the oracle's tau is the first step after which the room's optimal distance grew.
+Pins: folds are deterministic and do not depend on how episodes interleave (an interleaved log folds
+to the union of per-episode folds); no sample ever comes from a non-demo or test-split episode;
+every sample's prompt is the one the actor recorded and its targets are exact (demonstration ids,
+executed observations); the oracle's tau is the first step after which the room's optimal distance
+grew.
 """
 
 from __future__ import annotations
@@ -12,15 +14,15 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.fake_episodes import interleave
-from actors.fakes import ByteChatTokenizer
-from envs.sokoban import SokobanConfig, SokobanEnv
-from envs.sokoban_expert import optimal_distance
-from envs.sokoban_solver import ACTIONS, apply_move
-from learner.materializers import fold_events, make_materializer
-from protocol.events import Branch, EpisodeEvent, EpisodeStarted, Step
-from protocol.prompt import HistoryEntry
-from protocol.samples import Sample
+from leafe.actors.fake_episodes import interleave
+from leafe.actors.fakes import ByteChatTokenizer
+from leafe.envs.sokoban.env import SokobanConfig, SokobanEnv
+from leafe.envs.sokoban.expert import optimal_distance
+from leafe.envs.sokoban.solver import ACTIONS, apply_move
+from leafe.learner.materializers import fold_events, make_materializer
+from leafe.protocol.events import Branch, EpisodeEvent, EpisodeStarted, Step
+from leafe.protocol.prompt import HistoryEntry
+from leafe.protocol.samples import Sample
 from tests.support.demos import check_demo_episode, demo_episodes
 from tests.support.episodes import event_logs
 
@@ -41,11 +43,14 @@ def encoded(samples: list[Sample]) -> list[bytes]:
 
 
 @SETTINGS
-@given(demos=demo_episodes(), others=event_logs(max_episodes=3), rng=st.randoms(use_true_random=False))
+@given(
+    demos=demo_episodes(), others=event_logs(max_episodes=3), rng=st.randoms(use_true_random=False)
+)
 def test_folds_are_deterministic_and_order_independent(
     demos: list[list[EpisodeEvent]], others: list[list[EpisodeEvent]], rng: object
 ) -> None:
-    """Same log, same samples (byte for byte); any interleaving folds to the union of per-episode folds."""
+    """Same log, same samples (byte for byte); any interleaving folds to the union of per-episode
+    folds."""
     streams = demos + others
     log = interleave(streams, rng)  # type: ignore[arg-type]
     for name in NAMES:
@@ -59,13 +64,17 @@ def test_folds_are_deterministic_and_order_independent(
 def test_no_sample_from_a_non_demo_or_test_split_episode(
     demos: list[list[EpisodeEvent]], others: list[list[EpisodeEvent]], forge: int
 ) -> None:
-    """Samples come only from demo episodes of the train split; a demo whose log says ``test`` gives none."""
+    """Samples come only from demo episodes of the train split; a demo whose log says ``test`` gives
+    none."""
     forged = demos[forge % len(demos)]
     forged = [
-        msgspec.structs.replace(e, split="test") if isinstance(e, EpisodeStarted) else e for e in forged
+        msgspec.structs.replace(e, split="test") if isinstance(e, EpisodeStarted) else e
+        for e in forged
     ]
     kept = {d[0].episode_id for d in demos} - {forged[0].episode_id}
-    log = [e for stream in [*demos, *others] for e in stream if e.episode_id != forged[0].episode_id] + forged
+    log = [
+        e for stream in [*demos, *others] for e in stream if e.episode_id != forged[0].episode_id
+    ] + forged
     for name in NAMES:
         samples, _ = fold(log, name)
         assert {s.episode_id for s in samples} <= kept
@@ -74,8 +83,8 @@ def test_no_sample_from_a_non_demo_or_test_split_episode(
 @SETTINGS
 @given(demos=demo_episodes())
 def test_targets_are_exact_and_prompts_verified(demos: list[list[EpisodeEvent]]) -> None:
-    """sft targets are the logged expert ids; iwm targets are the executed observations (+ end of turn);
-    sr targets end with the expert's ids; every prompt matched its recorded digest."""
+    """sft targets are the logged expert ids; iwm targets are the executed observations (+ end of
+    turn); sr targets end with the expert's ids; every prompt matched its recorded digest."""
     for episode in demos:
         check_demo_episode(episode)
     steps = {e.event_id: e for ep in demos for e in ep if isinstance(e, Step)}
@@ -104,9 +113,10 @@ ROOMS = SokobanEnv(SokobanConfig(height=6, width=6, min_solution_len=2, max_solu
 @settings(max_examples=60, deadline=None)
 @given(index=st.integers(0, 400), walk=st.lists(st.sampled_from(ACTIONS), min_size=1, max_size=6))
 def test_oracle_tau_is_the_first_step_that_made_things_worse(index: int, walk: list[str]) -> None:
-    """Along any walk (cut where it solves the room, as the episode ends there): every state before tau
-    kept a finite optimal distance that never grew, and the step at tau made it grow; when no step did,
-    tau is the first step that made no progress; with neither, there is no mistake. e names the step."""
+    """Along any walk (cut where it solves the room, as the episode ends there): every state before
+    tau kept a finite optimal distance that never grew, and the step at tau made it grow; when no
+    step did, tau is the first step that made no progress; with neither, there is no mistake. e
+    names the step."""
     task_id = f"sokoban/train/{index}"
     room = ROOMS.room(task_id).room
     player, boxes = room.player, room.boxes

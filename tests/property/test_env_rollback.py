@@ -1,9 +1,9 @@
 """Rollback is exact for every environment: back to step tau, the same actions give the same future.
 
-For random action sequences and a random tau, ``envs.base.rollback_to`` (by snapshot where the env has
-one, and always by reset + replay) restores the state before step tau, and re-running the remaining
-actions reproduces observations, rewards, done/success flags, feedback and scores exactly. ScienceWorld
-and TextWorld run a few cheap examples by default and many more under ``-m slow``.
+For random action sequences and a random tau, ``leafe.envs.base.rollback_to`` (by snapshot where the
+env has one, and always by reset + replay) restores the state before step tau, and re-running the
+remaining actions reproduces observations, rewards, done/success flags, feedback and scores exactly.
+ScienceWorld and TextWorld run a few cheap examples by default and many more under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -15,21 +15,23 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from envs.base import Env, Transition, rollback_to
-from envs.humaneval import HumanEvalConfig, HumanEvalEnv
-from envs.scienceworld_env import ScienceWorldConfig, ScienceWorldEnv
-from envs.sokoban import SokobanConfig, SokobanEnv
-from envs.textworld_env import TextWorldConfig, TextWorldEnv
+from leafe.envs.base import Env, Transition, rollback_to
+from leafe.envs.humaneval.env import HumanEvalConfig, HumanEvalEnv
+from leafe.envs.scienceworld import ScienceWorldConfig, ScienceWorldEnv
+from leafe.envs.sokoban.env import SokobanConfig, SokobanEnv
+from leafe.envs.textworld.env import TextWorldConfig, TextWorldEnv
 
 INVALID = "xyzzy plugh"
 FIXTURES = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 
-# A choice is an index into the current valid actions (resolved while playing) or None (an invalid action).
+# A choice is an index into the current valid actions (resolved while playing) or None (an invalid
+# action).
 choices = st.lists(st.one_of(st.integers(0, 10_000), st.none()), max_size=8)
 
 
 def resolve(env: Env, task_id: str, picks: Sequence[int | str | None]) -> list[str]:
-    """Turn index picks into concrete action strings by playing them once (a str pick is used as is)."""
+    """Turn index picks into concrete action strings by playing them once (a str pick is used as
+    is)."""
     env.reset(task_id)
     actions = []
     for pick in picks:
@@ -44,7 +46,8 @@ def resolve(env: Env, task_id: str, picks: Sequence[int | str | None]) -> list[s
 
 
 def check_rollback(env: Env, task_id: str, actions: Sequence[str], tau: int) -> None:
-    """Play ``actions``; roll back to before step ``tau`` (snapshot and replay); replay must agree."""
+    """Play ``actions``; roll back to before step ``tau`` (snapshot and replay); replay must
+    agree."""
     first = env.reset(task_id).observation
     snapshots = [env.snapshot()] if env.supports_snapshot else []
     played: list[Transition] = []
@@ -69,7 +72,9 @@ def actions_and_tau(draw: st.DrawFn, actions: st.SearchStrategy[list]) -> tuple[
 
 
 # -- Sokoban -------------------------------------------------------------------------------------
-MOVES = st.lists(st.sampled_from(["up", "down", "left", "right", " Left ", "UP", "jump", ""]), max_size=30)
+MOVES = st.lists(
+    st.sampled_from(["up", "down", "left", "right", " Left ", "UP", "jump", ""]), max_size=30
+)
 SOKOBAN = {
     "default": SokobanEnv(),
     "bigger": SokobanEnv(
@@ -87,7 +92,9 @@ SOKOBAN = {
     index=st.integers(0, 199),
     case=actions_and_tau(MOVES),
 )
-def test_sokoban_rollback_is_exact(which: str, split: str, index: int, case: tuple[list[str], int]) -> None:
+def test_sokoban_rollback_is_exact(
+    which: str, split: str, index: int, case: tuple[list[str], int]
+) -> None:
     """Sokoban: snapshot and replay rollback reproduce the future exactly."""
     check_rollback(SOKOBAN[which], f"sokoban/{split}/{index}", *case)
 
@@ -95,7 +102,8 @@ def test_sokoban_rollback_is_exact(which: str, split: str, index: int, case: tup
 @settings(max_examples=40, deadline=None)
 @given(index=st.integers(0, 199), case=actions_and_tau(MOVES))
 def test_sokoban_plan_after_rollback_still_solves(index: int, case: tuple[list[str], int]) -> None:
-    """Rolling back to the start and following the optimal plan always wins, whatever was played before."""
+    """Rolling back to the start and following the optimal plan always wins, whatever was played
+    before."""
     env = SOKOBAN["default"]
     task_id = f"sokoban/train/{index}"
     env.reset(task_id)
@@ -123,7 +131,8 @@ def humaneval() -> HumanEvalEnv:
 @settings(max_examples=8, deadline=None, suppress_health_check=FIXTURES)
 @given(case=actions_and_tau(st.lists(st.sampled_from(SUBMISSIONS), max_size=5)))
 def test_humaneval_rollback_is_exact(humaneval: HumanEvalEnv, case: tuple[list[str], int]) -> None:
-    """HumanEval: returning to an earlier turn (snapshot or replay) gives identical later feedback."""
+    """HumanEval: returning to an earlier turn (snapshot or replay) gives identical later
+    feedback."""
     check_rollback(humaneval, "humaneval/test/53", *case)
 
 
@@ -137,10 +146,14 @@ def textworld(cache_dir: Path) -> Iterator[TextWorldEnv]:
 
 @settings(max_examples=10, deadline=None, suppress_health_check=FIXTURES)
 @given(picks=choices, data=st.data())
-def test_textworld_rollback_is_exact(textworld: TextWorldEnv, picks: list, data: st.DataObject) -> None:
+def test_textworld_rollback_is_exact(
+    textworld: TextWorldEnv, picks: list, data: st.DataObject
+) -> None:
     """TextWorld: replay rollback reproduces the future exactly (one game, default run)."""
     actions = resolve(textworld, "textworld-cooking/test/0", picks)
-    check_rollback(textworld, "textworld-cooking/test/0", actions, data.draw(st.integers(0, len(actions))))
+    check_rollback(
+        textworld, "textworld-cooking/test/0", actions, data.draw(st.integers(0, len(actions)))
+    )
 
 
 @pytest.mark.slow
@@ -220,7 +233,8 @@ def test_scienceworld_rollback_is_exact(
 def test_scienceworld_rollback_is_exact_across_tasks(
     scienceworld: ScienceWorldEnv, task: int, picks: list, data: st.DataObject
 ) -> None:
-    """ScienceWorld on seven kinds of task (incl. time-driven growth and genetics): replay is exact."""
+    """ScienceWorld on seven kinds of task (incl. time-driven growth and genetics): replay is
+    exact."""
     names = scienceworld.task_names()
     name = names[task % len(names)]
     ids = [t for t in scienceworld.tasks("test") if f"/{name}/" in t]

@@ -1,8 +1,8 @@
 """Property suite of the ``.leafelog`` v2 file: exact round trips, and no silent damage.
 
 Pins: any list of events written and read back is the same list (plain and gzip); any single flipped
-bit and any truncation of a valid file makes reading raise :class:`LogFileError` (never a different or
-shorter list of events); and the partial reader's good prefix is a prefix of what was written.
+bit and any truncation of a valid file makes reading raise :class:`LogFileError` (never a different
+or shorter list of events); and the partial reader's good prefix is a prefix of what was written.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.events import EpisodeEvent
-from services.eventlog.fileformat import LogFile, LogFileError, read_events, write_events
+from leafe.protocol.events import EpisodeEvent
+from leafe.services.eventlog.fileformat import LogFile, LogFileError, read_events, write_events
 from tests.support.strategies import episode_events
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -26,7 +26,8 @@ names = st.sampled_from(["run.leafelog", "run.leafelog.gz"])
 
 @pytest.fixture(scope="module")
 def scratch() -> Iterator[Path]:
-    """One directory for the module (Hypothesis reruns a test body many times per function fixture)."""
+    """One directory for the module (Hypothesis reruns a test body many times per function
+    fixture)."""
     with tempfile.TemporaryDirectory() as d:
         yield Path(d)
 
@@ -48,8 +49,8 @@ def test_write_then_read_is_exact(scratch: Path, events: list[EpisodeEvent], nam
 
 
 def position(data: st.DataObject, n: int, label: str) -> int:
-    """A position in ``range(n)``; drawn independently of ``n``, which varies between runs of the same
-    example (the header's export time and gzip's mtime change the compressed size)."""
+    """A position in ``range(n)``; drawn independently of ``n``, which varies between runs of the
+    same example (the header's export time and gzip's mtime change the compressed size)."""
     return data.draw(st.integers(0, 2**40), label=label) % n
 
 
@@ -65,8 +66,8 @@ def flipped(path: Path, raw: bytes, data: st.DataObject) -> None:
 def test_any_single_bit_flip_is_detected(
     scratch: Path, events: list[EpisodeEvent], data: st.DataObject
 ) -> None:
-    """Flip one bit anywhere (magic, header, a record, a checksum, the trailer): reading raises, and the
-    good prefix ``check`` reports is a prefix of what was written."""
+    """Flip one bit anywhere (magic, header, a record, a checksum, the trailer): reading raises, and
+    the good prefix ``check`` reports is a prefix of what was written."""
     path, raw = written(scratch, "run.leafelog", events)
     flipped(path, raw, data)
     with pytest.raises(LogFileError):
@@ -107,7 +108,7 @@ def test_any_truncation_is_detected(
 
 def read_events_prefix(path: Path, n: int) -> Iterator[EpisodeEvent]:
     """The first ``n`` events through the partial reader (what ``import --partial`` publishes)."""
-    from services.eventlog.fileformat import decode_record
+    from leafe.services.eventlog.fileformat import decode_record
 
     for record in LogFile(path).records(limit=n):
         yield decode_record(record)

@@ -1,11 +1,11 @@
 """Property suite of the folds under hostile input mixed into realistic logs.
 
 Hostile episodes are real explore trees and GRPO groups, mutated field by field (branch ids, step
-indices, tau, seq, token ids, modes...), reordered, copied with changes, salted with arbitrary events of
-the protocol strategies, and sometimes a chain of 4,000 nested branches. Pins: the fold never raises
-anything but ``ReplayError`` (``EpisodeFailed`` included); the valid episodes' samples are exactly those
-of the valid log alone; the same log is always decided the same way, even when the hostile events aim
-at valid episodes.
+indices, tau, seq, token ids, modes...), reordered, copied with changes, salted with arbitrary
+events of the protocol strategies, and sometimes a chain of 4,000 nested branches. Pins: the fold
+never raises anything but ``ReplayError`` (``EpisodeFailed`` included); the valid episodes' samples
+are exactly those of the valid log alone; the same log is always decided the same way, even when the
+hostile events aim at valid episodes.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.fake_episodes import EventWriter, interleave
-from actors.fakes import ByteChatTokenizer
-from learner.materializers import OpenLimits, ReplayError, make_materializer
-from protocol.events import EpisodeEvent, EpisodeFinished, EpisodeStarted, Outcome, Step
-from protocol.samples import Sample
+from leafe.actors.fake_episodes import EventWriter, interleave
+from leafe.actors.fakes import ByteChatTokenizer
+from leafe.learner.materializers import OpenLimits, ReplayError, make_materializer
+from leafe.protocol.events import EpisodeEvent, EpisodeFinished, EpisodeStarted, Outcome, Step
+from leafe.protocol.samples import Sample
 from tests.support.episodes import event_logs, explore_episodes, rollout_groups
 from tests.support.hostile import branch_chain, started_fields, step_fields
 from tests.support.strategies import episode_events
@@ -68,7 +68,8 @@ MUTATIONS: dict[str, st.SearchStrategy[Any]] = {
 
 @st.composite
 def mutated(draw: st.DrawFn, event: EpisodeEvent, targets: list[str]) -> EpisodeEvent:
-    """``event`` with up to two fields changed (and, with ``targets``, maybe moved to one of them)."""
+    """``event`` with up to two fields changed (and, with ``targets``, maybe moved to one of
+    them)."""
     fields = [f for f in MUTATIONS if f in event.__struct_fields__]
     changes = {f: draw(MUTATIONS[f]) for f in draw(st.lists(st.sampled_from(fields), max_size=2))}
     if targets and draw(st.integers(0, 9)) == 0:
@@ -89,11 +90,15 @@ def hostile_stream(draw: st.DrawFn, targets: list[str]) -> list[EpisodeEvent]:
             out.append(e if action == "keep" else draw(mutated(e, targets)))
         if action == "copy":
             out.append(e)
-    if draw(st.integers(0, 3)) == 0:  # deeper than the recursion limit, even Hypothesis's raised one
+    if (
+        draw(st.integers(0, 3)) == 0
+    ):  # deeper than the recursion limit, even Hypothesis's raised one
         out += branch_chain("r1", "evil-deep", depth=4000)
     episodes = sorted({e.episode_id for e in base})
     for stray in draw(st.lists(episode_events, max_size=6)):
-        out.append(msgspec.structs.replace(stray, episode_id=draw(st.sampled_from(episodes)), run_id="r1"))
+        out.append(
+            msgspec.structs.replace(stray, episode_id=draw(st.sampled_from(episodes)), run_id="r1")
+        )
     rng = random.Random(draw(st.integers(0, 2**31)))
     for _ in range(draw(st.integers(0, 6))):  # a few swaps: out-of-order delivery
         i, j = rng.randrange(len(out)), rng.randrange(len(out))
@@ -141,7 +146,8 @@ def test_hostile_events_aimed_at_valid_episodes_are_decided_the_same_every_time(
     streams: list, data: st.DataObject, name: str
 ) -> None:
     """Events forged into valid episodes can change what those give (an authenticated publisher can
-    forge within its run), but never crash the fold, and two folds of one log agree field for field."""
+    forge within its run), but never crash the fold, and two folds of one log agree field for
+    field."""
     targets = sorted({e.episode_id for s in streams for e in s})
     events = interleave([*streams, data.draw(hostile_stream(targets=targets))], random.Random(0))
     first = fold_strictly(events, name)
@@ -149,7 +155,8 @@ def test_hostile_events_aimed_at_valid_episodes_are_decided_the_same_every_time(
 
 
 class VocabTokenizer(ByteChatTokenizer):
-    """Byte ids, with a vocabulary of 300 declared (as ``HFChatTokenizer.vocab_size`` declares its own)."""
+    """Byte ids, with a vocabulary of 300 declared (as ``HFChatTokenizer.vocab_size`` declares its
+    own)."""
 
     vocab_size = 300
 
@@ -165,9 +172,12 @@ def one_step_episode(episode_id: str, token_ids: list[int]) -> list[EpisodeEvent
 
 
 @pytest.mark.parametrize("bad", [-1, 2**40, 300])
-def test_a_step_with_a_token_id_outside_the_vocabulary_is_rejected_with_the_reason(bad: int) -> None:
+def test_a_step_with_a_token_id_outside_the_vocabulary_is_rejected_with_the_reason(
+    bad: int,
+) -> None:
     """Token ids -1, 2^40 and the vocabulary size itself: the Step is rejected naming the id (the
-    replayer dead-letters it), its episode gives no sample, a valid episode beside it gives its own."""
+    replayer dead-letters it), its episode gives no sample, a valid episode beside it gives its
+    own."""
     fold = make_materializer("rft", VocabTokenizer(), modes=["explore"], verify_prompts=False)
     samples: list[Sample] = []
     reasons: list[str] = []

@@ -1,5 +1,6 @@
-"""Hypothesis: a packed row scores every sample exactly as the sample alone (learner/batching.py packing +
-learner/attention.py per-sample attention), for any sample lengths and loss masks (completion spans)."""
+"""Hypothesis: a packed row scores every sample exactly as the sample alone (learner/batching.py
+packing + learner/attention.py per-sample attention), for any sample lengths and loss masks
+(completion spans)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.attention import use_varlen_attention
-from learner.batching import collate, collate_packed, to_items
-from learner.losses import IGNORE
-from learner.model_io import load_model
+from leafe.learner.attention import use_varlen_attention
+from leafe.learner.batching import collate, collate_packed, to_items
+from leafe.learner.losses import IGNORE
+from leafe.learner.model_io import load_model
 from tests.support.learner import make_sample
 
 
 @pytest.fixture(scope="module")
 def models(tiny_dir: Path) -> Iterator[tuple[Any, Any]]:
-    """(reference with transformers' own SDPA attention, the same weights with per-sample attention)."""
+    """(reference with transformers' own SDPA attention, the same weights with per-sample
+    attention)."""
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     packed = load_model(tiny_dir)
@@ -42,9 +44,9 @@ samples_spec = st.lists(
 def test_packed_row_scores_each_sample_like_the_sample_alone(
     models: tuple[Any, Any], spec: list[tuple[int, int, str]], seed: int
 ) -> None:
-    """Per-token log-probs of every completion, hence every sample's masked NLL, are the same in a packed
-    row as for the sample alone (fp32, atol 1e-4: float rounding of different matmul shapes); slots outside
-    a sample's completion stay exactly 0."""
+    """Per-token log-probs of every completion, hence every sample's masked NLL, are the same in a
+    packed row as for the sample alone (fp32, atol 1e-4: float rounding of different matmul shapes);
+    slots outside a sample's completion stay exactly 0."""
     reference, packed_model = models
     samples = [
         make_sample(seed + 97 * i, kind=kind, prompt_len=p, completion_len=c)  # type: ignore[arg-type]
@@ -57,7 +59,9 @@ def test_packed_row_scores_each_sample_like_the_sample_alone(
         packed = mb.sample_logprobs(packed_model(**mb.model_inputs(), use_cache=False).logits)
         for i, item in enumerate(items):
             alone_mb = collate([item], 0)
-            alone = alone_mb.sample_logprobs(reference(**alone_mb.model_inputs(), use_cache=False).logits)[0]
+            alone = alone_mb.sample_logprobs(
+                reference(**alone_mb.model_inputs(), use_cache=False).logits
+            )[0]
             c = item.completion_len
             assert torch.allclose(packed[i, -c:], alone, atol=1e-4), (i, packed[i, -c:], alone)
             assert float(-packed[i].sum()) == pytest.approx(float(-alone.sum()), abs=1e-4 * c)

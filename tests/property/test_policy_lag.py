@@ -8,8 +8,8 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.online import SampleBuffer, policy_lag
-from protocol.samples import Sample
+from leafe.learner.online import SampleBuffer, policy_lag
+from leafe.protocol.samples import Sample
 from tests.support.learner import make_sample
 
 
@@ -19,7 +19,9 @@ class _Delivery:
     stream_seq: int
 
 
-_versions = st.one_of(st.integers(0, 12).map(lambda k: f"v{k}"), st.sampled_from(["default", "base", "x"]))
+_versions = st.one_of(
+    st.integers(0, 12).map(lambda k: f"v{k}"), st.sampled_from(["default", "base", "x"])
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -29,12 +31,12 @@ _versions = st.one_of(st.integers(0, 12).map(lambda k: f"v{k}"), st.sampled_from
     max_lag=st.one_of(st.none(), st.integers(0, 6)),
     batch=st.integers(1, 16),
 )
-def test_samples_older_than_max_policy_lag_are_never_trained_and_the_histogram_counts_exactly_the_rest(
+def test_samples_older_than_max_policy_lag_are_never_trained_and_the_histogram_counts_the_rest(
     versions: list[str], current: int, max_lag: int | None, batch: int
 ) -> None:
-    """Whatever the versions and batch sizes: no trained sample is more than ``max_policy_lag`` versions
-    behind; every consumed sample is trained or counted stale; the lag histogram's input has one entry per
-    trained sample of a known version, equal to its lag."""
+    """Whatever the versions and batch sizes: no trained sample is more than ``max_policy_lag``
+    versions behind; every consumed sample is trained or counted stale; the lag histogram's input
+    has one entry per trained sample of a known version, equal to its lag."""
     buf: SampleBuffer[_Delivery] = SampleBuffer(kinds=["cf", "reh"], max_policy_lag=max_lag)
     buf.add(
         _Delivery(msgspec.structs.replace(make_sample(i + 1), policy_version=v), i + 1)

@@ -1,4 +1,5 @@
-"""Codec and subject properties: round-trips of every wire type, total decoders, run-id validation."""
+"""Codec and subject properties: round-trips of every wire type, total decoders, run-id
+validation."""
 
 from __future__ import annotations
 
@@ -9,10 +10,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.codec import ProtocolError, decode_event, decode_sample, decode_task, decode_weights, encode
-from protocol.events import EpisodeEvent, WeightsPublished
-from protocol.samples import Sample
-from protocol.subjects import (
+from leafe.protocol.codec import (
+    ProtocolError,
+    decode_event,
+    decode_sample,
+    decode_task,
+    decode_weights,
+    encode,
+)
+from leafe.protocol.events import EpisodeEvent, WeightsPublished
+from leafe.protocol.samples import Sample
+from leafe.protocol.subjects import (
     InvalidRunId,
     dead_letter_subject,
     event_subject,
@@ -21,7 +29,7 @@ from protocol.subjects import (
     validate_run_id,
     weights_subject,
 )
-from protocol.tasks import TaskAssignment
+from leafe.protocol.tasks import TaskAssignment
 from tests.support.strategies import (
     DECODERS,
     episode_events,
@@ -64,7 +72,8 @@ def test_task_sample_and_weights_round_trip(msg: msgspec.Struct) -> None:
 @SETTINGS
 @given(wire_messages)
 def test_encoding_is_deterministic(msg: msgspec.Struct) -> None:
-    """Re-encoding a decoded message yields the same bytes (stable ids and byte-identical exports)."""
+    """Re-encoding a decoded message yields the same bytes (stable ids and byte-identical
+    exports)."""
     data = encode(msg)
     assert encode(DECODERS[type(msg)](data, None)) == data
 
@@ -82,7 +91,8 @@ def _decode_or_protocol_error(data: bytes) -> None:
 @SETTINGS
 @given(st.binary(max_size=512))
 def test_arbitrary_bytes_decode_or_raise_protocol_error(data: bytes) -> None:
-    """Any bytes decode to a valid message of the stream's type or raise ProtocolError, nothing else."""
+    """Any bytes decode to a valid message of the stream's type or raise ProtocolError, nothing
+    else."""
     _decode_or_protocol_error(data)
 
 
@@ -95,8 +105,11 @@ def test_wellformed_msgpack_of_wrong_shape_raises_protocol_error(value: object) 
 
 @SETTINGS
 @given(wire_messages, st.data())
-def test_damaged_messages_decode_or_raise_protocol_error(msg: msgspec.Struct, data: st.DataObject) -> None:
-    """Truncated or bit-flipped encodings of real messages never raise anything but ProtocolError."""
+def test_damaged_messages_decode_or_raise_protocol_error(
+    msg: msgspec.Struct, data: st.DataObject
+) -> None:
+    """Truncated or bit-flipped encodings of real messages never raise anything but
+    ProtocolError."""
     raw = bytearray(encode(msg))
     cut = data.draw(st.integers(0, len(raw)))
     _decode_or_protocol_error(bytes(raw[:cut]))
@@ -109,7 +122,8 @@ def test_damaged_messages_decode_or_raise_protocol_error(msg: msgspec.Struct, da
 @SETTINGS
 @given(episode_events, st.text(min_size=1, max_size=8).filter(lambda v: v != "1"))
 def test_unknown_codec_version_is_rejected_by_name(event: EpisodeEvent, version: str) -> None:
-    """A payload stamped with a codec version this code does not know raises ProtocolError naming it."""
+    """A payload stamped with a codec version this code does not know raises ProtocolError naming
+    it."""
     with pytest.raises(ProtocolError, match=re.escape(repr(version))):
         decode_event(encode(event), version)
 
@@ -117,7 +131,8 @@ def test_unknown_codec_version_is_rejected_by_name(event: EpisodeEvent, version:
 @SETTINGS
 @given(invalid_run_ids)
 def test_subject_builders_reject_invalid_run_ids(run_id: str) -> None:
-    """Every subject builder rejects a run id that would break NATS subjects, quoting it in the message."""
+    """Every subject builder rejects a run id that would break NATS subjects, quoting it in the
+    message."""
     builders = (
         lambda r: event_subject(r, "step", "a0"),
         lambda r: event_subject("r1", "step", r),
@@ -136,7 +151,8 @@ def test_subject_builders_reject_invalid_run_ids(run_id: str) -> None:
 @SETTINGS
 @given(run_ids)
 def test_subject_builders_accept_valid_run_ids(run_id: str) -> None:
-    """A valid run id becomes exactly the second token of every subject (no wildcard, no extra dot)."""
+    """A valid run id becomes exactly the second token of every subject (no wildcard, no extra
+    dot)."""
     for subject in (
         event_subject(run_id, "step", "a0"),
         task_subject(run_id),

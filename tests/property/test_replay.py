@@ -1,9 +1,9 @@
 """Property suite of the materializer folds over realistic event logs (explore trees + GRPO groups).
 
 Pins: the sample set does not depend on how episodes interleave; duplicate deliveries add nothing;
-rebuilds are byte-identical; branches without an Outcome produce nothing; counterfactual inputs never
-contain the experience; counterfactual targets are exactly the branches' first actions; every rebuilt
-prompt matches the digest the actor recorded.
+rebuilds are byte-identical; branches without an Outcome produce nothing; counterfactual inputs
+never contain the experience; counterfactual targets are exactly the branches' first actions; every
+rebuilt prompt matches the digest the actor recorded.
 """
 
 from __future__ import annotations
@@ -17,12 +17,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.fake_episodes import EXPERIENCE_MARKER, interleave
-from actors.fakes import ByteChatTokenizer
-from learner.dataset import shard_paths, write_dataset
-from learner.materializers import fold_events, make_materializer
-from protocol.events import Branch, EpisodeEvent, EpisodeFinished, EpisodeStarted, Outcome, Step
-from protocol.samples import Sample
+from leafe.actors.fake_episodes import EXPERIENCE_MARKER, interleave
+from leafe.actors.fakes import ByteChatTokenizer
+from leafe.learner.dataset import shard_paths, write_dataset
+from leafe.learner.materializers import fold_events, make_materializer
+from leafe.protocol.events import (
+    Branch,
+    EpisodeEvent,
+    EpisodeFinished,
+    EpisodeStarted,
+    Outcome,
+    Step,
+)
+from leafe.protocol.samples import Sample
 from tests.support.episodes import event_logs
 
 TOK = ByteChatTokenizer()
@@ -49,8 +56,11 @@ names = st.sampled_from(sorted(MATERIALIZERS))
 
 @SETTINGS
 @given(streams=event_logs(tokenizer=TOK), name=names, seeds=st.tuples(st.integers(), st.integers()))
-def test_sample_set_is_independent_of_interleaving(streams: list, name: str, seeds: tuple[int, int]) -> None:
-    """Any two interleavings of the same per-episode streams give the same samples, field for field."""
+def test_sample_set_is_independent_of_interleaving(
+    streams: list, name: str, seeds: tuple[int, int]
+) -> None:
+    """Any two interleavings of the same per-episode streams give the same samples, field for
+    field."""
     a, fold = materialize(interleave(streams, random.Random(seeds[0])), name)
     b, _ = materialize(interleave(streams, random.Random(seeds[1])), name)
     assert a == b
@@ -70,20 +80,24 @@ def test_duplicate_deliveries_add_nothing(streams: list, name: str, data: st.Dat
     a, clean = materialize(events, name)
     b, fold = materialize(noisy, name)
     assert a == b
-    # copies of events of episodes the materializer ignores (eval, other modes) are dropped with them
+    # copies of events of episodes the materializer ignores (eval, other modes) are dropped with
+    # them
     ignored = fold.stats.ignored_events - clean.stats.ignored_events  # type: ignore[attr-defined]
-    # ... and copies of a superseded attempt's events after a later attempt of its task started count as
-    # stragglers (after_close), as its own late events already do in the clean fold
+    # ... and copies of a superseded attempt's events after a later attempt of its task started
+    # count as stragglers (after_close), as its own late events already do in the clean fold
     late = fold.stats.after_close - clean.stats.after_close  # type: ignore[attr-defined]
     assert fold.stats.duplicates + late + ignored == len(noisy) - len(events)  # type: ignore[attr-defined]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    streams=event_logs(tokenizer=TOK), seeds=st.tuples(st.integers(), st.integers()), shard=st.integers(1, 9)
+    streams=event_logs(tokenizer=TOK),
+    seeds=st.tuples(st.integers(), st.integers()),
+    shard=st.integers(1, 9),
 )
 def test_rebuilds_are_byte_identical(streams: list, seeds: tuple[int, int], shard: int) -> None:
-    """Two rebuilds of the same log (in different interleavings) write the same bytes and content hash."""
+    """Two rebuilds of the same log (in different interleavings) write the same bytes and content
+    hash."""
     with tempfile.TemporaryDirectory() as tmp:
         manifests = []
         for i, seed in enumerate(seeds):
@@ -122,10 +136,14 @@ def _paths(events: list[EpisodeEvent]) -> dict[tuple[str, str], list[str]]:
 
 
 @SETTINGS
-@given(streams=event_logs(tokenizer=TOK, groups=False), name=st.sampled_from(["leafe", "leafe-all", "rft"]))
+@given(
+    streams=event_logs(tokenizer=TOK, groups=False),
+    name=st.sampled_from(["leafe", "leafe-all", "rft"]),
+)
 def test_nothing_comes_from_branches_without_outcome(streams: list, name: str) -> None:
-    """Every sample's target lies on the path of a branch whose Outcome is in the log (a success, except
-    for counterfactuals when failures are kept); truncating episodes only ever removes samples."""
+    """Every sample's target lies on the path of a branch whose Outcome is in the log (a success,
+    except for counterfactuals when failures are kept); truncating episodes only ever removes
+    samples."""
     events = [e for s in streams for e in s]
     samples, _ = materialize(events, name)
     by_id = {e.event_id: e for e in events}
@@ -150,12 +168,14 @@ def test_nothing_comes_from_branches_without_outcome(streams: list, name: str) -
 @SETTINGS
 @given(streams=event_logs(tokenizer=TOK, groups=False))
 def test_counterfactuals_drop_experience_and_target_first_actions(streams: list) -> None:
-    """cf inputs never contain e (messages or token ids); each successful branch's first parsed action
-    is exactly one cf target, with its exact token ids; no sample input contains e at all."""
+    """cf inputs never contain e (messages or token ids); each successful branch's first parsed
+    action is exactly one cf target, with its exact token ids; no sample input contains e at all."""
     events = [e for s in streams for e in s]
     samples, fold = materialize(events, "leafe")
     for s in samples.values():
-        prompt_text = TOK.decode(s.prompt_ids) + "".join(m.content for m in s.messages[: s.target_turn])
+        prompt_text = TOK.decode(s.prompt_ids) + "".join(
+            m.content for m in s.messages[: s.target_turn]
+        )
         assert EXPERIENCE_MARKER not in prompt_text
     starts = {e.episode_id: e for e in events if isinstance(e, EpisodeStarted)}
     outcomes = _branch_outcomes(events)
@@ -204,14 +224,18 @@ def _expected_advantages(events: list[EpisodeEvent]) -> dict[str, float]:
 @SETTINGS
 @given(streams=event_logs(tokenizer=TOK, max_episodes=2))
 def test_grpo_advantages_match_an_independent_computation(streams: list) -> None:
-    """Every grpo sample carries its trajectory's group-normalised advantage and group id; incomplete
-    and zero-variance groups produce nothing; every step of an emitted group is exactly one sample
-    (a materializer that emits nothing fails here)."""
+    """Every grpo sample carries its trajectory's group-normalised advantage and group id;
+    incomplete and zero-variance groups produce nothing; every step of an emitted group is exactly
+    one sample (a materializer that emits nothing fails here)."""
     events = [e for s in streams for e in s]
     samples, _ = materialize(events, "grpo")
     expected = _expected_advantages(events)
     for s in samples.values():
-        assert s.group_id is not None and s.advantage == pytest.approx(expected[s.episode_id], abs=1e-9)
+        assert s.group_id is not None and s.advantage == pytest.approx(
+            expected[s.episode_id], abs=1e-9
+        )
     # GRPO keeps unparsable completions (their negative advantage is how the format is learnt).
-    trainable = [e for e in events if isinstance(e, Step) and e.episode_id in expected and e.token_ids]
+    trainable = [
+        e for e in events if isinstance(e, Step) and e.episode_id in expected and e.token_ids
+    ]
     assert len(samples) == len(trainable), "every step of an emitted group is one sample, no more"

@@ -8,11 +8,11 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from protocol.codec import CODEC_HEADER, decode_event
-from protocol.events import EpisodeEvent
-from protocol.subjects import EVENTS, TASKS, task_subject
-from protocol.tasks import TaskAssignment
-from services.bus import Publisher, read_stream
+from leafe.protocol.codec import CODEC_HEADER, decode_event
+from leafe.protocol.events import EpisodeEvent
+from leafe.protocol.subjects import EVENTS, TASKS, task_subject
+from leafe.protocol.tasks import TaskAssignment
+from leafe.services.bus import Publisher, read_stream
 
 __all__ = ["read_events", "submit", "tasks_left", "until"]
 

@@ -1,5 +1,5 @@
-"""Reading the real ``leafe <verb> --help`` for the deploy/ tests: which options a verb has, which it
-requires, and which verbs take a subcommand (``leafe tasks submit``)."""
+"""Reading the real ``leafe <verb> --help`` for the deploy/ tests: which options a verb has, which
+it requires, and which verbs take a subcommand (``leafe tasks submit``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ _SUBCOMMAND_VERBS = frozenset({"tasks", "log", "streams"})
 
 
 def command_of(verb: str, args: list[str]) -> tuple[str, list[str]]:
-    """``("tasks submit", rest)`` for verbs with subcommands, else ``(verb, args)``: what --help to read."""
+    """``("tasks submit", rest)`` for verbs with subcommands, else ``(verb, args)``: what --help to
+    read."""
     if verb in _SUBCOMMAND_VERBS and args and not args[0].startswith("-"):
         return f"{verb} {args[0]}", args[1:]
     return verb, args
@@ -24,7 +25,8 @@ def command_of(verb: str, args: list[str]) -> tuple[str, list[str]]:
 
 @dataclass(frozen=True, kw_only=True)
 class VerbHelp:
-    """What ``leafe <verb> --help`` says: every long option, and which ones the usage line requires."""
+    """What ``leafe <verb> --help`` says: every long option, and which ones the usage line
+    requires."""
 
     verb: str
     options: frozenset[str]
@@ -48,23 +50,25 @@ def _parse_usage(usage: str) -> tuple[frozenset[str], tuple[frozenset[str], ...]
     previous = None
     while previous != usage:  # drop optional parts, innermost brackets first
         previous, usage = usage, re.sub(r"\[[^\[\]]*\]", "", usage)
-    groups = tuple(frozenset(re.findall(r"--[\w-]+", g)) for g in re.findall(r"\(([^()]*)\)", usage))
+    groups = tuple(
+        frozenset(re.findall(r"--[\w-]+", g)) for g in re.findall(r"\(([^()]*)\)", usage)
+    )
     outside = re.sub(r"\([^()]*\)", "", usage)
     return frozenset(re.findall(r"--[\w-]+", outside)), groups
 
 
 def verb_help(verb: str) -> VerbHelp:
-    """Run the real ``leafe <verb> --help`` (``verb`` may be ``"tasks submit"``); fails naming the module
-    when the verb cannot start."""
+    """Run the real ``leafe <verb> --help`` (``verb`` may be ``"tasks submit"``); fails naming the
+    module when the verb cannot start."""
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", *verb.split(), "--help"],
+        [sys.executable, "-m", "leafe.services.cli", *verb.split(), "--help"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
     if proc.returncode != 0:
-        from services.cli import VERBS
+        from leafe.services.cli import VERBS
 
         module = VERBS.get(verb.split()[0], ("?",))[0]
         raise AssertionError(

@@ -1,4 +1,5 @@
-"""Helpers of the cluster tests: find a stream's leader, and tell whether its replicas are current."""
+"""Helpers of the cluster tests: find a stream's leader, and tell whether its replicas are
+current."""
 
 from __future__ import annotations
 

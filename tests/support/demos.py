@@ -1,5 +1,6 @@
-"""Demonstration episodes for the tests: real Sokoban demonstrations played by ``actors.demo.DemoRunner``,
-an engine that proposes varied alternatives, and the structural checks of a demo episode's events."""
+"""Demonstration episodes for the tests: real Sokoban demonstrations played by
+``leafe.actors.demo.DemoRunner``, an engine that proposes varied alternatives, and the structural
+checks of a demo episode's events."""
 
 from __future__ import annotations
 
@@ -12,15 +13,15 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from actors.config import RolloutConfig
-from actors.demo import DemoRunner
-from actors.demo_config import DemoConfig
-from actors.early import SELF_REFLECTION_QUESTION
-from actors.engine import Completion, SamplingParams
-from actors.episode import EpisodeSpec, ListSink
-from actors.fakes import ByteChatTokenizer
-from envs.sokoban import SokobanConfig, SokobanEnv
-from protocol.events import (
+from leafe.actors.config import RolloutConfig
+from leafe.actors.demo import DemoRunner
+from leafe.actors.demo_config import DemoConfig
+from leafe.actors.early import SELF_REFLECTION_QUESTION
+from leafe.actors.engine import Completion, SamplingParams
+from leafe.actors.episode import EpisodeSpec, ListSink
+from leafe.actors.fakes import ByteChatTokenizer
+from leafe.envs.sokoban.env import SokobanConfig, SokobanEnv
+from leafe.protocol.events import (
     EXPERT_VERSION,
     ROOT_BRANCH,
     Branch,
@@ -32,7 +33,7 @@ from protocol.events import (
     Rollback,
     Step,
 )
-from protocol.prompt import ChatTokenizer
+from leafe.protocol.prompt import ChatTokenizer
 
 __all__ = [
     "SMALL_SOKOBAN",
@@ -58,8 +59,9 @@ def reflection_text(prompt_digest: int) -> str:
 
 
 class ProposalEngine:
-    """An ``Engine`` whose ``n`` completions are seeded picks from :data:`PROPOSALS` (engine-shaped: the
-    stop string cut from the text, kept in the ids), and which answers self-reflection prompts."""
+    """An ``Engine`` whose ``n`` completions are seeded picks from :data:`PROPOSALS` (engine-shaped:
+    the stop string cut from the text, kept in the ids), and which answers self-reflection
+    prompts."""
 
     def __init__(self, *, seed: int = 0, tokenizer: ChatTokenizer, version: str = "v3") -> None:
         self.rng = random.Random(seed)
@@ -68,9 +70,15 @@ class ProposalEngine:
         self.calls: list[tuple[list[int], SamplingParams, int]] = []
 
     async def generate(
-        self, input_ids: list[int], params: SamplingParams, *, n: int = 1, return_logprob: bool = False
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        return_logprob: bool = False,
     ) -> list[Completion]:
-        """``n`` completions; ids are UTF-8 bytes of the text (plus the stop string when one ended it)."""
+        """``n`` completions; ids are UTF-8 bytes of the text (plus the stop string when one ended
+        it)."""
         self.calls.append((list(input_ids), params, n))
         if SELF_REFLECTION_QUESTION in self.tok.decode(input_ids):
             text = reflection_text(sum(input_ids))
@@ -83,7 +91,9 @@ class ProposalEngine:
 
     def _completion(self, text: str, generated: str, prompt_tokens: int) -> Completion:
         ids = list(generated.encode())
-        return Completion(text=text, output_ids=ids, weight_version=self.version, prompt_tokens=prompt_tokens)
+        return Completion(
+            text=text, output_ids=ids, weight_version=self.version, prompt_tokens=prompt_tokens
+        )
 
     async def weight_version(self) -> str:
         """The fixed version."""
@@ -109,7 +119,8 @@ async def demo_events(
     rollout: RolloutConfig | None = None,
     engine: Any = None,
 ) -> list[EpisodeEvent]:
-    """The events of one demonstration of ``sokoban/<split>/<task_index>`` (small rooms by default)."""
+    """The events of one demonstration of ``sokoban/<split>/<task_index>`` (small rooms by
+    default)."""
     env = env or SokobanEnv(SMALL_SOKOBAN)
     task_id = f"sokoban/{split}/{task_index}"
     spec = EpisodeSpec(
@@ -138,10 +149,13 @@ async def demo_events(
 
 
 def check_demo_episode(events: Sequence[EpisodeEvent]) -> None:
-    """Structural invariants of a demo episode: the expert path b0, and one-step alternative branches
-    (Reflection -> Rollback -> Branch -> Step -> Outcome) off it, the env returned to the expert path."""
+    """Structural invariants of a demo episode: the expert path b0, and one-step alternative
+    branches (Reflection -> Rollback -> Branch -> Step -> Outcome) off it, the env returned to the
+    expert path."""
     started, fin = events[0], events[-1]
-    assert isinstance(started, EpisodeStarted) and started.mode == "demo" and started.split == "train"
+    assert (
+        isinstance(started, EpisodeStarted) and started.mode == "demo" and started.split == "train"
+    )
     assert isinstance(fin, EpisodeFinished)
     assert [e.seq for e in events] == list(range(len(events)))
     expert = [e for e in events if isinstance(e, Step) and e.branch_id == ROOT_BRANCH]
@@ -152,10 +166,14 @@ def check_demo_episode(events: Sequence[EpisodeEvent]) -> None:
             refl, back, step, outcome = events[i - 2], events[i - 1], events[i + 1], events[i + 2]
             assert isinstance(refl, Reflection) and refl.event_id == e.reflection_event_id
             assert refl.trigger == "alternative" and refl.tau == e.tau and refl.at_t == e.tau + 1
-            assert isinstance(back, Rollback) and back.tau == e.tau and back.from_branch == ROOT_BRANCH
+            assert (
+                isinstance(back, Rollback) and back.tau == e.tau and back.from_branch == ROOT_BRANCH
+            )
             assert e.parent_branch_id == ROOT_BRANCH and e.depth == 1 and e.experience == ""
             assert isinstance(step, Step) and step.branch_id == e.branch_id and step.t == e.tau
-            assert step.prompt_sha256 == expert[e.tau].prompt_sha256 and not step.experience_in_context
+            assert (
+                step.prompt_sha256 == expert[e.tau].prompt_sha256 and not step.experience_in_context
+            )
             assert isinstance(outcome, Outcome) and outcome.branch_id == e.branch_id
             assert outcome.steps == e.tau + 1
     outcomes = Counter(e.branch_id for e in events if isinstance(e, Outcome))
@@ -170,13 +188,16 @@ def check_demo_episode(events: Sequence[EpisodeEvent]) -> None:
 @functools.cache
 def demo_pool(size: int = 18) -> tuple[tuple[EpisodeEvent, ...], ...]:
     """``size`` real demonstrations (byte tokenizer, run ``r1``): plain, with alternatives, with
-    self-reflection; built once per process (each takes milliseconds, but Hypothesis draws many logs)."""
+    self-reflection; built once per process (each takes milliseconds, but Hypothesis draws many
+    logs)."""
     tok = ByteChatTokenizer()
     pool = []
     for i in range(size):
         alternatives = (0, 3, 5)[i % 3]
         reflect = alternatives > 0 and i % 2 == 0
-        events = play_demo(i, tokenizer=tok, alternatives=alternatives, self_reflection=reflect, seed=i)
+        events = play_demo(
+            i, tokenizer=tok, alternatives=alternatives, self_reflection=reflect, seed=i
+        )
         pool.append(tuple(events))
     return tuple(pool)
 

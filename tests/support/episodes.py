@@ -1,5 +1,5 @@
-"""Hypothesis strategies over synthetic episodes (explore trees, GRPO groups, whole logs), shared by the
-property suites; the builders they wrap are ``actors/fake_episodes.py``."""
+"""Hypothesis strategies over synthetic episodes (explore trees, GRPO groups, whole logs), shared by
+the property suites; the builders they wrap are ``actors/fake_episodes.py``."""
 
 from __future__ import annotations
 
@@ -8,9 +8,14 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
-from actors.fake_episodes import ExploreSpec, build_explore_episode, build_rollout_group, interleave
-from protocol.events import EpisodeEvent
-from protocol.prompt import ChatTokenizer
+from leafe.actors.fake_episodes import (
+    ExploreSpec,
+    build_explore_episode,
+    build_rollout_group,
+    interleave,
+)
+from leafe.protocol.events import EpisodeEvent
+from leafe.protocol.prompt import ChatTokenizer
 
 __all__ = ["event_logs", "explore_episodes", "explore_specs", "interleaved", "rollout_groups"]
 
@@ -35,7 +40,11 @@ def explore_specs(draw: st.DrawFn, *, abandoned: bool = True) -> ExploreSpec:
 
 
 def explore_episodes(
-    run_id: str = "r1", *, tokenizer: ChatTokenizer | None = None, abandoned: bool = True, prefix: str = "ep"
+    run_id: str = "r1",
+    *,
+    tokenizer: ChatTokenizer | None = None,
+    abandoned: bool = True,
+    prefix: str = "ep",
 ) -> st.SearchStrategy[list[EpisodeEvent]]:
     """Events of one explore episode (seq order)."""
     return st.builds(
@@ -81,7 +90,9 @@ def event_logs(
     """Per-episode event streams of a small run: explore trees and (optionally) rollout groups."""
     n = draw(st.integers(1, max_episodes))
     streams = [
-        build_explore_episode(draw(explore_specs()), run_id=run_id, episode_id=f"ep{i}", tokenizer=tokenizer)
+        build_explore_episode(
+            draw(explore_specs()), run_id=run_id, episode_id=f"ep{i}", tokenizer=tokenizer
+        )
         for i in range(n)
     ]
     if groups:

@@ -1,7 +1,8 @@
 """Independent checks of an episode's event stream, shared by the actor unit and property tests.
 
-``rebuild_step_prompts`` rebuilds every Step's prompt from the events alone, exactly as the replayer must
-(branch geometry of ``protocol.events``); ``check_episode`` asserts the stream's structural invariants.
+``rebuild_step_prompts`` rebuilds every Step's prompt from the events alone, exactly as the replayer
+must (branch geometry of ``leafe.protocol.events``); ``check_episode`` asserts the stream's
+structural invariants.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from protocol.events import (
+from leafe.protocol.events import (
     ROOT_BRANCH,
     Branch,
     EpisodeEvent,
@@ -21,8 +22,8 @@ from protocol.events import (
     Step,
     event_id_for,
 )
-from protocol.prompt import HistoryEntry, render_messages
-from protocol.samples import ChatMessage
+from leafe.protocol.prompt import HistoryEntry, render_messages
+from leafe.protocol.samples import ChatMessage
 
 __all__ = ["check_episode", "path_of", "rebuild_step_prompts"]
 

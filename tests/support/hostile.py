@@ -1,9 +1,12 @@
-"""Hostile input for the replayer's tests: episodes built to break a fold, and raw publishes that bypass
-the ``Publisher`` (what any authenticated publisher can send).
+"""Hostile input for the replayer's tests: episodes built to break a fold, and raw publishes that
+bypass the ``Publisher`` (what any authenticated publisher can send).
 
-    events = branch_chain(run_id, "deep", depth=1200)         # each Branch the child of the previous one
-    seq = await publish_raw(js, subject, data, headers)        # stored as given; returns its stream seq
-    data = pad_to(step, total=max_payload, headers=headers)    # encoded so that headers + body == total
+    # each Branch the child of the previous one
+    events = branch_chain(run_id, "deep", depth=1200)
+    # stored as given; returns its stream seq
+    seq = await publish_raw(js, subject, data, headers)
+    # encoded so that headers + body == total
+    data = pad_to(step, total=max_payload, headers=headers)
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from typing import Any
 
 import msgspec
 
-from actors.fake_episodes import INSTRUCTIONS, EventWriter
-from protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, encode
-from protocol.events import (
+from leafe.actors.fake_episodes import INSTRUCTIONS, EventWriter
+from leafe.protocol.codec import CODEC_HEADER, CODEC_VERSION, MSG_ID_HEADER, encode
+from leafe.protocol.events import (
     Branch,
     EpisodeEvent,
     EpisodeFinished,
@@ -25,9 +28,9 @@ from protocol.events import (
     Reflection,
     Step,
 )
-from protocol.prompt import ChatTokenizer
-from protocol.samples import ChatMessage
-from protocol.subjects import event_subject
+from leafe.protocol.prompt import ChatTokenizer
+from leafe.protocol.samples import ChatMessage
+from leafe.protocol.subjects import event_subject
 
 __all__ = [
     "PoisonTokenizer",
@@ -77,10 +80,17 @@ def step_fields(branch_id: str, t: int, **over: Any) -> dict[str, Any]:
 
 
 def branch_chain(
-    run_id: str, episode_id: str, *, depth: int, tau: int = 1, actor_id: str = "actor-0", **started: Any
+    run_id: str,
+    episode_id: str,
+    *,
+    depth: int,
+    tau: int = 1,
+    actor_id: str = "actor-0",
+    **started: Any,
 ) -> list[EpisodeEvent]:
-    """One episode: a root step, then ``depth`` Branch events each the child of the previous one (each
-    after its Reflection), then a successful step and Outcome on the deepest branch, EpisodeFinished.
+    """One episode: a root step, then ``depth`` Branch events each the child of the previous one
+    (each after its Reflection), then a successful step and Outcome on the deepest branch,
+    EpisodeFinished.
 
     Every event is valid on its own; the deepest branch's counterfactual needs its whole ancestry.
     """
@@ -109,13 +119,18 @@ def branch_chain(
             depth=i,
         )
         parent = branch
-    w.emit(Step, **step_fields(parent, tau, action="down", raw_text="<action>down</action>", success=True))
+    w.emit(
+        Step,
+        **step_fields(parent, tau, action="down", raw_text="<action>down</action>", success=True),
+    )
     w.emit(Outcome, branch_id=parent, success=True, score=1.0, steps=tau + 1, reason="success")
     w.emit(EpisodeFinished, success=True, branches=depth + 1, actions=2, reflections=depth)
     return w.events
 
 
-def flood_starts(run_id: str, n: int, *, actor_id: str, mode: str = "explore") -> list[EpisodeEvent]:
+def flood_starts(
+    run_id: str, n: int, *, actor_id: str, mode: str = "explore"
+) -> list[EpisodeEvent]:
     """``n`` EpisodeStarted of ``actor_id`` (episodes ``<run>-<actor>-<i>``) that never finish."""
     out: list[EpisodeEvent] = []
     for i in range(n):
@@ -131,13 +146,15 @@ def headers_of(event: EpisodeEvent, **extra: str) -> dict[str, str]:
 
 
 def wire_size(data: bytes, headers: dict[str, str]) -> int:
-    """Bytes the server counts against ``max_payload`` for a message: its header block plus its body."""
+    """Bytes the server counts against ``max_payload`` for a message: its header block plus its
+    body."""
     block = "NATS/1.0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
     return len(block.encode()) + len(data)
 
 
 def pad_to(event: msgspec.Struct, field: str, *, total: int, headers: dict[str, str]) -> bytes:
-    """``event`` encoded with its string ``field`` padded so that headers + body are exactly ``total``."""
+    """``event`` encoded with its string ``field`` padded so that headers + body are exactly
+    ``total``."""
     size = total - wire_size(b"", headers)
     n = size - len(encode(msgspec.structs.replace(event, **{field: ""})))
     for _ in range(4):  # the string's length prefix grows with it
@@ -149,13 +166,15 @@ def pad_to(event: msgspec.Struct, field: str, *, total: int, headers: dict[str, 
 
 
 async def publish_raw(js: Any, subject: str, data: bytes, headers: dict[str, str] | None) -> int:
-    """Publish bytes as given (no size or header checks); returns the stream sequence it was stored at."""
+    """Publish bytes as given (no size or header checks); returns the stream sequence it was stored
+    at."""
     ack = await js.publish(subject, data, headers=headers)
     return int(ack.seq)
 
 
 async def publish_each(js: Any, events: list[EpisodeEvent]) -> list[int]:
-    """Publish ``events`` one by one with the Publisher's headers, bypassing its checks; their seqs."""
+    """Publish ``events`` one by one with the Publisher's headers, bypassing its checks; their
+    seqs."""
     out = []
     for e in events:
         subject = event_subject(e.run_id, str(type(e).__struct_config__.tag), e.actor_id)

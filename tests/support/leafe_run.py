@@ -1,6 +1,6 @@
-"""``leafe run`` as a user runs it, in a child process: the command line and its environment (the tests of
-the supervisor: ``tests/integration/test_run_e2e.py``, ``test_run_supervisor_kill.py``), and a
-:class:`Throttle` that makes one of its services run as on a slower machine."""
+"""``leafe run`` as a user runs it, in a child process: the command line and its environment (the
+tests of the supervisor: ``tests/integration/test_run_e2e.py``, ``test_run_supervisor_kill.py``),
+and a :class:`Throttle` that makes one of its services run as on a slower machine."""
 
 from __future__ import annotations
 
@@ -17,23 +17,37 @@ __all__ = ["Throttle", "leafe_run_argv", "leafe_run_env"]
 
 def leafe_run_argv(runs: Path, *args: str, preset: str = "tiny") -> list[str]:
     """``leafe run --preset PRESET --runs-dir RUNS ARGS...`` through this interpreter."""
-    return [sys.executable, "-m", "services.cli", "run", "--preset", preset, "--runs-dir", str(runs), *args]
+    return [
+        sys.executable,
+        "-m",
+        "leafe.services.cli",
+        "run",
+        "--preset",
+        preset,
+        "--runs-dir",
+        str(runs),
+        *args,
+    ]
 
 
 def leafe_run_env(cache_dir: Path) -> dict[str, str]:
-    """This environment with the tests' model cache, and without a NATS URL (the run embeds its own)."""
+    """This environment with the tests' model cache, and without a NATS URL (the run embeds its
+    own)."""
     env = {**os.environ, "LEAFE_CACHE": str(cache_dir)}
     env.pop("LEAFE_NATS_URL", None)
     return env
 
 
 class Throttle:
-    """While in its ``with`` block, stop the process recorded in ``pid_file`` (``<run dir>/pids/<name>.pid``,
-    written by the supervisor) for ``stop_s`` of every ``stop_s + run_s`` seconds: that service runs as on
-    a machine ``(stop_s + run_s) / run_s`` times slower, its start-up included. ``stopped_s`` says how long
-    it was held stopped in all (a throttle that never caught the process would make a test vacuous)."""
+    """While in its ``with`` block, stop the process recorded in ``pid_file`` (``<run
+    dir>/pids/<name>.pid``, written by the supervisor) for ``stop_s`` of every ``stop_s + run_s``
+    seconds: that service runs as on a machine ``(stop_s + run_s) / run_s`` times slower, its
+    start-up included. ``stopped_s`` says how long it was held stopped in all (a throttle that never
+    caught the process would make a test vacuous)."""
 
-    def __init__(self, pid_file: Path, *, enabled: bool = True, stop_s: float = 3.0, run_s: float = 1.0):
+    def __init__(
+        self, pid_file: Path, *, enabled: bool = True, stop_s: float = 3.0, run_s: float = 1.0
+    ):
         self.pid_file, self.enabled, self.stop_s, self.run_s = pid_file, enabled, stop_s, run_s
         self.stopped_s = 0.0
         self._done = threading.Event()

@@ -10,8 +10,8 @@ from typing import Any
 
 import msgspec
 
-from protocol.samples import ChatMessage, Sample, SampleKind
-from services.bus import NatsOptions
+from leafe.protocol.samples import ChatMessage, Sample, SampleKind
+from leafe.services.bus import NatsOptions
 
 __all__ = [
     "assert_same_weights",
@@ -47,7 +47,10 @@ def make_sample(
         env="toy",
         task_id=f"toy/{i % 7}",
         episode_id=f"ep{i}",
-        messages=[ChatMessage(role="user", content=f"q{i}"), ChatMessage(role="assistant", content="a")],
+        messages=[
+            ChatMessage(role="user", content=f"q{i}"),
+            ChatMessage(role="assistant", content="a"),
+        ],
         target_turn=1,
         prompt_ids=[r.randrange(2, vocab) for _ in range(p)],
         completion_ids=[r.randrange(2, vocab) for _ in range(c)],
@@ -58,7 +61,9 @@ def make_sample(
     )
 
 
-def make_samples(n: int, *, start: int = 0, kinds: Sequence[SampleKind] = ("cf", "reh")) -> list[Sample]:
+def make_samples(
+    n: int, *, start: int = 0, kinds: Sequence[SampleKind] = ("cf", "reh")
+) -> list[Sample]:
     """``n`` samples cycling through ``kinds``."""
     return [make_sample(start + i, kind=kinds[i % len(kinds)]) for i in range(n)]
 
@@ -66,10 +71,11 @@ def make_samples(n: int, *, start: int = 0, kinds: Sequence[SampleKind] = ("cf",
 def write_shards(
     data_dir: Path, samples: Sequence[Sample], per_shard: int = 16, *, bare: bool = False
 ) -> Path:
-    """Write ``samples`` as a dataset (``learner.dataset.write_dataset``: shards + manifest, sorted by id)
-    or, with ``bare``, as plain ``shard-*.jsonl`` files without a manifest; returns ``data_dir``."""
+    """Write ``samples`` as a dataset (``leafe.learner.dataset.write_dataset``: shards + manifest,
+    sorted by id) or, with ``bare``, as plain ``shard-*.jsonl`` files without a manifest; returns
+    ``data_dir``."""
     if not bare:
-        from learner.dataset import write_dataset
+        from leafe.learner.dataset import write_dataset
 
         write_dataset(samples, data_dir, materializer={"name": "test"}, shard_size=per_shard)
         return data_dir
@@ -82,10 +88,13 @@ def write_shards(
     return data_dir
 
 
-def assert_same_weights(a: dict[str, Any], b: dict[str, Any], *, max_lr: float, atol: float = 1e-5) -> None:
-    """Same keys and values up to float rounding. AdamW's first steps move every weight by about
-    lr * sign(grad), so a weight whose gradient is ~0 may flip direction on rounding noise alone: allow
-    at most 1 in 10^4 elements to differ, and by no more than 2 * lr per step taken (``max_lr`` = sum)."""
+def assert_same_weights(
+    a: dict[str, Any], b: dict[str, Any], *, max_lr: float, atol: float = 1e-5
+) -> None:
+    """Same keys and values up to float rounding. AdamW's first steps move every weight by about lr
+    * sign(grad), so a weight whose gradient is ~0 may flip direction on rounding noise alone: allow
+    at most 1 in 10^4 elements to differ, and by no more than 2 * lr per step taken (``max_lr`` =
+    sum)."""
     assert a.keys() == b.keys()
     total = off = 0
     for k in a:
@@ -97,10 +106,10 @@ def assert_same_weights(a: dict[str, Any], b: dict[str, Any], *, max_lr: float, 
 
 
 async def publish_samples(nats: NatsOptions | str, samples: Sequence[Sample]) -> None:
-    """Publish samples on ``leafe.<run>.samples.<kind>`` and wait for every ack (the streams exist: the
-    session fixture made them)."""
-    from protocol import sample_subject
-    from services.bus import Publisher, connect
+    """Publish samples on ``leafe.<run>.samples.<kind>`` and wait for every ack (the streams exist:
+    the session fixture made them)."""
+    from leafe.protocol import sample_subject
+    from leafe.services.bus import Publisher, connect
 
     nc = await connect(nats)
     js = nc.jetstream()

@@ -1,7 +1,8 @@
 """Damaging ``.leafelog`` files the way a bad disk would, for the event-log tests.
 
-The frame walk here is written from the format's description (``services/eventlog/fileformat.py``), not
-with the reader under test, so a test that locates a frame with it does not trust the code it checks.
+The frame walk here is written from the format's description (``services/eventlog/fileformat.py``),
+not with the reader under test, so a test that locates a frame with it does not trust the code it
+checks.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def cut(path: Path, size: int) -> None:
 
 
 def garble(path: Path, needle: bytes, *, bit: int = 7) -> int:
-    """Flip bit ``bit`` of the last byte of the only occurrence of ``needle``; returns that byte's offset."""
+    """Flip bit ``bit`` of the last byte of the only occurrence of ``needle``; returns that byte's
+    offset."""
     data = path.read_bytes()
     at = data.find(needle)
     assert at >= 0 and data.find(needle, at + 1) < 0, f"{needle!r} must occur exactly once"

@@ -1,8 +1,9 @@
 """Helpers for the deploy/ tests: render kustomizations, walk workloads and containers.
 
-Pure functions over rendered manifests (lists of dicts) plus two subprocess wrappers: ``render`` runs
-``kubectl kustomize DIR`` and ``render_stack`` renders an overlay with optional components stacked on top
-(the way deploy/README.md tells users to add them). Reading ``leafe <verb> --help`` is in clihelp.py.
+Pure functions over rendered manifests (lists of dicts) plus two subprocess wrappers: ``render``
+runs ``kubectl kustomize DIR`` and ``render_stack`` renders an overlay with optional components
+stacked on top (the way deploy/README.md tells users to add them). Reading ``leafe <verb> --help``
+is in clihelp.py.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ OPTIONAL_COMPONENTS = (
     "sandbox-userns",
 )
 """Components under deploy/components/ that a user stacks on an overlay (deploy/README.md)."""
-_EXCLUSIVE = frozenset({"sandbox-gvisor", "sandbox-userns"})  # two ways to the same end: one at a time
+_EXCLUSIVE = frozenset(
+    {"sandbox-gvisor", "sandbox-userns"}
+)  # two ways to the same end: one at a time
 COMPONENT_STACKS: tuple[tuple[str, ...], ...] = tuple(
     combo
     for n in range(1, len(OPTIONAL_COMPONENTS) + 1)
@@ -107,9 +110,9 @@ NATS_ROLES = {
 NATS_VERBS = frozenset(NATS_ROLES)
 """Verbs whose services connect to NATS (and so need a NATS user and the NetworkPolicy label)."""
 PENDING_CODE: dict[str, frozenset[str] | None] = {}
-"""Verbs (None: the whole verb) and flags the manifests use that the services are being given now (see
-deploy/README.md). Accepted while missing; test_pending_code_is_still_pending fails once one exists, so the
-entry is removed and the real --help check takes over."""
+"""Verbs (None: the whole verb) and flags the manifests use that the services are being given now
+(see deploy/README.md). Accepted while missing; test_pending_code_is_still_pending fails once one
+exists, so the entry is removed and the real --help check takes over."""
 _WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job", "ReplicaSet"}
 
 
@@ -142,7 +145,8 @@ def render_stack(overlay: str, components: Sequence[str], workdir: Path, kubectl
 
 
 def find(docs: list[Doc], kind: str, name: str) -> Doc:
-    """The one document of ``kind`` whose name is ``name`` (or starts with ``name-`` + a hash suffix)."""
+    """The one document of ``kind`` whose name is ``name`` (or starts with ``name-`` + a hash
+    suffix)."""
     hits = [
         d
         for d in docs
@@ -186,7 +190,8 @@ class Container:
 
     @property
     def argv(self) -> list[str]:
-        """``raw_argv`` with each ``sh -c SCRIPT`` replaced by the script's words (:func:`expand_shell`)."""
+        """``raw_argv`` with each ``sh -c SCRIPT`` replaced by the script's words
+        (:func:`expand_shell`)."""
         return expand_shell(self.raw_argv)[0]
 
 
@@ -194,7 +199,8 @@ _SHELLS = {"sh", "/bin/sh", "bash", "/bin/bash"}
 
 
 def expand_shell(argv: list[str]) -> tuple[list[str], list[str]]:
-    """``(argv, scripts)``: each ``sh -c SCRIPT`` becomes SCRIPT's words (a leading ``exec`` dropped)."""
+    """``(argv, scripts)``: each ``sh -c SCRIPT`` becomes SCRIPT's words (a leading ``exec``
+    dropped)."""
     for i, token in enumerate(argv[:-2]):
         if token in _SHELLS and argv[i + 1] == "-c":
             words = shlex.split(argv[i + 2])
@@ -215,7 +221,8 @@ def containers(docs: list[Doc], *, init: bool = True) -> Iterator[Container]:
 
 
 def leafe_invocation(argv: list[str]) -> tuple[str, list[str]] | None:
-    """``(verb, arguments)`` when ``argv`` runs ``leafe <verb> ...`` (directly or under torchrun)."""
+    """``(verb, arguments)`` when ``argv`` runs ``leafe <verb> ...`` (directly or under
+    torchrun)."""
     for i, token in enumerate(argv):
         if (token == "leafe" or token.endswith("/leafe")) and i + 1 < len(argv):
             return argv[i + 1], argv[i + 2 :]
@@ -228,12 +235,15 @@ def flags_of(args: list[str]) -> set[str]:
 
 
 def env_names(container: Container, docs: list[Doc]) -> set[str]:
-    """Names of every environment variable the container gets (env and envFrom ConfigMaps/Secrets)."""
+    """Names of every environment variable the container gets (env and envFrom
+    ConfigMaps/Secrets)."""
     names = {e["name"] for e in container.spec.get("env") or []}
     for source in container.spec.get("envFrom") or []:
         if "configMapRef" in source:
             names |= set(find(docs, "ConfigMap", source["configMapRef"]["name"]).get("data", {}))
-        if "secretRef" in source:  # a Secret the operator creates (gpu) is not rendered: no names known
+        if (
+            "secretRef" in source
+        ):  # a Secret the operator creates (gpu) is not rendered: no names known
             secrets = [
                 d
                 for d in docs
@@ -251,7 +261,9 @@ def workload_names(docs: list[Doc]) -> dict[str, str]:
 def container_named(docs: list[Doc], workload: str, name: str) -> Container:
     """The one container ``name`` of workload ``workload``."""
     hits = [
-        c for c in containers(docs) if c.workload["metadata"]["name"] == workload and c.spec["name"] == name
+        c
+        for c in containers(docs)
+        if c.workload["metadata"]["name"] == workload and c.spec["name"] == name
     ]
     assert len(hits) == 1, f"expected one container {workload}:{name}, found {len(hits)}"
     return hits[0]
@@ -271,7 +283,8 @@ def weight_mounts(container: Container) -> list[Doc]:
     return [
         m
         for m in container.spec.get("volumeMounts") or []
-        if volumes.get(m["name"], {}).get("persistentVolumeClaim", {}).get("claimName") == "leafe-weights"
+        if volumes.get(m["name"], {}).get("persistentVolumeClaim", {}).get("claimName")
+        == "leafe-weights"
     ]
 
 
@@ -299,7 +312,9 @@ def config_map_value(docs: list[Doc], name: str, key: str) -> str:
 def pods_with_label(docs: list[Doc], label: str) -> set[str]:
     """Names of the workloads whose pods carry ``label: "true"``."""
     return {
-        w["metadata"]["name"] for w, t in pod_templates(docs) if t["metadata"]["labels"].get(label) == "true"
+        w["metadata"]["name"]
+        for w, t in pod_templates(docs)
+        if t["metadata"]["labels"].get(label) == "true"
     }
 
 

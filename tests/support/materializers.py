@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.fake_episodes import INSTRUCTIONS, EventWriter
-from actors.fakes import ByteChatTokenizer
-from learner.materializers import make_materializer
-from protocol.events import (
+from leafe.actors.fake_episodes import INSTRUCTIONS, EventWriter
+from leafe.actors.fakes import ByteChatTokenizer
+from leafe.learner.materializers import make_materializer
+from leafe.protocol.events import (
     Branch,
     EpisodeEvent,
     EpisodeFinished,
@@ -18,8 +18,8 @@ from protocol.events import (
     Rollback,
     Step,
 )
-from protocol.prompt import HistoryEntry, prompt_sha256, render_messages
-from protocol.samples import Sample
+from leafe.protocol.prompt import HistoryEntry, prompt_sha256, render_messages
+from leafe.protocol.samples import Sample
 
 __all__ = ["TOK", "E", "Tree", "fold"]
 
@@ -48,7 +48,9 @@ class Tree:
         self.paths: dict[str, list[Step]] = {"b0": []}
         self.experience: dict[str, str] = {"b0": ""}
 
-    def step(self, branch: str, action: str | None = "up", *, with_e: bool = False, **kw: Any) -> Step:
+    def step(
+        self, branch: str, action: str | None = "up", *, with_e: bool = False, **kw: Any
+    ) -> Step:
         path = self.paths[branch]
         t = len(path)
         e = self.experience[branch] if with_e else None
@@ -76,7 +78,9 @@ class Tree:
         path.append(s)
         return s
 
-    def branch(self, parent: str, tau: int, new: str, experience: str = E) -> tuple[Reflection, Branch]:
+    def branch(
+        self, parent: str, tau: int, new: str, experience: str = E
+    ) -> tuple[Reflection, Branch]:
         refl = self.w.emit(
             Reflection,
             branch_id=parent,
@@ -101,7 +105,9 @@ class Tree:
         return refl, br
 
     def outcome(self, branch: str, success: bool) -> Outcome:
-        return self.w.emit(Outcome, branch_id=branch, success=success, steps=len(self.paths[branch]))
+        return self.w.emit(
+            Outcome, branch_id=branch, success=success, steps=len(self.paths[branch])
+        )
 
     def finish(self) -> EpisodeFinished:
         return self.w.emit(EpisodeFinished, success=True)
@@ -111,7 +117,9 @@ class Tree:
         return list(self.w.events)
 
 
-def fold(events: list[EpisodeEvent], name: str = "leafe", **options: Any) -> tuple[list[Sample], Any]:
+def fold(
+    events: list[EpisodeEvent], name: str = "leafe", **options: Any
+) -> tuple[list[Sample], Any]:
     m = make_materializer(name, TOK, **options)
     out: list[Sample] = []
     for e in events:

@@ -1,12 +1,14 @@
-"""NATS identities for the test suite's server: every role of deploy's permissions.json as an nkey user (what
-``leafe run`` does too), plus one password user with the admin's permissions whose URL ``nats_url`` hands to
-the tests that are not about permissions (a URL carrying credentials reaches every verb and subprocess
-unchanged: ``connect(url)``, ``--nats URL``, ``$LEAFE_NATS_URL``). The fixtures are in tests/conftest.py.
+"""NATS identities for the test suite's server: every role of deploy's permissions.json as an nkey
+user (what ``leafe run`` does too), plus one password user with the admin's permissions whose URL
+``nats_url`` hands to the tests that are not about permissions (a URL carrying credentials reaches
+every verb and subprocess unchanged: ``connect(url)``, ``--nats URL``, ``$LEAFE_NATS_URL``). The
+fixtures are in tests/conftest.py.
 
-Each actor is a user of its own (``actor.<id>``, publishing events only on its id's subject token), as
-``leafe run`` makes them: the server has :data:`TEST_ACTORS`, and ``options(url)["actor"]`` is the first.
-Unlike ``leafe run``'s, they serve any run (``ANY_RUN``: every test has a run id of its own); pinning an
-actor to its run is tests/integration/test_hostile_tasks.py, on a server of its own.
+Each actor is a user of its own (``actor.<id>``, publishing events only on its id's subject token),
+as ``leafe run`` makes them: the server has :data:`TEST_ACTORS`, and ``options(url)["actor"]`` is
+the first. Unlike ``leafe run``'s, they serve any run (``ANY_RUN``: every test has a run id of its
+own); pinning an actor to its run is tests/integration/test_hostile_tasks.py, on a server of its
+own.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.bus import NatsOptions, connect
-from services.bus.auth import (
+from leafe.services.bus import NatsOptions, connect
+from leafe.services.bus.auth import (
     ANY_RUN,
     NatsUser,
     RoleKey,
@@ -32,10 +34,18 @@ from services.bus.auth import (
     write_role_keys,
 )
 
-__all__ = ["SEED_PATTERN", "TEST_ACTORS", "NatsIdentities", "RoleClient", "make_identities", "stored"]
+__all__ = [
+    "SEED_PATTERN",
+    "TEST_ACTORS",
+    "NatsIdentities",
+    "RoleClient",
+    "make_identities",
+    "stored",
+]
 
 TEST_ACTORS = ("actor-0", "actor-1")
-"""The actors with users of their own on the test server (``actor-0`` is the fake episodes' default)."""
+"""The actors with users of their own on the test server (``actor-0`` is the fake episodes'
+default)."""
 
 SEED_PATTERN = re.compile(r"SU[A-Z2-7]{56}")
 """An encoded user nkey seed (``SU`` + base32): what must never appear in a log."""
@@ -54,12 +64,14 @@ class NatsIdentities:
 
     def users(self) -> list[NatsUser]:
         """Every role as an nkey user, and ``admin`` with a password."""
-        admin = NatsUser(user="admin", password=self.admin_password, permissions=self.permissions["admin"])
+        admin = NatsUser(
+            user="admin", password=self.admin_password, permissions=self.permissions["admin"]
+        )
         return [*nkey_users(self.keys, self.permissions, run=ANY_RUN), admin]
 
     def options(self, url: str) -> dict[str, NatsOptions]:
-        """Each role's client options on the server at ``url`` (its seed file); ``actor.<id>`` for each of
-        :data:`TEST_ACTORS`, and ``actor`` for the first of them."""
+        """Each role's client options on the server at ``url`` (its seed file); ``actor.<id>`` for
+        each of :data:`TEST_ACTORS`, and ``actor`` for the first of them."""
         options = role_options(url, self.keys)
         return {**options, "actor": options[actor_key_name(TEST_ACTORS[0])]}
 
@@ -106,7 +118,8 @@ class RoleClient:
         await self.nc.close()
 
     async def violated(self, subject: str) -> bool:
-        """Whether the server reported a violation naming ``subject`` (waits up to 10 s for the report)."""
+        """Whether the server reported a violation naming ``subject`` (waits up to 10 s for the
+        report)."""
         needle = f'"{subject.lower()}"'
         deadline = time.monotonic() + 10.0
         while not any(needle in v for v in self.violations):

@@ -1,10 +1,11 @@
-"""Helpers that read security settings out of rendered manifests: NetworkPolicy reachability, Pod Security
-"restricted" checks, and NATS subject permissions (permissions.json), as pure functions.
+"""Helpers that read security settings out of rendered manifests: NetworkPolicy reachability, Pod
+Security "restricted" checks, and NATS subject permissions (permissions.json), as pure functions.
 
-NetworkPolicy semantics implemented (enough for these manifests, and strict where they are not): a policy
-applies to the pods its podSelector selects, for the policyTypes it lists; traffic is allowed when any rule
-of any applying policy allows it; a peer is a podSelector (same namespace), a namespaceSelector with an
-optional podSelector, or an ipBlock. Label selectors support matchLabels and matchExpressions.
+NetworkPolicy semantics implemented (enough for these manifests, and strict where they are not): a
+policy applies to the pods its podSelector selects, for the policyTypes it lists; traffic is allowed
+when any rule of any applying policy allows it; a peer is a podSelector (same namespace), a
+namespaceSelector with an optional podSelector, or an ipBlock. Label selectors support matchLabels
+and matchExpressions.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ def selects(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
 
 def pod_labels(workload: Doc) -> dict[str, str]:
     """Labels of a workload's pods."""
-    template = workload["spec"].get("template") or workload["spec"]["jobTemplate"]["spec"]["template"]
+    template = (
+        workload["spec"].get("template") or workload["spec"]["jobTemplate"]["spec"]["template"]
+    )
     return dict(template["metadata"].get("labels") or {})
 
 
@@ -58,7 +61,8 @@ class Peer:
 
     policy: str
     pod_selector: dict[str, Any] | None
-    """Selects pods (in the policy's namespace unless ``namespace_selector`` is set); None: not a pod peer."""
+    """Selects pods (in the policy's namespace unless ``namespace_selector`` is set); None: not a
+    pod peer."""
     namespace_selector: dict[str, Any] | None
     """Selects namespaces; None: the policy's own namespace."""
     ip_block: dict[str, Any] | None
@@ -66,7 +70,9 @@ class Peer:
     """``(port, protocol)`` pairs; None when the rule lists no ports (all ports)."""
 
 
-def _rules(policies: list[Doc], labels: dict[str, str], direction: str) -> Iterator[tuple[str, Doc]]:
+def _rules(
+    policies: list[Doc], labels: dict[str, str], direction: str
+) -> Iterator[tuple[str, Doc]]:
     key = {"Ingress": "ingress", "Egress": "egress"}[direction]
     for policy in policies:
         spec = policy["spec"]
@@ -80,7 +86,9 @@ def _peers(policies: list[Doc], labels: dict[str, str], direction: str) -> list[
     out = []
     for name, rule in _rules(policies, labels, direction):
         ports = rule.get("ports")
-        port_set = None if not ports else frozenset((p["port"], p.get("protocol", "TCP")) for p in ports)
+        port_set = (
+            None if not ports else frozenset((p["port"], p.get("protocol", "TCP")) for p in ports)
+        )
         peers = rule.get(side)
         if not peers:  # an empty `to`/`from` means everywhere
             everywhere = {"cidr": "0.0.0.0/0"}
@@ -98,7 +106,9 @@ def _peers(policies: list[Doc], labels: dict[str, str], direction: str) -> list[
             out.append(
                 Peer(
                     policy=name,
-                    pod_selector=peer.get("podSelector", {} if "namespaceSelector" in peer else None),
+                    pod_selector=peer.get(
+                        "podSelector", {} if "namespaceSelector" in peer else None
+                    ),
                     namespace_selector=peer.get("namespaceSelector"),
                     ip_block=peer.get("ipBlock"),
                     ports=port_set,
@@ -139,7 +149,8 @@ def _seccomp_ok(context: dict[str, Any] | None) -> bool | None:
 
 
 def restricted_violations(pod: Doc) -> list[str]:
-    """How a pod spec breaks the Pod Security "restricted" profile (Kubernetes 1.32); [] when it does not."""
+    """How a pod spec breaks the Pod Security "restricted" profile (Kubernetes 1.32); [] when it
+    does not."""
     problems = []
     pod_ctx = pod.get("securityContext") or {}
     for flag in ("hostNetwork", "hostPID", "hostIPC"):
@@ -162,7 +173,9 @@ def restricted_violations(pod: Doc) -> list[str]:
         if "ALL" not in (caps.get("drop") or []):
             problems.append(f"{where}: does not drop ALL capabilities")
         if set(caps.get("add") or []) - _ALLOWED_CAPS:
-            problems.append(f"{where}: adds capabilities {sorted(set(caps['add']) - _ALLOWED_CAPS)}")
+            problems.append(
+                f"{where}: adds capabilities {sorted(set(caps['add']) - _ALLOWED_CAPS)}"
+            )
         if ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot")) is not True:
             problems.append(f"{where}: runAsNonRoot is not true")
         if ctx.get("runAsUser") == 0:
@@ -187,8 +200,8 @@ def subject_matches(pattern: str, subject: str) -> bool:
 
 
 def nats_allows(permissions: dict[str, Any], action: str, subject: str) -> bool:
-    """Whether a role's permissions (publish/subscribe -> allow/deny lists) allow ``action`` on ``subject``;
-    deny wins over allow, as in nats-server."""
+    """Whether a role's permissions (publish/subscribe -> allow/deny lists) allow ``action`` on
+    ``subject``; deny wins over allow, as in nats-server."""
     rules = permissions.get(action) or {}
     allowed = any(subject_matches(p, subject) for p in rules.get("allow") or [])
     denied = any(subject_matches(p, subject) for p in rules.get("deny") or [])

@@ -1,12 +1,15 @@
-"""Running the online replayer in integration tests: logs, publishing, waiting, reading what came out.
+"""Running the online replayer in integration tests: logs, publishing, waiting, reading what came
+out.
 
-:class:`Running` runs a ``Replayer`` on its own connection as a task a test can cancel abruptly (a crash
-at an arbitrary await); :func:`offline_samples` is the reference every test compares with: the same
-materializer folded over the run's whole log as ``leafe replay`` reads it.
+:class:`Running` runs a ``Replayer`` on its own connection as a task a test can cancel abruptly (a
+crash at an arbitrary await); :func:`offline_samples` is the reference every test compares with: the
+same materializer folded over the run's whole log as ``leafe replay`` reads it.
 
     async with Running(nats_url, run_id, "leafe", tokenizer) as r:
         await wait_for(r.settled(js), what="all events acked")
-    assert by_id(await published_samples(js, run_id)) == await offline_samples(js, run_id, "leafe", tok)
+    assert by_id(await published_samples(js, run_id)) == await offline_samples(
+        js, run_id, "leafe", tok
+    )
 """
 
 from __future__ import annotations
@@ -20,23 +23,34 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
-from actors.fake_episodes import ExploreSpec, build_explore_episode, build_rollout_group, interleave
-from learner.materializers import fold_events, make_materializer
-from protocol.codec import decode_sample
-from protocol.events import EpisodeEvent, EpisodeFinished, EpisodeStarted
-from protocol.prompt import ChatTokenizer
-from protocol.samples import Sample
-from protocol.subjects import EVENTS, SAMPLES, dead_letter_subject, replayer_durable, samples_filter
-from services.bus import Publisher, connect, read_stream
-from services.bus.dead_letters import (
+from leafe.actors.fake_episodes import (
+    ExploreSpec,
+    build_explore_episode,
+    build_rollout_group,
+    interleave,
+)
+from leafe.learner.materializers import fold_events, make_materializer
+from leafe.protocol.codec import decode_sample
+from leafe.protocol.events import EpisodeEvent, EpisodeFinished, EpisodeStarted
+from leafe.protocol.prompt import ChatTokenizer
+from leafe.protocol.samples import Sample
+from leafe.protocol.subjects import (
+    EVENTS,
+    SAMPLES,
+    dead_letter_subject,
+    replayer_durable,
+    samples_filter,
+)
+from leafe.services.bus import Publisher, connect, read_stream
+from leafe.services.bus.dead_letters import (
     ERROR_HEADER,
     ORIGINAL_SEQ_HEADER,
     ORIGINAL_STREAM_HEADER,
     SAMPLE_ID_HEADER,
     letters_filter,
 )
-from services.replayer.replay import stream_events
-from services.replayer.service import Replayer, ReplayerConfig
+from leafe.services.replayer.replay import stream_events
+from leafe.services.replayer.service import Replayer, ReplayerConfig
 
 __all__ = [
     "MODES",
@@ -62,20 +76,25 @@ OPTIONS: dict[str, dict[str, Any]] = {"leafe": {"rehearsal_fraction": 0.5}, "grp
 
 
 CORRECTED_SEED = 6
-"""The explore episode (by its simulation seed) whose failed branch is reflected on and corrected: one
-counterfactual sample and two rehearsal ones, whatever the run id."""
+"""The explore episode (by its simulation seed) whose failed branch is reflected on and corrected:
+one counterfactual sample and two rehearsal ones, whatever the run id."""
 
 
-def make_log(run_id: str, tok: ChatTokenizer, *, episodes: int = 16, groups: int = 4) -> list[EpisodeEvent]:
+def make_log(
+    run_id: str, tok: ChatTokenizer, *, episodes: int = 16, groups: int = 4
+) -> list[EpisodeEvent]:
     """Interleaved explore episodes (some with reflections and branches) and GRPO groups of one run.
 
-    The first episode is always the one with a corrected branch (:data:`CORRECTED_SEED`), so every log
-    yields a counterfactual sample: rehearsal samples are kept by hashing their outcome's event id, which
-    holds the run id, and without it a small log lost every sample under ~2% of run ids."""
+    The first episode is always the one with a corrected branch (:data:`CORRECTED_SEED`), so every
+    log yields a counterfactual sample: rehearsal samples are kept by hashing their outcome's event
+    id, which holds the run id, and without it a small log lost every sample under ~2% of run
+    ids."""
     seeds = [CORRECTED_SEED, *(i for i in range(episodes) if i != CORRECTED_SEED)][:episodes]
     streams = [
         build_explore_episode(
-            ExploreSpec(seed=i, max_depth=2, budget=16, horizon=5, p_success=0.3, reflect_every=3 * (i % 2)),
+            ExploreSpec(
+                seed=i, max_depth=2, budget=16, horizon=5, p_success=0.3, reflect_every=3 * (i % 2)
+            ),
             run_id=run_id,
             episode_id=f"{run_id}-ep{i}",  # event ids (Nats-Msg-Id) must be unique across runs
             tokenizer=tok,
@@ -85,7 +104,13 @@ def make_log(run_id: str, tok: ChatTokenizer, *, episodes: int = 16, groups: int
     rng = random.Random(1)
     for g in range(groups):
         streams += build_rollout_group(
-            rng, run_id=run_id, group_id=f"{run_id}-g{g}", n=4, tokenizer=tok, p_success=0.12, retry=g == 0
+            rng,
+            run_id=run_id,
+            group_id=f"{run_id}-g{g}",
+            n=4,
+            tokenizer=tok,
+            p_success=0.12,
+            retry=g == 0,
         )
     return interleave(streams, random.Random(2))
 
@@ -112,7 +137,8 @@ async def dead_letters(js: Any, run_id: str, stream: str = EVENTS.name) -> list[
 
 
 async def dead_reasons(js: Any, run_id: str) -> dict[int, str]:
-    """Original stream seq -> reason, of the run's dead-lettered events (asserting each seq once)."""
+    """Original stream seq -> reason, of the run's dead-lettered events (asserting each seq
+    once)."""
     out: dict[int, str] = {}
     for m in await dead_letters(js, run_id):
         if SAMPLE_ID_HEADER in m.headers:
@@ -124,7 +150,8 @@ async def dead_reasons(js: Any, run_id: str) -> dict[int, str]:
 
 
 async def dead_samples(js: Any, run_id: str) -> list[Msg]:
-    """The run's dead letters of samples too large to store (on the replayer's dead-letter subject)."""
+    """The run's dead letters of samples too large to store (on the replayer's dead-letter
+    subject)."""
     dead = [m for m in await dead_letters(js, run_id) if SAMPLE_ID_HEADER in m.headers]
     assert all(m.headers[ORIGINAL_STREAM_HEADER] == SAMPLES.name for m in dead)
     return dead
@@ -149,7 +176,8 @@ async def wait_for(
 
 
 async def consumer_settled(js: Any, run_id: str, name: str, open_episodes: int = 0) -> bool:
-    """Every event delivered and acked, except the anchors of ``open_episodes`` unreleased episodes."""
+    """Every event delivered and acked, except the anchors of ``open_episodes`` unreleased
+    episodes."""
     try:
         info = await js.consumer_info(EVENTS.name, replayer_durable(run_id, name))
     except NotFoundError:
@@ -183,7 +211,12 @@ async def offline_samples(
 
 
 async def assert_samples_match_offline(
-    js: Any, run_id: str, tok: ChatTokenizer, *, name: str = "leafe", minus: frozenset[str] = frozenset()
+    js: Any,
+    run_id: str,
+    tok: ChatTokenizer,
+    *,
+    name: str = "leafe",
+    minus: frozenset[str] = frozenset(),
 ) -> None:
     """The replayer stored each sample once, exactly the offline rebuild's (less ``minus``: the ones
     dead-lettered for their size), and there are some."""
@@ -210,8 +243,8 @@ def replayer_config(name: str, **kw: Any) -> ReplayerConfig:
 class Running:
     """A replayer on its own connection, run as a task that a test can cancel abruptly.
 
-    ``tokenizer`` builds the fold (tests may wrap the real one); ``replayer_cls`` lets a test inject a
-    crash at a chosen point; ``kw`` are :class:`ReplayerConfig` fields.
+    ``tokenizer`` builds the fold (tests may wrap the real one); ``replayer_cls`` lets a test inject
+    a crash at a chosen point; ``kw`` are :class:`ReplayerConfig` fields.
     """
 
     def __init__(
@@ -255,7 +288,8 @@ class Running:
         return cond
 
     async def crash_after(self, events: int) -> None:
-        """Cancel the task once the fold has seen ``events`` events (a crash at an arbitrary await)."""
+        """Cancel the task once the fold has seen ``events`` events (a crash at an arbitrary
+        await)."""
 
         async def seen() -> bool:
             self.alive()

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from envs.sokoban_solver import Room
+from leafe.envs.sokoban.solver import Room
 
 __all__ = ["room_from"]
 
 
 def room_from(layout: list[str]) -> Room:
-    """A room from text: # wall, _ floor, O target, X box, * box on target, P player, S player on target."""
+    """A room from text: # wall, _ floor, O target, X box, * box on target, P player, S player on
+    target."""
     w = len(layout[0])
     cells = {r * w + c: ch for r, row in enumerate(layout) for c, ch in enumerate(row)}
     return Room(

@@ -1,9 +1,10 @@
-"""A real explorer on a real Sokoban room with a scripted policy, and the fold of what it published: the
-fixture of the tests that pin a sample kind token for token against the requests the engine received
-(``tests/unit/learner/test_counterfactual_path.py``, ``test_reflect_materializer.py``).
+"""A real explorer on a real Sokoban room with a scripted policy, and the fold of what it published:
+the fixture of the tests that pin a sample kind token for token against the requests the engine
+received (``tests/unit/learner/test_counterfactual_path.py``, ``test_reflect_materializer.py``).
 
-A scripted policy is a ``(kind, prompt) -> answer`` callable (``actors.fakes.ScriptedEngine``); the rooms
-come from the ``sokoban`` env at 5x5, one box, solutions of at most 3 pushes, 12 steps.
+A scripted policy is a ``(kind, prompt) -> answer`` callable
+(``leafe.actors.fakes.ScriptedEngine``); the rooms come from the ``sokoban`` env at 5x5, one box,
+solutions of at most 3 pushes, 12 steps.
 """
 
 from __future__ import annotations
@@ -11,18 +12,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from actors.config import ExplorerConfig
-from actors.episode import EpisodeSpec, ListSink
-from actors.explorer import Explorer
-from actors.fakes import ScriptedEngine
-from envs.registry import make_env
-from envs.sokoban import SokobanEnv
-from envs.sokoban_expert import optimal_distance
-from envs.sokoban_solver import apply_move, solve
-from learner.materializers import make_materializer
-from protocol.events import EpisodeEvent
-from protocol.prompt import ChatTokenizer
-from protocol.samples import Sample
+from leafe.actors.config import ExplorerConfig
+from leafe.actors.episode import EpisodeSpec, ListSink
+from leafe.actors.explorer import Explorer
+from leafe.actors.fakes import ScriptedEngine
+from leafe.envs.registry import make_env
+from leafe.envs.sokoban.env import SokobanEnv
+from leafe.envs.sokoban.expert import optimal_distance
+from leafe.envs.sokoban.solver import apply_move, solve
+from leafe.learner.materializers import make_materializer
+from leafe.protocol.events import EpisodeEvent
+from leafe.protocol.prompt import ChatTokenizer
+from leafe.protocol.samples import Sample
 
 __all__ = ["MOVES", "explore", "fold", "plan", "sokoban_env", "worse_move"]
 
@@ -44,8 +45,8 @@ def plan(room: Any, player: int, boxes: frozenset[int]) -> list[str]:
 
 
 def worse_move(room: Any, player: int, boxes: frozenset[int]) -> str:
-    """A move after which the room is still solvable but needs more moves ("" when there is none): the
-    mistake an oracle must blame."""
+    """A move after which the room is still solvable but needs more moves ("" when there is none):
+    the mistake an oracle must blame."""
     dist = optimal_distance(room, player, boxes)
     for move in MOVES:
         nxt_player, nxt_boxes, _ = apply_move(room, player, boxes, move)
@@ -63,8 +64,8 @@ async def explore(
     name: str,
     config: ExplorerConfig,
 ) -> tuple[list[EpisodeEvent], ScriptedEngine]:
-    """One episode of the real explorer on ``task_id`` with ``policy``: its events and the engine (whose
-    ``calls`` are the exact requests)."""
+    """One episode of the real explorer on ``task_id`` with ``policy``: its events and the engine
+    (whose ``calls`` are the exact requests)."""
     engine = ScriptedEngine(script=policy, tokenizer=tok)
     sink = ListSink()
     spec = EpisodeSpec(
@@ -83,7 +84,8 @@ async def explore(
 def fold(
     tok: ChatTokenizer, name: str, events: list[EpisodeEvent], **options: Any
 ) -> tuple[list[Sample], Any]:
-    """Every sample the ``name`` materializer gives for ``events`` (closing what is left open), and it."""
+    """Every sample the ``name`` materializer gives for ``events`` (closing what is left open), and
+    it."""
     m = make_materializer(name, tok, **options)
     samples = [s for e in events for s in m.apply(e)]
     return samples + m.close_all(), m

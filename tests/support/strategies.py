@@ -1,8 +1,9 @@
-"""Shared Hypothesis strategies for every wire type of ``protocol/`` (import these, don't redefine them).
+"""Shared Hypothesis strategies for every wire type of ``protocol/`` (import these, don't redefine
+them).
 
 Field-level strategies draw every field, defaults included, over its whole legal range (any unicode
-text, 64-bit ints, infinities, ``None`` where allowed), so codec round-trips cover what a real log can
-hold. For *coherent* episodes (branch geometry, prompts) see ``tests/support/episodes.py``;
+text, 64-bit ints, infinities, ``None`` where allowed), so codec round-trips cover what a real log
+can hold. For *coherent* episodes (branch geometry, prompts) see ``tests/support/episodes.py``;
 :func:`make_episode` here is a small deterministic episode with one event of every kind, for bus and
 log tests that need realistic traffic without Hypothesis.
 
@@ -17,8 +18,8 @@ from typing import Any
 import msgspec
 from hypothesis import strategies as st
 
-from protocol.codec import decode_event, decode_sample, decode_task, decode_weights
-from protocol.events import (
+from leafe.protocol.codec import decode_event, decode_sample, decode_task, decode_weights
+from leafe.protocol.events import (
     ROOT_BRANCH,
     Branch,
     EpisodeEvent,
@@ -31,8 +32,8 @@ from protocol.events import (
     WeightsPublished,
     event_id_for,
 )
-from protocol.samples import ChatMessage, Sample
-from protocol.tasks import TaskAssignment
+from leafe.protocol.samples import ChatMessage, Sample
+from leafe.protocol.tasks import TaskAssignment
 
 __all__ = [
     "DECODERS",
@@ -60,7 +61,7 @@ __all__ = [
 
 _ID_CHARS = string.ascii_letters + string.digits + "-_."
 run_ids = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9_-]{0,63}\Z")
-"""Valid run ids (what ``protocol.subjects.validate_run_id`` accepts)."""
+"""Valid run ids (what ``leafe.protocol.subjects.validate_run_id`` accepts)."""
 _RUN_CHARS = set(string.ascii_letters + string.digits + "_-")
 _bad_char = st.sampled_from(list(". *>\t\n/$"))
 invalid_run_ids = st.one_of(
@@ -68,14 +69,19 @@ invalid_run_ids = st.one_of(
     st.text(min_size=65, max_size=80, alphabet=string.ascii_letters),
     st.from_regex(r"\A[_-][A-Za-z0-9_-]{0,10}\Z"),
     st.builds(
-        lambda a, c, b: a + c + b, st.text(_ID_CHARS, max_size=5), _bad_char, st.text(_ID_CHARS, max_size=5)
+        lambda a, c, b: a + c + b,
+        st.text(_ID_CHARS, max_size=5),
+        _bad_char,
+        st.text(_ID_CHARS, max_size=5),
     ),
     st.text(min_size=1, max_size=20).filter(lambda s: not set(s) <= _RUN_CHARS),
 )
-"""Run ids that must be rejected: empty, too long, leading ``_``/``-``, dots, spaces, wildcards, unicode."""
+"""Run ids that must be rejected: empty, too long, leading ``_``/``-``, dots, spaces, wildcards,
+unicode."""
 ids = st.text(_ID_CHARS, min_size=1, max_size=40)
 actor_ids = run_ids.filter(lambda a: a != "legacy")
-"""Actor ids: what may be an event subject's actor token (a run id's rules, not the reserved ``legacy``)."""
+"""Actor ids: what may be an event subject's actor token (a run id's rules, not the reserved
+``legacy``)."""
 texts = st.text(max_size=200)
 small = st.integers(0, 2**31 - 1)
 i64 = st.integers(-(2**63), 2**63 - 1)
@@ -210,7 +216,8 @@ tasks = st.builds(
     env_options=st.dictionaries(texts, st.one_of(texts, i64, floats, st.booleans()), max_size=4),
 )
 _messages = st.lists(
-    st.builds(ChatMessage, role=st.sampled_from(["system", "user", "assistant"]), content=texts), max_size=4
+    st.builds(ChatMessage, role=st.sampled_from(["system", "user", "assistant"]), content=texts),
+    max_size=4,
 )
 samples = st.builds(
     Sample,
@@ -255,7 +262,9 @@ DECODERS: dict[type, Any] = {
     WeightsPublished: decode_weights,
 }
 """The decoder of each wire type."""
-wire_messages: st.SearchStrategy[msgspec.Struct] = st.one_of(episode_events, tasks, samples, weights)
+wire_messages: st.SearchStrategy[msgspec.Struct] = st.one_of(
+    episode_events, tasks, samples, weights
+)
 """Any message that crosses a process boundary; decode it with ``DECODERS[type(msg)]``."""
 
 msgpack_values = st.recursive(
@@ -266,14 +275,24 @@ msgpack_values = st.recursive(
 """Arbitrary msgpack-encodable values (well-formed msgpack of the wrong shape)."""
 
 
-def make_episode(run_id: str, episode_id: str, *, steps: int = 6, obs_chars: int = 120) -> list[EpisodeEvent]:
-    """A deterministic episode with every event kind: start, steps, reflection, rollback, branch, outcomes."""
-    common = {"run_id": run_id, "episode_id": episode_id, "actor_id": "actor-0", "policy_version": "v1"}
+def make_episode(
+    run_id: str, episode_id: str, *, steps: int = 6, obs_chars: int = 120
+) -> list[EpisodeEvent]:
+    """A deterministic episode with every event kind: start, steps, reflection, rollback, branch,
+    outcomes."""
+    common = {
+        "run_id": run_id,
+        "episode_id": episode_id,
+        "actor_id": "actor-0",
+        "policy_version": "v1",
+    }
     events: list[EpisodeEvent] = []
 
     def emit(cls: type[Any], **fields: Any) -> None:
         seq = len(events)
-        events.append(cls(event_id=event_id_for(episode_id, seq), seq=seq, ts=1e9 + seq, **common, **fields))
+        events.append(
+            cls(event_id=event_id_for(episode_id, seq), seq=seq, ts=1e9 + seq, **common, **fields)
+        )
 
     board = ("#@ $ .#\n" * (obs_chars // 8 + 1))[:obs_chars]
     emit(
@@ -333,5 +352,7 @@ def make_episode(run_id: str, episode_id: str, *, steps: int = 6, obs_chars: int
         success=True,
     )
     emit(Outcome, branch_id="b1", success=True, score=1.0, steps=2, reason="success")
-    emit(EpisodeFinished, success=True, branches=2, actions=steps + 1, reflections=1, replay_steps=1)
+    emit(
+        EpisodeFinished, success=True, branches=2, actions=steps + 1, reflections=1, replay_steps=1
+    )
     return events

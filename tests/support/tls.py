@@ -1,6 +1,7 @@
-"""A throwaway PKI for TLS tests, made with the ``openssl`` command line (the ``cryptography`` package is
-not installed here): a CA, a server certificate for 127.0.0.1/localhost and a client certificate signed by
-it, and a second, unrelated CA (what a client that does not trust our CA holds)."""
+"""A throwaway PKI for TLS tests, made with the ``openssl`` command line (the ``cryptography``
+package is not installed here): a CA, a server certificate for 127.0.0.1/localhost and a client
+certificate signed by it, and a second, unrelated CA (what a client that does not trust our CA
+holds)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,12 @@ def _openssl(*args: str, cwd: Path) -> None:
 def _ca(d: Path, name: str) -> None:
     _openssl(
         *("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={name}"),
-        *("-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign"),
+        *(
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign",
+        ),
         *("-keyout", f"{name}.key", "-out", f"{name}.crt"),
         cwd=d,
     )
@@ -49,7 +55,17 @@ def _signed(d: Path, name: str, ext: str) -> None:
     )
     (d / f"{name}.ext").write_text(ext, encoding="utf-8")
     _openssl(
-        *("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial"),
+        *(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+        ),
         *("-days", "1", "-extfile", f"{name}.ext", "-out", f"{name}.crt"),
         cwd=d,
     )
@@ -60,7 +76,11 @@ def make_pki(directory: Path) -> Pki:
     directory.mkdir(parents=True, exist_ok=True)
     _ca(directory, "ca")
     _ca(directory, "other-ca")
-    _signed(directory, "server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
+    _signed(
+        directory,
+        "server",
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
+    )
     _signed(directory, "client", "extendedKeyUsage=clientAuth\n")
     return Pki(
         ca=directory / "ca.crt",

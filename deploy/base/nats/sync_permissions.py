@@ -1,28 +1,33 @@
-"""Write the NATS authorization block (authorization.conf) from permissions.json, or check that it matches.
+"""Write the NATS authorization block (authorization.conf) from permissions.json, or check that it
+matches.
 
-permissions.json is the one source of the per-role subject permissions: the NATS server config includes the
-generated authorization.conf, and the integration tests run a real nats-server with the same rules. Run it
-after every change to permissions.json (stdlib only, from the repository root):
+permissions.json is the one source of the per-role subject permissions: the NATS server config
+includes the generated authorization.conf, and the integration tests run a real nats-server with the
+same rules. Run it after every change to permissions.json (stdlib only, from the repository root):
 
     python deploy/base/nats/sync_permissions.py           # rewrite authorization.conf
-    python deploy/base/nats/sync_permissions.py --check   # exit 1 if authorization.conf is out of date
-    python deploy/base/nats/sync_permissions.py --run dev --out /tmp/authorization.conf  # actors pinned to dev
+    python deploy/base/nats/sync_permissions.py --check   # exit 1 if authorization.conf is stale
+    python deploy/base/nats/sync_permissions.py --run dev \\
+        --out /tmp/authorization.conf                     # actors pinned to dev
 
-Each role becomes one nkey user whose public key is the variable ``<ROLE>_NKEY`` (e.g. ``WEIGHT_SYNC_NKEY``),
-an environment variable of nats-server from Secret nats-auth; the role's pods hold the matching seed (Secret
-leafe-nats-<role>, mounted as ``<role>.nk``), as ``leafe run`` gives each of its services one.
+Each role becomes one nkey user whose public key is the variable ``<ROLE>_NKEY`` (e.g.
+``WEIGHT_SYNC_NKEY``), an environment variable of nats-server from Secret nats-auth; the role's pods
+hold the matching seed (Secret leafe-nats-<role>, mounted as ``<role>.nk``), as ``leafe run`` gives
+each of its services one.
 
-Except the actor: there is no shared actor user. Each of :data:`ACTOR_SLOTS` actor pods (the StatefulSet's
-``actor-0`` ... ``actor-<N-1>``, whose pod name is its actor id) is a user of its own, ``ACTOR_<i>_NKEY``,
-with the actor role's permissions where ``{actor}`` is ``actor-<i>``: it publishes events only on
-``leafe.*.events.*.actor-<i>`` and reads only ``_INBOX_actor.actor-<i>``, so no actor can publish under
-another's identity (the replayer caps open episodes per that identity). Its seed is key ``actor-<i>`` of
-Secret leafe-nats-actors, which an init container copies to ``actor.actor-<i>.nk`` for that pod alone.
+Except the actor: there is no shared actor user. Each of :data:`ACTOR_SLOTS` actor pods (the
+StatefulSet's ``actor-0`` ... ``actor-<N-1>``, whose pod name is its actor id) is a user of its own,
+``ACTOR_<i>_NKEY``, with the actor role's permissions where ``{actor}`` is ``actor-<i>``: it
+publishes events only on ``leafe.*.events.*.actor-<i>`` and reads only ``_INBOX_actor.actor-<i>``,
+so no actor can publish under another's identity (the replayer caps open episodes per that
+identity). Its seed is key ``actor-<i>`` of Secret leafe-nats-actors, which an init container copies
+to ``actor.actor-<i>.nk`` for that pod alone.
 
-The committed file serves any run: every subject token naming the run (``{run}``, e.g. ``actors-{run}``) is
-``*``, so an actor pod may publish events into, and pull the task durable of, any run of the cluster (as
-before run pinning). ``--run RUN --out FILE`` writes the same users pinned to one run, as ``leafe run``
-pins its actors: mount that file as the nats-config's authorization.conf where a cluster serves one run.
+The committed file serves any run: every subject token naming the run (``{run}``, e.g.
+``actors-{run}``) is ``*``, so an actor pod may publish events into, and pull the task durable of,
+any run of the cluster (as before run pinning). ``--run RUN --out FILE`` writes the same users
+pinned to one run, as ``leafe run`` pins its actors: mount that file as the nats-config's
+authorization.conf where a cluster serves one run.
 """
 
 from __future__ import annotations
@@ -38,18 +43,21 @@ HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "permissions.json"
 TARGET = HERE / "authorization.conf"
 ACTOR_SLOTS = 16
-"""Actor pods that have a NATS user (``actor-0`` ... ``actor-15``): the most actor replicas (keda-actors'
-maxReplicaCount). Raising it needs that many more keys in Secrets nats-auth and leafe-nats-actors."""
+"""Actor pods that have a NATS user (``actor-0`` ... ``actor-15``): the most actor replicas
+(keda-actors' maxReplicaCount). Raising it needs that many more keys in Secrets nats-auth and
+leafe-nats-actors."""
 ACTOR_PLACEHOLDER = "{actor}"
 RUN_PLACEHOLDER = "{run}"
 ANY_RUN = "*"
-_HEADER = """\
-# GENERATED from permissions.json by sync_permissions.py: edit permissions.json, then run
-#   python deploy/base/nats/sync_permissions.py
-# (tests/unit/deploy checks that the two agree). One NATS nkey user per role, with exactly the subjects
-# that role uses, and one per actor pod (ACTOR_<i>: events only under its own id, actor-<i>); every public
-# key is an environment variable <ROLE>_NKEY of nats-server (Secret nats-auth).
-"""
+_HEADER = (
+    "# GENERATED from permissions.json by sync_permissions.py: edit permissions.json, then run\n"
+    "#   python deploy/base/nats/sync_permissions.py\n"
+    "# (tests/unit/deploy checks that the two agree). One NATS nkey user per role, "
+    "with exactly the subjects\n"
+    "# that role uses, and one per actor pod (ACTOR_<i>: events only under its own id, actor-<i>); "
+    "every public\n"
+    "# key is an environment variable <ROLE>_NKEY of nats-server (Secret nats-auth).\n"
+)
 
 
 def variable(role: str) -> str:
@@ -63,8 +71,9 @@ def actor_id(slot: int) -> str:
 
 
 def pinned(value: Any, actor: str, run: str) -> Any:
-    """``value`` (an actor role's permissions) with ``{actor}`` and ``{run}`` filled in, token by token as
-    services/bus/auth.py does: a token naming the run becomes the run, or ``*`` for any run."""
+    """``value`` (an actor role's permissions) with ``{actor}`` and ``{run}`` filled in, token by
+    token as services/bus/auth.py does: a token naming the run becomes the run, or ``*`` for any
+    run."""
     if isinstance(value, dict):
         return {k: pinned(v, actor, run) for k, v in value.items()}
     if isinstance(value, list):
@@ -79,7 +88,8 @@ def pinned(value: Any, actor: str, run: str) -> Any:
 
 
 def users(permissions: dict[str, Any], run: str = ANY_RUN) -> dict[str, Any]:
-    """User variable prefix -> permissions: each role but ``actor``, and ``ACTOR_<i>`` per actor slot."""
+    """User variable prefix -> permissions: each role but ``actor``, and ``ACTOR_<i>`` per actor
+    slot."""
     out = {variable(role): perms for role, perms in permissions.items() if role != "actor"}
     for slot in range(ACTOR_SLOTS):
         out[f"ACTOR_{slot}"] = pinned(permissions["actor"], actor_id(slot), run)
@@ -103,12 +113,18 @@ def render(permissions: dict[str, Any], run: str = ANY_RUN) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Rewrite authorization.conf, or with ``--check`` report whether it is up to date."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if authorization.conf is out of date")
-    parser.add_argument("--run", default=ANY_RUN, help="pin every actor user to this run (default: any run)")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if authorization.conf is out of date"
+    )
+    parser.add_argument(
+        "--run", default=ANY_RUN, help="pin every actor user to this run (default: any run)"
+    )
     parser.add_argument("--out", type=Path, help="write here instead (required with --run)")
     args = parser.parse_args(argv)
     if args.run != ANY_RUN and (args.out is None or args.check):
-        parser.error("--run writes a file of its own: give --out FILE (the committed file serves any run)")
+        parser.error(
+            "--run writes a file of its own: give --out FILE (the committed file serves any run)"
+        )
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}|\*", args.run):
         parser.error(f"invalid run id {args.run!r}")
     text = render(json.loads(SOURCE.read_text(encoding="utf-8")), args.run)

@@ -1,15 +1,16 @@
-"""SGLang's liveness probe, which never asks a loading server for a generation (the SGLang container's
-``exec`` probe; standard library only, it runs in the lmsysorg/sglang image).
+"""SGLang's liveness probe, which never asks a loading server for a generation (the SGLang
+container's ``exec`` probe; standard library only, it runs in the lmsysorg/sglang image).
 
     python3 -I -S liveness.py LOCK_FILE [HEALTH_URL]     # exit 0: alive, 1: not
 
-SGLang's ``/health`` runs a one-token generation; one that lands in a weight load longer than 20 s marks the
-server unhealthy, and ``/ready`` then answers 503 until a later ``/health`` succeeds: the router drops the
-worker and the pod leaves the Service. The weight-sync sidecar (``leafe weight-sync --engine-lock LOCK_FILE``,
-services/weight_sync/lease.py) holds LOCK_FILE exclusively while its server loads, with the load's deadline
-in it. So: while the lock is held, the server is alive until that deadline without being asked; otherwise
-this probe takes the lock shared (a load waits for it) and asks ``/health`` (25 s, above SGLang's own 20 s).
-Without the file (no sidecar yet) it asks ``/health`` as a plain probe would.
+SGLang's ``/health`` runs a one-token generation; one that lands in a weight load longer than 20 s
+marks the server unhealthy, and ``/ready`` then answers 503 until a later ``/health`` succeeds: the
+router drops the worker and the pod leaves the Service. The weight-sync sidecar (``leafe weight-sync
+--engine-lock LOCK_FILE``, services/weight_sync/lease.py) holds LOCK_FILE exclusively while its
+server loads, with the load's deadline in it. So: while the lock is held, the server is alive until
+that deadline without being asked; otherwise this probe takes the lock shared (a load waits for it)
+and asks ``/health`` (25 s, above SGLang's own 20 s). Without the file (no sidecar yet) it asks
+``/health`` as a plain probe would.
 """
 
 from __future__ import annotations

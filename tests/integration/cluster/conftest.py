@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bus.nats_cluster import NatsCluster
+from leafe.services.bus.nats_cluster import NatsCluster
 
 
 @pytest.fixture
@@ -20,5 +20,6 @@ def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
 
 @pytest.fixture
 def replicated() -> int:
-    """Replicas of every LEAFE stream the test creates (``--stream-replicas 3``, as deploy/ does)."""
+    """Replicas of every LEAFE stream the test creates (``--stream-replicas 3``, as deploy/
+    does)."""
     return 3

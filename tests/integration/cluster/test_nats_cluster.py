@@ -1,7 +1,7 @@
-"""A 3-node nats-server cluster with R3 streams: SIGKILL the leader of LEAFE_EVENTS while a Publisher
-streams events, restart it. Acked events survive, the rest are reported and republished, nothing is
-stored twice, and the restarted replica catches up. The time from the kill to the next acked event is
-printed (the figure, not an assertion: speed belongs in bench/)."""
+"""A 3-node nats-server cluster with R3 streams: SIGKILL the leader of LEAFE_EVENTS while a
+Publisher streams events, restart it. Acked events survive, the rest are reported and republished,
+nothing is stored twice, and the restarted replica catches up. The time from the kill to the next
+acked event is printed (the figure, not an assertion: speed belongs in bench/)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import msgspec
 import nats
 import pytest
 
-from protocol.codec import MSG_ID_HEADER
-from protocol.events import EpisodeEvent
-from protocol.subjects import EVENTS, STREAMS, event_subject
-from services.bus import Publisher, PublishError, connect, ensure_streams, read_stream
-from services.bus.nats_cluster import NatsCluster
-from services.bus.pull import ConsumerError
+from leafe.protocol.codec import MSG_ID_HEADER
+from leafe.protocol.events import EpisodeEvent
+from leafe.protocol.subjects import EVENTS, STREAMS, event_subject
+from leafe.services.bus import Publisher, PublishError, connect, ensure_streams, read_stream
+from leafe.services.bus.nats_cluster import NatsCluster
+from leafe.services.bus.pull import ConsumerError
 from tests.support.cluster import replicas_current, stream_leader
 from tests.support.strategies import make_episode
 
@@ -28,8 +28,11 @@ RUN = "cluster"
 N_EPISODES = 200  # 15 events each: 3000 events of ~1 KB
 
 
-async def _publish_all(pub: Publisher, events: list[EpisodeEvent], reported: dict[str, str]) -> None:
-    """Publish every event, collecting whatever the publisher reports instead of stopping at the first."""
+async def _publish_all(
+    pub: Publisher, events: list[EpisodeEvent], reported: dict[str, str]
+) -> None:
+    """Publish every event, collecting whatever the publisher reports instead of stopping at the
+    first."""
     for event in events:
         try:
             await pub.publish_event(event)
@@ -43,7 +46,8 @@ async def _publish_all(pub: Publisher, events: list[EpisodeEvent], reported: dic
 
 
 async def _first_ack_after(js: object, killed_at: float) -> float:
-    """Publish one probe event at a time until JetStream acks one; seconds from the kill to that ack."""
+    """Publish one probe event at a time until JetStream acks one; seconds from the kill to that
+    ack."""
     n = 0
     while True:
         n += 1
@@ -61,9 +65,10 @@ async def _first_ack_after(js: object, killed_at: float) -> float:
 
 async def _stored_ids(url: str, deadline_s: float = 60.0) -> list[str]:
     """Every stored event id. Right after a node's restart the cluster may not yet answer the read's
-    consumer create within the client's timeout (seen: nats: timeout in make test), or the new consumer
-    may deliver nothing for 10 s (seen: ConsumerError "after 0 of 2801 messages"), so the whole read is
-    retried; the stored data is what the test judges, not how fast the first read is."""
+    consumer create within the client's timeout (seen: nats: timeout in make test), or the new
+    consumer may deliver nothing for 10 s (seen: ConsumerError "after 0 of 2801 messages"), so the
+    whole read is retried; the stored data is what the test judges, not how fast the first read
+    is."""
     deadline = time.monotonic() + deadline_s
     while True:
         nc = await connect(url)
@@ -74,7 +79,9 @@ async def _stored_ids(url: str, deadline_s: float = 60.0) -> list[str]:
                     nc.jetstream(), stream=EVENTS.name, filter_subject=f"leafe.{RUN}.>"
                 )
             ]
-            return [(m.headers or {})[MSG_ID_HEADER] for m in msgs if m.subject.split(".")[3] != "probe"]
+            return [
+                (m.headers or {})[MSG_ID_HEADER] for m in msgs if m.subject.split(".")[3] != "probe"
+            ]
         except (TimeoutError, nats.errors.TimeoutError, ConsumerError):
             if time.monotonic() > deadline:
                 raise
@@ -86,9 +93,9 @@ async def _stored_ids(url: str, deadline_s: float = 60.0) -> list[str]:
 async def test_leader_sigkill_loses_and_duplicates_nothing(
     nats_cluster: NatsCluster, replicated: int
 ) -> None:
-    """SIGKILL of the LEAFE_EVENTS leader mid-publish: a new leader takes over, every event not reported
-    unacked is stored once, republishing the reported ones completes the log, and the restarted node is
-    a current replica again."""
+    """SIGKILL of the LEAFE_EVENTS leader mid-publish: a new leader takes over, every event not
+    reported unacked is stored once, republishing the reported ones completes the log, and the
+    restarted node is a current replica again."""
     events = [e for i in range(N_EPISODES) for e in make_episode(RUN, f"ep{i:04d}", obs_chars=900)]
     ids = [e.event_id for e in events]
     reported: dict[str, str] = {}
@@ -117,13 +124,19 @@ async def test_leader_sigkill_loses_and_duplicates_nothing(
         catch_up_s = await asyncio.to_thread(nats_cluster.wait_healthy, victim, 60.0)
         await asyncio.wait_for(task, 120)
         print(
-            f"\nleader n{victim} ({ours}) killed after {published_at_kill} publishes: next acked event after "
-            f"{recovery_s:.2f}s (new leader {new_leader}); restarted node healthy after {catch_up_s:.2f}s; "
+            f"\nleader n{victim} ({ours}) killed after {published_at_kill} publishes: next acked "
+            "event after "
+            f"{recovery_s:.2f}s (new leader {new_leader}); restarted node healthy after "
+            f"{catch_up_s:.2f}s; "
             f"{len(reported)} events reported unacked"
         )
-        assert published_at_kill < len(events), "the kill came after the last publish; nothing was tested"
+        assert published_at_kill < len(events), (
+            "the kill came after the last publish; nothing was tested"
+        )
         assert new_leader != f"n{victim}"
-        assert pub.acked + len(reported) == len(ids), "every publish ends acked or reported, exactly once"
+        assert pub.acked + len(reported) == len(ids), (
+            "every publish ends acked or reported, exactly once"
+        )
         async with Publisher(js) as again:  # what was reported may or may not be stored: republish
             for event in events:
                 if event.event_id in reported:
@@ -140,8 +153,8 @@ async def test_leader_sigkill_loses_and_duplicates_nothing(
 
 
 async def test_streams_are_replicated_on_three_nodes(nats_cluster: NatsCluster) -> None:
-    """``ensure_streams`` with R3 specs places every LEAFE stream on all three nodes, and an R1 stream
-    of the same name is scaled up to R3 in place."""
+    """``ensure_streams`` with R3 specs places every LEAFE stream on all three nodes, and an R1
+    stream of the same name is scaled up to R3 in place."""
     nc = await connect(nats_cluster.url)
     try:
         js = nc.jetstream()
@@ -163,7 +176,8 @@ async def test_streams_are_replicated_on_three_nodes(nats_cluster: NatsCluster) 
 
 
 def test_cluster_url_lists_every_node(tmp_path: Path) -> None:
-    """The cluster URL names each node's client port once, and names are unique (JetStream placement)."""
+    """The cluster URL names each node's client port once, and names are unique (JetStream
+    placement)."""
     cluster = NatsCluster(tmp_path, size=3)
     urls = cluster.url.split(",")
     assert len(set(urls)) == 3 and all(u.startswith("nats://127.0.0.1:") for u in urls)
@@ -173,9 +187,11 @@ def test_cluster_url_lists_every_node(tmp_path: Path) -> None:
         cluster.index_of("n7")
 
 
-def test_a_route_port_taken_before_its_node_binds_restarts_the_cluster_on_new_ports(tmp_path: Path) -> None:
-    """A port that was free when picked but taken by the time its node binds (seen in make test) makes
-    the cluster start again on fresh ports instead of failing the test that needed it."""
+def test_a_route_port_taken_before_its_node_binds_restarts_the_cluster_on_new_ports(
+    tmp_path: Path,
+) -> None:
+    """A port that was free when picked but taken by the time its node binds (seen in make test)
+    makes the cluster start again on fresh ports instead of failing the test that needed it."""
     import socket
 
     cluster = NatsCluster(tmp_path / "nats", size=3)

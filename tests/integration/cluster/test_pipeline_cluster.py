@@ -1,11 +1,12 @@
 """The whole pipeline on a 3-node NATS cluster (R3 streams) with 4 actor processes and 2 inference
-servers, as `leafe run` starts it against external NATS and engine URLs. Mid-run, either the node leading
-LEAFE_EVENTS is SIGKILLed and restarted, or one inference server is SIGKILLed for good (the actors must
-fail over to the other URL). The run finishes; the samples the learner consumed equal `leafe replay`'s
-rebuild of the exported log, each stored once and trained or dropped once: 0 lost, 0 duplicated.
+servers, as `leafe run` starts it against external NATS and engine URLs. Mid-run, either the node
+leading LEAFE_EVENTS is SIGKILLed and restarted, or one inference server is SIGKILLed for good (the
+actors must fail over to the other URL). The run finishes; the samples the learner consumed equal
+`leafe replay`'s rebuild of the exported log, each stored once and trained or dropped once: 0 lost,
+0 duplicated.
 
-Printed figures: seconds from the kill to the next event stored in LEAFE_EVENTS (recovery), and for the
-NATS node the seconds until the restarted node is a current replica again.
+Printed figures: seconds from the kill to the next event stored in LEAFE_EVENTS (recovery), and for
+the NATS node the seconds until the restarted node is a current replica again.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ import aiohttp
 import pytest
 from rich.console import Console
 
-from protocol.subjects import EVENTS, SAMPLES, learner_durable, samples_filter
-from services.bus import connect, read_stream
-from services.bus.nats_cluster import NatsCluster
-from services.bus.nats_server import free_port
-from services.run.context import RunContext
-from services.run.presets import resolve_run_config
-from services.run.stages import run_stages
-from services.run.supervisor import ServiceProcess, wait_http_ok
+from leafe.protocol.subjects import EVENTS, SAMPLES, learner_durable, samples_filter
+from leafe.services.bus import connect, read_stream
+from leafe.services.bus.nats_cluster import NatsCluster
+from leafe.services.bus.nats_server import free_port
+from leafe.services.run.context import RunContext
+from leafe.services.run.presets import resolve_run_config
+from leafe.services.run.stages import run_stages
+from leafe.services.run.supervisor import ServiceProcess, wait_http_ok
 from tests.support.cluster import stream_leader
 
 # Each run takes minutes on 2 cores (9 Python services and 3 nats-servers); the default set keeps
@@ -95,8 +96,8 @@ async def _load(url: str) -> tuple[int, int]:
 
 async def _busiest(engines: list[tuple[ServiceProcess, str]], window_s: float = 0.5) -> int:
     """The engine the run is using now: most requests in flight, then most finished within a short
-    window. Actors keep an episode on one engine (prefix affinity), so killing a fixed index may hit an
-    engine no remaining episode uses, and the failover would go untested."""
+    window. Actors keep an episode on one engine (prefix affinity), so killing a fixed index may hit
+    an engine no remaining episode uses, and the failover would go untested."""
     before = [await _load(url) for _, url in engines]
     await asyncio.sleep(window_s)
     after = [await _load(url) for _, url in engines]
@@ -132,7 +133,9 @@ async def _chaos(
 
 
 async def _stored_sample_ids(js: Any, run_id: str) -> list[str]:
-    msgs = [m async for m in read_stream(js, stream=SAMPLES.name, filter_subject=samples_filter(run_id))]
+    msgs = [
+        m async for m in read_stream(js, stream=SAMPLES.name, filter_subject=samples_filter(run_id))
+    ]
     return [(m.headers or {})["Nats-Msg-Id"] for m in msgs]
 
 
@@ -157,14 +160,16 @@ async def test_pipeline_on_a_cluster_survives_a_kill(
     victim: str, tmp_path: Path, cache_dir: Path, nats_cluster: NatsCluster, replicated: int
 ) -> None:
     """4 actors, 2 engines, R3 streams; one NATS node (the events leader) or one engine SIGKILLed
-    mid-run: every task finishes, stream samples == offline rebuild, each stored once, and the learner
-    trained or dropped each exactly once."""
-    from learner.model_io import resolve_model
+    mid-run: every task finishes, stream samples == offline rebuild, each stored once, and the
+    learner trained or dropped each exactly once."""
+    from leafe.learner.model_io import resolve_model
 
     run_dir = tmp_path / "runs" / "cluster"
     logs = run_dir / "logs"
     async with AsyncExitStack() as stack:
-        engines = await _start_engines(await asyncio.to_thread(resolve_model, "tiny"), run_dir, stack)
+        engines = await _start_engines(
+            await asyncio.to_thread(resolve_model, "tiny"), run_dir, stack
+        )
         overrides = {
             "runs_dir": str(tmp_path / "runs"),
             "run_id": "cluster",
@@ -183,7 +188,9 @@ async def test_pipeline_on_a_cluster_survives_a_kill(
             "learner": {"ack_wait_s": 10.0},
         }
         config = resolve_run_config("tiny", overrides=overrides)
-        ctx = RunContext(config=config, console=Console(file=io.StringIO()), stop=asyncio.Event(), live=False)
+        ctx = RunContext(
+            config=config, console=Console(file=io.StringIO()), stop=asyncio.Event(), live=False
+        )
         run = asyncio.create_task(run_stages(ctx))
         chaos = asyncio.create_task(_chaos(ctx, victim, nats_cluster, engines))
         await run
@@ -196,7 +203,9 @@ async def test_pipeline_on_a_cluster_survives_a_kill(
     finally:
         await nc.close()
     totals = _learner_totals(logs / "learner.log")
-    figures.update(samples=len(stored), trained=totals["samples_trained"], dropped=totals["samples_dropped"])
+    figures.update(
+        samples=len(stored), trained=totals["samples_trained"], dropped=totals["samples_dropped"]
+    )
     if victim == "inference":
         figures["retries_to_dead_engine"] = _retries_to(logs, engines[figures["killed_engine"]][1])
     print(f"\ncluster pipeline, {victim} killed: {figures}")
@@ -206,6 +215,11 @@ async def test_pipeline_on_a_cluster_survives_a_kill(
     assert stored, "no samples were produced; the test would prove nothing"
     assert len(stored) == len(set(stored)), "a sample was stored twice"
     assert info.num_pending == 0 and info.num_ack_pending == 0, f"samples left unconsumed: {info}"
-    assert totals["samples_trained"] + totals["samples_dropped"] == len(stored), (totals, len(stored))
+    assert totals["samples_trained"] + totals["samples_dropped"] == len(stored), (
+        totals,
+        len(stored),
+    )
     if victim == "inference":
-        assert figures["retries_to_dead_engine"] > 0, "no actor ever hit the dead engine: failover untested"
+        assert figures["retries_to_dead_engine"] > 0, (
+            "no actor ever hit the dead engine: failover untested"
+        )

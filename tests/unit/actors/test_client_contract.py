@@ -1,5 +1,6 @@
-"""The SGLang client against recorded SGLang response bodies (tests/fixtures/sglang), replayed by a local
-aiohttp server: parsing, error shapes, retries, routing and timeouts. No model, no network beyond loopback.
+"""The SGLang client against recorded SGLang response bodies (tests/fixtures/sglang), replayed by a
+local aiohttp server: parsing, error shapes, retries, routing and timeouts. No model, no network
+beyond loopback.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from actors.client import SGLangClient, SGLangClientConfig, error_message, parse_completions
-from actors.engine import EngineError, SamplingParams
+from leafe.actors.client import SGLangClient, SGLangClientConfig, error_message, parse_completions
+from leafe.actors.engine import EngineError, SamplingParams
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "sglang"
 PARAMS = SamplingParams(max_new_tokens=8, temperature=0.0)
@@ -54,7 +55,9 @@ class Replay:
 
 
 @asynccontextmanager
-async def replay(routes: dict[str, tuple[int, bytes]], delay_s: float = 0.0) -> AsyncIterator[Replay]:
+async def replay(
+    routes: dict[str, tuple[int, bytes]], delay_s: float = 0.0
+) -> AsyncIterator[Replay]:
     rep = Replay(routes, delay_s)
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", rep.handle)
@@ -82,14 +85,19 @@ def fast_client(urls: list[str], **kw: Any) -> SGLangClient:
 
 
 async def test_generate_parses_eos_stop_and_ignores_unknown_keys() -> None:
-    """An EOS-stopped answer gives exact output ids (EOS kept), text, version and prompt length; extra
-    meta_info keys are ignored; the request carries input_ids and SGLang sampling_params."""
+    """An EOS-stopped answer gives exact output ids (EOS kept), text, version and prompt length;
+    extra meta_info keys are ignored; the request carries input_ids and SGLang sampling_params."""
     async with replay({"/generate": (200, fixture("generate_stop_eos.json"))}) as rep:
         async with fast_client([rep.url]) as client:
             [c] = await client.generate([1, 2, 3], PARAMS)
     assert c.output_ids == [378, 3575, 282, 4649, 314, 7042, 30, 2]
     assert c.text == " The capital of France is Paris."
-    assert (c.finish_reason, c.weight_version, c.prompt_tokens, c.logprobs) == ("stop", "default", 31, None)
+    assert (c.finish_reason, c.weight_version, c.prompt_tokens, c.logprobs) == (
+        "stop",
+        "default",
+        31,
+        None,
+    )
     path, body = rep.requests[0]
     assert path == "/generate" and body["input_ids"] == [1, 2, 3]
     assert body["sampling_params"] == PARAMS.to_sglang() and body["return_logprob"] is False
@@ -121,7 +129,10 @@ async def test_generate_stop_string_and_n2() -> None:
 
 async def test_n_mismatch_and_garbage_are_engine_errors() -> None:
     """Asking n=3 and getting 2 results, or a non-SGLang body, raises EngineError saying so."""
-    async with replay({"/generate": (200, fixture("generate_n2.json"))}) as rep, fast_client([rep.url]) as c:
+    async with (
+        replay({"/generate": (200, fixture("generate_n2.json"))}) as rep,
+        fast_client([rep.url]) as c,
+    ):
         with pytest.raises(EngineError, match="n=3"):
             await c.generate([1], PARAMS, n=3)
         rep.routes["/generate"] = (200, b'{"hello": 1}')
@@ -144,7 +155,9 @@ def test_finish_reason_variants() -> None:
     }
     [c] = parse_completions(json.dumps(body).encode())
     assert c.finish_reason == "length" and c.logprobs is not None and math.isnan(c.logprobs[0])
-    [d] = parse_completions(json.dumps({"output_ids": [1], "meta_info": {"finish_reason": None}}).encode())
+    [d] = parse_completions(
+        json.dumps({"output_ids": [1], "meta_info": {"finish_reason": None}}).encode()
+    )
     assert d.finish_reason == "stop" and d.weight_version == "default"
 
 
@@ -155,14 +168,21 @@ def test_finish_reason_variants() -> None:
             "error_plain.json",
             "The input (9000 tokens) is longer than the model's context length (8192 tokens).",
         ),
-        ("error_nested.json", "SamplingParams.__init__() got an unexpected keyword argument 'seed'"),
+        (
+            "error_nested.json",
+            "SamplingParams.__init__() got an unexpected keyword argument 'seed'",
+        ),
         ("error_openai.json", "max_new_tokens must be at least 0, got -1."),
     ],
 )
 async def test_each_error_shape_surfaces_its_message_without_retry(name: str, message: str) -> None:
-    """All three SGLang 400 bodies raise EngineError carrying the server's message; 400 is not retried."""
+    """All three SGLang 400 bodies raise EngineError carrying the server's message; 400 is not
+    retried."""
     assert error_message(fixture(name)) == message
-    async with replay({"/generate": (400, fixture(name))}) as rep, fast_client([rep.url], retries=3) as c:
+    async with (
+        replay({"/generate": (400, fixture(name))}) as rep,
+        fast_client([rep.url], retries=3) as c,
+    ):
         with pytest.raises(EngineError) as err:
             await c.generate([1], PARAMS)
     assert message in str(err.value) and "HTTP 400" in str(err.value)
@@ -206,7 +226,8 @@ async def test_503_is_retried_then_reported() -> None:
 
 
 async def test_least_loaded_routing_spreads_concurrent_requests() -> None:
-    """Concurrent requests go to the server with fewest in flight, so two slow servers share them evenly."""
+    """Concurrent requests go to the server with fewest in flight, so two slow servers share them
+    evenly."""
     body = (200, fixture("generate_stop_eos.json"))
     async with replay({"/generate": body}, 0.2) as a, replay({"/generate": body}, 0.2) as b:
         async with fast_client([a.url, b.url]) as c:
@@ -215,7 +236,8 @@ async def test_least_loaded_routing_spreads_concurrent_requests() -> None:
 
 
 async def test_timeout_is_not_retried() -> None:
-    """A request that outlives timeout_s raises EngineError naming the timeout, without a second try."""
+    """A request that outlives timeout_s raises EngineError naming the timeout, without a second
+    try."""
     async with replay({"/generate": (200, fixture("generate_stop_eos.json"))}, 1.0) as rep:
         async with fast_client([rep.url], timeout_s=0.2) as c:
             with pytest.raises(EngineError, match=r"timed out after 0\.2 s"):
@@ -258,8 +280,11 @@ async def test_bad_arguments_fail_before_sending() -> None:
             await c.generate([1], PARAMS, n=0)
 
 
-def _with_abort(name: str, status: int | None, message: str = "Abort all requests (weight update).") -> bytes:
-    """``name``'s body with every result's finish_reason turned into an abort carrying ``status``."""
+def _with_abort(
+    name: str, status: int | None, message: str = "Abort all requests (weight update)."
+) -> bytes:
+    """``name``'s body with every result's finish_reason turned into an abort carrying
+    ``status``."""
     data = json.loads(fixture(name))
     for out in data if isinstance(data, list) else [data]:
         out["output_ids"], out["text"] = [], ""
@@ -269,8 +294,8 @@ def _with_abort(name: str, status: int | None, message: str = "Abort all request
 
 
 async def test_an_aborted_generation_is_sent_again_and_never_returned() -> None:
-    """An abort (e.g. a weight update with abort_all_requests) is retried; the caller gets the retry's
-    completion, never the empty aborted one."""
+    """An abort (e.g. a weight update with abort_all_requests) is retried; the caller gets the
+    retry's completion, never the empty aborted one."""
     async with replay({"/generate": (200, fixture("generate_stop_eos.json"))}) as rep:
         rep.first["/generate"] = [(200, fixture("generate_abort.json"))]
         async with fast_client([rep.url]) as c:
@@ -284,7 +309,11 @@ async def test_one_aborted_result_of_n_retries_the_request() -> None:
     """With n=2, one aborted result among the two sends the request again; both returned completions
     come from the answer without an abort."""
     n2 = json.loads(fixture("generate_n2.json"))
-    n2[1]["meta_info"]["finish_reason"] = {"type": "abort", "message": "scheduler", "status_code": 503}
+    n2[1]["meta_info"]["finish_reason"] = {
+        "type": "abort",
+        "message": "scheduler",
+        "status_code": 503,
+    }
     async with replay({"/generate": (200, fixture("generate_n2.json"))}) as rep:
         rep.first["/generate"] = [(200, json.dumps(n2).encode())]
         async with fast_client([rep.url]) as c:
@@ -297,15 +326,22 @@ async def test_a_persistent_abort_is_an_engine_error() -> None:
     requests (no completion comes back to become a Step)."""
     async with replay({"/generate": (200, fixture("generate_abort.json"))}) as rep:
         async with fast_client([rep.url], abort_retries=2) as c:
-            with pytest.raises(EngineError, match=r"aborted.*Abort before prefill.*after 3 attempt"):
+            with pytest.raises(
+                EngineError, match=r"aborted.*Abort before prefill.*after 3 attempt"
+            ):
                 await c.generate([1], PARAMS)
     assert len(rep.requests) == 3
 
 
 async def test_an_abort_with_status_400_is_raised_at_once() -> None:
     """An abort that says the request is bad (status 400) is not sent again."""
-    body = _with_abort("generate_stop_eos.json", 400, "The input is longer than the context length.")
-    async with replay({"/generate": (200, body)}) as rep, fast_client([rep.url], abort_retries=3) as c:
+    body = _with_abort(
+        "generate_stop_eos.json", 400, "The input is longer than the context length."
+    )
+    async with (
+        replay({"/generate": (200, body)}) as rep,
+        fast_client([rep.url], abort_retries=3) as c,
+    ):
         with pytest.raises(EngineError, match="longer than the context length"):
             await c.generate([1], PARAMS)
     assert len(rep.requests) == 1
@@ -326,8 +362,8 @@ async def test_an_aborted_retry_moves_to_another_server() -> None:
 
 
 async def test_model_info_falls_back_to_get_model_info_on_404() -> None:
-    """A server without /model_info (the sglang router of 0.5.23) is asked /get_model_info; the route
-    that answered is used from then on."""
+    """A server without /model_info (the sglang router of 0.5.23) is asked /get_model_info; the
+    route that answered is used from then on."""
     routes = {"/get_model_info": (200, fixture("model_info.json"))}
     async with replay(routes) as rep, fast_client([rep.url]) as c:
         assert await c.weight_version() == "step-40"
@@ -357,7 +393,8 @@ async def test_timeout_comes_from_the_client_config() -> None:
 
 
 @pytest.mark.parametrize(
-    ("field_name", "value"), [("timeout_s", 0.0), ("retries", -1), ("abort_retries", -2), ("backoff_s", -1.0)]
+    ("field_name", "value"),
+    [("timeout_s", 0.0), ("retries", -1), ("abort_retries", -2), ("backoff_s", -1.0)],
 )
 def test_client_config_rejects_bad_values(field_name: str, value: float) -> None:
     """A non-positive timeout or a negative count is refused, naming the field and the value."""
@@ -368,14 +405,14 @@ def test_client_config_rejects_bad_values(field_name: str, value: float) -> None
 
 
 async def test_an_abort_never_becomes_a_step() -> None:
-    """Through the real episode code: an abort that persists raises out of the rollout before any Step
-    is emitted (the episode stays unfinished and is retried), and an abort followed by a real answer
-    gives Steps with the real answer's exact output ids."""
-    from actors.config import RolloutConfig
-    from actors.episode import EpisodeSpec, ListSink
-    from actors.fakes import ByteChatTokenizer, CorridorEnv
-    from actors.rollout import run_rollout
-    from protocol.events import Step
+    """Through the real episode code: an abort that persists raises out of the rollout before any
+    Step is emitted (the episode stays unfinished and is retried), and an abort followed by a real
+    answer gives Steps with the real answer's exact output ids."""
+    from leafe.actors.config import RolloutConfig
+    from leafe.actors.episode import EpisodeSpec, ListSink
+    from leafe.actors.fakes import ByteChatTokenizer, CorridorEnv
+    from leafe.actors.rollout import run_rollout
+    from leafe.protocol.events import Step
 
     spec = EpisodeSpec(
         run_id="r1",
@@ -403,11 +440,15 @@ async def test_an_abort_never_becomes_a_step() -> None:
 
     info = (200, fixture("model_info.json"))
     aborted = ListSink()
-    async with replay({"/generate": (200, fixture("generate_abort.json")), "/model_info": info}) as rep:
+    async with replay(
+        {"/generate": (200, fixture("generate_abort.json")), "/model_info": info}
+    ) as rep:
         with pytest.raises(EngineError, match="aborted"):
             await rollout(rep, aborted)
     assert aborted.events == [], "an abort is no completion: not even EpisodeStarted is emitted"
-    async with replay({"/generate": (200, json.dumps(answer).encode()), "/model_info": info}) as rep:
+    async with replay(
+        {"/generate": (200, json.dumps(answer).encode()), "/model_info": info}
+    ) as rep:
         rep.first["/generate"] = [(200, fixture("generate_abort.json"))]
         steps = [e for e in (await rollout(rep, ListSink())).events if isinstance(e, Step)]
     assert steps and all(s.token_ids == [60, 97, 62] for s in steps)

@@ -6,14 +6,18 @@ import tomllib
 
 import pytest
 
-from actors.config import ENV_DEFAULTS, ActorServiceConfig, ExplorerConfig, RolloutConfig
-from services.config import ConfigError, load_config
+from leafe.actors.config import ENV_DEFAULTS, ActorServiceConfig, ExplorerConfig, RolloutConfig
+from leafe.services.config import ConfigError, load_config
 
 
 def test_per_env_defaults_apply() -> None:
-    """Each documented environment gets its own horizon/K/budgets; unknown envs get the generic ones."""
+    """Each documented environment gets its own horizon/K/budgets; unknown envs get the generic
+    ones."""
     assert ExplorerConfig.for_env("sokoban").horizon == 15
-    assert ExplorerConfig.for_env("humaneval").k == 0 and ExplorerConfig.for_env("humaneval").horizon == 4
+    assert (
+        ExplorerConfig.for_env("humaneval").k == 0
+        and ExplorerConfig.for_env("humaneval").horizon == 4
+    )
     assert ExplorerConfig.for_env("scienceworld").env_in_thread
     assert ExplorerConfig.for_env("whatever") == ExplorerConfig()
     assert RolloutConfig.for_env("humaneval").action_stop == []
@@ -29,7 +33,8 @@ def test_rollout_as_explorer_never_reflects() -> None:
 
 
 def test_toml_overrides_layer_on_env_defaults() -> None:
-    """Service TOML: '*' overrides every env, a named env overrides '*', the rest keep env defaults."""
+    """Service TOML: '*' overrides every env, a named env overrides '*', the rest keep env
+    defaults."""
     toml = """
 concurrency = 2
 [explorer."*"]
@@ -53,16 +58,26 @@ def test_bad_values_name_the_field_and_env() -> None:
     with pytest.raises(ValueError, match=r"sokoban.*horizn"):
         ExplorerConfig.for_env("sokoban", {"horizn": 3})
     with pytest.raises(ConfigError, match="experience_scope"):
-        load_config(ActorServiceConfig, overrides={"explorer": {"sokoban": {"experience_scope": "always"}}})
+        load_config(
+            ActorServiceConfig, overrides={"explorer": {"sokoban": {"experience_scope": "always"}}}
+        )
     with pytest.raises(ConfigError, match="in_progress_interval_s"):
-        load_config(ActorServiceConfig, overrides={"ack_wait_s": 10.0, "in_progress_interval_s": 20.0})
+        load_config(
+            ActorServiceConfig, overrides={"ack_wait_s": 10.0, "in_progress_interval_s": 20.0}
+        )
 
 
 def test_oracle_reflection_source_only_where_an_oracle_exists() -> None:
-    """reflection_source = oracle is accepted for sokoban and humaneval and refused, naming the env and
-    the field, for the others (also inside the actor service's per-env tables)."""
-    assert ExplorerConfig.for_env("sokoban", {"reflection_source": "oracle"}).reflection_source == "oracle"
-    assert ExplorerConfig.for_env("humaneval", {"reflection_source": "oracle"}).reflection_source == "oracle"
+    """reflection_source = oracle is accepted for sokoban and humaneval and refused, naming the env
+    and the field, for the others (also inside the actor service's per-env tables)."""
+    assert (
+        ExplorerConfig.for_env("sokoban", {"reflection_source": "oracle"}).reflection_source
+        == "oracle"
+    )
+    assert (
+        ExplorerConfig.for_env("humaneval", {"reflection_source": "oracle"}).reflection_source
+        == "oracle"
+    )
     for env in ("scienceworld", "textworld-cooking"):
         with pytest.raises(
             ConfigError, match=f"reflection_source = 'oracle' but '{env}' has no reflection oracle"
@@ -75,13 +90,16 @@ def test_oracle_reflection_source_only_where_an_oracle_exists() -> None:
 
 
 def test_oracle_labels_only_where_an_oracle_exists_and_only_beside_model_reflections() -> None:
-    """oracle_labels is accepted for sokoban and humaneval, refused naming env and field elsewhere (also in the
-    actor service's tables), and refused with reflection_source = oracle (nothing to label)."""
+    """oracle_labels is accepted for sokoban and humaneval, refused naming env and field elsewhere
+    (also in the actor service's tables), and refused with reflection_source = oracle (nothing to
+    label)."""
     assert ExplorerConfig.for_env("sokoban", {"oracle_labels": True}).oracle_labels
     assert ExplorerConfig.for_env("humaneval", {"oracle_labels": True}).oracle_labels
     assert not ExplorerConfig.for_env("sokoban").oracle_labels
     for env in ("scienceworld", "textworld-cooking"):
-        with pytest.raises(ConfigError, match=f"oracle_labels = True but '{env}' has no reflection oracle"):
+        with pytest.raises(
+            ConfigError, match=f"oracle_labels = True but '{env}' has no reflection oracle"
+        ):
             ExplorerConfig.for_env(env, {"oracle_labels": True})
     with pytest.raises(Exception, match="no reflection oracle"):
         ActorServiceConfig(explorer={"scienceworld": {"oracle_labels": True}})
@@ -92,7 +110,9 @@ def test_oracle_labels_only_where_an_oracle_exists_and_only_beside_model_reflect
 def test_demo_tables_resolve_per_env() -> None:
     """[demo.<env>] tables configure demonstrations: defaults, then "*", then the env's own."""
     cfg = ActorServiceConfig(demo={"*": {"alternatives": 4}, "sokoban": {"self_reflection": True}})
-    assert cfg.demo_config("sokoban").alternatives == 4 and cfg.demo_config("sokoban").self_reflection
+    assert (
+        cfg.demo_config("sokoban").alternatives == 4 and cfg.demo_config("sokoban").self_reflection
+    )
     assert (
         cfg.demo_config("humaneval").answer_format == "fence"
         and cfg.demo_config("humaneval").alternatives == 4

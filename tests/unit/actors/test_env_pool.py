@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from actors.env_pool import EnvPool
-from actors.fakes import CorridorEnv
+from leafe.actors.env_pool import EnvPool
+from leafe.actors.fakes import CorridorEnv
 
 pytestmark = pytest.mark.anyio
 
@@ -17,7 +17,8 @@ def factory(name: str, **options: Any) -> CorridorEnv:
 
 
 async def test_clean_envs_are_reused_per_name_and_options() -> None:
-    """A released, reusable env is handed out again for the same options, never for other options."""
+    """A released, reusable env is handed out again for the same options, never for other
+    options."""
     pool = EnvPool(factory, max_idle=2)
     a = await pool.acquire("corridor", {"supports_snapshot": True})
     pool.release(a, "corridor", {"supports_snapshot": True}, reusable=True)
@@ -27,7 +28,8 @@ async def test_clean_envs_are_reused_per_name_and_options() -> None:
 
 
 async def test_unclean_or_surplus_envs_are_closed() -> None:
-    """Not reusable (error, cancellation) or beyond max_idle: closed; close() closes the idle ones."""
+    """Not reusable (error, cancellation) or beyond max_idle: closed; close() closes the idle
+    ones."""
     pool = EnvPool(factory, max_idle=1)
     envs = [await pool.acquire("corridor", {}) for _ in range(3)]
     pool.release(envs[0], "corridor", {}, reusable=False)
@@ -39,8 +41,9 @@ async def test_unclean_or_surplus_envs_are_closed() -> None:
 
 
 def test_options_with_nested_tables_are_pooled() -> None:
-    """Options holding a table (humaneval's ``sandbox``) are a valid pool key; equal options share envs."""
-    from actors.env_pool import _key
+    """Options holding a table (humaneval's ``sandbox``) are a valid pool key; equal options share
+    envs."""
+    from leafe.actors.env_pool import _key
 
     a = _key("humaneval", {"sandbox": {"wall_s": 5}, "max_turns": 4})
     b = _key("humaneval", {"max_turns": 4, "sandbox": {"wall_s": 5}})

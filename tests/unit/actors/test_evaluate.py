@@ -1,4 +1,5 @@
-"""Pass@k evaluation (``actors/evaluate.py``) on the scripted engine, byte tokenizer and corridor env."""
+"""Pass@k evaluation (``actors/evaluate.py``) on the scripted engine, byte tokenizer and corridor
+env."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ from collections.abc import Sequence
 
 import pytest
 
-from actors.engine import Completion, SamplingParams
-from actors.episode import ListSink
-from actors.evaluate import EvalRequest, EvalResult, evaluate
-from actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
-from protocol.events import EpisodeStarted, Step
-from services.admin.tasks import make_assignments
+from leafe.actors.engine import Completion, SamplingParams
+from leafe.actors.episode import ListSink
+from leafe.actors.evaluate import EvalRequest, EvalResult, evaluate
+from leafe.actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
+from leafe.protocol.events import EpisodeStarted, Step
+from leafe.services.admin.tasks import make_assignments
 from tests.support.event_checks import check_episode
 
 pytestmark = pytest.mark.anyio
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.anyio
 # corridor/test/0000i has its goal at 3 + i (start 1; "left" falls into the pit at 0).
 TASKS = ["corridor/test/00000", "corridor/test/00001", "corridor/test/00002"]
 CORRECT = {3: 0, 4: 1, 5: 3}
-"""Goal position -> how many of the n samples of that task walk right (the rest step left at once)."""
+"""Goal position -> how many of the n samples of that task walk right (the rest step left at
+once)."""
 
 
 def _corridor(name: str, **options: object) -> CorridorEnv:
@@ -86,8 +88,8 @@ async def test_passk_matches_hand_computed_values() -> None:
 
 
 async def test_weight_version_is_the_completions_not_model_info() -> None:
-    """Through a router ``weight_version()`` answers from the first healthy worker: the result and every
-    event report the version the completions carry instead."""
+    """Through a router ``weight_version()`` answers from the first healthy worker: the result and
+    every event report the version the completions carry instead."""
 
     class Routed(ScriptedEngine):
         async def weight_version(self) -> str:
@@ -112,14 +114,15 @@ async def test_weight_version_is_the_completions_not_model_info() -> None:
 async def test_reproducible_says_whether_seeds_are_sent_and_honoured(
     seeds: dict[str, str], overrides: dict[str, object], want: str
 ) -> None:
-    """A client cannot see whether the engine honours seeds: unstated is ``unknown``; seeded sampling off
-    is never reproducible."""
+    """A client cannot see whether the engine honours seeds: unstated is ``unknown``; seeded
+    sampling off is never reproducible."""
     result = await _run(_scripted(CORRECT), rollout_overrides={"horizon": 10, **overrides}, **seeds)
     assert result.reproducible == want
 
 
 async def test_k_above_n_is_left_out_and_all_above_n_is_an_error() -> None:
-    """ks larger than the sample count are not extrapolated; if none is <= n the call fails naming ks."""
+    """ks larger than the sample count are not extrapolated; if none is <= n the call fails naming
+    ks."""
     result = await _run(_scripted({3: 1, 4: 1, 5: 1}), n=2, ks=[1, 2, 4])
     assert sorted(result.passk) == [1, 2]
     with pytest.raises(ValueError, match=r"ks = \[4, 8\]"):
@@ -143,7 +146,14 @@ async def test_episode_ids_are_deterministic_and_match_task_submission() -> None
     await _run(_scripted(CORRECT), concurrency=7, sink=b, seed=5)
     await _run(_scripted(CORRECT), concurrency=7, sink=other, seed=5, label="m2")
     assignments = make_assignments(
-        run_id="r1", env="corridor", task_ids=TASKS, mode="eval", split="test", samples=4, seed=5, prefix="m1"
+        run_id="r1",
+        env="corridor",
+        task_ids=TASKS,
+        mode="eval",
+        split="test",
+        samples=4,
+        seed=5,
+        prefix="m1",
     )
     expected = {(f"{x.task_key}.a1", x.group_id, 4, x.seed, x.task_id) for x in assignments}
     assert starts(a) == starts(b) == expected
@@ -162,7 +172,12 @@ class _Gauge:
         self.peak = 0
 
     async def generate(
-        self, input_ids: list[int], params: SamplingParams, *, n: int = 1, return_logprob: bool = False
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        return_logprob: bool = False,
     ) -> list[Completion]:
         self.now += 1
         self.peak = max(self.peak, self.now)
@@ -176,8 +191,8 @@ class _Gauge:
 
 
 async def test_concurrency_bounds_rollouts_in_flight_over_all_tasks() -> None:
-    """With 12 rollouts and concurrency 3, never more than 3 requests are in flight, and 3 are reached
-    (the bound is shared by every task's samples, not per task)."""
+    """With 12 rollouts and concurrency 3, never more than 3 requests are in flight, and 3 are
+    reached (the bound is shared by every task's samples, not per task)."""
     engine = _scripted(CORRECT)
     engine.latency_s = 0.002
     gauge = _Gauge(engine)
@@ -190,12 +205,15 @@ async def test_concurrency_bounds_rollouts_in_flight_over_all_tasks() -> None:
 
 
 async def test_parse_failures_and_prompt_tokens_per_step() -> None:
-    """Unparseable answers are policy steps with no env step: rate 1.0, the horizon reached; mean prompt
-    tokens equals the mean length of the prompts the engine received; events reach the sink."""
+    """Unparseable answers are policy steps with no env step: rate 1.0, the horizon reached; mean
+    prompt tokens equals the mean length of the prompts the engine received; events reach the
+    sink."""
     engine = ScriptedEngine(default_action="I am not sure what to do")
     sink = ListSink()
     result = await _run(engine, n=2, ks=[1], sink=sink, rollout_overrides={"horizon": 3})
-    assert result.parse_failure_rate == 1.0 and result.mean_steps == 3 and result.success_rate == 0.0
+    assert (
+        result.parse_failure_rate == 1.0 and result.mean_steps == 3 and result.success_rate == 0.0
+    )
     prompts: Sequence[int] = [len(c.input_ids) for c in engine.calls]
     assert len(prompts) == 3 * 2 * 3
     assert result.mean_prompt_tokens == pytest.approx(sum(prompts) / len(prompts))
@@ -204,13 +222,15 @@ async def test_parse_failures_and_prompt_tokens_per_step() -> None:
 
 
 async def test_env_errors_are_failures_and_counted() -> None:
-    """A crashing env backend ends each rollout with an error outcome: scored as a failure, counted."""
+    """A crashing env backend ends each rollout with an error outcome: scored as a failure,
+    counted."""
     result = await _run(_scripted({3: 4, 4: 4, 5: 4}), n=2, ks=[1], env_options={"broken_after": 0})
     assert result.env_errors == 6 and result.passk == {1: 0.0}
 
 
 async def test_bad_arguments_name_the_value() -> None:
-    """Concurrency < 1, no tasks, duplicate tasks and samples < 1 are rejected with the value named."""
+    """Concurrency < 1, no tasks, duplicate tasks and samples < 1 are rejected with the value
+    named."""
     engine = _scripted(CORRECT)
     with pytest.raises(ValueError, match="concurrency = 0"):
         await _run(engine, concurrency=0)

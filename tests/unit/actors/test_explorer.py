@@ -1,4 +1,5 @@
-"""The LEAFE exploration tree against a scripted engine and the corridor env (no network, no model)."""
+"""The LEAFE exploration tree against a scripted engine and the corridor env (no network, no
+model)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ from typing import Any
 
 import pytest
 
-from actors.config import ExplorerConfig
-from actors.engine import EngineError
-from actors.episode import EpisodeSpec, ListSink
-from actors.explorer import Explorer
-from actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
-from protocol.events import Branch, EpisodeFinished, Outcome, Reflection, Rollback, Step
-from protocol.prompt import prompt_sha256
+from leafe.actors.config import ExplorerConfig
+from leafe.actors.engine import EngineError
+from leafe.actors.episode import EpisodeSpec, ListSink
+from leafe.actors.explorer import Explorer
+from leafe.actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
+from leafe.protocol.events import Branch, EpisodeFinished, Outcome, Reflection, Rollback, Step
+from leafe.protocol.prompt import prompt_sha256
 from tests.support.event_checks import check_episode, rebuild_step_prompts
 
 pytestmark = pytest.mark.anyio
@@ -33,7 +34,9 @@ def spec(task: str = "corridor/train/00001", seed: int = 0) -> EpisodeSpec:
     )
 
 
-async def explore(engine: ScriptedEngine, env: CorridorEnv | None = None, **cfg: Any) -> tuple[list, Any]:
+async def explore(
+    engine: ScriptedEngine, env: CorridorEnv | None = None, **cfg: Any
+) -> tuple[list, Any]:
     sink = ListSink()
     explorer = Explorer(
         engine=engine,
@@ -53,7 +56,8 @@ def kinds(events: list) -> list[str]:
 
 
 async def test_failure_reflection_rollback_branch_success_in_that_order() -> None:
-    """Root falls into the pit; the reflection blames step 0; the branch rolls back, opens, succeeds."""
+    """Root falls into the pit; the reflection blames step 0; the branch rolls back, opens,
+    succeeds."""
     engine = ScriptedEngine(
         actions=[LEFT, RIGHT, RIGHT, RIGHT],
         reflections=["<step>0</step><experience>Go right, the pit is left.</experience>"],
@@ -79,11 +83,17 @@ async def test_failure_reflection_rollback_branch_success_in_that_order() -> Non
     assert (br.branch_id, br.parent_branch_id, br.tau, br.depth) == ("b1", "b0", 0, 1)
     assert br.reflection_event_id == refl.event_id and br.experience == "Go right, the pit is left."
     assert (events[-2].reason, events[-2].success, events[-2].steps) == ("success", True, 3)
-    assert summary.success and summary.branches == 2 and summary.actions == 4 and summary.reflections == 1
+    assert (
+        summary.success
+        and summary.branches == 2
+        and summary.actions == 4
+        and summary.reflections == 1
+    )
 
 
 async def test_experience_is_in_the_branch_prompt_and_not_in_the_counterfactual_input() -> None:
-    """a'_tau is sampled with e in its prompt; the same history rendered without e (D_cf input) lacks e."""
+    """a'_tau is sampled with e in its prompt; the same history rendered without e (D_cf input)
+    lacks e."""
     lesson = "Never step left at the start"
     engine = ScriptedEngine(
         actions=[RIGHT, LEFT, LEFT, RIGHT, RIGHT, RIGHT],
@@ -97,34 +107,42 @@ async def test_experience_is_in_the_branch_prompt_and_not_in_the_counterfactual_
     assert lesson in sent
     rebuilt = dict((s.event_id, m) for s, m in rebuild_step_prompts(events))[branch_step.event_id]
     assert TOK.encode_chat(rebuilt) == action_calls[3].input_ids
-    from protocol.prompt import HistoryEntry, render_messages
+    from leafe.protocol.prompt import HistoryEntry, render_messages
 
     start = events[0]
     parent_steps = [e for e in events if isinstance(e, Step) and e.branch_id == "b0"][:1]
     counterfactual = render_messages(
         instructions=start.instructions,
         task=start.task,
-        history=[HistoryEntry(s.action, s.raw_text, s.observation, s.feedback) for s in parent_steps],
+        history=[
+            HistoryEntry(s.action, s.raw_text, s.observation, s.feedback) for s in parent_steps
+        ],
         observation=parent_steps[-1].observation,
         experience=None,
     )
     assert all(lesson not in m.content for m in counterfactual)
-    assert TOK.encode_chat(counterfactual) == action_calls[1].input_ids  # the parent's own prompt at tau
+    assert (
+        TOK.encode_chat(counterfactual) == action_calls[1].input_ids
+    )  # the parent's own prompt at tau
 
 
 async def test_experience_scope_first_step_only_puts_e_in_the_first_branch_prompt() -> None:
-    """With ``first_step``, e is in a'_tau's prompt only; with ``branch`` in every prompt of the branch."""
+    """With ``first_step``, e is in a'_tau's prompt only; with ``branch`` in every prompt of the
+    branch."""
     for scope, expected in (("first_step", [True, False, False]), ("branch", [True, True, True])):
         engine = ScriptedEngine(actions=[LEFT, RIGHT, RIGHT, RIGHT])
         events, _ = await explore(engine, k=0, experience_scope=scope)
-        in_ctx = [e.experience_in_context for e in events if isinstance(e, Step) and e.branch_id == "b1"]
+        in_ctx = [
+            e.experience_in_context for e in events if isinstance(e, Step) and e.branch_id == "b1"
+        ]
         assert in_ctx == expected, scope
         prompts = [TOK.decode(c.input_ids) for c in engine.calls if c.kind == "action"][1:]
         assert ["go right, not left" in p for p in prompts] == expected
 
 
 async def test_prompts_rebuilt_from_events_match_what_the_engine_received() -> None:
-    """Each Step's prompt_sha256 and the ids the engine got equal the prompt rebuilt from the log."""
+    """Each Step's prompt_sha256 and the ids the engine got equal the prompt rebuilt from the
+    log."""
     engine = ScriptedEngine(
         actions=[RIGHT, "hmm", LEFT, WAIT, LEFT, "<action>right</action> then right", RIGHT, RIGHT],
         reflections=["<step>2</step><experience>wait instead</experience>", "step 1: go right"],
@@ -140,7 +158,8 @@ async def test_prompts_rebuilt_from_events_match_what_the_engine_received() -> N
 
 
 def longest_seen_prefix(prompts: list[list[int]]) -> list[int]:
-    """Per prompt, the longest prefix some earlier prompt began with (its last token never counted)."""
+    """Per prompt, the longest prefix some earlier prompt began with (its last token never
+    counted)."""
     out = []
     for i, ids in enumerate(prompts):
         best = 0
@@ -154,8 +173,8 @@ def longest_seen_prefix(prompts: list[list[int]]) -> list[int]:
 
 
 async def test_steps_and_reflections_record_the_engines_prompt_and_cached_tokens() -> None:
-    """Each engine request's prompt length and prefix-cache hit reach its event, reflections included,
-    so a log tells what a tree cost the engine (``leafe log inspect``'s engine table)."""
+    """Each engine request's prompt length and prefix-cache hit reach its event, reflections
+    included, so a log tells what a tree cost the engine (``leafe log inspect``'s engine table)."""
     engine = ScriptedEngine(
         actions=[RIGHT, LEFT, LEFT, RIGHT, RIGHT, RIGHT],
         reflections=["<step>1</step><experience>right, not left</experience>"],
@@ -174,7 +193,8 @@ async def test_steps_and_reflections_record_the_engines_prompt_and_cached_tokens
 
 
 async def test_parse_failures_are_counted_actions_without_env_steps() -> None:
-    """An unparseable completion is a Step with action None, unchanged observation, feedback; no env step."""
+    """An unparseable completion is a Step with action None, unchanged observation, feedback; no env
+    step."""
     env = CorridorEnv()
     engine = ScriptedEngine(actions=["I am not sure", "", RIGHT, RIGHT, RIGHT])
     events, summary = await explore(engine, env, k=0)
@@ -206,7 +226,8 @@ async def test_replay_rollback_skips_invalid_actions_and_counts_replay_steps() -
 
 
 async def test_action_budget_ends_the_branch_with_reason_budget() -> None:
-    """``max_actions`` bounds policy actions over the whole tree; the branch that hits it ends 'budget'."""
+    """``max_actions`` bounds policy actions over the whole tree; the branch that hits it ends
+    'budget'."""
     engine = ScriptedEngine(default_action=WAIT)
     events, summary = await explore(engine, k=2, max_actions=5, horizon=50, max_branches=10)
     outcomes = [e for e in events if isinstance(e, Outcome)]
@@ -216,7 +237,8 @@ async def test_action_budget_ends_the_branch_with_reason_budget() -> None:
 
 
 async def test_branch_budget_counts_queued_requests_and_stops_reflecting() -> None:
-    """With max_branches=3, at most two reflections yield requests; no reflection is wasted after that."""
+    """With max_branches=3, at most two reflections yield requests; no reflection is wasted after
+    that."""
     lessons = [f"<step>0</step><experience>lesson {i}</experience>" for i in range(5)]
     engine = ScriptedEngine(default_action=WAIT, reflections=lessons)
     events, summary = await explore(engine, k=1, horizon=3, max_branches=3, max_depth=5)
@@ -230,7 +252,9 @@ async def test_max_depth_bounds_the_tree() -> None:
     engine = ScriptedEngine(
         default_action=WAIT, default_reflection="<step>0</step><experience>x</experience>"
     )
-    events, _ = await explore(engine, k=0, horizon=2, max_depth=2, max_branches=100, max_actions=100)
+    events, _ = await explore(
+        engine, k=0, horizon=2, max_depth=2, max_branches=100, max_actions=100
+    )
     depths = [e.depth for e in events if isinstance(e, Branch)]
     assert depths == [1, 2]
     deepest = next(e.branch_id for e in events if isinstance(e, Branch) and e.depth == 2)
@@ -238,7 +262,8 @@ async def test_max_depth_bounds_the_tree() -> None:
 
 
 async def test_periodic_reflections_queue_branches_served_breadth_first() -> None:
-    """Every K own steps the branch reflects and goes on; requests are served in FIFO (BFS) order."""
+    """Every K own steps the branch reflects and goes on; requests are served in FIFO (BFS)
+    order."""
     engine = ScriptedEngine(
         default_action=WAIT,
         reflections=[f"<step>{i}</step><experience>lesson {i}</experience>" for i in range(10)],
@@ -258,17 +283,20 @@ async def test_periodic_reflections_queue_branches_served_breadth_first() -> Non
 
 
 async def test_first_success_stops_the_episode_unless_configured_otherwise() -> None:
-    """Queued requests are dropped after a success with stop_on_first_success, explored without it."""
+    """Queued requests are dropped after a success with stop_on_first_success, explored without
+    it."""
     script = [RIGHT] * 20
     for stop, expect_branches in ((True, 1), (False, 2)):
-        engine = ScriptedEngine(actions=script, reflections=["<step>0</step><experience>e</experience>"])
+        engine = ScriptedEngine(
+            actions=script, reflections=["<step>0</step><experience>e</experience>"]
+        )
         _, summary = await explore(engine, k=1, max_branches=2, stop_on_first_success=stop)
         assert summary.success and summary.branches == expect_branches, stop
 
 
 class LessonFollower:
-    """Waits at the root and goes right whenever a lesson is in its prompt; each reflection names a new
-    lesson (lesson 0, lesson 1, ...)."""
+    """Waits at the root and goes right whenever a lesson is in its prompt; each reflection names a
+    new lesson (lesson 0, lesson 1, ...)."""
 
     def __init__(self) -> None:
         self.lessons = 0
@@ -281,8 +309,9 @@ class LessonFollower:
 
 
 async def test_without_stopping_at_first_success_the_tree_ends_after_max_corrections() -> None:
-    """The paper's Stage 1: successful branches do not end the tree; it ends once ``max_corrections``
-    rolled-back branches succeeded (queued requests after that are dropped, never opened)."""
+    """The paper's Stage 1: successful branches do not end the tree; it ends once
+    ``max_corrections`` rolled-back branches succeeded (queued requests after that are dropped,
+    never opened)."""
     for limit, opened in ((2, 3), (0, 5)):
         engine = ScriptedEngine(script=LessonFollower())
         cfg = dict(k=2, horizon=8, max_depth=1, max_branches=10, stop_on_first_success=False)
@@ -293,8 +322,8 @@ async def test_without_stopping_at_first_success_the_tree_ends_after_max_correct
 
 
 async def test_a_repeated_correction_is_requested_once() -> None:
-    """Periodic reflections that name the same tau and e on the same branch open one branch, not four
-    (a duplicate would only repeat its sibling's attempt)."""
+    """Periodic reflections that name the same tau and e on the same branch open one branch, not
+    four (a duplicate would only repeat its sibling's attempt)."""
     engine = ScriptedEngine(
         default_action=WAIT, default_reflection="<step>0</step><experience>same</experience>"
     )
@@ -315,7 +344,8 @@ async def test_env_error_ends_the_episode_with_an_error_outcome() -> None:
 
 
 async def test_engine_error_propagates_and_leaves_the_episode_unfinished() -> None:
-    """An engine failure is not recorded as an outcome: the episode is abandoned (no EpisodeFinished)."""
+    """An engine failure is not recorded as an outcome: the episode is abandoned (no
+    EpisodeFinished)."""
 
     def script(kind: str, prompt: str) -> str:
         raise EngineError("all servers down")
@@ -331,7 +361,9 @@ async def test_engine_error_propagates_and_leaves_the_episode_unfinished() -> No
     )
     with pytest.raises(EngineError, match="all servers down"):
         await explorer.run()
-    assert kinds(sink.events) == [], "no completion: EpisodeStarted is never emitted (nothing to orphan)"
+    assert kinds(sink.events) == [], (
+        "no completion: EpisodeStarted is never emitted (nothing to orphan)"
+    )
 
 
 class _RouterEngine(ScriptedEngine):
@@ -343,7 +375,9 @@ class _RouterEngine(ScriptedEngine):
 
 
 @pytest.mark.parametrize("cfg", [{}, {"k": 1}])
-async def test_every_event_takes_its_version_from_completions_not_model_info(cfg: dict[str, Any]) -> None:
+async def test_every_event_takes_its_version_from_completions_not_model_info(
+    cfg: dict[str, Any],
+) -> None:
     """EpisodeStarted included: its policy_version is the first completion's, never what
     ``weight_version()`` answers."""
     engine = _RouterEngine(actions=[LEFT, RIGHT, RIGHT, RIGHT], version="v000007")
@@ -370,10 +404,15 @@ async def test_env_in_thread_gives_the_same_events() -> None:
 
 
 async def test_sampling_params_follow_the_config_and_seed() -> None:
-    """Actions and reflections use their own sampling settings; seeds derive from the episode seed."""
+    """Actions and reflections use their own sampling settings; seeds derive from the episode
+    seed."""
     engine = ScriptedEngine(actions=[LEFT, RIGHT, RIGHT, RIGHT])
     await explore(
-        engine, temperature=0.9, max_new_tokens=17, reflect_temperature=0.3, reflect_max_new_tokens=99
+        engine,
+        temperature=0.9,
+        max_new_tokens=17,
+        reflect_temperature=0.3,
+        reflect_max_new_tokens=99,
     )
     act = next(c for c in engine.calls if c.kind == "action").params
     refl = next(c for c in engine.calls if c.kind == "reflection").params
@@ -384,8 +423,8 @@ async def test_sampling_params_follow_the_config_and_seed() -> None:
 
 
 async def test_iterative_refinement_restarts_from_step_zero_with_the_experience() -> None:
-    """``restart_from = "start"`` (the IR baseline): the reflection still names tau, but the branch opens
-    at t = 0 with e in its prompt, sharing none of the parent's steps."""
+    """``restart_from = "start"`` (the IR baseline): the reflection still names tau, but the branch
+    opens at t = 0 with e in its prompt, sharing none of the parent's steps."""
     engine = ScriptedEngine(
         actions=[RIGHT, LEFT, LEFT, RIGHT, RIGHT, RIGHT, RIGHT],
         reflections=["<step>1</step><experience>Never go left.</experience>"],

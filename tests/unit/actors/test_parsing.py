@@ -6,14 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.parsing import (
+from leafe.actors.parsing import (
     ParsedAction,
     format_reflection,
     invalid_action_feedback,
     parse_action,
     parse_reflection,
 )
-from protocol.reflection import ANSWER_TAG
+from leafe.protocol.reflection import ANSWER_TAG
 
 MOVES = ["up", "down", "left", "right"]
 
@@ -31,20 +31,27 @@ MOVES = ["up", "down", "left", "right"]
         ("upward is not a move; down is", "down", "mention"),
     ],
 )
-def test_action_rules_in_order_with_known_valid_actions(text: str, action: str, method: str) -> None:
+def test_action_rules_in_order_with_known_valid_actions(
+    text: str, action: str, method: str
+) -> None:
     """The tag wins when valid, then a mention inside the tag, then the first whole-word mention."""
     assert parse_action(text, MOVES) == ParsedAction(action=action, method=method)
 
 
 def test_the_canonical_spelling_is_returned() -> None:
-    """The env's own spelling of the action is returned, whatever the case and spacing in the text."""
+    """The env's own spelling of the action is returned, whatever the case and spacing in the
+    text."""
     valid = ["open fridge", "take red apple from fridge", "go north"]
     assert parse_action("<action>Open   FRIDGE</action>", valid).action == "open fridge"
-    assert parse_action("I will take red apple from fridge now", valid).action == "take red apple from fridge"
+    assert (
+        parse_action("I will take red apple from fridge now", valid).action
+        == "take red apple from fridge"
+    )
 
 
 def test_longest_action_wins_at_the_same_position() -> None:
-    """When two valid actions start at the same place, the longer (more specific) one is accepted."""
+    """When two valid actions start at the same place, the longer (more specific) one is
+    accepted."""
     valid = ["take apple", "take apple from table", "look"]
     assert parse_action("take apple from table please", valid).action == "take apple from table"
 
@@ -58,7 +65,8 @@ def test_nothing_valid_is_a_failure_with_a_reason() -> None:
 
 
 def test_unknown_valid_actions_accept_tag_fence_or_raw_text() -> None:
-    """Without a list of valid actions: the tag, else the first fenced block, else the stripped text."""
+    """Without a list of valid actions: the tag, else the first fenced block, else the stripped
+    text."""
     assert parse_action("x <action>look around</action>", None) == ParsedAction(
         action="look around", method="tag"
     )
@@ -71,17 +79,29 @@ def test_unknown_valid_actions_accept_tag_fence_or_raw_text() -> None:
 @pytest.mark.parametrize(
     ("text", "valid", "action"),
     [
-        ("<think>Moving left hits the wall; up pushes the box.</think><action>up</action>", MOVES, "up"),
+        (
+            "<think>Moving left hits the wall; up pushes the box.</think><action>up</action>",
+            MOVES,
+            "up",
+        ),
         ("<think>left is a trap</think><action>up", MOVES, "up"),  # the stop string cut </action>
-        ("<think>I could go left or down</think> so: right", MOVES, "right"),  # mentions after the block
-        ("<think>why</think>```python\ndef f():\n    return 1\n```", None, "def f():\n    return 1"),
+        (
+            "<think>I could go left or down</think> so: right",
+            MOVES,
+            "right",
+        ),  # mentions after the block
+        (
+            "<think>why</think>```python\ndef f():\n    return 1\n```",
+            None,
+            "def f():\n    return 1",
+        ),
     ],
 )
 def test_self_reflection_answers_yield_the_action_after_the_think_block(
     text: str, valid: list[str] | None, action: str
 ) -> None:
-    """The Early Experience answer format <think>why</think><action>a</action>: the action is read after
-    the reasoning, never from a move mentioned while reasoning."""
+    """The Early Experience answer format <think>why</think><action>a</action>: the action is read
+    after the reasoning, never from a move mentioned while reasoning."""
     assert parse_action(text, valid).action == action
 
 
@@ -138,7 +158,8 @@ def test_reflection_fallbacks_are_flagged(text: str, at_t: int, tau: int, flags:
 
 
 def test_long_experience_is_truncated_and_flagged_but_ok() -> None:
-    """An over-long experience is cut to max_experience_chars; truncation alone is not a parse failure."""
+    """An over-long experience is cut to max_experience_chars; truncation alone is not a parse
+    failure."""
     r = parse_reflection(
         f"<step>0</step><experience>{'word ' * 200}</experience>", 3, max_experience_chars=50
     )
@@ -171,21 +192,32 @@ _experiences = st.text(
 def test_format_reflection_parses_back_to_the_same_tau_and_e(
     at_t: int, data: st.DataObject, raw: str
 ) -> None:
-    """Every label the warm start trains on is read back by the parser exactly: tau and e, parse_ok, no flags."""
+    """Every label the warm start trains on is read back by the parser exactly: tau and e, parse_ok,
+    no flags."""
     tau = data.draw(st.integers(0, at_t - 1))
     if not raw or ANSWER_TAG.search(raw):
         with pytest.raises(ValueError, match="experience"):
             format_reflection(tau, raw)
         return
-    parsed = parse_reflection(format_reflection(tau, raw), at_t, max_experience_chars=max(len(raw), 1))
+    parsed = parse_reflection(
+        format_reflection(tau, raw), at_t, max_experience_chars=max(len(raw), 1)
+    )
     assert (parsed.tau, parsed.experience, parsed.parse_ok, parsed.flags) == (tau, raw, True, [])
 
 
 def test_format_reflection_refuses_what_would_not_parse_back() -> None:
-    """A negative tau, untrimmed whitespace or an answer tag inside e would be read back differently."""
+    """A negative tau, untrimmed whitespace or an answer tag inside e would be read back
+    differently."""
     assert (
-        format_reflection(2, "Move left first.") == "<step>2</step><experience>Move left first.</experience>"
+        format_reflection(2, "Move left first.")
+        == "<step>2</step><experience>Move left first.</experience>"
     )
-    for tau, e in ((-1, "x"), (0, " padded"), (0, "two  spaces"), (0, ""), (0, "a </experience> b")):
+    for tau, e in (
+        (-1, "x"),
+        (0, " padded"),
+        (0, "two  spaces"),
+        (0, ""),
+        (0, "a </experience> b"),
+    ):
         with pytest.raises(ValueError):
             format_reflection(tau, e)

@@ -1,4 +1,5 @@
-"""The unbiased Pass@k estimator (``actors/passk.py``) against brute-force enumeration, and its edges."""
+"""The unbiased Pass@k estimator (``actors/passk.py``) against brute-force enumeration, and its
+edges."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.passk import pass_at_k, pass_at_k_table
+from leafe.actors.passk import pass_at_k, pass_at_k_table
 
 
 def _brute_force(outcomes: list[bool], k: int) -> Fraction:
@@ -29,17 +30,22 @@ def _samples_and_k(draw: st.DrawFn) -> tuple[list[bool], int]:
 @settings(max_examples=50, deadline=None)
 @given(_samples_and_k())
 def test_estimator_equals_enumeration_over_all_k_subsets(case: tuple[list[bool], int]) -> None:
-    """For n <= 10, pass_at_k(n, c, k) is the share of k-subsets holding a success (the definition the
-    estimator is unbiased for), whatever the order of the outcomes."""
+    """For n <= 10, pass_at_k(n, c, k) is the share of k-subsets holding a success (the definition
+    the estimator is unbiased for), whatever the order of the outcomes."""
     outcomes, k = case
     exact = _brute_force(outcomes, k)
     assert pass_at_k(len(outcomes), sum(outcomes), k) == pytest.approx(float(exact), abs=1e-12)
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.integers(1, 200).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n))))
+@given(
+    st.integers(1, 200).flatmap(
+        lambda n: st.tuples(st.just(n), st.integers(0, n), st.integers(1, n))
+    )
+)
 def test_estimator_equals_the_binomial_formula_and_is_monotone(case: tuple[int, int, int]) -> None:
-    """1 - C(n-c, k)/C(n, k) exactly (big integers) for n up to 200; non-decreasing in k and in c."""
+    """1 - C(n-c, k)/C(n, k) exactly (big integers) for n up to 200; non-decreasing in k and in
+    c."""
     n, c, k = case
     exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
     value = pass_at_k(n, c, k)
@@ -51,7 +57,8 @@ def test_estimator_equals_the_binomial_formula_and_is_monotone(case: tuple[int, 
 
 
 def test_edge_cases() -> None:
-    """c = 0 gives 0, c = n gives 1, k = 1 is c/n, k = n is 1 iff any success, n - c < k forces 1."""
+    """c = 0 gives 0, c = n gives 1, k = 1 is c/n, k = n is 1 iff any success, n - c < k forces
+    1."""
     assert pass_at_k(16, 0, 1) == 0.0 and pass_at_k(16, 0, 16) == 0.0
     assert pass_at_k(16, 16, 1) == 1.0
     assert pass_at_k(16, 5, 1) == pytest.approx(5 / 16)
@@ -69,9 +76,11 @@ def test_impossible_arguments_are_rejected_with_values(n: int, c: int, k: int) -
 
 
 def test_table_averages_tasks_and_skips_k_above_the_smallest_n() -> None:
-    """The table is the mean over tasks per k; k beyond the smallest task's n is left out; no tasks is
-    an error."""
-    table = pass_at_k_table({"a": [True, False, False, False], "b": [False] * 4, "c": [True] * 3}, [4, 1, 2])
+    """The table is the mean over tasks per k; k beyond the smallest task's n is left out; no tasks
+    is an error."""
+    table = pass_at_k_table(
+        {"a": [True, False, False, False], "b": [False] * 4, "c": [True] * 3}, [4, 1, 2]
+    )
     assert list(table) == [1, 2]
     assert table[1] == pytest.approx((0.25 + 0 + 1) / 3)
     assert table[2] == pytest.approx((0.5 + 0 + 1) / 3)
@@ -80,9 +89,9 @@ def test_table_averages_tasks_and_skips_k_above_the_smallest_n() -> None:
 
 
 def test_paired_difference_separates_a_real_gap_from_noise() -> None:
-    """Same results: difference 0, inside its interval ("within noise"). A gap on every task: the whole
-    interval lies above 0. Deterministic for a seed; a k above n is refused."""
-    from actors.passk import paired_difference
+    """Same results: difference 0, inside its interval ("within noise"). A gap on every task: the
+    whole interval lies above 0. Deterministic for a seed; a k above n is refused."""
+    from leafe.actors.passk import paired_difference
 
     weak = {f"t{i}": [False] * 7 + [True] for i in range(24)}
     strong = {f"t{i}": [True] * 6 + [False] * 2 for i in range(24)}

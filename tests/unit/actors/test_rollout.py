@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from actors.config import RolloutConfig
-from actors.episode import EpisodeRecorder, EpisodeSpec, ListSink
-from actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
-from actors.rollout import run_rollout, run_rollouts
-from protocol.events import Outcome, Step
-from protocol.prompt import HistoryEntry, render_messages
-from protocol.reflection import REFLECTION_QUESTION, render_reflection_messages
+from leafe.actors.config import RolloutConfig
+from leafe.actors.episode import EpisodeRecorder, EpisodeSpec, ListSink
+from leafe.actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
+from leafe.actors.rollout import run_rollout, run_rollouts
+from leafe.protocol.events import Outcome, Step
+from leafe.protocol.prompt import HistoryEntry, render_messages
+from leafe.protocol.reflection import REFLECTION_QUESTION, render_reflection_messages
 from tests.support.event_checks import check_episode
 
 SPEC = EpisodeSpec(
@@ -27,7 +27,8 @@ SPEC = EpisodeSpec(
 
 @pytest.mark.anyio
 async def test_a_rollout_is_one_branch_without_reflection() -> None:
-    """Steps until done or horizon, one Outcome, no Reflection/Rollback/Branch; logprobs recorded."""
+    """Steps until done or horizon, one Outcome, no Reflection/Rollback/Branch; logprobs
+    recorded."""
     sink = ListSink()
     engine = ScriptedEngine(actions=["<action>left</action>"])
     summary = await run_rollout(
@@ -39,7 +40,12 @@ async def test_a_rollout_is_one_branch_without_reflection() -> None:
         sink=sink,
     )
     check_episode(sink.events)
-    assert [type(e).__name__ for e in sink.events] == ["EpisodeStarted", "Step", "Outcome", "EpisodeFinished"]
+    assert [type(e).__name__ for e in sink.events] == [
+        "EpisodeStarted",
+        "Step",
+        "Outcome",
+        "EpisodeFinished",
+    ]
     assert sink.events[1].logprobs is not None and not summary.success
     assert all(c.kind == "action" for c in engine.calls)
 
@@ -74,7 +80,8 @@ async def test_n_rollouts_form_a_group_with_distinct_episodes_and_seeds() -> Non
 
 
 def test_reflection_prompt_shows_numbered_history_and_the_format() -> None:
-    """The reflection prompt is the action prompt's task+history with the question and tag format."""
+    """The reflection prompt is the action prompt's task+history with the question and tag
+    format."""
     history = [
         HistoryEntry("left", "<action>left</action>", "at 0", "you fell"),
         HistoryEntry(None, "?", "x", ""),
@@ -90,12 +97,15 @@ def test_reflection_prompt_shows_numbered_history_and_the_format() -> None:
     assert REFLECTION_QUESTION in user and "<step>N</step><experience>" in user
     assert "from 0 to 1" in user and "failed" in user and "Your next action?" not in user
     with pytest.raises(ValueError, match="at least one step"):
-        render_reflection_messages(instructions="", task="", history=[], observation="", trigger="periodic")
+        render_reflection_messages(
+            instructions="", task="", history=[], observation="", trigger="periodic"
+        )
 
 
 @pytest.mark.anyio
 async def test_recorder_stamps_ids_seq_version_and_time() -> None:
-    """Every emitted event gets seq 0,1,..., event_id <episode>.<seq>, the current version and clock."""
+    """Every emitted event gets seq 0,1,..., event_id <episode>.<seq>, the current version and
+    clock."""
     sink = ListSink()
     rec = EpisodeRecorder(sink, run_id="r", episode_id="e.a2", actor_id="a", clock=lambda: 42.0)
     rec.policy_version = "v3"

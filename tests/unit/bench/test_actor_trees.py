@@ -1,5 +1,6 @@
-"""bench/actor_trees.py: the Stage 1 workload rebuilt from a shipped log is exactly what the actors sent
-(every prompt's hash checked), and a log that does not rebuild is refused, not replayed approximately."""
+"""bench/actor_trees.py: the Stage 1 workload rebuilt from a shipped log is exactly what the actors
+sent (every prompt's hash checked), and a log that does not rebuild is refused, not replayed
+approximately."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ import pytest
 
 from bench.actor_trees import LOG, WorkloadError, workload_from_log
 from bench.inference_workload import ideal_prefix_share
-from learner.model_io import HFChatTokenizer, tiny_model_dir
-from protocol.events import EpisodeStarted, Reflection, Step
-from services.eventlog.fileformat import read_events
+from leafe.learner.model_io import HFChatTokenizer, tiny_model_dir
+from leafe.protocol.events import EpisodeStarted, Reflection, Step
+from leafe.services.eventlog.fileformat import read_events
 
 
 @pytest.fixture(scope="module")
 def head() -> list:
-    """Every event of the shipped log's first three trees, in stream order (the trees interleave)."""
+    """Every event of the shipped log's first three trees, in stream order (the trees
+    interleave)."""
     events = list(read_events(LOG))
     first = list(dict.fromkeys(e.episode_id for e in events if isinstance(e, EpisodeStarted)))[:3]
     return [e for e in events if e.episode_id in first]
@@ -24,17 +26,25 @@ def head() -> list:
 def test_the_requests_of_the_first_trees_are_rebuilt_exactly(head: list) -> None:
     tok = HFChatTokenizer.from_dir(tiny_model_dir())
     requests, kinds = workload_from_log(head, 2, tok)
-    first = set(list(dict.fromkeys(e.episode_id for e in head if isinstance(e, EpisodeStarted)))[:2])
-    sent = [e for e in head if e.episode_id in first and isinstance(e, Step | Reflection) and e.prompt_sha256]
-    assert len(requests) == len(sent) > 50 and {"root_step", "branch_step", "reflection"} == set(kinds)
+    first = set(
+        list(dict.fromkeys(e.episode_id for e in head if isinstance(e, EpisodeStarted)))[:2]
+    )
+    sent = [
+        e
+        for e in head
+        if e.episode_id in first and isinstance(e, Step | Reflection) and e.prompt_sha256
+    ]
+    assert len(requests) == len(sent) > 50 and {"root_step", "branch_step", "reflection"} == set(
+        kinds
+    )
     assert [r.order for r in requests] == list(range(len(requests)))
     for episode in range(2):
         mine = [r.turn for r in requests if r.episode == episode]
         assert mine == list(range(len(mine)))
     assert [r.completion_tokens for r in requests] == [max(1, len(e.token_ids)) for e in sent]
-    assert [len(r.input_ids) for r, e in zip(requests, sent, strict=True) if isinstance(e, Step)] == [
-        e.prompt_tokens for e in sent if isinstance(e, Step)
-    ]
+    assert [
+        len(r.input_ids) for r, e in zip(requests, sent, strict=True) if isinstance(e, Step)
+    ] == [e.prompt_tokens for e in sent if isinstance(e, Step)]
 
 
 def test_a_log_whose_prompts_do_not_rebuild_is_refused(head: list) -> None:

@@ -1,5 +1,5 @@
-"""A bench's full run rewrites its results file with what it measured; the sections another mode of it
-measures and merges separately (bench/inference.py's ``peer`` against vLLM CPU, bench/actor.py's
+"""A bench's full run rewrites its results file with what it measured; the sections another mode of
+it measures and merges separately (bench/inference.py's ``peer`` against vLLM CPU, bench/actor.py's
 ``tree_cost``) are kept as they were, host and all, instead of dropped."""
 
 from __future__ import annotations

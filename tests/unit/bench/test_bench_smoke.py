@@ -1,9 +1,10 @@
-"""Every benchmark in the Makefile's ``BENCH_AREAS`` still runs: its ``--smoke`` mode (tiny inputs, the tiny
-random model, seconds) as a subprocess, exactly as ``make bench`` starts it (``python -m bench.<area>`` from
-the repository root), writing to a temporary file (never the committed ``bench/results/<area>.json``).
-Each run must exit 0 and its JSON must hold the figures the bench promises, finite and positive where they
-must be, so an API change that breaks a benchmark (as ``evaluate()``'s did to ``bench/inference.py``'s agent
-rollouts) fails here instead of when someone next refreshes a figure.
+"""Every benchmark in the Makefile's ``BENCH_AREAS`` still runs: its ``--smoke`` mode (tiny inputs,
+the tiny random model, seconds) as a subprocess, exactly as ``make bench`` starts it (``python -m
+bench.<area>`` from the repository root), writing to a temporary file (never the committed
+``bench/results/<area>.json``). Each run must exit 0 and its JSON must hold the figures the bench
+promises, finite and positive where they must be, so an API change that breaks a benchmark (as
+``evaluate()``'s did to ``bench/inference.py``'s agent rollouts) fails here instead of when someone
+next refreshes a figure.
 
 The smoke figures are not measurements; only their presence and sanity are checked.
 """
@@ -52,7 +53,8 @@ def share(data: dict[str, Any], *paths: str) -> None:
 
 
 def where(r: dict[str, Any]) -> None:
-    """The record says where it was measured (``bench/host.py``): CPU model, ISA flags, threads, commit."""
+    """The record says where it was measured (``bench/host.py``): CPU model, ISA flags, threads,
+    commit."""
     from bench.host import FIELDS, ISA_FLAGS
 
     host = _get(r, "host")
@@ -63,7 +65,13 @@ def where(r: dict[str, Any]) -> None:
 
 def check_event_log(r: dict[str, Any]) -> None:
     assert r["smoke"] is True and r["n"] > 0
-    rows = ("raw_publish", "typed_publish", "raw_consume_naive", "typed_consume", "raw_consume_ack_sync")
+    rows = (
+        "raw_publish",
+        "typed_publish",
+        "raw_consume_naive",
+        "typed_consume",
+        "raw_consume_ack_sync",
+    )
     positive(r, "event_bytes", *(f"events_per_s.{k}" for k in rows))
     positive(r, *(f"ratios.{k}" for k in r["ratios"]))
     assert set(r["targets_met"]) == {"publish_ge_0.7x_raw", "consume_beats_naive"}
@@ -82,20 +90,32 @@ def check_inference(r: dict[str, Any]) -> None:
     assert r["smoke"] is True and r["model"] == "tiny"
     positive(r, "throughput.serial_generate.tokens_per_s")
     for clients in ("1", "4", "16"):
-        positive(r, f"throughput.server.{clients}.tokens_per_s", f"throughput.server.{clients}.vs_serial")
+        positive(
+            r, f"throughput.server.{clients}.tokens_per_s", f"throughput.server.{clients}.vs_serial"
+        )
     for part in ("agent_unrelated", "agent_episodes", "agent_rollouts"):
         positive(r, f"{part}.requests", f"{part}.server.tokens_per_s", f"{part}.vs_serial")
-        positive(r, f"{part}.prefill_s", f"{part}.prompt_tokens_prefilled", f"{part}.prefill_tokens_per_s")
-        share(r, f"{part}.prefill_share", f"{part}.prefix_cache_share", f"{part}.ideal_prefix_share")
+        positive(
+            r,
+            f"{part}.prefill_s",
+            f"{part}.prompt_tokens_prefilled",
+            f"{part}.prefill_tokens_per_s",
+        )
+        share(
+            r, f"{part}.prefill_share", f"{part}.prefix_cache_share", f"{part}.ideal_prefix_share"
+        )
     # The agent rollouts are real evaluate() episodes (the section that once rotted).
     positive(r, "agent_rollouts.episodes", "agent_rollouts.prompt_tokens_mean")
-    # The recorded agent workload (recorded on the spot with the tiny model, then replayed): exactly the
-    # recorded completion lengths came back, and the episodes' shared prefixes were reused.
+    # The recorded agent workload (recorded on the spot with the tiny model, then replayed): exactly
+    # the recorded completion lengths came back, and the episodes' shared prefixes were reused.
     positive(r, "recorded_workload.requests", "recorded_workload.completion_tokens_per_s")
     positive(r, "recorded_workload.latency_mean_s", "recorded_workload.prefix_cache_share")
-    share(r, "recorded_workload.not_recomputed_share", "recorded_workload.workload_ideal_prefix_share")
+    share(
+        r, "recorded_workload.not_recomputed_share", "recorded_workload.workload_ideal_prefix_share"
+    )
     positive(r, "weight_reload.reload_s", "weight_reload.plain_load_s", "weight_reload.bytes")
-    # The decode step against its floors, with the server's kernels installed (oneDNN linear layers).
+    # The decode step against its floors, with the server's kernels installed (oneDNN linear
+    # layers).
     for dtype in ("float32", "bfloat16"):
         part = f"decode_floor.{dtype}"
         positive(
@@ -106,7 +126,9 @@ def check_inference(r: dict[str, Any]) -> None:
             f"{part}.memory_floor_ms",
         )
         positive(r, f"{part}.matmul_gflops", f"{part}.read_gb_per_s", f"{part}.breakdown_ms.linear")
-    assert _get(r, "decode_floor.float32.kernels.linear") == "onednn", _get(r, "decode_floor.float32.kernels")
+    assert _get(r, "decode_floor.float32.kernels.linear") == "onednn", _get(
+        r, "decode_floor.float32.kernels"
+    )
 
 
 def check_actor(r: dict[str, Any]) -> None:
@@ -121,9 +143,14 @@ def check_actor(r: dict[str, Any]) -> None:
     for window in r["prompt_reuse"]:
         positive(r, f"prompt_reuse.{window}.prompt_tokens_per_step")
         share(r, f"prompt_reuse.{window}.cache_share")
-    positive(r, "tree_cost.trees_per_engine_cpu_minute", "tree_cost.requests", "tree_cost.engine_cpu_s")
     positive(
-        r, "tree_cost.floor.floor_s", "tree_cost.floor.prefill.floor_s", "tree_cost.floor.decode.floor_s"
+        r, "tree_cost.trees_per_engine_cpu_minute", "tree_cost.requests", "tree_cost.engine_cpu_s"
+    )
+    positive(
+        r,
+        "tree_cost.floor.floor_s",
+        "tree_cost.floor.prefill.floor_s",
+        "tree_cost.floor.decode.floor_s",
     )
     # the floor times the run's own work: its passes, and every decode step at its row count
     floor, counters = r["tree_cost"]["floor"], r["tree_cost"]["engine_counters"]
@@ -138,19 +165,36 @@ def check_actor(r: dict[str, Any]) -> None:
 
 def check_replay(r: dict[str, Any]) -> None:
     assert r["smoke"] is True
-    for key in ("fold_fake_tok", "fold_fake_tok_noverify", "fold_grpo", "fold_rft", "fold_real_tok"):
+    for key in (
+        "fold_fake_tok",
+        "fold_fake_tok_noverify",
+        "fold_grpo",
+        "fold_rft",
+        "fold_real_tok",
+    ):
         positive(r, f"{key}.events", f"{key}.events_per_s", f"{key}.ratio_to_decode_baseline")
         assert _get(r, f"{key}.prompt_mismatches") == 0, key
     positive(r, "fold_fake_tok.samples", "fold_fake_tok.samples_per_s")
-    positive(r, "reader.records", "reader.read_verified_mb_per_s", "reader.verified_over_unverified")
+    positive(
+        r, "reader.records", "reader.read_verified_mb_per_s", "reader.verified_over_unverified"
+    )
     positive(r, "service.events", "service.events_per_s", "service.samples_per_s")
     assert r["service"]["dead_letters"] == 0
 
 
 def check_learner(r: dict[str, Any]) -> None:
     entry = r["smoke"]  # the mode's entry; a smoke run writes only its own
-    assert set(r) == {"smoke"} and entry["throughput_model"] == entry["push_model"] == "tiny-llama-s0"
-    rows = ("naive_full_logits", "naive_padded", "bucketed", "packed", "bucketed_bf16", "packed_bf16")
+    assert (
+        set(r) == {"smoke"} and entry["throughput_model"] == entry["push_model"] == "tiny-llama-s0"
+    )
+    rows = (
+        "naive_full_logits",
+        "naive_padded",
+        "bucketed",
+        "packed",
+        "bucketed_bf16",
+        "packed_bf16",
+    )
     for row in (*rows, "packed_bf16_shared"):
         positive(entry, f"throughput.{row}.tokens_per_s", f"throughput.{row}.real_tokens")
     positive(entry, "threads_2.bucketed.tokens_per_s", "threads_2.packed_bf16.tokens_per_s")
@@ -159,15 +203,22 @@ def check_learner(r: dict[str, Any]) -> None:
     assert tp["packed_bf16_shared"]["real_tokens"] == tp["packed_bf16"]["real_tokens"]
     assert tp["packed_bf16_shared"]["padded_tokens"] < tp["packed_bf16"]["padded_tokens"]
     positive(
-        entry, "push.export_s", "push.publish_to_serving_s", "push.server_update_s", "raw_save_load.seconds"
+        entry,
+        "push.export_s",
+        "push.publish_to_serving_s",
+        "push.server_update_s",
+        "raw_save_load.seconds",
     )
     positive(entry, *(f"ratios.{k}" for k in entry["ratios"]))
     # peak RSS of the learner with and without the chunked LM head (bench/learner_memory.py)
-    positive(entry, "memory.peak_rss_gb_before", "memory.peak_rss_gb_after", "memory.peak_rss_gb_glibc")
+    positive(
+        entry, "memory.peak_rss_gb_before", "memory.peak_rss_gb_after", "memory.peak_rss_gb_glibc"
+    )
     # the default allocator setting against glibc's: the second step's time and page faults
     positive(entry, "memory.second_step_seconds_after_over_glibc")
     assert (
-        entry["memory"]["second_step_faults_after"] >= 0 and entry["memory"]["second_step_faults_glibc"] > 0
+        entry["memory"]["second_step_faults_after"] >= 0
+        and entry["memory"]["second_step_faults_glibc"] > 0
     )
     assert entry["memory"]["losses_equal"] is True, entry["memory"]
 
@@ -201,9 +252,12 @@ def test_bench_smoke_mode_runs_and_reports_its_figures(area: str, tmp_path: Path
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,  # a hang guard: the learner and inference smokes take 60-80 s on a loaded 2-core host
+        # a hang guard: the learner and inference smokes take 60-80 s on a loaded 2-core host
+        timeout=300,
     )
-    assert run.returncode == 0, f"bench.{area} --smoke exited {run.returncode}:\n{run.stderr[-4000:]}"
+    assert run.returncode == 0, (
+        f"bench.{area} --smoke exited {run.returncode}:\n{run.stderr[-4000:]}"
+    )
     assert out.is_file(), f"bench.{area} --smoke wrote no {out}:\n{run.stdout[-2000:]}"
     record = json.loads(out.read_text())
     CHECKS[area](record)
@@ -213,8 +267,9 @@ def test_bench_smoke_mode_runs_and_reports_its_figures(area: str, tmp_path: Path
 
 
 def test_the_inference_memory_section_runs_and_reports_both_variants(tmp_path: Path) -> None:
-    """``bench/inference.py --memory --smoke``: both variants, each in its own process, a pass each with its
-    resident set and CPU, the trimmed one having trimmed and the kept one not, and the ratios."""
+    """``bench/inference.py --memory --smoke``: both variants, each in its own process, a pass each
+    with its resident set and CPU, the trimmed one having trimmed and the kept one not, and the
+    ratios."""
     out = tmp_path / "inference.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
     run = subprocess.run(
@@ -230,9 +285,15 @@ def test_the_inference_memory_section_runs_and_reports_both_variants(tmp_path: P
     where(memory)
     for variant in ("kept", "trimmed"):
         [p] = memory[variant]["passes"]
-        positive(p, "rss_gb", "peak_rss_gb", "user_s", "completion_tokens", "completion_tokens_per_s")
+        positive(
+            p, "rss_gb", "peak_rss_gb", "user_s", "completion_tokens", "completion_tokens_per_s"
+        )
     assert memory["kept"]["trim_every_s"] == 0 and memory["kept"]["passes"][0]["trims"] == 0
     assert memory["trimmed"]["trim_every_s"] > 0
     positive(
-        memory, "ratios.rss", "ratios.peak_rss", "ratios.cpu_per_token", "ratios.completion_tokens_per_s"
+        memory,
+        "ratios.rss",
+        "ratios.peak_rss",
+        "ratios.cpu_per_token",
+        "ratios.completion_tokens_per_s",
     )

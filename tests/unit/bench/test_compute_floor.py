@@ -1,5 +1,5 @@
-"""bench/compute_floor.py: the floor times exactly the work a run's counters record, and refuses counters
-it cannot time."""
+"""bench/compute_floor.py: the floor times exactly the work a run's counters record, and refuses
+counters it cannot time."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.compute_floor import LinearStack, engine_floor
-from learner.model_io import tiny_model_dir
+from leafe.learner.model_io import tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -34,11 +34,14 @@ def test_the_floor_counts_the_runs_own_passes_steps_and_flops() -> None:
     assert floor["floor_s"] == pytest.approx(
         floor["prefill"]["floor_s"] + floor["decode"]["floor_s"], abs=2e-3
     )
-    assert floor["cpu_s"] == 3.0 and floor["over_floor"] == pytest.approx(3.0 / floor["floor_s"], rel=1e-2)
+    assert floor["cpu_s"] == 3.0 and floor["over_floor"] == pytest.approx(
+        3.0 / floor["floor_s"], rel=1e-2
+    )
     cfg = json.loads((tiny_model_dir() / "config.json").read_text())
     stack = LinearStack(tiny_model_dir(), torch.float32)
     per_row = stack.flops_per_row + stack.head_flops_per_row
-    # 40 prefilled tokens through the layers, 6 last tokens through the head, 11 decoded rows through both
+    # 40 prefilled tokens through the layers, 6 last tokens through the head, 11 decoded rows
+    # through both
     want = 40 * stack.flops_per_row + 6 * stack.head_flops_per_row + 11 * per_row
     assert floor["tflop"] == pytest.approx(want / 1e12, abs=1e-3)
     assert stack.head.out_features == cfg["vocab_size"]
@@ -46,10 +49,13 @@ def test_the_floor_counts_the_runs_own_passes_steps_and_flops() -> None:
 
 
 def test_runs_floored_with_one_stack_share_its_timings() -> None:
-    """Two servers' work floored with one stack is timed at the same rates: equal work, equal floors."""
+    """Two servers' work floored with one stack is timed at the same rates: equal work, equal
+    floors."""
     stack = LinearStack(tiny_model_dir(), torch.float32)
     first, second = (
-        engine_floor(tiny_model_dir(), "float32", COUNTERS, requests=6, min_seconds=0.01, stack=stack)
+        engine_floor(
+            tiny_model_dir(), "float32", COUNTERS, requests=6, min_seconds=0.01, stack=stack
+        )
         for _ in range(2)
     )
     assert first["floor_s"] == second["floor_s"] > 0
@@ -63,13 +69,15 @@ def test_counters_without_decode_row_counts_are_refused() -> None:
 
 @pytest.mark.integration  # two inference server processes
 def test_eval_floor_smoke_times_each_servers_own_work(tmp_path: Path) -> None:
-    """``bench/eval_floor.py --smoke``: the evaluation runs through a real fleet and each server's floor
-    times that server's own prefill passes and decode steps."""
+    """``bench/eval_floor.py --smoke``: the evaluation runs through a real fleet and each server's
+    floor times that server's own prefill passes and decode steps."""
     out = tmp_path / "inference.json"
     (tmp_path / "inference.json").write_text(json.dumps({"peer": {"kept": True}}))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
     cmd = [sys.executable, "-m", "bench.eval_floor", "--smoke", "--out", str(out)]
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    run = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["peer"] == {"kept": True}  # merged, not overwritten

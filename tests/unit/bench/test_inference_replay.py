@@ -1,8 +1,8 @@
-"""bench/inference_replay.py: the committed agent workload has the recorded shape, and its replay sends
-exactly the recorded token ids, lengths and seeds, episode turns in order with 16 episodes in flight, to
-our server (the tiny model) and to an OpenAI-compatible peer. vLLM itself is too heavy for tests: the
-peer here is a small aiohttp app answering as vLLM 0.32's /v1/completions, /metrics and
-/reset_prefix_cache do (checked against a real vLLM CPU by hand, docs/benchmarks.md)."""
+"""bench/inference_replay.py: the committed agent workload has the recorded shape, and its replay
+sends exactly the recorded token ids, lengths and seeds, episode turns in order with 16 episodes in
+flight, to our server (the tiny model) and to an OpenAI-compatible peer. vLLM itself is too heavy
+for tests: the peer here is a small aiohttp app answering as vLLM 0.32's /v1/completions, /metrics
+and /reset_prefix_cache do (checked against a real vLLM CPU by hand, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -23,14 +23,15 @@ from bench.inference_replay import (
     load_workload,
     replay,
 )
-from services.inference.config import InferenceConfig
-from services.inference.local import start_in_thread
+from leafe.services.inference.config import InferenceConfig
+from leafe.services.inference.local import start_in_thread
 
 pytestmark = pytest.mark.anyio
 
 
 def _workload(episodes: int, turns: int) -> list[WorkloadRequest]:
-    """Episodes whose prompts grow turn by turn (shared prefixes), started round-robin as evaluate does."""
+    """Episodes whose prompts grow turn by turn (shared prefixes), started round-robin as evaluate
+    does."""
     out: list[WorkloadRequest] = []
     for t in range(turns):
         for e in range(episodes):
@@ -51,7 +52,8 @@ def _workload(episodes: int, turns: int) -> list[WorkloadRequest]:
 
 
 def test_the_committed_workload_is_the_recorded_agent_shape() -> None:
-    """About 256 Sokoban requests, ~250 prompt and ~23 completion tokens, multi-turn with shared prefixes."""
+    """About 256 Sokoban requests, ~250 prompt and ~23 completion tokens, multi-turn with shared
+    prefixes."""
     reqs, meta = load_workload()
     assert 200 <= len(reqs) <= 320 and meta["requests"] == len(reqs)
     assert 180 <= meta["prompt_tokens_mean"] <= 330 and 10 <= meta["completion_tokens_mean"] <= 40
@@ -66,13 +68,17 @@ def test_the_committed_workload_is_the_recorded_agent_shape() -> None:
 
 @pytest.mark.integration
 async def test_replay_against_our_server_gets_the_recorded_lengths_and_reuses_prefixes() -> None:
-    handle = await asyncio.to_thread(start_in_thread, InferenceConfig(model="tiny", port=0, threads=1))
+    handle = await asyncio.to_thread(
+        start_in_thread, InferenceConfig(model="tiny", port=0, threads=1)
+    )
     try:
         reqs = _workload(episodes=4, turns=3)
         row = await replay(SGLangTarget(handle.url), reqs, in_flight=2)
     finally:
         await asyncio.to_thread(handle.stop)
-    assert row["requests"] == 12 and row["completion_tokens"] == sum(r.completion_tokens for r in reqs)
+    assert row["requests"] == 12 and row["completion_tokens"] == sum(
+        r.completion_tokens for r in reqs
+    )
     assert row["completion_tokens_per_s"] > 0 and row["latency_mean_s"] > 0
     assert 0 < row["prefix_cache_share"] <= ideal_share(reqs)
     assert row["cached_tokens_reported"] == row["engine_counters"]["cached_tokens"]
@@ -104,9 +110,9 @@ class FakeVLLM:
     async def metrics(self, request: web.Request) -> web.Response:
         n = len(self.bodies)
         return web.Response(
-            text=f'# TYPE vllm:prefix_cache_queries_total counter\nvllm:prefix_cache_queries_total{{engine="0",'
-            f'model_name="smol"}} {100.0 * n}\nvllm:prefix_cache_hits_total{{engine="0",model_name="smol"}} '
-            f"{25.0 * n}\n"
+            text="# TYPE vllm:prefix_cache_queries_total counter\n"
+            f'vllm:prefix_cache_queries_total{{engine="0",model_name="smol"}} {100.0 * n}\n'
+            f'vllm:prefix_cache_hits_total{{engine="0",model_name="smol"}} {25.0 * n}\n'
         )
 
     async def complete(self, request: web.Request) -> web.Response:
@@ -114,7 +120,9 @@ class FakeVLLM:
         self.bodies.append(body)
         episode, turn = body["prompt"][1] - 100, (len(body["prompt"]) - 33) // 5
         if turn and (episode, turn - 1) not in self.returned:
-            self.order_errors.append(f"episode {episode} turn {turn} before turn {turn - 1} returned")
+            self.order_errors.append(
+                f"episode {episode} turn {turn} before turn {turn - 1} returned"
+            )
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         await asyncio.sleep(0.01)
@@ -165,7 +173,8 @@ async def test_a_completion_shorter_than_recorded_fails_the_replay() -> None:
 
 
 async def test_a_peer_that_cannot_empty_its_prefix_cache_is_refused() -> None:
-    """Without VLLM_SERVER_DEV_MODE=1 vLLM has no /reset_prefix_cache: later runs would be served warm."""
+    """Without VLLM_SERVER_DEV_MODE=1 vLLM has no /reset_prefix_cache: later runs would be served
+    warm."""
     async with _serve(FakeVLLM(reset=False)) as url:
         with pytest.raises(RuntimeError, match="VLLM_SERVER_DEV_MODE=1"):
             await replay(OpenAITarget(url), _workload(episodes=2, turns=1))

@@ -1,5 +1,5 @@
-"""Fixtures of the deploy/ tests: every kustomization, and every overlay with every combination of optional
-components stacked on it, rendered once per session with ``kubectl kustomize``."""
+"""Fixtures of the deploy/ tests: every kustomization, and every overlay with every combination of
+optional components stacked on it, rendered once per session with ``kubectl kustomize``."""
 
 from __future__ import annotations
 
@@ -34,13 +34,17 @@ def kubectl() -> str:
 def rendered(kubectl: str) -> dict[str, list[Doc]]:
     """``{short name: rendered documents}`` for every entry of ``KUSTOMIZATIONS``."""
     with ThreadPoolExecutor(len(KUSTOMIZATIONS)) as pool:
-        futures = {name: pool.submit(render, DEPLOY / path, kubectl) for name, path in KUSTOMIZATIONS.items()}
+        futures = {
+            name: pool.submit(render, DEPLOY / path, kubectl)
+            for name, path in KUSTOMIZATIONS.items()
+        }
         return {name: future.result() for name, future in futures.items()}
 
 
 @pytest.fixture(scope="session")
 def stacks(kubectl: str, tmp_path_factory: pytest.TempPathFactory) -> Stacks:
-    """``{(overlay, components): documents}`` for every overlay and every ``COMPONENT_STACKS`` entry."""
+    """``{(overlay, components): documents}`` for every overlay and every ``COMPONENT_STACKS``
+    entry."""
     root: Path = tmp_path_factory.mktemp("stacks")
     jobs = [(overlay, combo) for overlay in OVERLAYS for combo in COMPONENT_STACKS]
     with ThreadPoolExecutor(4) as pool:

@@ -1,6 +1,6 @@
-"""The gpu overlay's inference tier as an operator runs it (issue 27): the router's own image, rollouts that
-need no spare GPU, probes that survive a weight reload, bounded retries, and the Dockerfile recipe of the
-router image. Run: ``.venv/bin/python -m pytest tests/unit/deploy -q``.
+"""The gpu overlay's inference tier as an operator runs it: the router's own image, rollouts that
+need no spare GPU, probes that survive a weight reload, bounded retries, and the Dockerfile recipe
+of the router image. Run: ``.venv/bin/python -m pytest tests/unit/deploy -q``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from actors.config import ActorServiceConfig
+from leafe.actors.config import ActorServiceConfig
 from tests.support.manifests import DEPLOY, config_map_value, container_named, find
 
 Docs = list[dict[str, Any]]
@@ -27,7 +27,8 @@ def _flag(argv: list[str], name: str) -> str:
 
 def test_the_router_runs_an_image_that_contains_sglang_router(rendered: dict[str, Docs]) -> None:
     """The router container runs the pinned leafe-router image (not lmsysorg/sglang, which has no
-    sglang_router module), and the Dockerfile's `router` stage installs that exact release and imports it."""
+    sglang_router module), and the Dockerfile's `router` stage installs that exact release and
+    imports it."""
     router = container_named(rendered["gpu"], "sglang-router", "router")
     image = router.spec["image"]
     assert not image.startswith("lmsysorg/sglang"), image
@@ -35,7 +36,9 @@ def test_the_router_runs_an_image_that_contains_sglang_router(rendered: dict[str
     assert router.argv[:3] == ["python3", "-m", "sglang_router.launch_router"]
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     stages = re.findall(r"^FROM \S+(?: AS (\w+))?$", dockerfile, flags=re.M)
-    assert "router" in stages and stages[-1] == "", "the router stage must not be the default (last) one"
+    assert "router" in stages and stages[-1] == "", (
+        "the router stage must not be the default (last) one"
+    )
     stage = dockerfile.split(" AS router", 1)[1].split("\nFROM ", 1)[0]
     assert f"ARG SGLANG_ROUTER_VERSION={ROUTER_VERSION}" in stage
     assert 'pip install "sglang-router==${SGLANG_ROUTER_VERSION}"' in stage
@@ -43,8 +46,8 @@ def test_the_router_runs_an_image_that_contains_sglang_router(rendered: dict[str
 
 
 def test_router_flags_parse_under_sglang_router(rendered: dict[str, Docs]) -> None:
-    """The router's command line is accepted by sglang-router's own parser (where it is installed; it is
-    not a dependency of this project: `pip install sglang-router==0.3.2` to run this)."""
+    """The router's command line is accepted by sglang-router's own parser (where it is installed;
+    it is not a dependency of this project: `pip install sglang-router==0.3.2` to run this)."""
     router_args = pytest.importorskip("sglang_router.router_args")
     argv = container_named(rendered["gpu"], "sglang-router", "router").argv[3:]
     parser = argparse.ArgumentParser()
@@ -65,10 +68,11 @@ def test_sglang_rolls_out_without_a_spare_gpu(rendered: dict[str, Docs]) -> None
 
 
 def test_probes_survive_a_weight_reload(rendered: dict[str, Docs]) -> None:
-    """SGLang's startup and readiness use /ready (cheap, auth-exempt); liveness runs deploy's liveness.py
-    (the ConfigMap holds exactly that file) on the lock file the weight-sync sidecar holds while it loads
-    (one emptyDir shared by both containers), so no generating /health lands in a load; its timeout is above
-    the script's own; the router checks its workers on /ready, not on the generating /health."""
+    """SGLang's startup and readiness use /ready (cheap, auth-exempt); liveness runs deploy's
+    liveness.py (the ConfigMap holds exactly that file) on the lock file the weight-sync sidecar
+    holds while it loads (one emptyDir shared by both containers), so no generating /health lands in
+    a load; its timeout is above the script's own; the router checks its workers on /ready, not on
+    the generating /health."""
     docs = rendered["gpu"]
     pod = container_named(docs, "sglang", "sglang")
     sglang = pod.spec
@@ -76,13 +80,20 @@ def test_probes_survive_a_weight_reload(rendered: dict[str, Docs]) -> None:
         assert sglang[probe]["httpGet"]["path"] == "/ready", probe
     live = sglang["livenessProbe"]
     python, isolated, nosite, script, lock, health = live["exec"]["command"]
-    assert (python, isolated, nosite, health) == ("python3", "-I", "-S", "http://127.0.0.1:30000/health")
+    assert (python, isolated, nosite, health) == (
+        "python3",
+        "-I",
+        "-S",
+        "http://127.0.0.1:30000/health",
+    )
     liveness_py = DEPLOY / "components" / "sglang" / "liveness.py"
     mounts = {m["mountPath"]: m["name"] for m in sglang["volumeMounts"]}
     volumes = {v["name"]: v for v in pod.pod["spec"]["volumes"]}
     probe_dir, name = script.rsplit("/", 1)
     config_map = volumes[mounts[probe_dir]]["configMap"]["name"]
-    assert find(docs, "ConfigMap", config_map)["data"][name] == liveness_py.read_text(encoding="utf-8")
+    assert find(docs, "ConfigMap", config_map)["data"][name] == liveness_py.read_text(
+        encoding="utf-8"
+    )
     sidecar = container_named(docs, "sglang", "weight-sync")
     assert _flag(sidecar.argv, "--engine-lock") == lock
     lock_dir = lock.rsplit("/", 1)[0]
@@ -90,7 +101,9 @@ def test_probes_survive_a_weight_reload(rendered: dict[str, Docs]) -> None:
     assert shared == {mounts[lock_dir]} and "emptyDir" in volumes[mounts[lock_dir]]
     timeout = float(re.search(r"HEALTH_TIMEOUT_S = ([\d.]+)", liveness_py.read_text()).group(1))  # type: ignore[union-attr]
     assert 20 < timeout < live["timeoutSeconds"]
-    assert sglang["startupProbe"]["periodSeconds"] * sglang["startupProbe"]["failureThreshold"] >= 1800
+    assert (
+        sglang["startupProbe"]["periodSeconds"] * sglang["startupProbe"]["failureThreshold"] >= 1800
+    )
     router = container_named(docs, "sglang-router", "router")
     assert _flag(router.argv, "--health-check-endpoint") == "/ready"
     assert router.spec["readinessProbe"]["httpGet"]["path"] == "/readiness"
@@ -98,11 +111,11 @@ def test_probes_survive_a_weight_reload(rendered: dict[str, Docs]) -> None:
 
 
 def test_ci_runs_the_router_with_the_clusters_flags(rendered: dict[str, Docs]) -> None:
-    """The router that the integration tests and ``leafe run`` start (services/run/router.py) routes, checks
-    workers and retries with exactly the gpu overlay's settings; only how it finds workers, where it
-    listens, its key and its logs differ."""
-    from services.run.router import ROUTER_VERSION as CI_ROUTER_VERSION
-    from services.run.router import router_command
+    """The router that the integration tests and ``leafe run`` start (services/run/router.py)
+    routes, checks workers and retries with exactly the gpu overlay's settings; only how it finds
+    workers, where it listens, its key and its logs differ."""
+    from leafe.services.run.router import ROUTER_VERSION as CI_ROUTER_VERSION
+    from leafe.services.run.router import router_command
 
     def flags(argv: list[str]) -> dict[str, str]:
         pairs = {}
@@ -131,9 +144,11 @@ def test_ci_runs_the_router_with_the_clusters_flags(rendered: dict[str, Docs]) -
     assert CI_ROUTER_VERSION == ROUTER_VERSION
 
 
-def test_one_failing_request_costs_at_most_five_upstream_attempts(rendered: dict[str, Docs]) -> None:
-    """Router attempts (--retry-max-retries counts attempts: --disable-retries sets it to 1) times the
-    actors' client attempts (retries + 1) stays <= 5."""
+def test_one_failing_request_costs_at_most_five_upstream_attempts(
+    rendered: dict[str, Docs],
+) -> None:
+    """Router attempts (--retry-max-retries counts attempts: --disable-retries sets it to 1) times
+    the actors' client attempts (retries + 1) stays <= 5."""
     router = container_named(rendered["gpu"], "sglang-router", "router")
     router_attempts = int(_flag(router.argv, "--retry-max-retries"))
     actor_toml = config_map_value(rendered["gpu"], "leafe-run-config", "actor.toml")

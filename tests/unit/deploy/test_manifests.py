@@ -1,14 +1,16 @@
-"""The Kubernetes manifests under deploy/: they render, match the Kubernetes 1.32 schemas, and run real verbs.
+"""The Kubernetes manifests under deploy/: they render, match the Kubernetes 1.32 schemas, and run
+real verbs.
 
-Every kustomization, and every overlay with every combination of optional components stacked on it, is
-rendered with ``kubectl kustomize`` (the tests skip when kubectl is absent); every rendered document is
-validated strictly with kubernetes-validate, except the CRD kinds it has no schema for (PodMonitor,
-ScaledObject: test_components.py checks those). Every container that runs ``leafe <verb>`` must use a verb
-of ``services.cli.VERBS`` with flags that the real ``leafe <verb> --help`` lists (verbs and flags being
-added now are listed in ``PENDING_CODE``); torchrun's own parser checks the learner's launch; every $(VAR)
-in a command is defined; each NATS client uses its role's user and a password file.
-test_manifest_invariants.py, test_network_policies.py, test_security.py, test_nats_permissions.py and
-test_components.py pin the rest of the deployment's design. Run: ``.venv/bin/python -m pytest tests/unit/deploy -q``.
+Every kustomization, and every overlay with every combination of optional components stacked on it,
+is rendered with ``kubectl kustomize`` (the tests skip when kubectl is absent); every rendered
+document is validated strictly with kubernetes-validate, except the CRD kinds it has no schema for
+(PodMonitor, ScaledObject: test_components.py checks those). Every container that runs ``leafe
+<verb>`` must use a verb of ``leafe.services.cli.VERBS`` with flags that the real ``leafe <verb>
+--help`` lists (verbs and flags being added now are listed in ``PENDING_CODE``); torchrun's own
+parser checks the learner's launch; every $(VAR) in a command is defined; each NATS client uses its
+role's user and a password file. test_manifest_invariants.py, test_network_policies.py,
+test_security.py, test_nats_permissions.py and test_components.py pin the rest of the deployment's
+design. Run: ``.venv/bin/python -m pytest tests/unit/deploy -q``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.cli import VERBS
+from leafe.services.cli import VERBS
 from tests.support.clihelp import VerbHelp, command_of, parse_help, verb_help
 from tests.support.manifests import (
     K8S_VERSION,
@@ -56,7 +58,8 @@ Docs = list[dict[str, Any]]
 
 @pytest.fixture(scope="module")
 def help_by_verb(rendered: dict[str, Docs]) -> dict[str, VerbHelp]:
-    """The real `leafe <verb> --help` of every verb the manifests run (all failures reported at once)."""
+    """The real `leafe <verb> --help` of every verb the manifests run (all failures reported at
+    once)."""
     commands = {
         command_of(*inv)[0]
         for docs in rendered.values()
@@ -66,7 +69,9 @@ def help_by_verb(rendered: dict[str, Docs]) -> dict[str, VerbHelp]:
     pending = {verb for verb, flags in PENDING_CODE.items() if flags is None and verb not in VERBS}
     commands = {command for command in commands if command.split()[0] not in pending}
     unknown = {command.split()[0] for command in commands} - set(VERBS)
-    assert not unknown, f"manifests run unknown leafe verbs {sorted(unknown)}; known: {sorted(VERBS)}"
+    assert not unknown, (
+        f"manifests run unknown leafe verbs {sorted(unknown)}; known: {sorted(VERBS)}"
+    )
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(_help_or_error, sorted(commands)))
     failures = [r for r in results if isinstance(r, str)]
@@ -84,8 +89,9 @@ def _help_or_error(verb: str) -> VerbHelp | str:
 def test_every_kustomization_renders_the_expected_workloads(
     rendered: dict[str, Docs], stacks: Stacks
 ) -> None:
-    """dev runs the CPU inference server, gpu SGLang behind the router; both run NATS, the services and the
-    streams Job; each replay kustomization runs the replay Job alone; components add no workload."""
+    """dev runs the CPU inference server, gpu SGLang behind the router; both run NATS, the services
+    and the streams Job; each replay kustomization runs the replay Job alone; components add no
+    workload."""
     common = {
         "nats": "StatefulSet",
         "actor": "StatefulSet",  # for its stable pod names: each pod's actor id and NATS user
@@ -107,7 +113,9 @@ def test_every_kustomization_renders_the_expected_workloads(
         assert workload_names(docs) == workload_names(rendered[overlay]), combo
     for docs in [*rendered.values(), *stacks.values()]:
         for doc in docs:
-            assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "leafe", doc["metadata"]["name"]
+            assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "leafe", doc[
+                "metadata"
+            ]["name"]
 
 
 def _schema_errors(doc: dict[str, Any]) -> list[str]:
@@ -122,16 +130,21 @@ def _schema_errors(doc: dict[str, Any]) -> list[str]:
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
-def test_every_rendered_document_matches_the_kubernetes_schema(rendered: dict[str, Docs], name: str) -> None:
-    """Each rendered document validates strictly (no unknown fields) against the Kubernetes 1.32 schema."""
+def test_every_rendered_document_matches_the_kubernetes_schema(
+    rendered: dict[str, Docs], name: str
+) -> None:
+    """Each rendered document validates strictly (no unknown fields) against the Kubernetes 1.32
+    schema."""
     errors = [error for doc in rendered[name] for error in _schema_errors(doc)]
     assert not errors, "\n".join(errors)
 
 
-def test_every_component_combination_renders_documents_that_match_the_schema(stacks: Stacks) -> None:
-    """Every overlay with every combination of optional components renders; each distinct document of all
-    those renders validates strictly, except the CRD kinds without a bundled schema (PodMonitor,
-    ScaledObject), which only the combinations with their components contain."""
+def test_every_component_combination_renders_documents_that_match_the_schema(
+    stacks: Stacks,
+) -> None:
+    """Every overlay with every combination of optional components renders; each distinct document
+    of all those renders validates strictly, except the CRD kinds without a bundled schema
+    (PodMonitor, ScaledObject), which only the combinations with their components contain."""
     seen: dict[str, dict[str, Any]] = {}
     crd_sources: dict[tuple[str, str], set[str]] = {}
     for (_, combo), docs in stacks.items():
@@ -144,7 +157,9 @@ def test_every_component_combination_renders_documents_that_match_the_schema(sta
     errors = [error for doc in seen.values() for error in _schema_errors(doc)]
     assert not errors, "\n".join(errors)
     assert crd_sources == {
-        ("monitoring.coreos.com/v1", "PodMonitor"): crd_sources[("monitoring.coreos.com/v1", "PodMonitor")],
+        ("monitoring.coreos.com/v1", "PodMonitor"): crd_sources[
+            ("monitoring.coreos.com/v1", "PodMonitor")
+        ],
         ("keda.sh/v1alpha1", "ScaledObject"): crd_sources[("keda.sh/v1alpha1", "ScaledObject")],
     }
     for (_, combo), docs in stacks.items():
@@ -168,8 +183,11 @@ def test_schema_validation_rejects_broken_manifests(rendered: dict[str, Docs]) -
         kubernetes_validate.validate(misspelt, K8S_VERSION, strict=True)
 
 
-def test_kubernetes_validate_cli_fails_on_a_broken_file(rendered: dict[str, Docs], tmp_path: Path) -> None:
-    """`kubernetes-validate -k 1.32 --strict FILE` exits 0 on a rendered file and 1 on a broken one."""
+def test_kubernetes_validate_cli_fails_on_a_broken_file(
+    rendered: dict[str, Docs], tmp_path: Path
+) -> None:
+    """`kubernetes-validate -k 1.32 --strict FILE` exits 0 on a rendered file and 1 on a broken
+    one."""
     cli = Path(sys.executable).parent / "kubernetes-validate"
     if not cli.exists():
         pytest.skip(f"kubernetes-validate CLI not found next to {sys.executable}")
@@ -186,7 +204,8 @@ def test_kubernetes_validate_cli_fails_on_a_broken_file(rendered: dict[str, Docs
 
 
 def test_help_parsing_finds_options_required_flags_and_exclusive_groups() -> None:
-    """The --help reader sees every long option, the required ones, and a required either/or group."""
+    """The --help reader sees every long option, the required ones, and a required either/or
+    group."""
     parser = argparse.ArgumentParser(prog="leafe replay")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--from", dest="source_file", metavar="FILE")
@@ -197,7 +216,14 @@ def test_help_parsing_finds_options_required_flags_and_exclusive_groups() -> Non
     for i in range(8):  # long enough for argparse to wrap the usage line
         parser.add_argument(f"--option-number-{i}", type=int, default=i)
     info = parse_help("replay", parser.format_help())
-    assert {"--from", "--nats", "--run", "--materializer", "--engine", "--option-number-7"} <= info.options
+    assert {
+        "--from",
+        "--nats",
+        "--run",
+        "--materializer",
+        "--engine",
+        "--option-number-7",
+    } <= info.options
     assert info.required == {"--run"}
     assert info.one_of == (frozenset({"--from", "--nats"}),)
 
@@ -228,12 +254,22 @@ def test_leafe_commands_use_existing_verbs_and_flags(
                 if not group & flags:
                     problems.append(f"{c.where}: `leafe {verb}` needs one of {sorted(group)}")
     assert not problems, "\n".join(problems)
-    assert used == {"actor", "replayer", "learner", "weight-sync", "inference", "replay", "streams", "tasks"}
+    assert used == {
+        "actor",
+        "replayer",
+        "learner",
+        "weight-sync",
+        "inference",
+        "replay",
+        "streams",
+        "tasks",
+    }
 
 
 def test_pending_code_is_still_pending(help_by_verb: dict[str, VerbHelp]) -> None:
-    """Every PENDING_CODE entry names a verb or flag the services do not have yet; once one lands, this fails
-    so the entry is removed from tests/support/manifests.py and the --help check covers it again."""
+    """Every PENDING_CODE entry names a verb or flag the services do not have yet; once one lands,
+    this fails so the entry is removed from tests/support/manifests.py and the --help check covers
+    it again."""
     landed = []
     for verb, flags in PENDING_CODE.items():
         if flags is None:
@@ -245,7 +281,8 @@ def test_pending_code_is_still_pending(help_by_verb: dict[str, VerbHelp]) -> Non
 
 
 def test_learner_runs_under_a_valid_torchrun_launch(rendered: dict[str, Docs]) -> None:
-    """torchrun's own parser accepts the learner launch: c10d rendezvous on pod 0, then `leafe learner`."""
+    """torchrun's own parser accepts the learner launch: c10d rendezvous on pod 0, then `leafe
+    learner`."""
     from torch.distributed.run import get_args_parser
 
     for overlay in OVERLAYS:
@@ -262,9 +299,15 @@ def test_learner_runs_under_a_valid_torchrun_launch(rendered: dict[str, Docs]) -
         host, port = args.rdzv_endpoint.rsplit(":", 1)
         assert args.rdzv_backend == "c10d" and host == f"learner-0.{sts['spec']['serviceName']}"
         service = find(docs, "Service", sts["spec"]["serviceName"])
-        assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+        assert (
+            service["spec"]["clusterIP"] == "None"
+            and service["spec"]["publishNotReadyAddresses"] is True
+        )
         assert int(port) in {p["port"] for p in service["spec"]["ports"]}
-        assert args.nnodes == "$(LEARNER_NNODES)" and args.nproc_per_node == "$(LEARNER_NPROC_PER_NODE)"
+        assert (
+            args.nnodes == "$(LEARNER_NNODES)"
+            and args.nproc_per_node == "$(LEARNER_NPROC_PER_NODE)"
+        )
         assert int(env_value(learner, "LEARNER_NNODES")) == sts["spec"]["replicas"]
 
 
@@ -273,9 +316,10 @@ def test_nats_clients_use_their_role_nkey_seed_from_a_mounted_file(
     rendered: dict[str, Docs], name: str
 ) -> None:
     """Each NATS-using container gets LEAFE_NATS_URL (no credentials) from ConfigMap leafe-nats and
-    LEAFE_NATS_NKEY naming its role's seed file ``<role>.nk`` (the name gives the role's inbox prefix),
-    mounted from Secret leafe-nats-<role>, key seed; no user name or password. An actor pod's seed is its own
-    (``actor.$(POD_NAME).nk``, the pod name its actor id): see the next test."""
+    LEAFE_NATS_NKEY naming its role's seed file ``<role>.nk`` (the name gives the role's inbox
+    prefix), mounted from Secret leafe-nats-<role>, key seed; no user name or password. An actor
+    pod's seed is its own (``actor.$(POD_NAME).nk``, the pod name its actor id): see the next
+    test."""
     docs, checked = rendered[name], 0
     for c in containers(docs):
         invocation = leafe_invocation(c.argv)
@@ -284,20 +328,22 @@ def test_nats_clients_use_their_role_nkey_seed_from_a_mounted_file(
         role = NATS_ROLES[invocation[0]]
         url = config_map_value(docs, "leafe-nats", "LEAFE_NATS_URL")
         assert re.fullmatch(r"(nats|tls)://nats:4222", url), url
-        assert {"configMapRef": {"name": find(docs, "ConfigMap", "leafe-nats")["metadata"]["name"]}} in (
-            c.spec["envFrom"]
-        ), c.where
+        assert {
+            "configMapRef": {"name": find(docs, "ConfigMap", "leafe-nats")["metadata"]["name"]}
+        } in (c.spec["envFrom"]), c.where
         seed_file = env_value(c, "LEAFE_NATS_NKEY")
         if role == "actor":
             assert seed_file == "/var/run/secrets/leafe/nats/actor.$(POD_NAME).nk", c.where
             assert c.argv[c.argv.index("--actor-id") + 1] == "$(POD_NAME)", c.where
-            assert mounted_secret_file(c, seed_file) is None, c.where  # an emptyDir its init container fills
+            assert mounted_secret_file(c, seed_file) is None, (
+                c.where
+            )  # an emptyDir its init container fills
         else:
             assert seed_file == f"/var/run/secrets/leafe/nats/{role}.nk", c.where
             assert mounted_secret_file(c, seed_file) == (f"leafe-nats-{role}", "seed"), c.where
-        assert not {"LEAFE_NATS_USER", "LEAFE_NATS_PASSWORD_FILE"} & {e["name"] for e in c.spec["env"]}, (
-            c.where
-        )
+        assert not {"LEAFE_NATS_USER", "LEAFE_NATS_PASSWORD_FILE"} & {
+            e["name"] for e in c.spec["env"]
+        }, c.where
         assert not any("nats://" in a or "tls://" in a for a in c.argv), (
             f"{c.where}: a NATS URL in the command"
         )
@@ -307,10 +353,11 @@ def test_nats_clients_use_their_role_nkey_seed_from_a_mounted_file(
 
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_each_actor_pod_holds_only_its_own_nats_seed(rendered: dict[str, Docs], name: str) -> None:
-    """The actor StatefulSet's pods are actor-<i>, each a NATS user of its own: the init container copies
-    key ``$(POD_NAME)`` of Secret leafe-nats-actors (mounted in it alone) into a memory volume as
-    ``actor.$(POD_NAME).nk``, the file the actor container reads; the actor container mounts no Secret of
-    NATS seeds, so the model-written code it runs can reach no other actor's identity."""
+    """The actor StatefulSet's pods are actor-<i>, each a NATS user of its own: the init container
+    copies key ``$(POD_NAME)`` of Secret leafe-nats-actors (mounted in it alone) into a memory
+    volume as ``actor.$(POD_NAME).nk``, the file the actor container reads; the actor container
+    mounts no Secret of NATS seeds, so the model-written code it runs can reach no other actor's
+    identity."""
     docs = rendered[name]
     actor = find(docs, "StatefulSet", "actor")
     pod = actor["spec"]["template"]["spec"]
@@ -321,7 +368,9 @@ def test_each_actor_pod_holds_only_its_own_nats_seed(rendered: dict[str, Docs], 
         "/var/run/secrets/leafe/nats-actors/$(POD_NAME)",
         "/var/run/secrets/leafe/nats/actor.$(POD_NAME).nk",
     ]
-    assert init["env"] == [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+    assert init["env"] == [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+    ]
     init_mounts = {m["mountPath"]: m["name"] for m in init["volumeMounts"]}
     assert (
         volumes[init_mounts["/var/run/secrets/leafe/nats-actors"]]["secret"]["secretName"]
@@ -333,16 +382,21 @@ def test_each_actor_pod_holds_only_its_own_nats_seed(rendered: dict[str, Docs], 
     mounts = {m["name"]: m["mountPath"] for m in main["volumeMounts"]}
     assert mounts[own] == "/var/run/secrets/leafe/nats"
     seeds = {
-        n for n, v in volumes.items() if v.get("secret", {}).get("secretName", "").startswith("leafe-nats-")
+        n
+        for n, v in volumes.items()
+        if v.get("secret", {}).get("secretName", "").startswith("leafe-nats-")
     }
     assert seeds == {init_mounts["/var/run/secrets/leafe/nats-actors"]} and not seeds & set(mounts)
-    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in main["env"]
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in main[
+        "env"
+    ]
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_every_variable_in_a_command_is_defined(rendered: dict[str, Docs], name: str) -> None:
-    """Each $(VAR) in a command is defined for its container (Kubernetes leaves unknown ones verbatim), and so
-    is each $VAR of a shell script there, but for the script's own variables and HOSTNAME (the pod name)."""
+    """Each $(VAR) in a command is defined for its container (Kubernetes leaves unknown ones
+    verbatim), and so is each $VAR of a shell script there, but for the script's own variables and
+    HOSTNAME (the pod name)."""
     docs = rendered[name]
     for c in containers(docs):
         used = set(re.findall(r"\$\(([A-Za-z_]\w*)\)", " ".join(c.raw_argv)))
@@ -350,4 +404,6 @@ def test_every_variable_in_a_command_is_defined(rendered: dict[str, Docs], name:
             own = set(re.findall(r"(?:^|[\s;])([A-Za-z_]\w*)=", script))  # assigned in the script
             runtime = {"HOSTNAME"}  # the pod name, set by the container runtime
             used |= set(re.findall(r"\$\{?([A-Za-z_]\w*)", script)) - own - runtime
-        assert used <= env_names(c, docs), f"{c.where}: undefined {sorted(used - env_names(c, docs))}"
+        assert used <= env_names(c, docs), (
+            f"{c.where}: undefined {sorted(used - env_names(c, docs))}"
+        )

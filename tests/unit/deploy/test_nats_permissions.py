@@ -1,10 +1,11 @@
-"""NATS least privilege: deploy/base/nats/permissions.json is the one list of per-role subject permissions;
-the server's authorization block (authorization.conf, in the rendered nats-config) must say exactly the same,
-and the rendered configs must pass `nats-server -t` (gpu's with TLS certificates in place).
+"""NATS least privilege: deploy/base/nats/permissions.json is the one list of per-role subject
+permissions; the server's authorization block (authorization.conf, in the rendered nats-config) must
+say exactly the same, and the rendered configs must pass `nats-server -t` (gpu's with TLS
+certificates in place).
 
-The semantic tests read permissions.json with NATS's own matching rules (deny wins) and pin the roles:
-only the learner publishes weights, only admin manages streams, actors cannot read samples, and so on.
-Run: ``.venv/bin/python -m pytest tests/unit/deploy -q``.
+The semantic tests read permissions.json with NATS's own matching rules (deny wins) and pin the
+roles: only the learner publishes weights, only admin manages streams, actors cannot read samples,
+and so on. Run: ``.venv/bin/python -m pytest tests/unit/deploy -q``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from services.bus.auth import ANY_RUN, permissions_for
+from leafe.services.bus.auth import ANY_RUN, permissions_for
 from tests.support.manifests import (
     DEPLOY,
     KUSTOMIZATIONS,
@@ -35,21 +36,31 @@ from tests.support.manifests import (
 from tests.support.policies import nats_allows, subject_matches
 
 Docs = list[dict[str, Any]]
-PERMISSIONS: dict[str, Any] = json.loads((DEPLOY / "base/nats/permissions.json").read_text(encoding="utf-8"))
-_spec = importlib.util.spec_from_file_location("sync_permissions", DEPLOY / "base/nats/sync_permissions.py")
+PERMISSIONS: dict[str, Any] = json.loads(
+    (DEPLOY / "base/nats/permissions.json").read_text(encoding="utf-8")
+)
+_spec = importlib.util.spec_from_file_location(
+    "sync_permissions", DEPLOY / "base/nats/sync_permissions.py"
+)
 assert _spec is not None and _spec.loader is not None
 SYNC = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(SYNC)
 ACTOR_IDS = [f"actor-{i}" for i in range(SYNC.ACTOR_SLOTS)]
 """The actor StatefulSet's pod names: each pod's actor id and NATS user (``ACTOR_<i>``)."""
 USERS: dict[str, Any] = {
-    **{role.upper().replace("-", "_"): perms for role, perms in PERMISSIONS.items() if role != "actor"},
     **{
-        f"ACTOR_{i}": permissions_for(f"actor.{a}", PERMISSIONS, run=ANY_RUN) for i, a in enumerate(ACTOR_IDS)
+        role.upper().replace("-", "_"): perms
+        for role, perms in PERMISSIONS.items()
+        if role != "actor"
+    },
+    **{
+        f"ACTOR_{i}": permissions_for(f"actor.{a}", PERMISSIONS, run=ANY_RUN)
+        for i, a in enumerate(ACTOR_IDS)
     },
 }
-"""Every NATS user of the cluster (its variable prefix) and its permissions, as services/bus/auth.py (what
-``leafe run`` and the tests' server use) derives them: the roles, and one pinned user per actor pod."""
+"""Every NATS user of the cluster (its variable prefix) and its permissions, as services/bus/auth.py
+(what ``leafe run`` and the tests' server use) derives them: the roles, and one pinned user per
+actor pod."""
 _USER = re.compile(r"\{nkey: \$(\w+)_NKEY, permissions: \$(\w+)\}")
 
 
@@ -58,7 +69,8 @@ def _variable(role: str) -> str:
 
 
 def _parse_authorization(text: str) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
-    """``({ROLE_PERMISSIONS variable: permissions}, {ROLE: (nkey variable, permissions variable)})``."""
+    """``({ROLE_PERMISSIONS variable: permissions}, {ROLE: (nkey variable, permissions
+    variable)})``."""
     decoder = json.JSONDecoder()
     variables = {}
     for match in re.finditer(r"^\s*(\w+_PERMISSIONS) = ", text, re.MULTILINE):
@@ -68,13 +80,17 @@ def _parse_authorization(text: str) -> tuple[dict[str, Any], dict[str, tuple[str
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_server_authorization_equals_permissions_json(rendered: dict[str, Docs], overlay: str) -> None:
-    """The rendered authorization.conf defines one nkey user per role of permissions.json but the actor, and
-    one per actor pod (ACTOR_<i>, its events pinned to actor-<i>), whose public key is a variable of its own
-    (<USER>_NKEY), with exactly the permissions services/bus/auth.py gives it; no shared actor user and no
-    password user is left; nats.conf includes it."""
+def test_server_authorization_equals_permissions_json(
+    rendered: dict[str, Docs], overlay: str
+) -> None:
+    """The rendered authorization.conf defines one nkey user per role of permissions.json but the
+    actor, and one per actor pod (ACTOR_<i>, its events pinned to actor-<i>), whose public key is a
+    variable of its own (<USER>_NKEY), with exactly the permissions services/bus/auth.py gives it;
+    no shared actor user and no password user is left; nats.conf includes it."""
     docs = rendered[overlay]
-    variables, users = _parse_authorization(config_map_value(docs, "nats-config", "authorization.conf"))
+    variables, users = _parse_authorization(
+        config_map_value(docs, "nats-config", "authorization.conf")
+    )
     text = config_map_value(docs, "nats-config", "authorization.conf")
     assert set(users) == set(USERS) and "password" not in text and "ACTOR" not in users
     for user, perms in USERS.items():
@@ -90,7 +106,8 @@ def test_server_authorization_equals_permissions_json(rendered: dict[str, Docs],
 
 
 def test_the_generator_agrees_with_the_committed_authorization_conf() -> None:
-    """`sync_permissions.py --check` (what to run after editing permissions.json) finds nothing to change."""
+    """`sync_permissions.py --check` (what to run after editing permissions.json) finds nothing to
+    change."""
     script = DEPLOY / "base/nats/sync_permissions.py"
     proc = subprocess.run(
         [sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=60
@@ -99,11 +116,14 @@ def test_the_generator_agrees_with_the_committed_authorization_conf() -> None:
 
 
 def test_the_generator_pins_actors_to_one_run_as_leafe_run_does(tmp_path: Path) -> None:
-    """`sync_permissions.py --run r1 --out FILE` gives each actor pod exactly what services/bus/auth.py gives
-    an actor pinned to r1 (its run's events and durable only), and leaves the other roles as committed;
-    `--run` without `--out` is refused (the committed file serves any run)."""
+    """`sync_permissions.py --run r1 --out FILE` gives each actor pod exactly what
+    services/bus/auth.py gives an actor pinned to r1 (its run's events and durable only), and leaves
+    the other roles as committed; `--run` without `--out` is refused (the committed file serves any
+    run)."""
     script, out = DEPLOY / "base/nats/sync_permissions.py", tmp_path / "authorization.conf"
-    proc = subprocess.run([sys.executable, str(script), "--run", "r1", "--out", str(out)], timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--run", "r1", "--out", str(out)], timeout=60
+    )
     assert proc.returncode == 0 and out.read_text() == SYNC.render(PERMISSIONS, "r1")
     table = SYNC.users(PERMISSIONS, "r1")
     for i, actor in enumerate(ACTOR_IDS):
@@ -111,17 +131,21 @@ def test_the_generator_pins_actors_to_one_run_as_leafe_run_does(tmp_path: Path) 
     assert {k: v for k, v in table.items() if not k.startswith("ACTOR_")} == {
         k: v for k, v in USERS.items() if not k.startswith("ACTOR_")
     }
-    assert not nats_allows(table["ACTOR_0"], "publish", "$JS.API.CONSUMER.MSG.NEXT.LEAFE_TASKS.actors-r2")
-    refused = subprocess.run([sys.executable, str(script), "--run", "r1"], capture_output=True, timeout=60)
+    assert not nats_allows(
+        table["ACTOR_0"], "publish", "$JS.API.CONSUMER.MSG.NEXT.LEAFE_TASKS.actors-r2"
+    )
+    refused = subprocess.run(
+        [sys.executable, str(script), "--run", "r1"], capture_output=True, timeout=60
+    )
     assert refused.returncode == 2
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_every_user_the_manifests_use_is_a_role(rendered: dict[str, Docs], name: str) -> None:
-    """LEAFE_NATS_NKEY always names a role's seed file (``<role>.nk``, a role of permissions.json), or in the
-    actor pods ``actor.$(POD_NAME).nk``, the pod's own user; no client uses a password; dev generates every
-    user's nkey on both sides: the public key in the server's env, and in the client Secret the seed of
-    exactly that key (the actors' in leafe-nats-actors, key actor-<i>)."""
+    """LEAFE_NATS_NKEY always names a role's seed file (``<role>.nk``, a role of permissions.json),
+    or in the actor pods ``actor.$(POD_NAME).nk``, the pod's own user; no client uses a password;
+    dev generates every user's nkey on both sides: the public key in the server's env, and in the
+    client Secret the seed of exactly that key (the actors' in leafe-nats-actors, key actor-<i>)."""
     docs = rendered[name]
     for c in containers(docs):
         names = {e["name"]: e.get("value") for e in c.spec.get("env") or []}
@@ -133,7 +157,8 @@ def test_every_user_the_manifests_use_is_a_role(rendered: dict[str, Docs], name:
         import nkeys
 
         server = {
-            k: base64.b64decode(v).decode() for k, v in find(docs, "Secret", "nats-auth")["data"].items()
+            k: base64.b64decode(v).decode()
+            for k, v in find(docs, "Secret", "nats-auth")["data"].items()
         }
         assert set(server) == {f"{user}_NKEY" for user in USERS}
         actors = find(docs, "Secret", "leafe-nats-actors")["data"]
@@ -220,7 +245,11 @@ def _who(action: str, subject: str) -> set[str]:
         ("publish", "$JS.API.STREAM.MSG.GET.LEAFE_EVENTS", {"replayer", "admin"}),
         ("publish", "$JS.ACK.LEAFE_EVENTS.replayer-r1-leafe.1.2.3.4.5", {"replayer", "admin"}),
         ("publish", "$JS.API.CONSUMER.DELETE.LEAFE_SAMPLES.learner-r1", {"admin"}),
-        ("publish", "$JS.API.CONSUMER.CREATE.LEAFE_SAMPLES.learner-r1.leafe.r1.samples.>", {"admin"}),
+        (
+            "publish",
+            "$JS.API.CONSUMER.CREATE.LEAFE_SAMPLES.learner-r1.leafe.r1.samples.>",
+            {"admin"},
+        ),
         ("publish", "$JS.API.CONSUMER.MSG.NEXT.LEAFE_SAMPLES.learner-r1", {"learner", "admin"}),
         ("publish", "$JS.API.STREAM.MSG.GET.LEAFE_WEIGHTS", {"actor", "weight-sync", "admin"}),
         ("publish", "$JS.API.CONSUMER.CREATE.LEAFE_WEIGHTS.x", {"admin"}),
@@ -228,9 +257,10 @@ def _who(action: str, subject: str) -> set[str]:
     ],
 )
 def test_each_role_may_do_exactly_its_part(action: str, subject: str, roles: set[str]) -> None:
-    """Who may publish or subscribe where (a run id `r1`; the actor pinned to it): events from actors,
-    samples from the replayer, weights from the learner, tasks and stream administration from admin only;
-    an actor acks only as a response to a delivery it received (``allow_responses``), never by subject."""
+    """Who may publish or subscribe where (a run id `r1`; the actor pinned to it): events from
+    actors, samples from the replayer, weights from the learner, tasks and stream administration
+    from admin only; an actor acks only as a response to a delivery it received
+    (``allow_responses``), never by subject."""
     assert _who(action, subject) == roles
 
 
@@ -267,9 +297,9 @@ def _openssl_certificate(directory: Path) -> None:
 def test_nats_config_is_accepted_by_nats_server(
     rendered: dict[str, Docs], overlay: str, tmp_path: Path
 ) -> None:
-    """The rendered nats-config (with its includes, TLS files where gpu reads them, every public nkey variable
-    in the environment as nats-auth provides it) passes `nats-server -t`."""
-    from services.bus.nats_server import find_nats_server
+    """The rendered nats-config (with its includes, TLS files where gpu reads them, every public
+    nkey variable in the environment as nats-auth provides it) passes `nats-server -t`."""
+    from leafe.services.bus.nats_server import find_nats_server
 
     docs = rendered[overlay]
     nats = container_named(docs, "nats", "nats")

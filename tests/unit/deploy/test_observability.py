@@ -1,6 +1,6 @@
-"""Observability on the rendered manifests (issue 27, item 8): actor, replayer and learner are probed on
-/healthz of their metrics port (services/probes.py); the monitoring component runs a NATS exporter beside
-every NATS server and scrapes it, SGLang's own /metrics and the router's, with dashboard panels for each.
+"""Observability on the rendered manifests: actor, replayer and learner are probed on /healthz of
+their metrics port (services/probes.py); the monitoring component runs a NATS exporter beside every
+NATS server and scrapes it, SGLang's own /metrics and the router's, with dashboard panels for each.
 Run: ``.venv/bin/python -m pytest tests/unit/deploy -q``.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from services.learner.service import PROBE_STALE_S
+from leafe.services.learner.service import PROBE_STALE_S
 from tests.support.manifests import (
     DEPLOY,
     OVERLAYS,
@@ -37,8 +37,9 @@ def _budget(probe: dict[str, Any]) -> int:
 def test_nats_services_are_probed_on_healthz_of_their_metrics_port(
     rendered: dict[str, Docs], overlay: str, service: str
 ) -> None:
-    """Startup, liveness and readiness all GET /healthz on the port the service serves metrics on; startup
-    allows for the slow part before the consumer binds; liveness rides out a NATS restart (>= 5 min)."""
+    """Startup, liveness and readiness all GET /healthz on the port the service serves metrics on;
+    startup allows for the slow part before the consumer binds; liveness rides out a NATS restart
+    (>= 5 min)."""
     c = container_named(rendered[overlay], service, service)
     invocation = leafe_invocation(c.argv)
     assert invocation is not None and invocation[0] == service, c.where
@@ -62,11 +63,13 @@ def _monitoring_stacks(full_stacks: Stacks) -> Stacks:
     return stacks
 
 
-def test_every_nats_server_has_an_exporter_that_is_scraped_and_admitted(full_stacks: Stacks) -> None:
-    """With the monitoring component: a pinned prometheus-nats-exporter sidecar in the NATS StatefulSet
-    reads its own server's monitoring port with JetStream (all streams and consumers), varz and connz; a
-    PodMonitor scrapes its port and a NetworkPolicy admits Prometheus's namespaces to it; kubectl still
-    defaults to the server container."""
+def test_every_nats_server_has_an_exporter_that_is_scraped_and_admitted(
+    full_stacks: Stacks,
+) -> None:
+    """With the monitoring component: a pinned prometheus-nats-exporter sidecar in the NATS
+    StatefulSet reads its own server's monitoring port with JetStream (all streams and consumers),
+    varz and connz; a PodMonitor scrapes its port and a NetworkPolicy admits Prometheus's namespaces
+    to it; kubectl still defaults to the server container."""
     for (overlay, combo), docs in _monitoring_stacks(full_stacks).items():
         exporter = container_named(docs, "nats", "nats-exporter")
         server = container_named(docs, "nats", "nats")
@@ -96,8 +99,8 @@ def test_every_nats_server_has_an_exporter_that_is_scraped_and_admitted(full_sta
 
 
 def test_gpu_engines_are_scraped_on_their_own_metrics_endpoints(full_stacks: Stacks) -> None:
-    """SGLang (--enable-metrics: /metrics on its serving port) and the router (--prometheus-port) are
-    scraped by PodMonitors naming exactly those ports."""
+    """SGLang (--enable-metrics: /metrics on its serving port) and the router (--prometheus-port)
+    are scraped by PodMonitors naming exactly those ports."""
     for (overlay, _), docs in _monitoring_stacks(full_stacks).items():
         if overlay != "gpu":
             continue
@@ -105,22 +108,30 @@ def test_gpu_engines_are_scraped_on_their_own_metrics_endpoints(full_stacks: Sta
         assert "--enable-metrics" in sglang.argv
         serving = int(sglang.argv[sglang.argv.index("--port") + 1])
         sglang_ports = {p["name"]: p["containerPort"] for p in sglang.spec["ports"]}
-        endpoints = [e["port"] for e in find(docs, "PodMonitor", "sglang")["spec"]["podMetricsEndpoints"]]
+        endpoints = [
+            e["port"] for e in find(docs, "PodMonitor", "sglang")["spec"]["podMetricsEndpoints"]
+        ]
         assert sglang_ports[endpoints[0]] == serving, endpoints
         router = container_named(docs, "sglang-router", "router")
         prometheus_port = int(router.argv[router.argv.index("--prometheus-port") + 1])
         router_ports = {p["name"]: p["containerPort"] for p in router.spec["ports"]}
         [endpoint] = find(docs, "PodMonitor", "sglang-router")["spec"]["podMetricsEndpoints"]
         assert router_ports[endpoint["port"]] == prometheus_port
-        assert {w["metadata"]["name"] for w, _ in pod_templates(docs)} >= {"sglang", "sglang-router", "nats"}
+        assert {w["metadata"]["name"] for w, _ in pod_templates(docs)} >= {
+            "sglang",
+            "sglang-router",
+            "nats",
+        }
 
 
 def test_dashboard_has_sglang_router_and_jetstream_panels() -> None:
-    """The gpu overlay's engines and the log have panels: SGLang's own metrics, the router's per-worker
-    health and load (sglang-router 0.3.2's ``smg_*`` names: tests/integration/test_router.py checks them
-    against its real /metrics), JetStream consumer backlogs and streams, NATS server totals; all per
-    namespace."""
-    dashboard = json.loads((DEPLOY / "components/monitoring/dashboard.json").read_text(encoding="utf-8"))
+    """The gpu overlay's engines and the log have panels: SGLang's own metrics, the router's
+    per-worker health and load (sglang-router 0.3.2's ``smg_*`` names:
+    tests/integration/test_router.py checks them against its real /metrics), JetStream consumer
+    backlogs and streams, NATS server totals; all per namespace."""
+    dashboard = json.loads(
+        (DEPLOY / "components/monitoring/dashboard.json").read_text(encoding="utf-8")
+    )
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets") or []]
     for metric in (
         "sglang:num_running_reqs",

@@ -1,8 +1,10 @@
-"""Trust boundaries in the rendered manifests: Pod Security "restricted" everywhere, secrets only as files
-where model-written code could see the environment, the engine API key, and TLS for NATS in gpu.
+"""Trust boundaries in the rendered manifests: Pod Security "restricted" everywhere, secrets only as
+files where model-written code could see the environment, the engine API key, and TLS for NATS in
+gpu.
 
-Every kustomization and every optional-component combination is checked, because a component (a sandbox
-runtime, user namespaces) must not need an exemption. Run: ``.venv/bin/python -m pytest tests/unit/deploy -q``.
+Every kustomization and every optional-component combination is checked, because a component (a
+sandbox runtime, user namespaces) must not need an exemption. Run: ``.venv/bin/python -m pytest
+tests/unit/deploy -q``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from tests.support.manifests import (
 from tests.support.policies import restricted_violations
 
 Docs = list[dict[str, Any]]
-# SGLang writes JIT artefacts in places that cannot all be redirected to a volume ("restricted" allows it).
+# SGLang writes JIT artefacts in places that cannot all be redirected to a volume ("restricted"
+# allows it).
 WRITABLE_ROOT_ALLOWED = {"sglang"}
 RESTRICTED = {
     "pod-security.kubernetes.io/enforce": "restricted",
@@ -39,7 +42,9 @@ RESTRICTED = {
 
 
 def _all(rendered: dict[str, Docs], stacks: Stacks) -> dict[str, Docs]:
-    return rendered | {f"{overlay}+{'+'.join(combo)}": docs for (overlay, combo), docs in stacks.items()}
+    return rendered | {
+        f"{overlay}+{'+'.join(combo)}": docs for (overlay, combo), docs in stacks.items()
+    }
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -53,15 +58,19 @@ def test_namespace_enforces_the_restricted_pod_security_standard(
     assert {k: labels.get(k) for k in RESTRICTED} == RESTRICTED
 
 
-def test_every_pod_of_every_combination_meets_restricted(rendered: dict[str, Docs], stacks: Stacks) -> None:
-    """Every pod, with every optional component (gVisor, user namespaces, autoscaling, monitoring), passes
-    the "restricted" checks: non-root, no escalation, ALL capabilities dropped, RuntimeDefault seccomp,
-    restricted volume types, no host namespaces or ports; every container but SGLang has a read-only root."""
+def test_every_pod_of_every_combination_meets_restricted(
+    rendered: dict[str, Docs], stacks: Stacks
+) -> None:
+    """Every pod, with every optional component (gVisor, user namespaces, autoscaling, monitoring),
+    passes the "restricted" checks: non-root, no escalation, ALL capabilities dropped,
+    RuntimeDefault seccomp, restricted volume types, no host namespaces or ports; every container
+    but SGLang has a read-only root."""
     problems = []
     for name, docs in _all(rendered, stacks).items():
         for workload, template in pod_templates(docs):
             problems += [
-                f"{name} {workload['metadata']['name']}: {p}" for p in restricted_violations(template["spec"])
+                f"{name} {workload['metadata']['name']}: {p}"
+                for p in restricted_violations(template["spec"])
             ]
         for c in containers(docs):
             read_only = c.spec["securityContext"].get("readOnlyRootFilesystem")
@@ -71,13 +80,17 @@ def test_every_pod_of_every_combination_meets_restricted(rendered: dict[str, Doc
 
 
 def test_restricted_check_catches_what_it_should() -> None:
-    """The checker flags root, escalation, kept capabilities, unconfined seccomp and hostPath volumes."""
+    """The checker flags root, escalation, kept capabilities, unconfined seccomp and hostPath
+    volumes."""
     good = {
         "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [
             {
                 "name": "c",
-                "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "capabilities": {"drop": ["ALL"]},
+                },
             }
         ],
         "volumes": [{"name": "v", "emptyDir": {}}],
@@ -103,16 +116,20 @@ def test_restricted_check_catches_what_it_should() -> None:
 
 
 def _secret_env(c: Container) -> list[str]:
-    names = [e["name"] for e in c.spec.get("env") or [] if "secretKeyRef" in (e.get("valueFrom") or {})]
-    names += [f"envFrom {s['secretRef']['name']}" for s in c.spec.get("envFrom") or [] if "secretRef" in s]
+    names = [
+        e["name"] for e in c.spec.get("env") or [] if "secretKeyRef" in (e.get("valueFrom") or {})
+    ]
+    names += [
+        f"envFrom {s['secretRef']['name']}" for s in c.spec.get("envFrom") or [] if "secretRef" in s
+    ]
     return names
 
 
 def test_no_leafe_container_has_a_secret_in_its_environment(
     rendered: dict[str, Docs], stacks: Stacks
 ) -> None:
-    """No container that runs a leafe verb (actors run model-written code) gets a Secret through env or
-    envFrom, and no plain env value or ConfigMap value carries credentials in a URL."""
+    """No container that runs a leafe verb (actors run model-written code) gets a Secret through env
+    or envFrom, and no plain env value or ConfigMap value carries credentials in a URL."""
     problems = []
     for name, docs in _all(rendered, stacks).items():
         for c in containers(docs):
@@ -125,15 +142,17 @@ def test_no_leafe_container_has_a_secret_in_its_environment(
             if doc["kind"] == "ConfigMap" and any(
                 "@" in str(v) and "://" in str(v) for v in (doc.get("data") or {}).values()
             ):
-                problems.append(f"{name} ConfigMap {doc['metadata']['name']}: a URL with credentials")
+                problems.append(
+                    f"{name} ConfigMap {doc['metadata']['name']}: a URL with credentials"
+                )
     assert not problems, "\n".join(problems)
 
 
 def test_secrets_in_env_are_only_the_sglang_api_key_of_non_leafe_containers(
     rendered: dict[str, Docs],
 ) -> None:
-    """The only Secret-backed environment: SGLang's and the router's ENGINE_API_KEY (SGLang takes no key
-    file; neither runs model-written code), and the NATS server's user passwords."""
+    """The only Secret-backed environment: SGLang's and the router's ENGINE_API_KEY (SGLang takes no
+    key file; neither runs model-written code), and the NATS server's user passwords."""
     found = {c.where: _secret_env(c) for c in containers(rendered["gpu"]) if _secret_env(c)}
     assert found == {
         "Deployment/sglang:sglang": ["ENGINE_API_KEY"],
@@ -150,8 +169,9 @@ def test_secrets_in_env_are_only_the_sglang_api_key_of_non_leafe_containers(
 def test_engine_clients_and_the_cpu_server_read_the_api_key_from_a_file(
     rendered: dict[str, Docs], overlay: str
 ) -> None:
-    """Actors and weight-sync sidecars name the API key file in LEAFE_ENGINE_API_KEY_FILE; the CPU server
-    reads it with --api-key-file; each is a mounted file of Secret leafe-engine-api-key, mode 0440."""
+    """Actors and weight-sync sidecars name the API key file in LEAFE_ENGINE_API_KEY_FILE; the CPU
+    server reads it with --api-key-file; each is a mounted file of Secret leafe-engine-api-key, mode
+    0440."""
     docs = rendered[overlay]
     expected = ("leafe-engine-api-key", "api-key")
     clients = [
@@ -161,15 +181,23 @@ def test_engine_clients_and_the_cpu_server_read_the_api_key_from_a_file(
     ]
     assert {c.spec["name"] for c in clients} == {"actor", "weight-sync"}
     for c in clients:
-        assert mounted_secret_file(c, env_value(c, "LEAFE_ENGINE_API_KEY_FILE")) == expected, c.where
+        assert mounted_secret_file(c, env_value(c, "LEAFE_ENGINE_API_KEY_FILE")) == expected, (
+            c.where
+        )
     if overlay == "dev":
         server = container_named(docs, "inference", "inference")
-        assert mounted_secret_file(server, server.argv[server.argv.index("--api-key-file") + 1]) == expected
+        assert (
+            mounted_secret_file(server, server.argv[server.argv.index("--api-key-file") + 1])
+            == expected
+        )
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
-def test_secret_files_are_readable_by_the_pod_group_only(rendered: dict[str, Docs], name: str) -> None:
-    """Mounted credential Secrets (NATS nkey seeds, API key) have mode 0440: root and the pod's fsGroup."""
+def test_secret_files_are_readable_by_the_pod_group_only(
+    rendered: dict[str, Docs], name: str
+) -> None:
+    """Mounted credential Secrets (NATS nkey seeds, API key) have mode 0440: root and the pod's
+    fsGroup."""
     for _, template in pod_templates(rendered[name]):
         for volume in template["spec"].get("volumes") or []:
             secret = volume.get("secret")
@@ -178,8 +206,9 @@ def test_secret_files_are_readable_by_the_pod_group_only(rendered: dict[str, Doc
 
 
 def test_gpu_nats_uses_tls_for_clients_and_mutual_tls_for_routes(rendered: dict[str, Docs]) -> None:
-    """gpu: nats-server loads the certificate from Secret nats-tls (cert-manager key names) for clients and
-    verifies route peers; every client connects with tls:// and the CA file mounted from that Secret."""
+    """gpu: nats-server loads the certificate from Secret nats-tls (cert-manager key names) for
+    clients and verifies route peers; every client connects with tls:// and the CA file mounted from
+    that Secret."""
     docs = rendered["gpu"]
     tls = config_map_value(docs, "nats-config", "tls.conf")
     routes = config_map_value(docs, "nats-config", "cluster-tls.conf")
@@ -200,9 +229,12 @@ def test_gpu_nats_uses_tls_for_clients_and_mutual_tls_for_routes(rendered: dict[
 
 
 def test_dev_nats_is_plaintext_without_tls_settings(rendered: dict[str, Docs]) -> None:
-    """dev skips TLS on purpose (one node, NetworkPolicies): comment-only TLS includes and a nats:// URL."""
+    """dev skips TLS on purpose (one node, NetworkPolicies): comment-only TLS includes and a nats://
+    URL."""
     docs = rendered["dev"]
     for key in ("tls.conf", "cluster-tls.conf"):
-        assert all(line.startswith("#") for line in config_map_value(docs, "nats-config", key).splitlines())
+        assert all(
+            line.startswith("#") for line in config_map_value(docs, "nats-config", key).splitlines()
+        )
     assert config_map_value(docs, "leafe-nats", "LEAFE_NATS_URL") == "nats://nats:4222"
     assert "LEAFE_NATS_TLS_CA" not in find(docs, "ConfigMap", "leafe-nats")["data"]

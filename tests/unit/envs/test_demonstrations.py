@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from envs.base import Demonstrator, Env, EnvError, ReflectionOracle
-from envs.humaneval import HumanEvalConfig, HumanEvalEnv
-from envs.humaneval_expert import HumanEvalExpert, expert_code
-from envs.registry import ORACLE_ENVS, demonstrator, reflection_oracle
-from envs.scienceworld_env import ScienceWorldConfig, ScienceWorldEnv
-from envs.sokoban import SokobanConfig, SokobanEnv
-from envs.sokoban_solver import solve
-from envs.textworld_env import TextWorldConfig, TextWorldEnv
+from leafe.envs.base import Demonstrator, Env, EnvError, ReflectionOracle
+from leafe.envs.humaneval.env import HumanEvalConfig, HumanEvalEnv
+from leafe.envs.humaneval.expert import HumanEvalExpert, expert_code
+from leafe.envs.registry import ORACLE_ENVS, demonstrator, reflection_oracle
+from leafe.envs.scienceworld import ScienceWorldConfig, ScienceWorldEnv
+from leafe.envs.sokoban.env import SokobanConfig, SokobanEnv
+from leafe.envs.sokoban.solver import solve
+from leafe.envs.textworld.env import TextWorldConfig, TextWorldEnv
 from tests.support.demos import SMALL_SOKOBAN
 
 
@@ -26,9 +26,12 @@ def replay(env: Env, task_id: str, actions: list[str]) -> list[bool]:
     return [t.done for t in transitions]
 
 
-@pytest.mark.parametrize("config", [SMALL_SOKOBAN, SokobanConfig(height=7, width=7, max_solution_len=8)])
+@pytest.mark.parametrize(
+    "config", [SMALL_SOKOBAN, SokobanConfig(height=7, width=7, max_solution_len=8)]
+)
 def test_sokoban_demonstrations_are_optimal_and_solve(config: SokobanConfig) -> None:
-    """The demonstration is the solver's optimal plan; replayed it solves the room on its last move."""
+    """The demonstration is the solver's optimal plan; replayed it solves the room on its last
+    move."""
     env = SokobanEnv(config)
     for task_id in env.tasks("train")[:8]:
         plan = demonstrator(env).demonstration(task_id)
@@ -45,7 +48,9 @@ def test_sokoban_refuses_test_tasks() -> None:
 
 @pytest.fixture(scope="module")
 def textworld(cache_dir: Path) -> Iterator[TextWorldEnv]:
-    env = TextWorldEnv(TextWorldConfig(cache_dir=str(cache_dir / "textworld"), num_train=2, num_test=1))
+    env = TextWorldEnv(
+        TextWorldConfig(cache_dir=str(cache_dir / "textworld"), num_train=2, num_test=1)
+    )
     yield env
     env.close()
 
@@ -70,13 +75,17 @@ def test_textworld_refuses_test_games(textworld: TextWorldEnv) -> None:
 
 @pytest.fixture(scope="module")
 def scienceworld(cache_dir: Path) -> Iterator[ScienceWorldEnv]:
-    config = ScienceWorldConfig(task_names=["find-plant", "boil"], cache_dir=str(cache_dir / "scienceworld"))
+    config = ScienceWorldConfig(
+        task_names=["find-plant", "boil"], cache_dir=str(cache_dir / "scienceworld")
+    )
     env = ScienceWorldEnv(config)
     yield env
     env.close()
 
 
-def test_scienceworld_demonstration_is_the_gold_path_up_to_success(scienceworld: ScienceWorldEnv) -> None:
+def test_scienceworld_demonstration_is_the_gold_path_up_to_success(
+    scienceworld: ScienceWorldEnv,
+) -> None:
     """The gold path, cut after the completing step, solves a train variation on its last action."""
     task_id = next(t for t in scienceworld.tasks("train") if "/find-plant/" in t)
     actions = demonstrator(scienceworld).demonstration(task_id)
@@ -86,7 +95,8 @@ def test_scienceworld_demonstration_is_the_gold_path_up_to_success(scienceworld:
 
 
 def test_scienceworld_gold_paths_longer_than_the_horizon_are_refused(cache_dir: Path) -> None:
-    """boil's gold path (36 steps to completion) cannot be demonstrated within 30 steps: EnvError."""
+    """boil's gold path (36 steps to completion) cannot be demonstrated within 30 steps:
+    EnvError."""
     config = ScienceWorldConfig(task_names=["boil"], cache_dir=str(cache_dir / "scienceworld"))
     env = ScienceWorldEnv(config)
     try:
@@ -125,7 +135,7 @@ def test_every_humaneval_expert_answer_is_a_valid_program() -> None:
     """For all 164 problems the expert code parses and keeps the prompt's imports and helpers."""
     import ast
 
-    from envs.humaneval import load_problems
+    from leafe.envs.humaneval.env import load_problems
 
     for problem in load_problems():
         code = expert_code(problem)
@@ -144,8 +154,11 @@ def test_humaneval_refuses_test_problems(humaneval: HumanEvalEnv) -> None:
         expert.demonstration("humaneval/train/99999")
 
 
-def test_registry_finds_experts_and_oracles(humaneval: HumanEvalEnv, textworld: TextWorldEnv) -> None:
-    """Every env has a Demonstrator; only the ORACLE_ENVS have a ReflectionOracle, the others say so."""
+def test_registry_finds_experts_and_oracles(
+    humaneval: HumanEvalEnv, textworld: TextWorldEnv
+) -> None:
+    """Every env has a Demonstrator; only the ORACLE_ENVS have a ReflectionOracle, the others say
+    so."""
     sokoban = SokobanEnv(SMALL_SOKOBAN)
     for env in (sokoban, humaneval, textworld):
         assert isinstance(demonstrator(env), Demonstrator)

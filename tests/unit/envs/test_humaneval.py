@@ -6,9 +6,9 @@ import warnings
 
 import pytest
 
-from envs.base import EnvError
-from envs.humaneval import HumanEvalConfig, HumanEvalEnv, extract_code, load_problems
-from envs.sandbox import SandboxConfig
+from leafe.envs.base import EnvError
+from leafe.envs.humaneval.env import HumanEvalConfig, HumanEvalEnv, extract_code, load_problems
+from leafe.envs.sandbox.launch import SandboxConfig
 
 ALL_TEST = HumanEvalConfig(num_test=164, sandbox=SandboxConfig(wall_timeout_s=20))
 
@@ -27,7 +27,8 @@ def test_problems_load_with_their_tests_split_into_units() -> None:
 
 @pytest.mark.parametrize("number", [0, 2, 32, 38, 53, 151])
 def test_canonical_solutions_pass(env: HumanEvalEnv, number: int) -> None:
-    """The reference solution (also as a bare body) succeeds on the first submission with reward 1."""
+    """The reference solution (also as a bare body) succeeds on the first submission with reward
+    1."""
     task_id = f"humaneval/test/{number}"
     problem = env.problem(task_id)
     env.reset(task_id)
@@ -51,7 +52,8 @@ def test_every_canonical_solution_passes() -> None:
 
 
 def test_wrong_answer_shows_first_failing_visible_test_and_value(env: HumanEvalEnv) -> None:
-    """Feedback names the failing assert and what the function returned; score = visible pass rate."""
+    """Feedback names the failing assert and what the function returned; score = visible pass
+    rate."""
     env.reset("humaneval/test/53")  # add(x, y)
     t = env.step("```python\ndef add(x, y):\n    return x - y\n```")
     assert not t.success and not t.done and t.reward == 0.0
@@ -71,7 +73,8 @@ def test_passing_visible_but_not_hidden_tests_is_not_success() -> None:
 
 
 def test_errors_are_reported_with_their_line(env: HumanEvalEnv) -> None:
-    """A runtime error names the exception and the line; a syntax error says the code did not run."""
+    """A runtime error names the exception and the line; a syntax error says the code did not
+    run."""
     env.reset("humaneval/test/53")
     t = env.step("def add(x, y):\n    z = 1\n    return x / 0\n")
     assert "ZeroDivisionError" in t.observation and "line 3 of your code" in t.observation
@@ -126,7 +129,8 @@ def test_rollback_to_an_earlier_turn_by_snapshot(env: HumanEvalEnv) -> None:
 
 
 def test_splits_are_disjoint_stable_and_complete() -> None:
-    """A seeded permutation: the same seed gives the same split, both cover all 164 problems once."""
+    """A seeded permutation: the same seed gives the same split, both cover all 164 problems
+    once."""
     a, b = HumanEvalEnv(), HumanEvalEnv()
     train, test = set(a.tasks("train")), set(a.tasks("test"))
     assert len(test) == 64 and len(train) == 100
@@ -139,8 +143,8 @@ def test_splits_are_disjoint_stable_and_complete() -> None:
 
 
 def test_max_solution_lines_keeps_only_short_canonical_solutions() -> None:
-    """The difficulty knob: both splits hold only problems whose canonical solution is short enough; asking
-    for more test problems than remain is an error naming the count."""
+    """The difficulty knob: both splits hold only problems whose canonical solution is short enough;
+    asking for more test problems than remain is an error naming the count."""
     env = HumanEvalEnv(HumanEvalConfig(max_solution_lines=1, num_test=16))
     tasks = env.tasks("train") + env.tasks("test")
     assert len(env.tasks("test")) == 16 and len(tasks) == 37
@@ -157,7 +161,9 @@ def test_extract_code_accepts_fences_and_bare_code() -> None:
     assert extract_code("def f(x):\n    return x", "f") == "def f(x):\n    return x"
     assert extract_code("    return x + 1", "f") == "    return x + 1"
     assert extract_code("I do not know how to do this.", "f") is None
-    with warnings.catch_warnings(record=True) as caught:  # code Python warns about: taken, no stderr noise
+    with warnings.catch_warnings(
+        record=True
+    ) as caught:  # code Python warns about: taken, no stderr noise
         warnings.simplefilter("always")
         assert extract_code("x = 1if y else 2", "f") == "x = 1if y else 2"
     assert not caught

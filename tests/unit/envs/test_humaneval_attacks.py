@@ -1,10 +1,11 @@
-"""Submissions that attack the judge instead of solving the task all score 0 and leave the actor unharmed.
+"""Submissions that attack the judge instead of solving the task all score 0 and leave the actor
+unharmed.
 
 Each attack is the function body a reward-hacking policy could find; the problem is ``HumanEval/53``
-(``add(x, y)``, every test expects ``x + y >= 0``; patched builtins attack ``HumanEval/4``, whose tests all
-call ``abs``), and every attack's own function returns -1 or is missing, so any score above 0 means the
-judge was fooled. The pytest process plays the actor: it holds a
-fake secret in its environment, a sentinel file in the shared temp dir, and must survive every run.
+(``add(x, y)``, every test expects ``x + y >= 0``; patched builtins attack ``HumanEval/4``, whose
+tests all call ``abs``), and every attack's own function returns -1 or is missing, so any score
+above 0 means the judge was fooled. The pytest process plays the actor: it holds a fake secret in
+its environment, a sentinel file in the shared temp dir, and must survive every run.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from envs.humaneval import HumanEvalConfig, HumanEvalEnv
-from envs.sandbox import SandboxConfig
+from leafe.envs.humaneval.env import HumanEvalConfig, HumanEvalEnv
+from leafe.envs.sandbox.launch import SandboxConfig
 
 SECRET = "nats://leafe:hunter2-7f3a@nats.internal:4222"
 TASK = "humaneval/test/53"
@@ -33,7 +34,8 @@ def _steal():
         if "nonce" in v and "payload" in v:
             out, nonce, units = v["out"], v["nonce"], v["payload"]["units"]
             for i, u in enumerate(units):
-                out.write(f"{nonce} " + json.dumps({"stage": "unit", "i": i, "test": u["test"], "ok": True}) + "\\n")
+                out.write(f"{nonce} " + json.dumps({"stage": "unit", "i": i, "test": u["test"], \
+"ok": True}) + "\\n")
             out.write(f"{nonce} " + json.dumps({"stage": "done"}) + "\\n")
             out.flush()
             import os
@@ -84,7 +86,8 @@ import json, os, sys
 lines = [
     json.dumps({"stage": "done"}),
     json.dumps({"stage": "unit", "i": 0, "test": True, "ok": True}),
-    json.dumps({"ready": True}), json.dumps({"value": 1}), json.dumps({"ok": True, "verdict": "pass"}),
+    json.dumps({"ready": True}), json.dumps({"value": 1}), \
+json.dumps({"ok": True, "verdict": "pass"}),
     "All tests passed.",
 ]
 for fd in range(0, 64):  # every descriptor the harness might read or write
@@ -129,7 +132,8 @@ def add(x, y):
 
 WRITE_OUTSIDE = """
 import os
-for path in ("%s", "/tmp/leafe-attack-escape", "/var/tmp/leafe-attack-escape", "/dev/shm/leafe-attack-escape"):
+for path in ("%s", "/tmp/leafe-attack-escape", "/var/tmp/leafe-attack-escape", \
+"/dev/shm/leafe-attack-escape"):
     try:
         with open(path, "w") as f:
             f.write("pwned")
@@ -171,16 +175,24 @@ def judged(env: HumanEvalEnv, code: str) -> str:
 @pytest.mark.parametrize(
     "code",
     [FRAME_WALK, ALWAYS_EQUAL, INT_ALWAYS_EQUAL, PATCHED_BUILTINS, FORGED_LINES, EXIT_EARLY],
-    ids=["frame-walk", "always-equal", "int-always-equal", "patched-builtins", "forged-lines", "exit-early"],
+    ids=[
+        "frame-walk",
+        "always-equal",
+        "int-always-equal",
+        "patched-builtins",
+        "forged-lines",
+        "exit-early",
+    ],
 )
 def test_attacks_on_the_verdict_score_zero(env: HumanEvalEnv, code: str) -> None:
-    """Forging the verdict (frames, fake output, early exit) or the comparison (custom __eq__, patched
-    builtins) gives success False, reward 0 and score 0."""
+    """Forging the verdict (frames, fake output, early exit) or the comparison (custom __eq__,
+    patched builtins) gives success False, reward 0 and score 0."""
     judged(env, code)
 
 
 def test_the_submission_never_sees_the_tests(env: HumanEvalEnv) -> None:
-    """Nothing in the submission's process holds the tests: walking frames and the heap finds nothing."""
+    """Nothing in the submission's process holds the tests: walking frames and the heap finds
+    nothing."""
     assert "found the tests" not in judged(env, FRAME_WALK)
 
 
@@ -191,7 +203,8 @@ def test_the_parents_environment_is_invisible(env: HumanEvalEnv, actor_secret: s
 
 
 def test_signalling_the_parent_does_not_reach_it(env: HumanEvalEnv) -> None:
-    """SIGTERM/SIGKILL to the parent (and to low pids) reach nothing outside the sandbox; we are alive."""
+    """SIGTERM/SIGKILL to the parent (and to low pids) reach nothing outside the sandbox; we are
+    alive."""
     judged(env, SIGNAL_PARENT % os.getpid())
     env.reset(TASK)  # the actor process (this one) still works
     assert env.step("def add(x, y):\n    return x + y\n").success

@@ -1,8 +1,9 @@
-"""The judge: values cross the process boundary as plain data only; timeouts, crashes and determinism.
+"""The judge: values cross the process boundary as plain data only; timeouts, crashes and
+determinism.
 
-The codec tests pin what may reach a comparison in the judge (exact builtin types, bounded depth); the
-judging tests run real submissions of ``HumanEval/53`` (``add``) and ``HumanEval/8`` (``sum_product``,
-which returns a tuple) through the sandbox.
+The codec tests pin what may reach a comparison in the judge (exact builtin types, bounded depth);
+the judging tests run real submissions of ``HumanEval/53`` (``add``) and ``HumanEval/8``
+(``sum_product``, which returns a tuple) through the sandbox.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from envs.humaneval import HumanEvalConfig, HumanEvalEnv
-from envs.humaneval_harness import MAX_DEPTH, from_wire, to_wire
-from envs.judge import judge
-from envs.sandbox import SandboxConfig
+from leafe.envs.humaneval.env import HumanEvalConfig, HumanEvalEnv
+from leafe.envs.humaneval.harness import MAX_DEPTH, from_wire, to_wire
+from leafe.envs.humaneval.judge import judge
+from leafe.envs.sandbox.launch import SandboxConfig
 
 PLAIN = [
     None,
@@ -41,19 +42,22 @@ PLAIN = [
 
 @pytest.mark.parametrize("value", PLAIN, ids=repr)
 def test_plain_values_round_trip_with_their_exact_types(value: object) -> None:
-    """A tuple stays a tuple, a set a set, bytes bytes: equal value and equal type all the way down."""
+    """A tuple stays a tuple, a set a set, bytes bytes: equal value and equal type all the way
+    down."""
     back = from_wire(to_wire(value))
     assert back == value and repr(back) == repr(value)
 
 
 def test_nan_and_infinities_survive() -> None:
-    """Floats that JSON has no literal for still cross (the tests compare them with math.isclose and such)."""
+    """Floats that JSON has no literal for still cross (the tests compare them with math.isclose and
+    such)."""
     back = from_wire(to_wire([math.inf, -math.inf, math.nan]))
     assert back[:2] == [math.inf, -math.inf] and math.isnan(back[2])
 
 
 def test_subclasses_cross_as_their_base_type() -> None:
-    """An int subclass with an always-true __eq__ arrives as a plain int, so it compares honestly."""
+    """An int subclass with an always-true __eq__ arrives as a plain int, so it compares
+    honestly."""
 
     class Liar(int):
         def __eq__(self, other: object) -> bool:
@@ -116,7 +120,8 @@ def test_a_list_is_not_a_tuple(env: HumanEvalEnv) -> None:
     problem = env.problem("humaneval/test/8")
     verdict = judge(
         problem,
-        "def sum_product(numbers):\n    import math\n    return [sum(numbers), math.prod(numbers)]\n",
+        "def sum_product(numbers):\n    import math\n    return [sum(numbers), "
+        "math.prod(numbers)]\n",
         unit_timeout_s=1.0,
         sandbox=SandboxConfig(),
     )
@@ -125,7 +130,8 @@ def test_a_list_is_not_a_tuple(env: HumanEvalEnv) -> None:
 
 
 def test_the_same_submission_gets_the_same_verdict(env: HumanEvalEnv) -> None:
-    """A submission that draws random numbers is judged identically twice (seeded per unit on both sides)."""
+    """A submission that draws random numbers is judged identically twice (seeded per unit on both
+    sides)."""
     code = "import random\ndef add(x, y):\n    return x + y if random.random() < 0.97 else -1\n"
     observations = []
     for _ in range(2):
@@ -136,11 +142,12 @@ def test_the_same_submission_gets_the_same_verdict(env: HumanEvalEnv) -> None:
 
 
 def test_a_function_that_swallows_its_alarm_is_killed_and_fails(env: HumanEvalEnv) -> None:
-    """Catching the sandbox's own timeout does not help: the judge gives up after the unit's time plus
-    a grace period, kills the process, and the unit fails as timed out."""
+    """Catching the sandbox's own timeout does not help: the judge gives up after the unit's time
+    plus a grace period, kills the process, and the unit fails as timed out."""
     env.reset("humaneval/test/53")
     code = (
-        "def add(x, y):\n    while True:\n        try:\n            while True:\n                pass\n"
+        "def add(x, y):\n    while True:\n        try:\n            while True:\n                "
+        "pass\n"
         "        except BaseException:\n            pass\n"
     )
     t = env.step(code)
@@ -152,15 +159,24 @@ def test_a_function_that_swallows_its_alarm_is_killed_and_fails(env: HumanEvalEn
 def test_a_crash_of_the_process_fails_the_unit_with_its_cause(env: HumanEvalEnv) -> None:
     """A function that kills its own process fails the test, and the feedback says how it ended."""
     env.reset("humaneval/test/53")
-    t = env.step("def add(x, y):\n    import os, signal\n    os.kill(os.getpid(), signal.SIGKILL)\n")
+    t = env.step(
+        "def add(x, y):\n    import os, signal\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
     assert not t.success and t.score == 0.0
     assert "Error: your code's process ended (exit code -9)" in t.observation
 
 
 def test_test_code_that_catches_exceptions_cannot_turn_a_failure_into_a_pass() -> None:
-    """The judge's call failures are not Exceptions: a test's ``except Exception`` cannot swallow them."""
+    """The judge's call failures are not Exceptions: a test's ``except Exception`` cannot swallow
+    them."""
     problem = HumanEvalEnv(HumanEvalConfig(num_test=164)).problem("humaneval/test/53")
-    lenient = [{"src": "try:\n    candidate(1, 2)\nexcept Exception:\n    pass", "test": True, "left": None}]
+    lenient = [
+        {
+            "src": "try:\n    candidate(1, 2)\nexcept Exception:\n    pass",
+            "test": True,
+            "left": None,
+        }
+    ]
     verdict = judge(
         msgspec.structs.replace(problem, units=lenient),
         "def add(x, y):\n    raise ValueError('no')\n",
@@ -171,8 +187,9 @@ def test_test_code_that_catches_exceptions_cannot_turn_a_failure_into_a_pass() -
 
 
 def test_judging_in_threads_gives_the_sequential_verdicts_and_leaves_global_random_alone() -> None:
-    """Actors judge in worker threads: concurrent judging of random-driven tests (HumanEval/38, 53) gives
-    the same feedback as one at a time, and the process's global ``random`` stream is untouched."""
+    """Actors judge in worker threads: concurrent judging of random-driven tests (HumanEval/38, 53)
+    gives the same feedback as one at a time, and the process's global ``random`` stream is
+    untouched."""
     config = HumanEvalConfig(num_test=164)
     jobs = [
         ("humaneval/test/53", "def add(x, y):\n    return x + y if x % 7 else 0\n"),
@@ -195,8 +212,8 @@ def test_judging_in_threads_gives_the_sequential_verdicts_and_leaves_global_rand
 
 
 def test_a_forged_reply_that_is_not_plain_data_stops_the_run(env: HumanEvalEnv) -> None:
-    """A function that writes its own reply line, holding something the codec does not know, fails its
-    test and the run stops there (the reply stream no longer lines up with the calls)."""
+    """A function that writes its own reply line, holding something the codec does not know, fails
+    its test and the run stops there (the reply stream no longer lines up with the calls)."""
     code = """import gc, io
 def add(x, y):
     for o in gc.get_objects():
@@ -213,7 +230,8 @@ def add(x, y):
 
 COLLIDING_REPLY = """import gc, io
 def add(x, y):
-    # A reply written by hand: a set of ~40k distinct ints that all hash to 0 (multiples of 2**61 - 1).
+    # A reply written by hand: a set of ~40k distinct ints that all hash to 0 \
+(multiples of 2**61 - 1).
     # Rebuilt naively, every insert compares with every earlier member: 15-30 s holding the GIL.
     body = ",".join(str(k * (2**61 - 1)) for k in range(1, 40_000))
     for o in gc.get_objects():
@@ -225,9 +243,12 @@ def add(x, y):
 
 
 @pytest.mark.parametrize("tag", ["set", "dict"])
-def test_a_reply_of_hash_colliding_values_does_not_stall_the_actor(env: HumanEvalEnv, tag: str) -> None:
-    """The judge runs in the actor's process (in a thread beside its event loop): a reply whose members all
-    share one hash is refused before it is rebuilt, so the loop's heartbeat never stops for a second."""
+def test_a_reply_of_hash_colliding_values_does_not_stall_the_actor(
+    env: HumanEvalEnv, tag: str
+) -> None:
+    """The judge runs in the actor's process (in a thread beside its event loop): a reply whose
+    members all share one hash is refused before it is rebuilt, so the loop's heartbeat never stops
+    for a second."""
     code = COLLIDING_REPLY % tag
     if tag == "dict":  # [key, value] pairs
         code = code.replace("str(k * (2**61 - 1))", '"[%d,0]" % (k * (2**61 - 1))').replace(
@@ -275,7 +296,8 @@ def test_hash_colliding_members_are_refused(wire: object) -> None:
 
 
 def test_few_colliding_members_and_duplicates_still_round_trip() -> None:
-    """Legitimate sets whose members happen to collide (-1 and -2) or repeat on the wire still rebuild."""
+    """Legitimate sets whose members happen to collide (-1 and -2) or repeat on the wire still
+    rebuild."""
     assert from_wire({"set": [-1, -2, 2**61 - 1, 0]}) == {-1, -2, 2**61 - 1, 0}
     assert from_wire({"set": [7] * 1000}) == {7}
     assert from_wire({"dict": [[1, "a"], [1.0, "b"]]}) == {1: "b"}

@@ -1,15 +1,15 @@
-"""Reflection oracles: Sokoban's solver names the first step that made the room worse and the optimal
-move instead; HumanEval's names the first failed submission and its failing visible test."""
+"""Reflection oracles: Sokoban's solver names the first step that made the room worse and the
+optimal move instead; HumanEval's names the first failed submission and its failing visible test."""
 
 from __future__ import annotations
 
 import pytest
 
-from envs.humaneval import HumanEvalConfig, HumanEvalEnv
-from envs.humaneval_expert import HumanEvalExpert
-from envs.sokoban import SokobanConfig, SokobanEnv
-from envs.sokoban_expert import optimal_distance, oracle_reflection
-from protocol.prompt import HistoryEntry
+from leafe.envs.humaneval.env import HumanEvalConfig, HumanEvalEnv
+from leafe.envs.humaneval.expert import HumanEvalExpert
+from leafe.envs.sokoban.env import SokobanConfig, SokobanEnv
+from leafe.envs.sokoban.expert import optimal_distance, oracle_reflection
+from leafe.protocol.prompt import HistoryEntry
 from tests.support.rooms import room_from
 
 # Box at row 2, target at its right end; the player starts right of the box, below it. Optimal: walk
@@ -28,7 +28,8 @@ def moves(*actions: str | None) -> list[HistoryEntry]:
 
 
 def test_solver_distance_of_the_constructed_room() -> None:
-    """The room is as described: 6 optimal moves; a box pushed against the top wall is lost forever."""
+    """The room is as described: 6 optimal moves; a box pushed against the top wall is lost
+    forever."""
     room = room_from(CORRIDOR)
     assert optimal_distance(room, room.player, room.boxes) == 6
     box = next(iter(room.boxes))
@@ -36,7 +37,8 @@ def test_solver_distance_of_the_constructed_room() -> None:
 
 
 def corridor(k: int) -> list[str]:
-    """CORRIDOR with the player k cells right of the cell under the box (k optimal 'left's to get there)."""
+    """CORRIDOR with the player k cells right of the cell under the box (k optimal 'left's to get
+    there)."""
     width = k + 7
     row = ["#"] + ["_"] * (width - 2) + ["#"]
     boxes, player = list(row), list(row)
@@ -46,18 +48,22 @@ def corridor(k: int) -> list[str]:
 
 @pytest.mark.parametrize("k", [0, 1, 2, 4])
 def test_tau_is_the_first_step_that_made_the_room_unsolvable(k: int) -> None:
-    """k optimal moves (lefts: the player ends under the box), then 'up' pushes the box against the top
-    wall at step k: tau == k, and e names the losing move and the solver's move instead."""
+    """k optimal moves (lefts: the player ends under the box), then 'up' pushes the box against the
+    top wall at step k: tau == k, and e names the losing move and the solver's move instead."""
     room = room_from(corridor(k))
     assert optimal_distance(room, room.player, room.boxes) == 2 * k + 4
     verdict = oracle_reflection(room, moves(*["left"] * k, "up", "left", "right"))
     assert verdict.tau == k
-    assert f"At step {k}, moving up pushed a box where it can never reach a target" in verdict.experience
+    assert (
+        f"At step {k}, moving up pushed a box where it can never reach a target"
+        in verdict.experience
+    )
     assert verdict.experience.endswith("From the position before that step, move left instead.")
 
 
 def test_a_detour_that_lengthens_the_solution_is_named_with_the_distances() -> None:
-    """Walking away from the box (6 -> 7 moves left) is the faulty step when nothing worse happened."""
+    """Walking away from the box (6 -> 7 moves left) is the faulty step when nothing worse
+    happened."""
     room = room_from(CORRIDOR)
     verdict = oracle_reflection(room, moves("left", "up", "down"))
     assert verdict.tau == 1
@@ -81,8 +87,8 @@ def test_an_optimal_path_has_no_mistake() -> None:
 
 
 def test_sokoban_env_oracle_replays_the_generated_room() -> None:
-    """On generated rooms the optimal plan holds no mistake, and an unparsed answer inserted at step 1 is
-    blamed, with the plan's next move as the fix."""
+    """On generated rooms the optimal plan holds no mistake, and an unparsed answer inserted at step
+    1 is blamed, with the plan's next move as the fix."""
     env = SokobanEnv(SokobanConfig(height=7, width=7, min_solution_len=3, max_solution_len=8))
     for task_id in env.tasks("train")[:10]:
         room = env.room(task_id).room
@@ -95,23 +101,29 @@ def test_sokoban_env_oracle_replays_the_generated_room() -> None:
 
 
 def test_humaneval_oracle_quotes_the_first_failing_visible_test_from_the_observation() -> None:
-    """tau is the first failed submission; e quotes its failing visible test and what went wrong, taken
-    from the feedback the agent saw."""
+    """tau is the first failed submission; e quotes its failing visible test and what went wrong,
+    taken from the feedback the agent saw."""
     env = HumanEvalEnv(HumanEvalConfig(num_test=64))
     task_id = env.tasks("train")[0]
     problem = env.problem(task_id)
     env.reset(task_id)
     wrong = env.step(f"```python\ndef {problem.entry_point}(*args):\n    return None\n```")
-    fixed = env.step(f"```python\ndef {problem.entry_point}(*args):\n    raise ValueError('boom')\n```")
+    fixed = env.step(
+        f"```python\ndef {problem.entry_point}(*args):\n    raise ValueError('boom')\n```"
+    )
     history = [
         HistoryEntry("code", "raw", wrong.observation, wrong.feedback),
         HistoryEntry("code", "raw", fixed.observation, fixed.feedback),
     ]
     verdict = HumanEvalExpert(env).oracle_reflection(task_id, history)
-    failed = next(line for line in wrong.observation.splitlines() if line.startswith("Failed test: "))
+    failed = next(
+        line for line in wrong.observation.splitlines() if line.startswith("Failed test: ")
+    )
     assert verdict.tau == 0
     assert failed.removeprefix("Failed test: ")[:60] in verdict.experience
-    assert "returned None" in verdict.experience and verdict.experience.startswith("Submission 0 failed")
+    assert "returned None" in verdict.experience and verdict.experience.startswith(
+        "Submission 0 failed"
+    )
 
 
 def test_humaneval_oracle_never_reads_hidden_tests() -> None:
@@ -120,4 +132,6 @@ def test_humaneval_oracle_never_reads_hidden_tests() -> None:
     obs = "Submission 1 of 4: All 2 visible tests passed, but some hidden tests failed."
     history = [HistoryEntry("code", "raw", obs, obs.split(": ", 1)[1])]
     verdict = HumanEvalExpert(env).oracle_reflection(env.tasks("train")[0], history)
-    assert verdict.tau == 0 and "hidden" in verdict.experience and "assert" not in verdict.experience
+    assert (
+        verdict.tau == 0 and "hidden" in verdict.experience and "assert" not in verdict.experience
+    )

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from envs import ENV_NAMES, Env, EnvError, env_options, make_env
-from envs.registry import parse_options
+from leafe.envs import ENV_NAMES, Env, EnvError, env_options, make_env
+from leafe.envs.registry import parse_options
 
 
 def test_names_are_the_four_environments() -> None:
-    """The config names of issue 3."""
+    """The config names of the four environments."""
     assert ENV_NAMES == ("sokoban", "scienceworld", "textworld-cooking", "humaneval")
 
 
@@ -26,7 +26,8 @@ def test_every_env_builds_with_defaults_and_lists_its_options(name: str) -> None
 
 
 def test_options_are_typed_and_unknown_ones_rejected() -> None:
-    """Errors name the environment and the bad field; TOML-style lists convert to the right types."""
+    """Errors name the environment and the bad field; TOML-style lists convert to the right
+    types."""
     env = make_env("sokoban", height=5, width=5, max_solution_len=3)
     assert env.config.height == 5  # type: ignore[attr-defined]
     with pytest.raises(EnvError, match=r"sokoban.*unknown field `colour`"):

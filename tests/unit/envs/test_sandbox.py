@@ -1,7 +1,7 @@
 """The sandbox kills loops, fork bombs, memory hogs and output floods, and leaves nothing behind.
 
-What the code can see and reach (secrets, files, signals, memory per run) and the fail-closed behaviour
-are pinned in ``test_sandbox_isolation.py``.
+What the code can see and reach (secrets, files, signals, memory per run) and the fail-closed
+behaviour are pinned in ``test_sandbox_isolation.py``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ import time
 import msgspec
 import pytest
 
-from envs.sandbox import SandboxConfig, open_python, run_python
+from leafe.envs.sandbox.launch import SandboxConfig, open_python, run_python
 
-FAST = SandboxConfig(wall_timeout_s=2.0, cpu_time_s=1, memory_mb=256, max_processes=3, max_output_kb=64)
+FAST = SandboxConfig(
+    wall_timeout_s=2.0, cpu_time_s=1, memory_mb=256, max_processes=3, max_output_kb=64
+)
 PATIENT = msgspec.structs.replace(FAST, wall_timeout_s=10.0, cpu_time_s=5)
 """For runs that must end by a limit other than time, even on a loaded machine."""
 
@@ -72,8 +74,8 @@ def test_sleeping_code_is_killed_at_the_wall_limit() -> None:
 def test_fork_bomb_is_contained_and_killed(isolation: str) -> None:
     """A fork bomb hits the process limit, is killed with its whole tree, and leaves no process.
 
-    With isolation "none" (development only) the guard is RLIMIT_NPROC under a fresh uid plus the uid
-    sweep, which needs root; as a plain user RLIMIT_NPROC applies directly.
+    With isolation "none" (development only) the guard is RLIMIT_NPROC under a fresh uid plus the
+    uid sweep, which needs root; as a plain user RLIMIT_NPROC applies directly.
     """
     if isolation == "none" and os.geteuid() != 0:
         pytest.skip("the no-namespace guard under test here is the root-only fresh uid")
@@ -141,11 +143,13 @@ def test_no_network() -> None:
 
 @pytest.mark.parametrize("isolation", ["namespaces", "none"])
 def test_code_runs_unprivileged_in_its_own_temp_dir_which_is_removed(isolation: str) -> None:
-    """As root the code gets a fresh uid; its cwd is a temp dir that is gone afterwards, as are all dirs."""
+    """As root the code gets a fresh uid; its cwd is a temp dir that is gone afterwards, as are all
+    dirs."""
     before = sandbox_dirs()
     config = msgspec.structs.replace(FAST, isolation=isolation)
     r = run_python(
-        "import os\nprint(os.getuid())\nprint(os.getcwd())\nopen('f.txt', 'w').write('x')\nos.chmod('.', 0)\n",
+        "import os\nprint(os.getuid())\nprint(os.getcwd())\nopen('f.txt', "
+        "'w').write('x')\nos.chmod('.', 0)\n",
         config,
     )
     uid, cwd = r.stdout.split()
@@ -163,7 +167,8 @@ def test_stdin_is_delivered() -> None:
 
 
 def test_without_namespaces_the_uid_sweep_still_kills_detached_children() -> None:
-    """With namespaces off (as on machines that forbid them), a fresh uid still lets us find and kill all."""
+    """With namespaces off (as on machines that forbid them), a fresh uid still lets us find and
+    kill all."""
     if os.geteuid() != 0:
         pytest.skip("the uid sweep is the root-only layer")
     marker = "leafe-daemon-nons-93d2"
@@ -181,8 +186,8 @@ def test_without_namespaces_the_uid_sweep_still_kills_detached_children() -> Non
 
 
 def test_a_conversation_over_pipes() -> None:
-    """An interactive run answers line by line; silence times out, a line over the limit is refused, and
-    a run that exits gives EOF."""
+    """An interactive run answers line by line; silence times out, a line over the limit is refused,
+    and a run that exits gives EOF."""
     echo = "import sys\nfor line in sys.stdin:\n    print(line.strip().upper(), flush=True)\n"
     with open_python(echo, FAST) as proc:
         for word in (b"abc", b"def"):

@@ -1,9 +1,9 @@
 """What sandboxed code can see and reach, and that a sandbox without its isolation refuses to run.
 
-The code must find no secret of its parent (environment, /proc), signal nothing outside, write only in its
-own bounded tmpfs, and stay within the per-run memory budget. Without user namespaces (a Kubernetes pod
-under RuntimeDefault seccomp), building a HumanEval env must fail with a clear error; the explicit opt-out
-works and warns every time an env is built with it.
+The code must find no secret of its parent (environment, /proc), signal nothing outside, write only
+in its own bounded tmpfs, and stay within the per-run memory budget. Without user namespaces (a
+Kubernetes pod under RuntimeDefault seccomp), building a HumanEval env must fail with a clear error;
+the explicit opt-out works and warns every time an env is built with it.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import msgspec
 import pytest
 import structlog
 
-from envs import sandbox
-from envs.humaneval import HumanEvalConfig, HumanEvalEnv
-from envs.sandbox import SandboxConfig, SandboxUnavailable, probe, run_python
+from leafe.envs.humaneval.env import HumanEvalConfig, HumanEvalEnv
+from leafe.envs.sandbox import launch as sandbox
+from leafe.envs.sandbox.launch import SandboxConfig, SandboxUnavailable, probe, run_python
 
 SECRET = "nats://leafe:hunter2-7f3a@nats.internal:4222"
 FAST = SandboxConfig(wall_timeout_s=5.0, cpu_time_s=3, memory_mb=128, max_processes=3, disk_mb=8)
@@ -31,9 +31,12 @@ FAST = SandboxConfig(wall_timeout_s=5.0, cpu_time_s=3, memory_mb=128, max_proces
 
 @pytest.fixture
 def without_namespaces(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
-    """An ``unshare`` that fails the way it does in a pod (no user namespaces); the probe sees it."""
+    """An ``unshare`` that fails the way it does in a pod (no user namespaces); the probe sees
+    it."""
     fake = tmp_path / "unshare"
-    fake.write_text("#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n")
+    fake.write_text(
+        "#!/bin/sh\necho 'unshare: unshare failed: Operation not permitted' >&2\nexit 1\n"
+    )
     fake.chmod(0o755)
     if os.geteuid() != 0:
         pytest.skip("the sandbox runs only a root-owned unshare; the stand-in must be root's")
@@ -45,15 +48,19 @@ def without_namespaces(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Itera
 
 
 def test_the_default_config_fits_its_memory_budget_and_a_bigger_one_is_refused() -> None:
-    """processes x memory + disk must fit the per-run budget; the old 16 x 512 MiB is refused by name."""
+    """processes x memory + disk must fit the per-run budget; the old 16 x 512 MiB is refused by
+    name."""
     c = SandboxConfig()
     assert c.max_processes * c.memory_mb + c.disk_mb <= c.memory_budget_mb <= 1024
-    with pytest.raises(ValueError, match=r"16 \* 512 \+ 64 = 8256 MiB exceeds memory_budget_mb = 1024"):
+    with pytest.raises(
+        ValueError, match=r"16 \* 512 \+ 64 = 8256 MiB exceeds memory_budget_mb = 1024"
+    ):
         SandboxConfig(max_processes=16, memory_mb=512)
 
 
 def test_without_user_namespaces_building_the_env_refuses(without_namespaces: Path) -> None:
-    """The probe sees unshare fail: the env refuses at construction, naming the cause and the way out."""
+    """The probe sees unshare fail: the env refuses at construction, naming the cause and the way
+    out."""
     assert not probe().namespaces and "Operation not permitted" in probe().reason
     with pytest.raises(SandboxUnavailable) as raised:
         HumanEvalEnv()
@@ -73,21 +80,24 @@ def test_without_unshare_at_all_running_code_refuses(without_namespaces: Path) -
 
 
 def test_the_explicit_opt_out_runs_and_warns_on_every_env(without_namespaces: Path) -> None:
-    """isolation = 'none' runs the code (development) and logs a warning each time an env is built."""
+    """isolation = 'none' runs the code (development) and logs a warning each time an env is
+    built."""
     config = HumanEvalConfig(num_test=164, sandbox=SandboxConfig(isolation="none"))
     with structlog.testing.capture_logs() as logs:
         env = HumanEvalEnv(config)
         HumanEvalEnv(config)
-    warnings = [e for e in logs if e["event"] == "envs.sandbox.isolation_disabled"]
+    warnings = [e for e in logs if e["event"] == "leafe.envs.sandbox.launch.isolation_disabled"]
     assert len(warnings) == 2 and all(e["log_level"] == "warning" for e in warnings)
     env.reset("humaneval/test/53")
     assert env.step("def add(x, y):\n    return x + y\n").success
     assert env.last_run is not None and "netns" not in env.last_run.isolation
 
 
-def test_the_parents_environment_and_processes_are_invisible(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The code's environment is the minimal one; /proc shows only the run (init and the code), so neither
-    our environment nor the start-up environment of a process beside us can be read."""
+def test_the_parents_environment_and_processes_are_invisible(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The code's environment is the minimal one; /proc shows only the run (init and the code), so
+    neither our environment nor the start-up environment of a process beside us can be read."""
     monkeypatch.setenv("LEAFE_NATS_URL", SECRET)
     bystander = subprocess.Popen(["sleep", "60"], env={"LEAFE_NATS_URL": SECRET})
     code = f"""import os
@@ -111,7 +121,8 @@ print(pids, sorted(os.environ), found)
 
 
 def test_the_code_cannot_signal_anything_outside() -> None:
-    """Signals to its parent (the init), to pid 1 and to a real process of ours by number reach nothing."""
+    """Signals to its parent (the init), to pid 1 and to a real process of ours by number reach
+    nothing."""
     bystander = subprocess.Popen(["sleep", "60"])
     try:
         code = f"""import os, signal
@@ -132,13 +143,14 @@ for pid in (os.getppid(), 1, {bystander.pid}, {os.getpid()}):
 
 
 def test_the_code_writes_only_in_its_own_bounded_tmpfs() -> None:
-    """Everything but /tmp is read-only or absent; /tmp is the run's own tmpfs (a host file at the same path
-    stays untouched) and fills up at disk_mb."""
+    """Everything but /tmp is read-only or absent; /tmp is the run's own tmpfs (a host file at the
+    same path stays untouched) and fills up at disk_mb."""
     sentinel = Path(tempfile.gettempdir()) / f"leafe-sentinel-{os.getpid()}"
     sentinel.write_text("actor data")
     sentinel.chmod(0o666)
     code = f"""import os
-for path in ({str(sentinel)!r}, '/usr/x', '/etc/x', '/x', '/proc/x', '/dev/x', '/dev/shm/x', '/var/tmp/x'):
+for path in ({str(sentinel)!r}, '/usr/x', '/etc/x', '/x', '/proc/x', '/dev/x', '/dev/shm/x', \
+'/var/tmp/x'):
     try:
         open(path, 'w').write('pwned')
         print('wrote', path)
@@ -157,17 +169,25 @@ print('total', total)
     try:
         r = run_python(code, FAST)
         assert r.status == "ok"
-        assert sentinel.read_text() == "actor data"  # its /tmp is its own tmpfs: the host's is not there
-        assert [line for line in r.stdout.splitlines() if line.startswith("wrote")] == [f"wrote {sentinel}"]
+        assert (
+            sentinel.read_text() == "actor data"
+        )  # its /tmp is its own tmpfs: the host's is not there
+        assert [line for line in r.stdout.splitlines() if line.startswith("wrote")] == [
+            f"wrote {sentinel}"
+        ]
         total = int(r.stdout.split("total ")[1])
-        assert "full 28" in r.stdout and total <= FAST.disk_mb * 1024 * 1024  # ENOSPC at the tmpfs size
+        assert (
+            "full 28" in r.stdout and total <= FAST.disk_mb * 1024 * 1024
+        )  # ENOSPC at the tmpfs size
     finally:
         sentinel.unlink()
 
 
 def test_memory_is_bounded_per_run_not_per_process() -> None:
     """Children that each allocate until MemoryError together stay within processes x memory_mb."""
-    config = msgspec.structs.replace(FAST, memory_mb=96, max_processes=3, disk_mb=8, memory_budget_mb=300)
+    config = msgspec.structs.replace(
+        FAST, memory_mb=96, max_processes=3, disk_mb=8, memory_budget_mb=300
+    )
     code = """import os
 r, w = os.pipe()
 def hog():
@@ -199,20 +219,29 @@ print(sum(int(x) for x in os.read(r, 10000).split()))
     assert 0 < int(r.stdout) <= config.max_processes * config.memory_mb <= config.memory_budget_mb
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to become nobody")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to become nobody"
+)
 def test_as_a_non_root_user_the_code_gets_a_user_namespace_and_no_capability() -> None:
-    """The pod's path (not root): user + mount + PID + network namespaces, no capability, same view."""
+    """The pod's path (not root): user + mount + PID + network namespaces, no capability, same
+    view."""
     python = shutil.which("python3", path="/usr/bin")
     if python is None or "msgspec" not in sys.modules:
         pytest.skip("needs /usr/bin/python3")
     site = str(Path(msgspec.__file__).resolve().parents[1])
-    script = """import json
-from envs.sandbox import probe, run_python
-code = "import os\\nprint(os.getpid(), open('/proc/self/status').read().split('CapEff:')[1].split()[0])"
+    # The venv's site directory through site.addsitedir, so that its path files (the editable
+    # install's finder of the leafe namespace) take effect as they do in the venv.
+    script = (
+        f"import site; site.addsitedir({site!r})\n"
+        + """import json
+from leafe.envs.sandbox.launch import probe, run_python
+code = "import os\\nprint(os.getpid(), \
+open('/proc/self/status').read().split('CapEff:')[1].split()[0])"
 r = run_python(code)
 print(json.dumps([probe().namespaces, probe().root, r.status, r.stdout, r.isolation]))
 """
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{Path.cwd()}:{site}", "LEAFE_NATS_URL": SECRET}
+    )
+    env = {"PATH": "/usr/bin:/bin", "LEAFE_NATS_URL": SECRET}
     out = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", python, "-c", script],
         capture_output=True,

@@ -1,4 +1,5 @@
-"""ScienceWorld: package splits, score as reward, success at 100, failure ends, invalid commands explained."""
+"""ScienceWorld: package splits, score as reward, success at 100, failure ends, invalid commands
+explained."""
 
 from __future__ import annotations
 
@@ -7,15 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from envs.base import EnvError
-from envs.scienceworld_env import EXCLUDED_TASKS, ScienceWorldConfig, ScienceWorldEnv
+from leafe.envs.base import EnvError
+from leafe.envs.scienceworld import EXCLUDED_TASKS, ScienceWorldConfig, ScienceWorldEnv
 
 TASKS = ["find-plant"]
 
 
 @pytest.fixture(scope="module")
 def env(cache_dir: Path) -> Iterator[ScienceWorldEnv]:
-    e = ScienceWorldEnv(ScienceWorldConfig(task_names=TASKS, cache_dir=str(cache_dir / "scienceworld")))
+    e = ScienceWorldEnv(
+        ScienceWorldConfig(task_names=TASKS, cache_dir=str(cache_dir / "scienceworld"))
+    )
     yield e
     e.close()
 
@@ -25,12 +28,15 @@ def test_splits_are_the_package_variation_lists_and_disjoint(env: ScienceWorldEn
     splits = {s: set(env.tasks(s)) for s in ("train", "dev", "test")}
     variations = {s: {t.rsplit("/", 1)[1] for t in ids} for s, ids in splits.items()}
     assert all(variations.values())
-    assert not variations["train"] & variations["test"] and not variations["dev"] & variations["test"]
+    assert (
+        not variations["train"] & variations["test"] and not variations["dev"] & variations["test"]
+    )
     assert next(iter(splits["test"])).startswith("scienceworld/test/find-plant/")
 
 
 def test_gold_path_succeeds_with_score_100(env: ScienceWorldEnv) -> None:
-    """Following the simulator's gold actions reaches score 100: success, done, rewards sum to the gain."""
+    """Following the simulator's gold actions reaches score 100: success, done, rewards sum to the
+    gain."""
     task_id = env.tasks("test")[0]
     gold = env.gold_actions(task_id)
     start = env.reset(task_id)
@@ -95,7 +101,9 @@ def test_bad_ids_and_excluded_tasks_raise(env: ScienceWorldEnv) -> None:
         ScienceWorldEnv(ScienceWorldConfig(task_names=["no-such-task"])).task_names()
 
 
-def test_excluded_tasks_are_kept_out_and_refused(monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
+def test_excluded_tasks_are_kept_out_and_refused(
+    monkeypatch: pytest.MonkeyPatch, cache_dir: Path
+) -> None:
     """A task listed in EXCLUDED_TASKS is left out of the catalogue, and asking for it by name is an
     EnvError that gives the reason (today the list is empty: every task replays exactly)."""
     monkeypatch.setitem(EXCLUDED_TASKS, "find-plant", "replay diverges (test)")
@@ -111,7 +119,9 @@ def test_excluded_tasks_are_kept_out_and_refused(monkeypatch: pytest.MonkeyPatch
 
 def test_close_stops_the_jvm(cache_dir: Path) -> None:
     """close() leaves no Java process behind, and the env can start a new one afterwards."""
-    e = ScienceWorldEnv(ScienceWorldConfig(task_names=TASKS, cache_dir=str(cache_dir / "scienceworld")))
+    e = ScienceWorldEnv(
+        ScienceWorldConfig(task_names=TASKS, cache_dir=str(cache_dir / "scienceworld"))
+    )
     e.reset(e.tasks("train")[0])
     backend = e._backend
     assert backend is not None

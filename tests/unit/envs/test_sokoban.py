@@ -1,4 +1,5 @@
-"""Sokoban: generated rooms are solvable at the stated difficulty, rules and rewards follow gym-sokoban."""
+"""Sokoban: generated rooms are solvable at the stated difficulty, rules and rewards follow
+gym-sokoban."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ from collections import deque
 
 import pytest
 
-from envs.base import EnvError
-from envs.sokoban import SokobanConfig, SokobanEnv, SokobanSnapshot
-from envs.sokoban_gen import RoomSpec, generate_room, render_room, room_split
-from envs.sokoban_solver import Room, apply_move, solve
+from leafe.envs.base import EnvError
+from leafe.envs.sokoban.env import SokobanConfig, SokobanEnv, SokobanSnapshot
+from leafe.envs.sokoban.generator import RoomSpec, generate_room, render_room, room_split
+from leafe.envs.sokoban.solver import Room, apply_move, solve
 from tests.support.rooms import room_from
 
 
@@ -17,7 +18,9 @@ def env_on(layout: list[str], **options: object) -> SokobanEnv:
     """An env whose current state is the hand-made room ``layout``."""
     env = SokobanEnv(SokobanConfig(**options))  # type: ignore[arg-type]
     room = room_from(layout)
-    env.restore(SokobanSnapshot(task_id="sokoban/test/0", room=room, player=room.player, boxes=room.boxes))
+    env.restore(
+        SokobanSnapshot(task_id="sokoban/test/0", room=room, player=room.player, boxes=room.boxes)
+    )
     return env
 
 
@@ -56,7 +59,9 @@ def test_generated_rooms_are_solved_by_their_plan_at_the_stated_difficulty(spec:
         if spec.num_boxes <= 2:
             assert bfs_optimum(g.room) == len(g.plan)
         env.restore(
-            SokobanSnapshot(task_id="sokoban/test/0", room=g.room, player=g.room.player, boxes=g.room.boxes)
+            SokobanSnapshot(
+                task_id="sokoban/test/0", room=g.room, player=g.room.player, boxes=g.room.boxes
+            )
         )
         transitions = [env.step(a) for a in g.plan]
         assert transitions[-1].success and transitions[-1].done
@@ -64,7 +69,8 @@ def test_generated_rooms_are_solved_by_their_plan_at_the_stated_difficulty(spec:
 
 
 def test_env_tasks_are_solvable_with_the_default_config() -> None:
-    """Every default task room (a sample) is won by its own optimal plan with gym-sokoban's final reward."""
+    """Every default task room (a sample) is won by its own optimal plan with gym-sokoban's final
+    reward."""
     env = SokobanEnv()
     for task_id in env.tasks("train")[:20] + env.tasks("test")[:20]:
         env.reset(task_id)
@@ -75,7 +81,8 @@ def test_env_tasks_are_solvable_with_the_default_config() -> None:
 
 
 def test_splits_are_disjoint_and_stable() -> None:
-    """No room is in both splits (tiny rooms, where collisions would be likely), and regeneration is exact."""
+    """No room is in both splits (tiny rooms, where collisions would be likely), and regeneration is
+    exact."""
     config = SokobanConfig(height=5, width=5, max_solution_len=4, num_train=150, num_test=150)
     env = SokobanEnv(config)
     train = {render_room(env.room(t).room) for t in env.tasks("train")}
@@ -94,11 +101,15 @@ def test_splits_are_disjoint_and_stable() -> None:
 
 def test_move_rewards_follow_gym_sokoban() -> None:
     """-0.1 per step, +1 onto a target, -1 off a target, +10 when all boxes are on targets."""
-    env = env_on(["########", "#______#", "#P_XO__#", "#______#", "#__X___#", "#__O___#", "########"])
+    env = env_on(
+        ["########", "#______#", "#P_XO__#", "#______#", "#__X___#", "#__O___#", "########"]
+    )
     assert env.step("right").reward == pytest.approx(-0.1)
     t = env.step("right")
     assert (
-        t.reward == pytest.approx(0.9) and t.feedback == "You pushed a box onto a target." and t.score == 0.5
+        t.reward == pytest.approx(0.9)
+        and t.feedback == "You pushed a box onto a target."
+        and t.score == 0.5
     )
     t = env.step("right")
     assert t.reward == pytest.approx(-1.1) and "off a target" in t.feedback and t.score == 0.0
@@ -118,7 +129,9 @@ def test_bumping_a_wall_and_an_immovable_box_give_feedback_and_change_nothing() 
     before = env.snapshot()
     t = env.step("up")
     assert (
-        t.valid and t.feedback == "You walked into a wall; nothing moved." and t.reward == pytest.approx(-0.1)
+        t.valid
+        and t.feedback == "You walked into a wall; nothing moved."
+        and t.reward == pytest.approx(-0.1)
     )
     t = env.step("right")
     assert "another box behind it" in t.feedback
@@ -128,7 +141,8 @@ def test_bumping_a_wall_and_an_immovable_box_give_feedback_and_change_nothing() 
 
 
 def test_pushing_a_box_into_a_corner_is_an_irreversible_failure() -> None:
-    """A box that can never reach a target ends the episode (or only warns with end_on_deadlock off)."""
+    """A box that can never reach a target ends the episode (or only warns with end_on_deadlock
+    off)."""
     layout = ["######", "#_X__#", "#_P__#", "#___O#", "######"]
     env = env_on(layout)
     assert not env.step("right").done
@@ -159,7 +173,8 @@ def test_freeze_deadlock_of_two_boxes_against_a_wall() -> None:
 
 
 def test_invalid_actions_give_feedback_never_exceptions() -> None:
-    """Anything but the four moves is invalid, changes nothing, costs no reward and counts a step."""
+    """Anything but the four moves is invalid, changes nothing, costs no reward and counts a
+    step."""
     env = SokobanEnv(SokobanConfig(max_steps=3))
     obs = env.reset("sokoban/test/1").observation
     for bad in ["jump", "", "up up", "<action>up</action>", "42"]:
@@ -167,7 +182,8 @@ def test_invalid_actions_give_feedback_never_exceptions() -> None:
         t = env.step(bad)
         assert not t.valid and t.observation == obs and t.reward == 0.0
         assert (
-            t.feedback.startswith("invalid action:") and "valid actions: up, down, left, right" in t.feedback
+            t.feedback.startswith("invalid action:")
+            and "valid actions: up, down, left, right" in t.feedback
         )
     env.reset("sokoban/test/1")
     assert [env.step(x).done for x in ["x", "y", "z"]] == [False, False, True]

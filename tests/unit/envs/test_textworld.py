@@ -1,4 +1,5 @@
-"""TextWorld cooking: seeded offline games, admissible commands, won/lost, safe concurrent generation."""
+"""TextWorld cooking: seeded offline games, admissible commands, won/lost, safe concurrent
+generation."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from envs.base import EnvError
-from envs.textworld_env import TextWorldConfig, TextWorldEnv, clean_observation
-from envs.textworld_gen import CookingSpec, ensure_game, game_seed
-from protocol.paths import publish_dir
+from leafe.envs.base import EnvError
+from leafe.envs.textworld.env import TextWorldConfig, TextWorldEnv, clean_observation
+from leafe.envs.textworld.generator import CookingSpec, ensure_game, game_seed
+from leafe.protocol.paths import publish_dir
 
 TASK = "textworld-cooking/test/0"
 
@@ -26,7 +27,8 @@ def env(cache_dir: Path) -> Iterator[TextWorldEnv]:
 
 
 def test_walkthrough_wins_with_the_game_points_as_rewards(env: TextWorldEnv) -> None:
-    """The generator's walkthrough wins: success and done on the last step, rewards sum to the score."""
+    """The generator's walkthrough wins: success and done on the last step, rewards sum to the
+    score."""
     reset = env.reset(TASK)
     assert "cook" in reset.task.lower() and "TEXT" not in reset.observation  # banner stripped
     walkthrough = env.walkthrough(TASK)
@@ -97,18 +99,24 @@ def test_publish_dir_keeps_the_first_copy(tmp_path: Path) -> None:
 
 
 def test_threads_generating_different_games_all_succeed(tmp_path: Path) -> None:
-    """TextWorld's generator shares module state; without the process lock, threads generating at once
-    failed with ``pop from empty list`` or logic-file parse errors (envs run in threads)."""
+    """TextWorld's generator shares module state; without the process lock, threads generating at
+    once failed with ``pop from empty list`` or logic-file parse errors (envs run in threads)."""
     with ThreadPoolExecutor(3) as pool:
-        games = list(pool.map(lambda i: ensure_game(CookingSpec(), 0, "train", 20 + i, tmp_path), range(3)))
-    assert len(set(games)) == 3 and all(g.is_file() and g.with_suffix(".json").is_file() for g in games)
+        games = list(
+            pool.map(lambda i: ensure_game(CookingSpec(), 0, "train", 20 + i, tmp_path), range(3))
+        )
+    assert len(set(games)) == 3 and all(
+        g.is_file() and g.with_suffix(".json").is_file() for g in games
+    )
 
 
 @pytest.mark.slow
 def test_concurrent_generation_of_the_same_game(tmp_path: Path) -> None:
-    """Two processes generating the same game both end with the same complete file; no temp dirs remain."""
+    """Two processes generating the same game both end with the same complete file; no temp dirs
+    remain."""
     code = (
-        "import sys; from pathlib import Path; from envs.textworld_gen import CookingSpec, ensure_game; "
+        "import sys; from pathlib import Path; from leafe.envs.textworld.generator import "
+        "CookingSpec, ensure_game; "
         "print(ensure_game(CookingSpec(), 0, 'train', 7, Path(sys.argv[1])))"
     )
     procs = [

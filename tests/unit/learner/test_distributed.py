@@ -1,11 +1,12 @@
-"""How ``distributed_env`` leaves the process group: ranks meet before a clean teardown, never after an error."""
+"""How ``distributed_env`` leaves the process group: ranks meet before a clean teardown, never after
+an error."""
 
 from __future__ import annotations
 
 import pytest
 
-import learner.distributed as distributed
-from learner.distributed import DistEnv
+import leafe.learner.distributed as distributed
+from leafe.learner.distributed import DistEnv
 
 
 @pytest.fixture

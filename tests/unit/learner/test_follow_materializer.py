@@ -1,12 +1,12 @@
 """The experience-following samples (``follow`` materializer), pinned against the real explorer.
 
-The real explorer plays a real Sokoban room with SmolLM2's tokenizer and chat template. A scripted policy
-makes a checkable mistake (a solvable move that makes the room longer) and then ignores any experience it
-is given, so the target (the move the oracle's e names) is never what the policy did. Pinned: the sample's
-prompt is, token for token, the request the branch opened by that verdict sent at its first step (e in
-context); its completion is the named move in the answer format, ending in the stop string; a verdict
-beside a model reflection gives the same kind of sample from the oracle's tau and e; nothing comes from
-test-split episodes or verdicts that name no move.
+The real explorer plays a real Sokoban room with SmolLM2's tokenizer and chat template. A scripted
+policy makes a checkable mistake (a solvable move that makes the room longer) and then ignores any
+experience it is given, so the target (the move the oracle's e names) is never what the policy did.
+Pinned: the sample's prompt is, token for token, the request the branch opened by that verdict sent
+at its first step (e in context); its completion is the named move in the answer format, ending in
+the stop string; a verdict beside a model reflection gives the same kind of sample from the oracle's
+tau and e; nothing comes from test-split episodes or verdicts that name no move.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from actors.config import ExplorerConfig
-from actors.fakes import ScriptedEngine
-from learner.materializers import MaterializerConfigError, make_materializer
-from learner.model_io import HFChatTokenizer
-from protocol.events import Branch, EpisodeEvent, EpisodeStarted, Reflection, Step
-from protocol.prompt import HistoryEntry, render_messages
+from leafe.actors.config import ExplorerConfig
+from leafe.actors.fakes import ScriptedEngine
+from leafe.learner.materializers import MaterializerConfigError, make_materializer
+from leafe.learner.model_io import HFChatTokenizer
+from leafe.protocol.events import Branch, EpisodeEvent, EpisodeStarted, Reflection, Step
+from leafe.protocol.prompt import HistoryEntry, render_messages
 from tests.support.sokoban_episodes import explore, fold, sokoban_env, worse_move
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_thread")]
@@ -58,7 +58,9 @@ async def _explore(tok: HFChatTokenizer, **cfg: Any) -> tuple[list[EpisodeEvent]
     config = ExplorerConfig.for_env(
         "sokoban", {"k": 0, "max_depth": 1, "horizon": 6, "experience_scope": "first_step", **cfg}
     )
-    return await explore(tok, env, StubbornPolicy(env), task_id=_room(env), name="follow", config=config)
+    return await explore(
+        tok, env, StubbornPolicy(env), task_id=_room(env), name="follow", config=config
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +68,12 @@ def tok(tiny_dir: Path) -> HFChatTokenizer:
     return HFChatTokenizer.from_dir(tiny_dir)
 
 
-async def test_prompt_is_the_branch_request_with_e_and_target_the_named_move(tok: HFChatTokenizer) -> None:
-    """Oracle reflections: each sample's prompt equals the first request of the branch the verdict opened
-    (checked by its digest too), and the completion is the move e names, never the policy's own move."""
+async def test_prompt_is_the_branch_request_with_e_and_target_the_named_move(
+    tok: HFChatTokenizer,
+) -> None:
+    """Oracle reflections: each sample's prompt equals the first request of the branch the verdict
+    opened (checked by its digest too), and the completion is the move e names, never the policy's
+    own move."""
     events, engine = await _explore(tok, reflection_source="oracle")
     branches = [e for e in events if isinstance(e, Branch)]
     assert branches, "the stubborn policy fails, so the oracle opens a branch"
@@ -81,12 +86,16 @@ async def test_prompt_is_the_branch_request_with_e_and_target_the_named_move(tok
         assert move is not None
         assert sample.prompt_ids in requests and branch.experience in sample.messages[1].content
         assert tok.decode(sample.completion_ids) == f"{move.group(1)}</action>"
-        assert sample.messages[-1].content == f"<action>{move.group(1)}"  # as an engine returns text
+        assert (
+            sample.messages[-1].content == f"<action>{move.group(1)}"
+        )  # as an engine returns text
         assert move.group(1) != engine.calls[0].text.removesuffix("</action>")
         assert sample.kind == "sft" and sample.materializer == "follow/1"
 
 
-async def test_labels_beside_model_reflections_give_the_oracles_prompt_and_move(tok: HFChatTokenizer) -> None:
+async def test_labels_beside_model_reflections_give_the_oracles_prompt_and_move(
+    tok: HFChatTokenizer,
+) -> None:
     """With ``oracle_labels`` the branch follows the model's noise, and the sample is built from the
     oracle's verdict: its tau's history, its e in context, its named move as the target."""
     events, _ = await _explore(tok, oracle_labels=True)

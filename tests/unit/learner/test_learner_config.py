@@ -1,4 +1,5 @@
-"""Unit tests of learner/config.py and learner/optim.py: presets, TOML overrides, the LR schedule."""
+"""Unit tests of learner/config.py and learner/optim.py: presets, TOML overrides, the LR
+schedule."""
 
 from __future__ import annotations
 
@@ -6,9 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from learner.config import LearnerConfig, OptimConfig, TrainConfig, learner_preset, train_preset
-from learner.optim import lr_factor
-from services.config import ConfigError, load_config
+from leafe.learner.config import (
+    LearnerConfig,
+    OptimConfig,
+    TrainConfig,
+    learner_preset,
+    train_preset,
+)
+from leafe.learner.optim import lr_factor
+from leafe.services.config import ConfigError, load_config
 
 
 def test_paper_preset_has_the_papers_hyperparameters() -> None:
@@ -22,9 +29,14 @@ def test_paper_preset_has_the_papers_hyperparameters() -> None:
 def test_toml_and_overrides_apply_on_top_of_the_preset(tmp_path: Path) -> None:
     """TOML fields replace preset fields, nested; dotted overrides replace both; the rest stays."""
     path = tmp_path / "t.toml"
-    path.write_text("epochs = 3\n[trainer.loss]\nbeta = 0.5\n[trainer.optim]\nlr = 2e-6\n", encoding="utf-8")
+    path.write_text(
+        "epochs = 3\n[trainer.loss]\nbeta = 0.5\n[trainer.optim]\nlr = 2e-6\n", encoding="utf-8"
+    )
     cfg = load_config(
-        TrainConfig, preset=train_preset("paper"), files=[path], overrides={"trainer.optim.lr": 3e-6}
+        TrainConfig,
+        preset=train_preset("paper"),
+        files=[path],
+        overrides={"trainer.optim.lr": 3e-6},
     )
     assert (cfg.epochs, cfg.trainer.loss.beta, cfg.trainer.optim.lr) == (3, 0.5, 3e-6)
     assert cfg.trainer.batch.global_batch == 128
@@ -33,13 +45,16 @@ def test_toml_and_overrides_apply_on_top_of_the_preset(tmp_path: Path) -> None:
 def test_unknown_fields_and_presets_are_rejected_with_their_name() -> None:
     """A misspelt field is an error naming it, never silently ignored; so is an unknown preset."""
     with pytest.raises(ConfigError, match="gloabl_batch"):
-        load_config(TrainConfig, preset=train_preset("cpu"), overrides={"trainer.batch.gloabl_batch": 4})
+        load_config(
+            TrainConfig, preset=train_preset("cpu"), overrides={"trainer.batch.gloabl_batch": 4}
+        )
     with pytest.raises(ConfigError, match="unknown trainer preset 'fast'"):
         train_preset("fast")
 
 
 def test_learner_config_takes_the_presets_trainer() -> None:
-    """leafe learner's trainer section starts from the preset; service fields keep their defaults."""
+    """leafe learner's trainer section starts from the preset; service fields keep their
+    defaults."""
     cfg = load_config(LearnerConfig, preset=learner_preset("cpu"), overrides={"kinds": ["grpo"]})
     assert isinstance(cfg, LearnerConfig)
     assert cfg.trainer.batch.global_batch == 16

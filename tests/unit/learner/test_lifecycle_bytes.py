@@ -1,20 +1,20 @@
-"""The byte caps of held episodes (``learner.materializers.lifecycle``): per run and per publishing actor,
-each refusal with its cap's code.
+"""The byte caps of held episodes (``leafe.learner.materializers.lifecycle``): per run and per
+publishing actor, each refusal with its cap's code.
 
-One run-wide counter let a single credential fill ``max_open_bytes`` alone; each actor's events now count
-against ``max_bytes_per_actor`` too, keyed on the event's ``actor_id`` (online, the subject token NATS
-pins to the publisher), so bytes an actor adds to someone else's episode are its own.
+One run-wide counter let a single credential fill ``max_open_bytes`` alone; each actor's events now
+count against ``max_bytes_per_actor`` too, keyed on the event's ``actor_id`` (online, the subject
+token NATS pins to the publisher), so bytes an actor adds to someone else's episode are its own.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from actors.fake_episodes import EventWriter
-from actors.fakes import ByteChatTokenizer
-from learner.materializers import OpenLimits, ReplayError, make_materializer
-from learner.materializers.lifecycle import CAP_CODES, event_bytes
-from protocol.events import EpisodeFinished, EpisodeStarted, Outcome, Step
+from leafe.actors.fake_episodes import EventWriter
+from leafe.actors.fakes import ByteChatTokenizer
+from leafe.learner.materializers import OpenLimits, ReplayError, make_materializer
+from leafe.learner.materializers.lifecycle import CAP_CODES, event_bytes
+from leafe.protocol.events import EpisodeFinished, EpisodeStarted, Outcome, Step
 from tests.support.hostile import started_fields, step_fields
 
 TOK = ByteChatTokenizer()
@@ -29,15 +29,17 @@ def _start(run: str, name: str, actor: str) -> EventWriter:
 
 def test_one_actor_fills_only_its_own_byte_share_and_a_release_gives_it_back() -> None:
     """Under a per-actor cap of about two starts, mallory's third start is refused with code
-    ``max_open_bytes_per_actor`` (and its later events with the same code), while another actor's starts
-    are held; once mallory's episode finishes, its bytes are free again."""
+    ``max_open_bytes_per_actor`` (and its later events with the same code), while another actor's
+    starts are held; once mallory's episode finishes, its bytes are free again."""
     fold = make_materializer("leafe", TOK)
     size = event_bytes(_start("r1", "probe", "m").events[0])
     fold.limits = OpenLimits(max_bytes=100 * size, max_bytes_per_actor=2 * size + size // 2)
     first, second, third = (_start("r1", f"m{i}", "mallory") for i in range(3))
     fold.apply(first.events[0])
     fold.apply(second.events[0])
-    with pytest.raises(ReplayError, match=r"actor 'mallory' holds .*max_open_bytes_per_actor") as refused:
+    with pytest.raises(
+        ReplayError, match=r"actor 'mallory' holds .*max_open_bytes_per_actor"
+    ) as refused:
         fold.apply(third.events[0])
     assert refused.value.code == "max_open_bytes_per_actor" and refused.value.code in CAP_CODES
     with pytest.raises(ReplayError) as later:
@@ -55,13 +57,16 @@ def test_one_actor_fills_only_its_own_byte_share_and_a_release_gives_it_back() -
 
 
 def test_bytes_an_actor_adds_to_anothers_episode_count_against_the_adder() -> None:
-    """mallory adds large Steps to actor-1's open episode (events under its own id, as NATS allows): they
-    are charged to mallory, whose next one is refused, while actor-1's own Steps in the same episode and
-    a new start of actor-1 still go through. The run cap, reached, refuses with ``max_open_bytes``."""
+    """mallory adds large Steps to actor-1's open episode (events under its own id, as NATS allows):
+    they are charged to mallory, whose next one is refused, while actor-1's own Steps in the same
+    episode and a new start of actor-1 still go through. The run cap, reached, refuses with
+    ``max_open_bytes``."""
     fold = make_materializer("leafe", TOK)
     victim = _start("r1", "v", "actor-1")
     size = event_bytes(victim.events[0])
-    fold.limits = OpenLimits(max_bytes=4 * size + size // 2, max_bytes_per_actor=2 * size + size // 2)
+    fold.limits = OpenLimits(
+        max_bytes=4 * size + size // 2, max_bytes_per_actor=2 * size + size // 2
+    )
     fold.apply(victim.events[0])
     forged = [
         EventWriter("r1", victim.episode_id, actor_id="mallory").emit(

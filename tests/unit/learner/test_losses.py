@@ -1,4 +1,5 @@
-"""Unit tests of learner/losses.py: masking, per-kind normalisation, beta, weights, GRPO clipping and KL."""
+"""Unit tests of learner/losses.py: masking, per-kind normalisation, beta, weights, GRPO clipping
+and KL."""
 
 from __future__ import annotations
 
@@ -9,8 +10,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.config import LossConfig
-from learner.losses import IGNORE, KIND_INDEX, KindTokens, distill_loss, grpo_loss, token_logprobs, total_loss
+from leafe.learner.config import LossConfig
+from leafe.learner.losses import (
+    IGNORE,
+    KIND_INDEX,
+    KindTokens,
+    distill_loss,
+    grpo_loss,
+    token_logprobs,
+    total_loss,
+)
 
 V = 11
 
@@ -25,11 +34,18 @@ def _setup(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, labels
 
 
-def _sft(logits: torch.Tensor, labels: torch.Tensor, kinds: list[str], beta: float = 1.0) -> torch.Tensor:
+def _sft(
+    logits: torch.Tensor, labels: torch.Tensor, kinds: list[str], beta: float = 1.0
+) -> torch.Tensor:
     k = torch.tensor([KIND_INDEX[x] for x in kinds])
-    counts = {name: float((labels[k == KIND_INDEX[name]] != IGNORE).sum()) for name in ("cf", "reh", "rft")}
+    counts = {
+        name: float((labels[k == KIND_INDEX[name]] != IGNORE).sum())
+        for name in ("cf", "reh", "rft")
+    }
     tokens = KindTokens(**counts)
-    return distill_loss(token_logprobs(logits, labels), labels, k, torch.ones(len(kinds)), tokens, beta).loss
+    return distill_loss(
+        token_logprobs(logits, labels), labels, k, torch.ones(len(kinds)), tokens, beta
+    ).loss
 
 
 def test_masked_positions_never_change_the_loss() -> None:
@@ -106,7 +122,8 @@ def test_micro_batch_shares_sum_to_the_global_loss() -> None:
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), junk=st.lists(st.integers(0, V - 1), min_size=15, max_size=15))
 def test_property_masked_labels_and_logits_are_ignored(seed: int, junk: list[int]) -> None:
-    """For any logits, replacing everything at masked slots by arbitrary values leaves the loss fixed."""
+    """For any logits, replacing everything at masked slots by arbitrary values leaves the loss
+    fixed."""
     logits, labels = _setup(seed)
     base = _sft(logits, labels, ["cf", "reh", "rft"])
     noisy = logits.clone()
@@ -116,7 +133,11 @@ def test_property_masked_labels_and_logits_are_ignored(seed: int, junk: list[int
 
 
 def _grpo(
-    logp: torch.Tensor, labels: torch.Tensor, adv: list[float], behaviour: torch.Tensor | None, **kw: float
+    logp: torch.Tensor,
+    labels: torch.Tensor,
+    adv: list[float],
+    behaviour: torch.Tensor | None,
+    **kw: float,
 ):
     n = labels.shape[0]
     has = torch.tensor([behaviour is not None] * n)
@@ -140,7 +161,8 @@ def test_grpo_on_policy_gradient_is_advantage_times_score() -> None:
 
 
 def test_grpo_clips_the_ratio() -> None:
-    """A ratio beyond 1 + eps with positive advantage gives no gradient (PPO clip), and counts as clipped."""
+    """A ratio beyond 1 + eps with positive advantage gives no gradient (PPO clip), and counts as
+    clipped."""
     labels = torch.tensor([[IGNORE, 1, 2]])
     logp = torch.tensor([[0.0, -1.0, -1.0]], requires_grad=True)
     behaviour = torch.tensor([[0.0, -1.5, -1.05]])  # ratios e^0.5 = 1.65 (clipped), e^0.05 = 1.05
@@ -153,9 +175,10 @@ def test_grpo_clips_the_ratio() -> None:
 
 
 def test_grpo_dual_clip_bounds_a_negative_advantage_token() -> None:
-    """A token sampled at a tiny behaviour probability and likely now (ratio ~ e^8) with A < 0: the PPO
-    objective is unbounded there (effect-hard's rebuilt GRPO round 1, step 236: loss 56 against ~0.1);
-    dual clip c caps its loss at c * |A| and takes its gradient away, other tokens keep theirs."""
+    """A token sampled at a tiny behaviour probability and likely now (ratio ~ e^8) with A < 0: the
+    PPO objective is unbounded there (effect-hard's rebuilt GRPO round 1, step 236: loss 56 against
+    ~0.1); dual clip c caps its loss at c * |A| and takes its gradient away, other tokens keep
+    theirs."""
     labels = torch.tensor([[IGNORE, 1, 2]])
     logp = torch.tensor([[0.0, -0.5, -1.0]], requires_grad=True)
     behaviour = torch.tensor([[0.0, -8.5, -1.05]])
@@ -191,7 +214,9 @@ def test_grpo_k3_kl_is_zero_at_the_reference_and_positive_elsewhere() -> None:
     logits, labels = _setup()
     logp = token_logprobs(logits, labels)
     same = _grpo(logp, labels, [0.0, 0.0, 0.0], None, clip_eps=0.2, ref_logp=logp, kl_coef=0.5)
-    moved = _grpo(logp, labels, [0.0, 0.0, 0.0], None, clip_eps=0.2, ref_logp=logp - 0.3, kl_coef=0.5)
+    moved = _grpo(
+        logp, labels, [0.0, 0.0, 0.0], None, clip_eps=0.2, ref_logp=logp - 0.3, kl_coef=0.5
+    )
     assert same.grpo_stats["kl"] == pytest.approx(0.0, abs=1e-6)
     n = float((labels != IGNORE).sum())
     k3 = math.exp(-0.3) + 0.3 - 1

@@ -7,20 +7,20 @@ from typing import Any
 import msgspec
 import pytest
 
-from actors.fake_episodes import INSTRUCTIONS
-from learner.materializers import (
+from leafe.actors.fake_episodes import INSTRUCTIONS
+from leafe.learner.materializers import (
     ReplayError,
     make_materializer,
 )
-from protocol.events import (
+from leafe.protocol.events import (
     Branch,
     EpisodeStarted,
     Outcome,
     Step,
     event_id_for,
 )
-from protocol.prompt import HistoryEntry, prompt_sha256, render_messages
-from protocol.samples import Sample
+from leafe.protocol.prompt import HistoryEntry, prompt_sha256, render_messages
+from leafe.protocol.samples import Sample
 from tests.support.materializers import TOK, E, Tree, fold
 
 
@@ -40,7 +40,8 @@ def corrected_tree() -> tuple[Tree, dict[str, Any]]:
 
 
 def test_counterfactual_input_is_parent_history_without_experience() -> None:
-    """D_cf: q + the parent's history up to tau, rendered without e; target = the branch's first step ids."""
+    """D_cf: q + the parent's history up to tau, rendered without e; target = the branch's first
+    step ids."""
     tree, ev = corrected_tree()
     samples, m = fold(tree.events, rehearsal_fraction=0.0)
     (cf,) = [s for s in samples if s.kind == "cf"]
@@ -64,16 +65,25 @@ def test_counterfactual_input_is_parent_history_without_experience() -> None:
         ev["refl"].event_id,
     }
     assert cf.source_event_ids == sorted(cf.source_event_ids)
-    assert cf.materializer == "leafe/1" and cf.policy_version == ev["a1"].policy_version and cf.weight == 1.0
+    assert (
+        cf.materializer == "leafe/1"
+        and cf.policy_version == ev["a1"].policy_version
+        and cf.weight == 1.0
+    )
     assert m.stats.prompt_mismatches == 0 and m.stats.prompts_verified == 1
 
 
 def test_rehearsal_covers_the_successful_path_and_is_deduplicated() -> None:
-    """D_reh with fraction 1: one sample per step of the successful path (inherited prefix + own steps)."""
+    """D_reh with fraction 1: one sample per step of the successful path (inherited prefix + own
+    steps)."""
     tree, ev = corrected_tree()
     samples, m = fold(tree.events, rehearsal_fraction=1.0, rehearsal_weight=0.5)
     reh = sorted((s for s in samples if s.kind == "reh"), key=lambda s: len(s.source_event_ids))
-    assert [s.completion_ids for s in reh] == [ev["s0"].token_ids, ev["a1"].token_ids, ev["a2"].token_ids]
+    assert [s.completion_ids for s in reh] == [
+        ev["s0"].token_ids,
+        ev["a1"].token_ids,
+        ev["a2"].token_ids,
+    ]
     assert all(s.weight == 0.5 for s in reh)
     assert all(E not in msg.content for s in reh for msg in s.messages)
     assert len({s.sample_id for s in samples}) == len(samples) == 4
@@ -81,7 +91,8 @@ def test_rehearsal_covers_the_successful_path_and_is_deduplicated() -> None:
 
 
 def test_rehearsal_fraction_is_seeded_and_per_step() -> None:
-    """The kept fraction is decided by hashing (seed, step id): same seed same choice, 0 keeps none."""
+    """The kept fraction is decided by hashing (seed, step id): same seed same choice, 0 keeps
+    none."""
     tree, _ = corrected_tree()
     ids = lambda s: {x.sample_id for x in s if x.kind == "reh"}  # noqa: E731
     a, _ = fold(tree.events, rehearsal_fraction=0.5, rehearsal_seed=7)
@@ -92,13 +103,16 @@ def test_rehearsal_fraction_is_seeded_and_per_step() -> None:
 
 
 def test_rehearsal_by_path_keeps_whole_successful_paths() -> None:
-    """``rehearsal_unit = "path"`` (the paper's "20% of successful rollouts"): a seed keeps every step of
-    the successful path or none of them, and over many seeds about the configured fraction of paths."""
+    """``rehearsal_unit = "path"`` (the paper's "20% of successful rollouts"): a seed keeps every
+    step of the successful path or none of them, and over many seeds about the configured fraction
+    of paths."""
     tree, ev = corrected_tree()
     whole = [ev["s0"].token_ids, ev["a1"].token_ids, ev["a2"].token_ids]
     kept = 0
     for seed in range(200):
-        samples, _ = fold(tree.events, rehearsal_fraction=0.25, rehearsal_seed=seed, rehearsal_unit="path")
+        samples, _ = fold(
+            tree.events, rehearsal_fraction=0.25, rehearsal_seed=seed, rehearsal_unit="path"
+        )
         reh = sorted((s for s in samples if s.kind == "reh"), key=lambda s: len(s.source_event_ids))
         assert [s.completion_ids for s in reh] in ([], whole), seed
         kept += bool(reh)
@@ -106,7 +120,8 @@ def test_rehearsal_by_path_keeps_whole_successful_paths() -> None:
 
 
 def test_failed_branch_gives_no_counterfactual_unless_configured() -> None:
-    """By default only successful branches give D_cf; cf_only_successful=False keeps failed ones too."""
+    """By default only successful branches give D_cf; cf_only_successful=False keeps failed ones
+    too."""
     tree = Tree()
     tree.step("b0")
     tree.outcome("b0", False)
@@ -142,7 +157,8 @@ def test_abandoned_episode_yields_nothing_from_unfinished_branches() -> None:
 
 
 def test_close_stale_closes_only_idle_episodes_and_ignores_late_events() -> None:
-    """close_stale(now, timeout) closes episodes idle longer than timeout; their late events are ignored."""
+    """close_stale(now, timeout) closes episodes idle longer than timeout; their late events are
+    ignored."""
     m = make_materializer("leafe", TOK)
     a, b = Tree("a"), Tree("b")
     m.apply(a.events[0], now=0.0)
@@ -204,7 +220,8 @@ def test_close_stale_closes_only_idle_episodes_and_ignores_late_events() -> None
     ],
 )
 def test_bad_events_raise_replay_error_and_leave_state_unchanged(mutate: Any, reason: str) -> None:
-    """Malformed or out-of-order events raise ReplayError naming the reason; the fold keeps going."""
+    """Malformed or out-of-order events raise ReplayError naming the reason; the fold keeps
+    going."""
     m = make_materializer("leafe", TOK, rehearsal_fraction=1.0)
     tree = Tree()
     for e in tree.events:
@@ -247,7 +264,8 @@ def test_duplicate_deliveries_are_ignored() -> None:
 
 
 def test_prompt_mismatch_is_counted_not_fatal() -> None:
-    """A Step whose prompt_sha256 differs from the rebuilt prompt is counted; the sample is still built."""
+    """A Step whose prompt_sha256 differs from the rebuilt prompt is counted; the sample is still
+    built."""
     tree = Tree()
     tree.step("b0", success=True, prompt_sha256="0" * 64)
     tree.outcome("b0", True)
@@ -261,7 +279,8 @@ def test_prompt_mismatch_is_counted_not_fatal() -> None:
 
 
 def test_eval_and_test_split_episodes_produce_nothing() -> None:
-    """Evaluation episodes and test-split tasks are never turned into training samples by default."""
+    """Evaluation episodes and test-split tasks are never turned into training samples by
+    default."""
     for started in ({"mode": "eval"}, {"split": "test"}):
         tree = Tree(**started)
         tree.step("b0", success=True)
@@ -271,18 +290,18 @@ def test_eval_and_test_split_episodes_produce_nothing() -> None:
 
 
 def test_fast_prompt_digest_equals_the_protocol_digest() -> None:
-    """The fold's packed digest is byte-for-byte protocol.prompt.prompt_sha256."""
-    from learner.materializers.base import fast_prompt_sha256
+    """The fold's packed digest is byte-for-byte leafe.protocol.prompt.prompt_sha256."""
+    from leafe.learner.materializers.base import fast_prompt_sha256
 
     for ids in ([], [0], [1, 49151, 2**32 - 1], list(range(0, 70000, 7))):
         assert fast_prompt_sha256(ids) == prompt_sha256(ids)
 
 
 def test_real_tokenizer_rebuilds_every_prompt_the_actor_sent(cache_dir: Any) -> None:
-    """With SmolLM2's chat template (tiny model), every target's rebuilt prompt matches Step.prompt_sha256
-    and cf prompt ids decode to text without the experience."""
-    from actors.fake_episodes import EXPERIENCE_MARKER, ExploreSpec, build_explore_episode
-    from learner.model_io import HFChatTokenizer, tiny_model_dir
+    """With SmolLM2's chat template (tiny model), every target's rebuilt prompt matches
+    Step.prompt_sha256 and cf prompt ids decode to text without the experience."""
+    from leafe.actors.fake_episodes import EXPERIENCE_MARKER, ExploreSpec, build_explore_episode
+    from leafe.learner.model_io import HFChatTokenizer, tiny_model_dir
 
     tok = HFChatTokenizer.from_dir(tiny_model_dir(cache_dir))
     events = [
@@ -290,7 +309,11 @@ def test_real_tokenizer_rebuilds_every_prompt_the_actor_sent(cache_dir: Any) -> 
         for i in range(12)
         for e in build_explore_episode(
             ExploreSpec(
-                seed=i, max_depth=2, p_success=0.2, history_window=2 * (i % 2), stop_on_success=False
+                seed=i,
+                max_depth=2,
+                p_success=0.2,
+                history_window=2 * (i % 2),
+                stop_on_success=False,
             ),
             run_id="r1",
             episode_id=f"ep{i}",
@@ -305,7 +328,8 @@ def test_real_tokenizer_rebuilds_every_prompt_the_actor_sent(cache_dir: Any) -> 
 
 
 def test_episodes_in_an_unknown_prompt_format_are_not_materialized() -> None:
-    """Prompts of another PROMPT_FORMAT cannot be rebuilt: such episodes are tracked but give no samples."""
+    """Prompts of another PROMPT_FORMAT cannot be rebuilt: such episodes are tracked but give no
+    samples."""
     tree = Tree(prompt_format="some-other-format")
     tree.step("b0", success=True)
     tree.outcome("b0", True)
@@ -315,7 +339,8 @@ def test_episodes_in_an_unknown_prompt_format_are_not_materialized() -> None:
 
 
 def test_a_new_event_after_episode_finished_is_rejected_but_a_redelivery_is_ignored() -> None:
-    """Past the end marker only redeliveries are expected: a higher seq is malformed input, not a late copy."""
+    """Past the end marker only redeliveries are expected: a higher seq is malformed input, not a
+    late copy."""
     tree, _ = corrected_tree()
     m = make_materializer("leafe", TOK, rehearsal_fraction=1.0)
     for e in tree.events:
@@ -323,16 +348,19 @@ def test_a_new_event_after_episode_finished_is_rejected_but_a_redelivery_is_igno
     assert m.apply(tree.events[1]) == [] and m.stats.after_close == 1
     last = tree.events[-1]
     seq = last.seq + 1
-    straggler = msgspec.structs.replace(tree.events[1], seq=seq, event_id=event_id_for(last.episode_id, seq))
+    straggler = msgspec.structs.replace(
+        tree.events[1], seq=seq, event_id=event_id_for(last.episode_id, seq)
+    )
     with pytest.raises(ReplayError, match="after the episode's EpisodeFinished"):
         m.apply(straggler)
     assert m.stats.rejected == 1
 
 
 def test_a_later_attempt_of_the_same_task_closes_the_earlier_one_as_abandoned() -> None:
-    """An actor killed mid-episode leaves attempt 1 open; when the task's redelivery starts attempt 2, the
-    fold closes attempt 1 at once (released, its stragglers ignored) instead of holding it, and the
-    replayer's anchor, until the idle timeout (an hour by default). An older attempt never closes a newer."""
+    """An actor killed mid-episode leaves attempt 1 open; when the task's redelivery starts attempt
+    2, the fold closes attempt 1 at once (released, its stragglers ignored) instead of holding it,
+    and the replayer's anchor, until the idle timeout (an hour by default). An older attempt never
+    closes a newer."""
     m = make_materializer("leafe", TOK)
     first = Tree("k.a1", task_key="k", attempt=1)
     m.apply(first.events[0], now=0.0)
@@ -349,6 +377,8 @@ def test_a_later_attempt_of_the_same_task_closes_the_earlier_one_as_abandoned() 
     other = Tree("j.a2", task_key="j", attempt=2)
     m.apply(other.events[0], now=5.0)
     assert m.is_open("k.a2") and m.is_open("j.a2")
-    newest = Tree("k.a3", task_key="k", attempt=3)  # still supersedes attempt 2, not the late attempt 0
+    newest = Tree(
+        "k.a3", task_key="k", attempt=3
+    )  # still supersedes attempt 2, not the late attempt 0
     m.apply(newest.events[0], now=6.0)
     assert not m.is_open("k.a2") and m.is_open("k.a0") and m.is_open("k.a3")

@@ -1,7 +1,7 @@
 """Materializers over demonstrations: ``sft`` (expert steps), ``iwm`` and ``sr`` (Early Experience).
 
-Logs come from real Sokoban demonstrations (``actors.demo.DemoRunner``) tokenized with SmolLM2's
-tokenizer, so the token claims are about the served tokenizer, not a fake."""
+Logs come from real Sokoban demonstrations (``leafe.actors.demo.DemoRunner``) tokenized with
+SmolLM2's tokenizer, so the token claims are about the served tokenizer, not a fake."""
 
 from __future__ import annotations
 
@@ -11,13 +11,18 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from actors.fake_episodes import ExploreSpec, build_explore_episode, build_rollout_group
-from actors.parsing import parse_action
-from learner.materializers import SAMPLE_KINDS, MaterializerConfigError, fold_events, make_materializer
-from learner.model_io import HFChatTokenizer
-from protocol.events import Branch, EpisodeEvent, EpisodeStarted, Reflection, Step
-from protocol.prompt import prompt_sha256
-from protocol.samples import Sample
+from leafe.actors.fake_episodes import ExploreSpec, build_explore_episode, build_rollout_group
+from leafe.actors.parsing import parse_action
+from leafe.learner.materializers import (
+    SAMPLE_KINDS,
+    MaterializerConfigError,
+    fold_events,
+    make_materializer,
+)
+from leafe.learner.model_io import HFChatTokenizer
+from leafe.protocol.events import Branch, EpisodeEvent, EpisodeStarted, Reflection, Step
+from leafe.protocol.prompt import prompt_sha256
+from leafe.protocol.samples import Sample
 from tests.support.demos import play_demo
 
 MOVES = ["up", "down", "left", "right"]
@@ -31,7 +36,9 @@ def smol(tiny_dir: Path) -> HFChatTokenizer:
 @pytest.fixture(scope="module")
 def demos(smol: HFChatTokenizer) -> list[list[EpisodeEvent]]:
     """Six demonstrations with alternatives and self-reflections (SmolLM2 tokens)."""
-    return [play_demo(i, tokenizer=smol, alternatives=5, self_reflection=True, seed=i) for i in range(6)]
+    return [
+        play_demo(i, tokenizer=smol, alternatives=5, self_reflection=True, seed=i) for i in range(6)
+    ]
 
 
 def flat(episodes: list[list[EpisodeEvent]]) -> list[EpisodeEvent]:
@@ -45,8 +52,8 @@ def expert_steps(episode: list[EpisodeEvent]) -> list[Step]:
 def test_sft_samples_are_the_expert_steps_exactly(
     smol: HFChatTokenizer, demos: list[list[EpisodeEvent]]
 ) -> None:
-    """One sample per expert step (never an alternative): the step's exact completion ids, and a prompt
-    whose digest is the one the step recorded (verified, no mismatch)."""
+    """One sample per expert step (never an alternative): the step's exact completion ids, and a
+    prompt whose digest is the one the step recorded (verified, no mismatch)."""
     fold = make_materializer("sft", smol)
     samples = fold_events(flat(demos), fold).samples
     steps = [s for ep in demos for s in expert_steps(ep)]
@@ -64,7 +71,8 @@ def test_sft_samples_are_the_expert_steps_exactly(
 def test_a_tampered_log_fails_prompt_verification(
     smol: HFChatTokenizer, demos: list[list[EpisodeEvent]]
 ) -> None:
-    """Verification is real: change one expert observation and the prompts after it no longer match."""
+    """Verification is real: change one expert observation and the prompts after it no longer
+    match."""
     episode = list(next(ep for ep in demos if len(expert_steps(ep)) > 1))
     i = next(i for i, e in enumerate(episode) if isinstance(e, Step) and e.branch_id == "b0")
     step = episode[i]
@@ -87,7 +95,8 @@ def test_sft_never_reads_other_modes_or_the_test_split(
     ]
     others += build_rollout_group(rng, run_id="r1", group_id="g", n=3, p_success=1.0)
     forged = [
-        msgspec.structs.replace(e, split="test") if isinstance(e, EpisodeStarted) else e for e in demos[0]
+        msgspec.structs.replace(e, split="test") if isinstance(e, EpisodeStarted) else e
+        for e in demos[0]
     ]
     fold = make_materializer("sft", smol)
     assert fold_events([*flat(others), *forged], fold).samples == []
@@ -104,18 +113,24 @@ def alternatives(episode: list[EpisodeEvent]) -> list[Step]:
 def test_iwm_targets_are_the_executed_observations_exactly(
     smol: HFChatTokenizer, demos: list[list[EpisodeEvent]]
 ) -> None:
-    """Input: the state's prompt with 'Action: a'' in place of the question; target: the observation the
-    alternative produced, character for character, tokenized and ended with the end-of-turn token."""
+    """Input: the state's prompt with 'Action: a'' in place of the question; target: the observation
+    the alternative produced, character for character, tokenized and ended with the end-of-turn
+    token."""
     fold = make_materializer("iwm", smol)
     samples = fold_events(flat(demos), fold).samples
     iwm = [s for s in samples if s.kind == "iwm"]
     alts = [a for ep in demos for a in alternatives(ep)]
     assert alts and len(iwm) == len(alts)
-    by_alt = {next(x for x in s.source_event_ids if x in {a.event_id for a in alts}): s for s in iwm}
+    by_alt = {
+        next(x for x in s.source_event_ids if x in {a.event_id for a in alts}): s for s in iwm
+    }
     for alt in alts:
         sample = by_alt[alt.event_id]
         assert sample.messages[sample.target_turn].content == alt.observation
-        assert sample.completion_ids[-1] == 2 and smol.decode(sample.completion_ids[:-1]) == alt.observation
+        assert (
+            sample.completion_ids[-1] == 2
+            and smol.decode(sample.completion_ids[:-1]) == alt.observation
+        )
         assert f"Action: {alt.action}\n" in sample.messages[-2].content
         assert sample.prompt_ids == smol.encode_chat(sample.messages[: sample.target_turn])
     assert sum(s.kind == "sft" for s in samples) == sum(len(expert_steps(ep)) for ep in demos)
@@ -127,8 +142,9 @@ def test_iwm_targets_are_the_executed_observations_exactly(
 def test_sr_targets_are_the_reflection_then_the_expert_answer(
     smol: HFChatTokenizer, demos: list[list[EpisodeEvent]]
 ) -> None:
-    """Input: the state's prompt prefilled with <think>; target: the logged reflection, </think>, then
-    the expert step's exact ids; the policy's parser reads the expert action from that answer."""
+    """Input: the state's prompt prefilled with <think>; target: the logged reflection, </think>,
+    then the expert step's exact ids; the policy's parser reads the expert action from that
+    answer."""
     fold = make_materializer("sr", smol)
     samples = fold_events(flat(demos), fold).samples
     sr = [s for s in samples if s.kind == "sr"]
@@ -137,7 +153,9 @@ def test_sr_targets_are_the_reflection_then_the_expert_answer(
     steps = {e.event_id: e for ep in demos for e in expert_steps(ep)}
     for sample in sr:
         refl = next(reflections[x] for x in sample.source_event_ids if x in reflections)
-        expert = steps[sample.source_event_ids[-1]] if sample.source_event_ids[-1] in steps else None
+        expert = (
+            steps[sample.source_event_ids[-1]] if sample.source_event_ids[-1] in steps else None
+        )
         expert = expert or next(
             steps[x] for x in sample.source_event_ids if x in steps and steps[x].t == refl.tau
         )
@@ -151,11 +169,14 @@ def test_sr_targets_are_the_reflection_then_the_expert_answer(
 
 
 def test_sr_needs_the_policys_reflection(smol: HFChatTokenizer) -> None:
-    """Alternatives without self-reflection (empty markers) give no sr sample, only demonstrations."""
+    """Alternatives without self-reflection (empty markers) give no sr sample, only
+    demonstrations."""
     episode = play_demo(2, tokenizer=smol, alternatives=5, seed=2)
     fold = make_materializer("sr", smol)
     samples = fold_events(episode, fold).samples
-    assert {s.kind for s in samples} == {"sft"} and fold.stats.skipped_no_target == len(alternatives(episode))
+    assert {s.kind for s in samples} == {"sft"} and fold.stats.skipped_no_target == len(
+        alternatives(episode)
+    )
 
 
 def test_demo_materializers_are_registered_with_their_kinds(smol: HFChatTokenizer) -> None:
@@ -166,20 +187,25 @@ def test_demo_materializers_are_registered_with_their_kinds(smol: HFChatTokenize
         assert make_materializer(name, smol).tag == f"{name}/1"
 
 
-def test_samples_round_trip_the_wire_format(smol: HFChatTokenizer, demos: list[list[EpisodeEvent]]) -> None:
+def test_samples_round_trip_the_wire_format(
+    smol: HFChatTokenizer, demos: list[list[EpisodeEvent]]
+) -> None:
     """The new kinds encode and decode as Samples (protocol SampleKind)."""
     for name in ("iwm", "sr"):
         for sample in fold_events(flat(demos[:2]), make_materializer(name, smol)).samples:
             assert msgspec.msgpack.decode(msgspec.msgpack.encode(sample), type=Sample) == sample
 
 
-@pytest.mark.parametrize(("name", "other_kinds"), [("warm-leafe", {"cf", "reh"}), ("warm-grpo", {"grpo"})])
+@pytest.mark.parametrize(
+    ("name", "other_kinds"), [("warm-leafe", {"cf", "reh"}), ("warm-grpo", {"grpo"})]
+)
 def test_warm_materializers_fold_demonstrations_as_sft_and_the_rest_as_their_base(
     smol: HFChatTokenizer, demos: list[list[EpisodeEvent]], name: str, other_kinds: set[str]
 ) -> None:
-    """``warm-leafe``/``warm-grpo`` (one run: warm start, then LEAFE or GRPO): demonstrations give exactly
-    ``sft``'s samples; explore trees give exactly ``leafe``'s, grouped rollouts exactly ``grpo``'s; a
-    test-split demonstration gives nothing and the test split is refused in the options."""
+    """``warm-leafe``/``warm-grpo`` (one run: warm start, then LEAFE or GRPO): demonstrations give
+    exactly ``sft``'s samples; explore trees give exactly ``leafe``'s, grouped rollouts exactly
+    ``grpo``'s; a test-split demonstration gives nothing and the test split is refused in the
+    options."""
     rng = random.Random(0)
     explore = [
         build_explore_episode(
@@ -193,17 +219,23 @@ def test_warm_materializers_fold_demonstrations_as_sft_and_the_rest_as_their_bas
     groups = [
         ep
         for g in range(6)
-        for ep in build_rollout_group(rng, run_id="r1", group_id=f"g{g}", n=4, p_success=0.5, tokenizer=smol)
+        for ep in build_rollout_group(
+            rng, run_id="r1", group_id=f"g{g}", n=4, p_success=0.5, tokenizer=smol
+        )
     ]
     forged = [
-        msgspec.structs.replace(e, split="test") if isinstance(e, EpisodeStarted) else e for e in demos[0]
+        msgspec.structs.replace(e, split="test") if isinstance(e, EpisodeStarted) else e
+        for e in demos[0]
     ]
     events = [*flat(demos), *flat(explore), *flat(groups), *forged]
     base = "leafe" if name == "warm-leafe" else "grpo"
 
-    def content(samples: list[Sample]) -> set[tuple[object, ...]]:  # ids hash the materializer's name
+    def content(
+        samples: list[Sample],
+    ) -> set[tuple[object, ...]]:  # ids hash the materializer's name
         return {
-            (s.kind, tuple(s.source_event_ids), tuple(s.prompt_ids), tuple(s.completion_ids)) for s in samples
+            (s.kind, tuple(s.source_event_ids), tuple(s.prompt_ids), tuple(s.completion_ids))
+            for s in samples
         }
 
     want = content(fold_events(flat(demos), make_materializer("sft", smol)).samples)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from learner.materializers import (
+from leafe.learner.materializers import (
     LeafeMaterializer,
     MaterializerConfigError,
     make_materializer,
 )
-from protocol.samples import Sample
+from leafe.protocol.samples import Sample
 from tests.support.materializers import TOK, Tree, fold
 
 
@@ -32,7 +32,8 @@ def rollout(
 
 
 def test_grpo_group_normalised_advantages() -> None:
-    """Once all n rollouts finished: advantage (r - mean)/(std + eps) per trajectory, one sample per step."""
+    """Once all n rollouts finished: advantage (r - mean)/(std + eps) per trajectory, one sample per
+    step."""
     events = [e for i, ok in enumerate([True, False, False]) for e in rollout("g1", i, ok).events]
     m = make_materializer("grpo", TOK)
     out: list[Sample] = []
@@ -52,7 +53,8 @@ def test_grpo_group_normalised_advantages() -> None:
 
 
 def test_grpo_zero_variance_group_and_release_timing() -> None:
-    """Equal returns give no samples (counted); members are released only when their group is done."""
+    """Equal returns give no samples (counted); members are released only when their group is
+    done."""
     m = make_materializer("grpo", TOK)
     trees = [rollout("g2", i, False) for i in range(3)]
     for e in trees[0].events + trees[1].events:
@@ -64,7 +66,8 @@ def test_grpo_zero_variance_group_and_release_timing() -> None:
 
 
 def test_grpo_retried_task_uses_one_attempt() -> None:
-    """A redelivered task whose two attempts both finish counts once (the smaller episode id wins)."""
+    """A redelivered task whose two attempts both finish counts once (the smaller episode id
+    wins)."""
     a1, a2 = rollout("g3", 0, True, n=2, attempt=1), rollout("g3", 0, False, n=2, attempt=2)
     other = rollout("g3", 1, False, n=2)
     m = make_materializer("grpo", TOK)
@@ -75,8 +78,9 @@ def test_grpo_retried_task_uses_one_attempt() -> None:
 
 
 def test_grpo_rollouts_that_cannot_join_their_group_are_counted_not_mixed_in() -> None:
-    """Members past an emitted group, or declaring another group_size (a batch resubmitted with another n
-    under the same run), give no samples and are counted; the group keeps its own members only."""
+    """Members past an emitted group, or declaring another group_size (a batch resubmitted with
+    another n under the same run), give no samples and are counted; the group keeps its own members
+    only."""
     pair = [rollout("g5", i, ok, n=2) for i, ok in enumerate([True, False])]
     late = [rollout("g5", i, ok, n=4) for i, ok in ((2, True), (3, False))]
     m = make_materializer("grpo", TOK)
@@ -86,7 +90,11 @@ def test_grpo_rollouts_that_cannot_join_their_group_are_counted_not_mixed_in() -
             out += m.apply(e)
     assert {s.episode_id for s in out} == {"g5-0.a1", "g5-1.a1"} and m.stats.group_outsiders == 2
     assert sorted(m.drain_released()) == ["g5-0.a1", "g5-1.a1", "g5-2.a1", "g5-3.a1"]
-    mixed = [rollout("g6", 0, True, n=2), rollout("g6", 1, False, n=3), rollout("g6", 2, False, n=2)]
+    mixed = [
+        rollout("g6", 0, True, n=2),
+        rollout("g6", 1, False, n=3),
+        rollout("g6", 2, False, n=2),
+    ]
     m = make_materializer("grpo", TOK)
     out = [s for e in [e for t in mixed for e in t.events] for s in m.apply(e)]
     assert {s.episode_id for s in out} == {"g6-0.a1", "g6-2.a1"} and m.stats.group_outsiders == 1

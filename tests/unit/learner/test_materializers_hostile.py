@@ -1,8 +1,10 @@
-"""The fold under hostile input: deep trees, exceptions, conflicting copies, floods, ignored episodes.
+"""The fold under hostile input: deep trees, exceptions, conflicting copies, floods, ignored
+episodes.
 
-Each test pins one guarantee of ``learner.materializers`` (see ``base``, ``lifecycle``, ``tree``): nothing
-recurses on input depth, an exception is contained to its episode, a conflict is rejected, held episodes
-are capped, episodes that give no samples hold nothing, and per-episode caps reject past them.
+Each test pins one guarantee of ``leafe.learner.materializers`` (see ``base``, ``lifecycle``,
+``tree``): nothing recurses on input depth, an exception is contained to its episode, a conflict is
+rejected, held episodes are capped, episodes that give no samples hold nothing, and per-episode caps
+reject past them.
 """
 
 from __future__ import annotations
@@ -10,19 +12,32 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from actors.fake_episodes import EventWriter
-from actors.fakes import ByteChatTokenizer
-from learner.materializers import EpisodeFailed, OpenLimits, ReplayError, fold_events, make_materializer
-from protocol.codec import decode_event, encode
-from protocol.events import EpisodeEvent, EpisodeStarted, Step
-from tests.support.hostile import PoisonTokenizer, branch_chain, flood_starts, started_fields, step_fields
+from leafe.actors.fake_episodes import EventWriter
+from leafe.actors.fakes import ByteChatTokenizer
+from leafe.learner.materializers import (
+    EpisodeFailed,
+    OpenLimits,
+    ReplayError,
+    fold_events,
+    make_materializer,
+)
+from leafe.protocol.codec import decode_event, encode
+from leafe.protocol.events import EpisodeEvent, EpisodeStarted, Step
+from tests.support.hostile import (
+    PoisonTokenizer,
+    branch_chain,
+    flood_starts,
+    started_fields,
+    step_fields,
+)
 from tests.support.materializers import Tree
 
 TOK = ByteChatTokenizer()
 
 
 def corrected_tree() -> tuple[Tree, None]:
-    """b0 fails; a reflection blames t=1; b1 redoes t=1 with e and succeeds (a cf and reh samples)."""
+    """b0 fails; a reflection blames t=1; b1 redoes t=1 with e and succeeds (a cf and reh
+    samples)."""
     tree = Tree()
     for action in ("up", "left", "left"):
         tree.step("b0", action)
@@ -36,9 +51,9 @@ def corrected_tree() -> tuple[Tree, None]:
 
 
 def test_a_chain_of_2000_nested_branches_is_folded_without_recursion() -> None:
-    """Each Branch the child of the previous one, 2,000 deep (twice Python's recursion limit, under the
-    default max_branches): folded, with the deepest branch's counterfactual, whose target is that
-    branch's first step."""
+    """Each Branch the child of the previous one, 2,000 deep (twice Python's recursion limit, under
+    the default max_branches): folded, with the deepest branch's counterfactual, whose target is
+    that branch's first step."""
     events = branch_chain("r1", "deep", depth=2000)
     fold = make_materializer("leafe", TOK, rehearsal_fraction=0.0)
     result = fold_events(events, fold)
@@ -49,8 +64,8 @@ def test_a_chain_of_2000_nested_branches_is_folded_without_recursion() -> None:
 
 
 def test_branches_and_events_past_the_per_episode_caps_are_rejected() -> None:
-    """max_branches and max_episode_events bound one episode's state: the event past a cap is rejected
-    with the cap's name, the episode goes on."""
+    """max_branches and max_episode_events bound one episode's state: the event past a cap is
+    rejected with the cap's name, the episode goes on."""
     fold = make_materializer("leafe", TOK, max_branches=3)
     result = fold_events(branch_chain("r1", "wide", depth=5), fold)
     assert result.rejected > 0 and fold.stats.rejected == result.rejected
@@ -64,9 +79,9 @@ def test_branches_and_events_past_the_per_episode_caps_are_rejected() -> None:
 
 
 def test_an_exception_while_folding_drops_only_its_episode_with_the_cause() -> None:
-    """A poisoned prompt makes the tokenizer raise at the Outcome: EpisodeFailed (cause chained), the
-    episode released and its later events rejected with the reason; the other episode's samples are the
-    ones it gives alone, and a second fold of the same log decides the same."""
+    """A poisoned prompt makes the tokenizer raise at the Outcome: EpisodeFailed (cause chained),
+    the episode released and its later events rejected with the reason; the other episode's samples
+    are the ones it gives alone, and a second fold of the same log decides the same."""
     poison = branch_chain("r1", "poison", depth=1, tau=0, observation="POISON")
     good, _ = corrected_tree()
     fold = make_materializer("leafe", PoisonTokenizer(TOK), rehearsal_fraction=1.0)
@@ -90,7 +105,8 @@ def test_an_exception_while_folding_drops_only_its_episode_with_the_cause() -> N
 
 
 def test_a_second_copy_of_an_event_id_with_other_content_is_a_conflict() -> None:
-    """The first copy wins; an identical copy is a duplicate; a different one is rejected as a conflict."""
+    """The first copy wins; an identical copy is a duplicate; a different one is rejected as a
+    conflict."""
     tree, _ = corrected_tree()
     step = next(e for e in tree.events if isinstance(e, Step))
     at = tree.events.index(step)
@@ -105,21 +121,25 @@ def test_a_second_copy_of_an_event_id_with_other_content_is_a_conflict() -> None
     clean = fold_events(tree.events, make_materializer("leafe", TOK, rehearsal_fraction=1.0))
     assert samples == clean.samples and fold.stats.conflicts == 1
     nan = Tree("nan")
-    step = nan.step("b0", reward=float("nan"))  # unequal to itself, yet the same bytes: a redelivery
+    step = nan.step(
+        "b0", reward=float("nan")
+    )  # unequal to itself, yet the same bytes: a redelivery
     fold.apply(nan.events[0])
     fold.apply(step)
     assert fold.apply(decode_event(encode(step))) == [] and fold.stats.conflicts == 1
 
 
 def test_held_episodes_are_capped_per_actor_and_per_run_and_released_slots_reopen() -> None:
-    """Past max_per_actor (then max_open) an EpisodeStarted is refused with the cap's name and the rest of
-    its episode is rejected with that reason; a released episode frees its slot."""
+    """Past max_per_actor (then max_open) an EpisodeStarted is refused with the cap's name and the
+    rest of its episode is rejected with that reason; a released episode frees its slot."""
     fold = make_materializer("leafe", TOK)
     fold.limits = OpenLimits(max_open=5, max_per_actor=3)
     flood = flood_starts("r1", 4, actor_id="mallory")
     for e in flood[:3]:
         fold.apply(e)
-    with pytest.raises(ReplayError, match=r"actor 'mallory' already holds 3 .*max_open_per_actor = 3"):
+    with pytest.raises(
+        ReplayError, match=r"actor 'mallory' already holds 3 .*max_open_per_actor = 3"
+    ):
         fold.apply(flood[3])
     late = EventWriter("r1", flood[3].episode_id, actor_id="mallory")
     late.events.append(flood[3])
@@ -137,8 +157,8 @@ def test_held_episodes_are_capped_per_actor_and_per_run_and_released_slots_reope
 
 
 def test_episodes_the_materializer_cannot_use_hold_nothing() -> None:
-    """Eval episodes (and for leafe, rollouts) never open: no state, nothing to release, their events
-    dropped and counted, never rejected."""
+    """Eval episodes (and for leafe, rollouts) never open: no state, nothing to release, their
+    events dropped and counted, never rejected."""
     fold = make_materializer("leafe", TOK)
     events: list[EpisodeEvent] = []
     for mode in ("eval", "rollout"):

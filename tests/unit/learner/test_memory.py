@@ -1,4 +1,5 @@
-"""The learner's allocator setting, in a process of its own (it is process-wide and cannot be undone)."""
+"""The learner's allocator setting, in a process of its own (it is process-wide and cannot be
+undone)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ ROOT = Path(__file__).resolve().parents[3]
 
 _CHILD = """
 import json, resource, sys, torch
-from learner.config import TrainerConfig
-from learner.distributed import init_distributed
-from learner.trainer import Trainer
+from leafe.learner.config import TrainerConfig
+from leafe.learner.distributed import init_distributed
+from leafe.learner.trainer import Trainer
 
 def faults():  # minor page faults of reallocating a freed 64 MB block, 6 times
     out = []
@@ -26,7 +27,8 @@ def faults():  # minor page faults of reallocating a freed 64 MB block, 6 times
     return out
 
 plain = faults()
-Trainer(TrainerConfig(precision="fp32", **json.loads(sys.argv[2])), sys.argv[1], init_distributed("gloo"))
+Trainer(TrainerConfig(precision="fp32", **json.loads(sys.argv[2])), sys.argv[1], \
+init_distributed("gloo"))
 print(json.dumps({"before": plain, "after": faults()}))
 """
 
@@ -47,11 +49,11 @@ def _faults(tiny_dir: Path, config: dict[str, bool]) -> dict[str, list[int]]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator (Linux)")
 def test_a_default_trainer_reuses_a_freed_block_without_page_faults(tiny_dir: Path) -> None:
-    """glibc serves a 64 MB block with mmap and returns it on free, so each reuse faults in its 16,384
-    pages again (~7 us each on these VMs); once a default Trainer exists, the block is reused from the
-    heap: the first uses may still fault (the heap grows; another thread's allocation can land on the freed
-    block once), the later ones do not. With ``reuse_freed_memory = false`` the process keeps glibc's
-    behaviour."""
+    """glibc serves a 64 MB block with mmap and returns it on free, so each reuse faults in its
+    16,384 pages again (~7 us each on these VMs); once a default Trainer exists, the block is reused
+    from the heap: the first uses may still fault (the heap grows; another thread's allocation can
+    land on the freed block once), the later ones do not. With ``reuse_freed_memory = false`` the
+    process keeps glibc's behaviour."""
     pages = 16 * 2**20 * 4 // 4096
     default = _faults(tiny_dir, {})
     assert min(default["before"]) > pages // 2, default  # glibc's default: every reuse faults

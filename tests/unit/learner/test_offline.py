@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from learner.config import TrainConfig, train_preset
-from learner.offline import iter_batches, read_samples, steps_per_epoch
-from services.config import load_config
+from leafe.learner.config import TrainConfig, train_preset
+from leafe.learner.offline import iter_batches, read_samples, steps_per_epoch
+from leafe.services.config import load_config
 from tests.support.learner import make_samples, write_shards
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -22,7 +22,8 @@ def _ids(batches: list) -> list[list[str]]:
 
 @pytest.mark.parametrize("bare", [False, True])
 def test_shards_round_trip(tmp_path: Path, bare: bool) -> None:
-    """Samples written as a dataset (manifest) or as bare JSONL shards read back identical, in order."""
+    """Samples written as a dataset (manifest) or as bare JSONL shards read back identical, in
+    order."""
     samples = make_samples(10)
     write_shards(tmp_path / "d", samples, per_shard=4, bare=bare)
     assert read_samples(tmp_path / "d") == samples
@@ -30,7 +31,7 @@ def test_shards_round_trip(tmp_path: Path, bare: bool) -> None:
 
 def test_a_modified_dataset_shard_is_refused(tmp_path: Path) -> None:
     """A shard that no longer matches the dataset manifest's sha256 is an error naming the file."""
-    from learner.dataset import DatasetError
+    from leafe.learner.dataset import DatasetError
 
     d = write_shards(tmp_path / "d", make_samples(3))
     with (d / "samples-00000.jsonl").open("a") as f:
@@ -49,10 +50,13 @@ def test_a_bad_line_is_reported_with_file_and_line(tmp_path: Path) -> None:
 
 
 def test_epochs_reshuffle_and_resume_continues_the_same_order() -> None:
-    """Each epoch is a seeded permutation; resuming from (epoch, position) yields exactly the rest."""
+    """Each epoch is a seeded permutation; resuming from (epoch, position) yields exactly the
+    rest."""
     samples = make_samples(10)
     cfg = load_config(
-        TrainConfig, preset=train_preset("cpu"), overrides={"epochs": 2, "trainer.batch.global_batch": 4}
+        TrainConfig,
+        preset=train_preset("cpu"),
+        overrides={"epochs": 2, "trainer.batch.global_batch": 4},
     )
     full = list(iter_batches(samples, cfg))
     assert [len(b.samples) for b in full] == [4, 4, 2, 4, 4, 2]
@@ -61,18 +65,20 @@ def test_epochs_reshuffle_and_resume_continues_the_same_order() -> None:
         s.sample_id for s in samples
     )
     assert _ids(full[:3]) != _ids(full[3:])
-    resumed = list(iter_batches(samples, cfg, start_epoch=full[1].epoch, start_position=full[1].position))
+    resumed = list(
+        iter_batches(samples, cfg, start_epoch=full[1].epoch, start_position=full[1].position)
+    )
     assert _ids(resumed) == _ids(full[2:])
     done_epoch = list(iter_batches(samples, cfg, start_epoch=0, start_position=10))
     assert _ids(done_epoch) == _ids(full[3:])
 
 
 def test_leafe_train_runs_resumes_and_exports(dist_env, tiny_dir: Path, tmp_path: Path) -> None:
-    """`leafe train` trains every batch of every epoch, writes metrics (and each step's loss to TensorBoard),
-    checkpoints and a final export; a second invocation on the same --out resumes at the end and trains
-    nothing more."""
-    from learner.model_io import verify_manifest
-    from learner.offline import train
+    """`leafe train` trains every batch of every epoch, writes metrics (and each step's loss to
+    TensorBoard), checkpoints and a final export; a second invocation on the same --out resumes at
+    the end and trains nothing more."""
+    from leafe.learner.model_io import verify_manifest
+    from leafe.learner.offline import train
 
     data = write_shards(tmp_path / "data", make_samples(12))
     overrides = {
@@ -102,12 +108,12 @@ def test_leafe_train_runs_resumes_and_exports(dist_env, tiny_dir: Path, tmp_path
 def test_a_training_killed_after_a_checkpoint_resumes_to_the_same_weights(
     dist_env, tiny_dir: Path, tmp_path: Path
 ) -> None:
-    """What a paper-table phase cut by the end of a working period relies on: a `leafe train` killed after
-    its step-2 checkpoint (emulated: only that checkpoint survives) resumes there, mid-epoch, and exports
-    bit-identical weights to the run that was never interrupted."""
+    """What a paper-table phase cut by the end of a working period relies on: a `leafe train` killed
+    after its step-2 checkpoint (emulated: only that checkpoint survives) resumes there, mid-epoch,
+    and exports bit-identical weights to the run that was never interrupted."""
     import shutil
 
-    from learner.offline import train
+    from leafe.learner.offline import train
 
     data = write_shards(tmp_path / "data", make_samples(12))
     overrides = {
@@ -128,11 +134,12 @@ def test_a_training_killed_after_a_checkpoint_resumes_to_the_same_weights(
 def test_a_run_asked_to_stop_checkpoints_its_last_step_and_resumes_to_the_same_weights(
     dist_env, tiny_dir: Path, tmp_path: Path
 ) -> None:
-    """``stop`` (what SIGTERM sets in ``leafe train``) ends the run before its next step, with a checkpoint
-    of the steps taken though none was due and no export; the rerun resumes there and exports the weights
-    of the run never stopped. A stop asked during the last step changes nothing: that run exports."""
-    from learner.checkpoint import latest_checkpoint
-    from learner.offline import train
+    """``stop`` (what SIGTERM sets in ``leafe train``) ends the run before its next step, with a
+    checkpoint of the steps taken though none was due and no export; the rerun resumes there and
+    exports the weights of the run never stopped. A stop asked during the last step changes nothing:
+    that run exports."""
+    from leafe.learner.checkpoint import latest_checkpoint
+    from leafe.learner.offline import train
 
     data = write_shards(tmp_path / "data", make_samples(12))
     overrides = {"epochs": 2, "trainer": {"batch": {"global_batch": 4}, "checkpoint_every": 100}}

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from learner.online import SampleBuffer, policy_lag
-from protocol.samples import Sample
+from leafe.learner.online import SampleBuffer, policy_lag
+from leafe.protocol.samples import Sample
 from tests.support.learner import make_sample
 
 
 @dataclass
 class FakeDelivery:
-    """Stands in for services.bus.Delivery: only value and stream_seq are read."""
+    """Stands in for leafe.services.bus.Delivery: only value and stream_seq are read."""
 
     value: Sample
     stream_seq: int
@@ -38,7 +38,8 @@ def test_policy_lag_counts_versions_behind() -> None:
 
 
 def test_take_returns_lowest_sequences_first_and_advances_the_floor() -> None:
-    """Batches are cut in stream order whatever the arrival order; later redeliveries are duplicates."""
+    """Batches are cut in stream order whatever the arrival order; later redeliveries are
+    duplicates."""
     buf: SampleBuffer[FakeDelivery] = SampleBuffer(kinds=["cf", "reh"], max_policy_lag=None)
     buf.add([_d(7), _d(3), _d(5), _d(9)])
     b = buf.take(2, current_index=0)
@@ -50,7 +51,8 @@ def test_take_returns_lowest_sequences_first_and_advances_the_floor() -> None:
 
 
 def test_stale_and_foreign_kind_samples_are_consumed_but_not_trained() -> None:
-    """Samples too many versions behind, or of an untrained kind, are dropped, counted and still consumed."""
+    """Samples too many versions behind, or of an untrained kind, are dropped, counted and still
+    consumed."""
     buf: SampleBuffer[FakeDelivery] = SampleBuffer(kinds=["cf"], max_policy_lag=2)
     buf.add(
         [
@@ -71,10 +73,15 @@ def test_stale_and_foreign_kind_samples_are_consumed_but_not_trained() -> None:
 
 
 def test_take_fills_the_batch_past_dropped_samples() -> None:
-    """A batch holds global_batch trainable samples when enough are buffered, skipping stale ones."""
+    """A batch holds global_batch trainable samples when enough are buffered, skipping stale
+    ones."""
     buf: SampleBuffer[FakeDelivery] = SampleBuffer(kinds=["cf"], max_policy_lag=0)
     buf.add(
-        [_d(1, policy_version="default"), _d(2, policy_version="v000001"), _d(3, policy_version="v000001")]
+        [
+            _d(1, policy_version="default"),
+            _d(2, policy_version="v000001"),
+            _d(3, policy_version="v000001"),
+        ]
     )
     b = buf.take(2, current_index=1)
     assert len(b.samples) == 2 and b.stale == 1 and b.max_seq == 3
@@ -95,9 +102,9 @@ def test_ready_on_full_batch_or_after_waiting() -> None:
 
 
 def test_a_release_trains_the_same_batches_whatever_the_arrival_order() -> None:
-    """A phased release is cut into batches in sample-id order, so two interleavings of one phase's samples
-    in the stream give the same batches; only the last batch claims the released sequence (a checkpoint
-    in between would claim samples not yet trained); later sequences stay buffered."""
+    """A phased release is cut into batches in sample-id order, so two interleavings of one phase's
+    samples in the stream give the same batches; only the last batch claims the released sequence (a
+    checkpoint in between would claim samples not yet trained); later sequences stay buffered."""
     samples = [make_sample(i, kind="cf" if i % 3 else "reh") for i in range(7)]
     cuts = []
     for order in ([0, 1, 2, 3, 4, 5, 6], [5, 2, 6, 0, 3, 1, 4]):
@@ -115,8 +122,8 @@ def test_a_release_trains_the_same_batches_whatever_the_arrival_order() -> None:
 
 
 def test_an_empty_release_still_moves_the_floor() -> None:
-    """A phase that made no sample (or none this learner trains) is one empty batch claiming the release,
-    so the learner's consumed sequence reaches it and the run goes on."""
+    """A phase that made no sample (or none this learner trains) is one empty batch claiming the
+    release, so the learner's consumed sequence reaches it and the run goes on."""
     buf: SampleBuffer[FakeDelivery] = SampleBuffer(kinds=["cf"], max_policy_lag=None)
     buf.add([_d(4, kind="grpo")])
     (batch,) = buf.take_release(6, 4, current_index=0)

@@ -1,5 +1,6 @@
-"""bf16 training (learner/fsdp.py, learner/trainer.py): what ``auto`` picks, the loss curve against fp32,
-and fp32 master weights behind bf16 compute (checkpoints and exports as fp32 training writes them)."""
+"""bf16 training (learner/fsdp.py, learner/trainer.py): what ``auto`` picks, the loss curve against
+fp32, and fp32 master weights behind bf16 compute (checkpoints and exports as fp32 training writes
+them)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from learner.config import BatchConfig, OptimConfig, TrainerConfig
-from learner.distributed import DistEnv
-from learner.fsdp import cpu_has_native_bf16, resolve_precision
-from learner.model_io import load_model
-from learner.trainer import Trainer
+from leafe.learner.config import BatchConfig, OptimConfig, TrainerConfig
+from leafe.learner.distributed import DistEnv
+from leafe.learner.fsdp import cpu_has_native_bf16, resolve_precision
+from leafe.learner.model_io import load_model
+from leafe.learner.trainer import Trainer
 from tests.support.learner import make_samples
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -23,7 +24,12 @@ CPU = DistEnv(
     rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo", owns_group=False
 )
 GPU = DistEnv(
-    rank=0, world_size=1, local_rank=0, device=torch.device("cuda"), backend="nccl", owns_group=False
+    rank=0,
+    world_size=1,
+    local_rank=0,
+    device=torch.device("cuda"),
+    backend="nccl",
+    owns_group=False,
 )
 
 
@@ -31,11 +37,13 @@ GPU = DistEnv(
 def test_auto_is_bf16_exactly_where_the_cpu_has_bf16_dot_products(
     monkeypatch: pytest.MonkeyPatch, native: bool
 ) -> None:
-    """``auto``: bf16 on a CPU with AVX512-BF16 or AMX, fp32 on one without (bf16 would be emulated there),
-    bf16 on GPU; an explicit choice is kept; an unknown one is an error naming it."""
+    """``auto``: bf16 on a CPU with AVX512-BF16 or AMX, fp32 on one without (bf16 would be emulated
+    there), bf16 on GPU; an explicit choice is kept; an unknown one is an error naming it."""
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)  # oneDNN not capped
+    monkeypatch.setattr(
+        torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True
+    )  # oneDNN not capped
     assert resolve_precision("auto", CPU) == ("bf16" if native else "fp32")
     assert resolve_precision("auto", GPU) == "bf16"
     assert resolve_precision("fp32", CPU) == "fp32" and resolve_precision("bf16", CPU) == "bf16"
@@ -47,30 +55,43 @@ def _cpu_flags() -> set[str]:
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.is_file():
         pytest.skip("no /proc/cpuinfo on this OS")
-    return {f for line in cpuinfo.read_text().splitlines() if line.startswith("flags") for f in line.split()}
+    return {
+        f
+        for line in cpuinfo.read_text().splitlines()
+        if line.startswith("flags")
+        for f in line.split()
+    }
 
 
 def test_native_bf16_detection_agrees_with_the_kernels_cpu_flags() -> None:
-    """torch's view of the CPU matches the flags Linux reports (avx512_bf16 or amx_tile), unless oneDNN
-    is capped below them (``ONEDNN_MAX_CPU_ISA``, as `make test`'s AVX2 pass sets it): then no bf16."""
+    """torch's view of the CPU matches the flags Linux reports (avx512_bf16 or amx_tile), unless
+    oneDNN is capped below them (``ONEDNN_MAX_CPU_ISA``, as `make test`'s AVX2 pass sets it): then
+    no bf16."""
     capped = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert cpu_has_native_bf16() == (bool(_cpu_flags() & {"avx512_bf16", "amx_tile"}) and not capped)
+    assert cpu_has_native_bf16() == (
+        bool(_cpu_flags() & {"avx512_bf16", "amx_tile"}) and not capped
+    )
 
 
 def test_onednn_capped_at_avx2_trains_in_fp32() -> None:
-    """With oneDNN capped at AVX2 (how an AVX-512 host approximates an AVX2-only one), ``auto`` picks fp32
-    as an AVX2-only CPU does: bf16 matmuls would run emulated, ~100x slower (the approximated `make run`
-    trained its warm start at ~5 min a step in bf16 on a Zen 4 host, where the AVX2-only CPU takes fp32)."""
+    """With oneDNN capped at AVX2 (how an AVX-512 host approximates an AVX2-only one), ``auto``
+    picks fp32 as an AVX2-only CPU does: bf16 matmuls would run emulated, ~100x slower (the
+    approximated `make run` trained its warm start at ~5 min a step in bf16 on a Zen 4 host, where
+    the AVX2-only CPU takes fp32)."""
     import subprocess
     import sys
 
     code = (
-        "import torch; from learner.distributed import DistEnv; from learner.fsdp import resolve_precision; "
-        "env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device('cpu'), backend='gloo', "
+        "import torch; from leafe.learner.distributed import DistEnv; from leafe.learner.fsdp "
+        "import resolve_precision; "
+        "env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device('cpu'), "
+        "backend='gloo', "
         "owns_group=False); print(resolve_precision('auto', env))"
     )
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
     assert out.stdout.split()[-1] == "fp32", out.stdout + out.stderr
 
 
@@ -84,10 +105,11 @@ def _cfg(precision: str, lr: float = 1e-3) -> TrainerConfig:
 
 
 def test_bf16_loss_curve_stays_within_a_thousandth_of_fp32(dist_env, tiny_dir: Path) -> None:
-    """Ten steps on the same batch and seed: the bf16 loss stays within 1e-3 (relative) of fp32's at every
-    step while falling just as far. Why 1e-3: it is half of bf16's unit roundoff (2^-9 ~ 2e-3), so a
-    loss reduction or master weights slipping into bf16 fail it, while the bf16 matmuls (fp32 accumulation,
-    fp32 loss) deviate ~5e-5 on this model: rounding noise passes with a 20x margin."""
+    """Ten steps on the same batch and seed: the bf16 loss stays within 1e-3 (relative) of fp32's at
+    every step while falling just as far. Why 1e-3: it is half of bf16's unit roundoff (2^-9 ~
+    2e-3), so a loss reduction or master weights slipping into bf16 fail it, while the bf16 matmuls
+    (fp32 accumulation, fp32 loss) deviate ~5e-5 on this model: rounding noise passes with a 20x
+    margin."""
     batch = make_samples(16, kinds=("cf", "reh"))
     curves = {}
     for precision in ("fp32", "bf16"):
@@ -103,9 +125,10 @@ def test_bf16_loss_curve_stays_within_a_thousandth_of_fp32(dist_env, tiny_dir: P
 
 
 def test_bf16_training_keeps_fp32_master_weights(dist_env, tiny_dir: Path, tmp_path: Path) -> None:
-    """At lr 1e-6 AdamW moves each weight by ~1e-6, far below bf16's resolution at these weights (~1e-4):
-    bf16 training still moves most weights by about that much, so the weights it updates, checkpoints and
-    exports (fp32 on request; bf16 by default = the fp32 weights rounded once) are fp32."""
+    """At lr 1e-6 AdamW moves each weight by ~1e-6, far below bf16's resolution at these weights
+    (~1e-4): bf16 training still moves most weights by about that much, so the weights it updates,
+    checkpoints and exports (fp32 on request; bf16 by default = the fp32 weights rounded once) are
+    fp32."""
     before = {k: v.clone() for k, v in load_model(tiny_dir).state_dict().items()}
     trainer = Trainer(_cfg("bf16", lr=1e-6), tiny_dir, dist_env)
     trainer.train_step(make_samples(16, kinds=("cf", "reh")))

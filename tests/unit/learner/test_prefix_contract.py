@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from actors.config import ExplorerConfig
-from actors.episode import EpisodeSpec, ListSink
-from actors.explorer import Explorer
-from actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
-from learner.materializers import make_materializer
-from protocol.events import EpisodeStarted
+from leafe.actors.config import ExplorerConfig
+from leafe.actors.episode import EpisodeSpec, ListSink
+from leafe.actors.explorer import Explorer
+from leafe.actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
+from leafe.learner.materializers import make_materializer
+from leafe.protocol.events import EpisodeStarted
 
 pytestmark = pytest.mark.anyio
 
@@ -20,7 +20,8 @@ TOK = ByteChatTokenizer()
 
 
 async def _episode(prefix: str) -> list[Any]:
-    # With a prefix the engine only writes the continuation ("left</action>"): the prefix is in the prompt.
+    # With a prefix the engine only writes the continuation ("left</action>"): the prefix is in the
+    # prompt.
     engine = ScriptedEngine(
         actions=["left</action>", "right</action>", "right</action>", "right</action>"],
         reflections=["<step>0</step><experience>Go right, the pit is left.</experience>"],
@@ -36,14 +37,19 @@ async def _episode(prefix: str) -> list[Any]:
         seed=0,
     )
     config = ExplorerConfig(k=0, max_depth=2, response_prefix=prefix)
-    await Explorer(engine=engine, tokenizer=TOK, env=CorridorEnv(), config=config, sink=sink, spec=spec).run()
-    assert all(bytes(c.input_ids).decode().endswith(prefix) for c in engine.calls if c.kind == "action")
+    await Explorer(
+        engine=engine, tokenizer=TOK, env=CorridorEnv(), config=config, sink=sink, spec=spec
+    ).run()
+    assert all(
+        bytes(c.input_ids).decode().endswith(prefix) for c in engine.calls if c.kind == "action"
+    )
     return sink.events
 
 
 async def test_prefilled_prefix_is_parsed_recorded_and_rebuilt_exactly() -> None:
-    """The explorer parses prefix + continuation, records the prefix in EpisodeStarted, and every rebuilt
-    prompt (prefix tokens included) matches the digest the actor recorded; targets stay the exact ids."""
+    """The explorer parses prefix + continuation, records the prefix in EpisodeStarted, and every
+    rebuilt prompt (prefix tokens included) matches the digest the actor recorded; targets stay the
+    exact ids."""
     events = await _episode("<action>")
     started = events[0]
     assert isinstance(started, EpisodeStarted) and started.response_prefix == "<action>"

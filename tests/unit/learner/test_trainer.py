@@ -1,4 +1,5 @@
-"""Unit tests of the FSDP2 trainer on one plain-python rank (the same code path torchrun ranks run)."""
+"""Unit tests of the FSDP2 trainer on one plain-python rank (the same code path torchrun ranks
+run)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from learner.checkpoint import Progress, load_latest, save_checkpoint
-from learner.config import BatchConfig, LossConfig, OptimConfig, TrainerConfig
-from learner.model_io import load_model, verify_manifest
-from learner.trainer import Trainer
-from protocol.samples import Sample
+from leafe.learner.checkpoint import Progress, load_latest, save_checkpoint
+from leafe.learner.config import BatchConfig, LossConfig, OptimConfig, TrainerConfig
+from leafe.learner.model_io import load_model, verify_manifest
+from leafe.learner.trainer import Trainer
+from leafe.protocol.samples import Sample
 from tests.support.learner import assert_same_weights, make_sample, make_samples
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,7 +35,8 @@ def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def test_training_lowers_the_loss_on_a_fixed_batch(dist_env, tiny_dir: Path) -> None:
-    """Repeated steps on one batch reduce L (the optimizer, schedule and loss are wired together)."""
+    """Repeated steps on one batch reduce L (the optimizer, schedule and loss are wired
+    together)."""
     trainer = Trainer(_cfg(), tiny_dir, dist_env)
     batch = make_samples(8)
     losses = [trainer.train_step(batch).loss for _ in range(5)]
@@ -43,8 +45,9 @@ def test_training_lowers_the_loss_on_a_fixed_batch(dist_env, tiny_dir: Path) -> 
 
 
 def test_micro_batch_split_does_not_change_the_step(dist_env, tiny_dir: Path) -> None:
-    """Gradient accumulation over many small micro-batches equals one big micro-batch: same loss, same
-    gradient norm, same updated weights (up to AdamW sign flips of ~zero gradients, see the helper)."""
+    """Gradient accumulation over many small micro-batches equals one big micro-batch: same loss,
+    same gradient norm, same updated weights (up to AdamW sign flips of ~zero gradients, see the
+    helper)."""
     batch = make_samples(8, kinds=("cf", "reh", "rft"))
     one = Trainer(_cfg(micro_batch_tokens=100_000), tiny_dir, dist_env)
     many = Trainer(_cfg(micro_batch_tokens=24), tiny_dir, dist_env)
@@ -56,22 +59,27 @@ def test_micro_batch_split_does_not_change_the_step(dist_env, tiny_dir: Path) ->
 
 
 def _mixed_batch() -> list[Sample]:
-    """cf/reh/rft samples plus GRPO samples with advantages of both signs and behaviour logprobs near the
-    tiny model's (about -ln 49152), so that some ratios are clipped and some are not."""
+    """cf/reh/rft samples plus GRPO samples with advantages of both signs and behaviour logprobs
+    near the tiny model's (about -ln 49152), so that some ratios are clipped and some are not."""
     batch = make_samples(9, kinds=("cf", "reh", "rft"))
     behaviour = [[-10.7, -10.9, -11.2], [-10.8, -10.6, -10.85], None, [-11.0, -10.75, -10.8]]
     for j, (adv, bl) in enumerate(zip([1.5, -0.7, 0.4, -1.2], behaviour, strict=True)):
-        batch.append(make_sample(50 + j, kind="grpo", completion_len=3, advantage=adv, behaviour_logprobs=bl))
+        batch.append(
+            make_sample(50 + j, kind="grpo", completion_len=3, advantage=adv, behaviour_logprobs=bl)
+        )
     return batch
 
 
 def test_packing_does_not_change_the_step(dist_env, tiny_dir: Path) -> None:
-    """Packed rows (several samples per row, per-sample attention) and left-padded length buckets give the
-    same step on a batch mixing every kind, GRPO with behaviour logprobs included: same loss and per-kind
-    losses, clip fraction, gradient norm and updated weights; packing processes no padding."""
+    """Packed rows (several samples per row, per-sample attention) and left-padded length buckets
+    give the same step on a batch mixing every kind, GRPO with behaviour logprobs included: same
+    loss and per-kind losses, clip fraction, gradient norm and updated weights; packing processes no
+    padding."""
     batch = _mixed_batch()
     bucketed = Trainer(_cfg(micro_batch_tokens=40, global_batch=13), tiny_dir, dist_env)
-    packed = Trainer(_cfg(micro_batch_tokens=40, global_batch=13, bucketing="pack"), tiny_dir, dist_env)
+    packed = Trainer(
+        _cfg(micro_batch_tokens=40, global_batch=13, bucketing="pack"), tiny_dir, dist_env
+    )
     for _ in range(2):  # the second step runs on weights (and AdamW moments) the first one updated
         a, b = bucketed.train_step(batch), packed.train_step(batch)
         assert b.micro_batches > 1
@@ -83,12 +91,16 @@ def test_packing_does_not_change_the_step(dist_env, tiny_dir: Path) -> None:
 
 
 def test_a_shared_prefix_does_not_change_the_step(dist_env, tiny_dir: Path) -> None:
-    """``share_prefix``: the same mixed batch with a 40-token prompt prefix in common gives the same step
-    whether each packed row holds the prefix once or every sample in full: same losses, clip fraction,
-    gradient norm and updated weights, for fewer tokens through the model."""
+    """``share_prefix``: the same mixed batch with a 40-token prompt prefix in common gives the same
+    step whether each packed row holds the prefix once or every sample in full: same losses, clip
+    fraction, gradient norm and updated weights, for fewer tokens through the model."""
     prefix = list(range(100, 140))
-    batch = [msgspec.structs.replace(s, prompt_ids=[*prefix, *s.prompt_ids]) for s in _mixed_batch()]
-    full = Trainer(_cfg(micro_batch_tokens=160, global_batch=13, bucketing="pack"), tiny_dir, dist_env)
+    batch = [
+        msgspec.structs.replace(s, prompt_ids=[*prefix, *s.prompt_ids]) for s in _mixed_batch()
+    ]
+    full = Trainer(
+        _cfg(micro_batch_tokens=160, global_batch=13, bucketing="pack"), tiny_dir, dist_env
+    )
     cfg = _cfg(micro_batch_tokens=160, global_batch=13, bucketing="pack", share_prefix=True)  # type: ignore[arg-type]
     shared = Trainer(cfg, tiny_dir, dist_env)
     for _ in range(2):
@@ -103,8 +115,8 @@ def test_a_shared_prefix_does_not_change_the_step(dist_env, tiny_dir: Path) -> N
 def test_export_writes_a_loadable_hf_directory_with_the_trained_weights(
     dist_env, tiny_dir: Path, tmp_path: Path
 ) -> None:
-    """The export (fp32 here) loads with transformers into exactly the trainer's weights; the manifest
-    verifies; the tied LM head is not duplicated."""
+    """The export (fp32 here) loads with transformers into exactly the trainer's weights; the
+    manifest verifies; the tied LM head is not duplicated."""
     trainer = Trainer(_cfg(), tiny_dir, dist_env)
     trainer.train_step(make_samples(8))
     digest = trainer.export(tmp_path / "v000001", version="v000001", dtype="fp32")
@@ -128,9 +140,9 @@ def test_bf16_export_is_the_default(dist_env, tiny_dir: Path, tmp_path: Path) ->
 def test_resume_gives_the_same_next_step_as_an_uninterrupted_run(
     dist_env, tiny_dir: Path, tmp_path: Path, precision: str
 ) -> None:
-    """Checkpoint after 2 steps, rebuild from scratch, load: step 3's loss, lr and weights match a run
-    that never stopped (model, AdamW moments, scheduler and progress all restored), in fp32 and in bf16
-    (whose checkpoint holds the same fp32 master weights and moments)."""
+    """Checkpoint after 2 steps, rebuild from scratch, load: step 3's loss, lr and weights match a
+    run that never stopped (model, AdamW moments, scheduler and progress all restored), in fp32 and
+    in bf16 (whose checkpoint holds the same fp32 master weights and moments)."""
     batches = [make_samples(8, start=8 * i) for i in range(3)]
     straight = Trainer(_cfg(precision), tiny_dir, dist_env)
     expected = [straight.train_step(b) for b in batches]
@@ -157,7 +169,9 @@ ACTIONS = [314, 1592, 2718, 8281]
 def _policy(trainer: Trainer, prompt: list[int]) -> torch.Tensor:
     """Full-vocabulary log-probabilities of the next token."""
     with torch.no_grad():
-        logits = trainer.model(input_ids=torch.tensor([prompt]), logits_to_keep=1).logits[0, -1].float()
+        logits = (
+            trainer.model(input_ids=torch.tensor([prompt]), logits_to_keep=1).logits[0, -1].float()
+        )
     return torch.log_softmax(logits, -1)
 
 
@@ -167,11 +181,15 @@ def _expected_reward(trainer: Trainer, prompt: list[int]) -> float:
 
 
 def test_grpo_raises_the_reward_of_the_rewarded_completion(dist_env, tiny_dir: Path) -> None:
-    """Toy bandit: the agent picks one of 4 action tokens (sampled from the policy restricted to them);
-    reward 1 for the first, 0 otherwise. Groups of 16, group-normalised advantages, behaviour logprobs
-    from the sampling policy: a few GRPO steps raise the expected reward well above its start."""
+    """Toy bandit: the agent picks one of 4 action tokens (sampled from the policy restricted to
+    them); reward 1 for the first, 0 otherwise. Groups of 16, group-normalised advantages, behaviour
+    logprobs from the sampling policy: a few GRPO steps raise the expected reward well above its
+    start."""
     cfg = TrainerConfig(
-        optim=OptimConfig(lr=3e-3), batch=BatchConfig(global_batch=16), loss=LossConfig(clip_eps=0.2), seed=1
+        optim=OptimConfig(lr=3e-3),
+        batch=BatchConfig(global_batch=16),
+        loss=LossConfig(clip_eps=0.2),
+        seed=1,
     )
     trainer = Trainer(cfg, tiny_dir, dist_env)
     prompt = [11, 42, 7, 99, 5, 63]
@@ -185,7 +203,10 @@ def test_grpo_raises_the_reward_of_the_rewarded_completion(dist_env, tiny_dir: P
         group = [
             _with_ids(
                 make_sample(
-                    100 * it + j, kind="grpo", advantage=a, behaviour_logprobs=[float(logp[ACTIONS[k]])]
+                    100 * it + j,
+                    kind="grpo",
+                    advantage=a,
+                    behaviour_logprobs=[float(logp[ACTIONS[k]])],
                 ),
                 prompt,
                 [ACTIONS[k]],
@@ -205,7 +226,8 @@ def _with_ids(s: Sample, prompt: list[int], completion: list[int]) -> Sample:
 
 
 def test_grpo_with_kl_reports_a_growing_kl_to_the_reference(dist_env, tiny_dir: Path) -> None:
-    """With kl_coef > 0 a frozen reference is built; KL starts at 0 and grows as the policy moves."""
+    """With kl_coef > 0 a frozen reference is built; KL starts at 0 and grows as the policy
+    moves."""
     cfg = TrainerConfig(
         optim=OptimConfig(lr=1e-2), batch=BatchConfig(global_batch=4), loss=LossConfig(kl_coef=0.1)
     )
@@ -217,10 +239,12 @@ def test_grpo_with_kl_reports_a_growing_kl_to_the_reference(dist_env, tiny_dir: 
     assert second.kl is not None and second.kl > 0
 
 
-def test_a_partial_batch_takes_a_proportionally_smaller_step_when_asked(dist_env, tiny_dir: Path) -> None:
-    """``scale_partial_batches``: one sample of a global batch of 8 moves every weight 1/8 as far as the
-    same step unscaled (AdamW's first step is lr * sign-like, whatever the batch); a full batch is
-    unchanged, and the schedule's lr is back in place for the next step."""
+def test_a_partial_batch_takes_a_proportionally_smaller_step_when_asked(
+    dist_env, tiny_dir: Path
+) -> None:
+    """``scale_partial_batches``: one sample of a global batch of 8 moves every weight 1/8 as far as
+    the same step unscaled (AdamW's first step is lr * sign-like, whatever the batch); a full batch
+    is unchanged, and the schedule's lr is back in place for the next step."""
     import msgspec
 
     one = make_samples(1)
@@ -228,7 +252,8 @@ def test_a_partial_batch_takes_a_proportionally_smaller_step_when_asked(dist_env
     for scale in (False, True):
         cfg = _cfg()
         cfg = msgspec.structs.replace(
-            cfg, optim=msgspec.structs.replace(cfg.optim, warmup_steps=0, scale_partial_batches=scale)
+            cfg,
+            optim=msgspec.structs.replace(cfg.optim, warmup_steps=0, scale_partial_batches=scale),
         )
         trainer = Trainer(cfg, tiny_dir, dist_env)
         before = _params(trainer)
@@ -236,14 +261,16 @@ def test_a_partial_batch_takes_a_proportionally_smaller_step_when_asked(dist_env
         after = _params(trainer)
         deltas[scale] = torch.cat([(after[k] - before[k]).flatten() for k in before]).abs().sum()
         assert stats.lr == pytest.approx(1e-3 / (8 if scale else 1))
-        assert trainer.scheduler.get_last_lr()[0] == pytest.approx(trainer.optimizer.param_groups[0]["lr"])
+        assert trainer.scheduler.get_last_lr()[0] == pytest.approx(
+            trainer.optimizer.param_groups[0]["lr"]
+        )
     assert float(deltas[True] / deltas[False]) == pytest.approx(1 / 8, rel=0.02)
 
 
 def test_lr_by_kind_sets_each_kinds_step_size(dist_env, tiny_dir: Path) -> None:
-    """``lr_by_kind``: a step on ``sft`` samples at 4x the base lr moves the weights 4x as far as the same
-    step at the base lr (AdamW's first step scales with lr); a mixed batch gets the samples' mean lr; the
-    schedule's own lr is unchanged afterwards."""
+    """``lr_by_kind``: a step on ``sft`` samples at 4x the base lr moves the weights 4x as far as
+    the same step at the base lr (AdamW's first step scales with lr); a mixed batch gets the
+    samples' mean lr; the schedule's own lr is unchanged afterwards."""
     import msgspec
 
     batch = [msgspec.structs.replace(s, kind="sft") for s in make_samples(8)]
@@ -252,18 +279,24 @@ def test_lr_by_kind_sets_each_kinds_step_size(dist_env, tiny_dir: Path) -> None:
         cfg = _cfg()
         cfg = msgspec.structs.replace(
             cfg,
-            optim=msgspec.structs.replace(cfg.optim, warmup_steps=0, schedule="constant", lr_by_kind=by_kind),
+            optim=msgspec.structs.replace(
+                cfg.optim, warmup_steps=0, schedule="constant", lr_by_kind=by_kind
+            ),
         )
         trainer = Trainer(cfg, tiny_dir, dist_env)
         before = _params(trainer)
         stats = trainer.train_step(batch)
         after = _params(trainer)
-        deltas[bool(by_kind)] = torch.cat([(after[k] - before[k]).flatten() for k in before]).abs().sum()
+        deltas[bool(by_kind)] = (
+            torch.cat([(after[k] - before[k]).flatten() for k in before]).abs().sum()
+        )
         assert stats.lr == pytest.approx(4e-3 if by_kind else 1e-3)
         assert trainer.scheduler.get_last_lr()[0] == pytest.approx(1e-3)
         # 2 sft samples at 4e-3, 6 cf samples at the base 1e-3
         mixed = [*batch[:2], *make_samples(6, start=100, kinds=("cf",))]
-        assert trainer.train_step(mixed).lr == pytest.approx((2 * 4e-3 + 6e-3) / 8 if by_kind else 1e-3)
+        assert trainer.train_step(mixed).lr == pytest.approx(
+            (2 * 4e-3 + 6e-3) / 8 if by_kind else 1e-3
+        )
     assert float(deltas[True] / deltas[False]) == pytest.approx(4.0, rel=0.05)
 
 
@@ -277,15 +310,15 @@ def test_lr_by_kind_refuses_unknown_kinds_and_non_positive_lrs() -> None:
 def test_the_allocator_reuses_freed_memory_unless_asked_to_release_it(
     dist_env, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Pinning glibc's mmap threshold made every CPU step 1.63x slower (a page fault per 4 KiB of every
-    freed-and-reallocated activation, ``learner/memory.py``): only ``release_freed_memory`` (the
-    memory-bound setting) pins it; the default keeps freed blocks in the heap for reuse; with neither
-    the allocator is left alone."""
-    import learner.trainer
+    """Pinning glibc's mmap threshold made every CPU step 1.63x slower (a page fault per 4 KiB of
+    every freed-and-reallocated activation, ``learner/memory.py``): only ``release_freed_memory``
+    (the memory-bound setting) pins it; the default keeps freed blocks in the heap for reuse; with
+    neither the allocator is left alone."""
+    from leafe.learner import trainer as trainer_module
 
     calls: list[str] = []
-    monkeypatch.setattr(learner.trainer, "pin_mmap_threshold", lambda: calls.append("pin") or True)
-    monkeypatch.setattr(learner.trainer, "reuse_freed_memory", lambda: calls.append("reuse") or True)
+    monkeypatch.setattr(trainer_module, "pin_mmap_threshold", lambda: calls.append("pin") or True)
+    monkeypatch.setattr(trainer_module, "reuse_freed_memory", lambda: calls.append("reuse") or True)
     base = msgspec.structs.asdict(_cfg())
     for overrides, want in (
         ({}, ["reuse"]),

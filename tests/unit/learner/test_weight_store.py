@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from learner.weight_store import in_use_versions, mark_in_use, prune_versions, version_index, version_name
+from leafe.learner.weight_store import (
+    in_use_versions,
+    mark_in_use,
+    prune_versions,
+    version_index,
+    version_name,
+)
 
 
 def test_version_names_round_trip_and_base_is_zero() -> None:
@@ -28,7 +34,8 @@ def _store(tmp_path: Path, n: int) -> Path:
 
 
 def test_prune_keeps_the_newest_and_in_use_versions(tmp_path: Path) -> None:
-    """Beyond `keep`, old versions go, except protected and in-use ones; other dirs are untouched."""
+    """Beyond `keep`, old versions go, except protected and in-use ones; other dirs are
+    untouched."""
     store = _store(tmp_path, 6)
     mark_in_use(store, "http://a:30000", "v000002")
     assert in_use_versions(store) == {"v000002"}

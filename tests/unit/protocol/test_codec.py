@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from protocol.codec import (
+from leafe.protocol.codec import (
     CODEC_HEADER,
     CODEC_VERSION,
     MSG_ID_HEADER,
@@ -18,9 +18,9 @@ from protocol.codec import (
     headers_for,
     message_id,
 )
-from protocol.events import Outcome, Reflection, Step, WeightsPublished
-from protocol.samples import ChatMessage, Sample
-from protocol.tasks import TaskAssignment
+from leafe.protocol.events import Outcome, Reflection, Step, WeightsPublished
+from leafe.protocol.samples import ChatMessage, Sample
+from leafe.protocol.tasks import TaskAssignment
 from tests.support.strategies import make_episode
 
 STEP = make_episode("r1", "ep1")[1]
@@ -52,9 +52,12 @@ WEIGHTS = WeightsPublished(
 )
 
 
-@pytest.mark.parametrize("data", [b"", b"\xc1", b"\x93\x01\x02", b"\xff" * 10, b"\x81\xa4kind\xa4nope"])
+@pytest.mark.parametrize(
+    "data", [b"", b"\xc1", b"\x93\x01\x02", b"\xff" * 10, b"\x81\xa4kind\xa4nope"]
+)
 def test_malformed_bytes_raise_protocol_error(data: bytes) -> None:
-    """Empty input, reserved bytes, arrays, garbage and unknown tags all raise ProtocolError with a reason."""
+    """Empty input, reserved bytes, arrays, garbage and unknown tags all raise ProtocolError with a
+    reason."""
     with pytest.raises(ProtocolError) as info:
         decode_event(data)
     assert info.value.what == "episode event"
@@ -117,7 +120,8 @@ def test_old_payload_without_defaulted_fields_still_decodes() -> None:
 
 
 def test_old_reflection_without_oracle_labels_or_prompt_digest_decodes() -> None:
-    """A Reflection written before oracle labels existed decodes with no verdict and no prompt digest."""
+    """A Reflection written before oracle labels existed decodes with no verdict and no prompt
+    digest."""
     refl = next(e for e in make_episode("r1", "ep1") if isinstance(e, Reflection))
     doc = msgspec.to_builtins(refl)
     for name in ("oracle_tau", "oracle_experience", "prompt_sha256"):
@@ -136,13 +140,15 @@ def test_old_reflection_without_oracle_labels_or_prompt_digest_decodes() -> None
     [(decode_task, STEP), (decode_event, TASK), (decode_sample, WEIGHTS), (decode_weights, SAMPLE)],
 )
 def test_message_of_another_stream_is_rejected(decode: object, msg: msgspec.Struct) -> None:
-    """Each decoder only accepts its own stream's type; a message from another stream is a ProtocolError."""
+    """Each decoder only accepts its own stream's type; a message from another stream is a
+    ProtocolError."""
     with pytest.raises(ProtocolError):
         decode(encode(msg), CODEC_VERSION)  # type: ignore[operator]
 
 
 def test_codec_version_none_means_current_and_unknown_is_refused() -> None:
-    """No codec header decodes as the current version; an unknown version is refused with its value."""
+    """No codec header decodes as the current version; an unknown version is refused with its
+    value."""
     assert decode_event(encode(STEP), None) == STEP
     assert decode_event(encode(STEP), CODEC_VERSION) == STEP
     with pytest.raises(ProtocolError, match="'2'"):
@@ -150,7 +156,8 @@ def test_codec_version_none_means_current_and_unknown_is_refused() -> None:
 
 
 def test_message_ids_and_headers() -> None:
-    """The dedupe id is the event id, task key or sample id; headers carry it and the codec version."""
+    """The dedupe id is the event id, task key or sample id; headers carry it and the codec
+    version."""
     assert message_id(STEP) == STEP.event_id
     assert message_id(TASK) == TASK.task_key
     assert message_id(SAMPLE) == SAMPLE.sample_id

@@ -1,10 +1,11 @@
-"""Subject builders and stream specs: exact subjects, clear rejections, every subject has one stream."""
+"""Subject builders and stream specs: exact subjects, clear rejections, every subject has one
+stream."""
 
 from __future__ import annotations
 
 import pytest
 
-from protocol.subjects import (
+from leafe.protocol.subjects import (
     DEAD_LETTERS,
     EVENTS,
     LEGACY_ACTOR,
@@ -37,10 +38,12 @@ def _matches(pattern: str, subject: str) -> bool:
 
 
 def test_subjects_have_the_documented_shape() -> None:
-    """Each builder yields ``leafe.<run>.<area>[.<kind>]`` exactly as DESIGN.md lists it."""
+    """Each builder yields ``leafe.<run>.<area>[.<kind>]`` exactly as docs/architecture.md lists
+    it."""
     assert event_subject("r1", "step", "a0") == "leafe.r1.events.step.a0"
     assert (
-        event_subject("r1", "episode_started", "r1-actor-2") == "leafe.r1.events.episode_started.r1-actor-2"
+        event_subject("r1", "episode_started", "r1-actor-2")
+        == "leafe.r1.events.episode_started.r1-actor-2"
     )
     assert actor_events_subjects("r1", "a0") == "leafe.r1.events.*.a0"
     assert task_subject("run-2") == "leafe.run-2.tasks"
@@ -70,7 +73,8 @@ def test_subjects_have_the_documented_shape() -> None:
     ],
 )
 def test_invalid_run_ids_are_rejected_with_the_value_named(bad: str) -> None:
-    """Dots, spaces, wildcards, leading punctuation, >64 chars and non-ASCII are refused, quoting the id."""
+    """Dots, spaces, wildcards, leading punctuation, >64 chars and non-ASCII are refused, quoting
+    the id."""
     with pytest.raises(InvalidRunId, match="invalid run id") as info:
         validate_run_id(bad)
     assert repr(bad) in str(info.value)
@@ -84,7 +88,8 @@ def test_invalid_run_ids_are_rejected_with_the_value_named(bad: str) -> None:
 
 
 def test_non_string_run_id_is_rejected() -> None:
-    """A run id that is not a string (e.g. an int from a config) is an InvalidRunId, not a TypeError."""
+    """A run id that is not a string (e.g. an int from a config) is an InvalidRunId, not a
+    TypeError."""
     with pytest.raises(InvalidRunId):
         validate_run_id(12)  # type: ignore[arg-type]
 
@@ -99,13 +104,19 @@ def test_invalid_kind_tokens_are_rejected(kind: str) -> None:
 
 
 def test_event_subjects_name_their_actor_and_legacy_ones_read_as_the_legacy_actor() -> None:
-    """``(run, kind, actor)`` from a subject with the actor token; a tokenless legacy subject is actor
-    ``legacy``, a name no actor may take; anything else (an extra token, a token no actor id can be) raises."""
+    """``(run, kind, actor)`` from a subject with the actor token; a tokenless legacy subject is
+    actor ``legacy``, a name no actor may take; anything else (an extra token, a token no actor id
+    can be) raises."""
     assert event_subject_parts("leafe.r1.events.step.a0") == ("r1", "step", "a0")
     assert event_subject_parts("leafe.r1.events.step") == ("r1", "step", LEGACY_ACTOR)
     with pytest.raises(InvalidRunId, match="reserved"):
         validate_actor_id(LEGACY_ACTOR)
-    for bad in ("leafe.r1.events.step.a0.x", "leafe.r1.events.step.-a", "leafe.r1.samples.cf.a0", "leafe.r1"):
+    for bad in (
+        "leafe.r1.events.step.a0.x",
+        "leafe.r1.events.step.-a",
+        "leafe.r1.samples.cf.a0",
+        "leafe.r1",
+    ):
         with pytest.raises(ValueError, match="not an"):
             event_subject_parts(bad)
 
@@ -117,7 +128,8 @@ def test_boundary_run_ids_are_accepted() -> None:
 
 
 def test_every_subject_is_captured_by_exactly_one_stream() -> None:
-    """Streams never overlap (JetStream would refuse) and every builder's subject lands in its stream."""
+    """Streams never overlap (JetStream would refuse) and every builder's subject lands in its
+    stream."""
     cases = {
         event_subject("r1", "step", "a0"): EVENTS,
         "leafe.r1.events.step": EVENTS,  # a legacy subject, without the actor token
@@ -132,7 +144,8 @@ def test_every_subject_is_captured_by_exactly_one_stream() -> None:
 
 
 def test_stream_specs_follow_the_design() -> None:
-    """Tasks are a work queue; everything is file-backed, never expires, and dedupes for a long window."""
+    """Tasks are a work queue; everything is file-backed, never expires, and dedupes for a long
+    window."""
     assert TASKS.retention == "workqueue"
     assert {s.name for s in STREAMS} == {
         "LEAFE_EVENTS",

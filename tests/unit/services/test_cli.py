@@ -1,5 +1,5 @@
-"""The ``leafe`` command: every verb answers ``--help`` without loading torch (so it is instant), and an
-unknown verb is a usage error."""
+"""The ``leafe`` command: every verb answers ``--help`` without loading torch (so it is instant),
+and an unknown verb is a usage error."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import VERBS, main
+from leafe.services.cli import VERBS, main
 
 ROOT = Path(__file__).resolve().parents[3]
 _PROBE = """
 import contextlib, io, sys
-from services.cli import main
+from leafe.services.cli import main
 with contextlib.redirect_stdout(io.StringIO()):
     try:
         main([{verb!r}, "--help"])
@@ -26,10 +26,14 @@ print("torch" in sys.modules, "transformers" in sys.modules)
 
 @pytest.mark.parametrize("verb", sorted(VERBS))
 def test_help_of_every_verb_loads_no_torch(verb: str) -> None:
-    """``leafe <verb> --help`` exits 0 and never imports torch or transformers (heavy imports wait until
-    the flags were read)."""
+    """``leafe <verb> --help`` exits 0 and never imports torch or transformers (heavy imports wait
+    until the flags were read)."""
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE.format(verb=verb)], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", _PROBE.format(verb=verb)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "False"], out.stdout

@@ -1,5 +1,6 @@
-"""The Prometheus metrics of the services (services/metrics.py): exactly the names deploy/'s dashboard uses,
-counters fed by what a service does, per-service registries, and the /metrics endpoint itself."""
+"""The Prometheus metrics of the services (services/metrics.py): exactly the names deploy/'s
+dashboard uses, counters fed by what a service does, per-service registries, and the /metrics
+endpoint itself."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from actors.engine import EngineError, SamplingParams
-from actors.fake_episodes import ExploreSpec, build_explore_episode
-from actors.fakes import ScriptedEngine
-from protocol.events import Branch, Reflection, Rollback, Step
-from services.actor.episode import TimedEngine
-from services.bus.nats_server import free_port
-from services.metrics import (
+from leafe.actors.engine import EngineError, SamplingParams
+from leafe.actors.fake_episodes import ExploreSpec, build_explore_episode
+from leafe.actors.fakes import ScriptedEngine
+from leafe.protocol.events import Branch, Reflection, Rollback, Step
+from leafe.services.actor.episode import TimedEngine
+from leafe.services.bus.nats_server import free_port
+from leafe.services.metrics import (
     ActorMetrics,
     InferenceCollector,
     LearnerMetrics,
@@ -28,7 +29,7 @@ from services.metrics import (
     metric_names,
     serve_metrics,
 )
-from services.run.metrics import parse_samples
+from leafe.services.run.metrics import parse_samples
 
 MONITORING = Path(__file__).resolve().parents[3] / "deploy" / "components" / "monitoring"
 
@@ -38,14 +39,15 @@ def _samples(registry: CollectorRegistry) -> dict[str, float]:
 
 
 def test_metrics_txt_lists_exactly_the_defined_metrics() -> None:
-    """deploy/components/monitoring/metrics.txt names every metric the services define, and no other."""
+    """deploy/components/monitoring/metrics.txt names every metric the services define, and no
+    other."""
     listed = (MONITORING / "metrics.txt").read_text(encoding="utf-8").split()
     assert sorted(listed) == metric_names()
 
 
 def test_every_metric_the_dashboard_queries_is_defined() -> None:
-    """Each ``leafe_*`` name in a dashboard.json expression is a defined metric (histograms through their
-    ``_bucket`` series), so no panel stays empty for want of a metric."""
+    """Each ``leafe_*`` name in a dashboard.json expression is a defined metric (histograms through
+    their ``_bucket`` series), so no panel stays empty for want of a metric."""
     dashboard = json.loads((MONITORING / "dashboard.json").read_text(encoding="utf-8"))
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets") or []]
     used = {re.sub(r"_bucket$", "", m) for e in exprs for m in re.findall(r"\bleafe_[a-z_]+", e)}
@@ -53,8 +55,8 @@ def test_every_metric_the_dashboard_queries_is_defined() -> None:
 
 
 def test_each_service_owns_its_registry() -> None:
-    """Two actors in one process (tests, benchmarks) keep separate counters; nothing is registered in the
-    process-global default registry."""
+    """Two actors in one process (tests, benchmarks) keep separate counters; nothing is registered
+    in the process-global default registry."""
     a, b = ActorMetrics(), ActorMetrics()
     a.steps.inc(3)
     assert _samples(a.registry)["leafe_actor_steps_total"] == 3
@@ -65,7 +67,8 @@ def test_each_service_owns_its_registry() -> None:
 
 
 def test_actor_counts_the_events_it_publishes() -> None:
-    """Steps, unparseable steps, reflections, rollbacks and branches equal those in the published events."""
+    """Steps, unparseable steps, reflections, rollbacks and branches equal those in the published
+    events."""
     events = build_explore_episode(
         ExploreSpec(seed=3, max_depth=2, p_success=0.0, p_parse_fail=0.3, reflect_every=2),
         run_id="r1",
@@ -91,21 +94,27 @@ def test_episode_outcomes_are_a_fixed_set() -> None:
     """An outcome outside EPISODE_OUTCOMES is a bug (label cardinality), raised naming it."""
     metrics = ActorMetrics()
     metrics.episode_ended("explore", "success")
-    assert _samples(metrics.registry)['leafe_actor_episodes_total{mode="explore",outcome="success"}'] == 1
+    assert (
+        _samples(metrics.registry)['leafe_actor_episodes_total{mode="explore",outcome="success"}']
+        == 1
+    )
     with pytest.raises(ValueError, match="'timeout'"):
         metrics.episode_ended("explore", "timeout")
 
 
 @pytest.mark.anyio
 async def test_timed_engine_records_every_generate_call() -> None:
-    """Successful and failed generate calls both land in the latency histogram; results pass through."""
+    """Successful and failed generate calls both land in the latency histogram; results pass
+    through."""
 
     class Failing(ScriptedEngine):
         async def generate(self, input_ids: list[int], params: SamplingParams, **kw: Any) -> Any:
             raise EngineError("every server down")
 
     metrics = ActorMetrics()
-    engine = TimedEngine(ScriptedEngine(default_action="<action>up</action>"), metrics.engine_latency)
+    engine = TimedEngine(
+        ScriptedEngine(default_action="<action>up</action>"), metrics.engine_latency
+    )
     [completion] = await engine.generate([1, 2, 3], SamplingParams())
     assert completion.text == "<action>up</action>" and await engine.weight_version() == "v0"
     with pytest.raises(EngineError):
@@ -114,8 +123,8 @@ async def test_timed_engine_records_every_generate_call() -> None:
 
 
 def test_replayer_dead_letter_reasons_stay_categories() -> None:
-    """Free-text reasons never become label values: unknown categories count as ``other``; the consumer's
-    refusal counts (per admission category) are added once, by their increase."""
+    """Free-text reasons never become label values: unknown categories count as ``other``; the
+    consumer's refusal counts (per admission category) are added once, by their increase."""
     metrics = ReplayerMetrics()
     metrics.dead_letter("rejected")
     metrics.dead_letter("unknown branch 'b7' (known: ['b0'])")
@@ -133,8 +142,11 @@ def test_replayer_dead_letter_reasons_stay_categories() -> None:
 
 
 def test_learner_step_sets_every_present_loss_term() -> None:
-    """A step shows its loss terms (absent ones stay unset), tokens/s, lag, and where training stands."""
-    stats = SimpleNamespace(loss=1.5, loss_cf=2.0, loss_reh=0.5, loss_rft=None, loss_grpo=None, kl=None)
+    """A step shows its loss terms (absent ones stay unset), tokens/s, lag, and where training
+    stands."""
+    stats = SimpleNamespace(
+        loss=1.5, loss_cf=2.0, loss_reh=0.5, loss_rft=None, loss_grpo=None, kl=None
+    )
     metrics = LearnerMetrics()
     metrics.observe_step(stats, tokens_per_second=120.0, policy_lag=2)
     metrics.progress(step=7, samples_seq=41)
@@ -148,7 +160,11 @@ def test_learner_step_sets_every_present_loss_term() -> None:
         'leafe_learner_loss{term="reh"}': 0.5,
     }
     assert got["leafe_learner_steps_total"] == 1 and got["leafe_learner_tokens_per_second"] == 120.0
-    assert (got["leafe_learner_step"], got["leafe_learner_samples_seq"], got["leafe_learner_policy_lag"]) == (
+    assert (
+        got["leafe_learner_step"],
+        got["leafe_learner_samples_seq"],
+        got["leafe_learner_policy_lag"],
+    ) == (
         7,
         41,
         2,
@@ -158,7 +174,8 @@ def test_learner_step_sets_every_present_loss_term() -> None:
 
 
 def test_weight_sync_version_is_the_numeric_index() -> None:
-    """``default`` is 0, ``v000004`` is 4; a version this learner never names leaves the gauge alone."""
+    """``default`` is 0, ``v000004`` is 4; a version this learner never names leaves the gauge
+    alone."""
     metrics = WeightSyncMetrics()
     metrics.served("http://a:30000", "default")
     metrics.served("http://b:30000", "v000004")
@@ -169,8 +186,8 @@ def test_weight_sync_version_is_the_numeric_index() -> None:
 
 
 def test_inference_collector_reads_the_engine_counters() -> None:
-    """Queue depth, tokens and the decode batch-size histogram (cumulative buckets) come from the engine's
-    ``describe()``; before the engine exists the families are there without samples."""
+    """Queue depth, tokens and the decode batch-size histogram (cumulative buckets) come from the
+    engine's ``describe()``; before the engine exists the families are there without samples."""
     state: dict[str, Any] | None = None
     registry = CollectorRegistry()
     registry.register(InferenceCollector(lambda: state))
@@ -196,9 +213,11 @@ def test_inference_collector_reads_the_engine_counters() -> None:
     assert got["leafe_inference_batch_size_sum"] == 10 + 80 + 45
 
 
-def test_the_endpoint_serves_parseable_metrics_and_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Port 0 serves nothing; a port serves the registry as Prometheus text; under torchrun only local rank 0
-    binds (one endpoint per pod)."""
+def test_the_endpoint_serves_parseable_metrics_and_is_off_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Port 0 serves nothing; a port serves the registry as Prometheus text; under torchrun only
+    local rank 0 binds (one endpoint per pod)."""
     metrics = ReplayerMetrics()
     metrics.events.inc(5)
     assert serve_metrics(0, metrics.registry) is None
@@ -217,9 +236,10 @@ def test_the_endpoint_serves_parseable_metrics_and_is_off_by_default(monkeypatch
 
 @pytest.mark.anyio
 async def test_replayer_lag_is_the_durables_num_pending() -> None:
-    """The replayer's housekeeping sets ``leafe_replayer_consumer_lag`` from its durable's ``num_pending``,
-    and a failed consumer-info read leaves the last value instead of stopping the replayer."""
-    from services.replayer.service import Replayer, ReplayerConfig
+    """The replayer's housekeeping sets ``leafe_replayer_consumer_lag`` from its durable's
+    ``num_pending``, and a failed consumer-info read leaves the last value instead of stopping the
+    replayer."""
+    from leafe.services.replayer.service import Replayer, ReplayerConfig
 
     class FakeJs:
         def __init__(self) -> None:

@@ -1,5 +1,5 @@
-"""``services/probes.py``: the /healthz verdicts and the metrics server that answers them (no NATS here;
-tests/integration/test_probes.py drops a real connection)."""
+"""``services/probes.py``: the /healthz verdicts and the metrics server that answers them (no NATS
+here; tests/integration/test_probes.py drops a real connection)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from services.bus.nats_server import free_port
-from services.metrics import MetricsServer, serve_metrics
-from services.probes import IDLE_TIMEOUT_S, MAX_CONNECTIONS, Probe, attach
+from leafe.services.bus.nats_server import free_port
+from leafe.services.metrics import MetricsServer, serve_metrics
+from leafe.services.probes import IDLE_TIMEOUT_S, MAX_CONNECTIONS, Probe, attach
 
 
 class _Conn:
@@ -85,8 +85,8 @@ def _get(url: str) -> tuple[int, str]:
 def test_metrics_server_answers_healthz_from_the_attached_probe(
     served: tuple[str, CollectorRegistry],
 ) -> None:
-    """/metrics is served as before; /healthz is 200 with no probe, then the probe's verdict as 200/503
-    with its one-line reason."""
+    """/metrics is served as before; /healthz is 200 with no probe, then the probe's verdict as
+    200/503 with its one-line reason."""
     url, registry = served
     status, text = _get(url + "/metrics")
     assert status == 200 and "leafe_probe_test_total 1.0" in text
@@ -104,13 +104,17 @@ def test_metrics_server_answers_healthz_from_the_attached_probe(
 
 
 def test_idle_connections_are_bounded_and_time_out(served: tuple[str, CollectorRegistry]) -> None:
-    """100 connections that never send a request: at most ``MAX_CONNECTIONS`` threads serve them at once
-    (the rest are closed at once), each is closed after ``IDLE_TIMEOUT_S``, and then /healthz answers.
-    Without either, 164 idle connections held 170 threads for as long as they stayed open."""
+    """100 connections that never send a request: at most ``MAX_CONNECTIONS`` threads serve them at
+    once (the rest are closed at once), each is closed after ``IDLE_TIMEOUT_S``, and then /healthz
+    answers. Without either, 164 idle connections held 170 threads for as long as they stayed
+    open."""
     url, _ = served
     port = int(url.rsplit(":", 1)[1])
     before = threading.active_count()
-    socks = [socket.create_connection(("127.0.0.1", port), timeout=IDLE_TIMEOUT_S + 5) for _ in range(100)]
+    socks = [
+        socket.create_connection(("127.0.0.1", port), timeout=IDLE_TIMEOUT_S + 5)
+        for _ in range(100)
+    ]
     try:
         time.sleep(0.5)
         assert threading.active_count() - before <= MAX_CONNECTIONS

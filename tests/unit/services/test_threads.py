@@ -8,14 +8,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.threads import busy_cores, plan_threads
+from leafe.services.threads import busy_cores, plan_threads
 
 
 @given(cores=st.integers(1, 256), learner=st.booleans(), fixed=st.integers(0, 300))
 def test_the_plan_never_oversubscribes(cores: int, learner: bool, fixed: int) -> None:
-    """Processes that run at the same time never get more threads than there are free cores (beyond the
-    one thread each that a single core forces), and whichever runs alone gets every core (or the fixed
-    count)."""
+    """Processes that run at the same time never get more threads than there are free cores (beyond
+    the one thread each that a single core forces), and whichever runs alone gets every core (or the
+    fixed count)."""
     plan = plan_threads(cores, learner=learner, learner_threads=fixed)
     assert plan.inference_alone == cores
     assert plan.inference_shared >= 1
@@ -29,8 +29,8 @@ def test_the_plan_never_oversubscribes(cores: int, learner: bool, fixed: int) ->
 
 
 def test_two_cores_split_one_and_one() -> None:
-    """This machine's shape: two cores while evaluating, one each while both work, and two for the learner
-    while the engines idle (the warm start: 1 thread while the other core idled, before)."""
+    """This machine's shape: two cores while evaluating, one each while both work, and two for the
+    learner while the engines idle (the warm start: 1 thread while the other core idled, before)."""
     plan = plan_threads(2)
     assert (plan.inference_alone, plan.inference_shared, plan.learner) == (2, 1, 1)
     assert plan.learner_alone == 2
@@ -38,7 +38,8 @@ def test_two_cores_split_one_and_one() -> None:
 
 
 def test_busy_cores_reads_the_share_of_busy_jiffies(tmp_path: Path, monkeypatch: object) -> None:
-    """Busy cores are (busy jiffies / all jiffies) x CPUs over the window; a missing /proc/stat is 0."""
+    """Busy cores are (busy jiffies / all jiffies) x CPUs over the window; a missing /proc/stat is
+    0."""
     import os
 
     stat = tmp_path / "stat"
@@ -56,9 +57,10 @@ def test_busy_cores_reads_the_share_of_busy_jiffies(tmp_path: Path, monkeypatch:
 def test_default_threads_take_the_request_then_omp_then_the_free_cores_per_local_rank(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``leafe train``/``leafe eval``: an explicit count wins, then $OMP_NUM_THREADS, then the free cores
-    split among torchrun's local ranks (never fewer than 1), each with the reason it was chosen."""
-    from services import threads
+    """``leafe train``/``leafe eval``: an explicit count wins, then $OMP_NUM_THREADS, then the free
+    cores split among torchrun's local ranks (never fewer than 1), each with the reason it was
+    chosen."""
+    from leafe.services import threads
 
     monkeypatch.setattr(threads, "free_cores", lambda window_s=0.5: (4, "4 usable cores, 0.0 busy"))
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
@@ -74,11 +76,13 @@ def test_default_threads_take_the_request_then_omp_then_the_free_cores_per_local
     assert threads.default_threads(0)[0] == 1
 
 
-def test_a_pinned_plan_ignores_what_else_keeps_the_cores_busy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``services.cores`` pins the cores the run's plan divides: a busy neighbour changes the time, not the
-    plan (the learner's arithmetic depends on its thread count; a run compared with another must not split
-    its cores differently because something else ran at its start)."""
-    from services import threads
+def test_a_pinned_plan_ignores_what_else_keeps_the_cores_busy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``services.cores`` pins the cores the run's plan divides: a busy neighbour changes the time,
+    not the plan (the learner's arithmetic depends on its thread count; a run compared with another
+    must not split its cores differently because something else ran at its start)."""
+    from leafe.services import threads
 
     monkeypatch.setattr(threads, "usable_cores", lambda: 2)
     monkeypatch.setattr(threads, "busy_cores", lambda window_s=0.5: 1.8)

@@ -1,5 +1,5 @@
-"""``leafe nats`` (services/admin/nats.py) stops its nats-server child on SIGTERM as on Ctrl-C: a supervisor or
-a pod's termination never leaves a server running."""
+"""``leafe nats`` (services/admin/nats.py) stops its nats-server child on SIGTERM as on Ctrl-C: a
+supervisor or a pod's termination never leaves a server running."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bus.nats_server import free_port
+from leafe.services.bus.nats_server import free_port
 
 ROOT = Path(__file__).resolve().parents[4]
 
@@ -39,10 +39,21 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_leafe_nats_stops_its_server_on_sigterm_and_ctrl_c(tmp_path: Path, sig: signal.Signals) -> None:
+def test_leafe_nats_stops_its_server_on_sigterm_and_ctrl_c(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
     """After the signal, ``leafe nats`` exits 0 and its nats-server child is gone."""
     port = free_port()
-    argv = [sys.executable, "-m", "services.cli", "nats", "--store", str(tmp_path), "--port", str(port)]
+    argv = [
+        sys.executable,
+        "-m",
+        "leafe.services.cli",
+        "nats",
+        "--store",
+        str(tmp_path),
+        "--port",
+        str(port),
+    ]
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30
@@ -51,13 +62,18 @@ def test_leafe_nats_stops_its_server_on_sigterm_and_ctrl_c(tmp_path: Path, sig: 
                 socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
                 break
             except OSError:
-                assert time.monotonic() < deadline and proc.poll() is None, "leafe nats never started"
+                assert time.monotonic() < deadline and proc.poll() is None, (
+                    "leafe nats never started"
+                )
                 time.sleep(0.1)
         servers = _children(proc.pid)
         assert servers, "no nats-server child found"
         os.kill(proc.pid, sig)
         code = proc.wait(timeout=30)
-        assert code == 0, (code, proc.stdout.read().decode(errors="replace")[-3000:] if proc.stdout else "")
+        assert code == 0, (
+            code,
+            proc.stdout.read().decode(errors="replace")[-3000:] if proc.stdout else "",
+        )
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in servers) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -1,5 +1,6 @@
-"""Embedded-server identities (services/bus/auth.py): per-role nkey seeds written privately, server config
-blocks that nats-server accepts, permissions read from deploy's permissions.json and nowhere else."""
+"""Embedded-server identities (services/bus/auth.py): per-role nkey seeds written privately, server
+config blocks that nats-server accepts, permissions read from deploy's permissions.json and nowhere
+else."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import nkeys
 import pytest
 
-from services.bus.auth import (
+from leafe.services.bus.auth import (
     ANY_RUN,
     PERMISSIONS_FILE,
     ROLES,
@@ -27,12 +28,13 @@ from services.bus.auth import (
     tls_config,
     write_role_keys,
 )
-from services.bus.nats_server import find_nats_server
+from leafe.services.bus.nats_server import find_nats_server
 
 
 def test_each_role_gets_a_private_seed_matching_its_public_key(tmp_path: Path) -> None:
-    """One seed file per role, mode 0600 in a 0700 directory, holding a user seed (SU...) whose public key
-    is the one the server config names; a second call makes new keys (no key outlives a start)."""
+    """One seed file per role, mode 0600 in a 0700 directory, holding a user seed (SU...) whose
+    public key is the one the server config names; a second call makes new keys (no key outlives a
+    start)."""
     keys = write_role_keys(tmp_path / "keys")
     assert set(keys) == set(ROLES) - {"actor"}  # actors have users of their own (below)
     assert stat.S_IMODE((tmp_path / "keys").stat().st_mode) == 0o700
@@ -41,7 +43,8 @@ def test_each_role_gets_a_private_seed_matching_its_public_key(tmp_path: Path) -
         assert path.name == f"{role}.nk" and stat.S_IMODE(path.stat().st_mode) == 0o600
         seed = path.read_bytes()
         assert (
-            seed.startswith(b"SU") and nkeys.from_seed(bytearray(seed)).public_key.decode() == key.public_key
+            seed.startswith(b"SU")
+            and nkeys.from_seed(bytearray(seed)).public_key.decode() == key.public_key
         )
     again = write_role_keys(tmp_path / "keys")
     assert {k.public_key for k in again.values()}.isdisjoint(k.public_key for k in keys.values())
@@ -52,14 +55,22 @@ def test_role_options_give_each_role_its_own_seed_only(tmp_path: Path) -> None:
     keys = write_role_keys(tmp_path)
     options = role_options("nats://127.0.0.1:4222", keys, tls_ca="/ca.crt")
     for role, opts in options.items():
-        assert (opts.nkey, opts.creds, opts.user, opts.tls_ca) == (keys[role].seed_file, "", "", "/ca.crt")
+        assert (opts.nkey, opts.creds, opts.user, opts.tls_ca) == (
+            keys[role].seed_file,
+            "",
+            "",
+            "/ca.crt",
+        )
 
 
 def test_the_server_accepts_the_generated_config(tmp_path: Path) -> None:
-    """permissions.json's roles as nkey users, a password user, and a TLS block pass `nats-server -t`."""
+    """permissions.json's roles as nkey users, a password user, and a TLS block pass `nats-server
+    -t`."""
     users = [
         *nkey_users(
-            write_role_keys(tmp_path / "keys", key_names(["a0", "a1"])), load_permissions(), run="r1"
+            write_role_keys(tmp_path / "keys", key_names(["a0", "a1"])),
+            load_permissions(),
+            run="r1",
         ),
         NatsUser(user="admin", password="pw", permissions=load_permissions()["admin"]),
     ]
@@ -69,7 +80,9 @@ def test_the_server_accepts_the_generated_config(tmp_path: Path) -> None:
     assert text.count("nkey:") == len(ROLES) - 1 + 2 and 'user: "admin", password: "pw"' in text
     conf = tmp_path / "nats.conf"
     conf.write_text('listen: "127.0.0.1:4222"\n' + text, encoding="utf-8")
-    proc = subprocess.run([str(find_nats_server()), "-c", str(conf), "-t"], capture_output=True, timeout=30)
+    proc = subprocess.run(
+        [str(find_nats_server()), "-c", str(conf), "-t"], capture_output=True, timeout=30
+    )
     assert proc.returncode == 0, proc.stderr
     tls = tls_config(ServerTls(cert_file="/c.crt", key_file="/c.key", ca_file="/ca.crt"))
     assert tls.splitlines() == [
@@ -83,8 +96,8 @@ def test_the_server_accepts_the_generated_config(tmp_path: Path) -> None:
 
 
 def test_permissions_come_from_deploy_and_must_name_every_role(tmp_path: Path) -> None:
-    """The embedded server's permissions are deploy/base/nats/permissions.json; a file without every role,
-    or a missing file, is refused naming it."""
+    """The embedded server's permissions are deploy/base/nats/permissions.json; a file without every
+    role, or a missing file, is refused naming it."""
     assert PERMISSIONS_FILE.parts[-4:] == ("deploy", "base", "nats", "permissions.json")
     assert set(load_permissions()) == set(ROLES)
     partial = tmp_path / "permissions.json"
@@ -106,9 +119,10 @@ def test_a_user_is_an_nkey_or_a_name_with_a_password() -> None:
 
 
 def test_each_service_role_gets_an_inbox_prefix_of_its_own() -> None:
-    """``_INBOX_<role>`` from the user name or the seed file ``<role>.nk``; the admin and unknown identities
-    keep ``_INBOX``; an explicit prefix wins, and one that is not a subject prefix is refused."""
-    from services.bus.connection import NatsOptions, inbox_prefix
+    """``_INBOX_<role>`` from the user name or the seed file ``<role>.nk``; the admin and unknown
+    identities keep ``_INBOX``; an explicit prefix wins, and one that is not a subject prefix is
+    refused."""
+    from leafe.services.bus.connection import NatsOptions, inbox_prefix
 
     url = "nats://h:4222"
     assert inbox_prefix(NatsOptions(url=url, user="actor", password_file="/p")) == "_INBOX_actor"
@@ -117,19 +131,25 @@ def test_each_service_role_gets_an_inbox_prefix_of_its_own() -> None:
     assert inbox_prefix(NatsOptions(url=url, nkey="/k/me.seed")) == "_INBOX"
     assert inbox_prefix(NatsOptions(url=url)) == "_INBOX"
     assert inbox_prefix(NatsOptions(url=url, nkey="/k/actor.nk", inbox_prefix="_I.x")) == "_I.x"
-    assert inbox_prefix(NatsOptions(url=url, nkey="/k/actor.r1-actor-0.nk")) == "_INBOX_actor.r1-actor-0"
-    assert inbox_prefix(NatsOptions(url=url, user="actor.a1", password_file="/p")) == "_INBOX_actor.a1"
+    assert (
+        inbox_prefix(NatsOptions(url=url, nkey="/k/actor.r1-actor-0.nk"))
+        == "_INBOX_actor.r1-actor-0"
+    )
+    assert (
+        inbox_prefix(NatsOptions(url=url, user="actor.a1", password_file="/p")) == "_INBOX_actor.a1"
+    )
     with pytest.raises(ValueError, match="inbox_prefix"):
         NatsOptions(url=url, inbox_prefix="_INBOX.>")
 
 
 def test_each_actor_is_a_user_pinned_to_its_own_event_token(tmp_path: Path) -> None:
-    """``actor.<id>`` gets the actor role's permissions with ``{actor}`` replaced by its id and ``{run}`` by
-    its run: events only on ``leafe.<run>.events.*.<id>``, the task durable ``actors-<run>`` only, inboxes
-    only ``_INBOX_actor.<id>``, acks only as responses; for any run (``ANY_RUN``) each token naming the run
-    is ``*``. There is no shared actor user, and an id that is no subject token (a dot, a wildcard, the
-    reserved ``legacy``) or a run that is none is refused naming it."""
-    from services.bus.connection import NatsOptions, credential_actor_id
+    """``actor.<id>`` gets the actor role's permissions with ``{actor}`` replaced by its id and
+    ``{run}`` by its run: events only on ``leafe.<run>.events.*.<id>``, the task durable
+    ``actors-<run>`` only, inboxes only ``_INBOX_actor.<id>``, acks only as responses; for any run
+    (``ANY_RUN``) each token naming the run is ``*``. There is no shared actor user, and an id that
+    is no subject token (a dot, a wildcard, the reserved ``legacy``) or a run that is none is
+    refused naming it."""
+    from leafe.services.bus.connection import NatsOptions, credential_actor_id
 
     table = load_permissions()
     perms = permissions_for(actor_key_name("r1-actor-3"), table, run="r1")

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from services.bus.connection import NatsOptions, add_nats_arguments, nats_options, redact
+from leafe.services.bus.connection import NatsOptions, add_nats_arguments, nats_options, redact
 
 
 def _parse(argv: list[str]) -> NatsOptions:
@@ -32,8 +32,8 @@ def test_flags_default_to_the_environment_and_flags_win(monkeypatch: pytest.Monk
 
 
 def test_incomplete_pairs_two_identities_and_bad_timeouts_are_refused() -> None:
-    """A cert without its key, a user without a password file, two identities at once (say an nkey from
-    the environment and a creds file from a flag), or a timeout of 0 name the problem."""
+    """A cert without its key, a user without a password file, two identities at once (say an nkey
+    from the environment and a creds file from a flag), or a timeout of 0 name the problem."""
     with pytest.raises(ValueError, match="tls_cert and tls_key"):
         NatsOptions(url="nats://x", tls_cert="c.pem")
     with pytest.raises(ValueError, match="user and password_file"):
@@ -45,7 +45,8 @@ def test_incomplete_pairs_two_identities_and_bad_timeouts_are_refused() -> None:
 
 
 def test_stream_replicas_is_not_a_service_flag() -> None:
-    """Services never create streams, so they take no replica count (only `leafe streams ensure` does)."""
+    """Services never create streams, so they take no replica count (only `leafe streams ensure`
+    does)."""
     with pytest.raises(SystemExit):
         _parse(["--stream-replicas", "3"])
 
@@ -76,8 +77,8 @@ def test_redact_hides_user_info(url: str, shown: str) -> None:
     ],
 )
 def test_redact_hides_user_info_inside_error_messages(message: str) -> None:
-    """An error message quoting a URL (nats-py's and aiohttp's connection errors may) loses the URL's user
-    info wherever the URL stands in the text; the rest of the message stays readable."""
+    """An error message quoting a URL (nats-py's and aiohttp's connection errors may) loses the
+    URL's user info wherever the URL stands in the text; the rest of the message stays readable."""
     shown = redact(message)
     assert "s3cret" not in shown and "admin" not in shown
     assert "***@" in shown and shown.split("://")[0] == message.split("://")[0]

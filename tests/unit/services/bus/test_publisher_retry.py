@@ -1,5 +1,6 @@
-"""Publisher retries (services/bus/publisher.py): a message without an ack is sent again by ``flush``, a
-refusal by the server is not, and what is still unacked after the last retry is reported by id.
+"""Publisher retries (services/bus/publisher.py): a message without an ack is sent again by
+``flush``, a refusal by the server is not, and what is still unacked after the last retry is
+reported by id.
 
 A fake JetStream context makes the acks' fate exact; the real server killed mid-publish is in
 tests/integration/test_nats_crash.py.
@@ -15,8 +16,8 @@ import nats.js.errors
 import pytest
 from nats.js.api import PubAck
 
-from protocol.codec import MSG_ID_HEADER
-from services.bus import Publisher, PublishError
+from leafe.protocol.codec import MSG_ID_HEADER
+from leafe.services.bus import Publisher, PublishError
 
 pytestmark = pytest.mark.anyio
 
@@ -24,8 +25,8 @@ SUBJECT = "leafe.r.tasks.explore"
 
 
 class FakeJetStream:
-    """``publish_async`` whose ack per send is scripted: ``fates[msg_id]`` lists, per send, "ack", "dup",
-    "lost" (never answered) or an exception to fail the future with."""
+    """``publish_async`` whose ack per send is scripted: ``fates[msg_id]`` lists, per send, "ack",
+    "dup", "lost" (never answered) or an exception to fail the future with."""
 
     def __init__(self, fates: dict[str, list[Any]]) -> None:
         self.fates = fates
@@ -73,14 +74,20 @@ async def test_what_is_unacked_after_the_last_retry_is_reported_by_id() -> None:
 
 
 async def test_a_refusal_by_the_server_is_reported_without_a_retry() -> None:
-    refusal = nats.js.errors.BadRequestError(code=400, err_code=10058, description="stream name mismatch")
-    js = FakeJetStream({"b": [refusal], "c": [nats.js.errors.ServiceUnavailableError(code=503), "ack"]})
+    refusal = nats.js.errors.BadRequestError(
+        code=400, err_code=10058, description="stream name mismatch"
+    )
+    js = FakeJetStream(
+        {"b": [refusal], "c": [nats.js.errors.ServiceUnavailableError(code=503), "ack"]}
+    )
     pub = Publisher(js, ack_timeout_s=0.05, retries=2)  # type: ignore[arg-type]
     await _publish(pub, ["a", "b", "c"])
     with pytest.raises(PublishError) as e:
         await pub.flush()
     assert e.value.unacked == ["b"]
-    assert js.sends == ["a", "b", "c", "c"], "the refusal is final; the unavailable server is retried"
+    assert js.sends == ["a", "b", "c", "c"], (
+        "the refusal is final; the unavailable server is retried"
+    )
 
 
 async def test_retries_zero_reports_at_once() -> None:

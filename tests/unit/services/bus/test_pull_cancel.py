@@ -1,9 +1,9 @@
 """A pull cancelled at the moment its wake-up arrives stays cancelled.
 
-Python 3.11's ``asyncio.wait_for`` returns the inner result when a cancellation lands in the same loop
-iteration as the inner future completes, and the cancel is lost. The replayer's fetch loop then never
-saw its crash-test cancel (``tests/integration/test_replayer.py`` hung in CI, 1 run in ~5); a service
-being shut down would keep pulling the same way.
+Python 3.11's ``asyncio.wait_for`` returns the inner result when a cancellation lands in the same
+loop iteration as the inner future completes, and the cancel is lost. The replayer's fetch loop then
+never saw its crash-test cancel (``tests/integration/test_replayer.py`` hung in CI, 1 run in ~5); a
+service being shut down would keep pulling the same way.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from services.bus.pull import Puller, _Request
+from leafe.services.bus.pull import Puller, _Request
 
 pytestmark = pytest.mark.anyio
 
@@ -42,7 +42,9 @@ async def test_a_cancel_that_meets_the_wake_up_is_not_lost() -> None:
         outcome = await asyncio.wait_for(task, 3.0)
     except asyncio.CancelledError:
         outcome = "cancelled"
-    assert outcome == "cancelled", f"the cancel was swallowed: the pull went on and returned {outcome!r}"
+    assert outcome == "cancelled", (
+        f"the cancel was swallowed: the pull went on and returned {outcome!r}"
+    )
 
 
 class _RecordingConn(_Conn):
@@ -54,8 +56,9 @@ class _RecordingConn(_Conn):
 
 
 async def test_a_cancel_swallowed_elsewhere_stops_the_next_pull() -> None:
-    """nats-py's request (under every JetStream publish) still awaits 3.11's wait_for, so a cancel can be
-    lost there; the task stays marked as cancelling, and its next pull raises instead of pulling on."""
+    """nats-py's request (under every JetStream publish) still awaits 3.11's wait_for, so a cancel
+    can be lost there; the task stays marked as cancelling, and its next pull raises instead of
+    pulling on."""
     js = _JS()
     js._nc = _RecordingConn()  # type: ignore[assignment]
     puller = Puller(js, "S", "c")  # type: ignore[arg-type]

@@ -1,14 +1,14 @@
-"""``leafe eval`` sizing (services/eval/main.py): how many server processes and rollouts in flight by default,
-and the progress line printed away from a terminal (services/eval/progress.py)."""
+"""``leafe eval`` sizing (services/eval/main.py): how many server processes and rollouts in flight
+by default, and the progress line printed away from a terminal (services/eval/progress.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from actors.episode import EpisodeSummary
-from services.eval import main as leafe_eval
-from services.eval import progress as eval_progress
-from services.eval.progress import EvalProgress
+from leafe.actors.episode import EpisodeSummary
+from leafe.services.eval import main as leafe_eval
+from leafe.services.eval import progress as eval_progress
+from leafe.services.eval.progress import EvalProgress
 
 
 def _args(argv: list[str]) -> object:
@@ -17,8 +17,12 @@ def _args(argv: list[str]) -> object:
     return args
 
 
-def test_one_server_per_free_core_and_16_rollouts_per_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("services.threads.free_cores", lambda: (3, "3 usable cores, 0.0 busy"))
+def test_one_server_per_free_core_and_16_rollouts_per_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(
+        "leafe.services.threads.free_cores", lambda: (3, "3 usable cores, 0.0 busy")
+    )
     args = _args(["--model", "tiny"])
     assert (args.servers, args.concurrency) == (3, 48)  # type: ignore[attr-defined]
     args = _args(["--model", "tiny", "--servers", "2", "--concurrency", "5"])
@@ -26,7 +30,7 @@ def test_one_server_per_free_core_and_16_rollouts_per_server(monkeypatch: pytest
 
 
 def test_in_process_and_engine_urls_set_the_server_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("services.threads.free_cores", lambda: (8, "8 usable cores"))
+    monkeypatch.setattr("leafe.services.threads.free_cores", lambda: (8, "8 usable cores"))
     assert _args(["--model", "tiny", "--in-process"]).servers == 1  # type: ignore[attr-defined]
     args = _args(["--engine", "http://a:1, http://b:2,"])
     assert (args.servers, args.concurrency) == (2, 32)  # type: ignore[attr-defined]

@@ -11,7 +11,8 @@ import structlog
 
 @pytest.fixture
 def restore_logging() -> Iterator[None]:
-    """A CLI ``main()`` configures logging onto the (captured) stderr of the moment; undo it afterwards."""
+    """A CLI ``main()`` configures logging onto the (captured) stderr of the moment; undo it
+    afterwards."""
     saved, handlers, level = structlog.get_config(), logging.root.handlers[:], logging.root.level
     yield
     structlog.configure(**saved)

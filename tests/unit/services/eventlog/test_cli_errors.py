@@ -1,4 +1,5 @@
-"""``leafe log`` on damaged files: one line on stderr naming the byte offset, a non-zero exit, no traceback.
+"""``leafe log`` on damaged files: one line on stderr naming the byte offset, a non-zero exit, no
+traceback.
 
 Only ``inspect --file`` needs no server; import and ``leafe replay`` are covered in
 ``tests/integration/test_log_tools.py``.
@@ -11,8 +12,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from services.eventlog.cli import main
-from services.eventlog.fileformat import MAGIC, LogFileError, LogHeader, record_for, write_events
+from leafe.services.eventlog.cli import main
+from leafe.services.eventlog.fileformat import (
+    MAGIC,
+    LogFileError,
+    LogHeader,
+    record_for,
+    write_events,
+)
 from tests.support.logfiles import cut, flip_bit, frame_spans
 from tests.support.strategies import make_episode
 
@@ -68,7 +75,9 @@ def test_inspect_of_a_v1_file_works_and_warns_in_one_line(
 ) -> None:
     """An old file is summarized (exit 0) with one stderr line saying it cannot be verified."""
     events = make_episode("r1", "r1-ep0")
-    header = msgspec.msgpack.encode(LogHeader(format=1, run_id="r1", filter_subject="leafe.r1.events.>"))
+    header = msgspec.msgpack.encode(
+        LogHeader(format=1, run_id="r1", filter_subject="leafe.r1.events.>")
+    )
     frames = [header] + [msgspec.msgpack.encode(record_for(e, i)) for i, e in enumerate(events, 1)]
     path = tmp_path / "old.leafelog"
     path.write_bytes(MAGIC + b"".join(len(f).to_bytes(4, "big") + f for f in frames))

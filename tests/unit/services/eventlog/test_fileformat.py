@@ -1,7 +1,9 @@
-"""The ``.leafelog`` v2 format: round trips, and every kind of damage a bad disk does is caught and located.
+"""The ``.leafelog`` v2 format: round trips, and every kind of damage a bad disk does is caught and
+located.
 
-Each damage test names the byte offset (in the uncompressed stream) and the frame index the reader must
-report; the frames are found with ``tests/support/logfiles.py``, which walks the layout independently.
+Each damage test names the byte offset (in the uncompressed stream) and the frame index the reader
+must report; the frames are found with ``tests/support/logfiles.py``, which walks the layout
+independently.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import msgspec
 import pytest
 from structlog.testing import capture_logs
 
-from protocol.events import EpisodeEvent, Step
-from services.eventlog.fileformat import (
+from leafe.protocol.events import EpisodeEvent, Step
+from leafe.services.eventlog.fileformat import (
     FORMAT_VERSION,
     MAGIC,
     LogFile,
@@ -51,7 +53,8 @@ def log(tmp_path: Path) -> Path:
 
 
 def damage(path: Path, match: str) -> LogFileError:
-    """Read ``path`` to the end and return the LogFileError it must raise (message matching ``match``)."""
+    """Read ``path`` to the end and return the LogFileError it must raise (message matching
+    ``match``)."""
     with pytest.raises(LogFileError, match=match) as info:
         list(read_events(path))
     return info.value
@@ -84,7 +87,8 @@ def test_truncation_mid_frame_names_the_frame_and_its_offset(log: Path) -> None:
 
 
 def test_truncation_at_a_frame_boundary_is_caught_by_the_missing_trailer(log: Path) -> None:
-    """A file cut exactly between frames (today: read as complete) fails: no trailer after record 9."""
+    """A file cut exactly between frames (today: read as complete) fails: no trailer after record
+    9."""
     start, _ = frame_spans(log.read_bytes())[10]
     cut(log, start)
     err = damage(log, rf"byte {start}\b.*no trailer")
@@ -99,7 +103,8 @@ def test_dropping_only_the_trailer_is_caught(log: Path) -> None:
 
 
 def test_a_flipped_bit_in_a_steps_token_ids_fails_that_frames_checksum(log: Path) -> None:
-    """One bit of a Step's token id (still valid msgpack, today: a different sample) fails the frame CRC."""
+    """One bit of a Step's token id (still valid msgpack, today: a different sample) fails the frame
+    CRC."""
     spans = frame_spans(log.read_bytes())
     where = garble(log, MARK_BYTES)
     frame = next(i for i, (a, b) in enumerate(spans) if a <= where < b)
@@ -168,7 +173,8 @@ def test_a_truncated_gzip_stream_is_a_log_file_error(tmp_path: Path) -> None:
 
 
 def test_check_reports_the_good_prefix_before_the_first_bad_frame(log: Path) -> None:
-    """check() reads the whole file once and says how many records (and bytes) precede the damage."""
+    """check() reads the whole file once and says how many records (and bytes) precede the
+    damage."""
     spans = frame_spans(log.read_bytes())
     flip_bit(log, (spans[6][0] + 9) * 8)
     check = LogFile(log).check()
@@ -179,7 +185,9 @@ def test_check_reports_the_good_prefix_before_the_first_bad_frame(log: Path) -> 
 
 def write_v1(path: Path, evs: list[EpisodeEvent]) -> None:
     """A format-1 file as the old writer made it: magic, then length-prefixed msgpack frames."""
-    header = msgspec.msgpack.encode(LogHeader(format=1, run_id="r1", filter_subject="leafe.r1.events.>"))
+    header = msgspec.msgpack.encode(
+        LogHeader(format=1, run_id="r1", filter_subject="leafe.r1.events.>")
+    )
     frames = [header] + [msgspec.msgpack.encode(record_for(e, i)) for i, e in enumerate(evs, 1)]
     path.write_bytes(MAGIC + b"".join(len(f).to_bytes(4, "big") + f for f in frames))
 
@@ -206,7 +214,8 @@ def test_a_v1_file_cut_mid_frame_is_still_caught(tmp_path: Path) -> None:
 
 
 def test_records_can_be_read_without_verification(log: Path) -> None:
-    """verify=False (benchmarks, salvage) skips checksums and the digest, so damage goes unnoticed."""
+    """verify=False (benchmarks, salvage) skips checksums and the digest, so damage goes
+    unnoticed."""
     garble(log, MARK_BYTES)
     records = list(iter_log_records(log, verify=False))
     assert len(records) == len(events())

@@ -1,4 +1,5 @@
-"""``leafe log inspect``'s engine table: what the engine was asked for, by kind, from the events alone."""
+"""``leafe log inspect``'s engine table: what the engine was asked for, by kind, from the events
+alone."""
 
 from __future__ import annotations
 
@@ -7,19 +8,20 @@ import json
 import msgspec
 import pytest
 
-from actors.config import ExplorerConfig
-from actors.episode import EpisodeSpec, ListSink
-from actors.explorer import Explorer
-from actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
-from protocol.events import EpisodeEvent, EpisodeStarted, Reflection, Step
-from services.eventlog.fileformat import record_for
-from services.eventlog.inspect import render, summarize
+from leafe.actors.config import ExplorerConfig
+from leafe.actors.episode import EpisodeSpec, ListSink
+from leafe.actors.explorer import Explorer
+from leafe.actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
+from leafe.protocol.events import EpisodeEvent, EpisodeStarted, Reflection, Step
+from leafe.services.eventlog.fileformat import record_for
+from leafe.services.eventlog.inspect import render, summarize
 
 RIGHT, LEFT = "<action>right</action>", "<action>left</action>"
 
 
 async def tree() -> list[EpisodeEvent]:
-    """One corridor tree: the root falls into the pit, a model reflection, a branch that succeeds."""
+    """One corridor tree: the root falls into the pit, a model reflection, a branch that
+    succeeds."""
     engine = ScriptedEngine(
         actions=[RIGHT, LEFT, LEFT, RIGHT, RIGHT, RIGHT],
         reflections=["<step>1</step><experience>right, not left</experience>"],
@@ -35,7 +37,12 @@ async def tree() -> list[EpisodeEvent]:
     sink = ListSink()
     cfg = ExplorerConfig(k=0, max_depth=2, horizon=6)
     explorer = Explorer(
-        engine=engine, tokenizer=ByteChatTokenizer(), env=CorridorEnv(), config=cfg, sink=sink, spec=spec
+        engine=engine,
+        tokenizer=ByteChatTokenizer(),
+        env=CorridorEnv(),
+        config=cfg,
+        sink=sink,
+        spec=spec,
     )
     await explorer.run()
     return list(sink.events)
@@ -73,7 +80,9 @@ async def test_engine_requests_by_kind_skip_the_experts_steps_and_the_oracles_re
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     explored = await tree()
-    demo = as_episode(explored, "ep2", "demo")  # its root steps stand for the expert's: no engine request
+    demo = as_episode(
+        explored, "ep2", "demo"
+    )  # its root steps stand for the expert's: no engine request
     oracle = [as_oracle(e) for e in as_episode(explored, "ep3", "explore")]
     log = explored + demo + oracle
     summary, _ = summarize(record_for(e, i + 1) for i, e in enumerate(log))
@@ -100,14 +109,19 @@ async def test_engine_requests_by_kind_skip_the_experts_steps_and_the_oracles_re
     render(summary, [], as_json=True)
     doc = json.loads(capsys.readouterr().out)
     share = doc["engine"]["branch_step"]["cache_share"]
-    assert share == pytest.approx(got["branch_step"]["cached_tokens"] / got["branch_step"]["prompt_tokens"])
+    assert share == pytest.approx(
+        got["branch_step"]["cached_tokens"] / got["branch_step"]["prompt_tokens"]
+    )
     render(summary, [])
     assert "engine requests" in capsys.readouterr().out
 
 
 @pytest.mark.anyio
 async def test_a_log_older_than_the_cached_counts_has_an_unknown_share_not_zero() -> None:
-    old = [msgspec.structs.replace(e, cached_tokens=None) if isinstance(e, Step) else e for e in await tree()]
+    old = [
+        msgspec.structs.replace(e, cached_tokens=None) if isinstance(e, Step) else e
+        for e in await tree()
+    ]
     summary, _ = summarize(record_for(e, i + 1) for i, e in enumerate(old))
     usage = summary.engine["root_step"]
     assert usage.unrecorded == usage.requests > 0 and usage.cache_share is None

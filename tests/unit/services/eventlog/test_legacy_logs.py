@@ -1,7 +1,8 @@
-"""Logs written before event subjects named their actor (``leafe.<run>.events.<kind>``, e.g. the older files
-of bench/results/paper_logs/) still replay: each record is admitted, as actor ``legacy``, and their
-episodes share that one identity's open-episode cap, which a real run's log never comes near. Logs written
-since (the effect experiment's) replay as the actor their subjects name."""
+"""Logs written before event subjects named their actor (``leafe.<run>.events.<kind>``, e.g. the
+older files of experiments/results/paper_logs/) still replay: each record is admitted, as actor
+``legacy``, and their episodes share that one identity's open-episode cap, which a real run's log
+never comes near. Logs written since (the effect experiment's) replay as the actor their subjects
+name."""
 
 from __future__ import annotations
 
@@ -10,30 +11,34 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from actors.fakes import ByteChatTokenizer
-from learner.materializers import OpenLimits, make_materializer
-from learner.materializers.tree import ReplayError
-from protocol.codec import admit_event, decode_event, encode, headers_for
-from protocol.events import EpisodeFinished, EpisodeStarted
-from protocol.subjects import LEGACY_ACTOR, event_subject, event_subject_parts
-from services.eventlog.fileformat import iter_log_file
-from services.replayer.replay import ReplayConfig, file_events
+from leafe.actors.fakes import ByteChatTokenizer
+from leafe.learner.materializers import OpenLimits, make_materializer
+from leafe.learner.materializers.tree import ReplayError
+from leafe.protocol.codec import admit_event, decode_event, encode, headers_for
+from leafe.protocol.events import EpisodeFinished, EpisodeStarted
+from leafe.protocol.subjects import LEGACY_ACTOR, event_subject, event_subject_parts
+from leafe.services.eventlog.fileformat import iter_log_file
+from leafe.services.replayer.replay import ReplayConfig, file_events
 from tests.support.hostile import flood_starts
 
-PAPER_LOGS = sorted((Path(__file__).resolve().parents[4] / "bench/results/paper_logs").rglob("*.leafelog.gz"))
+PAPER_LOGS = sorted(
+    (Path(__file__).resolve().parents[4] / "experiments/results/paper_logs").rglob("*.leafelog.gz")
+)
 
 
 @pytest.mark.parametrize("path", PAPER_LOGS, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_paper_log_replays_with_each_event_as_actor_legacy(path: Path) -> None:
-    """Every record of the committed paper logs is admitted (``leafe replay`` reads them so), as the event
-    its bytes hold with the ``actor_id`` its subject names: ``legacy`` for a subject without an actor
-    token; the most episodes any of them holds open at once stays far below the default
+    """Every record of the committed paper logs is admitted (``leafe replay`` reads them so), as the
+    event its bytes hold with the ``actor_id`` its subject names: ``legacy`` for a subject without
+    an actor token; the most episodes any of them holds open at once stays far below the default
     ``max_open_per_actor``, so one shared legacy identity caps nothing."""
     records = list(iter_log_file(path))
     raw = [decode_event(data, headers.get("Leafe-Codec")) for _, headers, data in records]
     actors = [event_subject_parts(subject)[2] for subject, _, _ in records]
     admitted = list(file_events(path))
-    assert admitted == [msgspec.structs.replace(e, actor_id=a) for e, a in zip(raw, actors, strict=True)]
+    assert admitted == [
+        msgspec.structs.replace(e, actor_id=a) for e, a in zip(raw, actors, strict=True)
+    ]
     assert len({a == LEGACY_ACTOR for a in actors}) == 1, (
         "a log is written either before actor tokens or after"
     )
@@ -46,16 +51,22 @@ def test_every_paper_log_replays_with_each_event_as_actor_legacy(path: Path) -> 
 
 
 def test_legacy_events_share_one_cap_and_leave_other_actors_theirs() -> None:
-    """Tokenless events naming three actors count as actor ``legacy`` alone: past its cap they are refused
-    naming it, while an actor publishing on its own token still opens episodes."""
+    """Tokenless events naming three actors count as actor ``legacy`` alone: past its cap they are
+    refused naming it, while an actor publishing on its own token still opens episodes."""
     fold = make_materializer("leafe", ByteChatTokenizer())
     fold.limits = OpenLimits(max_open=10, max_per_actor=2)
     starts = [e for a in ("a0", "a1", "a2") for e in flood_starts("r1", 1, actor_id=a)]
-    legacy = [admit_event("leafe.r1.events.episode_started", headers_for(e), encode(e)) for e in starts]
+    legacy = [
+        admit_event("leafe.r1.events.episode_started", headers_for(e), encode(e)) for e in starts
+    ]
     fold.apply(legacy[0])
     fold.apply(legacy[1])
-    with pytest.raises(ReplayError, match=r"actor 'legacy' already holds 2 .*max_open_per_actor = 2"):
+    with pytest.raises(
+        ReplayError, match=r"actor 'legacy' already holds 2 .*max_open_per_actor = 2"
+    ):
         fold.apply(legacy[2])
     [mine] = flood_starts("r1", 1, actor_id="b0")
-    fold.apply(admit_event(event_subject("r1", "episode_started", "b0"), headers_for(mine), encode(mine)))
+    fold.apply(
+        admit_event(event_subject("r1", "episode_started", "b0"), headers_for(mine), encode(mine))
+    )
     assert fold.held_episodes == 3

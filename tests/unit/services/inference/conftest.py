@@ -1,4 +1,5 @@
-"""A peaked tiny model and engines over it, for exactness tests of the generation engine (no HTTP)."""
+"""A peaked tiny model and engines over it, for exactness tests of the generation engine (no
+HTTP)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,15 @@ from typing import Any
 import pytest
 import torch
 
-from learner.model_io import load_model, load_tokenizer, tiny_model_dir
-from services.inference.decode import GenSequence, GenSpec, StopChecker
-from services.inference.engine import GenerationEngine
-from services.inference.prefix import PrefixCache
+from leafe.learner.model_io import load_model, load_tokenizer, tiny_model_dir
+from leafe.services.inference.decode import GenSequence, GenSpec, StopChecker
+from leafe.services.inference.engine import GenerationEngine
+from leafe.services.inference.prefix import PrefixCache
 
 
 def perturbed_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """The model's weights with Gaussian noise on its matrices: next-token distributions become peaked
-    (the random tiny model's are uniform, so greedy choices would be ties)."""
+    """The model's weights with Gaussian noise on its matrices: next-token distributions become
+    peaked (the random tiny model's are uniform, so greedy choices would be ties)."""
     gen = torch.Generator().manual_seed(seed)
     return {
         k: v if "norm" in k else v + 0.5 * torch.randn(v.shape, generator=gen)
@@ -49,8 +50,9 @@ EngineFactory = Callable[..., GenerationEngine]
 
 @pytest.fixture
 def make_engine(tokenizer: Any, sharp_state: dict[str, torch.Tensor]) -> Iterator[EngineFactory]:
-    """``make_engine(cache_tokens=None, max_batch=16, batch_wait_s=0.005, trim_every_s=0.0)``: a started engine
-    over the peaked tiny model (``cache_tokens=None``: no prefix cache); stopped after the test."""
+    """``make_engine(cache_tokens=None, max_batch=16, batch_wait_s=0.005, trim_every_s=0.0)``: a
+    started engine over the peaked tiny model (``cache_tokens=None``: no prefix cache); stopped
+    after the test."""
     engines: list[GenerationEngine] = []
 
     def make(
@@ -85,7 +87,9 @@ def submit(engine: GenerationEngine, prompt: list[int], new_tokens: int) -> Any:
     return engine.submit([GenSequence(prompt=list(prompt), spec=spec)]).future
 
 
-def generate(engine: GenerationEngine, prompts: Sequence[list[int]], new_tokens: int) -> list[Result]:
+def generate(
+    engine: GenerationEngine, prompts: Sequence[list[int]], new_tokens: int
+) -> list[Result]:
     """Submit every prompt at once (one request each) and wait for all."""
     futures = [submit(engine, p, new_tokens) for p in prompts]
     return [_result(f.result(timeout=120)) for f in futures]
@@ -93,7 +97,9 @@ def generate(engine: GenerationEngine, prompts: Sequence[list[int]], new_tokens:
 
 def _result(seqs: list[GenSequence]) -> Result:
     [s] = seqs
-    return Result(output_ids=list(s.output_ids), logprobs=list(s.logprobs), cached_tokens=s.cached_tokens)
+    return Result(
+        output_ids=list(s.output_ids), logprobs=list(s.logprobs), cached_tokens=s.cached_tokens
+    )
 
 
 def alone(engine: GenerationEngine, prompts: Sequence[list[int]], new_tokens: int) -> list[Result]:

@@ -1,5 +1,6 @@
-"""The engine gives glibc's free heap pages back to the OS: between steps and once idle after work, at most
-every ``trim_every_s``; and :func:`learner.memory.return_free_memory` really does give them back."""
+"""The engine gives glibc's free heap pages back to the OS: between steps and once idle after work,
+at most every ``trim_every_s``; and :func:`leafe.learner.memory.return_free_memory` really does give
+them back."""
 
 from __future__ import annotations
 
@@ -12,15 +13,16 @@ from pathlib import Path
 
 import pytest
 
-import services.inference.engine
-from services.inference.engine import GenerationEngine
+from leafe.services.inference import engine as engine_module
+from leafe.services.inference.engine import GenerationEngine
 from tests.unit.services.inference.conftest import EngineFactory, generate, submit
 
 ROOT = Path(__file__).resolve().parents[4]
 
 
 class Trims:
-    """The engine's trims: when (``time.monotonic()``) and after how many forward passes and swaps."""
+    """The engine's trims: when (``time.monotonic()``) and after how many forward passes and
+    swaps."""
 
     def __init__(self) -> None:
         self.engine: GenerationEngine | None = None
@@ -36,22 +38,23 @@ class Trims:
 @pytest.fixture
 def trims(monkeypatch: pytest.MonkeyPatch) -> Trims:
     """Records the engine's trims (the real trim is done too)."""
-    real, record = services.inference.engine.return_free_memory, Trims()
+    real, record = engine_module.return_free_memory, Trims()
 
     def spy() -> bool:
         record.times.append(time.monotonic())
         record.work.append(record.done())
         return real()
 
-    monkeypatch.setattr(services.inference.engine, "return_free_memory", spy)
+    monkeypatch.setattr(engine_module, "return_free_memory", spy)
     return record
 
 
 def test_an_engine_trims_after_its_last_step_and_not_while_idle(
     make_engine: EngineFactory, trims: Trims
 ) -> None:
-    """However a request's steps fall against ``trim_every_s``, once the engine is idle its last trim came
-    after its last forward pass (nothing it freed stays kept), and an idle engine does not trim again."""
+    """However a request's steps fall against ``trim_every_s``, once the engine is idle its last
+    trim came after its last forward pass (nothing it freed stays kept), and an idle engine does not
+    trim again."""
     trims.engine = engine = make_engine(trim_every_s=0.2)
     time.sleep(0.4)
     assert trims.times == []  # no work yet: nothing to give back
@@ -86,7 +89,7 @@ def test_trimming_off_never_trims(make_engine: EngineFactory, trims: Trims) -> N
 
 _HOLES = """
 import ctypes, json
-from learner.memory import return_free_memory
+from leafe.learner.memory import return_free_memory
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 def rss():
@@ -107,7 +110,12 @@ print(json.dumps({"full": full, "freed": freed, "trimmed": rss()}))
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator (Linux)")
 def test_free_holes_in_the_heap_go_back_to_the_os() -> None:
     run = subprocess.run(
-        [sys.executable, "-c", _HOLES], cwd=ROOT, capture_output=True, text=True, check=False, timeout=120
+        [sys.executable, "-c", _HOLES],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rss = json.loads(run.stdout)

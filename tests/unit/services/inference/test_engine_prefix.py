@@ -1,7 +1,7 @@
-"""The generation engine with its radix prefix cache gives the outputs of an engine without one: the same
-greedy tokens and logprobs (within float rounding of batched matmuls) whether a prompt's prefix comes
-from the cache (whole edges or part of one), was evicted under a small budget, is shared by requests
-admitted together, or was computed by other weights before a swap."""
+"""The generation engine with its radix prefix cache gives the outputs of an engine without one: the
+same greedy tokens and logprobs (within float rounding of batched matmuls) whether a prompt's prefix
+comes from the cache (whole edges or part of one), was evicted under a small budget, is shared by
+requests admitted together, or was computed by other weights before a swap."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from learner.model_io import load_model, tiny_model_dir
+from leafe.learner.model_io import load_model, tiny_model_dir
 from tests.unit.services.inference.conftest import (
     EngineFactory,
     Result,
@@ -35,8 +35,9 @@ def assert_same(got: list[Result], want: list[Result]) -> None:
 
 
 def test_cached_prefixes_change_nothing(make_engine: EngineFactory) -> None:
-    """Prompts extending a cached one, leaving it inside an edge, or extending a longer one reuse exactly
-    the shared tokens (``cached_tokens``) and produce the cold engine's tokens and logprobs."""
+    """Prompts extending a cached one, leaving it inside an edge, or extending a longer one reuse
+    exactly the shared tokens (``cached_tokens``) and produce the cold engine's tokens and
+    logprobs."""
     base = tokens(40, seed=1)
     prompts = [
         base,
@@ -66,14 +67,16 @@ def test_eviction_under_a_small_budget_keeps_outputs_exact(make_engine: EngineFa
         warm.append(generate(engine, [prompts[i]], 8)[0])
         assert engine.prefix.tokens <= 60
     assert engine.prefix.stats.evicted_tokens > 0
-    assert all(r.cached_tokens >= 20 for r in warm[1:])  # the shared prefix survives: used every time
+    assert all(
+        r.cached_tokens >= 20 for r in warm[1:]
+    )  # the shared prefix survives: used every time
     assert_same(warm, [cold[i] for i in order])
 
 
 def test_concurrent_requests_sharing_prefixes(make_engine: EngineFactory) -> None:
-    """Requests admitted together (identical prompts; prompts whose cached prefixes differ in length,
-    prefilled in one pass next to uncached ones) each get what they would get alone; identical prompts
-    are prefilled once."""
+    """Requests admitted together (identical prompts; prompts whose cached prefixes differ in
+    length, prefilled in one pass next to uncached ones) each get what they would get alone;
+    identical prompts are prefilled once."""
     shared = tokens(30, seed=30)
     same = shared + tokens(9, seed=31)
     partial = [
@@ -88,8 +91,9 @@ def test_concurrent_requests_sharing_prefixes(make_engine: EngineFactory) -> Non
         *(tokens(n, seed=50 + n) for n in (7, 26, 61)),
     ]
     cold = alone(make_engine(cache_tokens=None), prompts, 10)
-    # A wide admission window: the 12 requests are submitted one by one, and on a loaded machine the test
-    # thread can take longer than the default 5 ms to submit them (the 4 identical ones then split).
+    # A wide admission window: the 12 requests are submitted one by one, and on a loaded machine the
+    # test thread can take longer than the default 5 ms to submit them (the 4 identical ones then
+    # split).
     engine = make_engine(cache_tokens=10_000, batch_wait_s=0.5)
     generate(engine, [[*shared, 7]], 2)  # caches the shared prefix
     before = engine.stats.shared_tokens
@@ -100,10 +104,12 @@ def test_concurrent_requests_sharing_prefixes(make_engine: EngineFactory) -> Non
     assert engine.stats.prefill_calls - 1 < len(prompts) - 3  # distinct prompts share passes
 
 
-def test_long_prompts_join_running_rows_and_long_generations_regrow(make_engine: EngineFactory) -> None:
+def test_long_prompts_join_running_rows_and_long_generations_regrow(
+    make_engine: EngineFactory,
+) -> None:
     """A prompt longer than the running rows joins them mid-generation (their KV gets a masked gap),
-    generations longer than the spare columns make the arena regrow, and every row's output is the one
-    it gets alone."""
+    generations longer than the spare columns make the arena regrow, and every row's output is the
+    one it gets alone."""
     short = [tokens(8 + i, seed=60 + i) for i in range(3)]
     long = tokens(150, seed=70)
     cold = alone(make_engine(cache_tokens=None), [*short, long], 100)
@@ -115,14 +121,16 @@ def test_long_prompts_join_running_rows_and_long_generations_regrow(make_engine:
     assert engine.stats.decode_steps >= 5 and not any(f.done() for f in futures)
     futures.append(submit(engine, long, 100))
     warm = [
-        Result(list(s.output_ids), list(s.logprobs), s.cached_tokens) for f in futures for s in f.result(60)
+        Result(list(s.output_ids), list(s.logprobs), s.cached_tokens)
+        for f in futures
+        for s in f.result(60)
     ]
     assert_same(warm, cold)
 
 
 def test_a_weight_swap_empties_the_prefix_cache(make_engine: EngineFactory) -> None:
-    """After a swap no KV of the old weights is reused: the tree is empty, the next request is computed
-    from scratch with the new weights (equal to a cold engine serving them)."""
+    """After a swap no KV of the old weights is reused: the tree is empty, the next request is
+    computed from scratch with the new weights (equal to a cold engine serving them)."""
     prompt = tokens(30, seed=80)
     engine = make_engine(cache_tokens=10_000)
     generate(engine, [prompt], 4)

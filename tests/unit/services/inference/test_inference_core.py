@@ -1,5 +1,6 @@
 """Pure parts of the CPU inference server: /generate request validation, SGLang stop rules, seeded
-sampling and prefill grouping. No model, no HTTP (the prefix tree: ``inference/test_prefix_tree.py``).
+sampling and prefill grouping. No model, no HTTP (the prefix tree:
+``inference/test_prefix_tree.py``).
 """
 
 from __future__ import annotations
@@ -10,11 +11,17 @@ from typing import Any
 import pytest
 import torch
 
-from services.inference.api import RequestError, copy_seed, output_body, parse_generate, parse_sampling
-from services.inference.decode import GenSequence, GenSpec, StopChecker
-from services.inference.prefill import PrefillRow, plan_chunks
-from services.inference.prefix import PrefixMatch
-from services.inference.sampling import choose_tokens
+from leafe.services.inference.api import (
+    RequestError,
+    copy_seed,
+    output_body,
+    parse_generate,
+    parse_sampling,
+)
+from leafe.services.inference.decode import GenSequence, GenSpec, StopChecker
+from leafe.services.inference.prefill import PrefillRow, plan_chunks
+from leafe.services.inference.prefix import PrefixMatch
+from leafe.services.inference.sampling import choose_tokens
 
 EOS = 0
 
@@ -47,7 +54,8 @@ def parse(body: dict[str, Any], context_len: int = 64) -> Any:
     )
 
 
-# ---- request validation -----------------------------------------------------------------------------
+# ---- request validation
+# -----------------------------------------------------------------------------
 @pytest.mark.parametrize("key", ["seed", "max_tokens", "stop_sequences"])
 def test_unknown_sampling_key_is_rejected_by_name(key: str) -> None:
     """Any key outside SGLang's SamplingParams is refused with SGLang's TypeError text naming it."""
@@ -57,7 +65,9 @@ def test_unknown_sampling_key_is_rejected_by_name(key: str) -> None:
 
 def test_unimplemented_sglang_keys_only_at_neutral_values() -> None:
     """SGLang keys we do not implement are accepted at their neutral value and refused otherwise."""
-    spec, n = parse_sampling({"min_p": 0.0, "repetition_penalty": 1.0, "regex": None}, context_left=50)
+    spec, n = parse_sampling(
+        {"min_p": 0.0, "repetition_penalty": 1.0, "regex": None}, context_left=50
+    )
     assert n == 1 and spec.max_new_tokens == 50
     with pytest.raises(RequestError, match=re.escape("'frequency_penalty'=0.5 is not supported")):
         parse_sampling({"frequency_penalty": 0.5}, context_left=10)
@@ -81,18 +91,20 @@ def test_out_of_range_values_are_named(params: dict[str, Any], message: str) -> 
 
 
 def test_defaults_stop_forms_and_context_cap() -> None:
-    """SGLang defaults (128 new tokens, temperature 1), a single stop string, and max_new_tokens capped at
-    the room left in the context (None = all of it)."""
+    """SGLang defaults (128 new tokens, temperature 1), a single stop string, and max_new_tokens
+    capped at the room left in the context (None = all of it)."""
     spec, _ = parse_sampling({}, context_left=1000)
     assert (spec.max_new_tokens, spec.temperature, spec.top_k, spec.stop) == (128, 1.0, -1, ())
-    spec, _ = parse_sampling({"stop": "</a>", "stop_token_ids": [5], "max_new_tokens": 99}, context_left=7)
+    spec, _ = parse_sampling(
+        {"stop": "</a>", "stop_token_ids": [5], "max_new_tokens": 99}, context_left=7
+    )
     assert spec.stop == ("</a>",) and spec.stop_token_ids == {5} and spec.max_new_tokens == 7
     assert parse_sampling({"max_new_tokens": None}, context_left=33)[0].max_new_tokens == 33
 
 
 def test_generate_body_shapes() -> None:
-    """Single ids, a batch with per-prompt params and rids, and text prompts are understood; n>1 makes
-    the response a list."""
+    """Single ids, a batch with per-prompt params and rids, and text prompts are understood; n>1
+    makes the response a list."""
     jobs, batched = parse({"input_ids": [1, 2, 3]})
     assert not batched and jobs[0].input_ids == [1, 2, 3] and jobs[0].rid is None
     jobs, batched = parse(
@@ -115,9 +127,18 @@ def test_generate_body_shapes() -> None:
         ({}, "Either text or input_ids should be provided"),
         ({"text": "a", "input_ids": [1]}, "not both"),
         ({"input_ids": []}, "non-empty list"),
-        ({"input_ids": [1, 300]}, r"Token id 300 at position 1 is outside the vocabulary \(size 300\)"),
-        ({"input_ids": [1] * 64}, r"The input \(64 tokens\) is longer than the model's context length \(64"),
-        ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params has 1 entries for 2 prompts"),
+        (
+            {"input_ids": [1, 300]},
+            r"Token id 300 at position 1 is outside the vocabulary \(size 300\)",
+        ),
+        (
+            {"input_ids": [1] * 64},
+            r"The input \(64 tokens\) is longer than the model's context length \(64",
+        ),
+        (
+            {"input_ids": [[1], [2]], "sampling_params": [{}]},
+            "sampling_params has 1 entries for 2 prompts",
+        ),
         ({"input_ids": [1], "stream": True}, "stream=true is not supported"),
         ([1, 2], "must be a JSON object"),
     ],
@@ -129,8 +150,8 @@ def test_bad_generate_bodies(body: Any, message: str) -> None:
 
 
 def test_copy_seeds_and_output_body() -> None:
-    """Copy 0 keeps the request's seed, other copies get distinct seeds; the response has SGLang's keys
-    and logprob triples when asked."""
+    """Copy 0 keeps the request's seed, other copies get distinct seeds; the response has SGLang's
+    keys and logprob triples when asked."""
     assert copy_seed(7, 0) == 7 and copy_seed(None, 3) is None
     assert len({copy_seed(7, i) for i in range(5)}) == 5
     seq = run(GenSpec(max_new_tokens=2), [5, 6])
@@ -138,10 +159,13 @@ def test_copy_seeds_and_output_body() -> None:
     assert body["output_ids"] == [5, 6] and body["meta_info"]["id"] == "r1"
     assert body["meta_info"]["output_token_logprobs"] == [[-1.0, 5, None], [-1.0, 6, None]]
     assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
-    assert "output_token_logprobs" not in output_body(seq, rid=None, return_logprob=False)["meta_info"]
+    assert (
+        "output_token_logprobs" not in output_body(seq, rid=None, return_logprob=False)["meta_info"]
+    )
 
 
-# ---- stop rules ---------------------------------------------------------------------------------------
+# ---- stop rules
+# ---------------------------------------------------------------------------------------
 def test_eos_is_kept_in_ids_and_left_out_of_text() -> None:
     """EOS ends generation: it is the last output id, matched in finish_reason, absent from text."""
     seq = run(GenSpec(max_new_tokens=9), [*ids("ok"), EOS, *ids("more")])
@@ -155,18 +179,24 @@ def test_stop_token_ids_and_ignore_eos() -> None:
     stop = ids("!")[0]
     seq = run(GenSpec(max_new_tokens=9, stop_token_ids=frozenset({stop})), ids("hi!x"))
     assert (
-        seq.output_ids == ids("hi!") and seq.text == "hi" and seq.finish == {"type": "stop", "matched": stop}
+        seq.output_ids == ids("hi!")
+        and seq.text == "hi"
+        and seq.finish == {"type": "stop", "matched": stop}
     )
-    kept = run(GenSpec(max_new_tokens=9, stop_token_ids=frozenset({stop}), no_stop_trim=True), ids("hi!x"))
+    kept = run(
+        GenSpec(max_new_tokens=9, stop_token_ids=frozenset({stop}), no_stop_trim=True), ids("hi!x")
+    )
     assert kept.text == "hi!"
     free = run(
-        GenSpec(max_new_tokens=5, stop_token_ids=frozenset({stop}), ignore_eos=True), [*ids("a!"), EOS, 9, 9]
+        GenSpec(max_new_tokens=5, stop_token_ids=frozenset({stop}), ignore_eos=True),
+        [*ids("a!"), EOS, 9, 9],
     )
     assert len(free.output_ids) == 5 and free.finish == {"type": "length", "length": 5}
 
 
 def test_stop_strings_cut_text_at_first_match() -> None:
-    """The earliest stop string found in the decoded output ends generation; text is cut before it."""
+    """The earliest stop string found in the decoded output ends generation; text is cut before
+    it."""
     seq = run(GenSpec(max_new_tokens=30, stop=("</a>", "b")), ids("<a>up</a> and b"))
     assert seq.text == "<a>up" and seq.finish == {"type": "stop", "matched": "</a>"}
     assert seq.output_ids == ids("<a>up</a>")
@@ -180,7 +210,8 @@ def test_length_wins_on_the_last_token() -> None:
     assert seq.finish == {"type": "length", "length": 2} and seq.output_ids == [7, EOS]
 
 
-# ---- sampling -------------------------------------------------------------------------------------------
+# ---- sampling
+# -------------------------------------------------------------------------------------------
 def test_greedy_and_seeded_sampling() -> None:
     """temperature 0 and top_k 1 pick the argmax; a seed fixes the sampled tokens; logprobs are
     log_softmax of the raw logits at the chosen tokens."""
@@ -215,7 +246,9 @@ def test_top_p_and_top_k_restrict_the_support() -> None:
 
 
 def _frequencies(logits: torch.Tensor, spec: GenSpec, draws: int = 4000) -> torch.Tensor:
-    seqs = [GenSequence(prompt=[1], spec=GenSpec(**{**spec.__dict__, "seed": s})) for s in range(draws)]
+    seqs = [
+        GenSequence(prompt=[1], spec=GenSpec(**{**spec.__dict__, "seed": s})) for s in range(draws)
+    ]
     tokens, _ = choose_tokens(logits.expand(draws, -1), seqs)
     return torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1]).float() / draws
 
@@ -232,7 +265,8 @@ def test_sampling_follows_the_filtered_distribution() -> None:
 
 
 def test_flat_distributions_still_filter_exactly() -> None:
-    """When no token is likely (a flat 12k-token distribution), top-k still keeps exactly the k best."""
+    """When no token is likely (a flat 12k-token distribution), top-k still keeps exactly the k
+    best."""
     logits = torch.randn(1, 12000, generator=torch.Generator().manual_seed(0)) * 0.01
     best = set(torch.topk(logits[0], 3).indices.tolist())
     freq = _frequencies(logits, GenSpec(top_k=3), draws=40)
@@ -249,21 +283,26 @@ def _full_gumbel_choice(logits: torch.Tensor, spec: GenSpec) -> int:
 
 @pytest.mark.parametrize("scale", [0.01, 1.0, 5.0, 30.0])
 def test_a_seeded_sample_is_the_gumbel_max_of_the_seeds_uniforms(scale: float) -> None:
-    """The sampling contract that makes seeded runs reproducible across engines' batches and versions:
-    the token is ``argmax(logits / T - log(-log(u)))`` with ``u`` the seed's uniforms over the whole
-    vocabulary (SmolLM2's 49,152 tokens), for flat, peaked and very peaked logits."""
+    """The sampling contract that makes seeded runs reproducible across engines' batches and
+    versions: the token is ``argmax(logits / T - log(-log(u)))`` with ``u`` the seed's uniforms over
+    the whole vocabulary (SmolLM2's 49,152 tokens), for flat, peaked and very peaked logits."""
     vocab, draws = 49152, 48
     logits = torch.randn(draws, vocab, generator=torch.Generator().manual_seed(7)) * scale
-    specs = [GenSpec(temperature=t, seed=s) for s, t in zip(range(draws), [0.7, 1.0, 1.3] * 16, strict=True)]
+    specs = [
+        GenSpec(temperature=t, seed=s)
+        for s, t in zip(range(draws), [0.7, 1.0, 1.3] * 16, strict=True)
+    ]
     seqs = [GenSequence(prompt=[1], spec=spec) for spec in specs]
     tokens, _ = choose_tokens(logits, seqs)
     assert tokens == [_full_gumbel_choice(logits[i], spec) for i, spec in enumerate(specs)]
 
 
-# ---- prefill grouping ----------------------------------------------------------------------------------
+# ---- prefill grouping
+# ----------------------------------------------------------------------------------
 def test_prefill_chunks_bound_padding() -> None:
-    """Distinct prompts are grouped by the number of tokens they still need (after their cached prefix),
-    so a pass pads at most ~25% and stays under the token cap; a cached prefix does not count."""
+    """Distinct prompts are grouped by the number of tokens they still need (after their cached
+    prefix), so a pass pads at most ~25% and stays under the token cap; a cached prefix does not
+    count."""
 
     def row(length: int, cached: int = 0) -> PrefillRow:
         return PrefillRow(prompt=[1] * length, seqs=[], cached=PrefixMatch(cached))

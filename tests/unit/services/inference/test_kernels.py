@@ -1,5 +1,5 @@
-"""The CPU kernels (services/inference/kernels.py) change speed, not results: the same logits as the plain
-forward, the same tokens as an engine without them, and new weights served after a swap."""
+"""The CPU kernels (services/inference/kernels.py) change speed, not results: the same logits as the
+plain forward, the same tokens as an engine without them, and new weights served after a swap."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from learner.model_io import load_model, tiny_model_dir
-from services.inference import kernels
-from services.inference.decode import GenSequence, GenSpec, StopChecker
-from services.inference.engine import GenerationEngine
-from services.inference.kernels import (
+from leafe.learner.model_io import load_model, tiny_model_dir
+from leafe.services.inference import kernels
+from leafe.services.inference.decode import GenSequence, GenSpec, StopChecker
+from leafe.services.inference.engine import GenerationEngine
+from leafe.services.inference.kernels import (
     PackedLinear,
     accelerate,
     decode_attention,
@@ -23,10 +23,14 @@ from services.inference.kernels import (
 )
 from tests.unit.services.inference.conftest import perturbed_state
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="torch without oneDNN"
+)
 
 
-def _model(state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32, kernels: bool = False) -> Any:
+def _model(
+    state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32, kernels: bool = False
+) -> Any:
     model = load_model(tiny_model_dir(), dtype=dtype).eval()
     model.load_state_dict(state)  # cast to the model's dtype
     if kernels:
@@ -35,8 +39,8 @@ def _model(state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32, k
 
 
 def _prompt_then_step(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of a prefill of ``ids`` and of one decode step over its cache (the grouped decode attention
-    in bfloat16)."""
+    """Logits of a prefill of ``ids`` and of one decode step over its cache (the grouped decode
+    attention in bfloat16)."""
     with torch.inference_mode():
         out = model(input_ids=ids, use_cache=True)
         step = model(input_ids=ids[:, -1:], past_key_values=out.past_key_values).logits
@@ -44,8 +48,8 @@ def _prompt_then_step(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def _onednn_serves(dtype: torch.dtype) -> bool:
-    """Whether oneDNN can run ``dtype`` linear layers on this CPU, asked of torch directly: bfloat16 needs
-    AVX512-BF16 or AMX (not on AVX2-only CPUs, nor under ``ONEDNN_MAX_CPU_ISA=AVX2``)."""
+    """Whether oneDNN can run ``dtype`` linear layers on this CPU, asked of torch directly: bfloat16
+    needs AVX512-BF16 or AMX (not on AVX2-only CPUs, nor under ``ONEDNN_MAX_CPU_ISA=AVX2``)."""
     return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
@@ -53,9 +57,10 @@ def _onednn_serves(dtype: torch.dtype) -> bool:
 def test_accelerated_forward_equals_the_plain_one(
     sharp_state: dict[str, torch.Tensor], dtype: torch.dtype
 ) -> None:
-    """The kernels leave the logits as the plain forward gives them. Every linear layer is packed where
-    oneDNN serves the dtype on this CPU; where it does not (bfloat16 on an AVX2-only CPU, or with the
-    fallback forced as ``make test``'s second pass does) none is, and the reason is reported."""
+    """The kernels leave the logits as the plain forward gives them. Every linear layer is packed
+    where oneDNN serves the dtype on this CPU; where it does not (bfloat16 on an AVX2-only CPU, or
+    with the fallback forced as ``make test``'s second pass does) none is, and the reason is
+    reported."""
     plain, fast = _model(sharp_state, dtype), _model(sharp_state, dtype)
     applied = accelerate(fast)
     linears = [m for m in fast.modules() if isinstance(m, torch.nn.Linear)]
@@ -72,8 +77,8 @@ def test_accelerated_forward_equals_the_plain_one(
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
         return
-    # bfloat16: both paths round differently; each must be as close as the other to the same weights run
-    # in float32
+    # bfloat16: both paths round differently; each must be as close as the other to the same weights
+    # run in float32
     exact = _prompt_then_step(plain.float(), ids)
     for g, w, e in zip(got, want, exact, strict=True):
         err_fast, err_plain = (g - e).abs().mean(), (w - e).abs().mean()
@@ -105,12 +110,15 @@ needs_compiler = pytest.mark.skipif(
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 128), (6, 2, 16), (4, 4, 64)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 128), (6, 2, 16), (4, 4, 64)]
+)
 def test_compiled_decode_attention_matches_exact_attention(
     dtype: torch.dtype, heads: int, kv_heads: int, dim: int
 ) -> None:
-    """Every head group and head size the kernel specializes (and the generic one); masked gaps; keys and
-    values as the arena hands them (a strided view of its first rows); a row with every column masked."""
+    """Every head group and head size the kernel specializes (and the generic one); masked gaps;
+    keys and values as the arena hands them (a strided view of its first rows); a row with every
+    column masked."""
     gen = torch.Generator().manual_seed(heads * dim)
     bsz, width = 5, 37
     q = torch.randn(bsz, heads, 1, dim, generator=gen).to(dtype)
@@ -126,7 +134,8 @@ def test_compiled_decode_attention_matches_exact_attention(
     assert got.shape == (bsz, 1, heads, dim) and got.dtype == dtype
     if dtype == torch.float32:
         torch.testing.assert_close(got.double(), exact, rtol=1e-4, atol=1e-5)
-    else:  # rounding of q, k, v to bfloat16 is in the exact reference too: what is left is the output's
+    # rounding of q, k, v to bfloat16 is in the exact reference too: what is left is the output's
+    else:
         assert (got.double() - exact).abs().max() <= 2**-8 * exact.abs().max() + 1e-3
     assert torch.equal(got[4], torch.zeros_like(got[4]))
 
@@ -139,9 +148,9 @@ def test_compiled_decode_attention_matches_exact_attention(
 def test_compiled_prefill_attention_matches_exact_attention(
     dtype: torch.dtype, heads: int, kv_heads: int, dim: int, q_len: int
 ) -> None:
-    """The engine's prefill layout: a cached prefix, a masked gap, left-padded new tokens under a causal
-    mask; queries as the projection hands them (a transposed view); query blocks that do not fill the
-    kernel's 64 columns; padding queries with nothing to attend to get zeros."""
+    """The engine's prefill layout: a cached prefix, a masked gap, left-padded new tokens under a
+    causal mask; queries as the projection hands them (a transposed view); query blocks that do not
+    fill the kernel's 64 columns; padding queries with nothing to attend to get zeros."""
     gen = torch.Generator().manual_seed(heads * dim + q_len)
     bsz, cached = 3, 11
     width = cached + q_len
@@ -180,7 +189,9 @@ def test_without_a_compiler_grouped_attention_serves_and_says_why(
 
 
 @needs_compiler
-def test_accelerate_installs_the_compiled_kernel_and_reports_it(sharp_state: dict[str, torch.Tensor]) -> None:
+def test_accelerate_installs_the_compiled_kernel_and_reports_it(
+    sharp_state: dict[str, torch.Tensor],
+) -> None:
     model = _model(sharp_state)
     applied = accelerate(model)
     assert applied["attention"] == "fused decode and prefill (compiled)"
@@ -197,7 +208,9 @@ def _engine(model: Any, tokenizer: Any) -> GenerationEngine:
     return engine
 
 
-def _greedy(engine: GenerationEngine, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+def _greedy(
+    engine: GenerationEngine, prompts: list[list[int]]
+) -> list[tuple[list[int], list[float]]]:
     spec = GenSpec(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     futures = [engine.submit([GenSequence(prompt=p, spec=spec)]).future for p in prompts]
     return [(f.result(timeout=120)[0].output_ids, f.result()[0].logprobs) for f in futures]
@@ -206,11 +219,14 @@ def _greedy(engine: GenerationEngine, prompts: list[list[int]]) -> list[tuple[li
 def test_engine_serves_the_new_weights_after_a_swap(
     tokenizer: Any, sharp_state: dict[str, torch.Tensor]
 ) -> None:
-    """The reordered copies are rebuilt on a swap: without that the engine would serve the old weights."""
+    """The reordered copies are rebuilt on a swap: without that the engine would serve the old
+    weights."""
     new = perturbed_state(load_model(tiny_model_dir()), seed=7)
     prompts = [[5 + i, 17, 40 + 3 * i, 9, 11] for i in range(4)]
     fast = _engine(_model(sharp_state, kernels=True), tokenizer)
-    reference = _engine(_model(sharp_state), tokenizer)  # swapped the same way (a swap assigns, unties)
+    reference = _engine(
+        _model(sharp_state), tokenizer
+    )  # swapped the same way (a swap assigns, unties)
     try:
         before = _greedy(fast, prompts)
         for engine in (fast, reference):
@@ -225,7 +241,9 @@ def test_engine_serves_the_new_weights_after_a_swap(
         assert got == pytest.approx(exp, abs=1e-3)
 
 
-def test_a_dtype_onednn_cannot_serve_keeps_aten_and_says_why(sharp_state: dict[str, torch.Tensor]) -> None:
+def test_a_dtype_onednn_cannot_serve_keeps_aten_and_says_why(
+    sharp_state: dict[str, torch.Tensor],
+) -> None:
     model = _model(sharp_state, torch.float16)
     applied = accelerate(model)
     assert applied["linear"] == "aten" and "float16" in applied["linear_reason"]
@@ -239,9 +257,10 @@ def _agreeing_prefix(a: list[int], b: list[int]) -> int:
 def test_bfloat16_engine_follows_float32_as_closely_as_the_plain_engine(
     tokenizer: Any, sharp_state: dict[str, torch.Tensor]
 ) -> None:
-    """A bfloat16 engine with the kernels: its greedy tokens follow the float32 model's about as far as the
-    plain bfloat16 engine's do. bfloat16 rounding flips the random tiny model's near-ties either way (38 vs
-    39 of 64 tokens once); broken attention over the cache would follow it for a token or two."""
+    """A bfloat16 engine with the kernels: its greedy tokens follow the float32 model's about as far
+    as the plain bfloat16 engine's do. bfloat16 rounding flips the random tiny model's near-ties
+    either way (38 vs 39 of 64 tokens once); broken attention over the cache would follow it for a
+    token or two."""
     engines = {
         "fast": _engine(_model(sharp_state, torch.bfloat16, kernels=True), tokenizer),
         "plain": _engine(_model(sharp_state, torch.bfloat16), tokenizer),

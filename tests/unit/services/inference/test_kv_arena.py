@@ -1,7 +1,7 @@
-"""The arena cache must be freed by reference counting alone: a forward's ``ArenaCache`` pins its arena
-(tens of MB per batch), and a reference cycle between the cache and its layers kept every one of them
-alive until the cyclic collector ran (the full paper run's SR evaluation grew to 24 GiB and was
-OOM-killed)."""
+"""The arena cache must be freed by reference counting alone: a forward's ``ArenaCache`` pins its
+arena (tens of MB per batch), and a reference cycle between the cache and its layers kept every one
+of them alive until the cyclic collector ran (the full paper run's SR evaluation grew to 24 GiB and
+was OOM-killed)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import weakref
 
 import torch
 
-from services.inference.kv import ArenaCache, KVLayout
+from leafe.services.inference.kv import ArenaCache, KVLayout
 
 
 def test_a_dropped_arena_cache_frees_its_arena_without_the_cycle_collector() -> None:

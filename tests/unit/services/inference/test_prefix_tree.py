@@ -1,15 +1,17 @@
-"""The radix-tree prefix cache: token-granular longest-prefix matches (inside an edge too), insertion of
-only the missing tokens, LRU eviction down to the token budget, and KV that follows the tokens."""
+"""The radix-tree prefix cache: token-granular longest-prefix matches (inside an edge too),
+insertion of only the missing tokens, LRU eviction down to the token budget, and KV that follows the
+tokens."""
 
 from __future__ import annotations
 
 import torch
 
-from services.inference.prefix import PrefixCache
+from leafe.services.inference.prefix import PrefixCache
 
 
 def kv_of(prompt: list[int]):
-    """KV whose every entry is the token id at that position: a match's segments must read back the ids."""
+    """KV whose every entry is the token id at that position: a match's segments must read back the
+    ids."""
 
     def kv(start: int, end: int) -> torch.Tensor:
         ids = torch.tensor(prompt[start:end], dtype=torch.float32)
@@ -26,8 +28,9 @@ def tokens_of(cache: PrefixCache, prompt: list[int]) -> tuple[int, list[int]]:
 
 
 def test_match_is_token_granular_and_keeps_the_last_token_for_the_model() -> None:
-    """A prompt sharing any prefix with a cached one reuses exactly that prefix, wherever it ends (also
-    inside an edge), never its own last token; the segments hold the KV of those very tokens."""
+    """A prompt sharing any prefix with a cached one reuses exactly that prefix, wherever it ends
+    (also inside an edge), never its own last token; the segments hold the KV of those very
+    tokens."""
     cache = PrefixCache(1000)
     a = [1, 2, 3, 4, 5, 6, 7, 8]
     assert cache.insert(a, kv_of(a)) == 8
@@ -41,8 +44,9 @@ def test_match_is_token_granular_and_keeps_the_last_token_for_the_model() -> Non
 
 
 def test_insert_adds_only_missing_tokens_and_splits_edges() -> None:
-    """Prompts that part inside an edge split it; shared tokens are stored once; re-inserting a cached
-    prompt or a prefix of one adds nothing; a later match walks both branches to the right KV."""
+    """Prompts that part inside an edge split it; shared tokens are stored once; re-inserting a
+    cached prompt or a prefix of one adds nothing; a later match walks both branches to the right
+    KV."""
     cache = PrefixCache(1000)
     a, b = [1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8]
     cache.insert(a, kv_of(a))
@@ -58,8 +62,8 @@ def test_insert_adds_only_missing_tokens_and_splits_edges() -> None:
 
 
 def test_lru_eviction_respects_the_budget_and_drops_leaves_first() -> None:
-    """Over budget, least recently used leaves go first; a shared prefix stays while a branch under it is
-    in use; a used prompt survives others inserted after it."""
+    """Over budget, least recently used leaves go first; a shared prefix stays while a branch under
+    it is in use; a used prompt survives others inserted after it."""
     cache = PrefixCache(12)
     shared = [1, 2, 3, 4]
     a, b, c = [*shared, 10, 11, 12], [*shared, 20, 21, 22], [*shared, 30, 31, 32]
@@ -87,10 +91,11 @@ def test_clear_empties_the_tree() -> None:
 
 
 def test_clear_frees_every_edge_kv_at_once() -> None:
-    """A node points at its parent and its parent at it, so dropping the root alone leaves the old tree to
-    Python's cyclic garbage collector, which runs on object counts, not bytes, and rarely in a server: each
-    weight update then kept up to a full cache of KV (~0.4 GB for SmolLM2-135M) alive, and the servers of an
-    online run grew by ~5.5 GB over 15 pushes. ``clear`` must free the KV itself, without the collector."""
+    """A node points at its parent and its parent at it, so dropping the root alone leaves the old
+    tree to Python's cyclic garbage collector, which runs on object counts, not bytes, and rarely in
+    a server: each weight update then kept up to a full cache of KV (~0.4 GB for SmolLM2-135M)
+    alive, and the servers of an online run grew by ~5.5 GB over 15 pushes. ``clear`` must free the
+    KV itself, without the collector."""
     import gc
     import weakref
 

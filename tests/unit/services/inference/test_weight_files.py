@@ -1,9 +1,9 @@
 """Weight files are read once, hashed and parsed from the same bytes, and never through a symlink.
 
-``load_weight_dir`` is what ``/update_weights_from_disk`` runs; these tests call it directly on exports of
-the tiny model. The attacks: a listed file that is a symlink to bytes outside the weights root (which hash
-right), and a writer that renames other weights over a checked file while loads run (a load must never
-return bytes its manifest check did not hash).
+``load_weight_dir`` is what ``/update_weights_from_disk`` runs; these tests call it directly on
+exports of the tiny model. The attacks: a listed file that is a symlink to bytes outside the weights
+root (which hash right), and a writer that renames other weights over a checked file while loads run
+(a load must never return bytes its manifest check did not hash).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.model_io import export_weights, load_model, tiny_model_dir
-from services.inference.weights import WeightLoadError, load_weight_dir
+from leafe.learner.model_io import export_weights, load_model, tiny_model_dir
+from leafe.services.inference.weights import WeightLoadError, load_weight_dir
 
 from .conftest import perturbed_state
 
@@ -28,7 +28,9 @@ def model() -> torch.nn.Module:
 
 
 def _export(model: torch.nn.Module, out: Path, seed: int) -> Path:
-    export_weights(perturbed_state(model, seed), out, config_dir=tiny_model_dir(), version=f"s{seed}")
+    export_weights(
+        perturbed_state(model, seed), out, config_dir=tiny_model_dir(), version=f"s{seed}"
+    )
     return out
 
 
@@ -37,7 +39,8 @@ def _same(state: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> boo
 
 
 def test_a_listed_file_that_is_a_symlink_is_refused(model: torch.nn.Module, tmp_path: Path) -> None:
-    """The file's bytes match the manifest, but they live outside the root: the link is not followed."""
+    """The file's bytes match the manifest, but they live outside the root: the link is not
+    followed."""
     root = tmp_path / "weights"
     export = _export(model, root / "v1", seed=1)
     outside = tmp_path / "outside.safetensors"
@@ -48,9 +51,12 @@ def test_a_listed_file_that_is_a_symlink_is_refused(model: torch.nn.Module, tmp_
         load_weight_dir(export, model, root=root)
 
 
-def test_weights_renamed_over_a_checked_file_are_never_loaded(model: torch.nn.Module, tmp_path: Path) -> None:
-    """A thread renames other weights over the export's file (and the right ones back) in a loop while
-    loads run: every load either fails its manifest check or returns exactly the hashed export."""
+def test_weights_renamed_over_a_checked_file_are_never_loaded(
+    model: torch.nn.Module, tmp_path: Path
+) -> None:
+    """A thread renames other weights over the export's file (and the right ones back) in a loop
+    while loads run: every load either fails its manifest check or returns exactly the hashed
+    export."""
     root = tmp_path / "weights"
     export = _export(model, root / "v1", seed=1)
     other = _export(model, tmp_path / "weights" / "other", seed=2)

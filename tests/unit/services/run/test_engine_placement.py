@@ -1,7 +1,7 @@
-"""Cores follow the work (services/run/launch.py, services/run/phases.py): local inference servers are
-pinned to the cores the learner leaves while both work and run anywhere while it is idle; the learner gets
-every free core while the engines idle (the warm start, a phased run's training) and gives them back when
-the actors run."""
+"""Cores follow the work (services/run/launch.py, services/run/phases.py): local inference servers
+are pinned to the cores the learner leaves while both work and run anywhere while it is idle; the
+learner gets every free core while the engines idle (the warm start, a phased run's training) and
+gives them back when the actors run."""
 
 from __future__ import annotations
 
@@ -16,20 +16,21 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from services.run.context import RunContext
-from services.run.launch import engine_threads
-from services.run.phases import learner_cores
-from services.run.presets import resolve_run_config
-from services.run.supervisor import ServiceProcess
-from services.threads import plan_threads
+from leafe.services.run.context import RunContext
+from leafe.services.run.launch import engine_threads
+from leafe.services.run.phases import learner_cores
+from leafe.services.run.presets import resolve_run_config
+from leafe.services.run.supervisor import ServiceProcess
+from leafe.services.threads import plan_threads
 
 pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
 async def ctx(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[RunContext]:
-    """A tiny run's context on every usable core, with two stand-in inference servers (any long-lived
-    child: their HTTP resize fails, is logged and is not fatal) and a learner that never starts."""
+    """A tiny run's context on every usable core, with two stand-in inference servers (any
+    long-lived child: their HTTP resize fails, is logged and is not fatal) and a learner that never
+    starts."""
     usable = sorted(os.sched_getaffinity(0))
     if len(usable) < 2:
         pytest.skip("needs 2 usable cores")
@@ -63,7 +64,8 @@ def _learner_threads(ctx: RunContext) -> int:
 
 
 async def test_servers_share_the_learners_leftover_cores_then_get_them_all(ctx: RunContext) -> None:
-    """Pinned to the cores the learner leaves while both work, every core once the learner is idle."""
+    """Pinned to the cores the learner leaves while both work, every core once the learner is
+    idle."""
     usable = sorted(os.sched_getaffinity(0))
     assert ctx.threads is not None
     await engine_threads(ctx, shared=True)
@@ -77,8 +79,9 @@ async def test_servers_share_the_learners_leftover_cores_then_get_them_all(ctx: 
 async def test_the_learner_takes_every_core_while_the_engines_idle_then_gives_them_back(
     ctx: RunContext,
 ) -> None:
-    """Continuous: during the warm start the learner is told every free core (the engines have no work and
-    run unpinned); when the actors' turn comes it goes back to its share and the engines to the rest."""
+    """Continuous: during the warm start the learner is told every free core (the engines have no
+    work and run unpinned); when the actors' turn comes it goes back to its share and the engines to
+    the rest."""
     usable = sorted(os.sched_getaffinity(0))
     assert ctx.threads is not None
     await learner_cores(ctx, alone=True)
@@ -90,8 +93,8 @@ async def test_the_learner_takes_every_core_while_the_engines_idle_then_gives_th
 
 
 async def test_a_phased_run_hands_every_core_to_whichever_side_works(ctx: RunContext) -> None:
-    """Phased: the learner trains alone on every core, and while the actors run it idles, so the engines
-    get every core (never pinned beside an idle learner)."""
+    """Phased: the learner trains alone on every core, and while the actors run it idles, so the
+    engines get every core (never pinned beside an idle learner)."""
     usable = sorted(os.sched_getaffinity(0))
     await learner_cores(ctx, alone=True)
     assert _learner_threads(ctx) == len(usable)

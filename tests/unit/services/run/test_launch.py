@@ -9,14 +9,16 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from services.config import ConfigError
-from services.run.context import RunContext
-from services.run.launch import check_identity, prepare_run_dir
-from services.run.presets import resolve_run_config
+from leafe.services.config import ConfigError
+from leafe.services.run.context import RunContext
+from leafe.services.run.launch import check_identity, prepare_run_dir
+from leafe.services.run.presets import resolve_run_config
 
 
 def _ctx(tmp_path: Path, **overrides: object) -> RunContext:
-    cfg = resolve_run_config("tiny", overrides={"runs_dir": str(tmp_path), "run_id": "r", **overrides})
+    cfg = resolve_run_config(
+        "tiny", overrides={"runs_dir": str(tmp_path), "run_id": "r", **overrides}
+    )
     return RunContext(config=cfg, console=Console(file=io.StringIO()), stop=asyncio.Event())
 
 
@@ -34,18 +36,21 @@ def test_resuming_with_another_model_is_refused_with_the_way_out(tmp_path: Path)
     ):
         check_identity(other, fresh=False)
     with pytest.raises(ConfigError, match="materializer was 'warm-leafe', now 'rft'"):
-        check_identity(_ctx(tmp_path, materializer="rft", **{"learner.kinds": ["rft"]}), fresh=False)
+        check_identity(
+            _ctx(tmp_path, materializer="rft", **{"learner.kinds": ["rft"]}), fresh=False
+        )
     check_identity(other, fresh=True)
     assert not (other.run_dir / "nats").exists()
     check_identity(other, fresh=False)  # now bound to the new model
 
 
 def test_prepare_writes_every_service_config_that_its_service_accepts(tmp_path: Path) -> None:
-    """The files handed to the child services decode into their config types (unknown keys would fail)."""
-    from actors.config import ActorServiceConfig
-    from learner.config import LearnerConfig
-    from services.config import load_config
-    from services.replayer.service import ReplayerConfig
+    """The files handed to the child services decode into their config types (unknown keys would
+    fail)."""
+    from leafe.actors.config import ActorServiceConfig
+    from leafe.learner.config import LearnerConfig
+    from leafe.services.config import load_config
+    from leafe.services.replayer.service import ReplayerConfig
 
     ctx = _ctx(tmp_path)
     prepare_run_dir(ctx)
@@ -59,11 +64,11 @@ def test_each_service_is_started_with_its_own_role_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the embedded server, every child gets `--nats-nkey` of its own role (the replayer the
-    replayer's seed, ...; the supervisor keeps admin), each actor the seed of its own user ``actor.<id>``
-    with that id as ``--actor-id``, and no identity inherited from LEAFE_NATS_*."""
-    from services.bus.auth import key_names, role_options, write_role_keys
-    from services.run.launch import actor_ids, start_pipeline
-    from services.run.supervisor import ServiceProcess
+    replayer's seed, ...; the supervisor keeps admin), each actor the seed of its own user
+    ``actor.<id>`` with that id as ``--actor-id``, and no identity inherited from LEAFE_NATS_*."""
+    from leafe.services.bus.auth import key_names, role_options, write_role_keys
+    from leafe.services.run.launch import actor_ids, start_pipeline
+    from leafe.services.run.supervisor import ServiceProcess
 
     async def started(self: ServiceProcess) -> ServiceProcess:  # record the command, spawn nothing
         return self
@@ -74,7 +79,11 @@ def test_each_service_is_started_with_its_own_role_only(
     ids = actor_ids(ctx)
     keys = write_role_keys(tmp_path / "keys", key_names(ids))
     ctx.role_nats = role_options("nats://127.0.0.1:4222", keys)
-    ctx.nats, ctx.model_dir, ctx.engine_urls = ctx.role_nats["admin"], tmp_path, ["http://127.0.0.1:1"]
+    ctx.nats, ctx.model_dir, ctx.engine_urls = (
+        ctx.role_nats["admin"],
+        tmp_path,
+        ["http://127.0.0.1:1"],
+    )
     asyncio.run(start_pipeline(ctx))
     roles = {"replayer": "replayer", "learner": "learner", "weight-sync": "weight-sync"}
     roles |= {f"actor-{i}": f"actor.{actor_id}" for i, actor_id in enumerate(ids)}

@@ -1,9 +1,11 @@
-"""``services/run/orphans.py`` against someone who can write the runs directory: the reaper kills only
-the run's own children, and the lock and pid records are never written through a planted symlink.
+"""``services/run/orphans.py`` against someone who can write the runs directory: the reaper kills
+only the run's own children, and the lock and pid records are never written through a planted
+symlink.
 
-Each case was a hole: a record holding the pid and start time of any process-group leader got its whole
-group SIGKILLed, and so did a symlinked record or a symlinked ``pids/``; ``lock_run`` truncated and
-``record_child`` rewrote a file elsewhere through a symlink planted in their place. (Linux: ``/proc``.)
+Each case was a hole: a record holding the pid and start time of any process-group leader got its
+whole group SIGKILLed, and so did a symlinked record or a symlinked ``pids/``; ``lock_run``
+truncated and ``record_child`` rewrote a file elsewhere through a symlink planted in their place.
+(Linux: ``/proc``.)
 """
 
 from __future__ import annotations
@@ -17,21 +19,24 @@ from pathlib import Path
 
 import pytest
 
-from services.run.orphans import RUN_MARKER, lock_run, reap_orphans, record_child
+from leafe.services.run.orphans import RUN_MARKER, lock_run, reap_orphans, record_child
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 
 
 @pytest.fixture
 def runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A runs directory; the marker lock_run puts in this process's environment is undone afterwards."""
+    """A runs directory; the marker lock_run puts in this process's environment is undone
+    afterwards."""
     monkeypatch.setenv(RUN_MARKER, "")
     yield tmp_path / "runs"
 
 
 def _leader(env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """A process-group leader (as every child of ``leafe run`` is), with ``env`` added to ours."""
-    return subprocess.Popen(["sleep", "60"], start_new_session=True, env={**os.environ, **(env or {})})
+    return subprocess.Popen(
+        ["sleep", "60"], start_new_session=True, env={**os.environ, **(env or {})}
+    )
 
 
 def _alive(proc: subprocess.Popen[bytes]) -> bool:
@@ -44,9 +49,9 @@ def _locked(runs: Path, run_id: str = "r1") -> tuple[int, Path]:
 
 
 def test_only_a_process_the_run_started_is_killed(runs: Path) -> None:
-    """Two group leaders recorded in pids/: the one carrying the run's marker (started after lock_run, as a
-    supervisor's children are) is killed; an unrelated one with the right pid and start time is left
-    alone, logged as not the run's. Both records are removed."""
+    """Two group leaders recorded in pids/: the one carrying the run's marker (started after
+    lock_run, as a supervisor's children are) is killed; an unrelated one with the right pid and
+    start time is left alone, logged as not the run's. Both records are removed."""
     fd, run_dir = _locked(runs)
     try:
         child, stranger = _leader(), _leader({RUN_MARKER: ""})
@@ -62,8 +67,9 @@ def test_only_a_process_the_run_started_is_killed(runs: Path) -> None:
 
 
 def test_symlinked_records_and_pid_dirs_are_not_followed(runs: Path, tmp_path: Path) -> None:
-    """A record that is a symlink to a true record of a marked child, and a pids/ that is a symlink to a
-    directory of true records: neither gets anything killed, and the symlink's target survives."""
+    """A record that is a symlink to a true record of a marked child, and a pids/ that is a symlink
+    to a directory of true records: neither gets anything killed, and the symlink's target
+    survives."""
     fd, run_dir = _locked(runs)
     child = _leader()
     try:
@@ -97,9 +103,9 @@ def test_a_record_owned_by_another_user_is_not_trusted(runs: Path) -> None:
 
 
 def test_lock_and_records_are_never_written_through_a_symlink(runs: Path, tmp_path: Path) -> None:
-    """The lock file planted as a symlink to a file elsewhere: lock_run refuses and the file keeps its
-    bytes. A pid record planted as a symlink: record_child replaces the link, the file elsewhere keeps its
-    bytes."""
+    """The lock file planted as a symlink to a file elsewhere: lock_run refuses and the file keeps
+    its bytes. A pid record planted as a symlink: record_child replaces the link, the file elsewhere
+    keeps its bytes."""
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
     runs.mkdir()
@@ -123,8 +129,8 @@ def test_lock_and_records_are_never_written_through_a_symlink(runs: Path, tmp_pa
 
 
 def test_the_run_directory_is_private_and_must_be_its_users(runs: Path, tmp_path: Path) -> None:
-    """lock_run makes the run directory 0700 (an existing 0755 one too), and refuses a run directory that
-    is a symlink to somewhere else."""
+    """lock_run makes the run directory 0700 (an existing 0755 one too), and refuses a run directory
+    that is a symlink to somewhere else."""
     runs.mkdir()
     (runs / "r1").mkdir(mode=0o755)
     fd, run_dir = _locked(runs)

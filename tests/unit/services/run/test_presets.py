@@ -1,4 +1,5 @@
-"""``leafe run``'s config (services/run/presets.py): typed sections validated before anything starts."""
+"""``leafe run``'s config (services/run/presets.py): typed sections validated before anything
+starts."""
 
 from __future__ import annotations
 
@@ -6,15 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from actors.config import ActorServiceConfig
-from learner.config import LearnerConfig
-from services.config import ConfigError
-from services.run.presets import PRESETS, RunConfig, resolve_run_config
+from leafe.actors.config import ActorServiceConfig
+from leafe.learner.config import LearnerConfig
+from leafe.services.config import ConfigError
+from leafe.services.run.presets import PRESETS, RunConfig, resolve_run_config
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_resolves_and_owns_its_run_id(name: str) -> None:
-    """Each preset is a valid RunConfig whose run id is its own name (presets never share a run dir)."""
+    """Each preset is a valid RunConfig whose run id is its own name (presets never share a run
+    dir)."""
     cfg = resolve_run_config(name)
     assert isinstance(cfg, RunConfig) and cfg.run_id == name
     assert isinstance(cfg.actor, ActorServiceConfig) and isinstance(cfg.learner, LearnerConfig)
@@ -33,7 +35,8 @@ def test_service_sections_are_typed_and_validated_up_front(tmp_path: Path) -> No
 
 
 def test_learner_section_starts_from_its_preset_and_the_durable_is_used() -> None:
-    """[learner] fields override the ``learner_preset``'s trainer settings, the rest stays the preset's."""
+    """[learner] fields override the ``learner_preset``'s trainer settings, the rest stays the
+    preset's."""
     cfg = resolve_run_config(
         "explore-only", overrides={"learner_preset": "paper", "learner.durable": "lrn-x"}
     )
@@ -56,11 +59,13 @@ def test_materializer_and_learner_kinds_must_agree() -> None:
 
 
 def test_the_validation_slice_is_disjoint_from_the_pool_and_the_demonstrations() -> None:
-    """The learning curve is measured on train tasks nothing trains on: by default right after the pool
-    and the demonstrations; an offset overlapping either is refused naming both ranges."""
+    """The learning curve is measured on train tasks nothing trains on: by default right after the
+    pool and the demonstrations; an offset overlapping either is refused naming both ranges."""
     cfg = resolve_run_config("leafe")
     start, _ = cfg.validation_slice()
-    assert start >= max(cfg.explore.offset + cfg.explore.tasks, cfg.explore.demo_offset + cfg.explore.demos)
+    assert start >= max(
+        cfg.explore.offset + cfg.explore.tasks, cfg.explore.demo_offset + cfg.explore.demos
+    )
     for offset, what in ((4, "explore pool"), (90, "demonstrations")):
         with pytest.raises(ConfigError, match=what):
             resolve_run_config("leafe", overrides={"online_eval.offset": offset})
@@ -69,9 +74,10 @@ def test_the_validation_slice_is_disjoint_from_the_pool_and_the_demonstrations()
 
 
 def test_demo_epochs_submit_every_demonstration_once_per_epoch_under_distinct_keys() -> None:
-    """``explore.demo_epochs = 2``: each demonstration task twice (the learner trains it twice), with keys
-    JetStream's dedupe keeps apart; pass 0 keeps the one-pass keys (older run directories resume)."""
-    from services.run.rounds import demo_assignments
+    """``explore.demo_epochs = 2``: each demonstration task twice (the learner trains it twice),
+    with keys JetStream's dedupe keeps apart; pass 0 keeps the one-pass keys (older run directories
+    resume)."""
+    from leafe.services.run.rounds import demo_assignments
 
     one = demo_assignments(resolve_run_config("leafe"))
     two = demo_assignments(resolve_run_config("leafe", overrides={"explore.demo_epochs": 2}))
@@ -84,10 +90,15 @@ def test_demo_epochs_submit_every_demonstration_once_per_epoch_under_distinct_ke
 
 
 def test_the_default_run_is_bounded_by_work_and_an_endless_one_is_refused() -> None:
-    """``make run`` is phased with no wall-clock budget (the same work on any machine; the continual presets
-    keep a budget); rounds until a limit with no limit at all would never stop and is refused."""
+    """``make run`` is phased with no wall-clock budget (the same work on any machine; the continual
+    presets keep a budget); rounds until a limit with no limit at all would never stop and is
+    refused."""
     default = resolve_run_config("default")
-    assert (default.explore.schedule, default.budget_minutes, default.explore.rounds) == ("phased", 0.0, 1)
+    assert (default.explore.schedule, default.budget_minutes, default.explore.rounds) == (
+        "phased",
+        0.0,
+        1,
+    )
     assert default.eval.before and default.eval.after_warm_start and default.eval.after
     assert resolve_run_config("leafe").explore.schedule == "continuous"
     with pytest.raises(ConfigError, match="would never stop"):

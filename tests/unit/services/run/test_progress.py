@@ -1,5 +1,6 @@
-"""Progress of ``leafe run`` (services/run/progress.py, stages._display): the concise status line for
-non-terminal output, the learner's figures read from its /metrics, and one line per change, never a table."""
+"""Progress of ``leafe run`` (services/run/progress.py, stages._display): the concise status line
+for non-terminal output, the learner's figures read from its /metrics, and one line per change,
+never a table."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from services.bus.nats_server import free_port
-from services.metrics import LearnerMetrics, serve_metrics
-from services.run import stages
-from services.run.context import RunContext
-from services.run.presets import RunConfig
-from services.run.progress import RunProgress
+from leafe.services.bus.nats_server import free_port
+from leafe.services.metrics import LearnerMetrics, serve_metrics
+from leafe.services.run import stages
+from leafe.services.run.context import RunContext
+from leafe.services.run.presets import RunConfig
+from leafe.services.run.progress import RunProgress
 
 pytestmark = pytest.mark.anyio
 
@@ -23,7 +24,11 @@ pytestmark = pytest.mark.anyio
 def _progress() -> RunProgress:
     """A progress as the stream followers and a learner scrape leave it mid-run."""
     p = RunProgress(run_id="r1")
-    p.episodes_started, p.episodes_finished, p.successes = {"explore": 8}, {"explore": 5}, {"explore": 1}
+    p.episodes_started, p.episodes_finished, p.successes = (
+        {"explore": 8},
+        {"explore": 5},
+        {"explore": 1},
+    )
     p.steps, p.parse_failures = 214, 66
     p.reflections, p.rollbacks, p.branches = 12, 12, 12
     p.samples = {"reh": 9, "cf": 3}
@@ -43,15 +48,23 @@ def test_status_line_reads_as_one_log_line() -> None:
 def test_status_line_carries_the_plan_inside_its_brackets() -> None:
     """With a plan the line says, after stage and clock, the work done of planned and the time left
     (``RunPlan.line``), and the counters follow as before."""
-    line = _progress().status_line("exploring round 0", 192.7, "5/8 episodes, ~01:40 left | run ~04:30 left")
-    assert line.startswith("[exploring round 0 03:12 | 5/8 episodes, ~01:40 left | run ~04:30 left] episodes")
+    line = _progress().status_line(
+        "exploring round 0", 192.7, "5/8 episodes, ~01:40 left | run ~04:30 left"
+    )
+    assert line.startswith(
+        "[exploring round 0 03:12 | 5/8 episodes, ~01:40 left | run ~04:30 left] episodes"
+    )
 
 
 def test_status_line_names_modes_when_several_and_shows_hours() -> None:
-    """With explore and eval episodes each mode is named; past an hour the clock shows hours; before any
-    step or loss the line says so instead of inventing figures."""
+    """With explore and eval episodes each mode is named; past an hour the clock shows hours; before
+    any step or loss the line says so instead of inventing figures."""
     p = RunProgress(run_id="r1")
-    p.episodes_started, p.episodes_finished, p.successes = {"explore": 2, "eval": 4}, {"eval": 4}, {"eval": 1}
+    p.episodes_started, p.episodes_finished, p.successes = (
+        {"explore": 2, "eval": 4},
+        {"eval": 4},
+        {"eval": 1},
+    )
     assert p.status_line("evaluating before", 3725) == (
         "[evaluating before 1:02:05] episodes eval 4/4 (1 ok), explore 0/2 (0 ok) steps 0 "
         "refl/rb/br 0/0/0 samples 0 learner step 0 loss - weights default"
@@ -59,8 +72,8 @@ def test_status_line_names_modes_when_several_and_shows_hours() -> None:
 
 
 async def test_learner_figures_come_from_its_metrics() -> None:
-    """Step, total loss and consumed samples sequence are read from the learner's /metrics; when it does
-    not answer (restarting) the last figures stay."""
+    """Step, total loss and consumed samples sequence are read from the learner's /metrics; when it
+    does not answer (restarting) the last figures stay."""
     metrics = LearnerMetrics()
     metrics.loss.labels(term="total").set(0.75)
     metrics.loss.labels(term="cf").set(9.0)
@@ -81,8 +94,8 @@ async def test_learner_figures_come_from_its_metrics() -> None:
 async def test_non_terminal_output_is_one_line_per_change(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without a terminal the display prints a status line when the stage or a counter changed, nothing
-    while they stay the same, and never a table."""
+    """Without a terminal the display prints a status line when the stage or a counter changed,
+    nothing while they stay the same, and never a table."""
     monkeypatch.setattr(stages, "LINE_EVERY_S", 0.01)
     out = io.StringIO()
     console = Console(file=out, force_terminal=False, width=80, soft_wrap=True)

@@ -1,12 +1,13 @@
-"""``leafe run``'s report (services/run/report.py): data first, prose rendered from it, verdicts honest."""
+"""``leafe run``'s report (services/run/report.py): data first, prose rendered from it, verdicts
+honest."""
 
 from __future__ import annotations
 
-from actors.evaluate import EvalResult
-from actors.passk import PassKDiff
-from services.run.presets import resolve_run_config
-from services.run.report_data import DatasetCheck, RunReport, RunSummary, part_comparisons
-from services.run.report_md import render_report
+from leafe.actors.evaluate import EvalResult
+from leafe.actors.passk import PassKDiff
+from leafe.services.run.presets import resolve_run_config
+from leafe.services.run.report_data import DatasetCheck, RunReport, RunSummary, part_comparisons
+from leafe.services.run.report_md import render_report
 
 
 def _eval(label: str, rate: float, successes: dict[str, list[bool]] | None = None) -> EvalResult:
@@ -64,7 +65,8 @@ def _report(comparisons: list[PassKDiff], **extra: object) -> RunReport:
 
 
 def test_an_interval_containing_zero_is_reported_as_within_noise() -> None:
-    """A gain whose interval contains 0 reads "within noise", never as better; one above 0 reads better."""
+    """A gain whose interval contains 0 reads "within noise", never as better; one above 0 reads
+    better."""
     cfg = resolve_run_config("tiny").eval
     noisy = render_report(_report([PassKDiff(k=1, diff=0.25, lo=-0.1, hi=0.6, tasks=6)]), cfg)
     assert "| Pass@1 | +25.0 | [-10.0, +60.0] | within noise |" in noisy
@@ -75,20 +77,33 @@ def test_an_interval_containing_zero_is_reported_as_within_noise() -> None:
 
 def test_each_part_is_its_evaluation_minus_the_one_before_it_paired() -> None:
     """Before, after the warm start and after the rounds on the same tasks: the warm start's part is
-    (warm - before), the rounds' part (after - warm), each a paired difference per k; a part whose two
-    evaluations served the same weights says so; the parts add up to after - before."""
+    (warm - before), the rounds' part (after - warm), each a paired difference per k; a part whose
+    two evaluations served the same weights says so; the parts add up to after - before."""
     tasks = [f"t{i}" for i in range(6)]
     before = _eval("before", 0.0, {t: [False, False] for t in tasks})
     warm = _eval("warm-v000002", 0.5, {t: [i % 2 == 0, False] for i, t in enumerate(tasks)})
     after = _eval("after-v000002", 0.5, dict(warm.successes))
     evals = {"before": before, "warm-v000002": warm, "after-v000002": after}
     warm_part, rounds = part_comparisons(evals, "explore")
-    assert (warm_part.part, warm_part.label, warm_part.baseline) == ("warm start", "warm-v000002", "before")
-    assert (rounds.part, rounds.baseline, rounds.same_weights) == ("LEAFE rounds", "warm-v000002", True)
+    assert (warm_part.part, warm_part.label, warm_part.baseline) == (
+        "warm start",
+        "warm-v000002",
+        "before",
+    )
+    assert (rounds.part, rounds.baseline, rounds.same_weights) == (
+        "LEAFE rounds",
+        "warm-v000002",
+        True,
+    )
     assert [d.k for d in warm_part.diffs] == [1, 2] and warm_part.diffs[0].diff == 0.25
     assert all(d.diff == 0 and d.within_noise for d in rounds.diffs)
-    text = render_report(_report([], evals=evals, parts=[warm_part, rounds]), resolve_run_config("tiny").eval)
-    assert "## What each part did" in text and "**LEAFE rounds** (`after-v000002` - `warm-v000002`)" in text
+    text = render_report(
+        _report([], evals=evals, parts=[warm_part, rounds]), resolve_run_config("tiny").eval
+    )
+    assert (
+        "## What each part did" in text
+        and "**LEAFE rounds** (`after-v000002` - `warm-v000002`)" in text
+    )
     assert "the same weights" in text and "| warm start | difference (points) |" in text
     assert part_comparisons({"before": before, "after-v000002": after}, "explore") == []
 
@@ -96,8 +111,12 @@ def test_each_part_is_its_evaluation_minus_the_one_before_it_paired() -> None:
 def test_the_report_says_what_bounded_the_run_and_what_a_budget_cut() -> None:
     """Without a budget the report says the work bounds the run; with one it names what it cut."""
     cfg = resolve_run_config("tiny").eval
-    assert "| wall-clock budget | none: the work bounds the run |" in render_report(_report([]), cfg)
-    cut = _report([], budget_minutes=12.0, cuts=["round 0: 2 of 8 tasks finished"], schedule="phased")
+    assert "| wall-clock budget | none: the work bounds the run |" in render_report(
+        _report([]), cfg
+    )
+    cut = _report(
+        [], budget_minutes=12.0, cuts=["round 0: 2 of 8 tasks finished"], schedule="phased"
+    )
     text = render_report(cut, cfg)
     assert "| wall-clock budget | 12 min; it cut round 0: 2 of 8 tasks finished |" in text
     assert "| schedule | phased |" in text

@@ -1,4 +1,5 @@
-"""The supervisor restarts services that crashed, never one it stopped on purpose (services/run/supervisor.py)."""
+"""The supervisor restarts services that crashed, never one it stopped on purpose
+(services/run/supervisor.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from services.bus.nats_server import free_port
-from services.run.supervisor import ServiceError, ServiceProcess, restart_crashed
+from leafe.services.bus.nats_server import free_port
+from leafe.services.run.supervisor import ServiceError, ServiceProcess, restart_crashed
 
 pytestmark = pytest.mark.anyio
 
@@ -27,7 +28,8 @@ async def test_a_service_stopped_on_purpose_is_not_restarted(tmp_path: Path) -> 
 
 
 async def test_a_crashed_service_is_restarted_up_to_the_limit(tmp_path: Path) -> None:
-    """A SIGKILLed service is restarted; once it used up its restarts, the next crash is a ServiceError."""
+    """A SIGKILLed service is restarted; once it used up its restarts, the next crash is a
+    ServiceError."""
     proc = await _nats(tmp_path).start()
     try:
         proc.kill()
@@ -44,9 +46,10 @@ async def test_a_crashed_service_is_restarted_up_to_the_limit(tmp_path: Path) ->
 
 
 def test_the_drain_counts_held_anchors_of_open_episodes_as_folded() -> None:
-    """Everything delivered and nothing unacked but the anchors the replayer holds: folded. An unacked
-    event beyond the anchors, or undelivered events, are not; without the replayer's count only 0 is."""
-    from services.run.waits import folded_all
+    """Everything delivered and nothing unacked but the anchors the replayer holds: folded. An
+    unacked event beyond the anchors, or undelivered events, are not; without the replayer's count
+    only 0 is."""
+    from leafe.services.run.waits import folded_all
 
     assert folded_all(0, 4, 4) and folded_all(0, 0, 0) and folded_all(0, 0, None)
     assert not folded_all(0, 5, 4) and not folded_all(3, 4, 4) and not folded_all(0, 4, None)

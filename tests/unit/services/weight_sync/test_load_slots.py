@@ -1,7 +1,8 @@
-"""Weight pushes that keep serving (issue 38, item 2): the store's reload lease lets one weight sync load at a
-time and is taken over from a holder that died; the engine lock makes the SGLang liveness probe
-(deploy/components/sglang/liveness.py, run here as the kubelet would) answer alive during a load without
-asking the engine for a generation, and a load waits for a check in progress. Loopback only."""
+"""Weight pushes that keep serving: the store's reload lease lets one weight sync load at a time and
+is taken over from a holder that died; the engine lock makes the SGLang liveness probe
+(deploy/components/sglang/liveness.py, run here as the kubelet would) answer alive during a load
+without asking the engine for a generation, and a load waits for a check in progress. Loopback
+only."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from learner.weight_store import in_use_versions, mark_in_use
-from protocol import WeightsPublished
-from services.weight_sync.lease import ReloadLease, engine_lock
-from services.weight_sync.service import WeightSync, WeightSyncConfig
+from leafe.learner.weight_store import in_use_versions, mark_in_use
+from leafe.protocol import WeightsPublished
+from leafe.services.weight_sync.lease import ReloadLease, engine_lock
+from leafe.services.weight_sync.service import WeightSync, WeightSyncConfig
 
 pytestmark = pytest.mark.anyio
 
@@ -29,8 +30,8 @@ LIVENESS = Path(__file__).resolve().parents[4] / "deploy" / "components" / "sgla
 
 
 def test_one_weight_sync_holds_the_lease_at_a_time(tmp_path: Path) -> None:
-    """A second weight sync cannot take the lease while the first holds it, and takes it once released;
-    the learner's pruning still reads only the in-use markers beside it."""
+    """A second weight sync cannot take the lease while the first holds it, and takes it once
+    released; the learner's pruning still reads only the in-use markers beside it."""
     a, b = (ReloadLease(tmp_path / ".in_use" / "reload", name, ttl_s=60) for name in ("a", "b"))
     assert a.try_acquire() and not b.try_acquire() and b.owner() == "a"
     mark_in_use(tmp_path, "host|url", "v000003")
@@ -40,10 +41,12 @@ def test_one_weight_sync_holds_the_lease_at_a_time(tmp_path: Path) -> None:
 
 
 def test_a_stale_lease_is_taken_over_and_a_refreshed_one_is_not(tmp_path: Path) -> None:
-    """A lease not refreshed within its ttl (holder died mid-load) is moved aside and taken at the next
-    try; one its holder keeps refreshing stays its holder's, and the dead holder's release leaves the new
-    lease alone."""
-    dead, alive, other = (ReloadLease(tmp_path, name, ttl_s=5) for name in ("dead", "alive", "other"))
+    """A lease not refreshed within its ttl (holder died mid-load) is moved aside and taken at the
+    next try; one its holder keeps refreshing stays its holder's, and the dead holder's release
+    leaves the new lease alone."""
+    dead, alive, other = (
+        ReloadLease(tmp_path, name, ttl_s=5) for name in ("dead", "alive", "other")
+    )
     assert dead.try_acquire()
     os.utime(dead.path, (time.time() - 60, time.time() - 60))
     assert not alive.try_acquire()  # moved aside
@@ -56,7 +59,8 @@ def test_a_stale_lease_is_taken_over_and_a_refreshed_one_is_not(tmp_path: Path) 
 
 @dataclass
 class LoadingEngine:
-    """An SGLang-shaped engine whose weight load takes ``load_s`` and whose ``/health`` calls are counted."""
+    """An SGLang-shaped engine whose weight load takes ``load_s`` and whose ``/health`` calls are
+    counted."""
 
     load_s: float
     url: str = ""
@@ -100,12 +104,14 @@ async def _probe(lock: Path, engine: LoadingEngine) -> int:
 
 
 async def test_the_liveness_probe_never_asks_a_loading_engine(tmp_path: Path) -> None:
-    """While weight sync loads its engine (holding the engine lock), the probe answers alive without a
-    ``/health`` call; outside a load it is the engine's ``/health`` (503 -> not alive)."""
+    """While weight sync loads its engine (holding the engine lock), the probe answers alive without
+    a ``/health`` call; outside a load it is the engine's ``/health`` (503 -> not alive)."""
     lock, store = tmp_path / "reload.lock", tmp_path / "store"
     store.mkdir()
     async with loading_engine(load_s=1.5) as engine:
-        assert await _probe(lock, engine) == 0 and engine.health_calls == 1  # no lock file yet: /health
+        assert (
+            await _probe(lock, engine) == 0 and engine.health_calls == 1
+        )  # no lock file yet: /health
         cfg = WeightSyncConfig(servers=[engine.url], verify="off", engine_lock=str(lock))
         sync = WeightSync(cfg, run_id="r")
         sync.offer(_announcement(store / "v000001"))
@@ -119,8 +125,9 @@ async def test_the_liveness_probe_never_asks_a_loading_engine(tmp_path: Path) ->
 
 
 async def test_a_load_waits_for_a_liveness_check_in_progress(tmp_path: Path) -> None:
-    """The engine lock is not taken while a probe holds the file shared (its ``/health`` is running), so
-    no load starts under a generating health check; it is taken as soon as the check ends."""
+    """The engine lock is not taken while a probe holds the file shared (its ``/health`` is
+    running), so no load starts under a generating health check; it is taken as soon as the check
+    ends."""
     lock = tmp_path / "reload.lock"
     lock.touch()
     probe_fd = os.open(lock, os.O_RDONLY)

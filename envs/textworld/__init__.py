@@ -1,0 +1,2 @@
+"""TextWorld cooking games: the environment (``env``) and the offline game generator
+(``generator``)."""

@@ -13,13 +13,14 @@ tests). Each preset's run id is its own name, so two presets never share a run d
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+from msgspec.structs import replace
 
-from leafe.actors.config import ActorServiceConfig
+from leafe.actors.config import ActorServiceConfig, Override
 from leafe.learner.config import LearnerConfig, learner_preset
 from leafe.learner.materializers import SAMPLE_KINDS
 from leafe.protocol.config import ConfigError, convert_config, dotted, dump_config, merge_tables
@@ -35,7 +36,13 @@ __all__ = [
     "OnlineEvalSection",
     "RunConfig",
     "ServicesSection",
+    "default_preset",
+    "explore_only_preset",
+    "grpo_preset",
+    "leafe_preset",
     "resolve_run_config",
+    "tiny_preset",
+    "warmstart_preset",
 ]
 
 
@@ -283,131 +290,200 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         }
 
 
-_SMALL_SOKOBAN = {"height": 5, "width": 5, "num_boxes": 1, "max_solution_len": 2, "max_steps": 6}
+SMALL_SOKOBAN: dict[str, Any] = {
+    "height": 5,
+    "width": 5,
+    "num_boxes": 1,
+    "max_solution_len": 2,
+    "max_steps": 6,
+}
 """Rooms SmolLM2-135M solves sometimes but not always (Base Pass@8 25% in
 experiments/results/paper_table.md)."""
-_COMPACT = {"sokoban": {"history_window": 2, "horizon": 8}}
+COMPACT: dict[str, Override] = {"sokoban": {"history_window": 2, "horizon": 8}}
 """Prefill bounds CPU speed: the board already holds the state, so prompts show 2 past steps, and a
 branch takes at most 8 actions (invalid answers do not advance the env's own 6-step limit)."""
-_EXPLORE = {"sokoban": {**_COMPACT["sokoban"], "max_actions": 32}}
+EXPLORE: dict[str, Override] = {"sokoban": {**COMPACT["sokoban"], "max_actions": 32}}
+"""The explorer's Sokoban settings: the compact prompts, and at most 32 actions a tree."""
+
+_SOKOBAN = EnvSection(name="sokoban", options=SMALL_SOKOBAN)
 
 
-def _warm_learner(kinds: list[str]) -> dict[str, Any]:
+def _learner(
+    base: LearnerConfig,
+    *,
+    push_every: int,
+    global_batch: int,
+    kinds: list[str] | None = None,
+    max_batch_wait_s: float | None = None,
+    lr: float | None = None,
+    scale_partial_batches: bool = False,
+) -> LearnerConfig:
+    """``base`` (the run's learner preset) with a preset's changes: a push and a checkpoint every
+    ``push_every`` steps, ``global_batch`` samples a step, and optionally the kinds, the batch wait
+    and the lr."""
+    trainer = base.trainer
+    optim = trainer.optim
+    if lr is not None or scale_partial_batches:
+        optim = replace(optim, lr=optim.lr if lr is None else lr)
+        optim = replace(
+            optim, scale_partial_batches=scale_partial_batches or optim.scale_partial_batches
+        )
+    trainer = replace(
+        trainer,
+        optim=optim,
+        push_every=push_every,
+        checkpoint_every=push_every,
+        batch=replace(trainer.batch, global_batch=global_batch),
+    )
+    learner = replace(base, trainer=trainer)
+    if kinds is not None:
+        learner = replace(learner, kinds=kinds)
+    if max_batch_wait_s is not None:
+        learner = replace(learner, max_batch_wait_s=max_batch_wait_s)
+    return learner
+
+
+def _warm_learner(base: LearnerConfig, kinds: list[str]) -> LearnerConfig:
     """The online learner of the warm-start presets (the ``warmstart`` preset's settings)."""
-    return {
-        "kinds": kinds,
-        "max_batch_wait_s": 10.0,
-        "trainer": {
-            "optim": {"lr": 5e-5, "scale_partial_batches": True},
-            "push_every": 4,
-            "checkpoint_every": 4,
-            "batch": {"global_batch": 16},
-        },
-    }
+    return _learner(
+        base,
+        kinds=kinds,
+        max_batch_wait_s=10.0,
+        lr=5e-5,
+        scale_partial_batches=True,
+        push_every=4,
+        global_batch=16,
+    )
 
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "default": {
-        # make run: the whole method, sized for 2 idle cores and bounded by work, not time (phased):
-        # the expert's demonstrations of 128 train rooms (the warm start, sft; the paper table's
-        # warm start took 2 epochs of 96), one round of LEAFE trees on 8 train rooms, and Pass@k on
-        # 24 held-out test rooms x 4 samples before, after the warm start and after the round, with
-        # paired intervals per k (24 tasks for power: at 16 the intervals were +-25 points). No
-        # validation curve: with one round its two points would score the same weights as the two
-        # later held-out evaluations.
-        "materializer": "warm-leafe",
-        "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
-        "explore": {"tasks": 8, "rounds": 1, "demos": 128},
-        "eval": {"tasks": 24, "samples": 4, "ks": [1, 2, 4]},
-        "actor": {"explorer": _EXPLORE, "rollout": _COMPACT},
-        "learner": _warm_learner(["sft", "cf", "reh"]),
-    },
-    "explore-only": {
-        # The one-pass LEAFE run from Base (the former default): 8 trees, no warm start.
-        "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
-        "explore": {"tasks": 8},
-        "eval": {"tasks": 12, "samples": 8, "ks": [1, 2, 4, 8]},
-        "actor": {"explorer": _EXPLORE, "rollout": _COMPACT},
-        "learner": {
-            "trainer": {"push_every": 4, "checkpoint_every": 4, "batch": {"global_batch": 16}}
-        },
-    },
-    "warmstart": {
-        # Learning that shows within minutes: expert demonstrations of train rooms (no engine
-        # needed), the sft materializer, and the online learner fix SmolLM2's answer format; the
-        # report compares Pass@k and unparseable answers before and after on held-out rooms.
-        "materializer": "sft",
-        "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
-        "explore": {"mode": "demo", "tasks": 96},
-        "eval": {"tasks": 12, "samples": 8, "ks": [1, 2, 4, 8]},
-        "actor": {"rollout": _COMPACT},
-        "learner": {
-            "kinds": ["sft"],
-            "max_batch_wait_s": 10.0,
-            "trainer": {
-                "optim": {"lr": 5e-5},
-                "push_every": 4,
-                "checkpoint_every": 4,
-                "batch": {"global_batch": 16},
-            },
-        },
-    },
-    "leafe": {
-        # The whole method online: the expert's demonstrations (warm start, sft samples) through the
-        # log, then continual LEAFE rounds on the RL pool with a learning curve on a validation
-        # slice.
-        "materializer": "warm-leafe",
-        "budget_minutes": 40.0,
-        "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
-        "explore": {"tasks": 16, "rounds": 3, "demos": 96, "schedule": "continuous"},
-        "online_eval": {"every_rounds": 1, "tasks": 16, "samples": 4, "ks": [1, 2, 4]},
-        "eval": {"tasks": 16, "samples": 8, "ks": [1, 2, 4, 8]},
-        "actor": {"explorer": _EXPLORE, "rollout": _COMPACT},
-        "learner": _warm_learner(["sft", "cf", "reh"]),
-    },
-    "grpo": {
-        # The online baseline: the same warm start, then continual GRPO (groups of 4 plain
-        # rollouts).
-        "materializer": "warm-grpo",
-        "budget_minutes": 40.0,
-        "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
-        "explore": {
-            "tasks": 16,
-            "rounds": 3,
-            "demos": 96,
-            "mode": "rollout",
-            "samples": 4,
-            "schedule": "continuous",
-        },
-        "online_eval": {"every_rounds": 1, "tasks": 16, "samples": 4, "ks": [1, 2, 4]},
-        "eval": {"tasks": 16, "samples": 8, "ks": [1, 2, 4, 8]},
-        "actor": {"rollout": _COMPACT},
-        "learner": _warm_learner(["sft", "grpo"]),
-    },
-    "tiny": {
-        "model": "tiny",
-        "materializer": "warm-leafe",
-        "env": {"name": "sokoban", "options": _SMALL_SOKOBAN},
-        # make run's shape in small: a warm start from 2 demonstrations, then two phased rounds with
-        # a validation point after each; the e2e tests cover the whole loop and its determinism.
-        "explore": {"tasks": 2, "rounds": 2, "demos": 2},
-        "online_eval": {"every_rounds": 1, "tasks": 2, "samples": 2, "ks": [1, 2]},
-        "eval": {"tasks": 2, "samples": 2, "ks": [1, 2], "concurrency": 4},
-        # Two inference servers whatever the cores: the tests cover pushes to, and waits for, each
-        # of them.
-        "services": {"actor_concurrency": 2, "inference_max_batch": 4, "inference_servers": 2},
-        "actor": {"explorer": {"sokoban": {"max_actions": 12, "max_branches": 3, "horizon": 6}}},
+def _run(name: str, *, materializer: str = "leafe", **sections: Any) -> RunConfig:
+    """A preset: ``RunConfig`` named ``name``, whose replayer follows its materializer and model."""
+    model = sections.get("model", RunConfig().model)
+    replayer = sections.pop("replayer", ReplayerConfig())
+    replayer = replace(replayer, materializer=materializer, model=model)
+    return RunConfig(run_id=name, materializer=materializer, replayer=replayer, **sections)
+
+
+def default_preset(learner: LearnerConfig) -> RunConfig:
+    """``make run``: the whole method, sized for 2 idle cores and bounded by work, not time
+    (phased).
+
+    The expert's demonstrations of 128 train rooms (the warm start, sft; the paper table's warm
+    start took 2 epochs of 96), one round of LEAFE trees on 8 train rooms, and Pass@k on 24 held-out
+    test rooms x 4 samples before, after the warm start and after the round, with paired intervals
+    per k (24 tasks for power: at 16 the intervals were +-25 points). No validation curve: with one
+    round its two points would score the same weights as the two later held-out evaluations."""
+    return _run(
+        "default",
+        materializer="warm-leafe",
+        env=_SOKOBAN,
+        explore=ExploreSection(tasks=8, rounds=1, demos=128),
+        eval=EvalSection(tasks=24, samples=4, ks=[1, 2, 4]),
+        actor=ActorServiceConfig(explorer=EXPLORE, rollout=COMPACT),
+        learner=_warm_learner(learner, ["sft", "cf", "reh"]),
+    )
+
+
+def explore_only_preset(learner: LearnerConfig) -> RunConfig:
+    """The one-pass LEAFE run from Base: 8 trees, no warm start."""
+    return _run(
+        "explore-only",
+        env=_SOKOBAN,
+        explore=ExploreSection(tasks=8),
+        eval=EvalSection(tasks=12, samples=8, ks=[1, 2, 4, 8]),
+        actor=ActorServiceConfig(explorer=EXPLORE, rollout=COMPACT),
+        learner=_learner(learner, push_every=4, global_batch=16),
+    )
+
+
+def warmstart_preset(learner: LearnerConfig) -> RunConfig:
+    """Learning that shows within minutes: expert demonstrations of train rooms (no engine needed),
+    the sft materializer, and the online learner fix SmolLM2's answer format; the report compares
+    Pass@k and unparseable answers before and after on held-out rooms."""
+    return _run(
+        "warmstart",
+        materializer="sft",
+        env=_SOKOBAN,
+        explore=ExploreSection(mode="demo", tasks=96),
+        eval=EvalSection(tasks=12, samples=8, ks=[1, 2, 4, 8]),
+        actor=ActorServiceConfig(rollout=COMPACT),
+        learner=_learner(
+            learner, kinds=["sft"], max_batch_wait_s=10.0, lr=5e-5, push_every=4, global_batch=16
+        ),
+    )
+
+
+def leafe_preset(learner: LearnerConfig) -> RunConfig:
+    """The whole method online: the expert's demonstrations (warm start, sft samples) through the
+    log, then continual LEAFE rounds on the RL pool with a learning curve on a validation slice."""
+    return _run(
+        "leafe",
+        materializer="warm-leafe",
+        budget_minutes=40.0,
+        env=_SOKOBAN,
+        explore=ExploreSection(tasks=16, rounds=3, demos=96, schedule="continuous"),
+        online_eval=OnlineEvalSection(every_rounds=1, tasks=16, samples=4, ks=[1, 2, 4]),
+        eval=EvalSection(tasks=16, samples=8, ks=[1, 2, 4, 8]),
+        actor=ActorServiceConfig(explorer=EXPLORE, rollout=COMPACT),
+        learner=_warm_learner(learner, ["sft", "cf", "reh"]),
+    )
+
+
+def grpo_preset(learner: LearnerConfig) -> RunConfig:
+    """The online baseline: the same warm start, then continual GRPO (groups of 4 plain
+    rollouts)."""
+    return _run(
+        "grpo",
+        materializer="warm-grpo",
+        budget_minutes=40.0,
+        env=_SOKOBAN,
+        explore=ExploreSection(
+            tasks=16, rounds=3, demos=96, mode="rollout", samples=4, schedule="continuous"
+        ),
+        online_eval=OnlineEvalSection(every_rounds=1, tasks=16, samples=4, ks=[1, 2, 4]),
+        eval=EvalSection(tasks=16, samples=8, ks=[1, 2, 4, 8]),
+        actor=ActorServiceConfig(rollout=COMPACT),
+        learner=_warm_learner(learner, ["sft", "grpo"]),
+    )
+
+
+def tiny_preset(learner: LearnerConfig) -> RunConfig:
+    """``make run``'s shape in small, on the tiny random model (the end-to-end tests): a warm start
+    from 2 demonstrations, then two phased rounds with a validation point after each."""
+    return _run(
+        "tiny",
+        model="tiny",
+        materializer="warm-leafe",
+        env=_SOKOBAN,
+        explore=ExploreSection(tasks=2, rounds=2, demos=2),
+        online_eval=OnlineEvalSection(every_rounds=1, tasks=2, samples=2, ks=[1, 2]),
+        eval=EvalSection(tasks=2, samples=2, ks=[1, 2], concurrency=4),
+        # Two inference servers whatever the cores: the tests cover pushes to, and waits for, each.
+        services=ServicesSection(actor_concurrency=2, inference_max_batch=4, inference_servers=2),
+        actor=ActorServiceConfig(
+            explorer={"sokoban": {"max_actions": 12, "max_branches": 3, "horizon": 6}}
+        ),
         # The random model never solves a room: fold a counterfactual from every branch (parsed or
         # not) so the test still drives samples through the learner, a push and a reload.
-        "replayer": {"options": {"cf_only_successful": False, "skip_unparsed_targets": False}},
-        "learner": {
-            "kinds": ["sft", "cf", "reh"],
-            "max_batch_wait_s": 2.0,
-            "trainer": {"push_every": 1, "checkpoint_every": 1, "batch": {"global_batch": 4}},
-        },
-    },
+        replayer=ReplayerConfig(
+            options={"cf_only_successful": False, "skip_unparsed_targets": False}
+        ),
+        learner=_learner(
+            learner, kinds=["sft", "cf", "reh"], max_batch_wait_s=2.0, push_every=1, global_batch=4
+        ),
+    )
+
+
+PRESETS: dict[str, Callable[[LearnerConfig], RunConfig]] = {
+    "default": default_preset,
+    "explore-only": explore_only_preset,
+    "warmstart": warmstart_preset,
+    "leafe": leafe_preset,
+    "grpo": grpo_preset,
+    "tiny": tiny_preset,
 }
-"""Named starting points; a ``--config`` TOML file is merged over the chosen preset."""
+"""Named starting points, each a typed ``RunConfig``; ``--config`` TOML files and ``--set``
+overrides are layered over the chosen one."""
 
 
 def resolve_run_config(
@@ -418,23 +494,25 @@ def resolve_run_config(
 ) -> RunConfig:
     """The preset, then each TOML file, then dotted ``overrides``
     (``leafe.services.config.load_config``'s layering), with two run-specific rules: the
-    ``[learner]`` table starts from ``learner_preset``'s settings, and the replayer follows the
-    run's ``materializer`` and ``model``."""
+    ``[learner]`` table starts from the chosen ``learner_preset``'s settings, with the preset's own
+    changes to the cpu learner preset over them; and the replayer follows the run's ``materializer``
+    and ``model`` (setting them under ``[replayer]`` to anything else is an error)."""
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
-    table: dict[str, Any] = merge_tables({"run_id": preset}, PRESETS[preset])
     sources = [str(f) for f in files if f is not None]
+    user: dict[str, Any] = {}
     for path in sources:
-        table = merge_tables(table, read_toml(path))
-    table = merge_tables(table, dotted(overrides or {}))
-    base = dump_config(learner_preset(str(table.get("learner_preset", "cpu"))))
-    table["learner"] = merge_tables(base, table.get("learner", {}))
-    replayer = dict(table.get("replayer", {}))
-    for key, default in (("materializer", "leafe"), ("model", "smollm2-135m-instruct")):
-        run_value = table.get(key, default)
-        if replayer.get(key, run_value) != run_value:
+        user = merge_tables(user, read_toml(path))
+    user = merge_tables(user, dotted(overrides or {}))
+    chosen = PRESETS[preset](learner_preset(str(user.get("learner_preset", "cpu"))))
+    table = merge_tables(dump_config(chosen), user)
+    replayer = dict(table["replayer"])
+    for key in ("materializer", "model"):
+        run_value = table[key]
+        asked = user.get("replayer", {}).get(key, run_value)
+        if asked != run_value:
             raise ConfigError(
-                f"replayer.{key} = {replayer[key]!r} differs from the run's {key} = {run_value!r}: "
+                f"replayer.{key} = {asked!r} differs from the run's {key} = {run_value!r}: "
                 f"set only the top-level {key}"
             )
         replayer[key] = run_value

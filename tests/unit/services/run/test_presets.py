@@ -104,3 +104,20 @@ def test_the_default_run_is_bounded_by_work_and_an_endless_one_is_refused() -> N
     with pytest.raises(ConfigError, match="would never stop"):
         resolve_run_config("default", overrides={"explore.rounds": 0})
     resolve_run_config("default", overrides={"explore.rounds": 0, "explore.max_learner_steps": 4})
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_are_typed_run_configs_built_over_the_chosen_learner_preset(name: str) -> None:
+    """A preset is a function of the learner preset giving a ``RunConfig`` (no untyped table): what
+    the run preset sets wins over the learner preset's value (``default`` keeps its 16-sample batch
+    under ``paper``, whose own is 128), what it leaves alone comes from the learner preset."""
+    from leafe.learner.config import learner_preset
+
+    paper, cpu = learner_preset("paper"), learner_preset("cpu")
+    assert isinstance(PRESETS[name](cpu), RunConfig)
+    cfg = resolve_run_config(name, overrides={"learner_preset": "paper"})
+    assert cfg.learner == PRESETS[name](paper).learner
+    assert cfg.learner.trainer.optim.betas == paper.trainer.optim.betas
+    if name == "default":
+        assert paper.trainer.batch.global_batch == 128
+        assert cfg.learner.trainer.batch.global_batch == 16

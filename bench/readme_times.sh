@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Measures every time figure the README states, from a fresh clone of this checkout's HEAD, and saves them
-# with the date and commit in bench/results/readme_times_<class>_<vendor>.json. Run on an idle machine of the kind the README
-# names (2 cores): `make bench-readme`. Set-up (venv, installs, model conversion) is timed apart, since the
-# README's figures are "after set-up". SKIP_TEST=1 times make run alone (make_test_s is then 0).
-# The figures go to bench/results/readme_times_<class>_<vendor>.json, <class> being avx512 or avx2 from the
-# CPU's flags and <vendor> amd or intel (so that the CPU kinds these machines come in keep their own
-# records), with the host record of bench/host.py (CPU model, flags, commit). FORCE_AVX2=1 on an AVX-512
-# host runs both commands with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 and saves
-# readme_times_avx2_<vendor>_approx.json marked "approximation": an AVX-512 core forced to AVX2 kernels, not
-# an AVX2-only CPU (whose own record it never overwrites).
+# Measures the time figures the README quotes (`make run`, `make test`), from a fresh clone of this
+# checkout's HEAD, and saves them with the date, commit and host in
+# bench/results/readme_times_<class>_<vendor>.json; then bench/readme_table.py regenerates the timing
+# table in docs/benchmarks.md from every such record. Run on an idle machine of the kind the README
+# names (2 cores): `make bench-readme`. Set-up (venv, installs, model conversion) is timed apart, since
+# the figures are "after set-up". SKIP_TEST=1 times make run alone (make_test_s is then 0: no row).
+# <class> is avx512 or avx2 from the CPU's flags and <vendor> amd or intel (so that the CPU kinds these
+# machines come in keep their own records); the host record is bench/host.py's (CPU model, flags,
+# commit). FORCE_AVX2=1 on an AVX-512 host runs both commands with ATEN_CPU_CAPABILITY=avx2
+# ONEDNN_MAX_CPU_ISA=AVX2 and saves readme_times_avx2_<vendor>_approx.json marked "approximation": an
+# AVX-512 core forced to AVX2 kernels, not an AVX2-only CPU (whose own record it never overwrites).
 set -euo pipefail
 src=$(git rev-parse --show-toplevel)
 commit=$(git -C "$src" rev-parse --short HEAD)
@@ -28,7 +29,7 @@ if [ -n "${FORCE_AVX2:-}" ] && [ "$class" = avx512 ]; then
   export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2; class=avx2; approx=1; suffix=_approx
 fi
 host=$(.venv/bin/python -c "import json; from bench.host import host_record; print(json.dumps(host_record()))")
-.venv/bin/python -c "from learner.model_io import default_model_dir; default_model_dir()" >/dev/null 2>&1 || true
+.venv/bin/python -c "from leafe.learner.model_io import default_model_dir; default_model_dir()" >/dev/null 2>&1 || true
 t2=$(date +%s); run_rc=0; make run ARGS="--no-live" > "$logs/run.log" 2>&1 || run_rc=$?; t3=$(date +%s)
 t4=$(date +%s); test_rc=0
 if [ -z "${SKIP_TEST:-}" ]; then make test > "$logs/test.log" 2>&1 || test_rc=$?; else echo "skipped (SKIP_TEST)" > "$logs/test.log"; fi
@@ -51,4 +52,6 @@ data = {
 json.dump(data, open(out, "w"), indent=1)
 print(json.dumps(data, indent=1))
 PY
+# The table in docs/benchmarks.md, from every record (this one included); the clone's Python is 3.11.
+(cd "$src" && "$work/leafe/.venv/bin/python" -m bench.readme_table)
 exit $(( run_rc || test_rc ))

@@ -250,6 +250,33 @@ LAG_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 """Buckets of the per-sample policy-lag histogram (versions)."""
 
 
+class _TrainingPosition:
+    """``leafe_learner_step`` and ``leafe_learner_samples_seq`` as one collector: both are set and
+    read under one lock, so a scrape never pairs a step with another step's sequence (``leafe
+    run`` decides from the pair whether a step's push is still to come)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._step = 0
+        self._samples_seq = 0
+
+    def set(self, step: int, samples_seq: int) -> None:
+        with self._lock:
+            self._step, self._samples_seq = step, samples_seq
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            step, seq = self._step, self._samples_seq
+        yield GaugeMetricFamily(
+            "leafe_learner_step", "Optimizer steps so far (checkpointed ones included)", value=step
+        )
+        yield GaugeMetricFamily(
+            "leafe_learner_samples_seq",
+            "Every samples-stream sequence <= this was consumed",
+            value=seq,
+        )
+
+
 class LearnerMetrics:
     """``leafe_learner_*``; ``step`` and ``samples_seq`` are where training stands (a restarted
     learner resumes them from its checkpoint), ``steps_total`` counts this process's steps."""
@@ -298,14 +325,8 @@ class LearnerMetrics:
             buckets=_SECONDS,
             registry=r,
         )
-        self.step = Gauge(
-            "leafe_learner_step", "Optimizer steps so far (checkpointed ones included)", registry=r
-        )
-        self.samples_seq = Gauge(
-            "leafe_learner_samples_seq",
-            "Every samples-stream sequence <= this was consumed",
-            registry=r,
-        )
+        self._where = _TrainingPosition()
+        r.register(self._where)
 
     def observe_step(self, stats: Any, *, tokens_per_second: float, policy_lag: int) -> None:
         """One step's ``leafe.learner.trainer.StepStats``, its throughput and its largest policy
@@ -329,9 +350,8 @@ class LearnerMetrics:
             self.samples_dropped.labels(reason=reason).inc(count)
 
     def progress(self, *, step: int, samples_seq: int) -> None:
-        """Where training stands."""
-        self.step.set(step)
-        self.samples_seq.set(samples_seq)
+        """Where training stands (a scrape sees both values of one call, never one of each)."""
+        self._where.set(step, samples_seq)
 
 
 class WeightSyncMetrics:

@@ -262,3 +262,38 @@ async def test_replayer_lag_is_the_durables_num_pending() -> None:
     replayer._last_lag = 0.0  # the next check is due
     await replayer._housekeeping()
     assert _samples(replayer.metrics.registry)["leafe_replayer_consumer_lag"] == 7
+
+
+def test_a_scrape_never_sees_the_learners_step_and_samples_seq_torn_apart() -> None:
+    """``leafe run`` reads where training stands (``leafe_learner_samples_seq``) and the step that
+    got there (``leafe_learner_step``) from one scrape; a scrape taken while a step's progress is
+    being set must see both old or both new. A torn read (the old step with the new sequence) let a
+    phased run skip waiting for the step's push and evaluate on two weight versions at once."""
+    import sys
+    import threading
+
+    metrics = LearnerMetrics()
+    stop = threading.Event()
+
+    def train() -> None:
+        k = 0
+        while not stop.is_set():
+            k += 1
+            metrics.progress(step=k, samples_seq=k)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    writer = threading.Thread(target=train, daemon=True)
+    writer.start()
+    torn = []
+    try:
+        for _ in range(3000):
+            seen = parse_samples(generate_latest(metrics.registry).decode())
+            step, seq = seen["leafe_learner_step"], seen["leafe_learner_samples_seq"]
+            if step != seq:
+                torn.append((step, seq))
+    finally:
+        stop.set()
+        writer.join(timeout=5)
+        sys.setswitchinterval(interval)
+    assert torn == []

@@ -41,7 +41,7 @@ from leafe.protocol.subjects import (
     replayer_durable,
     samples_filter,
 )
-from leafe.services.bus import Publisher, connect, read_stream
+from leafe.services.bus import NatsOptions, Publisher, connect, read_stream
 from leafe.services.bus.dead_letters import (
     ERROR_HEADER,
     ORIGINAL_SEQ_HEADER,
@@ -243,13 +243,14 @@ def replayer_config(name: str, **kw: Any) -> ReplayerConfig:
 class Running:
     """A replayer on its own connection, run as a task that a test can cancel abruptly.
 
+    ``nats_url`` is a URL or a role's options (the replayer's own: its durable must exist then);
     ``tokenizer`` builds the fold (tests may wrap the real one); ``replayer_cls`` lets a test inject
     a crash at a chosen point; ``kw`` are :class:`ReplayerConfig` fields.
     """
 
     def __init__(
         self,
-        nats_url: str,
+        nats_url: str | NatsOptions,
         run_id: str,
         name: str,
         tokenizer: ChatTokenizer,

@@ -19,7 +19,7 @@ Every service talks to NATS through this package::
 |-----------------|-------------------------------------------------------------------------|
 | `connection`    | `NatsOptions`, `connect`: the shared flags -> a reconnecting client     |
 | `streams`       | `ensure_streams`/`check_streams` (admin), `wait_for_streams` (services) |
-| `auth`          | per-role nkey users from deploy's permissions.json, server TLS blocks   |
+| `auth`          | per-role nkey users and accounts from deploy/base/nats/, TLS blocks     |
 | `publisher`     | `Publisher`: batched publishing, every ack awaited, `PublishError`      |
 | `consumer`      | `Consumer`/`Delivery`: durable pull consumers with dead letters         |
 | `durables`      | `ensure_durables` (admin): each run's durables; services only bind      |

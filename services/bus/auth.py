@@ -20,6 +20,21 @@ shared ``actor`` user. A user for any run (``run=ANY_RUN``: every subject token 
 becomes ``*``) is what the test suite's shared server and the cluster's generated config without
 ``--run`` use.
 
+Accounts (``deploy/base/nats/accounts.json``): a NATS request names the subject its answer goes to,
+and the server publishes the answer there without checking the requester's publish permissions, so
+a stream bound to that subject would store it (an actor once filled the replayer's next dead-letter
+subjects with stream-info answers, and the refused events were lost). So the streams live in one
+account (``LEAFE``, JetStream enabled: the replayer, the learner, the admin), and the roles that
+must not write there live in accounts of their own (``ACTORS``, ``WEIGHT_SYNC``, ``LOG_IMPORT``),
+which import from it only the subjects they use: service imports of their own event subjects
+(published with a PubAck), of the JetStream API requests they send, of the task durable's pull
+(``response: stream``: one request, many messages) and of its acks; ``leafe.*.weights`` as a stream
+import. Any reply subject such a role names is one of its own account, where no stream exists; its
+users' permissions (permissions.json) still say which of the imported subjects each one may use.
+An account without JetStream that imports JetStream API subjects must import ``$JS.API.INFO`` too:
+otherwise the server adds its own responder for ``$JS.API.>`` there, which answers "JetStream not
+enabled for account" before the import's answer arrives (checked on nats-server 2.15).
+
     keys = write_role_keys(run_dir / "nats-keys", key_names(["r1-actor-0", "r1-actor-1"]))
     server = EmbeddedNats(store, users=nkey_users(keys, load_permissions(), run="r1")).start()
     options = role_options(server.url, keys)          # {"actor": NatsOptions(url, nkey=...), ...}
@@ -29,6 +44,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,17 +56,24 @@ from leafe.protocol.subjects import validate_actor_id, validate_run_id
 from leafe.services.bus.connection import ROLES, NatsOptions, inbox_prefix
 
 __all__ = [
+    "ACCOUNTS_FILE",
     "ACTOR_PLACEHOLDER",
     "ANY_RUN",
     "PERMISSIONS_FILE",
     "ROLES",
     "RUN_PLACEHOLDER",
+    "STREAMS_ACCOUNT",
+    "Account",
+    "AccountImport",
     "NatsUser",
     "RoleKey",
     "ServerTls",
+    "account_links",
+    "account_of",
     "actor_key_name",
     "authorization_config",
     "key_names",
+    "load_accounts",
     "load_permissions",
     "nkey_users",
     "permissions_for",
@@ -63,6 +86,13 @@ PERMISSIONS_FILE = (
     Path(__file__).resolve().parents[2] / "deploy" / "base" / "nats" / "permissions.json"
 )
 """The per-role permissions, in the source tree (the container image runs no embedded server)."""
+ACCOUNTS_FILE = PERMISSIONS_FILE.with_name("accounts.json")
+"""Which NATS account each role lives in, and what the accounts without streams import."""
+STREAMS_ACCOUNT = "LEAFE"
+"""The account that holds the streams (JetStream enabled): the one every import comes from."""
+_JS_API = "$JS.API."
+_JS_INFO = "$JS.API.INFO"
+_ACCOUNT_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,31}")
 ACTOR_PLACEHOLDER = "{actor}"
 """Stands for an actor's id in the ``actor`` role's subjects of permissions.json."""
 RUN_PLACEHOLDER = "{run}"
@@ -85,6 +115,8 @@ class NatsUser(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     """User name of a password user (tests only: a URL carrying it reaches every verb unchanged)."""
     password: str = ""
     """That user's password, in clear text in the server config (a temp dir)."""
+    account: str = ""
+    """The NATS account the user lives in (accounts.json); empty: a server without accounts."""
 
     def __post_init__(self) -> None:
         if bool(self.nkey) == bool(self.user):
@@ -109,6 +141,36 @@ class ServerTls(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """CA bundle for client certificates; empty = clients are not asked for one."""
     verify: bool = True
     """Require a client certificate signed by ``ca_file`` (mutual TLS)."""
+
+
+class AccountImport(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One subject an account imports from :data:`STREAMS_ACCOUNT`: a service (requests, answered
+    back into the importer's account) or a stream (messages, for subscriptions)."""
+
+    service: str = ""
+    """Subject of a service import (a publish, a JetStream API request, an ack)."""
+    stream: str = ""
+    """Subject of a stream import (a subscription)."""
+    response: str = ""
+    """``stream`` for a service that answers one request with many messages (a pull), else
+    empty."""
+
+    def __post_init__(self) -> None:
+        if bool(self.service) == bool(self.stream):
+            raise ValueError(f"an import names a service or a stream, not both or neither: {self}")
+        if self.response not in ("", "stream") or (self.response and not self.service):
+            raise ValueError(f"an import's response is 'stream' (services only): {self}")
+
+
+class Account(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One NATS account of accounts.json."""
+
+    roles: list[str]
+    """The roles whose users live in it (``actor``: every actor's user)."""
+    jetstream: bool = False
+    """JetStream enabled here: the account that holds the streams."""
+    imports: list[AccountImport] = []
+    """What it imports from :data:`STREAMS_ACCOUNT`."""
 
 
 class RoleKey(msgspec.Struct, frozen=True, kw_only=True):
@@ -136,6 +198,71 @@ def load_permissions(path: Path = PERMISSIONS_FILE) -> dict[str, dict[str, Any]]
     if set(table) != set(ROLES):
         raise ValueError(f"{path} defines roles {sorted(table)}; expected {sorted(ROLES)}")
     return table
+
+
+def load_accounts(path: Path = ACCOUNTS_FILE) -> dict[str, Account]:
+    """accounts.json, checked: every role of :data:`ROLES` in exactly one account, JetStream in
+    :data:`STREAMS_ACCOUNT` alone, which imports nothing, and ``$JS.API.INFO`` imported wherever
+    another JetStream API subject is (see the module docstring); raises naming the file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"NATS accounts file {path} not found (deploy/ in the source tree)")
+    try:
+        table = msgspec.json.decode(path.read_bytes(), type=dict[str, Account])
+    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    roles = [r for account in table.values() for r in account.roles]
+    if sorted(roles) != sorted(ROLES):
+        raise ValueError(
+            f"{path} places roles {sorted(roles)}; expected each of {sorted(ROLES)} once"
+        )
+    for name, account in table.items():
+        if not _ACCOUNT_NAME.fullmatch(name):
+            raise ValueError(f"{path}: account name {name!r} is not [A-Z][A-Z0-9_]*")
+        streams = name == STREAMS_ACCOUNT
+        if account.jetstream != streams or (streams and account.imports):
+            raise ValueError(
+                f"{path}: JetStream belongs to account {STREAMS_ACCOUNT} alone, which imports "
+                f"nothing ({name} has jetstream={account.jetstream})"
+            )
+        services = {i.service for i in account.imports if i.service}
+        if any(s.startswith(_JS_API) for s in services) and _JS_INFO not in services:
+            raise ValueError(
+                f"{path}: account {name} imports JetStream API subjects but not {_JS_INFO}: the "
+                "server would answer them itself with 'JetStream not enabled for account'"
+            )
+    if STREAMS_ACCOUNT not in table:
+        raise ValueError(f"{path} has no account {STREAMS_ACCOUNT} (the streams' account)")
+    return table
+
+
+def account_of(name: str, accounts: Mapping[str, Account]) -> str:
+    """The account of user ``name`` (a role, or ``actor.<id>``)."""
+    role = name.partition(".")[0]
+    for account, spec in accounts.items():
+        if role in spec.roles:
+            return account
+    raise ValueError(f"role {role!r} is in no NATS account (accounts.json)")
+
+
+def account_links(accounts: Mapping[str, Account]) -> dict[str, dict[str, Any]]:
+    """Each account's ``jetstream``, ``exports`` and ``imports`` as the server config says them:
+    every import of another account is an export of :data:`STREAMS_ACCOUNT` that only the
+    importers may import (``accounts``)."""
+    exports: dict[tuple[str, str, str], list[str]] = {}
+    links: dict[str, dict[str, Any]] = {}
+    for name, spec in accounts.items():
+        imports = []
+        for i in spec.imports:
+            kind, subject = ("service", i.service) if i.service else ("stream", i.stream)
+            exports.setdefault((kind, subject, i.response), []).append(name)
+            imports.append({kind: {"account": STREAMS_ACCOUNT, "subject": subject}})
+        links[name] = {"jetstream": spec.jetstream, "exports": [], "imports": imports}
+    for (kind, subject, response), importers in exports.items():
+        export: dict[str, Any] = {kind: subject, "accounts": sorted(importers)}
+        if response:
+            export["response_type"] = response
+        links[STREAMS_ACCOUNT]["exports"].append(export)
+    return links
 
 
 def actor_key_name(actor_id: str) -> str:
@@ -219,13 +346,22 @@ def write_role_keys(directory: Path, roles: Iterable[str] | None = None) -> dict
 
 
 def nkey_users(
-    keys: Mapping[str, RoleKey], permissions: Mapping[str, dict[str, Any]], *, run: str
+    keys: Mapping[str, RoleKey],
+    permissions: Mapping[str, dict[str, Any]],
+    *,
+    run: str,
+    accounts: Mapping[str, Account] | None = None,
 ) -> list[NatsUser]:
-    """One nkey user per role of ``keys``, with that role's permissions (:func:`permissions_for`);
-    the actors' pinned to ``run`` (:data:`ANY_RUN`: a server shared by many runs, e.g. the test
-    suite's)."""
+    """One nkey user per role of ``keys``, with that role's permissions (:func:`permissions_for`),
+    in that role's account (``accounts``, default accounts.json); the actors' pinned to ``run``
+    (:data:`ANY_RUN`: a server shared by many runs, e.g. the test suite's)."""
+    accounts = load_accounts() if accounts is None else accounts
     return [
-        NatsUser(nkey=key.public_key, permissions=permissions_for(role, permissions, run=run))
+        NatsUser(
+            nkey=key.public_key,
+            permissions=permissions_for(role, permissions, run=run),
+            account=account_of(role, accounts),
+        )
         for role, key in keys.items()
     ]
 
@@ -244,18 +380,47 @@ def _quoted(text: str) -> str:
     return json.dumps(text)  # a JSON string is a valid nats-server config string
 
 
-def authorization_config(users: Sequence[NatsUser]) -> str:
-    """The server config's ``authorization`` block for ``users`` (permissions written as JSON, which
-    the nats-server config format accepts)."""
-    lines = ["authorization {", "  users = ["]
-    for u in users:
-        who = (
-            f"nkey: {_quoted(u.nkey)}"
-            if u.nkey
-            else f"user: {_quoted(u.user)}, password: {_quoted(u.password)}"
+def _user_line(u: NatsUser) -> str:
+    who = (
+        f"nkey: {_quoted(u.nkey)}"
+        if u.nkey
+        else f"user: {_quoted(u.user)}, password: {_quoted(u.password)}"
+    )
+    return f"{{{who}, permissions: {json.dumps(u.permissions, sort_keys=True)}}}"
+
+
+def authorization_config(
+    users: Sequence[NatsUser], accounts: Mapping[str, Account] | None = None
+) -> str:
+    """The server config's ``accounts`` block for ``users`` (each in its account; exports and
+    imports from ``accounts``, default accounts.json), or, when no user names an account, a plain
+    ``authorization`` block (permissions written as JSON, which the nats-server config format
+    accepts)."""
+    if not any(u.account for u in users):
+        lines = ["authorization {", "  users = ["]
+        lines += [f"    {_user_line(u)}" for u in users]
+        return "\n".join([*lines, "  ]", "}"]) + "\n"
+    accounts = load_accounts() if accounts is None else accounts
+    unknown = sorted({u.account for u in users} - set(accounts))
+    if unknown:
+        raise ValueError(
+            f"users in accounts {unknown}, which accounts.json does not define (every user names "
+            "an account, or none does)"
         )
-        lines.append(f"    {{{who}, permissions: {json.dumps(u.permissions, sort_keys=True)}}}")
-    lines += ["  ]", "}"]
+    lines = ["accounts {"]
+    for name, link in account_links(accounts).items():
+        lines.append(f"  {name} {{")
+        if link["jetstream"]:
+            lines.append("    jetstream: enabled")
+        members = [u for u in users if u.account == name]
+        lines += ["    users = [", *(f"      {_user_line(u)}" for u in members), "    ]"]
+        for key in ("exports", "imports"):
+            if link[key]:
+                lines.append(f"    {key} = [")
+                lines += [f"      {json.dumps(x, sort_keys=True)}" for x in link[key]]
+                lines.append("    ]")
+        lines.append("  }")
+    lines.append("}")
     return "\n".join(lines) + "\n"
 
 

@@ -5,8 +5,14 @@ URL.
 cluster. A node of a local cluster is an :class:`EmbeddedNats` with a :class:`ClusterRoutes` (see
 ``services/bus/nats_cluster.py``). Run one by hand with ``leafe nats`` (``services/admin/nats.py``).
 Given ``users`` (services/bus/auth.py: one nkey user per role, from deploy's permissions.json) the
-server refuses anyone else and holds each user to its permissions; given ``tls`` it speaks TLS only
-(and asks clients for a certificate when it has a CA).
+server refuses anyone else and holds each user to its permissions, each in its NATS account
+(accounts.json: the streams in ``LEAFE``, actors, weight sync and log import in accounts of their
+own); given ``tls`` it speaks TLS only (and asks clients for a certificate when it has a CA).
+
+JetStream keeps each account's streams under ``<store>/jetstream/<account>``. A store written before
+accounts (by a server whose users all lived in the global account ``$G``, e.g. a ``leafe run``
+being resumed) is moved to the streams' account on start, so nothing it holds is left behind; a
+clustered node's store cannot be moved that way (its meta group names ``$G``), and is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from leafe.services.bus.auth import NatsUser, ServerTls, authorization_config, tls_config
+from leafe.services.bus.auth import (
+    STREAMS_ACCOUNT,
+    NatsUser,
+    ServerTls,
+    authorization_config,
+    tls_config,
+)
 
 __all__ = [
     "ClusterRoutes",
@@ -147,11 +159,28 @@ class EmbeddedNats:
         )
         self._config.write_text(text, encoding="utf-8")
 
+    def _adopt_global_store(self) -> None:
+        """Move the streams of a store written before accounts (``$G``) to the streams' account."""
+        if not any(u.account for u in self.users):
+            return
+        old = self.store_dir / "jetstream" / "$G"
+        new = self.store_dir / "jetstream" / STREAMS_ACCOUNT
+        if not old.is_dir():
+            return
+        if self.cluster is not None or new.exists():
+            raise NatsServerError(
+                f"{old} holds streams of the global account and cannot be moved to account "
+                f"{STREAMS_ACCOUNT} ({'a clustered store' if self.cluster else f'{new} exists'}): "
+                "export the runs (`leafe log export`) and import them into a fresh store"
+            )
+        old.rename(new)
+
     def start(self, timeout_s: float = 20.0) -> EmbeddedNats:
         """Start the server and wait until it accepts TCP connections; raises
         :class:`NatsServerError`."""
         if self.pid is not None:
             return self
+        self._adopt_global_store()
         self._write_config()
         out = self.log_file.open("ab") if self.log_file else subprocess.DEVNULL
         self._proc = subprocess.Popen(

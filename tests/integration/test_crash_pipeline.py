@@ -17,6 +17,7 @@ from rich.console import Console
 
 from leafe.protocol.subjects import SAMPLES, learner_durable
 from leafe.services.bus import connect
+from leafe.services.bus.auth import NatsUser, load_permissions
 from leafe.services.bus.nats_server import EmbeddedNats
 from leafe.services.run.context import RunContext
 from leafe.services.run.presets import resolve_run_config
@@ -84,8 +85,12 @@ async def test_sigkill_every_service_loses_and_duplicates_nothing(
     )
     assert ctx.progress is not None and set(ctx.explore_keys) <= ctx.progress.finished_keys, report
     assert ctx.progress.samples, "no samples were produced; the test would prove nothing"
-    with EmbeddedNats(ctx.run_dir / "nats") as server:  # the run's own store, reopened
-        nc = await connect(server.url)
+    # the run's own store, reopened with an admin of the account that holds its streams
+    admin = NatsUser(
+        user="admin", password="reopen", permissions=load_permissions()["admin"], account="LEAFE"
+    )
+    with EmbeddedNats(ctx.run_dir / "nats", users=[admin]) as server:
+        nc = await connect(server.url.replace("://", "://admin:reopen@"))
         info = await nc.jetstream().consumer_info(SAMPLES.name, learner_durable(config.run_id))
         await nc.close()
     assert info.num_pending == 0, f"samples left unconsumed: {info}"

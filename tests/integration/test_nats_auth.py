@@ -25,10 +25,23 @@ from leafe.protocol.codec import encode, headers_for
 from leafe.protocol.subjects import EVENTS, SAMPLES, TASKS, WEIGHTS, event_subject
 from leafe.services.actor import service as actor_service
 from leafe.services.admin.streams import durables_for_run
-from leafe.services.bus import NatsOptions, Publisher, connect, ensure_durables, wait_for_streams
-from leafe.services.bus.auth import write_role_keys
+from leafe.services.bus import (
+    NatsOptions,
+    Publisher,
+    connect,
+    ensure_durables,
+    ensure_streams,
+    wait_for_streams,
+)
+from leafe.services.bus.auth import (
+    STREAMS_ACCOUNT,
+    load_permissions,
+    nkey_users,
+    role_options,
+    write_role_keys,
+)
 from leafe.services.bus.durables import DurableSpec, consumer_config
-from leafe.services.bus.nats_server import EmbeddedNats
+from leafe.services.bus.nats_server import EmbeddedNats, NatsServerError
 from leafe.services.bus.pull import Puller
 from leafe.services.learner import service as learner_service
 from leafe.services.replayer import service as replayer_service
@@ -415,3 +428,27 @@ async def test_no_service_may_change_or_delete_a_durable(
         )
         == (spec.filter_subject, -1, spec.ack_wait_s)
     )
+
+
+async def test_a_store_made_before_accounts_keeps_its_streams(tmp_path: Path) -> None:
+    """A run's store written by a server without accounts (its streams in the global account
+    ``$G``, as every ``leafe run`` made them before) is adopted by the streams' account on the next
+    start: the resumed run finds its streams, messages and durables. A store that has both is
+    refused naming the directories, never silently half-used."""
+    store = tmp_path / "nats"
+    with EmbeddedNats(store) as old:
+        nc = await connect(old.url)
+        await ensure_streams(nc.jetstream())
+        await nc.jetstream().publish("leafe.r1.tasks", b"task")
+        await nc.close()
+    keys = write_role_keys(tmp_path / "keys")
+    users = nkey_users(keys, load_permissions(), run="r1")
+    with EmbeddedNats(store, users=users) as new:
+        nc = await connect(role_options(new.url, keys)["admin"])
+        assert (await nc.jetstream().stream_info(TASKS.name)).state.messages == 1
+        await nc.close()
+    assert not (store / "jetstream" / "$G").exists()
+    assert (store / "jetstream" / STREAMS_ACCOUNT).is_dir()
+    (store / "jetstream" / "$G").mkdir()
+    with pytest.raises(NatsServerError, match=r"\$G holds streams"):
+        EmbeddedNats(store, users=users).start()

@@ -24,6 +24,7 @@ from typing import Any
 from leafe.services.bus import NatsOptions, connect
 from leafe.services.bus.auth import (
     ANY_RUN,
+    STREAMS_ACCOUNT,
     NatsUser,
     RoleKey,
     actor_key_name,
@@ -63,9 +64,13 @@ class NatsIdentities:
     """permissions.json, by role."""
 
     def users(self) -> list[NatsUser]:
-        """Every role as an nkey user, and ``admin`` with a password."""
+        """Every role as an nkey user in its account (accounts.json), and ``admin`` with a password
+        in the streams' account."""
         admin = NatsUser(
-            user="admin", password=self.admin_password, permissions=self.permissions["admin"]
+            user="admin",
+            password=self.admin_password,
+            permissions=self.permissions["admin"],
+            account=STREAMS_ACCOUNT,
         )
         return [*nkey_users(self.keys, self.permissions, run=ANY_RUN), admin]
 

@@ -1,5 +1,5 @@
-"""Write the NATS authorization block (authorization.conf) from permissions.json, or check that it
-matches.
+"""Write the NATS users and accounts (authorization.conf) from permissions.json and accounts.json,
+or check that it matches.
 
 permissions.json is the one source of the per-role subject permissions: the NATS server config
 includes the generated authorization.conf, and the integration tests run a real nats-server with the
@@ -23,6 +23,18 @@ so no actor can publish under another's identity (the replayer caps open episode
 identity). Its seed is key ``actor-<i>`` of Secret leafe-nats-actors, which an init container copies
 to ``actor.actor-<i>.nk`` for that pod alone.
 
+Accounts (accounts.json): the streams live in account ``LEAFE`` (JetStream enabled: replayer,
+learner, admin); actors, weight sync and log import live in accounts of their own that import from
+it only the subjects they use. A NATS request names the subject its answer goes to and the server
+publishes the answer there without checking the requester's publish permissions: in the streams'
+account an actor could once have any answer stored on a dead letter's, a redrive marker's, the
+weights', the samples' or the tasks' subject. In its own account no stream exists. See
+services/bus/auth.py, which builds the embedded server's accounts from the same file
+(``account_links`` there and :func:`links` here must agree: tests/unit/deploy checks it). Upgrading
+a cluster whose streams were made before accounts: they live in the global account (``$G``), which
+this config no longer uses; export each run first (``leafe log export``) and import it after
+(deploy/README.md).
+
 The committed file serves any run: every subject token naming the run (``{run}``, e.g.
 ``actors-{run}``) is ``*``, so an actor pod may publish events into, and pull the task durable of,
 any run of the cluster (as before run pinning). ``--run RUN --out FILE`` writes the same users
@@ -41,7 +53,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "permissions.json"
+ACCOUNTS = HERE / "accounts.json"
 TARGET = HERE / "authorization.conf"
+STREAMS_ACCOUNT = "LEAFE"
+"""The account that holds the streams, which every other account imports from."""
 ACTOR_SLOTS = 16
 """Actor pods that have a NATS user (``actor-0`` ... ``actor-15``): the most actor replicas
 (keda-actors' maxReplicaCount). Raising it needs that many more keys in Secrets nats-auth and
@@ -56,7 +71,12 @@ _HEADER = (
     "with exactly the subjects\n"
     "# that role uses, and one per actor pod (ACTOR_<i>: events only under its own id, actor-<i>); "
     "every public\n"
-    "# key is an environment variable <ROLE>_NKEY of nats-server (Secret nats-auth).\n"
+    "# key is an environment variable <ROLE>_NKEY of nats-server (Secret nats-auth). Each user "
+    "lives in the NATS\n"
+    "# account accounts.json gives its role: the streams in LEAFE, actors, weight sync and log "
+    "import in accounts\n"
+    "# of their own that import only what they use, so no answer to their requests lands in a "
+    "stream.\n"
 )
 
 
@@ -96,17 +116,65 @@ def users(permissions: dict[str, Any], run: str = ANY_RUN) -> dict[str, Any]:
     return out
 
 
-def render(permissions: dict[str, Any], run: str = ANY_RUN) -> str:
-    """The authorization.conf text for a role -> permissions mapping (actors pinned to ``run``)."""
+def links(accounts: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each account's ``jetstream``, ``exports`` and ``imports`` as the server config says them:
+    every import is an export of the streams' account that only its importers may import."""
+    exports: dict[tuple[str, str, str], list[str]] = {}
+    out: dict[str, dict[str, Any]] = {}
+    for name, spec in accounts.items():
+        imports = []
+        for i in spec.get("imports", []):
+            kind = "service" if i.get("service") else "stream"
+            exports.setdefault((kind, i[kind], i.get("response", "")), []).append(name)
+            imports.append({kind: {"account": STREAMS_ACCOUNT, "subject": i[kind]}})
+        out[name] = {"jetstream": bool(spec.get("jetstream")), "exports": [], "imports": imports}
+    for (kind, subject, response), importers in exports.items():
+        export: dict[str, Any] = {kind: subject, "accounts": sorted(importers)}
+        if response:
+            export["response_type"] = response
+        out[STREAMS_ACCOUNT]["exports"].append(export)
+    return out
+
+
+def account_of(user: str, permissions: dict[str, Any], accounts: dict[str, Any]) -> str:
+    """The account of a user variable prefix (``ACTOR_<i>``: the actor role's)."""
+    role = (
+        "actor"
+        if user.startswith("ACTOR_")
+        else next(r for r in permissions if variable(r) == user)
+    )
+    return next(name for name, spec in accounts.items() if role in spec["roles"])
+
+
+def render(
+    permissions: dict[str, Any], run: str = ANY_RUN, accounts: dict[str, Any] | None = None
+) -> str:
+    """The authorization.conf text for a role -> permissions mapping (actors pinned to ``run``),
+    each user in its account (``accounts``: accounts.json)."""
+    if accounts is None:
+        accounts = json.loads(ACCOUNTS.read_text(encoding="utf-8"))
     table = users(permissions, run)
-    lines = [_HEADER, "authorization {"]
+    lines = [_HEADER]
     for v, perms in table.items():
-        body = json.dumps(perms, indent=2).replace("\n", "\n  ")
-        lines.append(f"  {v}_PERMISSIONS = {body}")
-    lines.append("  users = [")
-    for v in table:
-        lines.append(f"    {{nkey: ${v}_NKEY, permissions: ${v}_PERMISSIONS}}")
-    lines += ["  ]", "}", ""]
+        body = json.dumps(perms, indent=2)
+        lines.append(f"{v}_PERMISSIONS = {body}")
+    lines.append("accounts {")
+    for name, link in links(accounts).items():
+        lines.append(f"  {name} {{")
+        if link["jetstream"]:
+            lines.append("    jetstream: enabled")
+        lines.append("    users = [")
+        for v in table:
+            if account_of(v, permissions, accounts) == name:
+                lines.append(f"      {{nkey: ${v}_NKEY, permissions: ${v}_PERMISSIONS}}")
+        lines.append("    ]")
+        for key in ("exports", "imports"):
+            if link[key]:
+                lines.append(f"    {key} = [")
+                lines += [f"      {json.dumps(x, sort_keys=True)}" for x in link[key]]
+                lines.append("    ]")
+        lines.append("  }")
+    lines += ["}", ""]
     return "\n".join(lines)
 
 

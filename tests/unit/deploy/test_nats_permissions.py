@@ -22,7 +22,14 @@ from typing import Any
 
 import pytest
 
-from leafe.services.bus.auth import ANY_RUN, permissions_for
+from leafe.services.bus.auth import (
+    ANY_RUN,
+    STREAMS_ACCOUNT,
+    account_links,
+    account_of,
+    load_accounts,
+    permissions_for,
+)
 from tests.support.manifests import (
     DEPLOY,
     KUSTOMIZATIONS,
@@ -62,10 +69,32 @@ USERS: dict[str, Any] = {
 (what ``leafe run`` and the tests' server use) derives them: the roles, and one pinned user per
 actor pod."""
 _USER = re.compile(r"\{nkey: \$(\w+)_NKEY, permissions: \$(\w+)\}")
+ACCOUNTS: dict[str, Any] = json.loads(
+    (DEPLOY / "base/nats/accounts.json").read_text(encoding="utf-8")
+)
 
 
 def _variable(role: str) -> str:
     return role.upper().replace("-", "_")
+
+
+def _user_accounts(text: str) -> dict[str, str]:
+    """User variable prefix -> the account whose ``users`` list it is in."""
+    out: dict[str, str] = {}
+    account = ""
+    for line in text.split("\naccounts {\n", 1)[1].splitlines():
+        if m := re.fullmatch(r"  (\w+) \{", line):
+            account = m.group(1)
+        elif m := _USER.search(line):
+            out[m.group(1)] = account
+    return out
+
+
+def _role(user: str) -> str:
+    """The role of a user variable prefix (``ACTOR_<i>``: ``actor.actor-<i>``)."""
+    if user.startswith("ACTOR_"):
+        return f"actor.actor-{user.removeprefix('ACTOR_')}"
+    return next(r for r in PERMISSIONS if _variable(r) == user)
 
 
 def _parse_authorization(text: str) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
@@ -100,6 +129,8 @@ def test_server_authorization_equals_permissions_json(
     assert [s for s in variables["ACTOR_3_PERMISSIONS"]["publish"]["allow"] if ".events." in s] == [
         "leafe.*.events.*.actor-3"
     ]
+    accounts = load_accounts()
+    assert _user_accounts(text) == {u: account_of(_role(u), accounts) for u in USERS}
     assert re.search(
         r"^include authorization\.conf$", config_map_value(docs, "nats-config", "nats.conf"), re.M
     )
@@ -138,6 +169,56 @@ def test_the_generator_pins_actors_to_one_run_as_leafe_run_does(tmp_path: Path) 
         [sys.executable, str(script), "--run", "r1"], capture_output=True, timeout=60
     )
     assert refused.returncode == 2
+
+
+def test_the_generator_and_the_embedded_server_link_the_same_accounts() -> None:
+    """sync_permissions.py (the cluster) and services/bus/auth.py (``leafe run``, the tests) turn
+    accounts.json into the same exports and imports; the streams' account is the only one with
+    JetStream and the only exporter, and each export may be imported only by its importers."""
+    links = SYNC.links(ACCOUNTS)
+    assert links == account_links(load_accounts())
+    assert [n for n, link in links.items() if link["jetstream"]] == [STREAMS_ACCOUNT]
+    assert [n for n, link in links.items() if link["exports"]] == [STREAMS_ACCOUNT]
+    for export in links[STREAMS_ACCOUNT]["exports"]:
+        subject = export.get("service") or export["stream"]
+        importers = [
+            n
+            for n, link in links.items()
+            for i in link["imports"]
+            if (i.get("service") or i["stream"])["subject"] == subject
+        ]
+        assert export["accounts"] == sorted(importers), export
+
+
+def _widened(role: str) -> dict[str, Any]:
+    """A role's permissions for any run and (the actor) any actor: what its account must serve."""
+    return SYNC.pinned(PERMISSIONS[role], "*", ANY_RUN)  # type: ignore[no-any-return]
+
+
+def test_each_account_imports_exactly_what_its_roles_use() -> None:
+    """An account without streams imports (services) every subject its roles may publish, and
+    (streams) every subject they may subscribe to outside their inboxes, and nothing else but
+    ``$JS.API.INFO`` (which keeps the server's own "JetStream not enabled" responder out) and the
+    acks of the durables they pull (answered as responses only, ``allow_responses``). A role that
+    could ask for more than its account imports would be refused by nobody but the import; one
+    whose account imported more would hold a door its permissions alone keep shut."""
+    for name, spec in ACCOUNTS.items():
+        if spec["jetstream"]:
+            assert spec["imports"] == [] and "actor" not in spec["roles"]
+            continue
+        publish = {s for r in spec["roles"] for s in _widened(r)["publish"]["allow"]}
+        subscribe = {
+            s for r in spec["roles"] for s in _widened(r)["subscribe"]["allow"] if "_INBOX" not in s
+        }
+        pulls = {s.split(".")[5] for s in publish if s.startswith("$JS.API.CONSUMER.MSG.NEXT.")}
+        extra = {"$JS.API.INFO"} if any(s.startswith("$JS.API.") for s in publish) else set()
+        extra |= {f"$JS.ACK.{stream}.>" for stream in pulls}
+        services = {i["service"] for i in spec["imports"] if "service" in i}
+        streams = {i["stream"] for i in spec["imports"] if "stream" in i}
+        assert services == publish | extra, name
+        assert streams == subscribe, name
+        streamed = {i["service"] for i in spec["imports"] if i.get("response") == "stream"}
+        assert streamed == {s for s in publish if ".MSG.NEXT." in s}, name
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)

@@ -8,19 +8,24 @@ import json
 import stat
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import nkeys
 import pytest
 
 from leafe.services.bus.auth import (
+    ACCOUNTS_FILE,
     ANY_RUN,
     PERMISSIONS_FILE,
     ROLES,
+    STREAMS_ACCOUNT,
     NatsUser,
     ServerTls,
+    account_of,
     actor_key_name,
     authorization_config,
     key_names,
+    load_accounts,
     load_permissions,
     nkey_users,
     permissions_for,
@@ -72,12 +77,18 @@ def test_the_server_accepts_the_generated_config(tmp_path: Path) -> None:
             load_permissions(),
             run="r1",
         ),
-        NatsUser(user="admin", password="pw", permissions=load_permissions()["admin"]),
+        NatsUser(
+            user="admin",
+            password="pw",
+            permissions=load_permissions()["admin"],
+            account=STREAMS_ACCOUNT,
+        ),
     ]
     for name in ("a.crt", "a.key", "ca.crt"):
         (tmp_path / name).write_text("placeholder", encoding="utf-8")
     text = authorization_config(users)
     assert text.count("nkey:") == len(ROLES) - 1 + 2 and 'user: "admin", password: "pw"' in text
+    assert text.startswith("accounts {") and "jetstream: enabled" in text
     conf = tmp_path / "nats.conf"
     conf.write_text('listen: "127.0.0.1:4222"\n' + text, encoding="utf-8")
     proc = subprocess.run(
@@ -178,3 +189,58 @@ def test_each_actor_is_a_user_pinned_to_its_own_event_token(tmp_path: Path) -> N
         and credential_actor_id(role_options("nats://h", keys)["learner"]) is None
     )
     assert credential_actor_id(NatsOptions(url="nats://h", nkey="/k/actor.nk")) is None
+
+
+def test_each_role_lives_in_the_account_accounts_json_gives_it(tmp_path: Path) -> None:
+    """The streams' account holds the replayer, the learner and the admin; every actor's user,
+    weight sync and log import live in accounts of their own, without JetStream, importing from it
+    only what they use; a mix of users with and without an account is refused (one would be left
+    out of the config)."""
+    accounts = load_accounts()
+    assert ACCOUNTS_FILE.parent == PERMISSIONS_FILE.parent
+    assert {name: account_of(name, accounts) for name in (*ROLES, "actor.a0")} == {
+        "actor": "ACTORS",
+        "actor.a0": "ACTORS",
+        "replayer": STREAMS_ACCOUNT,
+        "learner": STREAMS_ACCOUNT,
+        "admin": STREAMS_ACCOUNT,
+        "weight-sync": "WEIGHT_SYNC",
+        "log-import": "LOG_IMPORT",
+    }
+    assert [n for n, a in accounts.items() if a.jetstream] == [STREAMS_ACCOUNT]
+    keys = write_role_keys(tmp_path, key_names(["a0"]))
+    users = nkey_users(keys, load_permissions(), run="r1")
+    assert {u.account for u in users} == set(accounts)
+    with pytest.raises(ValueError, match="every user names an account"):
+        authorization_config([*users, NatsUser(user="x", password="p", permissions={})])
+    plain = authorization_config([NatsUser(user="x", password="p", permissions={})])
+    assert plain.startswith("authorization {") and "accounts" not in plain
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        (lambda t: t["ACTORS"]["roles"].clear(), "expected each of"),
+        (lambda t: t["LOG_IMPORT"]["roles"].append("actor"), "expected each of"),
+        (lambda t: t["ACTORS"].update(jetstream=True), "JetStream belongs to account LEAFE"),
+        (lambda t: t["LEAFE"]["imports"].append({"service": "x"}), "imports nothing"),
+        (lambda t: t["WEIGHT_SYNC"]["imports"].pop(0), r"not \$JS.API.INFO"),
+        (
+            lambda t: t["ACTORS"]["imports"].append({"stream": "a", "response": "stream"}),
+            "services",
+        ),
+        (lambda t: t["ACTORS"]["imports"].append({"service": "a", "stream": "b"}), "not both"),
+        (lambda t: t.update(actors=t.pop("ACTORS")), "account name 'actors'"),
+        (lambda t: t["ACTORS"].update(extra=1), "unknown field"),
+    ],
+)
+def test_accounts_json_is_checked(tmp_path: Path, change: Any, error: str) -> None:
+    """A role in no account or in two, JetStream outside the streams' account, an account that asks
+    the JetStream API without importing ``$JS.API.INFO`` (the server would answer it itself: "not
+    enabled"), a malformed import: refused naming the file."""
+    table = json.loads(ACCOUNTS_FILE.read_text(encoding="utf-8"))
+    change(table)
+    path = tmp_path / "accounts.json"
+    path.write_text(json.dumps(table), encoding="utf-8")
+    with pytest.raises(ValueError, match=error):
+        load_accounts(path)

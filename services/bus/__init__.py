@@ -23,7 +23,7 @@ Every service talks to NATS through this package::
 | `publisher`     | `Publisher`: batched publishing, every ack awaited, `PublishError`      |
 | `consumer`      | `Consumer`/`Delivery`: durable pull consumers with dead letters         |
 | `durables`      | `ensure_durables` (admin): each run's durables; services only bind      |
-| `dead_letters`  | dead letters: reason, origin, digest, truncation, idempotent ids        |
+| `dead_letters`  | dead letters: reason, origin, digest, truncation, stored once, writer   |
 | `pull`          | `Puller`: the pull protocol spoken directly (the fast path)             |
 | `reader`        | `read_stream`, `read_range`: read a subject range once, in order        |
 | `nats_server`   | `EmbeddedNats`: a real nats-server child process                        |

@@ -25,7 +25,7 @@ from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
-from leafe.protocol.subjects import STREAMS, StreamSpec
+from leafe.protocol.subjects import DEAD_LETTERS, STREAMS, StreamSpec
 
 __all__ = [
     "ENSURE_COMMAND",
@@ -38,6 +38,10 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
+DIRECT_GET = frozenset({DEAD_LETTERS.name})
+"""Streams that answer direct gets (``allow_direct``): a letter's writer reads the last message on
+its letter's subject to tell its own letter from a foreign message
+(``leafe.services.bus.dead_letters.store_once``; permissions pin each role to its own subjects)."""
 ENSURE_COMMAND = "leafe streams ensure --nats URL (as the NATS admin)"
 """What creates the streams, for the messages of services that wait for them."""
 
@@ -64,6 +68,7 @@ def stream_config(spec: StreamSpec) -> StreamConfig:
         duplicate_window=window,
         num_replicas=spec.replicas,
         max_msg_size=spec.max_msg_bytes,  # enforced by the server too, not only by our Publisher
+        allow_direct=spec.name in DIRECT_GET,
     )
 
 
@@ -81,6 +86,8 @@ def _differences(have: StreamConfig, want: StreamConfig) -> dict[str, tuple[Any,
             a, b = sorted(a or []), sorted(b or [])
         if a != b:
             diffs[field] = (a, b)
+    if bool(have.allow_direct) != bool(want.allow_direct):
+        diffs["allow_direct"] = (bool(have.allow_direct), bool(want.allow_direct))
     for field in ("max_age", "duplicate_window"):
         a, b = float(getattr(have, field) or 0.0), float(getattr(want, field) or 0.0)
         if not math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-6):
@@ -132,6 +139,7 @@ async def ensure_streams(
                 duplicate_window=want.duplicate_window,
                 num_replicas=want.num_replicas,
                 max_msg_size=want.max_msg_size,
+                allow_direct=want.allow_direct,
             )
             await js.update_stream(updated)
             log.info(

@@ -20,9 +20,16 @@ Only what the replayer itself could have received is published again: an origina
 ``LEAFE_EVENTS``, lie on an events subject of ``--run``, have the sha256 its letter recorded, and
 pass ``leafe.protocol.codec.admit_event``; anything else is skipped and counted. A redriven letter
 is marked on ``leafe.<run>.dead.redriven.<letter seq>`` (written once,
-``Nats-Expected-Last-Subject-Sequence: 0``), and marked letters are not published again, so running
-the command twice publishes nothing new, while a letter written when a redriven copy was refused
-again is a letter of its own. Only the admin may write markers; each copy's ``Nats-Msg-Id``
+``leafe.services.bus.dead_letters.store_once``), and marked letters are not published again, so
+running the command twice publishes nothing new, while a letter written when a redriven copy was
+refused again is a letter of its own. Only the admin may write markers, and a marker counts only if
+it carries the redrive's ``Leafe-Writer`` (``admin``): a server's answer that some request sent to a
+marker subject (its reply subject) is no marker, is counted as ``foreign``, and the marker is
+stored after it (such an answer once made a redrive report "already published" and publish
+nothing). Messages on the letter subjects that are no letter (no ``Leafe-Error-Code``) are counted
+as ``foreign`` too and never published. Markers written before ``Leafe-Writer`` existed do not
+count: a redrive after the upgrade may publish their letters once more, duplicates the fold
+ignores. Each copy's ``Nats-Msg-Id``
 (``<run>.redrive.<letter seq>.<random>``) is one no publisher can predict, so nobody can store it
 first and make the copy a dropped "duplicate" (a predictable id once let any actor empty a redrive).
 The markers are written once every copy is out, so an episode's copies go out back to back (within
@@ -44,7 +51,6 @@ from typing import Any
 import nats.errors as nats_errors
 import structlog
 from nats.aio.msg import Msg
-from nats.js.errors import APIError
 
 from leafe.learner.materializers.lifecycle import CAP_CODES
 from leafe.protocol.codec import CODEC_HEADER, MSG_ID_HEADER, Admission, ProtocolError, admit_event
@@ -65,22 +71,23 @@ from leafe.services.bus import (
 )
 from leafe.services.bus.dead_letters import (
     ERROR_CODE_HEADER,
-    EXPECTED_EMPTY_HEADER,
     ORIGINAL_SEQ_HEADER,
     ORIGINAL_SHA256_HEADER,
     ORIGINAL_STREAM_HEADER,
     ORIGINAL_SUBJECT_HEADER,
     REDRIVE_HEADER,
     TRUNCATED_HEADER,
+    WRITER_HEADER,
+    ForeignMessageError,
+    letter_writer,
     letters_filter,
+    store_once,
 )
 from leafe.services.logsetup import configure_logging
 
 __all__ = ["RedriveStats", "main", "redrive", "redriven_subject"]
 
 log = structlog.get_logger(__name__)
-_WRONG_LAST_SEQUENCE = 10071
-"""JetStream's error code when ``Nats-Expected-Last-Subject-Sequence`` does not hold."""
 
 
 def redriven_subject(run_id: str, letter_seq: int) -> str:
@@ -107,6 +114,9 @@ class RedriveStats:
     originals: int = 0
     """Distinct originals to publish (letters of one original, from repeated refusals, count
     once)."""
+    foreign: int = 0
+    """Messages on the run's letter or marker subjects that are no letter or marker of ours (a
+    server's answer sent there as a reply): never published, never taken for a marker."""
 
 
 def _skip(stats: RedriveStats, letter: Msg, why: str) -> None:
@@ -153,25 +163,26 @@ async def _pick(
     return seq, subject, data, codec
 
 
-async def _marked(js: Any, run_id: str) -> set[int]:
-    """Letter seqs an earlier redrive marked as published again."""
+async def _marked(js: Any, run_id: str, stats: RedriveStats) -> set[int]:
+    """Letter seqs an earlier redrive marked as published again: markers with this redrive's
+    ``Leafe-Writer`` (anything else there is counted as foreign)."""
     subject = letters_filter(dead_letter_subject(run_id, "redriven"))
-    return {
-        int(m.subject.rsplit(".", 1)[1])
-        async for m in read_stream(js, stream=DEAD_LETTERS.name, filter_subject=subject)
-    }
+    writer, marked = letter_writer(js), set()
+    async for m in read_stream(js, stream=DEAD_LETTERS.name, filter_subject=subject):
+        if (m.headers or {}).get(WRITER_HEADER) != writer:
+            stats.foreign += 1
+            log.warning("redrive.foreign_marker", subject=m.subject, seq=m.metadata.sequence.stream)
+            continue
+        marked.add(int(m.subject.rsplit(".", 1)[1]))
+    return marked
 
 
 async def _mark(js: Any, run_id: str, letter_seqs: list[int], copy_seq: int) -> None:
-    """Mark each letter as published again (as the copy at ``copy_seq``); one marked already is
-    left."""
+    """Mark each letter as published again (as the copy at ``copy_seq``); one marked already (by a
+    concurrent redrive) is left, anything else on its subject stepped over."""
+    headers = {REDRIVE_HEADER: str(copy_seq), WRITER_HEADER: letter_writer(js)}
     for letter_seq in letter_seqs:
-        headers = {EXPECTED_EMPTY_HEADER: "0", REDRIVE_HEADER: str(copy_seq)}
-        try:
-            await js.publish(redriven_subject(run_id, letter_seq), b"", headers=headers)
-        except APIError as e:
-            if e.err_code != _WRONG_LAST_SEQUENCE:  # else a concurrent redrive marked it first
-                raise
+        await store_once(js, redriven_subject(run_id, letter_seq), b"", headers)
 
 
 async def redrive(
@@ -186,12 +197,16 @@ async def redrive(
     and that no earlier redrive published again."""
     run_id = validate_run_id(run_id)
     stats = RedriveStats()
-    marked = await _marked(js, run_id)
+    marked = await _marked(js, run_id, stats)
     picked: dict[int, tuple[list[int], str, bytes, str | None]] = {}
     letters = letters_filter(dead_letter_subject(run_id, EVENTS.name))
     async for letter in read_stream(js, stream=DEAD_LETTERS.name, filter_subject=letters):
+        code = (letter.headers or {}).get(ERROR_CODE_HEADER)
+        if code is None:  # no letter: a server's answer sent here as a reply
+            stats.foreign += 1
+            continue
         stats.letters += 1
-        if (letter.headers or {}).get(ERROR_CODE_HEADER) not in codes:
+        if code not in codes:
             continue
         stats.selected += 1
         letter_seq = letter.metadata.sequence.stream
@@ -263,7 +278,7 @@ def main(argv: list[str]) -> int:
     try:
         codes = frozenset(args.code or CAP_CODES)
         stats = asyncio.run(_redrive(opts, args.run, codes, args.dry_run))
-    except (OSError, ValueError, nats_errors.Error) as e:
+    except (OSError, ValueError, nats_errors.Error, ForeignMessageError) as e:
         print(
             f"leafe replayer redrive: {type(e).__name__}: {' '.join(str(e).split())}",
             file=sys.stderr,
@@ -274,6 +289,7 @@ def main(argv: list[str]) -> int:
         f"redrive {args.run}: {stats.letters} event dead letters, {stats.selected} with codes "
         f"{','.join(sorted(codes))}; "
         f"{done}, already published {stats.already}, skipped {stats.skipped}"
+        + (f"; {stats.foreign} foreign messages ignored" if stats.foreign else "")
     )
     return 0
 

@@ -151,6 +151,36 @@ def test_the_server_refuses_an_event_over_the_events_limit(empty_server: Embedde
     asyncio.run(scenario())
 
 
+def test_the_dead_letters_answer_direct_gets_after_ensure(empty_server: EmbeddedNats) -> None:
+    """A letter's writer reads back the last message on its letter's subject with a direct get
+    (``dead_letters.store_once``): LEAFE_DEAD answers them, and a LEAFE_DEAD made before that gets
+    ``allow_direct`` from the next `ensure`; no other stream answers them."""
+    from leafe.protocol.subjects import DEAD_LETTERS
+
+    async def scenario() -> None:
+        nc = await connect(empty_server.url)
+        try:
+            js = nc.jetstream()
+            old = stream_config(DEAD_LETTERS)
+            old.allow_direct = False  # what the spec made before
+            await js.add_stream(old)
+            done = await ensure_streams(js)
+            assert done[DEAD_LETTERS.name] == "updated: allow_direct", done
+            assert {k for k, v in done.items() if v != "created"} == {DEAD_LETTERS.name}
+            for spec in STREAMS:
+                info = await js.stream_info(spec.name)
+                assert bool(info.config.allow_direct) == (spec is DEAD_LETTERS), spec.name
+            await js.publish("leafe.r1.dead.leafe_events.7", b"a letter")
+            last = await js.get_last_msg(
+                DEAD_LETTERS.name, "leafe.r1.dead.leafe_events.7", direct=True
+            )
+            assert last.data == b"a letter"
+        finally:
+            await nc.close()
+
+    asyncio.run(scenario())
+
+
 def test_ensure_with_a_run_makes_its_durables_which_a_service_binds_or_waits_for(
     empty_server: EmbeddedNats, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -333,6 +333,26 @@ def _who(action: str, subject: str) -> set[str]:
         ),
         ("publish", "$JS.API.CONSUMER.MSG.NEXT.LEAFE_SAMPLES.learner-r1", {"learner", "admin"}),
         ("publish", "$JS.API.STREAM.MSG.GET.LEAFE_WEIGHTS", {"actor", "weight-sync", "admin"}),
+        # a letter's writer reads back only its own letter subjects (dead_letters.store_once)
+        (
+            "publish",
+            "$JS.API.DIRECT.GET.LEAFE_DEAD.leafe.r1.dead.leafe_events.7",
+            {"replayer", "admin"},
+        ),
+        (
+            "publish",
+            "$JS.API.DIRECT.GET.LEAFE_DEAD.leafe.r1.dead.leafe_samples.7",
+            {"learner", "admin"},
+        ),
+        (
+            "publish",
+            "$JS.API.DIRECT.GET.LEAFE_DEAD.leafe.r1.dead.leafe_tasks.actor-0.7",
+            {"actor", "admin"},
+        ),
+        ("publish", "$JS.API.DIRECT.GET.LEAFE_DEAD.leafe.r2.dead.leafe_tasks.actor-0.7", {"admin"}),
+        ("publish", "$JS.API.DIRECT.GET.LEAFE_DEAD.leafe.r1.dead.leafe_tasks.actor-1.7", {"admin"}),
+        ("publish", "$JS.API.DIRECT.GET.LEAFE_DEAD.leafe.r1.dead.redriven.7", {"admin"}),
+        ("publish", "$JS.API.DIRECT.GET.LEAFE_EVENTS.leafe.r1.events.step.actor-1", {"admin"}),
         ("publish", "$JS.API.CONSUMER.CREATE.LEAFE_WEIGHTS.x", {"admin"}),
         ("publish", "$JS.FC.LEAFE_EVENTS.abc.def", {"admin"}),  # ordered consumers' flow control
     ],

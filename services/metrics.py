@@ -54,7 +54,7 @@ from leafe.protocol.events import Branch, EpisodeEvent, Reflection, Rollback, St
 from leafe.services.probes import start_server
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
+    from leafe.services.probes import ProbeServer
 
 __all__ = [
     "DEAD_LETTER_REASONS",
@@ -113,7 +113,7 @@ def add_metrics_arguments(p: argparse.ArgumentParser) -> None:
 class MetricsServer:
     """A running /metrics endpoint (a daemon thread); :meth:`close` stops it."""
 
-    def __init__(self, httpd: WSGIServer, thread: threading.Thread) -> None:
+    def __init__(self, httpd: ProbeServer, thread: threading.Thread) -> None:
         self.httpd = httpd
         self.thread = thread
         self.port = int(httpd.server_port)

@@ -63,13 +63,12 @@ class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     manifest (``manifest``), or nothing (``off``). Each version is hashed once, not at every
     reconcile."""
     reload_lease: bool = True
-    """Load one server at a time among every weight sync sharing the store
-    (``<store>/.in_use/reload/lease``, when the store is visible here): SGLang pods' sidecars all
-    react to the same announcement, and servers that reload together all stop serving together. This
-    weight sync's own servers load one at a time regardless."""
-    lease_ttl_s: float = 60.0
-    """A lease not refreshed for this long is taken over (its holder died mid-load); a holder
-    refreshes it every quarter of this while its server loads."""
+    """Load one server at a time among every weight sync sharing the store (an ``flock`` on
+    ``<store>/.in_use/reload/lease``, when the store is visible here;
+    services/weight_sync/lease.py): SGLang pods' sidecars all react to the same announcement, and
+    servers that reload together all stop serving together. This weight sync's own servers load one
+    at a time regardless. A lease held elsewhere is waited for at most the load deadline
+    (``update_timeout_s`` + 60 s)."""
     lease_poll_s: float = 1.0
     """How often a weight sync waiting for the lease tries again."""
     engine_lock: str = ""
@@ -79,9 +78,9 @@ class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     ``/health``)."""
 
     def __post_init__(self) -> None:
-        for name in ("reconcile_interval_s", "update_timeout_s", "lease_ttl_s", "lease_poll_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("reconcile_interval_s", "update_timeout_s", "lease_poll_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)!r}")
 
 
 class SyncResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -137,7 +136,7 @@ class WeightSync:
         """The verdict of ``_verified`` on the desired export (version, uri, manifest sha256)."""
         self.slots = LoadSlots(
             holder=f"{self.host}|{','.join(self.clients)}",
-            lease_ttl_s=cfg.lease_ttl_s if cfg.reload_lease else None,
+            lease=cfg.reload_lease,
             engine_lock=cfg.engine_lock,
             load_deadline_s=cfg.update_timeout_s + 60.0,
         )

@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from leafe.actors.config import ActorServiceConfig
+from leafe.services.weight_sync.service import WeightSyncConfig
 from tests.support.manifests import DEPLOY, config_map_value, container_named, find
 
 Docs = list[dict[str, Any]]
@@ -79,7 +80,7 @@ def test_probes_survive_a_weight_reload(rendered: dict[str, Docs]) -> None:
     for probe in ("startupProbe", "readinessProbe"):
         assert sglang[probe]["httpGet"]["path"] == "/ready", probe
     live = sglang["livenessProbe"]
-    python, isolated, nosite, script, lock, health = live["exec"]["command"]
+    python, isolated, nosite, script, lock, health, max_load = live["exec"]["command"]
     assert (python, isolated, nosite, health) == (
         "python3",
         "-I",
@@ -101,6 +102,8 @@ def test_probes_survive_a_weight_reload(rendered: dict[str, Docs]) -> None:
     assert shared == {mounts[lock_dir]} and "emptyDir" in volumes[mounts[lock_dir]]
     timeout = float(re.search(r"HEALTH_TIMEOUT_S = ([\d.]+)", liveness_py.read_text()).group(1))  # type: ignore[union-attr]
     assert 20 < timeout < live["timeoutSeconds"]
+    # the probe caps a held lock's deadline at the sidecar's own load deadline
+    assert float(max_load) == WeightSyncConfig().update_timeout_s + 60
     assert (
         sglang["startupProbe"]["periodSeconds"] * sglang["startupProbe"]["failureThreshold"] >= 1800
     )

@@ -69,7 +69,9 @@ def _probe_port(probe: dict[str, Any]) -> int | str:
     """The port a probe checks: an HTTP or TCP probe's, or the one SGLang's liveness.py asks
     ``/health`` on."""
     if "exec" in probe:
-        *_, script, _, url = probe["exec"]["command"]
+        command = probe["exec"]["command"]
+        script = next(a for a in command if a.endswith(".py"))
+        _, url, *_ = command[command.index(script) + 1 :]  # LOCK_FILE HEALTH_URL [MAX_LOAD_S]
         assert script.endswith("/liveness.py") and url.endswith("/health"), probe
         return int(url.removeprefix("http://127.0.0.1:").split("/")[0])
     action = probe.get("httpGet") or probe.get("tcpSocket")
@@ -106,7 +108,7 @@ def test_sglang_startup_and_readiness_never_run_a_generation(rendered: dict[str,
     for probe in ("startupProbe", "readinessProbe"):
         assert sglang[probe]["httpGet"]["path"] == "/ready", probe
     liveness = sglang["livenessProbe"]
-    assert liveness["exec"]["command"][-1].endswith("/health")
+    assert liveness["exec"]["command"][-2].endswith("/health")
     assert liveness["timeoutSeconds"] > 20 and liveness["periodSeconds"] >= 30
     assert (
         liveness["failureThreshold"] * liveness["periodSeconds"] >= 180

@@ -92,6 +92,7 @@ class SGLangClient(ServerPool):
         cooldown_s: float = _DEFAULTS.cooldown_s,
         ready_poll_s: float = _DEFAULTS.ready_poll_s,
         api_key_file: str = _DEFAULTS.api_key_file,
+        admin_key_file: str = _DEFAULTS.admin_key_file,
     ) -> None:
         """Keyword arguments are :class:`SGLangClientConfig`'s fields (validated the same way)."""
         config = SGLangClientConfig(
@@ -105,6 +106,7 @@ class SGLangClient(ServerPool):
             cooldown_s=cooldown_s,
             ready_poll_s=ready_poll_s,
             api_key_file=api_key_file,
+            admin_key_file=admin_key_file,
         )
         super().__init__(urls, config)
         self._model_info_route = _MODEL_INFO_ROUTES[0]
@@ -205,14 +207,14 @@ class SGLangClient(ServerPool):
     async def update_weights_from_disk(
         self, model_path: str, weight_version: str | None = None, *, timeout_s: float = 600.0
     ) -> list[UpdateResult]:
-        """Ask every server to load ``model_path``; one result per server (never raises for a
-        server)."""
+        """Ask every server to load ``model_path`` (an admin route: sent with the admin key,
+        ``admin_key_file``); one result per server (never raises for a server)."""
         payload: dict[str, Any] = {"model_path": str(model_path)}
         if weight_version is not None:
             payload["weight_version"] = weight_version
         results = []
         for url, status, body in await self._each(
-            "POST", "/update_weights_from_disk", payload, timeout_s
+            "POST", "/update_weights_from_disk", payload, timeout_s, admin=True
         ):
             try:
                 data = msgspec.json.decode(body) if status else None

@@ -72,6 +72,11 @@ class SGLangClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     api_key_file: str = ""
     """File holding the servers' API key (sent as ``Authorization: Bearer``); empty =
     ``$LEAFE_ENGINE_API_KEY_FILE`` when set, else no key. The key itself never sits in a config."""
+    admin_key_file: str = ""
+    """File holding the servers' admin key, sent instead of the API key on the weight routes
+    (``/update_weights_from_disk``): the one client that reloads (weight sync) has it, actors never
+    do. Empty = ``$LEAFE_ENGINE_ADMIN_KEY_FILE`` when set, else the API key (a keyless server, or
+    SGLang without ``--admin-api-key``)."""
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "connect_timeout_s", "health_timeout_s"):
@@ -108,7 +113,7 @@ class Transient(Exception):
     """A failure worth retrying on another server."""
 
 
-def auth_headers(key_file: str) -> dict[str, str]:
+def auth_headers(key_file: str, what: str = "API") -> dict[str, str]:
     """``Authorization: Bearer <key>`` from ``key_file``; none without a file. A named file that
     cannot be read, or is empty, is an error (a client silently without its key would only meet
     401s)."""
@@ -118,10 +123,10 @@ def auth_headers(key_file: str) -> dict[str, str]:
         key = Path(key_file).read_text(encoding="utf-8").strip()
     except OSError as e:
         raise ValueError(
-            f"cannot read the engine API key file {key_file!r}: {e.strerror}"
+            f"cannot read the engine {what} key file {key_file!r}: {e.strerror}"
         ) from None
     if not key:
-        raise ValueError(f"the engine API key file {key_file!r} is empty")
+        raise ValueError(f"the engine {what} key file {key_file!r} is empty")
     return {"Authorization": f"Bearer {key}"}
 
 
@@ -136,6 +141,9 @@ class ServerPool:
         self.config = config
         key_file = config.api_key_file or os.environ.get("LEAFE_ENGINE_API_KEY_FILE", "")
         self._headers = auth_headers(key_file)
+        admin_file = config.admin_key_file or os.environ.get("LEAFE_ENGINE_ADMIN_KEY_FILE", "")
+        self._admin_headers = auth_headers(admin_file, "admin") or self._headers
+        """Sent on the admin routes instead of the API key (``admin_key_file``)."""
         self.servers = [Server(u.rstrip("/")) for u in url_list]
         self._session: aiohttp.ClientSession | None = None
         self._turn = 0
@@ -239,13 +247,16 @@ class ServerPool:
         )
 
     async def _each(
-        self, method: str, path: str, payload: Any, timeout_s: float
+        self, method: str, path: str, payload: Any, timeout_s: float, *, admin: bool = False
     ) -> list[tuple[str, int, bytes]]:
+        """``method path`` on every server at once; ``admin``: with the admin key."""
+        headers = self._admin_headers if admin else None
+
         async def one(server: Server) -> tuple[str, int, bytes]:
             t = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.config.connect_timeout_s)
             try:
                 async with self._http().request(
-                    method, server.url + path, json=payload, timeout=t
+                    method, server.url + path, json=payload, timeout=t, headers=headers
                 ) as resp:
                     return server.url, resp.status, await resp.read()
             except (aiohttp.ClientError, TimeoutError) as e:

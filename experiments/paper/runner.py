@@ -343,7 +343,7 @@ async def run_experiment(
         base = await asyncio.to_thread(resolve_model, cfg.model)
         runner.base_model = str(base)
         urls = list(cfg.serving.engines)
-        s, key_file = cfg.serving, ""
+        s, key_file, admin_key_file = cfg.serving, "", ""
         if (
             not urls
         ):  # one server process per core (services/inference/fleet.py), not in this process
@@ -359,7 +359,10 @@ async def run_experiment(
             )
             servers = await stack.enter_async_context(ServerFleet(fleet))
             urls, key_file = list(servers.urls), servers.api_key_file
-        engine = await stack.enter_async_context(SGLangClient(urls, api_key_file=key_file))
+            admin_key_file = servers.admin_key_file  # its phases reload the servers' weights
+        engine = await stack.enter_async_context(
+            SGLangClient(urls, api_key_file=key_file, admin_key_file=admin_key_file)
+        )
         nc = await connect(nats.url, name="paper-table")
         stack.push_async_callback(nc.drain)
         js = nc.jetstream()

@@ -5,12 +5,14 @@ One server per core with one torch thread each is what uses a small CPU well: me
 for Base's Sokoban evaluation (8 tasks x 16 samples, float32), one in-process server with 2 threads
 took 553 s, two pinned processes with one thread each 238 s. An in-process server shares the GIL
 with the client's event loop and its two OpenMP threads spin on decode-sized matmuls; separate
-processes share nothing. Each child gets its own API key file (0600, in a private temporary
-directory, removed at stop), is pinned to its core where the affinity can be set, and is sent
-SIGTERM by the kernel if this process dies without stopping it.
+processes share nothing. The children share an API key and an admin key (the weight routes), each a
+file (0600, in a private temporary directory, removed at stop); each child is pinned to its core
+where the affinity can be set, and is sent SIGTERM by the kernel if this process dies without
+stopping it.
 
     async with ServerFleet(FleetConfig(model=str(path), servers=2, dtype="float32")) as fleet:
         async with SGLangClient(fleet.urls, api_key_file=fleet.api_key_file) as client: ...
+    # a caller that reloads weights (experiments/paper) adds admin_key_file=fleet.admin_key_file
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ class ServerFleet:
         self.config = config
         self.urls: list[str] = []
         self.api_key_file = ""
+        self.admin_key_file = ""
+        """The admin key (``/update_weights_from_disk``): only for a caller that reloads."""
         self._dir: Path | None = None
         self._procs: list[asyncio.subprocess.Process] = []
         self._logs: list[Path] = []
@@ -117,6 +121,7 @@ class ServerFleet:
             ),
             *("--served-model-name", cfg.served_model_name or Path(cfg.model).name),
             *("--weight-version", cfg.weight_version, "--api-key-file", self.api_key_file),
+            *("--admin-key-file", self.admin_key_file),
             *("--log-level", "warning"),
             *cfg.extra_args,
         ]
@@ -125,6 +130,7 @@ class ServerFleet:
         """Spawn every server and wait until each prints its URL; returns the URLs."""
         self._dir = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="leafe-fleet-"))
         self.api_key_file = str(write_api_key(self._dir / "engine-api-key"))
+        self.admin_key_file = str(write_api_key(self._dir / "engine-admin-key"))
         threads = str(self.config.threads)
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         for i, core in enumerate(self._cores()):

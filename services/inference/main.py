@@ -49,7 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key-file", default=None, help="file with the API key (Authorization: Bearer)"
     )
-    p.add_argument("--admin-key-file", default=None, help="file with the admin key (/set_threads)")
+    p.add_argument(
+        "--admin-key-file",
+        default=None,
+        help="file with the admin key (weight updates, /flush_cache, /set_threads)",
+    )
     p.add_argument(
         "--weights-root", default=None, help="weight updates load only exports under this dir"
     )

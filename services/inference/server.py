@@ -14,7 +14,8 @@ In-process (``leafe run``, tests, benchmarks)::
 
 Routes: POST /generate, POST /update_weights_from_disk, POST /update_weight_version, GET /model_info
 (+ /get_model_info), GET /get_server_info, GET /health, GET /ready, GET|POST /flush_cache; anything
-else is 404 ``{"detail": "Not Found"}``. Generation runs in
+else is 404 ``{"detail": "Not Found"}``. The weight routes and ``/flush_cache`` need the admin key
+(``services/inference/auth.py``). Generation runs in
 :class:`leafe.services.inference.engine.GenerationEngine`'s worker thread with dynamic (continuous)
 batching; a weight reload is read and checked in another thread and swapped in between batches.
 Prompt prefixes are reused from a radix tree of KV (``services/inference/prefix.py``;

@@ -4,6 +4,7 @@ results."""
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,10 @@ class RunContext:
     engine_key_file: str = ""
     """The API key file of the inference server the run started ('' for external engines: then the
     clients use ``$LEAFE_ENGINE_API_KEY_FILE``); children get it in their environment."""
+    engine_admin_key_file: str = ""
+    """The admin key file of the run's inference servers (the weight routes, ``/set_threads``):
+    only weight sync gets it (``$LEAFE_ENGINE_ADMIN_KEY_FILE``), never an actor. '' for external
+    engines: then weight sync alone inherits the supervisor's ``$LEAFE_ENGINE_ADMIN_KEY_FILE``."""
     engine_services: list[str] = field(default_factory=list)
     """Names of the run's own CPU inference servers in ``services`` (``inference``, ``inference-1``,
     ...)."""
@@ -150,17 +155,28 @@ class RunContext:
         return args
 
     def service(
-        self, name: str, argv: list[str], env: dict[str, str] | None = None
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        *,
+        engine_admin: bool = False,
     ) -> ServiceProcess:
         """A child ``leafe`` process logging to ``logs/<name>.log``, serving /metrics on a free
         local port (kept across restarts: the port is part of its arguments). With the embedded
         server, identities in the ``LEAFE_NATS_*`` variables are not passed on: each child gets
-        exactly its role's."""
+        exactly its role's. Only an ``engine_admin`` child (weight sync) gets the engines' admin
+        key file; every other one gets an empty ``LEAFE_ENGINE_ADMIN_KEY_FILE``, whatever this
+        process's environment holds."""
         port = free_port()
         self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
         argv = [*argv, "--metrics-port", str(port), "--metrics-host", "127.0.0.1"]
+        admin = ""
+        if engine_admin:
+            admin = self.engine_admin_key_file or os.environ.get("LEAFE_ENGINE_ADMIN_KEY_FILE", "")
+        env = {"LEAFE_ENGINE_ADMIN_KEY_FILE": admin, **(env or {})}
         if self.engine_key_file:
-            env = {"LEAFE_ENGINE_API_KEY_FILE": self.engine_key_file, **(env or {})}
+            env = {"LEAFE_ENGINE_API_KEY_FILE": self.engine_key_file, **env}
         if self.role_nats:
             env = {**dict.fromkeys(_IDENTITY_VARIABLES, ""), **(env or {})}
         proc = ServiceProcess(

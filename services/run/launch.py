@@ -188,7 +188,8 @@ async def start_infra(ctx: RunContext, stack: AsyncExitStack) -> None:
 
 
 def _engine_admin_key(ctx: RunContext) -> Path:
-    """The run's CPU servers' admin key (``/set_threads``), which no actor is given."""
+    """The run's CPU servers' admin key (weight routes, ``/set_threads``): the supervisor's and
+    weight sync's, never an actor's."""
     return ctx.run_dir / "secrets" / "engine-admin-key"
 
 
@@ -199,9 +200,8 @@ async def _start_engines(ctx: RunContext, stack: AsyncExitStack, plan: ThreadPla
     ctx.threads = None if svc.inference_threads > 0 else plan
     threads = svc.inference_threads or max(1, plan.inference_alone // servers)
     ctx.engine_key_file = str(write_api_key(ctx.run_dir / "secrets" / "engine-api-key"))
-    admin_key_file = str(
-        write_api_key(_engine_admin_key(ctx))
-    )  # /set_threads: the supervisor's alone
+    # the weight routes and /set_threads: weight sync's and the supervisor's alone
+    admin_key_file = ctx.engine_admin_key_file = str(write_api_key(_engine_admin_key(ctx)))
     started = []
     for i in range(servers):
         port = free_port()
@@ -322,7 +322,9 @@ async def start_pipeline(ctx: RunContext) -> None:
         await ctx.service("learner", learner, env=threads).start()
         servers = [a for url in ctx.engine_urls for a in ("--server", url)]
         await ctx.service(
-            "weight-sync", ["weight-sync", *ctx.nats_args("weight-sync"), *servers]
+            "weight-sync",
+            ["weight-sync", *ctx.nats_args("weight-sync"), *servers],
+            engine_admin=True,  # the one child that reloads weights
         ).start()
     for i, actor_id in enumerate(actor_ids(ctx)):
         actor = [

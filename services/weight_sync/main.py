@@ -11,7 +11,9 @@
     # read by the engine's liveness probe
     leafe weight-sync ... --engine-lock /run/leafe/engine/reload.lock
 
-How it reconciles is described in ``services/weight_sync/service.py``.
+How it reconciles is described in ``services/weight_sync/service.py``. It reads the engines' API key
+from ``$LEAFE_ENGINE_API_KEY_FILE`` (``/model_info``) and their admin key, which the weight routes
+need, from ``$LEAFE_ENGINE_ADMIN_KEY_FILE`` (``/update_weights_from_disk``).
 """
 
 from __future__ import annotations

@@ -129,18 +129,20 @@ async def test_a_missing_or_malformed_manifest_is_a_400(
 
 
 async def test_the_api_key_guards_every_route_but_the_probes(root: Path, tmp_path: Path) -> None:
-    """With a key file: no or a wrong key is 401 on generate, weight updates and model info; the
-    probes answer without it; the client sends it from ``api_key_file`` or
+    """With key files: no or a wrong key is 401 on generate, weight updates (the admin key's) and
+    model info; the probes answer without it; the client sends it from ``api_key_file`` or
     ``$LEAFE_ENGINE_API_KEY_FILE``."""
     key = tmp_path / "api-key"
     key.write_text("s3cret-key\n")
+    admin = tmp_path / "admin-key"
+    admin.write_text("adm1n-key\n")
     wrong = tmp_path / "wrong-key"
     wrong.write_text("guess\n")
-    handle = start_in_thread(
-        InferenceConfig(
-            model="tiny", port=0, threads=1, weights_root=str(root), api_key_file=str(key)
-        )
-    )
+    config = InferenceConfig(
+        model="tiny", port=0, threads=1, weights_root=str(root), api_key_file=str(key),
+        admin_key_file=str(admin),
+    )  # fmt: skip
+    handle = start_in_thread(config)
     try:
         async with aiohttp.ClientSession() as s:
             for method, route in [

@@ -59,11 +59,14 @@ class Topology:
 async def topology(
     tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[Topology]:
-    """Two CPU engines (one API key, exports loadable from ``tmp_path/store``) behind the router;
-    every client finds the key through ``$LEAFE_ENGINE_API_KEY_FILE``, as deploy/'s actors and
+    """Two CPU engines (one API key, one admin key, exports loadable from ``tmp_path/store``)
+    behind the router; every client finds the API key through ``$LEAFE_ENGINE_API_KEY_FILE`` and
+    the weight syncs the admin key through ``$LEAFE_ENGINE_ADMIN_KEY_FILE``, as deploy/'s actors and
     sidecars do."""
     key_file = str(write_api_key(tmp_path / "api-key"))
+    admin_key_file = str(write_api_key(tmp_path / "admin-key"))
     monkeypatch.setenv("LEAFE_ENGINE_API_KEY_FILE", key_file)
+    monkeypatch.setenv("LEAFE_ENGINE_ADMIN_KEY_FILE", admin_key_file)
     store = tmp_path / "store"
     store.mkdir()
     async with AsyncExitStack() as stack:
@@ -71,7 +74,7 @@ async def topology(
         for _ in range(2):
             config = InferenceConfig(
                 model=str(tiny_dir), port=0, threads=1, max_batch=4, api_key_file=key_file,
-                weights_root=str(store),
+                admin_key_file=admin_key_file, weights_root=str(store),
             )  # fmt: skip
             servers.append(await stack.enter_async_context(InferenceServer(config)))
         engines = [server.url for server in servers]

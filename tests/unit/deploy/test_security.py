@@ -151,14 +151,17 @@ def test_no_leafe_container_has_a_secret_in_its_environment(
 def test_secrets_in_env_are_only_the_sglang_api_key_of_non_leafe_containers(
     rendered: dict[str, Docs],
 ) -> None:
-    """The only Secret-backed environment: SGLang's and the router's ENGINE_API_KEY (SGLang takes no
-    key file; neither runs model-written code), and the NATS server's user passwords."""
+    """The only Secret-backed environment: SGLang's API and admin keys, the router's API key
+    (neither takes a key file; neither runs model-written code), and the NATS server's user public
+    keys."""
     found = {c.where: _secret_env(c) for c in containers(rendered["gpu"]) if _secret_env(c)}
     assert found == {
-        "Deployment/sglang:sglang": ["ENGINE_API_KEY"],
+        "Deployment/sglang:sglang": ["ENGINE_API_KEY", "ENGINE_ADMIN_API_KEY"],
         "Deployment/sglang-router:router": ["ENGINE_API_KEY"],
         "StatefulSet/nats:nats": ["envFrom nats-auth"],
     }
+    sglang = container_named(rendered["gpu"], "sglang", "sglang").raw_argv
+    assert sglang[sglang.index("--admin-api-key") + 1] == "$(ENGINE_ADMIN_API_KEY)"
     for where in ("sglang:sglang", "sglang-router:router"):
         c = container_named(rendered["gpu"], *where.split(":"))
         argv = c.raw_argv
@@ -190,6 +193,61 @@ def test_engine_clients_and_the_cpu_server_read_the_api_key_from_a_file(
             mounted_secret_file(server, server.argv[server.argv.index("--api-key-file") + 1])
             == expected
         )
+
+
+ENGINE_SECRETS = {
+    "leafe-engine-api-key": "api",
+    "leafe-engine-admin-key": "admin",
+    "leafe-router-control-key": "router-control",
+}
+
+
+def _engine_keys(c: Container) -> set[str]:
+    """Which engine keys a container can read: Secrets in its environment or mounted into it."""
+    names = {
+        (e.get("valueFrom") or {}).get("secretKeyRef", {}).get("name")
+        for e in c.spec.get("env") or []
+    }
+    names |= {s["secretRef"]["name"] for s in c.spec.get("envFrom") or [] if "secretRef" in s}
+    mounted = {m["name"] for m in c.spec.get("volumeMounts") or []}
+    for volume in c.pod["spec"].get("volumes") or []:
+        if volume["name"] not in mounted:
+            continue
+        if "secret" in volume:
+            names.add(volume["secret"]["secretName"])
+        for source in (volume.get("projected") or {}).get("sources") or []:
+            if "secret" in source:
+                names.add(source["secret"]["name"])
+    return {ENGINE_SECRETS[n] for n in names if n in ENGINE_SECRETS}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_the_engines_and_weight_sync_can_read_the_admin_key(
+    rendered: dict[str, Docs], overlay: str
+) -> None:
+    """Which containers can read which engine key: actors only the API key (what /generate
+    needs); the engine and its weight-sync sidecar the API and admin keys (weight updates); the
+    router (gpu) the API key; nothing else any of them."""
+    found = {c.where: keys for c in containers(rendered[overlay]) if (keys := _engine_keys(c))}
+    engine = {"gpu": "Deployment/sglang:sglang", "dev": "Deployment/inference:inference"}[overlay]
+    sidecar = engine.rsplit(":", 1)[0] + ":weight-sync"
+    expected = {
+        "StatefulSet/actor:actor": {"api"},
+        engine: {"api", "admin"},
+        sidecar: {"api", "admin"},
+    }
+    if overlay == "gpu":
+        expected["Deployment/sglang-router:router"] = {"api"}
+    assert found == expected
+    sync = container_named(rendered[overlay], *sidecar.split("/", 1)[1].split(":"))
+    assert mounted_secret_file(sync, env_value(sync, "LEAFE_ENGINE_ADMIN_KEY_FILE")) == (
+        "leafe-engine-admin-key",
+        "admin-key",
+    )
+    if overlay == "dev":
+        server = container_named(rendered["dev"], "inference", "inference")
+        admin = server.argv[server.argv.index("--admin-key-file") + 1]
+        assert mounted_secret_file(server, admin) == ("leafe-engine-admin-key", "admin-key")
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)

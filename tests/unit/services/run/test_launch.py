@@ -96,3 +96,30 @@ def test_each_service_is_started_with_its_own_role_only(
         assert ctx.services[name].env["LEAFE_NATS_CREDS"] == "", name
         if role.startswith("actor."):
             assert argv[argv.index("--actor-id") + 1] == role.removeprefix("actor."), name
+
+
+def test_only_weight_sync_gets_the_engines_admin_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run's engines take weight updates only with their admin key: weight sync gets its file,
+    every other child (actors above all) an empty ``LEAFE_ENGINE_ADMIN_KEY_FILE``, even when the
+    supervisor's own environment names one; all of them get the API key file."""
+    from leafe.services.run.launch import start_pipeline
+    from leafe.services.run.supervisor import ServiceProcess
+
+    async def started(self: ServiceProcess) -> ServiceProcess:
+        return self
+
+    monkeypatch.setattr(ServiceProcess, "start", started)
+    monkeypatch.setenv("LEAFE_ENGINE_ADMIN_KEY_FILE", "/inherited/admin-key")
+    ctx = _ctx(tmp_path, **{"services.actors": 2})
+    ctx.model_dir, ctx.engine_urls = tmp_path, ["http://127.0.0.1:1"]
+    ctx.engine_key_file = str(tmp_path / "secrets" / "engine-api-key")
+    ctx.engine_admin_key_file = str(tmp_path / "secrets" / "engine-admin-key")
+    asyncio.run(start_pipeline(ctx))
+    admin = {name: proc.env["LEAFE_ENGINE_ADMIN_KEY_FILE"] for name, proc in ctx.services.items()}
+    assert admin.pop("weight-sync") == ctx.engine_admin_key_file
+    assert set(admin) >= {"actor-0", "actor-1", "replayer", "learner"}
+    assert set(admin.values()) == {""}, admin
+    for proc in ctx.services.values():
+        assert proc.env["LEAFE_ENGINE_API_KEY_FILE"] == ctx.engine_key_file

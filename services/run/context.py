@@ -71,6 +71,9 @@ class RunContext:
     """The admin key file of the run's inference servers (the weight routes, ``/set_threads``):
     only weight sync gets it (``$LEAFE_ENGINE_ADMIN_KEY_FILE``), never an actor. '' for external
     engines: then weight sync alone inherits the supervisor's ``$LEAFE_ENGINE_ADMIN_KEY_FILE``."""
+    router_key_file: str = ""
+    """The router's control-plane key file (``POST/DELETE /workers``, ``/workers``, ``/get_loads``):
+    the supervisor's alone."""
     engine_services: list[str] = field(default_factory=list)
     """Names of the run's own CPU inference servers in ``services`` (``inference``, ``inference-1``,
     ...)."""

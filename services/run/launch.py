@@ -228,9 +228,22 @@ async def _start_engines(ctx: RunContext, stack: AsyncExitStack, plan: ThreadPla
 
 
 async def _start_router(ctx: RunContext, stack: AsyncExitStack) -> None:
-    """sglang-router in front of the servers (``services.router``), supervised like a service."""
+    """sglang-router in front of the servers (``services.router``), supervised like a service:
+    clients must present the engines' key, and its worker routes need a control key that only this
+    process holds (``<run dir>/secrets/router-control-key``, 0600)."""
+    api_key_file = ctx.engine_key_file or os.environ.get("LEAFE_ENGINE_API_KEY_FILE", "")
+    if not api_key_file:
+        raise ConfigError(
+            "services.router = true with external engines needs their API key: set "
+            "LEAFE_ENGINE_API_KEY_FILE (the router makes clients present it)"
+        )
+    ctx.router_key_file = str(write_api_key(ctx.run_dir / "secrets" / "router-control-key"))
     router = await open_router(
-        ctx.engine_urls, ctx.run_dir / "logs" / "router.log", run_dir=ctx.run_dir
+        ctx.engine_urls,
+        ctx.run_dir / "logs" / "router.log",
+        run_dir=ctx.run_dir,
+        api_key_file=api_key_file,
+        control_key_file=ctx.router_key_file,
     )
     stack.push_async_callback(router.stop)
     ctx.services[router.name] = router

@@ -9,9 +9,16 @@ the real router in CI and in ``leafe run`` with ``services.router = true``.
 The flags are deploy/components/sglang/router.yaml's (cache-aware routing, workers checked on the
 cheap ``/ready``, 3 misses of 5 s, 2 attempts per request) with the workers given as URLs instead of
 discovered as pods. Weight sync and the drain keep talking to each server: the router has no
-``/update_weights_from_disk`` and answers ``/get_model_info`` from its first healthy worker. The
-router gets no ``--api-key`` here: it passes the clients' ``Authorization`` header on to the
-servers, which check it (a key on its command line would be visible to every local user in ``ps``).
+``/update_weights_from_disk`` and answers ``/get_model_info`` from its first healthy worker.
+
+With key files (``leafe run`` always gives them) it starts through ``router_launch.py``, which reads
+them and hands the router ``--api-key`` (the engines' key: clients must present it) and
+``--control-plane-api-keys`` (the supervisor's key, a 0600 file no service gets: ``POST /workers``,
+``DELETE /workers/<id>``, ``/workers``, ``/get_loads``), so no key is on a command line. Without
+them, anyone who reached the router could add a worker of its choice (which then received the
+actors' requests and their key) or remove an engine. ``/get_server_info`` still answers without a
+key in 0.3.2 (router and worker counts, as ``/readiness`` does), and so do ``/readiness``,
+``/health``, ``/liveness`` and ``/v1/models``.
 """
 
 from __future__ import annotations
@@ -55,8 +62,13 @@ def router_command(
     host: str = "127.0.0.1",
     health_interval_s: int = 10,
     python: str = sys.executable,
+    api_key_file: str = "",
+    control_key_file: str = "",
 ) -> list[str]:
-    """The router's launch: deploy's flags (router.yaml) with ``workers`` as URLs."""
+    """The router's launch: deploy's flags (router.yaml) with ``workers`` as URLs; with key files,
+    through ``router_launch.py``, which reads them (both or neither)."""
+    if bool(api_key_file) != bool(control_key_file):
+        raise ValueError("the router needs both key files (the engines' and its control key)")
     flags = {
         "--host": host,
         "--port": str(port),
@@ -71,7 +83,11 @@ def router_command(
         "--prometheus-port": str(prometheus_port),
         "--log-level": "warn",
     }
-    argv = [python, "-m", "sglang_router.launch_router", "--worker-urls", *workers]
+    argv = [python, "-m", "sglang_router.launch_router"]
+    if api_key_file:
+        argv = [python, "-m", "leafe.services.run.router_launch"]
+        argv += ["--api-key-file", api_key_file, "--control-key-file", control_key_file, "--"]
+    argv += ["--worker-urls", *workers]
     return argv + [token for pair in flags.items() for token in pair]
 
 
@@ -127,8 +143,11 @@ async def open_router(
     run_dir: Path | None = None,
     health_interval_s: int = 10,
     timeout_s: float = 60.0,
+    api_key_file: str = "",
+    control_key_file: str = "",
 ) -> RouterProcess:
-    """Start the router in front of ``workers`` and wait until every one is healthy behind it."""
+    """Start the router in front of ``workers`` and wait until every one is healthy behind it;
+    with ``api_key_file`` and ``control_key_file``, keyed (see the module docstring)."""
     if not router_available():
         raise ServiceError(
             f"sglang_router is not importable by {sys.executable}: pip install "
@@ -136,7 +155,12 @@ async def open_router(
         )
     port, prometheus_port = free_port(), free_port()
     command = router_command(
-        workers, port=port, prometheus_port=prometheus_port, health_interval_s=health_interval_s
+        workers,
+        port=port,
+        prometheus_port=prometheus_port,
+        health_interval_s=health_interval_s,
+        api_key_file=api_key_file,
+        control_key_file=control_key_file,
     )
     router = RouterProcess(
         command,

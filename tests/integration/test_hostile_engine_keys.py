@@ -8,18 +8,28 @@ powers")."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from dataclasses import dataclass
+import io
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
+from rich.console import Console
 
 from leafe.actors.client import SGLangClient
+from leafe.actors.engine import SamplingParams
 from leafe.services.inference.auth import write_api_key
 from leafe.services.inference.config import InferenceConfig
 from leafe.services.inference.local import ServerThread, start_in_thread
+from leafe.services.inference.server import InferenceServer
+from leafe.services.run.context import RunContext
+from leafe.services.run.launch import _start_router
+from leafe.services.run.presets import resolve_run_config
+from leafe.services.run.router import router_available
 from tests.support.weights import scaled_export
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
@@ -164,3 +174,115 @@ async def test_a_server_with_only_an_api_key_reloads_for_nobody(tmp_path: Path) 
                     assert r.status == 403 and "admin key" in await r.text(), path
     finally:
         server.stop()
+
+
+# ---- the router `leafe run` starts (services.router = true), the real sglang-router 0.3.2
+
+
+@pytest.fixture
+async def run_router(tmp_path: Path, tiny_dir: Path) -> AsyncIterator[RunContext]:
+    """``leafe run``'s router (``launch._start_router``, as ``start_infra`` calls it) in front of
+    two keyed CPU engines."""
+    ctx = RunContext(
+        config=resolve_run_config("tiny", overrides={"runs_dir": str(tmp_path), "run_id": "r"}),
+        console=Console(file=io.StringIO()),
+        stop=asyncio.Event(),
+    )
+    (ctx.run_dir / "logs").mkdir(parents=True)
+    secrets = ctx.run_dir / "secrets"
+    ctx.engine_key_file = str(write_api_key(secrets / "engine-api-key"))
+    admin = str(write_api_key(secrets / "engine-admin-key"))
+    async with AsyncExitStack() as stack:
+        for _ in range(2):
+            config = InferenceConfig(
+                model=str(tiny_dir), port=0, threads=1, max_batch=4,
+                api_key_file=ctx.engine_key_file, admin_key_file=admin,
+            )  # fmt: skip
+            server = await stack.enter_async_context(InferenceServer(config))
+            ctx.engine_urls.append(server.url)
+        await _start_router(ctx, stack)
+        yield ctx
+
+
+def _bearer(key_file: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {Path(key_file).read_text().strip()}"}
+
+
+@dataclass
+class Stranger:
+    """A server an attacker would register as a worker: what it was sent."""
+
+    url: str = ""
+    seen: list[tuple[str, str]] = field(default_factory=list)
+
+
+@asynccontextmanager
+async def stranger_server() -> AsyncIterator[Stranger]:
+    stranger = Stranger()
+
+    async def handle(request: web.Request) -> web.Response:
+        stranger.seen.append((request.path, request.headers.get("Authorization", "")))
+        return web.json_response({}, status=200)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    stranger.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        yield stranger
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.skipif(not router_available(), reason="pip install sglang-router==0.3.2 (dev extra)")
+async def test_the_run_router_takes_worker_changes_only_from_the_supervisor(
+    run_router: RunContext,
+) -> None:
+    """Without a key, or with the engines' key that every actor holds: ``POST /workers`` (an
+    attacker's URL) and ``DELETE /workers/<id>`` are refused and the worker list stays the two
+    engines, the stranger is sent nothing; ``/workers`` and ``/get_loads`` answer only the
+    supervisor's control key; ``/get_server_info`` gives counts, no worker URL. Actors' requests
+    still go through with the engines' key, and not without it. Before: no key at all, the
+    stranger was added (and was sent the actors' requests with their key), an engine could be
+    removed, and every info route answered anyone."""
+    ctx = run_router
+    url = ctx.router_url
+    actor = _bearer(ctx.engine_key_file)
+    async with stranger_server() as stranger, aiohttp.ClientSession() as s:
+        refused: list[int] = []
+        for headers in ({}, actor):
+            async with s.post(f"{url}/workers", json={"url": stranger.url}, headers=headers) as r:
+                refused.append(r.status)
+            async with s.delete(f"{url}/workers/any-worker-id", headers=headers) as r:
+                refused.append(r.status)
+            for path in ("/workers", "/get_loads"):
+                async with s.get(url + path, headers=headers) as r:
+                    refused.append(r.status)
+        assert refused == [401] * 8, refused
+        control = _bearer(ctx.router_key_file)
+        async with s.get(f"{url}/workers", headers=control) as r:
+            assert r.status == 200
+            workers = (await r.json())["workers"]
+        assert sorted(w["url"] for w in workers) == sorted(ctx.engine_urls)
+        for w in workers:
+            for headers in ({}, actor):
+                async with s.delete(f"{url}/workers/{w['id']}", headers=headers) as r:
+                    assert r.status == 401
+        async with s.get(f"{url}/get_server_info") as r:
+            info = await r.text()
+        assert "127.0.0.1" not in info, info
+        async with s.get(f"{url}/get_loads", headers=control) as r:
+            assert r.status == 200
+        async with s.get(f"{url}/workers", headers=control) as r:
+            assert sorted(w["url"] for w in (await r.json())["workers"]) == sorted(ctx.engine_urls)
+        async with s.post(
+            f"{url}/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+        ) as r:
+            assert r.status == 401
+        await asyncio.sleep(1.0)
+        assert stranger.seen == []
+    async with SGLangClient(url, api_key_file=ctx.engine_key_file) as client:
+        assert await client.ready()
+        assert await client.generate(PROMPT, SamplingParams(max_new_tokens=2))

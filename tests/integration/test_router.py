@@ -60,11 +60,12 @@ async def topology(
     tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[Topology]:
     """Two CPU engines (one API key, one admin key, exports loadable from ``tmp_path/store``)
-    behind the router; every client finds the API key through ``$LEAFE_ENGINE_API_KEY_FILE`` and
-    the weight syncs the admin key through ``$LEAFE_ENGINE_ADMIN_KEY_FILE``, as deploy/'s actors and
-    sidecars do."""
+    behind the router, keyed as ``leafe run`` keys it; every client finds the API key through
+    ``$LEAFE_ENGINE_API_KEY_FILE`` and the weight syncs the admin key through
+    ``$LEAFE_ENGINE_ADMIN_KEY_FILE``, as deploy/'s actors and sidecars do."""
     key_file = str(write_api_key(tmp_path / "api-key"))
     admin_key_file = str(write_api_key(tmp_path / "admin-key"))
+    control_key_file = str(write_api_key(tmp_path / "router-control-key"))
     monkeypatch.setenv("LEAFE_ENGINE_API_KEY_FILE", key_file)
     monkeypatch.setenv("LEAFE_ENGINE_ADMIN_KEY_FILE", admin_key_file)
     store = tmp_path / "store"
@@ -78,7 +79,13 @@ async def topology(
             )  # fmt: skip
             servers.append(await stack.enter_async_context(InferenceServer(config)))
         engines = [server.url for server in servers]
-        router = await open_router(engines, tmp_path / "router.log", health_interval_s=1)
+        router = await open_router(
+            engines,
+            tmp_path / "router.log",
+            health_interval_s=1,
+            api_key_file=key_file,
+            control_key_file=control_key_file,
+        )
         stack.push_async_callback(router.stop, 10.0)
         yield Topology(
             router=router,
@@ -175,7 +182,8 @@ async def test_an_engine_that_dies_costs_no_request(topology: Topology) -> None:
     the router a healthy worker throughout: until the router's checks drop it, the router retries
     elsewhere or answers 500 ``call_upstream_request_error``, which the client retries like a
     refused connection. The router's /metrics then has every series the dashboard's router panels
-    read (retries and errors included: one request with a wrong API key makes an error)."""
+    read (retries and errors included: a request an engine refuses makes an error; one with a
+    wrong API key the router refuses itself)."""
     async with traffic(topology) as seen:
         await topology.servers[1].stop()
         await asyncio.sleep(4.0)  # the router's checks (every 1 s here, 3 misses) drop it meanwhile
@@ -186,8 +194,11 @@ async def test_an_engine_that_dies_costs_no_request(topology: Topology) -> None:
     async with SGLangClient(
         topology.router.url, api_key_file=str(wrong_key), retries=0
     ) as stranger:
-        with pytest.raises(EngineError, match="401"):
+        with pytest.raises(EngineError, match="401"):  # the router's own key check
             await stranger.generate(PROMPT, _short())
+    async with SGLangClient(topology.router.url, retries=0) as client:
+        with pytest.raises(EngineError, match="400"):  # an engine's refusal: a routed error
+            await client.generate([1 << 30], _short())
     async with aiohttp.ClientSession() as http, http.get(topology.router.metrics_url) as resp:
         exported = {line.split("{")[0].split(" ")[0] for line in (await resp.text()).splitlines()}
     dashboard = (DEPLOY / "components" / "monitoring" / "dashboard.json").read_text(

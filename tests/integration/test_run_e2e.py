@@ -93,7 +93,8 @@ def _check_observability(run_dir: Path, stderr: str, learner_step: int) -> None:
 def _assert_no_credential_in_logs(run_dir: Path) -> None:
     """The run's NATS ran with one nkey user per role and one per actor, ``actor.<id>`` (seeds 0600
     in nats-keys/), and no log file holds a seed: neither a role's own nor anything shaped like one
-    (``SU`` + 56 base32 characters); nor the engines' API or admin key (0600 in secrets/)."""
+    (``SU`` + 56 base32 characters); nor the engines' API or admin key, nor the router's control
+    key (0600 in secrets/)."""
     seeds = {p.stem: p for p in (run_dir / "nats-keys").iterdir()}
     assert set(seeds) == set(ROLES) - {"actor"} | {f"actor.{run_dir.name}-actor-0"}
     assert all(p.stat().st_mode & 0o077 == 0 for p in seeds.values())
@@ -106,14 +107,14 @@ def _assert_no_credential_in_logs(run_dir: Path) -> None:
     }
     keys = {p.name: p for p in (run_dir / "secrets").iterdir()}
     expected = {"engine-api-key", "engine-admin-key"}
-    assert set(keys) == expected
+    assert set(keys) == expected | ({"router-control-key"} if router_available() else set())
     assert all(p.stat().st_mode & 0o077 == 0 for p in keys.values())
     engine_keys = [p.read_text(encoding="utf-8").strip() for p in keys.values()]
     for path in logs:
         text = path.read_text(encoding="utf-8", errors="replace")
         assert not any(s in text for s in secrets), f"a NATS seed is in {path}"
         assert not SEED_PATTERN.search(text), f"something shaped like an nkey seed is in {path}"
-        assert not any(k in text for k in engine_keys), f"an engine key is in {path}"
+        assert not any(k in text for k in engine_keys), f"an engine or router key is in {path}"
 
 
 def _tiny_run(runs: Path, cache_dir: Path, *, slow_learner: bool = False) -> tuple[Path, str]:

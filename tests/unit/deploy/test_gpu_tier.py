@@ -139,7 +139,7 @@ def test_ci_runs_the_router_with_the_clusters_flags(rendered: dict[str, Docs]) -
     }
     cluster_only = {
         "--selector", "--service-discovery-port", "--service-discovery-namespace", "--api-key",
-        "--shutdown-grace-period-secs",
+        "--control-plane-api-keys", "--shutdown-grace-period-secs",
     }  # fmt: skip
     assert {k: v for k, v in ci.items() if k not in local_only} == {
         k: v for k, v in cluster.items() if k not in local_only | cluster_only

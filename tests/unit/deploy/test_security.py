@@ -151,17 +151,20 @@ def test_no_leafe_container_has_a_secret_in_its_environment(
 def test_secrets_in_env_are_only_the_sglang_api_key_of_non_leafe_containers(
     rendered: dict[str, Docs],
 ) -> None:
-    """The only Secret-backed environment: SGLang's API and admin keys, the router's API key
-    (neither takes a key file; neither runs model-written code), and the NATS server's user public
-    keys."""
+    """The only Secret-backed environment: SGLang's API and admin keys, the router's API and
+    control-plane keys (neither takes a key file; neither runs model-written code), and the NATS
+    server's user public keys."""
     found = {c.where: _secret_env(c) for c in containers(rendered["gpu"]) if _secret_env(c)}
     assert found == {
         "Deployment/sglang:sglang": ["ENGINE_API_KEY", "ENGINE_ADMIN_API_KEY"],
-        "Deployment/sglang-router:router": ["ENGINE_API_KEY"],
+        "Deployment/sglang-router:router": ["ENGINE_API_KEY", "ROUTER_CONTROL_KEY"],
         "StatefulSet/nats:nats": ["envFrom nats-auth"],
     }
     sglang = container_named(rendered["gpu"], "sglang", "sglang").raw_argv
     assert sglang[sglang.index("--admin-api-key") + 1] == "$(ENGINE_ADMIN_API_KEY)"
+    router = container_named(rendered["gpu"], "sglang-router", "router").raw_argv
+    control = router[router.index("--control-plane-api-keys") + 1]
+    assert control.split(":", 3)[2:] == ["admin", "$(ROUTER_CONTROL_KEY)"], control
     for where in ("sglang:sglang", "sglang-router:router"):
         c = container_named(rendered["gpu"], *where.split(":"))
         argv = c.raw_argv
@@ -227,7 +230,7 @@ def test_only_the_engines_and_weight_sync_can_read_the_admin_key(
 ) -> None:
     """Which containers can read which engine key: actors only the API key (what /generate
     needs); the engine and its weight-sync sidecar the API and admin keys (weight updates); the
-    router (gpu) the API key; nothing else any of them."""
+    router (gpu) the API key and its own control-plane key; nothing else any of them."""
     found = {c.where: keys for c in containers(rendered[overlay]) if (keys := _engine_keys(c))}
     engine = {"gpu": "Deployment/sglang:sglang", "dev": "Deployment/inference:inference"}[overlay]
     sidecar = engine.rsplit(":", 1)[0] + ":weight-sync"
@@ -237,7 +240,7 @@ def test_only_the_engines_and_weight_sync_can_read_the_admin_key(
         sidecar: {"api", "admin"},
     }
     if overlay == "gpu":
-        expected["Deployment/sglang-router:router"] = {"api"}
+        expected["Deployment/sglang-router:router"] = {"api", "router-control"}
     assert found == expected
     sync = container_named(rendered[overlay], *sidecar.split("/", 1)[1].split(":"))
     assert mounted_secret_file(sync, env_value(sync, "LEAFE_ENGINE_ADMIN_KEY_FILE")) == (

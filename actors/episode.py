@@ -1,10 +1,11 @@
 """Emitting an episode's events: where they go (:class:`EventSink`) and how they are stamped.
 
 Every event of an episode gets ``seq`` (0, 1, 2... in emission order), ``event_id =
-event_id_for(episode_id, seq)``, the run/episode/actor ids, the wall-clock ``ts`` and the latest
-``policy_version`` an engine reported. :class:`EpisodeRecorder` does that stamping; the explorer and
-the rollouts only name the event type and its own fields. The actor service's sink publishes through
-the bus ``Publisher``; tests use :class:`ListSink`.
+event_id_for(episode_id, seq)``, the run/episode/actor ids, the wall-clock ``ts``, the latest
+``policy_version`` an engine reported and a fresh ``msg_nonce`` (its ``Nats-Msg-Id`` is then
+``<event_id>:<msg_nonce>``, which no other actor can publish first). :class:`EpisodeRecorder` does
+that stamping; the explorer and the rollouts only name the event type and its own fields. The actor
+service's sink publishes through the bus ``Publisher``; tests use :class:`ListSink`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
-from leafe.protocol.events import EpisodeEvent, Mode, event_id_for
+from leafe.protocol.events import EpisodeEvent, Mode, event_id_for, new_msg_nonce
 
 __all__ = ["EpisodeRecorder", "EpisodeSpec", "EpisodeSummary", "EventSink", "ListSink"]
 
@@ -49,7 +50,8 @@ class EpisodeSpec(msgspec.Struct, frozen=True, kw_only=True):
     run_id: str
     """Run id."""
     episode_id: str
-    """``episode_id_for(task_key, attempt)``."""
+    """``episode_id_for(task_key, attempt, actor_id)``: ``<task_key>.a<attempt>@<actor_id>``, it
+    names its actor (``leafe.protocol.tasks``)."""
     actor_id: str
     """Actor process id."""
     task_key: str
@@ -122,9 +124,11 @@ class Stamp(Protocol):
     policy_version: str
 
 
-def stamp_event(cls: type[E], who: Stamp, seq: int, ts: float, **fields: Any) -> E:
+def stamp_event(
+    cls: type[E], who: Stamp, seq: int, ts: float, *, msg_nonce: str = "", **fields: Any
+) -> E:
     """``cls(**fields)`` with the common fields: event id, run, episode, actor, seq, policy version,
-    ts."""
+    ts and ``msg_nonce`` (empty: the event's ``Nats-Msg-Id`` is its id, as in fakes)."""
     return cls(
         event_id=event_id_for(who.episode_id, seq),
         run_id=who.run_id,
@@ -133,6 +137,7 @@ def stamp_event(cls: type[E], who: Stamp, seq: int, ts: float, **fields: Any) ->
         seq=seq,
         policy_version=who.policy_version,
         ts=ts,
+        msg_nonce=msg_nonce,
         **fields,
     )
 
@@ -161,6 +166,6 @@ class EpisodeRecorder:
         """Build ``cls(**fields)`` with the common fields filled in, emit it, and return it."""
         seq = self.seq
         self.seq += 1
-        event = stamp_event(cls, self, seq, self.clock(), **fields)
+        event = stamp_event(cls, self, seq, self.clock(), msg_nonce=new_msg_nonce(), **fields)
         await self.sink.emit(event)  # type: ignore[arg-type]
         return event

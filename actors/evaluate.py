@@ -9,7 +9,8 @@ task by task, so the samples of a task share their prompt prefix in the server's
 
 Identity is deterministic and matches ``leafe tasks submit --mode eval --prefix <label>``: sample s
 of task i (``task_ids[i]``) is task key ``<run>-<label>-<task slug>-x<s>``, episode ``<task
-key>.a1``, group ``<run>-<label>-<task slug>`` of size n, seed ``seed + 1000 * i + s``.
+key>.a1@<actor id>`` (``leafe.protocol.tasks.episode_id_for``), group ``<run>-<label>-<task slug>``
+of size n, seed ``seed + 1000 * i + s``.
 
 ```python
 request = EvalRequest(env="sokoban", task_ids=["sokoban/test/0", "sokoban/test/1"], samples=16,
@@ -188,7 +189,7 @@ def eval_samples(
             key = f"{group}-x{s}"
             spec = EpisodeSpec(
                 run_id=run_id,
-                episode_id=episode_id_for(key, 1),
+                episode_id=episode_id_for(key, 1, actor_id),
                 actor_id=actor_id,
                 task_key=key,
                 env=env_name,

@@ -12,6 +12,13 @@ The builders (``build_explore_episode``, ``build_rollout_group``, ``interleave``
 ``random.Random``; ``bench/replay.py`` makes million-event logs with them, and the Hypothesis
 strategies of the property suites (``tests/support/episodes.py``) wrap them. A fake like
 ``actors/fakes.py``: never used by the product itself.
+
+Episode ids name their actor, as a real actor's do (``leafe.protocol.tasks.episode_id_for``): the
+``episode_id`` a builder or :class:`EventWriter` is given is the id's stem, and the events carry
+``<stem>@<actor>`` (:func:`fake_episode_id`). An id that names an actor already is kept as given;
+``EventWriter(..., legacy=True)`` keeps any id (logs written before ids named their owner). Fake
+events carry no ``msg_nonce`` (their ``Nats-Msg-Id`` is their id), so a log is the same on every
+build; a real actor draws one per event.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from leafe.protocol.events import (
     Step,
 )
 from leafe.protocol.prompt import ChatTokenizer, HistoryEntry, prompt_sha256, render_messages
+from leafe.protocol.tasks import episode_owner, owned_episode_id
 
 __all__ = [
     "ACTIONS",
@@ -44,6 +52,7 @@ __all__ = [
     "ExploreSpec",
     "build_explore_episode",
     "build_rollout_group",
+    "fake_episode_id",
     "interleave",
 ]
 
@@ -72,16 +81,29 @@ class ExploreSpec:
     split: str = "train"
 
 
+def fake_episode_id(stem: str, actor_id: str) -> str:
+    """``<stem>@<actor_id>``, or ``stem`` as given if it names an actor already."""
+    if episode_owner(stem) is not None:
+        return stem
+    return owned_episode_id(stem, actor_id)
+
+
 @dataclass
 class EventWriter:
     """Stamps events with ids, seq, run and actor like an actor's publisher (``emit(Step, ...)``);
-    ``seq=`` overrides the next sequence number (a forger's events, say)."""
+    ``seq=`` overrides the next sequence number (a forger's events, say). ``episode_id`` becomes
+    :func:`fake_episode_id` of it unless ``legacy``."""
 
     run_id: str
     episode_id: str
     actor_id: str = "actor-0"
     policy_version: str = "v000001"
     events: list[EpisodeEvent] = field(default_factory=list)
+    legacy: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.legacy:
+            self.episode_id = fake_episode_id(self.episode_id, self.actor_id)
 
     def emit(self, cls: type[Any], **fields: Any) -> Any:
         seq = fields.pop("seq", len(self.events))

@@ -28,6 +28,7 @@ from leafe.actors.episode import EpisodeSpec, EpisodeSummary, EventSink
 from leafe.actors.explorer import Explorer
 from leafe.envs.base import Env
 from leafe.protocol.prompt import ChatTokenizer
+from leafe.protocol.tasks import OWNER_MARK, episode_owner, owned_episode_id
 
 __all__ = ["run_rollout", "run_rollouts"]
 
@@ -66,7 +67,8 @@ async def run_rollouts(
 ) -> list[EpisodeSummary]:
     """``n`` independent samples of one task, concurrently, each on its own env instance.
 
-    Sample i is episode ``<spec.episode_id>.s<i>`` with seed ``spec.seed + i``, all in one group
+    Sample i is episode ``<stem>.s<i>@<actor>`` (``stem``: ``spec.episode_id`` without its owner,
+    ``leafe.protocol.tasks.owned_episode_id``) with seed ``spec.seed + i``, all in one group
     (``spec.group_id``, else ``spec.episode_id``) of size ``n``. Envs are closed afterwards.
     """
     if n < 1:
@@ -89,9 +91,12 @@ async def run_rollouts(
 
 
 def _sample_spec(spec: EpisodeSpec, i: int, group: str, n: int) -> EpisodeSpec:
+    stem = spec.episode_id
+    if episode_owner(stem) is not None:
+        stem = stem.rpartition(OWNER_MARK)[0]
     return EpisodeSpec(
         run_id=spec.run_id,
-        episode_id=f"{spec.episode_id}.s{i}",
+        episode_id=owned_episode_id(f"{stem}.s{i}", spec.actor_id),
         actor_id=spec.actor_id,
         task_key=spec.task_key,
         env=spec.env,

@@ -49,7 +49,7 @@ from leafe.protocol.subjects import (
     validate_run_id,
     weights_subject,
 )
-from leafe.protocol.tasks import TaskAssignment, episode_id_for
+from leafe.protocol.tasks import TaskAssignment, episode_id_for, episode_owner
 
 __all__ = [
     "CODEC_HEADER",
@@ -82,6 +82,7 @@ __all__ = [
     "decode_weights",
     "encode",
     "episode_id_for",
+    "episode_owner",
     "event_id_for",
     "event_subject",
     "headers_for",

@@ -17,6 +17,17 @@ the token is refused (``forged_actor``). An event on a legacy subject without th
 written before it) is admitted with its ``actor_id`` replaced by
 :data:`~leafe.protocol.subjects.LEGACY_ACTOR`: its payload names no identity anyone vouched for, so
 all such events share one identity and one cap.
+
+An episode belongs to the actor that started it, and its id says which
+(``<task_key>.a<attempt>@<actor>``, ``leafe.protocol.tasks``): an event whose episode id
+names another actor than its publisher is refused (``foreign_episode``, "episode X belongs to actor
+A; event from actor B"), so no actor can start, extend or end an episode under another's id, even
+first; and so is one whose id names no actor at all (``unowned_episode``: nothing would say whose
+episode it is, so whoever published first would own it), except from
+:data:`~leafe.protocol.subjects.LEGACY_ACTOR` (which no actor may publish as) and where
+``Admission.legacy_episode_ids`` is on: to read a log recorded before owned ids (``leafe replay
+--legacy-ids``, ``leafe log import --legacy-ids``), never in the live replayer. The fold keeps the
+episode to its starter beyond that (``leafe.learner.materializers.base``).
 """
 
 from __future__ import annotations
@@ -29,11 +40,12 @@ import msgspec
 from leafe.protocol.events import EpisodeEvent, EpisodeStarted, WeightsPublished, event_id_for
 from leafe.protocol.samples import Sample
 from leafe.protocol.subjects import EVENTS, LEGACY_ACTOR, event_subject_parts
-from leafe.protocol.tasks import TaskAssignment
+from leafe.protocol.tasks import TaskAssignment, episode_owner
 
 __all__ = [
     "CODEC_HEADER",
     "CODEC_VERSION",
+    "FOREIGN_EPISODE",
     "MSG_ID_HEADER",
     "Admission",
     "ProtocolError",
@@ -77,10 +89,17 @@ REFUSALS = (
     "wrong_run",
     "forged_id",
     "forged_actor",
+    "foreign_episode",
+    "unowned_episode",
 )
 """Categories of :class:`ProtocolError`: not decodable; over the size limit; no ``Leafe-Codec``
 header; published on another kind's subject; on another run's subject; an event id that is not its
-own; an ``actor_id`` that is not its subject's actor token."""
+own; an ``actor_id`` that is not its subject's actor token; an event of an episode that belongs to
+another actor (the fold's code for the same, ``leafe.learner.materializers``); an episode id that
+names no owner."""
+FOREIGN_EPISODE = "foreign_episode"
+"""The refusal of an event in another actor's episode, by admission (the id names the other actor)
+and by the fold (the other actor started it): a dead letter's ``Leafe-Error-Code``."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -96,11 +115,14 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 
 def message_id(msg: Any) -> str:
-    """The deterministic id a message is published under (event_id, task_key or sample_id)."""
+    """The id a message is published under (``Nats-Msg-Id``): event_id, task_key or sample_id; an
+    episode event's with its ``msg_nonce`` when it has one, ``<event_id>:<msg_nonce>`` (no other
+    publisher can predict it, so none can store it first)."""
     for attr in ("event_id", "sample_id", "task_key"):
         value = getattr(msg, attr, None)
         if isinstance(value, str) and value:
-            return value
+            nonce = getattr(msg, "msg_nonce", "") if attr == "event_id" else ""
+            return f"{value}:{nonce}" if nonce else value
     raise TypeError(f"{type(msg).__name__} has no message id field")
 
 
@@ -151,10 +173,14 @@ class Admission(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     require_codec_header: bool = True
     """Refuse messages without ``Leafe-Codec``; ``False`` only to read logs written before the
     header."""
+    legacy_episode_ids: bool = False
+    """Admit episode ids that name no owner (``<task_key>.a<attempt>``) from actor tokens; ``True``
+    only to read logs recorded before ids named their owner (an id naming *another* actor is refused
+    all the same). Tokenless legacy subjects are admitted with their old ids either way."""
 
 
-def _short(value: str) -> str:
-    return repr(value if len(value) <= 80 else value[:77] + "...")
+def _short(value: str, limit: int = 80) -> str:
+    return repr(value if len(value) <= limit else value[: limit - 3] + "...")
 
 
 def admit_event(
@@ -210,7 +236,31 @@ def admit_event(
             f"event id {got} is not <episode_id>.<seq> ({_short(expected)}; starts at 0)",
             "forged_id",
         )
+    _check_owner(event, actor, admission)
     return event
+
+
+def _check_owner(event: EpisodeEvent, publisher: str, admission: Admission) -> None:
+    """The event's episode id names its publisher (or, from the legacy identity or with
+    ``legacy_episode_ids``, nobody), else :class:`ProtocolError`."""
+    owner = episode_owner(event.episode_id)
+    if owner is None:
+        if publisher == LEGACY_ACTOR or admission.legacy_episode_ids:
+            return
+        raise ProtocolError(
+            "episode event",
+            f"episode id {_short(event.episode_id, 160)} names no owner (ids are "
+            "<task_key>.a<attempt>@<actor>); a log recorded before owned ids is read with "
+            "legacy_episode_ids (--legacy-ids)",
+            "unowned_episode",
+        )
+    if owner != publisher:
+        raise ProtocolError(
+            "episode event",
+            f"episode {_short(event.episode_id, 160)} belongs to actor {_short(owner)}; event from "
+            f"actor {_short(publisher)}",
+            FOREIGN_EPISODE,
+        )
 
 
 def decode_task(data: bytes, codec_version: str | None = None) -> TaskAssignment:

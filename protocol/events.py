@@ -34,12 +34,14 @@ its ``Outcome`` (``budget`` unless it solved or ended the task); after a state's
 
 from __future__ import annotations
 
+import secrets
 from typing import Literal
 
 import msgspec
 
 __all__ = [
     "EXPERT_VERSION",
+    "MSG_NONCE_HEX",
     "ROOT_BRANCH",
     "Branch",
     "EpisodeEvent",
@@ -57,6 +59,7 @@ __all__ = [
     "Step",
     "WeightsPublished",
     "event_id_for",
+    "new_msg_nonce",
 ]
 
 ROOT_BRANCH = "b0"
@@ -82,21 +85,31 @@ OutcomeReason = Literal["success", "env_done", "horizon", "budget", "error"]
 
 
 def event_id_for(episode_id: str, seq: int) -> str:
-    """Deterministic event id: a retried publish of the same event carries the same id (NATS
-    dedupe)."""
+    """Deterministic event id ``<episode_id>.<seq:06d>`` (the episode id names its actor,
+    ``leafe.protocol.tasks.episode_id_for``)."""
     return f"{episode_id}.{seq:06d}"
+
+
+MSG_NONCE_HEX = 16
+"""Hex digits of :attr:`EpisodeEventBase.msg_nonce` (64 bits from ``secrets``)."""
+
+
+def new_msg_nonce() -> str:
+    """A fresh :attr:`EpisodeEventBase.msg_nonce`."""
+    return secrets.token_hex(MSG_NONCE_HEX // 2)
 
 
 class EpisodeEventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     """Fields every episode event carries."""
 
     event_id: str
-    """Deterministic id, ``<episode_id>.<seq:06d>``; used as ``Nats-Msg-Id``."""
+    """Deterministic id, ``<episode_id>.<seq:06d>``; with :attr:`msg_nonce`, the ``Nats-Msg-Id``."""
     run_id: str
     """Run this event belongs to (also the second token of the subject)."""
     episode_id: str
     """Episode id, unique per (task assignment, delivery attempt): a redelivered task gets a new
-    one."""
+    one. ``<task_key>.a<attempt>@<actor>``: it names the actor that started the episode, the only
+    one whose events it admits (``leafe.protocol.tasks``)."""
     actor_id: str
     """Actor process that produced the event."""
     seq: int
@@ -105,6 +118,12 @@ class EpisodeEventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="kin
     """Weight version of the engine that produced the event (SGLang's ``weight_version``)."""
     ts: float = 0.0
     """Wall-clock time of production, seconds since the Unix epoch. Never used for ordering."""
+    msg_nonce: str = ""
+    """Drawn by the publishing actor for this event (:func:`new_msg_nonce`); its ``Nats-Msg-Id`` is
+    ``<event_id>:<msg_nonce>`` (``leafe.protocol.codec.message_id``), which a retried publish keeps
+    and no other publisher can predict: JetStream dedupes ``Nats-Msg-Id`` stream-wide, so an id
+    stored first by someone else would have this event dropped as a duplicate. Empty in logs
+    written before it (their ``Nats-Msg-Id`` is the event id)."""
 
 
 class EpisodeStarted(EpisodeEventBase, frozen=True, kw_only=True, tag="episode_started"):

@@ -149,7 +149,8 @@ class EpisodeRunner:
     async def serve(self, delivery: Delivery[TaskAssignment]) -> None:
         """Run the delivered task's episode and ack, nak or terminate the delivery."""
         task, attempt = delivery.value, delivery.num_delivered
-        episode_id = episode_id_for(task.task_key, attempt)
+        # <task_key>.a<attempt>@<actor>: only this actor's events are admitted into it
+        episode_id = episode_id_for(task.task_key, attempt, self.actor_id)
         structlog.contextvars.bind_contextvars(
             run_id=self.run_id,
             actor_id=self.actor_id,

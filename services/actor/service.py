@@ -16,8 +16,9 @@ explore``), one plain rollout (``rollout``/``eval``) or the expert's demonstrati
 extending its AckWait with in-progress acks meanwhile. One durable consumer name per run is shared
 by every actor, so JetStream spreads the work queue. An actor that dies mid-episode leaves the task
 unacked; JetStream redelivers it after ``ack_wait_s`` and the next attempt is a new episode
-(``episode_id_for(task_key, attempt)``), while the partial one, lacking ``EpisodeFinished``, is
-recognisable as abandoned. Cancellation (drain, shutdown) naks at once; any other error naks with a
+(``episode_id_for(task_key, attempt, actor_id)``: ``<task_key>.a<attempt>@<actor>``, which admits
+no other actor's events), while the partial one, lacking ``EpisodeFinished``, is recognisable as
+abandoned. Cancellation (drain, shutdown) naks at once; any other error naks with a
 delay, and terminates the task on its ``max_attempts``-th delivery.
 """
 

@@ -31,7 +31,7 @@ from typing import TypeVar
 
 from nats.js import JetStreamContext
 
-from leafe.protocol.codec import ProtocolError
+from leafe.protocol.codec import Admission, ProtocolError
 from leafe.services.bus import PublishError, add_nats_arguments, connect, nats_options
 from leafe.services.eventlog.fileformat import LogFileError, iter_log_records
 from leafe.services.eventlog.inspect import render, summarize, summarize_stream
@@ -85,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="publish the records before a damaged frame (default: none)",
     )
+    imp.add_argument(
+        "--legacy-ids",
+        action="store_true",
+        help="a log recorded before episode ids named their actor: admit its ids, and import "
+        "those events as actor 'legacy' (default: refuse them)",
+    )
     src = ins.add_mutually_exclusive_group(required=True)
     src.add_argument("--file", type=Path, help="log file to inspect")
     src.add_argument("--run", help="run id to inspect on the server (needs --nats)")
@@ -104,7 +110,16 @@ def _one_line(e: BaseException) -> str:
 
 def _import(args: argparse.Namespace) -> int:
     stats: ImportStats = asyncio.run(
-        _with_js(args, lambda js: import_log(js, args.inp, run_id=args.run, partial=args.partial))
+        _with_js(
+            args,
+            lambda js: import_log(
+                js,
+                args.inp,
+                run_id=args.run,
+                partial=args.partial,
+                admission=Admission(legacy_episode_ids=args.legacy_ids),
+            ),
+        )
     )
     if stats.damage is not None:
         n = stats.records

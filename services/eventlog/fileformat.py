@@ -56,6 +56,7 @@ from leafe.protocol.codec import (
     ProtocolError,
     decode_event,
     encode,
+    message_id,
 )
 from leafe.protocol.events import EpisodeEvent
 from leafe.protocol.subjects import EVENTS, event_subject, events_filter
@@ -106,6 +107,10 @@ class LogHeader(msgspec.Struct, frozen=True, kw_only=True):
     """Subject filter used for the export."""
     exported_at: float = 0.0
     """Unix time of the export."""
+    owned_episode_ids: bool = False
+    """Written by code whose episode ids name their actor (``leafe.protocol.tasks``); absent
+    (``False``) in files written before, whose ids anyone could predict: ``leafe replay`` and
+    ``leafe log import`` read those with ``Admission.legacy_episode_ids``."""
 
 
 class LogRecord(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -345,10 +350,13 @@ class LogWriter:
     temporary ``.part`` file is renamed into place; on an exception the partial file is removed.
     """
 
-    def __init__(self, path: Path, *, run_id: str) -> None:
+    def __init__(self, path: Path, *, run_id: str, owned_episode_ids: bool = True) -> None:
         self.path = Path(path)
         self.header = LogHeader(
-            run_id=run_id, filter_subject=run_filter(run_id), exported_at=time.time()
+            run_id=run_id,
+            filter_subject=run_filter(run_id),
+            exported_at=time.time(),
+            owned_episode_ids=owned_episode_ids,
         )
         self.count = 0
         self._tmp = self.path.with_name(self.path.name + ".part")
@@ -388,7 +396,7 @@ def record_for(event: EpisodeEvent, stream_seq: int) -> LogRecord:
     """The record a published ``event`` would have (subject, headers, bytes as the Publisher sends
     them)."""
     kind = str(type(event).__struct_config__.tag)
-    headers = {MSG_ID_HEADER: event.event_id, CODEC_HEADER: CODEC_VERSION}
+    headers = {MSG_ID_HEADER: message_id(event), CODEC_HEADER: CODEC_VERSION}
     return LogRecord(
         subject=event_subject(event.run_id, kind, event.actor_id),
         headers=headers,
@@ -398,9 +406,12 @@ def record_for(event: EpisodeEvent, stream_seq: int) -> LogRecord:
     )
 
 
-def write_events(path: Path, events: Iterable[EpisodeEvent], *, run_id: str) -> int:
-    """Write ``events`` as a log file without a server (sequences 1..n); returns the count."""
-    with LogWriter(path, run_id=run_id) as writer:
+def write_events(
+    path: Path, events: Iterable[EpisodeEvent], *, run_id: str, owned_episode_ids: bool = True
+) -> int:
+    """Write ``events`` as a log file without a server (sequences 1..n); returns the count
+    (``owned_episode_ids=False``: a file as written before episode ids named their actor)."""
+    with LogWriter(path, run_id=run_id, owned_episode_ids=owned_episode_ids) as writer:
         for seq, event in enumerate(events, start=1):
             writer.write(record_for(event, seq))
     return writer.count

@@ -6,20 +6,27 @@ publish, so a damaged file publishes nothing and a huge one is never held in mem
 ``partial=True`` publishes the records before the first damage instead. Import republishes every
 record with its ``Nats-Msg-Id``, so importing a file twice (within the stream's duplicate window, a
 day by default) stores it once. ``run_id=NEWRUN`` rewrites subjects and each event's ``run_id``, and
-publishes under ``<event_id>@<NEWRUN>`` so a copy next to the original run on the same server is not
+publishes under ``<msg id>@<NEWRUN>`` so a copy next to the original run on the same server is not
 mistaken for a duplicate of it. The file format is ``services/eventlog/fileformat.py``.
 
 A log file is input from outside, so import admits each record exactly as the replayer does
 (``leafe.protocol.codec.admit_event``: an event of the file's run on its own kind's events subject,
 with its actor's token, its id ``<episode_id>.<seq>``), and allows only the headers the Publisher
-writes, with a ``Nats-Msg-Id`` that is the event's own id: a record on any other subject (the
+writes, with a ``Nats-Msg-Id`` that is the event's own (its id, with its ``msg_nonce`` when it
+has one): a record on any other subject (the
 JetStream API, another run's samples) or a dedupe id borrowed from another event raises
 :class:`ImportRefusedError` in the verification pass, before anything is published. A record of a
 log written before actor tokens (``leafe.<run>.events.<kind>``) keeps its subject, and the replayer
 counts it as actor ``legacy``; moved to another run, it is published on the ``legacy`` token with
-that ``actor_id``. Import creates nothing: it runs as the ``log-import`` role of permissions.json,
-which may publish events (on any actor token: importing is an operator's act) and read its own inbox
-(the acks), nothing else; ``leafe streams ensure`` makes the streams.
+that ``actor_id``. A log recorded before episode ids named their actor (``<task_key>.a<attempt>``
+on an actor's token; its header lacks ``owned_episode_ids``) is read with
+``Admission.legacy_episode_ids`` (as is any file with ``leafe log import --legacy-ids``), and each
+event whose id names no owner is published on the ``legacy`` token with that ``actor_id`` (its
+dedupe id kept): the replayer admits such ids only from that identity, which no actor may publish
+as. A newer file's unowned ids are refused. Import creates nothing: it runs as the ``log-import``
+role of permissions.json, which may publish events (on any actor token: importing is an
+operator's act) and read its own inbox (the acks), nothing else; ``leafe streams ensure`` makes the
+streams.
 """
 
 from __future__ import annotations
@@ -39,13 +46,16 @@ from leafe.protocol.codec import (
     ProtocolError,
     admit_event,
     encode,
+    message_id,
 )
 from leafe.protocol.events import EpisodeEvent
-from leafe.protocol.subjects import EVENTS, event_subject, validate_run_id
+from leafe.protocol.subjects import EVENTS, LEGACY_ACTOR, event_subject, validate_run_id
+from leafe.protocol.tasks import episode_owner
 from leafe.services.bus import Publisher, PublishError, read_stream
 from leafe.services.bus.streams import ENSURE_COMMAND
 from leafe.services.eventlog.fileformat import (
     LogFile,
+    LogHeader,
     LogRecord,
     LogWriter,
     decode_record,
@@ -57,6 +67,7 @@ __all__ = [
     "ImportRefusedError",
     "ImportStats",
     "export_run",
+    "for_header",
     "import_log",
     "iter_stream_events",
     "iter_stream_records",
@@ -157,7 +168,8 @@ def _admitted(record: LogRecord, source_run: str, admission: Admission) -> Episo
             what, f"an event of run {event.run_id!r} in a log of run {source_run!r}", "wrong_run"
         )
     msg_id = record.headers.get(MSG_ID_HEADER)
-    if msg_id not in (event.event_id, f"{event.event_id}@{event.run_id}"):
+    own = {event.event_id, message_id(event)}  # the Publisher's (with the event's msg_nonce)
+    if msg_id not in own | {f"{i}@{event.run_id}" for i in own}:
         raise ProtocolError(
             what,
             f"{MSG_ID_HEADER} {str(msg_id)[:80]!r} is not the event's id {event.event_id!r}",
@@ -169,16 +181,41 @@ def _admitted(record: LogRecord, source_run: str, admission: Admission) -> Episo
 def _renamed(event: EpisodeEvent, run_id: str) -> tuple[str, bytes, dict[str, str]]:
     event = msgspec.structs.replace(event, run_id=run_id)
     kind = type(event).__struct_config__.tag
-    headers = {MSG_ID_HEADER: f"{event.event_id}@{run_id}", CODEC_HEADER: CODEC_VERSION}
+    headers = {MSG_ID_HEADER: f"{message_id(event)}@{run_id}", CODEC_HEADER: CODEC_VERSION}
     return event_subject(run_id, str(kind), event.actor_id), encode(event), headers
+
+
+def for_header(admission: Admission, header: LogHeader) -> Admission:
+    """``admission`` for the records of a file with ``header``: with ``legacy_episode_ids`` if the
+    file was written before episode ids named their actor."""
+    if header.owned_episode_ids or admission.legacy_episode_ids:
+        return admission
+    return msgspec.structs.replace(admission, legacy_episode_ids=True)
+
+
+def _unowned(event: EpisodeEvent) -> bool:
+    """An event of an actor whose episode id names no owner (admitted with
+    ``legacy_episode_ids``)."""
+    return event.actor_id != LEGACY_ACTOR and episode_owner(event.episode_id) is None
+
+
+def _as_legacy(record: LogRecord, event: EpisodeEvent) -> tuple[str, bytes, dict[str, str]]:
+    """``event`` on the ``legacy`` token with that ``actor_id``, its record's dedupe id kept."""
+    event = msgspec.structs.replace(event, actor_id=LEGACY_ACTOR)
+    kind = type(event).__struct_config__.tag
+    headers = {k: v for k, v in record.headers.items() if k in IMPORT_HEADERS}
+    headers[CODEC_HEADER] = CODEC_VERSION
+    return event_subject(event.run_id, str(kind), LEGACY_ACTOR), encode(event), headers
 
 
 def _admit_all(
     log_file: LogFile, records: int | None, admission: Admission
 ) -> Iterator[tuple[LogRecord, EpisodeEvent]]:
     """``(record, event)`` of the first ``records`` records (all when None), each admitted as an
-    event of the file's run; the first refusal raises :class:`ImportRefusedError`."""
+    event of the file's run; the first refusal raises :class:`ImportRefusedError`. A file written
+    before episode ids named their actor is read with ``legacy_episode_ids``."""
     source_run = log_file.header.run_id
+    admission = for_header(admission, log_file.header)
     for index, record in enumerate(log_file.records(limit=records), start=1):
         try:
             yield record, _admitted(record, source_run, admission)
@@ -241,11 +278,15 @@ async def _publish(
     async with Publisher(js) as pub:
         # verified and admitted again as it is published (the file could change between the passes)
         for record, event in _admit_all(log_file, limit, admission):
-            if run_id is None:
+            if run_id is not None:
+                if _unowned(event):
+                    event = msgspec.structs.replace(event, actor_id=LEGACY_ACTOR)
+                await pub.publish_raw(*_renamed(event, run_id))
+            elif _unowned(event):
+                await pub.publish_raw(*_as_legacy(record, event))
+            else:
                 headers = {k: v for k, v in record.headers.items() if k in IMPORT_HEADERS}
                 await pub.publish_raw(record.subject, record.data, headers)
-            else:
-                await pub.publish_raw(*_renamed(event, run_id))
             records += 1
     return ImportStats(
         records=records, stored=pub.acked - pub.duplicates, duplicates=pub.duplicates

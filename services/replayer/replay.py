@@ -7,8 +7,9 @@
 log file written by ``leafe log export`` (``--run`` then filters). Events are folded in log order by
 the same materializer the online replayer runs (``leafe.learner.materializers``), after the same
 admission checks (``leafe.protocol.codec.admit_event``: size, ``Leafe-Codec`` header, subject, event
-id), so it rebuilds what the replayer published; at the end of the log every still-open episode is
-closed as abandoned (no samples from branches without an Outcome). Records that fail admission and
+id, an episode id that names its publisher), so it rebuilds what the replayer published; at the
+end of the log every still-open episode is closed as abandoned (no samples from branches without an
+Outcome). Records that fail admission and
 events the fold rejects are counted and logged, never fatal. The online replayer's open-episode caps
 apply here too (``max_open_episodes``, ``max_open_per_actor``, ``max_open_bytes``,
 ``max_open_bytes_per_actor``: the fold's memory is bounded by them, whatever the log holds); what
@@ -20,6 +21,11 @@ no dataset written (``--debug``: the traceback); a partial dataset is never writ
 file. So does every other failure a user can cause: a model that is not there, an ``--out`` that
 cannot be written, a NATS server that does not answer.
 
+Episode ids name their actor (``leafe.protocol.tasks``); ids that name none are admitted only from
+logs recorded before (a file whose header predates them is read so by itself; tokenless subjects
+need nothing) or with ``--legacy-ids`` (``legacy_episode_ids = true``: a stream or a newer file
+holding such events); otherwise those events are refused, counted, and one stderr line says so.
+
 ``--config`` is a TOML file decoded into :class:`ReplayConfig`; flags override it. A rich progress
 bar shows events and samples on a terminal (``--no-progress`` hides it).
 """
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -56,7 +63,8 @@ from leafe.services.bus import (
     redact,
 )
 from leafe.services.config import load_config
-from leafe.services.eventlog.fileformat import LogFileError, iter_log_file
+from leafe.services.eventlog.fileformat import LogFileError, iter_log_file, read_log_header
+from leafe.services.eventlog.transfer import for_header
 from leafe.services.logsetup import configure_logging
 from leafe.services.replayer.config import DEFAULT_MAX_OPEN_BYTES, DEFAULT_MAX_OPEN_BYTES_PER_ACTOR
 
@@ -89,6 +97,9 @@ class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     them."""
     require_codec_header: bool = True
     """Skip records without ``Leafe-Codec``; ``false`` to replay logs written before the header."""
+    legacy_episode_ids: bool = False
+    """Admit episode ids that name no owner (``true`` for a log recorded before ids named their
+    actor; ``--legacy-ids``); the online replayer never does."""
     max_open_episodes: int = 16_384
     """Episodes held at once (as the online replayer's); an EpisodeStarted past it is refused,
     counted."""
@@ -127,39 +138,53 @@ class ReplayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def admission(self) -> Admission:
         """The admission checks these settings ask for."""
         return Admission(
-            max_event_bytes=self.max_event_bytes, require_codec_header=self.require_codec_header
+            max_event_bytes=self.max_event_bytes,
+            require_codec_header=self.require_codec_header,
+            legacy_episode_ids=self.legacy_episode_ids,
         )
 
 
 def _decode(
-    subject: str, data: bytes, headers: dict[str, str] | None, where: str, admission: Admission
+    subject: str,
+    data: bytes,
+    headers: dict[str, str] | None,
+    where: str,
+    admission: Admission,
+    refusals: Counter[str] | None,
 ) -> EpisodeEvent | None:
     try:
         return admit_event(subject, headers, data, admission)
     except ProtocolError as e:
         log.warning("replay.event.undecodable", where=where, reason=e.reason)
+        if refusals is not None:
+            refusals[e.category] += 1
         return None
 
 
-def file_events(path: Path, admission: Admission = Admission()) -> Iterator[EpisodeEvent | None]:
+def file_events(
+    path: Path, admission: Admission = Admission(), refusals: Counter[str] | None = None
+) -> Iterator[EpisodeEvent | None]:
     """Events of a ``leafe log export`` file in log order (``None`` for a record that fails
-    admission).
+    admission, counted in ``refusals`` by category when given).
 
-    Raises ``LogFileError`` (after the records before it) when the file is damaged or truncated, so
-    the iteration ending without an error is what proves the log was whole.
+    A file written before episode ids named their actor (its header says so) is read with
+    ``legacy_episode_ids``. Raises ``LogFileError`` (after the records before it) when the file is
+    damaged or truncated, so the iteration ending without an error is what proves the log was whole.
     """
+    admission = for_header(admission, read_log_header(path))
     for i, (subject, headers, data) in enumerate(iter_log_file(path)):
-        yield _decode(subject, data, headers, f"{path} record {i} ({subject})", admission)
+        where = f"{path} record {i} ({subject})"
+        yield _decode(subject, data, headers, where, admission, refusals)
 
 
 async def stream_events(
-    js: Any, run_id: str, admission: Admission = Admission()
+    js: Any, run_id: str, admission: Admission = Admission(), refusals: Counter[str] | None = None
 ) -> AsyncIterator[EpisodeEvent | None]:
     """Events of ``run_id`` on ``LEAFE_EVENTS`` at call time, in stream order (``None`` if
-    refused)."""
+    refused, counted in ``refusals`` by category when given)."""
     async for msg in read_stream(js, stream=EVENTS.name, filter_subject=events_filter(run_id)):
         where = f"{msg.subject} seq {msg.metadata.sequence.stream}"
-        yield _decode(msg.subject, msg.data, msg.headers, where, admission)
+        yield _decode(msg.subject, msg.data, msg.headers, where, admission, refusals)
 
 
 async def stream_event_count(js: Any, run_id: str) -> int:
@@ -206,10 +231,12 @@ class _Progress:
             self._bar.stop()
 
 
-def _fold_file(path: Path, folder: Folder, progress: bool, admission: Admission) -> FoldResult:
+def _fold_file(
+    path: Path, folder: Folder, progress: bool, admission: Admission, refusals: Counter[str]
+) -> FoldResult:
     bar = _Progress(progress, None)
     try:
-        for event in file_events(path, admission):
+        for event in file_events(path, admission, refusals):
             folder.feed(event)
             bar.update(folder)
     finally:
@@ -218,7 +245,12 @@ def _fold_file(path: Path, folder: Folder, progress: bool, admission: Admission)
 
 
 async def _fold_stream(
-    nats: NatsOptions, run_id: str, folder: Folder, progress: bool, admission: Admission
+    nats: NatsOptions,
+    run_id: str,
+    folder: Folder,
+    progress: bool,
+    admission: Admission,
+    refusals: Counter[str],
 ) -> FoldResult:
     try:
         nc = await connect(nats, name="leafe-replay")
@@ -233,7 +265,7 @@ async def _fold_stream(
         js = nc.jetstream()
         bar = _Progress(progress, await stream_event_count(js, run_id))
         try:
-            async for event in stream_events(js, run_id, admission):
+            async for event in stream_events(js, run_id, admission, refusals):
                 folder.feed(event)
                 bar.update(folder)
         finally:
@@ -262,6 +294,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", type=int, default=None, help="samples per shard (default 10000)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
+        "--legacy-ids",
+        action="store_true",
+        default=None,
+        help="admit episode ids that name no actor: a log recorded before ids named their owner",
+    )
+    p.add_argument(
         "--log-level",
         default="error",
         help="log level (default error: rejections are counted in the summary; "
@@ -284,6 +322,7 @@ def resolve_config(args: argparse.Namespace) -> ReplayConfig:
         "materializer": args.materializer,
         "model": args.model,
         "shard_size": args.shard_size,
+        "legacy_episode_ids": args.legacy_ids,
     }
     return load_config(ReplayConfig, files=[args.config], overrides=overrides)
 
@@ -333,11 +372,14 @@ def _replay(args: argparse.Namespace, config: ReplayConfig, nats_opts: NatsOptio
     fold.limits = config.limits
     folder = Folder(fold, run_id=args.run)
     progress = not args.no_progress and sys.stderr.isatty()
+    refusals: Counter[str] = Counter()
     if _is_url(args.source):
         nats_opts = msgspec.structs.replace(nats_opts, url=args.source)
-        result = asyncio.run(_fold_stream(nats_opts, args.run, folder, progress, config.admission))
+        result = asyncio.run(
+            _fold_stream(nats_opts, args.run, folder, progress, config.admission, refusals)
+        )
     else:
-        result = _fold_file(Path(args.source), folder, progress, config.admission)
+        result = _fold_file(Path(args.source), folder, progress, config.admission, refusals)
     manifest = write_folded(result, fold, args.out, run_id=args.run, shard_size=config.shard_size)
     counts = ", ".join(f"{k}={v}" for k, v in manifest.counts_by_kind.items()) or "none"
     print(
@@ -347,6 +389,12 @@ def _replay(args: argparse.Namespace, config: ReplayConfig, nats_opts: NatsOptio
         f"prompt mismatches {fold.stats.prompt_mismatches}; content sha256 "
         f"{manifest.content_sha256}"
     )
+    if refusals["unowned_episode"]:
+        print(
+            f"leafe replay: {refusals['unowned_episode']} events refused: their episode ids name "
+            "no actor (a log recorded before ids named their owner?); replay it with --legacy-ids",
+            file=sys.stderr,
+        )
     if result.capped:
         print(
             f"leafe replay: {result.capped} events refused over the open-episode caps "

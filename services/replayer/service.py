@@ -71,7 +71,13 @@ from leafe.learner.materializers import (
     ReplayError,
     make_materializer,
 )
-from leafe.protocol.codec import Admission, ProtocolError, admit_event, decode_event
+from leafe.protocol.codec import (
+    FOREIGN_EPISODE,
+    Admission,
+    ProtocolError,
+    admit_event,
+    decode_event,
+)
 from leafe.protocol.events import EpisodeStarted
 from leafe.protocol.samples import Sample
 from leafe.protocol.subjects import (
@@ -312,7 +318,13 @@ class Replayer:
         letter = dead_letter_of(self.js, d.msg, reason, self.dead_subject, code=code)
         await publish_dead_letter(self.js, letter)
         self.stats.dead_letters += 1
-        self.metrics.dead_letter("wrong_run" if d.value.run_id != self.run_id else "rejected")
+        self.metrics.dead_letter(
+            "wrong_run"
+            if d.value.run_id != self.run_id
+            else FOREIGN_EPISODE  # another actor's episode: counted under its own label
+            if code == FOREIGN_EPISODE
+            else "rejected"
+        )
         log.warning(
             "replayer.event.dead_letter",
             event_id=d.value.event_id[:80],

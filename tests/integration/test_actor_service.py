@@ -16,11 +16,18 @@ from leafe.actors.engine import EngineError
 from leafe.actors.fakes import ByteChatTokenizer, CorridorEnv, ScriptedEngine
 from leafe.protocol.events import Branch, EpisodeFinished, EpisodeStarted, Step, WeightsPublished
 from leafe.protocol.subjects import weights_subject
-from leafe.protocol.tasks import TaskAssignment
+from leafe.protocol.tasks import TaskAssignment, episode_owner
 from leafe.services.actor.main import run_actor
 from leafe.services.actor.service import ActorService
 from leafe.services.bus import Publisher, connect, ensure_streams
-from tests.support.actor_service import read_events, submit, tasks_left, until
+from tests.support.actor_service import (
+    attempt_of,
+    episode_stem,
+    read_events,
+    submit,
+    tasks_left,
+    until,
+)
 from tests.support.event_checks import check_episode
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
@@ -80,7 +87,8 @@ async def test_actor_serves_tasks_end_to_end(nats_url: str, run_id: str) -> None
     stats = await asyncio.wait_for(service.run(), timeout=60)
     assert (stats.done, stats.failed, stats.abandoned) == (6, 0, 0)
     episodes = await read_events(js, run_id)
-    assert sorted(episodes) == sorted(f"{t.task_key}.a1" for t in tasks)
+    assert sorted(episode_stem(e) for e in episodes) == sorted(f"{t.task_key}.a1" for t in tasks)
+    assert {episode_owner(e) for e in episodes} == {"actor-a"}
     for events in episodes.values():
         check_episode(events)
         start = events[0]
@@ -171,7 +179,8 @@ async def test_crashed_actor_task_is_redelivered_and_completed(nats_url: str, ru
     stats = await asyncio.wait_for(actor_b.run(), timeout=60)
     assert stats.done == 1
     episodes = await read_events(js, run_id)
-    partial, complete = episodes[f"{task.task_key}.a1"], episodes[f"{task.task_key}.a2"]
+    partial = attempt_of(episodes, task.task_key, 1)
+    complete = attempt_of(episodes, task.task_key, 2)
     assert not any(isinstance(e, EpisodeFinished) for e in partial)
     assert any(isinstance(e, Step) for e in partial)
     check_episode(complete)
@@ -222,8 +231,8 @@ async def test_drain_abandons_long_episodes_for_immediate_redelivery(
     )
     assert (await asyncio.wait_for(actor2.run(), timeout=20)).done == 1
     episodes = await read_events(js, run_id)
-    assert not any(isinstance(e, EpisodeFinished) for e in episodes[f"{task.task_key}.a1"])
-    check_episode(episodes[f"{task.task_key}.a2"])
+    assert not any(isinstance(e, EpisodeFinished) for e in attempt_of(episodes, task.task_key, 1))
+    check_episode(attempt_of(episodes, task.task_key, 2))
     await nc.close()
 
 

@@ -127,7 +127,7 @@ def test_eval_cli_compares_two_models_writes_files_and_publishes(
     starts = [e for e in events if isinstance(e, EpisodeStarted)]
     assert len(starts) == 8 and {e.mode for e in starts} == {"eval"}
     assert sum(isinstance(e, EpisodeFinished) for e in events) == 8
-    assert f"{run_id}-v000001-sokoban-test-1-x1.a1" in {e.episode_id for e in starts}
+    assert f"{run_id}-v000001-sokoban-test-1-x1.a1@eval" in {e.episode_id for e in starts}
     assert {e.policy_version for e in events if isinstance(e, Step)} == {"default", "v1"}
 
 

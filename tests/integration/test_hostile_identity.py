@@ -48,8 +48,7 @@ async def test_a_flood_under_forged_actor_ids_fills_only_its_publishers_cap(
         msgspec.structs.replace(e, actor_id=victim if i % 10 == 0 else f"forged-{i}")
         for i, e in enumerate(flood)
     ]
-    own = flood_starts(run_id, 300, actor_id="mallory-2")
-    own = [msgspec.structs.replace(e, actor_id="mallory") for e in own]
+    own = flood_starts(run_id, 300, actor_id="mallory", name="mallory-2")
     subject = f"leafe.{run_id}.events.episode_started.mallory"
     forged_seqs = {await publish_raw(js, subject, encode(e), headers_of(e)) for e in forged}
     own_seqs = [await publish_raw(js, subject, encode(e), headers_of(e)) for e in own]

@@ -27,7 +27,7 @@ import msgspec
 import pytest
 from nats.js.errors import BadRequestError
 
-from leafe.actors.fake_episodes import EventWriter
+from leafe.actors.fake_episodes import EventWriter, fake_episode_id
 from leafe.learner.dataset import iter_samples
 from leafe.learner.model_io import HFChatTokenizer, tiny_model_dir
 from leafe.protocol.codec import CODEC_HEADER, MSG_ID_HEADER, encode
@@ -99,7 +99,7 @@ async def test_a_chain_of_1200_branches_is_folded_online_in_recovery_and_by_leaf
         assert r2.replayer.stats.recovered_events > len(chain) // 2
     assert await dead_reasons(js, run_id) == {}
     await assert_samples_match_offline(js, run_id, tokenizer)
-    deep = [s for s in await published_samples(js, run_id) if s.episode_id == f"{run_id}-chain"]
+    deep = [s for s in await published_samples(js, run_id) if s.episode_id == chain[0].episode_id]
     assert [s.kind for s in deep if s.kind == "cf"] == ["cf"]
 
     from leafe.services.replayer import replay
@@ -194,11 +194,12 @@ async def test_a_rejected_event_whose_dead_letter_was_not_stored_is_dead_lettere
     """Recovery never acks what it has not dead-lettered: a Step of an unknown episode rejected just
     before a crash is dead-lettered by the next process, once."""
     valid = make_log(run_id, tokenizer, episodes=3, groups=0)
+    nowhere = fake_episode_id(f"{run_id}-stray", "mallory")  # an id of its own, never started
     stray = Step(
         **step_fields("b0", 0),
-        event_id=f"{run_id}-stray.000001",
+        event_id=f"{nowhere}.000001",
         run_id=run_id,
-        episode_id=f"{run_id}-stray",
+        episode_id=nowhere,
         actor_id="mallory",
         seq=1,
     )
@@ -262,7 +263,7 @@ async def test_a_sample_over_the_limit_is_dead_lettered_not_a_crash_loop(
     assert dead and all("bytes" in m.headers[ERROR_HEADER] for m in dead)
     for m in dead:
         sample = offline[m.headers[SAMPLE_ID_HEADER]]
-        assert sample.episode_id == f"{run_id}-wide"
+        assert sample.episode_id == wide[0].episode_id
         assert m.headers[ORIGINAL_SHA256_HEADER] == hashlib.sha256(encode(sample)).hexdigest()
     ids = {m.headers[SAMPLE_ID_HEADER] for m in dead}
     assert len(ids) == len(dead), "a sample dead-lettered twice"
@@ -292,7 +293,7 @@ async def test_a_5_6_mb_observation_admitted_by_a_raised_event_limit_gives_dead_
     assert dead and all(int(m.headers[ORIGINAL_BYTES_HEADER]) > MAX_PAYLOAD for m in dead)
     assert all(wire_size(m.data, dict(m.headers)) <= MAX_PAYLOAD for m in dead)
     online = by_id(await published_samples(js, run_id))
-    assert online and all(s.episode_id != f"{run_id}-huge" for s in online.values())
+    assert online and all(s.episode_id != huge[0].episode_id for s in online.values())
 
 
 async def _flood_case(

@@ -183,9 +183,9 @@ async def test_a_log_written_before_actor_tokens_imports_and_replays_as_actor_le
     actor) import as they are, and the replayer's admission reads them as actor ``legacy`` (their
     payload ids vouched for by nobody); moved to another run they are published on the ``legacy``
     token."""
-    events = make_episode(run_id, f"{run_id}-ep0")
+    events = make_episode(run_id, f"{run_id}-ep0", legacy=True)  # ids of before, too
     path = tmp_path / "legacy.leafelog"
-    with LogWriter(path, run_id=run_id) as writer:
+    with LogWriter(path, run_id=run_id, owned_episode_ids=False) as writer:
         for seq, event in enumerate(events, start=1):
             record = record_for(event, seq)
             writer.write(msgspec.structs.replace(record, subject=record.subject.rsplit(".", 1)[0]))

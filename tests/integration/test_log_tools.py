@@ -16,6 +16,7 @@ import msgspec
 import pytest
 import structlog
 
+from leafe.actors.fake_episodes import fake_episode_id
 from leafe.protocol.codec import CODEC_HEADER, MSG_ID_HEADER, ProtocolError
 from leafe.protocol.events import EpisodeEvent
 from leafe.services.bus import Publisher, connect, ensure_streams
@@ -166,7 +167,8 @@ def test_cli_export_inspect_and_import(
     assert from_file["records"] == len(events) and from_file["undecodable"] == 0
     assert from_file["kinds"] == {k: 3 * v for k, v in KINDS_PER_EPISODE.items()}
     assert from_file["last_seq"] - from_file["first_seq"] == len(events) - 1
-    episode = from_file["episodes"][f"{run_id}-ep1"]
+    ep1, ep2 = (fake_episode_id(f"{run_id}-ep{i}", "actor-0") for i in (1, 2))
+    episode = from_file["episodes"][ep1]
     assert (episode["events"], episode["steps"], episode["branches"], episode["success"]) == (
         14,
         7,
@@ -177,8 +179,8 @@ def test_cli_export_inspect_and_import(
     assert main(["inspect", "--run", run_id, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == from_file
 
-    assert main(["inspect", "--file", str(out), "--episode", f"{run_id}-ep2"]) == 0
-    dump = capsys.readouterr().out.split(f"episode {run_id}-ep2")[1]
+    assert main(["inspect", "--file", str(out), "--episode", ep2]) == 0
+    dump = capsys.readouterr().out.split(f"episode {ep2}")[1]
     assert dump.index("episode_started") < dump.index("reflection") < dump.index("episode_finished")
     assert "Go left first." in dump
     assert main(["inspect", "--file", str(out), "--episode", "nope"]) == 1

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from leafe.actors.fake_episodes import EventWriter
+from leafe.actors.fake_episodes import EventWriter, fake_episode_id
 from leafe.learner.dataset import iter_samples
 from leafe.protocol.events import EpisodeEvent, EpisodeStarted
 from leafe.services.bus.nats_server import free_port
@@ -162,7 +162,8 @@ def test_unfinished_episodes_with_huge_observations_are_capped_offline(
     line = one_line(err)
     assert "open-episode caps" in line and "max_open_bytes = 16,000,000" in line
     assert rss_free - rss_capped > 100 * 1024, (rss_free, rss_capped)
-    ok = sorted(s.sample_id for s in iter_samples(tmp_path / "b") if s.episode_id == "r1-ok")
+    valid = fake_episode_id("r1-ok", "actor-0")
+    ok = sorted(s.sample_id for s in iter_samples(tmp_path / "b") if s.episode_id == valid)
     assert ok and ok == sorted(
-        s.sample_id for s in iter_samples(tmp_path / "a") if s.episode_id == "r1-ok"
+        s.sample_id for s in iter_samples(tmp_path / "a") if s.episode_id == valid
     )

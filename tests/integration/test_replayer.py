@@ -89,7 +89,7 @@ async def test_bad_events_are_dead_lettered_and_the_replayer_keeps_going(
             event_id=event_id_for(first.episode_id, seq),
             run_id=run_id,
             episode_id=first.episode_id,
-            actor_id="x",
+            actor_id=first.actor_id,  # its own actor (another's is refused at admission)
             seq=seq,
             branch_id=branch_id,
             t=0,

@@ -155,7 +155,7 @@ def test_snapshot_and_replay_rollback_produce_the_same_tree(
     tok = ByteChatTokenizer()
     a, _, _ = run_episode(cfg, actions, reflections, True, tok)
     b, _, _ = run_episode(cfg, actions, reflections, False, tok)
-    skip = {"ts", "method", "replay_steps"}
+    skip = {"ts", "msg_nonce", "method", "replay_steps"}
     assert [{f: getattr(e, f) for f in e.__struct_fields__ if f not in skip} for e in a] == [
         {f: getattr(e, f) for f in e.__struct_fields__ if f not in skip} for e in b
     ]

@@ -43,6 +43,7 @@ from leafe.protocol.subjects import (
     task_subject,
     weights_subject,
 )
+from leafe.protocol.tasks import episode_owner, owned_episode_id
 from leafe.services.bus.dead_letters import (
     EXPECTED_EMPTY_HEADER,
     ORIGINAL_BYTES_HEADER,
@@ -69,9 +70,21 @@ def kind_of(event: EpisodeEvent) -> str:
 
 
 def wellformed(event: EpisodeEvent) -> EpisodeEvent:
-    """``event`` with the id an actor gives it (``<episode>.<seq>``, EpisodeStarted at seq 0)."""
+    """``event`` with the ids an actor gives it: an episode id that names it (``<stem>@<actor>``),
+    event id ``<episode>.<seq>``, EpisodeStarted at seq 0."""
     seq = 0 if isinstance(event, EpisodeStarted) else event.seq
-    return msgspec.structs.replace(event, seq=seq, event_id=event_id_for(event.episode_id, seq))
+    episode = owned_episode_id(event.episode_id, event.actor_id)
+    return msgspec.structs.replace(
+        event, seq=seq, episode_id=episode, event_id=event_id_for(episode, seq)
+    )
+
+
+def unowned(event: EpisodeEvent) -> EpisodeEvent:
+    """``event`` with the episode id it would have had before ids named their actor."""
+    episode = event.episode_id.rpartition("@")[0]
+    return msgspec.structs.replace(
+        event, episode_id=episode, event_id=event_id_for(episode, event.seq)
+    )
 
 
 subjects = st.one_of(
@@ -110,6 +123,8 @@ def test_admission_raises_only_protocol_errors_and_admits_only_consistent_events
         and hdrs
         and hdrs.get(CODEC_HEADER) == "1"
     )
+    owner = episode_owner(event.episode_id)
+    assert owner == event.actor_id or (owner is None and event.actor_id == LEGACY_ACTOR)
 
 
 @SETTINGS
@@ -142,8 +157,9 @@ def test_an_actor_id_other_than_the_subjects_actor_token_is_refused(
     event: EpisodeEvent, other: str
 ) -> None:
     """The subject's actor token is the publisher's identity: an event naming another actor is
-    refused as ``forged_actor`` naming both; on a legacy tokenless subject it is admitted as actor
-    ``legacy``."""
+    refused as ``forged_actor`` naming both; on a legacy tokenless subject (written before actor
+    tokens, and before episode ids named their actor) it is admitted as actor ``legacy`` with the id
+    it had then, and refused with an id that names an actor."""
     data, hdrs = encode(event), headers_for(event)
     if message_bytes(data, hdrs) > EVENTS.max_msg_bytes:
         return
@@ -152,8 +168,13 @@ def test_an_actor_id_other_than_the_subjects_actor_token_is_refused(
         with pytest.raises(ProtocolError, match="published on actor") as info:
             admit_event(event_subject(event.run_id, kind, other), hdrs, data)
         assert info.value.category == "forged_actor" and repr(other) in info.value.reason
-    legacy = admit_event(f"leafe.{event.run_id}.events.{kind}", hdrs, data)
-    assert legacy == msgspec.structs.replace(event, actor_id=LEGACY_ACTOR)
+    tokenless = f"leafe.{event.run_id}.events.{kind}"
+    with pytest.raises(ProtocolError, match="belongs to actor") as info:  # its id names an actor
+        admit_event(tokenless, hdrs, data)
+    assert info.value.category == "foreign_episode"
+    old = unowned(event)
+    legacy = admit_event(tokenless, headers_for(old), encode(old))
+    assert legacy == msgspec.structs.replace(old, actor_id=LEGACY_ACTOR)
 
 
 @SETTINGS

@@ -163,7 +163,7 @@ class VocabTokenizer(ByteChatTokenizer):
 
 def one_step_episode(episode_id: str, token_ids: list[int]) -> list[EpisodeEvent]:
     """A successful one-step explore episode whose Step carries ``token_ids``."""
-    w = EventWriter("r1", episode_id)
+    w = EventWriter("r1", episode_id, legacy=True)  # folded in memory: named as given
     w.emit(EpisodeStarted, **started_fields(episode_id))
     w.emit(Step, **step_fields("b0", 0, token_ids=token_ids, success=True, done=True))
     w.emit(Outcome, branch_id="b0", success=True, score=1.0, steps=1, reason="success")

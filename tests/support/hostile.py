@@ -129,12 +129,13 @@ def branch_chain(
 
 
 def flood_starts(
-    run_id: str, n: int, *, actor_id: str, mode: str = "explore"
+    run_id: str, n: int, *, actor_id: str, mode: str = "explore", name: str | None = None
 ) -> list[EpisodeEvent]:
-    """``n`` EpisodeStarted of ``actor_id`` (episodes ``<run>-<actor>-<i>``) that never finish."""
+    """``n`` EpisodeStarted of ``actor_id`` (episodes ``<run>-<name>-<i>``, ``name`` the actor's by
+    default, each id naming the actor) that never finish."""
     out: list[EpisodeEvent] = []
     for i in range(n):
-        eid = f"{run_id}-{actor_id}-{i}"
+        eid = f"{run_id}-{name or actor_id}-{i}"
         w = EventWriter(run_id, eid, actor_id=actor_id)
         out.append(w.emit(EpisodeStarted, **started_fields(eid, mode=mode)))
     return out

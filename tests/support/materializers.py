@@ -30,8 +30,11 @@ E = "EXPERIENCE#1: push the box left first"
 class Tree:
     """Builds one explore episode event by event, with exact prompt digests."""
 
-    def __init__(self, episode_id: str = "ep1", **started: Any) -> None:
-        self.w = EventWriter("r1", episode_id)
+    def __init__(
+        self, episode_id: str = "ep1", *, actor_id: str = "actor-0", **started: Any
+    ) -> None:
+        # ids as given (folded in memory, never admitted): the tests name episodes by them
+        self.w = EventWriter("r1", episode_id, actor_id=actor_id, legacy=True)
         fields = dict(
             task_key=f"{episode_id}-task",
             env="sokoban",

@@ -71,7 +71,11 @@ __all__ = [
     "wait_for",
 ]
 
-OPTIONS: dict[str, dict[str, Any]] = {"leafe": {"rehearsal_fraction": 0.5}, "grpo": {}}
+OPTIONS: dict[str, dict[str, Any]] = {
+    "leafe": {"rehearsal_fraction": 0.5},
+    "grpo": {},
+    "rft": {},
+}
 """Materializer options of the tests' replayers and of their offline references."""
 
 

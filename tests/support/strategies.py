@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 from hypothesis import strategies as st
 
+from leafe.actors.fake_episodes import fake_episode_id
 from leafe.protocol.codec import decode_event, decode_sample, decode_task, decode_weights
 from leafe.protocol.events import (
     ROOT_BRANCH,
@@ -276,14 +277,24 @@ msgpack_values = st.recursive(
 
 
 def make_episode(
-    run_id: str, episode_id: str, *, steps: int = 6, obs_chars: int = 120
+    run_id: str,
+    episode_id: str,
+    *,
+    steps: int = 6,
+    obs_chars: int = 120,
+    actor_id: str = "actor-0",
+    legacy: bool = False,
 ) -> list[EpisodeEvent]:
-    """A deterministic episode with every event kind: start, steps, reflection, rollback, branch,
-    outcomes."""
+    """A deterministic episode of ``actor_id`` with every event kind: start, steps, reflection,
+    rollback, branch, outcomes. Its id is ``episode_id`` made to name the actor, as an actor's does
+    (``leafe.actors.fake_episodes.fake_episode_id``), or kept as given with ``legacy`` (a log
+    recorded before ids named their actor)."""
+    if not legacy:
+        episode_id = fake_episode_id(episode_id, actor_id)
     common = {
         "run_id": run_id,
         "episode_id": episode_id,
-        "actor_id": "actor-0",
+        "actor_id": actor_id,
         "policy_version": "v1",
     }
     events: list[EpisodeEvent] = []

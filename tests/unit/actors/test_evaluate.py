@@ -131,8 +131,9 @@ async def test_k_above_n_is_left_out_and_all_above_n_is_an_error() -> None:
 
 async def test_episode_ids_are_deterministic_and_match_task_submission() -> None:
     """Episode ids, groups and seeds depend only on (run, label, task, sample): the same at any
-    concurrency, equal to ``leafe tasks submit --mode eval --prefix <label>``'s keys, and distinct
-    between labels; every rollout is a well-formed eval episode."""
+    concurrency, equal to ``leafe tasks submit --mode eval --prefix <label>``'s keys (with the
+    evaluating actor's id), and distinct between labels; every rollout is a well-formed eval
+    episode."""
 
     def starts(sink: ListSink) -> set[tuple[str, str | None, int, int, str]]:
         return {
@@ -155,9 +156,9 @@ async def test_episode_ids_are_deterministic_and_match_task_submission() -> None
         seed=5,
         prefix="m1",
     )
-    expected = {(f"{x.task_key}.a1", x.group_id, 4, x.seed, x.task_id) for x in assignments}
+    expected = {(f"{x.task_key}.a1@eval", x.group_id, 4, x.seed, x.task_id) for x in assignments}
     assert starts(a) == starts(b) == expected
-    assert "r1-m1-corridor-test-00002-x3.a1" in {s[0] for s in expected}
+    assert "r1-m1-corridor-test-00002-x3.a1@eval" in {s[0] for s in expected}
     assert not {s[0] for s in starts(other)} & {s[0] for s in expected}
     for episode in {e.episode_id for e in a.events}:
         check_episode([e for e in a.events if e.episode_id == episode])

@@ -186,4 +186,7 @@ async def test_oracle_labels_change_nothing_but_the_labels() -> None:
         else e
         for e in labelled
     ]
-    assert cleared == plain
+    # each event's dedupe nonce is random: compared without it
+    assert [msgspec.structs.replace(e, msg_nonce="") for e in cleared] == [
+        msgspec.structs.replace(e, msg_nonce="") for e in plain
+    ]

@@ -11,6 +11,7 @@ from leafe.actors.rollout import run_rollout, run_rollouts
 from leafe.protocol.events import Outcome, Step
 from leafe.protocol.prompt import HistoryEntry, render_messages
 from leafe.protocol.reflection import REFLECTION_QUESTION, render_reflection_messages
+from leafe.protocol.tasks import episode_owner
 from tests.support.event_checks import check_episode
 
 SPEC = EpisodeSpec(
@@ -52,7 +53,8 @@ async def test_a_rollout_is_one_branch_without_reflection() -> None:
 
 @pytest.mark.anyio
 async def test_n_rollouts_form_a_group_with_distinct_episodes_and_seeds() -> None:
-    """run_rollouts: n episodes <id>.s<i>, seeds seed+i, one group of size n, each env closed."""
+    """run_rollouts: n episodes <id>.s<i>@<actor>, seeds seed+i, one group of size n, each env
+    closed."""
     sink, envs = ListSink(), []
 
     def factory() -> CorridorEnv:
@@ -68,7 +70,8 @@ async def test_n_rollouts_form_a_group_with_distinct_episodes_and_seeds() -> Non
         sink=sink,
         n=4,
     )
-    assert [s.episode_id for s in summaries] == [f"k.a1.s{i}" for i in range(4)]
+    assert [s.episode_id for s in summaries] == [f"k.a1.s{i}@a" for i in range(4)]
+    assert {episode_owner(s.episode_id) for s in summaries} == {SPEC.actor_id}
     starts = [e for e in sink.events if type(e).__name__ == "EpisodeStarted"]
     assert sorted(e.seed for e in starts) == [10, 11, 12, 13]
     assert {(e.group_id, e.group_size) for e in starts} == {("k.a1", 4)}

@@ -28,6 +28,17 @@ episodes per run and per actor, and the bytes they hold (per run and per publish
 ``EpisodeStarted`` past a cap is refused, an event past a byte cap rejected, each with its cap's
 code.
 
+An episode belongs to the actor that started it: an event whose ``actor_id`` (its publisher's
+NATS identity, ``leafe.protocol.codec.admit_event``) is not its EpisodeStarted's is rejected with
+code ``foreign_episode`` ("episode X belongs to actor A, which started it; event from actor B"),
+while the episode is open and after it ended (finished, abandoned, ignored, refused, failed: the
+fold remembers who started it), so no actor can add steps, outcomes or a second start to another's
+episode, nor end it. A later delivery attempt closes an earlier one as abandoned only when the same
+actor started both; another actor's EpisodeStarted naming the same task key (a claim anyone can
+write) leaves the earlier attempt open, to finish or go stale on its own. Admission refuses
+episode ids that name another actor before the fold sees them; the fold's check holds for any id,
+also in logs recorded before ids named their owner.
+
 Token ids (``Step.token_ids``, ``Reflection.token_ids``) must lie in the tokenizer's vocabulary
 (``vocab_size``, :func:`~leafe.learner.materializers.common.vocab_size_of`): an id that is negative
 or past it (which the model's embedding would raise on, in the learner) is rejected here, before it
@@ -59,6 +70,7 @@ from leafe.learner.materializers.common import (
 from leafe.learner.materializers.lifecycle import Closed, Ledger, OpenLimits, event_bytes
 from leafe.learner.materializers.samples import SampleBuilder, path_entries
 from leafe.learner.materializers.tree import BranchNode, EpisodeFailed, EpisodeTree, ReplayError
+from leafe.protocol.codec import FOREIGN_EPISODE
 from leafe.protocol.events import (
     EpisodeEvent,
     EpisodeFinished,
@@ -87,6 +99,10 @@ __all__ = [
 log = structlog.get_logger("leafe.learner.materializers")
 
 
+def _shown(value: str, limit: int = 80) -> str:
+    return repr(value if len(value) <= limit else value[: limit - 3] + "...")
+
+
 class Materializer(SampleBuilder):
     """Base fold: validates events into episode trees and calls the subclass hooks.
 
@@ -104,8 +120,8 @@ class Materializer(SampleBuilder):
         self.prompts = PromptCache(tokenizer, self.options.prompt_cache)
         self.stats = FoldStats()
         self._episodes: dict[str, EpisodeTree] = {}
-        self._attempts: dict[str, str] = {}
-        """Task key -> the open episode of its latest delivery attempt."""
+        self._attempts: dict[tuple[str, str], str] = {}
+        """(actor id, task key) -> the open episode of that actor's latest delivery attempt."""
         self._ledger = Ledger(self.options.closed_memory)
         self.vocab_size = vocab_size_of(tokenizer)
         """Token ids must be below this (the tokenizer's vocabulary)."""
@@ -238,7 +254,20 @@ class Materializer(SampleBuilder):
 
     # -- lifecycle
     # -----------------------------------------------------------------------------------
+    def _check_owner(self, event: EpisodeEvent, owner: str) -> None:
+        """``event`` comes from ``owner``, the actor that started its episode, or
+        :class:`ReplayError` (``foreign_episode``) naming both."""
+        if owner and event.actor_id != owner:
+            self.stats.foreign_events += 1
+            raise ReplayError(
+                event,
+                f"episode {_shown(event.episode_id, 160)} belongs to actor {_shown(owner)}, which "
+                f"started it; event from actor {_shown(event.actor_id)}",
+                FOREIGN_EPISODE,
+            )
+
     def _apply_open(self, tree: EpisodeTree, event: EpisodeEvent, now: float) -> list[Sample]:
+        self._check_owner(event, tree.started.actor_id)
         try:
             if tree.is_duplicate(event):
                 self.stats.duplicates += 1
@@ -287,7 +316,8 @@ class Materializer(SampleBuilder):
         if refusal is not None:
             self.stats.episodes_refused += 1
             self._ledger.remember(
-                event.episode_id, Closed("refused", reason=refusal.reason, code=refusal.code)
+                event.episode_id,
+                Closed("refused", reason=refusal.reason, code=refusal.code, owner=event.actor_id),
             )
             raise ReplayError(event, refusal.reason, refusal.code)
         opts = self.options
@@ -297,21 +327,22 @@ class Materializer(SampleBuilder):
         superseded = self._supersede(event)
         self._episodes[event.episode_id] = tree
         self._attempts.setdefault(
-            event.task_key, event.episode_id
+            (event.actor_id, event.task_key), event.episode_id
         )  # (an older attempt never replaces)
         self._ledger.hold(event)
         self.stats.episodes_started += 1
         return superseded + self._on_started(tree)
 
     def _supersede(self, event: EpisodeStarted) -> list[Sample]:
-        """Close the open earlier attempt of ``event``'s task as abandoned: the task was delivered
-        again, so that attempt will not finish here (its late events are ignored as stragglers)."""
-        earlier = self._episodes.get(self._attempts.get(event.task_key, ""))
+        """Close the open earlier attempt of ``event``'s task by the same actor as abandoned: the
+        task was delivered again, so that attempt will not finish here (its late events are ignored
+        as stragglers). Another actor's attempt is left to finish or go stale: a task key in an
+        EpisodeStarted is a claim any actor can write."""
+        key = (event.actor_id, event.task_key)
+        earlier = self._episodes.get(self._attempts.get(key, ""))
         if earlier is None or earlier.started.attempt >= event.attempt:
             return []
-        del self._attempts[
-            event.task_key
-        ]  # (closing it below would too; the new attempt takes its place)
+        del self._attempts[key]  # (closing it below would too; the new attempt takes its place)
         self.stats.episodes_superseded += 1
         log.info(
             "replay.episode.superseded",
@@ -321,6 +352,7 @@ class Materializer(SampleBuilder):
         return self._abandon(earlier)
 
     def _apply_closed(self, event: EpisodeEvent, closed: Closed) -> list[Sample]:
+        self._check_owner(event, closed.owner)
         match closed.ending:
             case "ignored":
                 self.stats.ignored_events += 1
@@ -345,7 +377,7 @@ class Materializer(SampleBuilder):
                 episode_id=event.episode_id,
                 format=event.prompt_format[:80],
             )
-        self._ledger.remember(event.episode_id, Closed("ignored"))
+        self._ledger.remember(event.episode_id, Closed("ignored", owner=event.actor_id))
         return []
 
     def _fail(self, event: EpisodeEvent, error: Exception) -> EpisodeFailed:
@@ -353,8 +385,9 @@ class Materializer(SampleBuilder):
         reason = f"folding its episode raised {type(error).__name__}: {error}"[:400]
         self.stats.episodes_failed += 1
         tree = self._episodes.pop(event.episode_id, None)
+        owner = tree.started.actor_id if tree is not None else event.actor_id
         self._ledger.remember(
-            event.episode_id, Closed("failed", reason=reason, code="episode_failed")
+            event.episode_id, Closed("failed", reason=reason, code="episode_failed", owner=owner)
         )
         log.error(
             "replay.episode.failed",
@@ -385,9 +418,10 @@ class Materializer(SampleBuilder):
         return self._close(tree, Closed("abandoned"))
 
     def _close(self, tree: EpisodeTree, closed: Closed) -> list[Sample]:
-        eid = tree.started.episode_id
+        eid, started = tree.started.episode_id, tree.started
         del self._episodes[eid]
-        if self._attempts.get(tree.started.task_key) == eid:
-            del self._attempts[tree.started.task_key]
-        self._ledger.remember(eid, closed)
+        key = (started.actor_id, started.task_key)
+        if self._attempts.get(key) == eid:
+            del self._attempts[key]
+        self._ledger.remember(eid, closed._replace(owner=started.actor_id))
         return self._on_closed(tree, closed.ending == "abandoned")

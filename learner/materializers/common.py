@@ -98,6 +98,8 @@ class FoldStats:
     """Episodes dropped because folding them raised (the reason is in the ``EpisodeFailed``)."""
     conflicts: int = 0
     """Events whose id was already applied with different content (the first copy wins)."""
+    foreign_events: int = 0
+    """Events of an episode that another actor started (rejected, ``foreign_episode``)."""
     reflections: dict[str, int] = field(default_factory=dict)
     """The ``reflect`` materializer's counts: reflections ``seen`` (at their branch's Outcome),
     without an oracle verdict (``unlabelled``), the oracle found no mistake (``no_mistake``), on a

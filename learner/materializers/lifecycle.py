@@ -16,9 +16,11 @@ dead letters by. The reason is text for people and may quote the input (an episo
 nothing decides on it.
 
 Every episode the fold stopped holding is remembered (bounded, oldest forgotten first) with how it
-ended, so later events of it are ignored or rejected consistently:
+ended and who started it, so later events of it are ignored or rejected consistently. An event from
+another actor than the one that started the episode is rejected (code ``foreign_episode``) whatever
+the episode became; the starter's own:
 
-| ended       | a later event                                                               |
+| ended       | a later event of the actor that started it                                  |
 |-------------|-----------------------------------------------------------------------------|
 | `finished`  | ignored when its seq <= the EpisodeFinished's (a redelivery), else rejected |
 | `abandoned` | ignored (a straggler of a crashed actor)                                    |
@@ -98,6 +100,8 @@ class Closed(NamedTuple):
     code: str = ""
     """``refused``/``failed``: the refusal's code (one of :data:`CAP_CODES`, or
     ``episode_failed``)."""
+    owner: str = ""
+    """The ``actor_id`` of the episode's EpisodeStarted: only its events are the episode's."""
 
 
 class Refusal(NamedTuple):

@@ -3,7 +3,7 @@ publishing actor, each refusal with its cap's code.
 
 One run-wide counter let a single credential fill ``max_open_bytes`` alone; each actor's events now
 count against ``max_bytes_per_actor`` too, keyed on the event's ``actor_id`` (online, the subject
-token NATS pins to the publisher), so bytes an actor adds to someone else's episode are its own.
+token NATS pins to the publisher); an actor cannot add bytes to someone else's episode at all.
 """
 
 from __future__ import annotations
@@ -56,11 +56,11 @@ def test_one_actor_fills_only_its_own_byte_share_and_a_release_gives_it_back() -
     assert fold.held_episodes == 1 + 1 + 3
 
 
-def test_bytes_an_actor_adds_to_anothers_episode_count_against_the_adder() -> None:
-    """mallory adds large Steps to actor-1's open episode (events under its own id, as NATS allows):
-    they are charged to mallory, whose next one is refused, while actor-1's own Steps in the same
-    episode and a new start of actor-1 still go through. The run cap, reached, refuses with
-    ``max_open_bytes``."""
+def test_another_actors_events_in_an_episode_charge_nothing_and_the_run_cap_holds() -> None:
+    """mallory's large Steps for actor-1's open episode (events under its own id, as NATS allows)
+    are refused as ``foreign_episode`` before anything is charged (they once counted against the
+    adder), while actor-1's own Step in the same episode goes through. The run cap, reached by
+    other actors' starts, refuses with ``max_open_bytes``."""
     fold = make_materializer("leafe", TOK)
     victim = _start("r1", "v", "actor-1")
     size = event_bytes(victim.events[0])
@@ -68,19 +68,18 @@ def test_bytes_an_actor_adds_to_anothers_episode_count_against_the_adder() -> No
         max_bytes=4 * size + size // 2, max_bytes_per_actor=2 * size + size // 2
     )
     fold.apply(victim.events[0])
-    forged = [
-        EventWriter("r1", victim.episode_id, actor_id="mallory").emit(
+    held = fold._ledger.held_bytes
+    for t in range(3):
+        forged = EventWriter("r1", victim.episode_id, actor_id="mallory").emit(
             Step, **step_fields("b0", t, observation=BIG), seq=100 + t
         )
-        for t in range(3)
-    ]
-    fold.apply(forged[0])
-    fold.apply(forged[1])
-    with pytest.raises(ReplayError) as refused:
-        fold.apply(forged[2])
-    assert refused.value.code == "max_open_bytes_per_actor"
-    fold.apply(victim.emit(Step, **step_fields("b0", 2)))
-    fold.apply(_start("r1", "v2", "actor-1").events[0])
+        with pytest.raises(ReplayError) as refused:
+            fold.apply(forged)
+        assert refused.value.code == "foreign_episode"
+    assert fold._ledger.held_bytes == held and "mallory" not in fold._ledger.actor_bytes
+    fold.apply(victim.emit(Step, **step_fields("b0", 0)))
+    for i in range(3):
+        fold.apply(_start("r1", f"o{i}", f"actor-{i + 2}").events[0])
     with pytest.raises(ReplayError) as full:
-        fold.apply(_start("r1", "v3", "actor-2").events[0])
+        fold.apply(_start("r1", "o3", "actor-5").events[0])
     assert full.value.code == "max_open_bytes" and "max_open_bytes = " in full.value.reason

@@ -22,6 +22,9 @@ name: the samples it makes
   ``warm.py``)
 - `warm-grpo`: ``sft`` from demonstrations, then ``grpo`` from grouped rollouts (the online
   baseline)
+- `dagger`: ``cf``: the oracle's move at the policy's first mistake on its own (root) rollouts
+- `reh-own`: ``reh``: LEAFE's rehearsal less e-guided steps and cf duplicates
+- `self-taught`: ``sft``: the model's reflections whose branch beat the no-e continuation
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ from typing import Any
 from leafe.learner.materializers.base import Materializer
 from leafe.learner.materializers.common import CommonOptions, FoldStats, sample_id_for
 from leafe.learner.materializers.early import IwmMaterializer, IwmOptions, SrMaterializer, SrOptions
+from leafe.learner.materializers.fair import (
+    DaggerMaterializer,
+    OwnRehearsalMaterializer,
+    SelfTaughtMaterializer,
+)
 from leafe.learner.materializers.folding import Folder, FoldResult, fold_events, write_folded
 from leafe.learner.materializers.follow import FollowMaterializer, FollowOptions
 from leafe.learner.materializers.grpo import GrpoMaterializer, GrpoOptions
@@ -90,6 +98,9 @@ MATERIALIZERS: dict[str, type[Materializer]] = {
     "follow": FollowMaterializer,
     "warm-leafe": WarmLeafeMaterializer,
     "warm-grpo": WarmGrpoMaterializer,
+    "dagger": DaggerMaterializer,
+    "reh-own": OwnRehearsalMaterializer,
+    "self-taught": SelfTaughtMaterializer,
 }
 """Registry: name -> materializer class."""
 
@@ -104,6 +115,9 @@ SAMPLE_KINDS: dict[str, tuple[str, ...]] = {
     "follow": ("sft",),
     "warm-leafe": ("sft", "cf", "reh"),
     "warm-grpo": ("sft", "grpo"),
+    "dagger": ("cf",),
+    "reh-own": ("reh",),
+    "self-taught": ("sft",),
 }
 """The sample kinds (``Sample.kind``, subject token) each materializer emits."""
 

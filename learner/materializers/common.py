@@ -109,6 +109,9 @@ class FoldStats:
     """The ``follow`` materializer's counts: reflections passed over (no verdict naming an action:
     ``no_named_action``; ``unrenderable``; the same prompt again: ``duplicate_prompt``), verdicts
     ``seen``, ``unformattable`` and ``samples``."""
+    builders: dict[str, int] = field(default_factory=dict)
+    """The fair rows' builders' counts (``dagger``, ``reh-own``, ``self-taught``;
+    ``learner/materializers/fair.py``), as ``<builder>.<what>``."""
 
     def as_dict(self) -> dict[str, object]:
         """Plain dict (sorted sample counts) for logs and manifests."""
@@ -116,6 +119,7 @@ class FoldStats:
         out["samples"] = dict(sorted(self.samples.items()))
         out["reflections"] = dict(sorted(self.reflections.items()))
         out["follow"] = dict(sorted(self.follow.items()))
+        out["builders"] = dict(sorted(self.builders.items()))
         return out
 
 

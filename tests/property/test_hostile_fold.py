@@ -33,6 +33,9 @@ MATERIALIZERS: dict[str, dict[str, Any]] = {
     "grpo": {},
     "rft": {"modes": ["rollout", "explore"]},
     "reflect": {"only_failed_branches": False},
+    "dagger": {"per_rollout": "all"},
+    "reh-own": {"rehearsal_fraction": 1.0},
+    "self-taught": {"keep_ties": True, "baseline": "root"},
 }
 MAX_TOKEN_ID = 2**31 - 1
 """int32: no id past it can be embedded (what the fold's default vocabulary bound is)."""

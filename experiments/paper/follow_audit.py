@@ -11,11 +11,18 @@ same state under each condition:
 | ``none`` | the same history without e (the cf sample's input) | X's share without being told |
 | ``placebo`` | the oracle's e, X replaced by another move Y | does e's *content* steer? Y's share |
 | ``own`` | a model reflection's own tau and e (labelled logs) | does the model act on its own e? |
+| ``direction`` | the oracle's e with X as a compass direction | X without the word X to copy |
+| ``box`` | the oracle's e naming the box X pushes by its position | X from the box, not a word |
+| ``mistake`` | the oracle's e without its fix clause | off the blamed move, onto X untold? |
+
+The last three (``experiments/paper/follow_probe.py``) do not reward copying: W was trained on
+(e -> the move e names), so X's share with the oracle's e may be the last move word copied.
 
 The follow rate counts as acting on e only against ``none`` at the same states; a placebo that moves
 the choice to Y the way the oracle's e moves it to X shows the model reads the named move, not just
 the presence of text. Shares carry a 95% bootstrap interval over verdicts (the samples of one state
-are not independent). Results: ``<out>.json``, ``<out>.md`` and ``<out>.png``.
+are not independent). Results: ``<out>.json``, ``<out>.md``, ``<out>.png`` and one record per
+sampled answer, ``<out>_records.jsonl`` (gzip above 2 MB), from which every share can be recounted.
 
     .venv/bin/python -m experiments.paper.follow_audit LOG.leafelog.gz --model DIR \
         --out experiments/results/follow_audit
@@ -24,6 +31,8 @@ are not independent). Results: ``<out>.json``, ``<out>.md`` and ``<out>.png``.
 from __future__ import annotations
 
 import asyncio
+import gzip
+import json
 import random
 import re
 from collections.abc import Sequence
@@ -33,6 +42,7 @@ from typing import Any
 
 import msgspec
 
+from experiments.paper.follow_probe import PROBES, rewrites
 from leafe.actors.engine import Engine, SamplingParams
 from leafe.actors.parsing import parse_action
 from leafe.learner.materializers.follow import FollowMaterializer, FollowProbe, follow_probes
@@ -45,14 +55,17 @@ from leafe.services.eventlog.fileformat import read_events
 __all__ = [
     "CONDITIONS",
     "AuditItem",
+    "answer_records",
     "audit_items",
     "audit_phase",
     "run_audit",
     "summarize",
+    "write_records",
     "write_report",
 ]
 
-CONDITIONS = ("oracle", "none", "placebo", "own")
+CONDITIONS = ("oracle", "none", "placebo", "own", *PROBES)
+"""Appended only (a condition's sampling seed is its index)."""
 
 
 @dataclass
@@ -154,6 +167,8 @@ def audit_items(
         if p.own_prefix is not None and model_e:
             own_obs = p.own_prefix[-1].observation if p.own_prefix else started.observation
             item.prompts["own"] = _prompt(tok, started, p.own_prefix, own_obs, model_e)
+        for probe, text in rewrites(p.experience, p.action, p.observation).items():
+            item.prompts[probe] = _prompt(tok, started, p.prefix, p.observation, text)
         items.append(item)
     return items
 
@@ -233,6 +248,10 @@ def summarize(items: list[AuditItem], *, gate: float) -> dict[str, Any]:
         "blamed_without_e": _share(items, "none", "blamed", rng),
         "own_e_names_a_move": sum(bool(it.own_named) for it in items if "own" in it.answers),
         "own_named_with_own_e": _share(items, "own", "own_named", rng),
+        "named_with_direction_e": _share(items, "direction", "named", rng),
+        "named_with_box_e": _share(items, "box", "named", rng),
+        "named_with_mistake_e": _share(items, "mistake", "named", rng),
+        "blamed_with_mistake_e": _share(items, "mistake", "blamed", rng),
         "unparseable": unparseable,
     }
     follow = out["named_with_oracle_e"].get("share", 0.0)
@@ -249,8 +268,6 @@ def summarize(items: list[AuditItem], *, gate: float) -> dict[str, Any]:
 def write_report(summary: dict[str, Any], out: Path, *, title: str) -> None:
     """``<out>.json`` (the figures), ``<out>.md`` (a table) and ``<out>.png`` (shares per
     condition)."""
-    import json
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -267,6 +284,10 @@ def write_report(summary: dict[str, Any], out: Path, *, title: str) -> None:
         ("the blamed move, e in context", "blamed_with_oracle_e"),
         ("the blamed move, no e", "blamed_without_e"),
         ("the move the model's own e names, own e in context", "own_named_with_own_e"),
+        ("X, e naming X as a compass direction", "named_with_direction_e"),
+        ("X, e naming the box X pushes by its position", "named_with_box_e"),
+        ("X, e naming the mistake only", "named_with_mistake_e"),
+        ("the blamed move, e naming the mistake only", "blamed_with_mistake_e"),
     ]
     lines = [
         f"# {title}",
@@ -278,7 +299,7 @@ def write_report(summary: dict[str, Any], out: Path, *, title: str) -> None:
         "|---|---|---|---|",
     ]
     for label, key in rows:
-        r = summary[key]
+        r = summary.get(key, {})
         if r.get("items"):
             lo, hi = r["interval"]
             lines.append(
@@ -311,6 +332,42 @@ def write_report(summary: dict[str, Any], out: Path, *, title: str) -> None:
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=120)
     plt.close(fig)
+
+
+def answer_records(items: list[AuditItem]) -> list[dict[str, Any]]:
+    """One record per sampled answer: the verdict's state, the condition, the parsed answer and
+    the moves it is scored against (``named`` X, ``blamed``, ``placebo`` Y, ``own_named``)."""
+    return [
+        {
+            "item": i,
+            "episode": it.episode_id,
+            "task": it.task_id,
+            "condition": condition,
+            "sample": k,
+            "answer": answer,
+            "named": it.named,
+            "blamed": it.blamed,
+            "placebo": it.placebo,
+            "own_named": it.own_named,
+        }
+        for i, it in enumerate(items)
+        for condition, answers in it.answers.items()
+        for k, answer in enumerate(answers)
+    ]
+
+
+def write_records(items: list[AuditItem], out: Path) -> Path:
+    """``<out>_records.jsonl`` (``.gz`` above 2 MB) of :func:`answer_records`."""
+    body = "".join(
+        json.dumps(r, separators=(",", ":")) + "\n" for r in answer_records(items)
+    ).encode()
+    path = out.parent / f"{out.name}_records.jsonl"
+    if len(body) > 2_000_000:
+        path = path.with_name(path.name + ".gz")
+        path.write_bytes(gzip.compress(body, mtime=0))
+    else:
+        path.write_bytes(body)
+    return path
 
 
 async def audit_phase(
@@ -357,9 +414,11 @@ async def audit_phase(
     write_report(
         summary, out, title=f"Follow audit ({log.name}, {len(items)} verdicts x {samples} answers)"
     )
+    records = write_records(items, out)
     return {
         "gate": summary["gate"],
         "summary": summary,
         "log": str(log),
         "report": str(out.with_suffix(".md")),
+        "records": str(records),
     }

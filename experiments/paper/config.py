@@ -79,6 +79,9 @@ EFFECT_ROWS: dict[str, str] = {
     "leafe": "LEAFE (model e)",
     "reh-oracle": "L_reh only (oracle-e trees)",
     "leafe-oracle": "LEAFE with oracle e (ablation)",
+    "dagger": "DAgger with the oracle (one round on W's own rollouts, no tree)",
+    "reh-own": "L_reh only, the policy's own steps (oracle-e trees)",
+    "leafe-self": "LEAFE (self-taught e, after the reflector's rounds)",
 }
 """The rows of the ``effect`` protocol: every row starts from the one shared warm start."""
 
@@ -241,6 +244,19 @@ class PaperConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         unknown = sorted(set(self.rows) - set(known))
         require(not unknown, "rows", unknown, f"unknown row(s); known: {', '.join(known)}")
         require(bool(self.rows), "rows", self.rows, "need at least one row")
+        fair = sorted({"dagger", "reh-own", "leafe-self"} & set(self.rows))
+        require(
+            not fair or self.effect.own_rehearsal,
+            "rows",
+            fair,
+            "the fair rows need effect.own_rehearsal = true",
+        )
+        require(
+            "leafe-self" not in self.rows or self.effect.reflector_rounds >= 1,
+            "rows",
+            "leafe-self",
+            "needs effect.reflector_rounds >= 1",
+        )
         for field in ("demo_offset", "train_offset", "val_offset", "test_offset"):
             require(getattr(self, field) >= 0, field, getattr(self, field), "must be >= 0")
         for field in (

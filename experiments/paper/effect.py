@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from experiments.paper.config import PaperConfig
 from experiments.paper.phases import (
     AuditSpec,
@@ -60,6 +62,19 @@ EFFECT_COMPARISONS: list[tuple[str, str]] = [
     ("grpo", "warm"),
     ("reh", "warm"),
     ("leafe-oracle", "leafe"),
+    # the fair table (issue #61): every pair names a row only it has, so the protocols registered
+    # before keep their comparisons
+    ("leafe-self", "reh-own"),
+    ("leafe-self", "dagger"),
+    ("leafe-self", "grpo"),
+    ("leafe-self", "leafe"),
+    ("leafe-self", "warm"),
+    ("leafe-oracle", "dagger"),
+    ("leafe-oracle", "reh-own"),
+    ("leafe", "reh-own"),
+    ("dagger", "reh-own"),
+    ("dagger", "warm"),
+    ("reh-own", "warm"),
 ]
 """(a - b) with intervals and a verdict at k = 1 and the largest k: LEAFE - L_reh isolates L_cf
 (same trees), LEAFE - GRPO is the paper's claim, the oracle pair isolates L_cf with corrections that
@@ -177,11 +192,119 @@ def _rows(cfg: PaperConfig) -> list[Phase]:
     return out
 
 
+def _fair_rows(cfg: PaperConfig) -> list[Phase]:
+    """The fair table's rows (issue #61, ``effect.own_rehearsal``): each distillation row is its
+    corrections plus the same kind of rehearsal (``reh-own`` of its trees, the policy's own steps),
+    with equal optimizer steps; DAgger's corrections come from the oracle-e log's root rollouts
+    (W's own), the self-taught reflector's rounds from the model-e trees."""
+    fx, rooms = cfg.effect, {"variant": _rooms(cfg)} if cfg.effect.rooms else {}
+    reh = {
+        "rehearsal_fraction": fx.rehearsal_fraction,
+        "rehearsal_seed": cfg.seed,
+        "rehearsal_unit": "path",
+    }
+    model_e = {**fx.explorer, "oracle_labels": True}  # the labels serve the audit only
+
+    def own(data: str) -> MixPart:
+        return MixPart(data=data, materializer="reh-own", options=reh)
+
+    def train(data: str, materializer: str, options: dict[str, Any], mix: list[MixPart]) -> Any:
+        return TrainSpec(
+            data=data,
+            materializer=materializer,
+            start="warm",
+            lr=fx.row_lr,
+            epochs=1,
+            steps=fx.row_steps,
+            beta=fx.beta,
+            options=options,
+            mix=mix,
+        )
+
+    cf_only = {"rehearsal_fraction": 0.0}
+    out = [
+        _phase(
+            "train-dagger",
+            "rows",
+            train("explore-oracle", "dagger", fx.dagger, [own("explore-oracle")]),
+        ),
+        _phase("train-reh-own", "rows", train("explore-oracle", "reh-own", reh, [])),
+    ]
+    rounds = fx.reflector_rounds
+    for r in range(1, rounds + 1):
+        earlier = [
+            MixPart(data=f"explore-self-r{j}", materializer="self-taught", options=fx.self_taught)
+            for j in range(1, r)
+        ]
+        reflector = TrainSpec(
+            data="explore-model",
+            materializer="self-taught",
+            start="warm",
+            lr=fx.row_lr,
+            epochs=1,
+            steps=fx.reflector_steps,
+            options=fx.self_taught,
+            mix=[*earlier, own("explore-model")],
+        )
+        collect = dict(mode="explore", model=f"train:reflector-r{r}", explorer=model_e, **rooms)
+        out += [
+            _phase(f"reflector-r{r}", "reflector", reflector),
+            _phase(
+                f"explore-self-r{r}",
+                "reflector",
+                CollectSpec(tasks="rl", samples=fx.explore_samples, **collect),  # type: ignore[arg-type]
+            ),
+            _phase(
+                f"audit-self-r{r}",
+                "reflector",
+                CollectSpec(tasks="audit", samples=1, **collect),  # type: ignore[arg-type]
+            ),
+        ]
+    if rounds:
+        last = f"explore-self-r{rounds}"
+        out.append(_phase("train-leafe-self", "rows", train(last, "leafe", cf_only, [own(last)])))
+    for row in ("dagger", "reh-own", "leafe-self"):
+        if row == "leafe-self" and not rounds:
+            continue
+        spec = EvalSpec(model=f"train:train-{row}", split="test", row=row, **rooms)  # type: ignore[arg-type]
+        out.append(_phase(row_phase(row), "rows", spec))
+    return out
+
+
+def _own_rehearsal(cfg: PaperConfig, rows: list[Phase]) -> list[Phase]:
+    """With ``effect.own_rehearsal`` the LEAFE rows' rehearsal is ``reh-own`` of their trees (their
+    cf samples as before): the same rehearsal as every other distillation row."""
+    if not cfg.effect.own_rehearsal:
+        return rows
+    fx = cfg.effect
+    reh = {
+        "rehearsal_fraction": fx.rehearsal_fraction,
+        "rehearsal_seed": cfg.seed,
+        "rehearsal_unit": "path",
+    }
+    out = []
+    for p in rows:
+        spec = p.spec
+        if p.name in ("train-leafe", "train-leafe-oracle") and isinstance(spec, TrainSpec):
+            spec = msgspec.structs.replace(
+                spec,
+                options={"rehearsal_fraction": 0.0},
+                mix=[MixPart(data=spec.data, materializer="reh-own", options=reh)],
+            )
+            p = msgspec.structs.replace(p, spec=spec)
+        out.append(p)
+    return out
+
+
 def plan_effect(cfg: PaperConfig) -> list[Phase]:
     """Every phase of the ``effect`` protocol in priority order (the rows ``cfg.rows`` asks for)."""
     from experiments.paper.phases import closure
 
     warm = warm_phases(cfg) + _shared_warm_start(cfg)
-    rows = _rows(cfg) + grpo_phases(cfg, start="warm", after=(GATE,), variant=_rooms(cfg))
-    keep = closure(warm + rows, [GATE] + [row_phase(r) for r in cfg.rows])
+    rows = _own_rehearsal(cfg, _rows(cfg))
+    rows += grpo_phases(cfg, start="warm", after=(GATE,), variant=_rooms(cfg))
+    if cfg.effect.own_rehearsal:
+        rows += _fair_rows(cfg)
+    audits = [p.name for p in rows if p.name.startswith("audit-self-")]  # the reflector's audit
+    keep = closure(warm + rows, [GATE] + [row_phase(r) for r in cfg.rows] + audits)
     return [p for p in warm + rows if p.name in keep]

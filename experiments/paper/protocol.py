@@ -88,6 +88,21 @@ def _effect_protocol(cfg: PaperConfig) -> dict[str, Any]:
         "epoch: best validation Pass@1",
         **({"rooms": {k: dict(v) for k, v in fx.rooms.items()}} if fx.rooms else {}),
         **({"inherit": fx.inherit} if fx.inherit else {}),
+        **({"fair": _fair_protocol(cfg)} if fx.own_rehearsal else {}),
+    }
+
+
+def _fair_protocol(cfg: PaperConfig) -> dict[str, Any]:
+    """The fair table's registered choices (issue #61; absent from the protocols before it)."""
+    fx = cfg.effect
+    return {
+        "rehearsal": "reh-own of each row's trees (no step with e in its prompt, none identical "
+        "to a cf sample)",
+        "dagger": dict(fx.dagger),
+        "self_taught": dict(fx.self_taught),
+        "reflector_rounds": fx.reflector_rounds,
+        "reflector_steps": fx.reflector_steps,
+        "start": "every row from W rebuilt once on this run's CPU kind",
     }
 
 

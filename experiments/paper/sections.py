@@ -213,6 +213,20 @@ class EffectConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     ``experiments/results/paper_logs/<inherit>/``, the weights rebuilt from them. Its registered
     protocol must agree on everything the warm start depends on (checked at start). Needs
     ``rooms``."""
+    own_rehearsal: bool = False
+    """The fair table (issue #61): every distillation row's rehearsal is the policy's own steps of
+    its trees (``reh-own``: no step with e in its prompt, none byte-identical to a cf sample), and
+    the rows ``dagger``, ``reh-own`` and ``leafe-self`` may be asked for."""
+    dagger: Options = msgspec.field(default_factory=dict)
+    """Options of the ``dagger`` builder (``learner/materializers/fair.py``) of the DAgger row,
+    replayed from the oracle-e Stage 1 log (its root rollouts are W's own)."""
+    self_taught: Options = msgspec.field(default_factory=dict)
+    """Options of the ``self-taught`` builder (the reflector's targets)."""
+    reflector_rounds: int = 0
+    """Rounds of the self-taught reflector: reflect -> branch -> keep what beat the no-e path ->
+    train; the ``leafe-self`` row distills the last round's trees."""
+    reflector_steps: int = 60
+    """Optimizer steps of each reflector training."""
 
     def __post_init__(self) -> None:
         for name in self.rooms:
@@ -235,9 +249,16 @@ class EffectConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             "audit_samples",
             "warm_epochs",
             "row_steps",
+            "reflector_steps",
         ):
             require(getattr(self, name) >= 1, f"effect.{name}", getattr(self, name), "must be >= 1")
         require(0 < self.follow_gate <= 1, "effect.follow_gate", self.follow_gate, "in (0, 1]")
+        require(
+            0 <= self.reflector_rounds <= 5,
+            "effect.reflector_rounds",
+            self.reflector_rounds,
+            "in [0, 5]",
+        )
         for key in ("reflection_source", "oracle_labels"):
             for field in ("label_explorer", "explorer"):
                 require(

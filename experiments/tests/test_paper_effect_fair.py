@@ -78,3 +78,40 @@ def test_fair_rows_need_own_rehearsal_and_rounds(tmp_path: Path) -> None:
     path.write_text(base + "[effect]\nreflector_rounds = 0\n", encoding="utf-8")
     with pytest.raises(ValueError, match="reflector_rounds"):
         load_paper_config(path)
+
+
+FAIR = "own_rehearsal = true\nreflector_rounds = 2\n" + 'dagger = { per_rollout = "all" }\n'
+ROWS = 'rows = ["warm", "grpo", "dagger", "reh-own", "leafe-oracle", "leafe", "leafe-self"]'
+
+
+def test_the_runner_runs_every_fair_phase_and_reports_every_row(tmp_path: Path) -> None:
+    """Fake steps (the runner's own bookkeeping is real): an inheriting experiment with the fair
+    rows runs the reflector's rounds, their audits and every row, and its report names them."""
+    import asyncio
+
+    from experiments.paper.runner import Runner
+    from experiments.tests.test_paper_carry import WritingSteps
+    from experiments.tests.test_paper_effect import TOML
+    from experiments.tests.test_paper_effect_rooms import ROOMS_TOML, _parent
+
+    results = tmp_path / "results"
+    _parent(tmp_path, results, stop_after="select-warm")
+    text = TOML.replace('name = "fx"', 'name = "fxh"').replace('"fx_report"', '"fxh_report"')
+    text = text.replace("[effect]\n", '[effect]\ninherit = "fx"\n' + FAIR)
+    text = "\n".join(ROWS if line.startswith("rows =") else line for line in text.splitlines())
+    path = tmp_path / "fxh.toml"
+    path.write_text(text + "\n" + ROOMS_TOML, encoding="utf-8")
+    cfg = load_paper_config(path)
+    work = tmp_path / "fxh-work"
+    runner = Runner(cfg, work, results, 1e18, carried=True)
+    steps = WritingSteps(work, runner.state.plan)
+    steps.runner = runner
+    asyncio.run(runner.run(steps))
+    assert not runner.state.blocked
+    assert all(f"eval-{r}" in runner.state.phases for r in cfg.rows)
+    for r in (1, 2):
+        assert {f"reflector-r{r}", f"explore-self-r{r}", f"audit-self-r{r}"} <= set(steps.calls)
+    assert steps.calls.index("explore-self-r1") < steps.calls.index("reflector-r2")
+    md = (results / "fxh_report.md").read_text()
+    assert "DAgger with the oracle" in md and "LEAFE (self-taught e" in md
+    assert "leafe-self - reh-own" in md

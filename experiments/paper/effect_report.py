@@ -257,6 +257,12 @@ def _quality_lines(cfg: PaperConfig, state: Any) -> list[str]:
     return quality_lines(cfg, state)
 
 
+def _reflector_lines(cfg: PaperConfig, state: Any) -> list[str]:
+    from experiments.paper.reflector_audit import reflector_lines
+
+    return reflector_lines(cfg, state)
+
+
 def render_effect(
     cfg: PaperConfig, state: Any, comparison_lines: list[str], protocol: list[str]
 ) -> str:
@@ -310,6 +316,7 @@ def render_effect(
         *_correction_lines(state),
         "",
         *_quality_lines(cfg, state),
+        *_reflector_lines(cfg, state),
         "## Trainings (counterfactual counts per row)",
         "",
         *_cf_lines(state),

@@ -65,8 +65,11 @@ __all__ = [
     "audit_records",
     "judge_records",
     "main",
+    "read_records",
+    "reflector_lines",
     "render_markdown",
     "summarize",
+    "write_outputs",
 ]
 
 DRAWS = 2000
@@ -399,6 +402,66 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     raw = path.read_bytes()
     text = gzip.decompress(raw) if path.suffix == ".gz" else raw
     return [json.loads(line) for line in text.decode().splitlines() if line]
+
+
+_CACHE: dict[tuple[str, float, str], dict[str, Any]] = {}
+"""Summaries by (log, mtime, options): the report is rendered after every phase."""
+
+
+def reflector_lines(cfg: Any, state: Any) -> list[str]:
+    """The report's section (the fair table, ``effect.own_rehearsal``): the reflector's audit of
+    each round's trees, on the held-out audit rooms (``audit-collect`` = round 0, W;
+    ``audit-self-rN``) and on the RL rooms (``explore-model``, ``explore-self-rN``)."""
+    from experiments.paper.config import ROLLOUT_KEYS
+
+    chosen = state.phases.get("select-rooms" if cfg.effect.rooms else "select-sft")
+    if cfg.env != "sokoban" or not cfg.effect.own_rehearsal or not chosen:
+        return []
+    variant = cfg.room_variant(str(chosen["variant"]))
+    options = {k: v for k, v in variant.items() if k not in ROLLOUT_KEYS}
+    rounds = range(1, cfg.effect.reflector_rounds + 1)
+    runs = [
+        ("audit-collect", 0, "audit"),
+        ("explore-model", 0, "RL"),
+        *((f"audit-self-r{r}", r, "audit") for r in rounds),
+        *((f"explore-self-r{r}", r, "RL") for r in rounds),
+    ]
+    lines = [
+        "| round | rooms | branches | fix %, all [95%] | succeeded | failed | chance | "
+        "legal % (chance) | tau a real mistake % (chance) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run, r, rooms in sorted(runs, key=lambda x: (x[1], x[2])):
+        log = Path(str(state.phases.get(run, {}).get("log_file", "")))
+        if not log.is_file():
+            continue
+        key = (str(log), log.stat().st_mtime, json.dumps(options, sort_keys=True))
+        if key not in _CACHE:
+            env = SokobanEnv(SokobanConfig(**options))
+            _CACHE[key] = summarize(judge_records(read_events(log), env, log=run))
+        f = _CACHE[key]
+        a, ok, bad = f["all"], f["succeeded"], f["failed"]
+        lo, hi = a["fix"]["interval"] or (None, None)
+        lines.append(
+            f"| {r} | {rooms} ({run}) | {f['branches']} | {_pct(a['fix']['share'])} "
+            f"[{_pct(lo)}, {_pct(hi)}] | {_pct(ok['fix']['share'])} | "
+            f"{_pct(bad['fix']['share'])} | {_pct(a['fix'].get('chance'))} | "
+            f"{_pct(a['legal']['share'])} ({_pct(a['legal'].get('chance'))}) | "
+            f"{_pct(a['mistake']['share'])} ({_pct(a['mistake'].get('chance'))}) |"
+        )
+    if len(lines) == 2:
+        return []
+    return [
+        "## The reflector's audit, round by round (`experiments/paper/reflector_audit.py`)",
+        "",
+        "Each branch judged at the state it starts from: fix = e names the solver's move there; "
+        "intervals bootstrapped over trees; the records: `python -m "
+        "experiments.paper.reflector_audit --model LOG ...`. Target: fix >= 60%, tau a real "
+        "mistake >= 80%.",
+        "",
+        *lines,
+        "",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

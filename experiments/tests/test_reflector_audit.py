@@ -128,3 +128,26 @@ def test_records_recount_to_the_same_figures(tmp_path: Path) -> None:
     )
     assert json.loads((tmp_path / "again.json").read_text()) == json.loads(paths[0].read_text())
     assert "| fix | succeeded | 1 | 100.0 |" in paths[1].read_text()
+
+
+def test_the_fair_report_audits_each_rounds_trees_from_the_phase_logs() -> None:
+    """The report's section reads each round's log from its phase record, on the chosen rooms (the
+    shipped audit-collect log of effect-hard: W's trees on held-out audit rooms, round 0)."""
+    from types import SimpleNamespace
+
+    from experiments.paper.config import load_paper_config, scale_path
+    from experiments.paper.reflector_audit import reflector_lines
+
+    logs = Path(__file__).resolve().parents[2] / "experiments/results/paper_logs/effect-hard"
+    cfg = load_paper_config(scale_path("effect-fair"))
+    state = SimpleNamespace(
+        phases={
+            "select-rooms": {"variant": "7x7-l12-w2"},
+            "audit-collect": {"log_file": str(logs / "audit-collect.leafelog.gz")},
+        }
+    )
+    lines = reflector_lines(cfg, state)
+    (row,) = [x for x in lines if x.startswith("| 0 |")]
+    assert row.startswith("| 0 | audit (audit-collect) | 64 | 26.6 [")
+    hard = load_paper_config(scale_path("effect-hard"))
+    assert reflector_lines(hard, state) == []  # not in the protocols registered before

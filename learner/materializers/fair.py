@@ -266,6 +266,9 @@ class SelfTaughtOptions(CommonOptions, frozen=True, kw_only=True, forbid_unknown
     """Also keep a successful branch whose baseline succeeded too (reward 0)."""
     reflect_history_window: int = 0
     """As ``ExplorerConfig.reflect_history_window`` (the prompt digest checks it)."""
+    reflect_stop: list[str] = msgspec.field(default_factory=lambda: ["</experience>"])
+    """The explorer's ``reflect_stop``: the engine keeps a matched stop string in the answer's ids
+    but not in its text; the sample's answer text gets it back."""
     weight: float = 1.0
 
     def __post_init__(self) -> None:
@@ -279,6 +282,10 @@ class SelfTaughtMaterializer(_Counting):
     version = 1
     Options = SelfTaughtOptions
     options: SelfTaughtOptions
+
+    def __init__(self, tokenizer: ChatTokenizer, options: SelfTaughtOptions | None = None) -> None:
+        super().__init__(tokenizer, options)
+        self.tokenizer = tokenizer
 
     def _on_finished(self, tree: EpisodeTree) -> list[Sample]:
         opened = {b.reflection_event_id: b for b in tree.branches.values()}
@@ -337,13 +344,19 @@ class SelfTaughtMaterializer(_Counting):
                 self.stats.prompts_verified += 1
             else:
                 self.stats.prompt_mismatches += 1
+        answer = r.raw_text
+        tail = self.tokenizer.decode(list(r.token_ids[-16:]))
+        for stop in self.options.reflect_stop:
+            if stop and not answer.endswith(stop) and tail.endswith(stop):
+                answer += stop
+                break
         self._count("samples")
         return self.finish_sample(
             tree,
             sid,
             kind="sft",
             messages=messages,
-            answer=r.raw_text,
+            answer=answer,
             prompt_ids=prompt_ids,
             completion_ids=list(r.token_ids),
             policy_version=r.policy_version,

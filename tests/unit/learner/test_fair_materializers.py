@@ -167,8 +167,9 @@ def _reflect(
         trigger="failure",
         tau=tau,
         experience=e,
-        raw_text=f"<step>{tau}</step><experience>{e}</experience>",
-        token_ids=[7, 8, 9, tau],
+        # the engine keeps the matched stop string in the ids, not in the text
+        raw_text=f"<step>{tau}</step><experience>{e}",
+        token_ids=list(f"<step>{tau}</step><experience>{e}</experience>".encode()),
         source=source,
     )
     tree.w.emit(Rollback, from_branch=parent, tau=tau, method="snapshot")
@@ -216,8 +217,8 @@ def test_self_taught_keeps_a_reflection_whose_branch_beats_the_no_e_path(
     assert len(samples) == kept and m.stats.builders[f"self-taught.reward_{reward}"] == 1
     if kept:
         (s,) = samples
-        assert s.kind == "sft" and s.completion_ids == [7, 8, 9, 1]
         answer = "<step>1</step><experience>At step 1, move down instead.</experience>"
+        assert s.kind == "sft" and s.completion_ids == list(answer.encode())
         assert s.messages[-1].content == answer
 
 

@@ -5,8 +5,9 @@ AdamW state, the LR scheduler, each rank's torch RNG state, and :class:`Progress
 the last samples-stream sequence trained, the offline epoch and position, the weight versions
 pushed). It is written to ``.step_<N>.tmp`` and renamed when every rank has finished, then
 ``<root>/latest`` names it: a crash mid-write leaves the previous checkpoint as the latest. Older
-checkpoints beyond ``keep`` are deleted. Resuming restores everything, so the next step is the one
-an uninterrupted run would take.
+checkpoints beyond ``keep`` are deleted. A process killed mid-write leaves its ``.step_<N>.tmp``
+(as large as a checkpoint): :func:`remove_interrupted` deletes those on the next start. Resuming
+restores everything, so the next step is the one an uninterrupted run would take.
 
     progress = load_latest(root, trainer)         # None on a fresh start
     save_checkpoint(root, trainer, Progress(step=trainer.step, samples_seq=seq), keep=2)
@@ -14,6 +15,7 @@ an uninterrupted run would take.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -32,6 +34,7 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "load_latest",
+    "remove_interrupted",
     "save_checkpoint",
 ]
 
@@ -119,6 +122,25 @@ def save_checkpoint(root: Path, trainer: Trainer, progress: Progress, *, keep: i
         samples_seq=progress.samples_seq,
     )
     return final
+
+
+def remove_interrupted(root: Path) -> list[str]:
+    """Delete what a checkpoint killed mid-write left under ``root`` (``.step_<N>.tmp``, the
+    ``.latest.tmp`` pointer); returns the paths removed. Only for a start, before any rank saves:
+    it would delete a checkpoint being written."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = []
+    for p in sorted(root.iterdir()):
+        if p.name == f".{LATEST}.tmp" and not p.is_dir():
+            p.unlink()
+        elif p.is_dir() and re.fullmatch(r"\.step_\d+\.tmp", p.name):
+            shutil.rmtree(p)
+        else:
+            continue
+        removed.append(str(p))
+    return removed
 
 
 def _prune(root: Path, *, keep: int, newest: str) -> None:

@@ -11,7 +11,9 @@ deleted pod) and no longer protects anything. The marker name carries the weight
 as the server URL, because every sidecar of a Deployment calls its own engine
 ``http://127.0.0.1:30000``. Only ``.in_use/`` needs to be writable by weight-sync (deploy/ mounts it
 read-write, the store read-only). Pruning keeps the newest ``keep`` versions and every version in
-use.
+use. An export is written to ``.v<index>.<random>`` beside its version and renamed when complete; a
+learner killed meanwhile leaves it (as large as an export), and :func:`remove_partial_exports`
+deletes those on the next start.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ __all__ = [
     "in_use_versions",
     "mark_in_use",
     "prune_versions",
+    "remove_partial_exports",
     "version_index",
     "version_name",
 ]
@@ -40,6 +43,9 @@ MARKER_TTL_S = 600.0
 """A marker not rewritten for this long no longer protects its version (weight-sync rewrites every
 ``reconcile_interval_s``, 10 s by default)."""
 _VERSION = re.compile(r"^v(\d{1,12})$")
+_PARTIAL_EXPORT = re.compile(r"^\.v\d{1,12}\..+$")
+"""``model_io.export_weights``'s temporary directory of a version (``tempfile.mkdtemp`` prefix
+``.v000003.``)."""
 
 
 def version_name(index: int) -> str:
@@ -116,3 +122,16 @@ def prune_versions(store: Path, keep: int, protect: set[str] | None = None) -> l
     for p in doomed:
         shutil.rmtree(p)
     return [p.name for p in doomed]
+
+
+def remove_partial_exports(store: Path) -> list[str]:
+    """Delete the temporary directories of exports that never finished (``.v<index>.<suffix>``);
+    returns the paths removed. Only for the learner's start (it is the store's one writer): it
+    would delete an export being written."""
+    store = Path(store)
+    if not store.is_dir():
+        return []
+    doomed = sorted(p for p in store.iterdir() if p.is_dir() and _PARTIAL_EXPORT.match(p.name))
+    for p in doomed:
+        shutil.rmtree(p)
+    return [str(p) for p in doomed]

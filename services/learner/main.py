@@ -113,6 +113,16 @@ async def _serve(learner: Any) -> Progress:
     return await learner.run(stop)  # type: ignore[no-any-return]
 
 
+def clear_interrupted_writes(store: Path, checkpoint_dir: Path) -> list[str]:
+    """Remove the temporary directories a killed checkpoint (``.step_<N>.tmp``) or export
+    (``.v<N>.<suffix>``) left; nothing else ever would, and each is as large as what it was
+    writing. Rank 0 only, before any rank writes (the learner is the only writer of both)."""
+    from leafe.learner.checkpoint import remove_interrupted
+    from leafe.learner.weight_store import remove_partial_exports
+
+    return remove_interrupted(checkpoint_dir) + remove_partial_exports(store)
+
+
 def run_learner(
     cfg: LearnerConfig,
     env: DistEnv,
@@ -136,6 +146,10 @@ def run_learner(
     from leafe.services.learner.control import ControlFile
     from leafe.services.learner.service import OnlineLearner
 
+    if env.is_main:
+        removed = clear_interrupted_writes(store, checkpoint_dir)
+        if removed:
+            log.warning("learner.start.removed_interrupted_writes", paths=removed)
     model_dir = resolve_model(model)
     trainer = Trainer(cfg.trainer, model_dir, env)
     progress = load_latest(checkpoint_dir, trainer) or Progress()

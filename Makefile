@@ -67,7 +67,7 @@ test-slow: setup
 # runs in `make test` so that a benchmark broken by an API change fails there.
 # The paper table (experiments/paper_table.py), the GPU check (bench/gpu_smoke.py) and the sandbox cost against
 # an older commit (bench/sandbox.py) run by hand: hours, a GPU, a git ref.
-BENCH_AREAS := event_log envs inference actor replay learner
+BENCH_AREAS := event_log envs inference actor replay learner router
 
 bench: setup
 	for b in $(BENCH_AREAS); do $(BIN)/python -m bench.$$b --quick || exit 1; done

@@ -14,8 +14,11 @@ An aborted generation (``meta_info.finish_reason.type == "abort"``: a weight upd
 ``abort_all_requests``, a scheduler abort) is never returned as a completion, since it would become
 a Step with no action: it is sent again up to ``abort_retries`` times, then raised as an
 ``EngineError``; an abort carrying status 400 (the request itself is bad) is raised at once.
-``/model_info`` falls back to its deprecated alias ``/get_model_info`` on a 404 (the sglang router
-shipped with SGLang 0.5.23 may serve only the old route). Timeouts, retries and backoff are
+A prompt of ``context_length`` tokens or more (:class:`SGLangClientConfig`) raises
+``PromptTooLong`` without being sent: the engine would refuse it with 400, and the sglang router
+counts refusals against the engine (five in a row open its circuit). ``/model_info`` falls back to
+its deprecated alias ``/get_model_info`` on a 404 (the sglang router shipped with SGLang 0.5.23 may
+serve only the old route). Timeouts, retries and backoff are
 :class:`SGLangClientConfig` fields, so a service config can carry them
 (``SGLangClient.from_config``).
 
@@ -33,7 +36,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from leafe.actors.engine import Completion, EngineError, SamplingParams
+from leafe.actors.engine import Completion, EngineError, PromptTooLong, SamplingParams
 from leafe.actors.server_pool import (
     EngineUnavailable,
     NotFound,
@@ -91,6 +94,7 @@ class SGLangClient(ServerPool):
         max_backoff_s: float = _DEFAULTS.max_backoff_s,
         cooldown_s: float = _DEFAULTS.cooldown_s,
         ready_poll_s: float = _DEFAULTS.ready_poll_s,
+        context_length: int = _DEFAULTS.context_length,
         api_key_file: str = _DEFAULTS.api_key_file,
         admin_key_file: str = _DEFAULTS.admin_key_file,
     ) -> None:
@@ -105,6 +109,7 @@ class SGLangClient(ServerPool):
             max_backoff_s=max_backoff_s,
             cooldown_s=cooldown_s,
             ready_poll_s=ready_poll_s,
+            context_length=context_length,
             api_key_file=api_key_file,
             admin_key_file=admin_key_file,
         )
@@ -139,6 +144,12 @@ class SGLangClient(ServerPool):
             raise EngineError("generate needs a non-empty prompt (input_ids=[])")
         if n < 1:
             raise EngineError(f"n must be >= 1, got {n}")
+        limit = self.config.context_length
+        if limit and len(input_ids) >= limit:
+            raise PromptTooLong(
+                f"the prompt has {len(input_ids)} tokens, the engines' context length is {limit}: "
+                "not sent"
+            )
         payloads = generate_payloads(input_ids, params, n, return_logprob)
         tasks = [asyncio.ensure_future(self._generate_one(p, timeout_s)) for p in payloads]
         try:

@@ -17,12 +17,19 @@ __all__ = [
     "Completion",
     "Engine",
     "EngineError",
+    "PromptTooLong",
     "SamplingParams",
 ]
 
 
 class EngineError(RuntimeError):
     """Generation failed (server error body, every server down, timeout); the message says which."""
+
+
+class PromptTooLong(EngineError):
+    """A prompt of at least the engines' context length: refused by the client before it is sent
+    (an engine would answer 400, and the sglang router counts such answers against the engine); the
+    message gives both lengths."""
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -72,6 +72,12 @@ class SGLangClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     api_key_file: str = ""
     """File holding the servers' API key (sent as ``Authorization: Bearer``); empty =
     ``$LEAFE_ENGINE_API_KEY_FILE`` when set, else no key. The key itself never sits in a config."""
+    context_length: int = 0
+    """The engines' context length in tokens: a prompt this long or longer raises
+    :class:`~leafe.actors.engine.PromptTooLong` before it is sent (an engine would refuse it with
+    400, which the sglang router counts against the engine). 0: the actor service fills in its
+    model's ``max_position_embeddings`` (SGLang's default context length); a client built with 0
+    does not check."""
     admin_key_file: str = ""
     """File holding the servers' admin key, sent instead of the API key on the weight routes
     (``/update_weights_from_disk``): the one client that reloads (weight sync) has it, actors never
@@ -84,7 +90,14 @@ class SGLangClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not self.ready_poll_s > 0:
             raise ValueError(f"ready_poll_s must be > 0, got {self.ready_poll_s!r}")
-        for name in ("retries", "abort_retries", "backoff_s", "max_backoff_s", "cooldown_s"):
+        for name in (
+            "retries",
+            "abort_retries",
+            "backoff_s",
+            "max_backoff_s",
+            "cooldown_s",
+            "context_length",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 

@@ -4,8 +4,9 @@ ack/nak/term.
 For each delivery :class:`EpisodeRunner` opens a Publisher, runs the explorer (``mode = explore``),
 a demonstration (``demo``) or one plain rollout (``rollout``/``eval``) on a pooled env, flushes
 (every event acked by JetStream), then acks the task, extending its AckWait with in-progress acks
-meanwhile. Cancellation (drain, shutdown) naks at once; a sandbox that cannot isolate or an event
-over the size limit terminates the task at once (they would fail again); any other error naks with a
+meanwhile. Cancellation (drain, shutdown) naks at once; a sandbox that cannot isolate, an event
+over the size limit or a prompt over the engines' context length (``PromptTooLong``, never sent)
+terminates the task at once (they would fail again); any other error naks with a
 delay and terminates the task on its ``max_attempts``-th delivery. The fetching side is
 ``services/actor/service.py``.
 """
@@ -23,7 +24,7 @@ from prometheus_client import Histogram
 from leafe.actors.client import EngineUnavailable
 from leafe.actors.config import ActorServiceConfig
 from leafe.actors.demo import DemoRunner
-from leafe.actors.engine import Completion, Engine, SamplingParams
+from leafe.actors.engine import Completion, Engine, PromptTooLong, SamplingParams
 from leafe.actors.env_pool import EnvPool
 from leafe.actors.episode import EpisodeSpec, EpisodeSummary
 from leafe.actors.explorer import Explorer
@@ -207,9 +208,10 @@ class EpisodeRunner:
             return
         attempt -= self._outages.get(delivery.value.task_key, 0)
         # Not transient: a sandbox without its isolation refuses on every attempt on this machine,
-        # and an event over the size limit would be too large again.
+        # an event over the size limit would be too large again, and so would (mostly) an episode
+        # whose prompt outgrew the engines' context.
         if attempt >= self.config.max_attempts or isinstance(
-            e, SandboxUnavailable | MessageTooLargeError
+            e, SandboxUnavailable | MessageTooLargeError | PromptTooLong
         ):
             self.stats.failed += 1
             log.error("actor.task.failed", attempt=attempt, error=error, exc_info=e)

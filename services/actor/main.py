@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import signal
 import socket
 from contextlib import AsyncExitStack
+from pathlib import Path
 
+import msgspec
 import structlog
 
 from leafe.actors.client import SGLangClient
@@ -42,6 +45,14 @@ from leafe.services.metrics import ActorMetrics, add_metrics_arguments, serve_me
 __all__ = ["default_actor_id", "main", "resolve_actor_id", "run_actor"]
 
 log = structlog.get_logger(__name__)
+
+
+def model_context_length(model_dir: Path) -> int:
+    """The model's ``max_position_embeddings`` (SGLang's context length unless its server is
+    started with ``--context-length``), from ``config.json``; 0 when it gives none."""
+    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return value if isinstance(value, int) and value > 0 else 0
 
 
 async def run_actor(
@@ -154,7 +165,15 @@ def main(argv: list[str]) -> int:
     )
 
     log.info("actor.config", config=dump_config(config), model=args.model)
-    tokenizer = HFChatTokenizer.from_dir(resolve_model(args.model))
+    model_dir = resolve_model(args.model)
+    tokenizer = HFChatTokenizer.from_dir(model_dir)
+    if not config.engine.context_length:
+        config = msgspec.structs.replace(
+            config,
+            engine=msgspec.structs.replace(
+                config.engine, context_length=model_context_length(model_dir)
+            ),
+        )
     urls = [u.strip() for u in args.engine.split(",") if u.strip()]
     metrics = ActorMetrics()
     serve_metrics(args.metrics_port, metrics.registry, args.metrics_host)

@@ -6,10 +6,12 @@ the real router in CI and in ``leafe run`` with ``services.router = true``.
     router.url            # what actors and evaluations use as their one engine URL
     await router.stop()
 
-The flags are deploy/components/sglang/router.yaml's (cache-aware routing, workers checked on the
-cheap ``/ready``, 3 misses of 5 s, 2 attempts per request) with the workers given as URLs instead of
-discovered as pods. Weight sync and the drain keep talking to each server: the router has no
-``/update_weights_from_disk`` and answers ``/get_model_info`` from its first healthy worker.
+The flags are deploy/components/sglang/router.yaml's (cache-aware routing with balance thresholds
+that spread a shared-prefix load, workers checked on the cheap ``/ready``, 3 misses of 5 s, 2
+attempts per request of at most 120 s each, a circuit breaker that 4 refused requests do not open)
+with the workers given as URLs instead of discovered as pods. Weight sync and the drain keep
+talking to each server: the router has no ``/update_weights_from_disk`` and answers
+``/get_model_info`` from its first healthy worker.
 
 With key files (``leafe run`` always gives them) it starts through ``router_launch.py``, which reads
 them and hands the router ``--api-key`` (the engines' key: clients must present it) and
@@ -26,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -36,7 +38,10 @@ from leafe.services.bus.nats_server import free_port
 from leafe.services.run.supervisor import ServiceError, ServiceProcess
 
 __all__ = [
+    "ROUTER_ATTEMPTS",
+    "ROUTER_REQUEST_TIMEOUT_S",
     "ROUTER_VERSION",
+    "ROUTING",
     "RouterProcess",
     "open_router",
     "router_available",
@@ -47,6 +52,21 @@ log = structlog.get_logger(__name__)
 
 ROUTER_VERSION = "0.3.2"
 """The sglang-router release deploy/ runs (the Dockerfile's router stage) and the dev extra pins."""
+
+
+ROUTING = {
+    "--policy": "cache_aware",
+    "--balance-abs-threshold": "4",
+    "--balance-rel-threshold": "1.2",
+}
+"""Cache-aware routing that still spreads load: with the defaults (64 requests and 1.5x apart) a
+load whose prompts share a prefix goes to one engine (bench/router.py measures it)."""
+ROUTER_ATTEMPTS = 2
+"""Attempts per request (``--retry-max-retries`` counts attempts, the first included)."""
+ROUTER_REQUEST_TIMEOUT_S = 120
+"""The router's timeout of one attempt: ``ROUTER_ATTEMPTS`` of them fit in the actors' client
+timeout (``SGLangClientConfig.timeout_s``, 300 s), so a hung engine's request is retried on another
+by the router instead of failing at the client (where it counts as an attempt of the task)."""
 
 
 def router_available() -> bool:
@@ -64,24 +84,30 @@ def router_command(
     python: str = sys.executable,
     api_key_file: str = "",
     control_key_file: str = "",
+    overrides: Mapping[str, str] | None = None,
 ) -> list[str]:
     """The router's launch: deploy's flags (router.yaml) with ``workers`` as URLs; with key files,
-    through ``router_launch.py``, which reads them (both or neither)."""
+    through ``router_launch.py``, which reads them (both or neither). ``overrides`` replaces or
+    adds flags (``bench/router.py`` compares routing settings with it)."""
     if bool(api_key_file) != bool(control_key_file):
         raise ValueError("the router needs both key files (the engines' and its control key)")
     flags = {
         "--host": host,
         "--port": str(port),
-        "--policy": "cache_aware",
+        **ROUTING,
         "--health-check-endpoint": "/ready",
         "--health-check-interval-secs": str(health_interval_s),
         "--health-check-timeout-secs": "5",
         "--health-failure-threshold": "3",
-        "--retry-max-retries": "2",
-        "--cb-failure-threshold": "2",
+        "--retry-max-retries": str(ROUTER_ATTEMPTS),
+        "--request-timeout-secs": str(ROUTER_REQUEST_TIMEOUT_S),
+        # The breaker counts refused requests (400) too: 5 in a row, not 4, skip a worker for 10 s.
+        "--cb-failure-threshold": "5",
+        "--cb-timeout-duration-secs": "10",
         "--prometheus-host": host,
         "--prometheus-port": str(prometheus_port),
         "--log-level": "warn",
+        **(overrides or {}),
     }
     argv = [python, "-m", "sglang_router.launch_router"]
     if api_key_file:
@@ -145,6 +171,7 @@ async def open_router(
     timeout_s: float = 60.0,
     api_key_file: str = "",
     control_key_file: str = "",
+    overrides: Mapping[str, str] | None = None,
 ) -> RouterProcess:
     """Start the router in front of ``workers`` and wait until every one is healthy behind it;
     with ``api_key_file`` and ``control_key_file``, keyed (see the module docstring)."""
@@ -161,6 +188,7 @@ async def open_router(
         health_interval_s=health_interval_s,
         api_key_file=api_key_file,
         control_key_file=control_key_file,
+        overrides=overrides,
     )
     router = RouterProcess(
         command,

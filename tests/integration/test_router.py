@@ -51,8 +51,8 @@ class Topology:
     model: Path
 
     def client(self, **kw: float) -> SGLangClient:
-        """The actors' client through the router (deploy's actor.toml: one retry)."""
-        return SGLangClient(self.router.url, retries=1, **kw)  # type: ignore[arg-type]
+        """The actors' client through the router (deploy's actor.toml: two retries)."""
+        return SGLangClient(self.router.url, retries=2, **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -207,6 +207,23 @@ async def test_an_engine_that_dies_costs_no_request(topology: Topology) -> None:
     used = set(re.findall(r"\bsmg_\w+", dashboard))
     missing = used - exported
     assert used and not missing, f"the dashboard reads series the router does not export: {missing}"
+
+
+async def test_requests_an_engine_refuses_take_no_worker_out(topology: Topology) -> None:
+    """Requests the engines refuse with 400 (the request's fault, not the engine's) leave both
+    workers in the rotation: after four of them every request still gets an answer, and the
+    router reports both workers healthy throughout."""
+    async with SGLangClient(topology.router.url, retries=0) as client:
+        for _ in range(4):
+            with pytest.raises(EngineError, match="400"):
+                await client.generate([1 << 30], _short())
+        answers = await asyncio.gather(
+            *(client.generate([200 + i, *PROMPT], _short()) for i in range(8)),
+            return_exceptions=True,
+        )
+    failures = [f"{type(a).__name__}: {a}" for a in answers if isinstance(a, BaseException)]
+    assert not failures, failures[:3]
+    assert await topology.router.healthy_workers() == 2
 
 
 async def test_a_push_under_load_keeps_serving(

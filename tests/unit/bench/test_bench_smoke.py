@@ -223,6 +223,18 @@ def check_learner(r: dict[str, Any]) -> None:
     assert entry["memory"]["losses_equal"] is True, entry["memory"]
 
 
+def check_router(r: dict[str, Any]) -> None:
+    """Both settings ran every request through the real router (its per-worker counts add up to
+    the loops' requests); shares are fractions of at least one half."""
+    assert r["smoke"] is True and set(r["settings"]) == {"default", "deployed"}
+    for name, s in r["settings"].items():
+        assert s["requests"] == r["loops"] * r["requests_per_loop"], name
+        assert len(s["requests_per_engine"]) == r["engines"] == 2
+        share(s, "largest_share")
+        assert s["largest_share"] >= 0.5
+        positive(s, "seconds", "seconds_vs_default")
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "event_log": check_event_log,
     "envs": check_envs,
@@ -230,6 +242,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "actor": check_actor,
     "replay": check_replay,
     "learner": check_learner,
+    "router": check_router,
 }
 
 

@@ -147,13 +147,16 @@ def test_ci_runs_the_router_with_the_clusters_flags(rendered: dict[str, Docs]) -
     assert CI_ROUTER_VERSION == ROUTER_VERSION
 
 
-def test_one_failing_request_costs_at_most_five_upstream_attempts(
+def test_one_failing_request_costs_at_most_six_upstream_attempts(
     rendered: dict[str, Docs],
 ) -> None:
     """Router attempts (--retry-max-retries counts attempts: --disable-retries sets it to 1) times
-    the actors' client attempts (retries + 1) stays <= 5."""
+    the actors' client attempts (retries + 1) stays <= 6, and exceeds the router's circuit breaker
+    threshold: a request that met a dead worker first gets an attempt after the breaker has taken
+    it out."""
     router = container_named(rendered["gpu"], "sglang-router", "router")
     router_attempts = int(_flag(router.argv, "--retry-max-retries"))
     actor_toml = config_map_value(rendered["gpu"], "leafe-run-config", "actor.toml")
     config = msgspec.convert(tomllib.loads(actor_toml), ActorServiceConfig)
-    assert router_attempts * (config.engine.retries + 1) <= 5
+    attempts = router_attempts * (config.engine.retries + 1)
+    assert int(_flag(router.argv, "--cb-failure-threshold")) < attempts <= 6

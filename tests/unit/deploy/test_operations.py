@@ -6,11 +6,15 @@ Run: ``.venv/bin/python -m pytest tests/unit/deploy/test_operations.py -q``."""
 
 from __future__ import annotations
 
+import tomllib
 from typing import Any
 
+import msgspec
 import pytest
 
-from tests.support.manifests import container_named, env_value
+from leafe.actors.config import ActorServiceConfig
+from leafe.services.run.router import router_command
+from tests.support.manifests import config_map_value, container_named, env_value
 
 Docs = list[dict[str, Any]]
 EXAMPLE_PARAMS = {"gpu": 7.62e9, "dev": 135e6}
@@ -38,3 +42,49 @@ def test_torchrun_gives_the_ranks_the_pods_grace(rendered: dict[str, Docs], over
     assert 15 <= grace - timeout <= 60, (grace, timeout)
     write_s = EXAMPLE_PARAMS[overlay] * STOP_WRITE_BYTES_PER_PARAM / VOLUME_WRITE_BYTES_PER_S
     assert timeout >= write_s + STEP_S, f"{overlay}: {timeout} s < {write_s + STEP_S:.0f} s"
+
+
+def _flag(argv: list[str], name: str) -> str:
+    assert name in argv, f"{name} missing from {argv}"
+    return argv[argv.index(name) + 1]
+
+
+def _router_argvs(rendered: dict[str, Docs]) -> dict[str, list[str]]:
+    """The gpu overlay's router and the one ``leafe run`` and the integration tests start."""
+    return {
+        "gpu overlay": container_named(rendered["gpu"], "sglang-router", "router").argv,
+        "leafe run": router_command(["http://127.0.0.1:1"], port=2, prometheus_port=3),
+    }
+
+
+def test_router_attempts_fit_in_the_clients_timeout(rendered: dict[str, Docs]) -> None:
+    """Every attempt the router makes of one request, each bounded by its request timeout, ends
+    before the actors' client gives up (their rendered actor.toml's ``timeout_s``): a hung engine's
+    request is retried by the router, not failed at the client."""
+    actor_toml = config_map_value(rendered["gpu"], "leafe-run-config", "actor.toml")
+    client_timeout = msgspec.convert(tomllib.loads(actor_toml), ActorServiceConfig).engine.timeout_s
+    for where, argv in _router_argvs(rendered).items():
+        attempts = int(_flag(argv, "--retry-max-retries"))
+        per_attempt = int(_flag(argv, "--request-timeout-secs"))
+        backoff_s = 30.0  # the router's largest backoff between attempts (--retry-max-backoff-ms)
+        assert attempts * per_attempt + (attempts - 1) * backoff_s < client_timeout, where
+        assert per_attempt >= 60, f"{where}: {per_attempt} s would cut long generations short"
+
+
+def test_the_circuit_breaker_outlasts_a_few_refused_requests(rendered: dict[str, Docs]) -> None:
+    """The router's breaker counts requests an engine refused (400) as failures: it opens only
+    after more than four in a row and for seconds, not sglang-router's minute, and stays on (a dead
+    worker's attempts must go elsewhere)."""
+    for where, argv in _router_argvs(rendered).items():
+        assert "--disable-circuit-breaker" not in argv, where
+        assert int(_flag(argv, "--cb-failure-threshold")) > 4, where
+        assert int(_flag(argv, "--cb-timeout-duration-secs")) <= 15, where
+
+
+def test_cache_aware_routing_balances_a_shared_prefix(rendered: dict[str, Docs]) -> None:
+    """Cache-aware routing with balance thresholds low enough that a shared-prefix load spreads
+    (bench/router.py): engines at most 4 requests and 1.2x apart before the router balances."""
+    for where, argv in _router_argvs(rendered).items():
+        assert _flag(argv, "--policy") == "cache_aware", where
+        assert int(_flag(argv, "--balance-abs-threshold")) <= 4, where
+        assert float(_flag(argv, "--balance-rel-threshold")) <= 1.2, where

@@ -14,7 +14,16 @@ import pytest
 
 from leafe.actors.config import ActorServiceConfig
 from leafe.services.run.router import router_command
-from tests.support.manifests import config_map_value, container_named, env_value
+from tests.support.manifests import (
+    DEPLOY,
+    KUSTOMIZATIONS,
+    Stacks,
+    config_map_value,
+    container_named,
+    containers,
+    env_value,
+    pod_templates,
+)
 
 Docs = list[dict[str, Any]]
 EXAMPLE_PARAMS = {"gpu": 7.62e9, "dev": 135e6}
@@ -88,3 +97,57 @@ def test_cache_aware_routing_balances_a_shared_prefix(rendered: dict[str, Docs])
         assert _flag(argv, "--policy") == "cache_aware", where
         assert int(_flag(argv, "--balance-abs-threshold")) <= 4, where
         assert float(_flag(argv, "--balance-rel-threshold")) <= 1.2, where
+
+
+def test_the_engines_prefer_different_nodes(rendered: dict[str, Docs]) -> None:
+    """The SGLang pods prefer (not require: a one-node GPU pool still runs them) to be on different
+    nodes, so one node's loss leaves the `inference` Service an engine."""
+    template = container_named(rendered["gpu"], "sglang", "sglang").pod
+    terms = template["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    labels = template["metadata"]["labels"]
+    assert any(
+        t["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+        and t["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= labels.items()
+        and t["weight"] >= 50
+        for t in terms
+    ), terms
+    assert (
+        "requiredDuringSchedulingIgnoredDuringExecution"
+        not in template["spec"]["affinity"]["podAntiAffinity"]
+    )
+
+
+def _mounts_weights(template: dict[str, Any]) -> bool:
+    return any(
+        (v.get("persistentVolumeClaim") or {}).get("claimName") == "leafe-weights"
+        for v in template["spec"].get("volumes") or []
+    )
+
+
+def test_every_pod_on_the_weight_volume_can_own_it(
+    rendered: dict[str, Docs], stacks: Stacks
+) -> None:
+    """Every pod that mounts the weight volume, in every kustomization and component stack, runs as
+    uid 10001 with fsGroup 10001 and ``fsGroupChangePolicy: OnRootMismatch`` (the kubelet makes a
+    root-owned volume the group's where it manages ownership, without a walk of every file at each
+    start); the init container that finds the volume not writable names the README's section on
+    fixing it from outside the namespace, which exists."""
+    all_docs = [*(rendered[n] for n in KUSTOMIZATIONS), *stacks.values()]
+    checked = set()
+    for docs in all_docs:
+        for workload, template in pod_templates(docs):
+            if not _mounts_weights(template):
+                continue
+            context = template["spec"]["securityContext"]
+            where = f"{workload['kind']}/{workload['metadata']['name']}"
+            assert context["runAsUser"] == 10001 and context["fsGroup"] == 10001, where
+            assert context.get("fsGroupChangePolicy") == "OnRootMismatch", where
+            checked.add(where)
+    assert {"StatefulSet/learner", "Deployment/sglang", "StatefulSet/actor"} <= checked, checked
+    init = next(c for c in containers(rendered["gpu"]) if c.spec["name"] == "weights-dirs")
+    script = " ".join(init.argv)
+    assert "chown" not in script and "Volume ownership" in script, script
+    readme = (DEPLOY / "README.md").read_text(encoding="utf-8")
+    assert "**Volume ownership.**" in readme and "fsGroupChangePolicy: OnRootMismatch" in readme

@@ -15,6 +15,9 @@ events with the ``leafe`` materializer into a dataset and runs ``torchrun --npro
 leafe.services.learner.train`` in bf16 over NCCL (trained tokens/s after the first step; MFU = 6 *
 params * tokens/s / (N * peak bf16 FLOP/s), attention FLOPs left out, so a slight underestimate);
 *push* calls ``/update_weights_from_disk`` with a new ``weight_version`` and checks the served one;
+*keyed start* (``bench/gpu_smoke_keys.py``, once the others have stopped) starts SGLang again as
+deploy/ does (API and admin keys, caches under a temporary ``HOME``, this uid) and checks ``/ready``
+through the load, that the API key cannot reload weights and the admin key can, and a non-root uid;
 *verify* asks for a greedy completion of a fixed prompt with ``return_logprob`` and compares its
 logprobs with transformers forward passes of the new and the base weights (mean
 |difference| to the new ones <= ``--logprob-tol``, and closer to them than to the base).
@@ -38,6 +41,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -45,6 +49,7 @@ import time
 from pathlib import Path
 from typing import Any, TypeVar
 
+from bench.gpu_smoke_keys import keyed_start, sglang_env, sglang_key_flags
 from bench.gpu_smoke_lib import (
     Report,
     SmokeError,
@@ -358,6 +363,22 @@ def run(args: argparse.Namespace, report: Report) -> None:
         )
         if router is not None:
             report.checks["router_metrics"] = router_metrics(args.port + 2)
+    api_key, admin_key = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
+    keyed = asyncio.run(
+        keyed_start(
+            [*cmd, *sglang_key_flags(api_key, admin_key)],
+            url,
+            api_key=api_key,
+            admin_key=admin_key,
+            update_path=str(model_dir),
+            log_path=work / "sglang-keyed.log",
+            timeout_s=args.start_timeout,
+            env=sglang_env(work / "home"),
+        )
+    )
+    report.checks.update(keyed.checks)
+    report.figures["keyed_start"] = keyed.figures
+    report.notes += keyed.notes
     params = parameter_count(export)
     tps = report.figures["train"]["tokens_per_s"] or 0.0
     peak = peak_tflops(device, args.peak_tflops)

@@ -321,6 +321,38 @@ async def test_a_sandbox_that_cannot_isolate_fails_the_task_at_once(
     await nc.close()
 
 
+async def test_a_prompt_over_the_context_length_fails_the_task_at_once(
+    nats_url: str, run_id: str
+) -> None:
+    """A prompt the client refused as longer than the engines' context (``PromptTooLong``, never
+    sent) is not an outage and would be as long again: the task is terminated on its first attempt,
+    not redelivered to send the same prompt again."""
+    from leafe.actors.engine import PromptTooLong
+
+    def too_long(kind: str, prompt: str) -> str:
+        raise PromptTooLong("the prompt has 9000 tokens, the engines' context length is 8192")
+
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js)
+    [task] = corridor_tasks(run_id, 1)
+    await submit(js, run_id, [task])
+    service = ActorService(
+        nc=nc,
+        run_id=run_id,
+        engine=ScriptedEngine(script=too_long),
+        tokenizer=ByteChatTokenizer(),
+        config=ActorServiceConfig(max_attempts=3, retry_delay_s=0.1),
+        actor_id="a",
+        env_factory=corridor_factory,
+        max_tasks=1,
+    )
+    stats = await asyncio.wait_for(service.run(), timeout=30)
+    assert (stats.retried, stats.failed, stats.engine_outages) == (0, 1, 0)
+    assert await tasks_left(js, run_id) == 0
+    await nc.close()
+
+
 async def test_actor_follows_weights_announcements(nats_url: str, run_id: str) -> None:
     """The latest WeightsPublished is read at start and new ones are followed while running."""
     nc = await connect(nats_url)

@@ -14,6 +14,7 @@ key, which every actor holds:
   export past the store's reload lease. A server with an API key but no admin key refuses them
   (403); one with no key at all (a local test server) serves them to whoever reaches it, as SGLang
   does;
+- ``/get_weights_by_name`` (the served weights themselves: an operator's check, no actor's);
 - ``/set_threads`` (every actor's key could once stall generation with it): refused (403) on any
   server without an admin key.
 
@@ -46,7 +47,13 @@ __all__ = [
 OPEN_ROUTES = frozenset({"/health", "/ready"})
 """Routes answered without the key (probes)."""
 ADMIN_ROUTES = frozenset(
-    {"/set_threads", "/update_weights_from_disk", "/update_weight_version", "/flush_cache"}
+    {
+        "/set_threads",
+        "/update_weights_from_disk",
+        "/update_weight_version",
+        "/flush_cache",
+        "/get_weights_by_name",
+    }
 )
 """Routes that need the admin key (the API key, which every actor holds, is not enough)."""
 ADMIN_PREFIXES = (

@@ -58,6 +58,9 @@ class InferenceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     admin_key_file: str = ""
     """File holding the admin key that ``/set_threads`` requires instead of the API key (SGLang's
     ``--admin-api-key``); empty = that route is refused."""
+    weight_group_timeout_s: float = 600.0
+    """How long a distributed weight update's rendezvous or broadcast may wait for the other
+    members before it fails (the old weights keep serving, the group is left)."""
     weights_root: str = ""
     """``/update_weights_from_disk`` loads only directories under this one (symlinks and ``..``
     resolved), and only with a ``manifest.json`` whose sha256s match; empty = weight updates are

@@ -12,7 +12,9 @@ In-process (``leafe run``, tests, benchmarks)::
     # or, from synchronous code (tests, benchmarks, notebooks): services/inference/local.py
     handle = start_in_thread(InferenceConfig(model="tiny", port=0)); handle.url; handle.stop()
 
-Routes: POST /generate, POST /update_weights_from_disk, POST /update_weight_version, GET /model_info
+Routes: POST /generate, POST /update_weights_from_disk, POST /update_weight_version, POST
+/init_weights_update_group, /update_weights_from_distributed and /destroy_weights_update_group
+(``services/inference/weight_group.py``), GET /model_info
 (+ /get_model_info), GET /get_server_info, GET /health, GET /ready, GET|POST /flush_cache; anything
 else is 404 ``{"detail": "Not Found"}``. The weight routes and ``/flush_cache`` need the admin key
 (``services/inference/auth.py``). Generation runs in
@@ -54,6 +56,7 @@ from leafe.services.inference.config import InferenceConfig
 from leafe.services.inference.decode import GenSequence, StopChecker
 from leafe.services.inference.engine import EngineClosed, GenerationEngine
 from leafe.services.inference.prefix import PrefixCache
+from leafe.services.inference.weight_group import WeightGroups
 from leafe.services.inference.weights import WeightLoadError, load_weight_dir
 
 __all__ = ["InferenceConfig", "InferenceServer", "serve"]
@@ -124,6 +127,14 @@ class InferenceServer:
         self._vocab_size = 0
         self._max_text_bytes = 0
         self._reload_lock = asyncio.Lock()
+        self.groups = WeightGroups(
+            engine=lambda: self.engine,
+            weights_root=self.weights_root,
+            reload_lock=self._reload_lock,
+            timeout_s=config.weight_group_timeout_s,
+            on_loaded=self._loaded_from,
+        )
+        """SGLang's distributed weight update (services/inference/weight_group.py)."""
         self._runner: web.AppRunner | None = None
         self._saved_threads = 0
         self.kernels: dict[str, Any] = {"linear": "aten", "attention": "sdpa"}
@@ -188,7 +199,11 @@ class InferenceServer:
         r.add_route("GET", "/flush_cache", self._flush_cache)
         r.add_route("POST", "/flush_cache", self._flush_cache)
         r.add_post("/set_threads", self._set_threads)  # not SGLang's: the CPU server's thread plan
+        self.groups.routes(app)
         return app
+
+    def _loaded_from(self, path: Path) -> None:
+        self.model_path = path
 
     async def start(self) -> str:
         """Load the model, start the engine and bind; returns the server's URL."""
@@ -217,6 +232,7 @@ class InferenceServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        await self.groups.close()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)
         if (
@@ -386,6 +402,7 @@ class InferenceServer:
                 "context_length": self._context_len,
                 "weight_version": self.engine.version,
                 "kernels": self.kernels,
+                "weight_update_groups": self.groups.describe(),
                 "internal_states": [self.engine.describe()],
             }
         )

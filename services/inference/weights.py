@@ -25,12 +25,22 @@ import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import msgspec
 import torch
 from safetensors.torch import load
 
 from leafe.learner.model_io import MANIFEST, ManifestError, manifest_table
 
-__all__ = ["WeightLoadError", "check_under_root", "load_weight_dir"]
+__all__ = [
+    "ExportIndex",
+    "WeightLoadError",
+    "check_announced",
+    "check_under_root",
+    "export_index",
+    "fit_state",
+    "load_weight_dir",
+    "received_digest",
+]
 
 _SHOWN = 3
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -189,17 +199,26 @@ def load_weight_dir(
         state = _read_checked(dir_fd, path)
     finally:
         os.close(dir_fd)
+    return fit_state(state, model, where=path)
+
+
+def fit_state(
+    state: dict[str, torch.Tensor], model: torch.nn.Module, *, where: object
+) -> dict[str, torch.Tensor]:
+    """``state`` checked against ``model`` and made ready for ``load_state_dict(strict=True,
+    assign=True)``: tied twins filled in, every name present and known, every shape the serving
+    model's, each storage cast once to the model's dtype. ``where`` names the source in errors."""
     reference = model.state_dict()
     _fill_tied(state, reference)
     missing = sorted(reference.keys() - state.keys())
     unexpected = sorted(state.keys() - reference.keys())
     if missing:
         raise _failed(
-            f"{path} lacks {len(missing)} tensors of the serving model, e.g. {missing[:_SHOWN]}"
+            f"{where} lacks {len(missing)} tensors of the serving model, e.g. {missing[:_SHOWN]}"
         )
     if unexpected:
         raise _failed(
-            f"{path} has {len(unexpected)} tensors the serving model lacks, e.g. "
+            f"{where} has {len(unexpected)} tensors the serving model lacks, e.g. "
             f"{unexpected[:_SHOWN]}"
         )
     # Convert each storage once: tied weights (embed_tokens / lm_head) must stay one tensor, or the
@@ -209,8 +228,151 @@ def load_weight_dir(
         t = state[name]
         if t.shape != ref.shape:
             raise _failed(
-                f"{name} has shape {tuple(t.shape)} in {path}, the serving model {tuple(ref.shape)}"
+                f"{name} has shape {tuple(t.shape)} in {where}, the serving model "
+                f"{tuple(ref.shape)}"
             )
         if t.dtype != ref.dtype:
             state[name] = converted.setdefault(id(t), t.to(ref.dtype))
     return state
+
+
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_MAX_HEADER = 100 << 20
+"""safetensors' own bound on a header."""
+
+
+class ExportIndex(msgspec.Struct, frozen=True, kw_only=True):
+    """What a broadcast of one export must match: the header of its one safetensors file (as
+    bytes), each tensor's dtype, shape and byte range in it, and the file's sha256 in the
+    manifest."""
+
+    path: str
+    """The export directory."""
+    file: str
+    """The safetensors file's name (``model.safetensors``)."""
+    header: bytes
+    """The file's first bytes: the 8-byte length and the JSON header."""
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]
+    """Name -> (dtype, shape, start, end) with offsets into the data after the header."""
+    data_bytes: int
+    """Bytes after the header."""
+    sha256: str
+    """The file's sha256 in ``manifest.json``."""
+
+
+def _read_header(dir_fd: int, name: str, where: Path) -> tuple[bytes, int]:
+    """The length prefix and JSON header of safetensors file ``name``, and the file's size."""
+    try:
+        fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        raise _failed(f"cannot open {where / name}: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _failed(f"{where / name} is not a regular file")
+        prefix = f.read(8)
+        size = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 < size <= min(_MAX_HEADER, st.st_size - 8):
+            raise _failed(f"{where / name} is not a safetensors file (header length {size})")
+        return prefix + f.read(size), st.st_size
+
+
+def export_index(path: Path, *, root: Path | None) -> ExportIndex:
+    """The :class:`ExportIndex` of export ``path`` (under ``root``, opened as
+    :func:`load_weight_dir` opens it): only its manifest and its safetensors header are read, not
+    the weights. An export of several safetensors files is refused (one file's sha256 cannot cover
+    a subset of the tensors)."""
+    path = check_under_root(Path(path), root)
+    assert root is not None
+    dir_fd = _open_dir(path, Path(root).resolve())
+    try:
+        listed = _listed_files(dir_fd, path)
+        files = sorted(n for n in listed if n.endswith(".safetensors"))
+        if len(files) != 1:
+            raise _failed(
+                f"{path} holds {len(files)} safetensors files; a broadcast is checked against "
+                "an export of exactly one"
+            )
+        header, size = _read_header(dir_fd, files[0], path)
+    finally:
+        os.close(dir_fd)
+    try:
+        meta = msgspec.json.decode(header[8:])
+    except msgspec.DecodeError as e:
+        raise _failed(f"{path / files[0]}: unreadable safetensors header ({e})") from None
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+    for name, info in meta.items() if isinstance(meta, dict) else ():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _ST_DTYPES[info["dtype"]]
+            start, end = (int(x) for x in info["data_offsets"])
+            tensors[name] = (dtype, tuple(int(d) for d in info["shape"]), start, end)
+        except (KeyError, TypeError, ValueError):
+            raise _failed(f"{path / files[0]}: bad header entry for {name!r}") from None
+    return ExportIndex(
+        path=str(path),
+        file=files[0],
+        header=header,
+        tensors=tensors,
+        data_bytes=size - len(header),
+        sha256=listed[files[0]],
+    )
+
+
+def check_announced(
+    index: ExportIndex, announced: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+) -> None:
+    """The announced tensors are exactly the export's: the same names, each with the export's dtype
+    and shape (a clear error naming the first that differs)."""
+    missing = sorted(index.tensors.keys() - announced.keys())
+    extra = sorted(announced.keys() - index.tensors.keys())
+    if missing or extra:
+        raise _failed(
+            f"the announced tensors differ from the export {index.path}: missing "
+            f"{missing[:_SHOWN]} ({len(missing)}), not in it {extra[:_SHOWN]} ({len(extra)})"
+        )
+    for name, (dtype, shape) in announced.items():
+        want_dtype, want_shape, _, _ = index.tensors[name]
+        if dtype != want_dtype:
+            raise _failed(
+                f"{name} was announced as {str(dtype).removeprefix('torch.')}, the export "
+                f"{index.path} holds {str(want_dtype).removeprefix('torch.')}"
+            )
+        if shape != want_shape:
+            raise _failed(
+                f"{name} was announced with shape {shape}, the export {index.path} holds "
+                f"{want_shape}"
+            )
+
+
+def received_digest(index: ExportIndex, state: dict[str, torch.Tensor]) -> str:
+    """The sha256 the export's file would have if it held ``state``: its header, then each
+    tensor's bytes in the file's order. Equal to the manifest's only when every byte matches
+    (``state`` must hold exactly the file's names, with its dtypes and shapes: check that first
+    with :func:`check_announced`)."""
+    h = hashlib.sha256(index.header)
+    at = 0
+    for name, (_, _, start, end) in sorted(index.tensors.items(), key=lambda kv: kv[1][2]):
+        if start != at:
+            raise _failed(f"{index.path}/{index.file}: a gap before {name} in the file")
+        t = state[name].detach().contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy()
+        if data.nbytes != end - start:
+            raise _failed(f"{name}: {data.nbytes} bytes received, the export holds {end - start}")
+        h.update(data.data)
+        at = end
+    if at != index.data_bytes:
+        raise _failed(f"{index.path}/{index.file}: {index.data_bytes - at} bytes after the tensors")
+    return h.hexdigest()

@@ -143,7 +143,14 @@ async def test_flush_cache_and_future_weight_routes_need_the_admin_key(keyed: Ke
     The admin key is no API key: it does not generate."""
     url = keyed.server.url
     async with aiohttp.ClientSession() as s:
-        for path in ("/flush_cache", "/update_weights_from_tensor", "/init_weights_update_group"):
+        for path in (
+            "/flush_cache",
+            "/update_weights_from_tensor",
+            "/init_weights_update_group",
+            "/update_weights_from_distributed",
+            "/destroy_weights_update_group",
+            "/get_weights_by_name",
+        ):
             async with s.post(url + path, json={}, headers=keyed.bearer("api")) as r:
                 assert r.status == 401, path
         async with s.post(url + "/flush_cache", headers=keyed.bearer("admin")) as r:

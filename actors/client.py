@@ -223,10 +223,17 @@ class SGLangClient(ServerPool):
         payload: dict[str, Any] = {"model_path": str(model_path)}
         if weight_version is not None:
             payload["weight_version"] = weight_version
+        return await self.weight_route("/update_weights_from_disk", payload, timeout_s=timeout_s)
+
+    async def weight_route(
+        self, route: str, payload: dict[str, Any], *, timeout_s: float = 600.0
+    ) -> list[UpdateResult]:
+        """POST ``payload`` to an SGLang weight route answering ``{"success", "message"}``
+        (``/update_weights_from_disk``, ``/init_weights_update_group``,
+        ``/update_weights_from_distributed``, ...) on every server, with the admin key; one result
+        per server (never raises for a server)."""
         results = []
-        for url, status, body in await self._each(
-            "POST", "/update_weights_from_disk", payload, timeout_s, admin=True
-        ):
+        for url, status, body in await self._each("POST", route, payload, timeout_s, admin=True):
             try:
                 data = msgspec.json.decode(body) if status else None
             except msgspec.DecodeError:

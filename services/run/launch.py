@@ -334,9 +334,10 @@ async def start_pipeline(ctx: RunContext) -> None:
         threads = {"OMP_NUM_THREADS": str(ctx.learner_threads)}
         await ctx.service("learner", learner, env=threads).start()
         servers = [a for url in ctx.engine_urls for a in ("--server", url)]
+        transport = ("--transport", cfg.services.weight_transport)
         await ctx.service(
             "weight-sync",
-            ["weight-sync", *ctx.nats_args("weight-sync"), *servers],
+            ["weight-sync", *ctx.nats_args("weight-sync"), *servers, *transport],
             engine_admin=True,  # the one child that reloads weights
         ).start()
     for i, actor_id in enumerate(actor_ids(ctx)):

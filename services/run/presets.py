@@ -195,6 +195,12 @@ class ServicesSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     busier or another machine."""
     learner: bool = True
     """Run the continuous learner (and weight sync)."""
+    weight_transport: Literal["disk", "distributed"] = "disk"
+    """How weight sync brings new versions to the inference servers: ``disk`` (each loads the export
+    with ``/update_weights_from_disk``) or ``distributed`` (weight sync reads the export once and
+    broadcasts it over a gloo group of the servers; the exports stay the record, and a server new to
+    the group loads the latest from disk first). docs/weight-transport.md says when to choose
+    which."""
     router: bool = False
     """Put sglang-router 0.3.2 (the gpu overlay's router, ``pip install sglang-router==0.3.2``) in
     front of the inference servers: actors and evaluations send every request through it, as on the

@@ -10,6 +10,8 @@
     leafe weight-sync ... --metrics-port 9465
     # read by the engine's liveness probe
     leafe weight-sync ... --engine-lock /run/leafe/engine/reload.lock
+    # broadcast each version to a group of the servers (this process is rank 0)
+    leafe weight-sync ... --transport distributed --master-address 10.0.0.5 --rendezvous-port 29600
 
 How it reconciles is described in ``services/weight_sync/service.py``. It reads the engines' API key
 from ``$LEAFE_ENGINE_API_KEY_FILE`` (``/model_info``) and their admin key, which the weight routes
@@ -56,6 +58,24 @@ def _parser() -> argparse.ArgumentParser:
         "the manifest sha256 only, or off",
     )
     p.add_argument(
+        "--transport",
+        choices=["disk", "distributed"],
+        default=None,
+        help="disk: each server loads the export (default); distributed: broadcast it to a "
+        "group of the servers (SGLang's /update_weights_from_distributed)",
+    )
+    p.add_argument(
+        "--master-address",
+        default=None,
+        help="distributed: the address the servers reach this process's rendezvous store on",
+    )
+    p.add_argument(
+        "--rendezvous-port",
+        type=int,
+        default=None,
+        help="distributed: the rendezvous store's port (0: a free one)",
+    )
+    p.add_argument(
         "--engine-lock",
         default=None,
         help="file held locked while the server loads, read by the engine's liveness probe "
@@ -79,6 +99,9 @@ def main(argv: list[str]) -> int:
         "reconcile_interval_s": a.reconcile_interval,
         "verify": a.verify,
         "engine_lock": a.engine_lock,
+        "transport": a.transport,
+        "master_address": a.master_address,
+        "rendezvous_port": a.rendezvous_port,
     }
     try:
         nats = nats_options(a)

@@ -21,22 +21,26 @@ import socket
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 import structlog
 from nats.js.errors import NotFoundError
 
-from leafe.actors.client import SGLangClient
+from leafe.actors.client import SGLangClient, UpdateResult
 from leafe.actors.engine import EngineError
-from leafe.learner.model_io import ManifestError, verify_manifest
+from leafe.learner.model_io import ManifestError, manifest_files, verify_manifest
 from leafe.learner.weight_store import IN_USE_DIR, mark_in_use, version_index
 from leafe.protocol import WeightsPublished, decode_weights, weights_subject
 from leafe.protocol.codec import CODEC_HEADER, ProtocolError
 from leafe.protocol.subjects import WEIGHTS
 from leafe.services.bus import NatsOptions, connect, wait_for_streams
 from leafe.services.metrics import WeightSyncMetrics
+from leafe.services.weight_sync.broadcast import GroupError, WeightSender
 from leafe.services.weight_sync.lease import LoadSlots
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SyncResult", "WeightSync", "WeightSyncConfig"]
 
@@ -71,6 +75,27 @@ class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     (``update_timeout_s`` + 60 s)."""
     lease_poll_s: float = 1.0
     """How often a weight sync waiting for the lease tries again."""
+    transport: Literal["disk", "distributed"] = "disk"
+    """How a new version reaches the servers. ``disk``: each server loads the export with
+    ``/update_weights_from_disk``. ``distributed``: this process reads the export once and
+    broadcasts it to a group of the servers (``/init_weights_update_group``,
+    ``/update_weights_from_distributed``; services/weight_sync/broadcast.py). The exports stay on
+    disk as the record either way: a server new to the group (started late, restarted) first loads
+    the latest version from disk, then joins; a broadcast that fails is retried
+    (``broadcast_attempts``), then that version goes by disk."""
+    master_address: str = "127.0.0.1"
+    """``distributed``: the address the servers reach this process's rendezvous store on."""
+    rendezvous_port: int = 0
+    """``distributed``: the store's TCP port (0: a free port per group, for one machine; a
+    Deployment fixes one its NetworkPolicy opens)."""
+    group_backend: Literal["gloo", "nccl"] = "gloo"
+    """``distributed``: ``gloo`` (CPU, TCP) or ``nccl`` (this process and the servers on GPUs)."""
+    broadcast_timeout_s: float = 300.0
+    """``distributed``: a rendezvous or broadcast waits this long for the other members."""
+    broadcast_attempts: int = 3
+    """``distributed``: broadcasts of one version that may fail before it goes by disk."""
+    bucket_mb: int = 512
+    """``distributed``: tensors in flight at once (MiB)."""
     engine_lock: str = ""
     """A file held locked (``flock``) while the server loads, with the load's deadline in it: the
     engine's liveness probe (deploy/components/sglang/liveness.py) then answers alive instead of
@@ -78,9 +103,22 @@ class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     ``/health``)."""
 
     def __post_init__(self) -> None:
-        for name in ("reconcile_interval_s", "update_timeout_s", "lease_poll_s"):
+        for name in (
+            "reconcile_interval_s",
+            "update_timeout_s",
+            "lease_poll_s",
+            "broadcast_timeout_s",
+        ):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)!r}")
+        if not 0 <= self.rendezvous_port < 65536:
+            raise ValueError(f"rendezvous_port must be in 0..65535, got {self.rendezvous_port!r}")
+        if self.broadcast_attempts < 1:
+            raise ValueError(f"broadcast_attempts must be >= 1, got {self.broadcast_attempts!r}")
+        if self.bucket_mb < 1:
+            raise ValueError(f"bucket_mb must be >= 1, got {self.bucket_mb!r}")
+        if self.transport == "distributed" and not self.master_address:
+            raise ValueError("transport = 'distributed' needs master_address (empty)")
 
 
 class SyncResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -95,6 +133,8 @@ class SyncResult(msgspec.Struct, frozen=True, kw_only=True):
     started_at: float = 0.0
     """When the update call began (``time.time()``): with ``seconds``, when the server was
     loading."""
+    transport: str = "disk"
+    """How the version was sent: ``disk`` (``/update_weights_from_disk``) or ``distributed``."""
 
 
 def _sha256(path: Path) -> str:
@@ -141,6 +181,24 @@ class WeightSync:
             load_deadline_s=cfg.update_timeout_s + 60.0,
         )
         """Who may load now (services/weight_sync/lease.py)."""
+        self.sender: WeightSender | None = None
+        """``transport = "distributed"``: rank 0 of the servers' weight group."""
+        if cfg.transport == "distributed":
+            self.sender = WeightSender(
+                self.clients,
+                master_address=cfg.master_address,
+                port=cfg.rendezvous_port,
+                backend=cfg.group_backend,
+                timeout_s=cfg.broadcast_timeout_s,
+                bucket_bytes=cfg.bucket_mb << 20,
+                run_id=run_id,
+            )
+        self._group_stale = False
+        """A member's version changed behind the group's back: form it anew before a push."""
+        self.broadcast_failures: dict[str, int] = {}
+        """Failed broadcasts per version (``broadcast_attempts`` of them send it by disk)."""
+        self._record: tuple[str, dict[str, torch.Tensor]] | None = None
+        """The desired version's tensors, read once from its export."""
 
     def offer(self, event: WeightsPublished) -> None:
         """A new announcement: becomes the desired state if it is newer. One without the manifest's
@@ -165,7 +223,9 @@ class WeightSync:
             )
 
     async def close(self) -> None:
-        """Close the HTTP sessions."""
+        """Leave the weight group, close the HTTP sessions."""
+        if self.sender is not None:
+            await self.sender.disband()
         for c in self.clients.values():
             await c.close()
 
@@ -219,6 +279,11 @@ class WeightSync:
             seconds=time.perf_counter() - t0,
             started_at=started_at,
         )
+        return self._record_result(res, event)
+
+    def _record_result(self, res: SyncResult, event: WeightsPublished) -> SyncResult:
+        """Book one server's outcome: served version, metrics, in-use marker, retry backoff."""
+        url = res.url
         self.results[url] = res
         self.metrics.push_seconds.observe(res.seconds)
         if res.success:
@@ -232,6 +297,7 @@ class WeightSync:
                 "weight_sync.server.updated",
                 url=url,
                 version=event.version,
+                transport=res.transport,
                 seconds=round(res.seconds, 3),
                 since_publish_s=since,
             )
@@ -246,7 +312,8 @@ class WeightSync:
                 "weight_sync.server.failed",
                 url=url,
                 version=event.version,
-                message=r.message,
+                transport=res.transport,
+                message=res.message,
                 retry_in_s=backoff,
             )
         return res
@@ -277,13 +344,76 @@ class WeightSync:
         if event is None or not await self._verified(event):
             return {}
         done: dict[str, SyncResult] = {}
-        for url in await self._behind(event, refresh=refresh):
+        behind = await self._behind(event, refresh=refresh)
+        if self.sender is not None:
+            wire = self._by_wire(event, behind)
+            if wire:
+                done.update(await self._broadcast(event, wire))
+            behind = [u for u in behind if u not in wire]
+        for url in behind:
             async with self.slots.take(url, event.version, Path(event.uri).parent) as granted:
                 if not granted:  # another weight sync's server loads: ask again soon
                     self.retry_at[url] = time.monotonic() + self.cfg.lease_poll_s
                     break
                 done[url] = await self._update(url, event)  # the others keep serving meanwhile
         return done
+
+    def _by_wire(self, event: WeightsPublished, behind: list[str]) -> list[str]:
+        """The servers ``event`` goes to by broadcast: those behind that already serve a version of
+        this store (a fresh or restarted server, at ``default``, loads the record from disk first),
+        while the version has failed fewer than ``broadcast_attempts`` broadcasts."""
+        if self.broadcast_failures.get(event.version, 0) >= self.cfg.broadcast_attempts:
+            return []
+        return [u for u in behind if (version_index(self.served.get(u, "")) or 0) > 0]
+
+    async def _broadcast(self, event: WeightsPublished, urls: list[str]) -> dict[str, SyncResult]:
+        """Push ``event``'s export to ``urls`` over their weight group (formed anew when its members
+        differ); a failure leaves the old weights serving, is counted against the version and
+        retried after the backoff."""
+        assert self.sender is not None
+        started_at, t0 = time.time(), time.perf_counter()
+        try:
+            state = await self._record_state(event)
+            if tuple(urls) != self.sender.members or self._group_stale:
+                self._group_stale = False
+                await self.sender.form(urls)
+            answers = await self.sender.push(state, event.version)
+        except (GroupError, OSError, ManifestError) as e:
+            answers = [UpdateResult(url=u, success=False, message=str(e)) for u in urls]
+        results = {}
+        for r in answers:
+            res = SyncResult(
+                url=r.url,
+                version=event.version,
+                success=r.success,
+                message=r.message,
+                seconds=time.perf_counter() - t0,
+                started_at=started_at,
+                transport="distributed",
+            )
+            results[r.url] = self._record_result(res, event)
+        if not all(r.success for r in answers):
+            n = self.broadcast_failures[event.version] = (
+                self.broadcast_failures.get(event.version, 0) + 1
+            )
+            for r in answers:  # ask them again: a dead one drops out of the next group
+                self.served.pop(r.url, None)
+            log.warning(
+                "weight_sync.broadcast.failed",
+                version=event.version,
+                attempt=n,
+                of=self.cfg.broadcast_attempts,
+                then="disk" if n >= self.cfg.broadcast_attempts else "retry",
+            )
+        return results
+
+    async def _record_state(self, event: WeightsPublished) -> dict[str, torch.Tensor]:
+        """The tensors of ``event``'s export (its safetensors files as the manifest lists them),
+        read once per version: this is what every server checks its broadcast against."""
+        if self._record is None or self._record[0] != event.version:
+            self._record = None  # the old version's tensors go before the new ones are read
+            self._record = (event.version, await asyncio.to_thread(_read_record, Path(event.uri)))
+        return self._record[1]
 
     async def _behind(self, event: WeightsPublished, *, refresh: bool) -> list[str]:
         """The servers not known to serve ``event``'s version (asked again with ``refresh``), unless
@@ -296,6 +426,8 @@ class WeightSync:
                 actual = await self._actual(url)
                 if actual is None:
                     return False
+                if self.sender and url in self.sender.members and actual != self.served.get(url):
+                    self._group_stale = True  # restarted (or reloaded by someone else)
                 self.served[url] = actual
                 self.metrics.served(url, actual)
             if self.served[url] == event.version:
@@ -373,6 +505,19 @@ class WeightSync:
             self.offer(decode_weights(data, headers.get(CODEC_HEADER)))
         except ProtocolError as e:
             log.warning("weight_sync.announcement.undecodable", error=str(e))
+
+
+def _read_record(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the export at ``path``, from the safetensors files its manifest lists."""
+    from safetensors.torch import load_file
+
+    files = sorted(n for n in manifest_files(path / "manifest.json") if n.endswith(".safetensors"))
+    if not files:
+        raise ManifestError(f"{path}: the manifest lists no safetensors file")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(str(path / name)))
+    return state
 
 
 async def _latest(js: object, run_id: str) -> WeightsPublished | None:

@@ -315,3 +315,26 @@ def _check_offline_eval_equals_the_runs(run_dir: Path, report: dict[str, Any], o
         for field in ("task_ids", "successes", "passk", "mean_steps", "parse_failure_rate"):
             assert offline[field] == run[field], (label, field, offline[field], run[field])
         assert offline["mean_prompt_tokens"] == pytest.approx(run["mean_prompt_tokens"]), label
+
+
+@pytest.mark.slow
+def test_tiny_run_pushes_weights_over_the_wire(tmp_path: Path, cache_dir: Path) -> None:
+    """``services.weight_transport = "distributed"``: the first version reaches the fresh servers
+    from disk (the record), later ones over their gloo group with weight sync as rank 0, and the run
+    ends with its final version served."""
+    config = tmp_path / "wire.toml"
+    config.write_text('[services]\ncores = 2\nweight_transport = "distributed"\n')
+    done = _leafe_run(tmp_path / "runs", "wire", cache_dir, "--config", str(config))
+    assert done.returncode == 0, done.stderr[-4000:]
+    run_dir = tmp_path / "runs" / "wire"
+    report = _report(run_dir)
+    assert report["run"]["weights_version"] != "default" and report["run"]["learner_step"] > 0
+    lines = (run_dir / "logs" / "weight-sync.log").read_text().splitlines()
+    updates = [
+        e
+        for e in (json.loads(line) for line in lines if line.startswith("{"))
+        if e.get("event") == "weight_sync.server.updated"
+    ]
+    by = {e["transport"] for e in updates}
+    assert by == {"disk", "distributed"}, updates
+    assert updates[-1]["version"] == report["run"]["weights_version"], updates[-1]

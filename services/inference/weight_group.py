@@ -218,7 +218,7 @@ class WeightGroups:
             return web.json_response(_body(False, str(e)), status=400)
         t0 = time.perf_counter()
         try:
-            pg = await asyncio.to_thread(_join, req, self._timeout_s)
+            pg = await _in_daemon(_join, req, self._timeout_s)
         except Exception as e:  # rendezvous refused, timed out or reset: say why, join nothing
             message = f"Failed to init group: {type(e).__name__}: {e}"
             log.warning("inference.group.init_failed", group=req.group_name, error=message)
@@ -277,7 +277,7 @@ class WeightGroups:
         t0 = time.perf_counter()
         try:
             try:
-                state = await asyncio.to_thread(_receive, group, req.names, specs)
+                state = await _in_daemon(_receive, group, req.names, specs)
             except Exception as e:  # a member died or the sender timed out: the group is unusable
                 self._leave(req.group_name)
                 message = (
@@ -433,6 +433,36 @@ class WeightGroups:
         except Exception as e:  # already broken: nothing more to release
             log.debug("inference.group.shutdown_error", group=name, error=str(e))
         log.info("inference.group.left", group=name)
+
+
+async def _in_daemon(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a daemon thread of its own: a rendezvous or receive blocked on a member that
+    never comes cannot be woken, and must not hold the process's exit (the default executor's
+    threads are joined at exit) for the group's timeout."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def run() -> None:
+        try:
+            outcome: tuple[Any, BaseException | None] = (fn(*args), None)
+        except BaseException as e:  # handed to the awaiting handler, which reports it
+            outcome = (None, e)
+        try:
+            loop.call_soon_threadsafe(_settle, done, *outcome)
+        except RuntimeError:  # the server stopped meanwhile: nobody waits any more
+            pass
+
+    threading.Thread(target=run, name="leafe-weight-group", daemon=True).start()
+    return await done
+
+
+def _settle(done: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if done.done():  # the handler was cancelled meanwhile
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)
 
 
 async def _decode(request: web.Request, kind: type[Any]) -> Any:

@@ -63,5 +63,6 @@ class InferenceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     members before it fails (the old weights keep serving, the group is left)."""
     weights_root: str = ""
     """``/update_weights_from_disk`` loads only directories under this one (symlinks and ``..``
-    resolved), and only with a ``manifest.json`` whose sha256s match; empty = weight updates are
+    resolved), and only with a ``manifest.json`` whose sha256s match; a distributed update installs
+    only what hashes to the manifest of ``<this>/<weight_version>/``; empty = weight updates are
     refused."""

@@ -516,7 +516,10 @@ def _read_record(path: Path) -> dict[str, torch.Tensor]:
         raise ManifestError(f"{path}: the manifest lists no safetensors file")
     state: dict[str, torch.Tensor] = {}
     for name in files:
-        state.update(load_file(str(path / name)))
+        try:
+            state.update(load_file(str(path / name)))
+        except Exception as e:  # safetensors' own error types for a truncated or damaged file
+            raise ManifestError(f"{path / name}: unreadable ({type(e).__name__}: {e})") from e
     return state
 
 

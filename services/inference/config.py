@@ -46,12 +46,20 @@ class InferenceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """Token budget of the prefix cache: prompt KV kept for reuse by later prompts with the same
     prefix, least recently used first out (0 = off). SmolLM2 needs ~46 KB per token in float32 (~23
     KB in bfloat16), so the default holds ~0.75 GB at most."""
-    trim_every_s: float = 10.0
-    """Give the free pages inside glibc's heaps back to the OS at most this often, between steps or
-    once idle after work (``malloc_trim``); 0 = never. The prefix cache's KV blocks and prefill
-    activations come in every size, and glibc keeps the holes they leave resident: without it the
-    server grew past 8 GB in a 35-minute online run (``learner/memory.py``,
-    ``bench/inference_memory.py``)."""
+    trim_idle_s: float = 1.0
+    """Give the free pages inside glibc's heaps back to the OS (``malloc_trim``) once the engine has
+    been idle this long after work; 0 = never. The prefix cache's KV blocks and prefill activations
+    come in every size, and glibc keeps the holes they leave resident: without trimming the server
+    grew past 8 GB in a 35-minute online run (``learner/memory.py``, ``bench/inference_memory.py``).
+    An idle server is what a training learner runs beside, so that is when the pages matter."""
+    trim_growth_mb: int = 256
+    """While busy, trim between two steps only once the resident set has grown by more than this
+    many MB (10^6 bytes) since the last trim; 0 = never while busy. A trim returns pages the next
+    steps fault in again, so trimming on a clock cost CPU with nothing to return; this bounds the
+    resident set at the trimmed size plus this margin instead."""
+    trim_every_s: float = 0.0
+    """Also trim at most this often, between steps or once idle after work (the periodic policy
+    before ``trim_idle_s``/``trim_growth_mb``, kept for side-by-side measurement); 0 = never."""
     api_key_file: str = ""
     """File holding the API key every route but ``/health`` and ``/ready`` requires (SGLang's
     ``--api-key``, sent as ``Authorization: Bearer``); empty = no key (a warning at start)."""

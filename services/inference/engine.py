@@ -10,7 +10,8 @@ dynamically and swaps weights between batches.
         goes into the cache (LRU-evicted down to its budget), and the rows join the running batch
         between decode steps
  swap_weights(state) ─► admission paused ─► running rows finish ─► load_state_dict(assign) ─► resume
- every trim_every_s, between steps or once idle: glibc's free pages go back to the OS (malloc_trim)
+ glibc's free heap pages go back to the OS (malloc_trim) once the engine has idled trim_idle_s
+ after work, and between steps only once the resident set grew by trim_growth_bytes since a trim
 ```
 Torch releases the GIL in its kernels, so the asyncio loop serving HTTP stays responsive while the
 worker computes. Each request is served by one weight version: a swap waits for the running rows (or
@@ -31,7 +32,7 @@ from typing import Any
 import structlog
 import torch
 
-from leafe.learner.memory import return_free_memory
+from leafe.learner.memory import resident_bytes, return_free_memory
 from leafe.services.inference.decode import DecodeBatch, GenSequence, StopChecker
 from leafe.services.inference.kernels import repack
 from leafe.services.inference.kv import KVLayout
@@ -96,7 +97,10 @@ class EngineStats:
     finished: int = 0
     swaps: int = 0
     trims: int = 0
-    """Times the worker gave glibc's free pages back to the OS (``trim_every_s``)."""
+    """Times the worker gave glibc's free pages back to the OS (idle, grown or periodic)."""
+    busy_trims: int = 0
+    """Those of them done between two steps of a running batch (``trim_growth_bytes`` or
+    ``trim_every_s``), not while idle."""
     trim_s: float = 0.0
     """Wall seconds spent doing so."""
     batch_sizes: dict[int, int] = field(default_factory=dict)
@@ -134,11 +138,19 @@ class GenerationEngine:
         max_prefill_tokens: int = 8192,
         version: str = "default",
         prefix_cache: PrefixCache | None = None,
+        trim_idle_s: float = 0.0,
+        trim_growth_bytes: int = 0,
         trim_every_s: float = 0.0,
     ) -> None:
-        """``trim_every_s``: give glibc's free pages back to the OS at most this often, between
-        steps or once the engine has gone idle after work (0: never;
-        :func:`leafe.learner.memory.return_free_memory`)."""
+        """When to give glibc's free heap pages back to the OS
+        (:func:`leafe.learner.memory.return_free_memory`, a walk over every arena); each 0 = never:
+
+        - ``trim_idle_s``: once the engine has had no work for this long after work;
+        - ``trim_growth_bytes``: between two steps, when the resident set has grown by more than
+          this since the last trim (so a busy server stays within that much of its trimmed size);
+        - ``trim_every_s``: at most this often, between steps or once idle after work (the periodic
+          policy; a trim returns pages the next steps fault in again, so this one costs the most
+          CPU, and is kept to measure the others against)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model = model
@@ -149,9 +161,18 @@ class GenerationEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.version = version
         self.prefix = prefix_cache
+        if trim_idle_s < 0 or trim_growth_bytes < 0 or trim_every_s < 0:
+            raise ValueError(
+                "trim_idle_s, trim_growth_bytes and trim_every_s must be >= 0, got "
+                f"{trim_idle_s}, {trim_growth_bytes}, {trim_every_s}"
+            )
+        self.trim_idle_s = trim_idle_s
+        self.trim_growth_bytes = trim_growth_bytes
         self.trim_every_s = trim_every_s
         self._trimmed_at = time.monotonic()
+        self._resident_after_trim = resident_bytes()
         self._worked = False  # since the last trim
+        self._idle_expired = False  # idle for trim_idle_s after work, untrimmed
         self.stats = EngineStats()
         self.layout = KVLayout.of(model)
         self._cond = threading.Condition()
@@ -264,7 +285,7 @@ class GenerationEngine:
                     log.exception("inference.batch.failed", rows=len(self._batch) + len(new))
                     self._fail(new + self._batch.seqs, e)
                     self._batch = DecodeBatch(self.layout)
-                if self._trim_wait() == 0.0:
+                if self._trim_due():
                     self._trim()
         self._fail([*self._batch.seqs, *self._pending], None)
 
@@ -274,9 +295,15 @@ class GenerationEngine:
         with self._cond:
             idle = not self._batch and not self._pending and self._swap is None
             if idle and not self._stopping and self._threads_wanted in (0, self._threads):
-                woken = self._cond.wait(self._trim_wait())
+                idle_since = time.monotonic()
+                woken = self._cond.wait(self._idle_wait())
                 if not woken and not self._pending and self._swap is None and not self._stopping:
-                    return [], None  # idle past the trim's time: the caller trims, then waits again
+                    self._idle_expired = (
+                        self._worked
+                        and self.trim_idle_s > 0
+                        and time.monotonic() - idle_since >= self.trim_idle_s
+                    )
+                    return [], None  # idle past a trim's time: the caller trims, then waits again
                 deadline = time.monotonic() + self.batch_wait_s
                 while (
                     len(self._pending) < self.max_batch
@@ -295,22 +322,40 @@ class GenerationEngine:
             new = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
         return [s for s in new if not s.group.cancelled], None
 
-    def _trim_wait(self) -> float | None:
-        """Seconds until a trim is due (0.0: now), or None when none is (trimming off, or no work
-        since)."""
-        if not self.trim_every_s or not self._worked:
+    def _idle_wait(self) -> float | None:
+        """How long an idle worker may wait before a trim is due, or None (no work since the last
+        trim, or idle and periodic trims off)."""
+        if not self._worked:
             return None
-        return max(0.0, self._trimmed_at + self.trim_every_s - time.monotonic())
+        waits = [self.trim_idle_s] if self.trim_idle_s else []
+        if self.trim_every_s:
+            waits.append(max(0.0, self._trimmed_at + self.trim_every_s - time.monotonic()))
+        return min(waits, default=None)
+
+    def _trim_due(self) -> bool:
+        """Whether to trim now, after a pass of the worker's loop."""
+        if not self._worked:
+            return False
+        if self._idle_expired:
+            return True
+        if self.trim_every_s and time.monotonic() >= self._trimmed_at + self.trim_every_s:
+            return True
+        return (
+            self.trim_growth_bytes > 0
+            and resident_bytes() - self._resident_after_trim > self.trim_growth_bytes
+        )
 
     def _trim(self) -> None:
         t0 = time.perf_counter()
         if return_free_memory():
             self.stats.trims += 1
+            self.stats.busy_trims += bool(self._batch)
             self.stats.trim_s += time.perf_counter() - t0
         else:
             log.warning("inference.memory.trim_unavailable", reason="the C library is not glibc")
-            self.trim_every_s = 0.0
-        self._trimmed_at, self._worked = time.monotonic(), False
+            self.trim_idle_s, self.trim_growth_bytes, self.trim_every_s = 0.0, 0, 0.0
+        self._trimmed_at, self._worked, self._idle_expired = time.monotonic(), False, False
+        self._resident_after_trim = resident_bytes()
 
     def _admit(self, seqs: list[GenSequence]) -> None:
         """Prefill new sequences (one row per distinct prompt, from its cached prefix; rows of

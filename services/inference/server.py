@@ -179,6 +179,8 @@ class InferenceServer:
             prefix_cache=PrefixCache(self.config.prefix_cache_tokens)
             if self.config.prefix_cache_tokens
             else None,
+            trim_idle_s=self.config.trim_idle_s,
+            trim_growth_bytes=self.config.trim_growth_mb * 10**6,
             trim_every_s=self.config.trim_every_s,
         )
 

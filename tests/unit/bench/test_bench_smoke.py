@@ -279,10 +279,9 @@ def test_bench_smoke_mode_runs_and_reports_its_figures(area: str, tmp_path: Path
     assert after == before, f"bench.{area} --smoke changed the committed {committed}"
 
 
-def test_the_inference_memory_section_runs_and_reports_both_variants(tmp_path: Path) -> None:
-    """``bench/inference.py --memory --smoke``: both variants, each in its own process, a pass each
-    with its resident set and CPU, the trimmed one having trimmed and the kept one not, and the
-    ratios."""
+def test_the_inference_memory_section_runs_and_reports_every_variant(tmp_path: Path) -> None:
+    """``bench/inference.py --memory --smoke``: every variant, each in its own process, a pass each
+    with its resident set and CPU, each with its trimming policy, and the ratios."""
     out = tmp_path / "inference.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
     run = subprocess.run(
@@ -296,17 +295,21 @@ def test_the_inference_memory_section_runs_and_reports_both_variants(tmp_path: P
     assert run.returncode == 0, f"exited {run.returncode}:\n{run.stderr[-4000:]}"
     memory = json.loads(out.read_text())["memory"]
     where(memory)
-    for variant in ("kept", "trimmed"):
+    for variant in ("kept", "periodic", "grown"):
         [p] = memory[variant]["passes"]
         positive(
             p, "rss_gb", "peak_rss_gb", "user_s", "completion_tokens", "completion_tokens_per_s"
         )
     assert memory["kept"]["trim_every_s"] == 0 and memory["kept"]["passes"][0]["trims"] == 0
-    assert memory["trimmed"]["trim_every_s"] > 0
-    positive(
-        memory,
-        "ratios.rss",
-        "ratios.peak_rss",
-        "ratios.cpu_per_token",
-        "ratios.completion_tokens_per_s",
-    )
+    assert memory["periodic"]["trim_every_s"] > 0 and memory["periodic"]["trim_idle_s"] == 0
+    assert memory["grown"]["trim_every_s"] == 0 and memory["grown"]["trim_idle_s"] > 0
+    assert memory["grown"]["trim_growth_mb"] > 0
+    for variant in ("periodic", "grown"):
+        positive(
+            memory,
+            f"ratios.{variant}.rss",
+            f"ratios.{variant}.peak_rss",
+            f"ratios.{variant}.cpu_per_token",
+            f"ratios.{variant}.completion_tokens_per_s",
+        )
+    positive(memory, "ratios_to_periodic.grown.cpu_per_token")

@@ -50,7 +50,7 @@ EngineFactory = Callable[..., GenerationEngine]
 
 @pytest.fixture
 def make_engine(tokenizer: Any, sharp_state: dict[str, torch.Tensor]) -> Iterator[EngineFactory]:
-    """``make_engine(cache_tokens=None, max_batch=16, batch_wait_s=0.005, trim_every_s=0.0)``: a
+    """``make_engine(cache_tokens=None, max_batch=16, batch_wait_s=0.005, **trims)``: a
     started engine over the peaked tiny model (``cache_tokens=None``: no prefix cache); stopped
     after the test."""
     engines: list[GenerationEngine] = []
@@ -59,6 +59,8 @@ def make_engine(tokenizer: Any, sharp_state: dict[str, torch.Tensor]) -> Iterato
         cache_tokens: int | None = None,
         max_batch: int = 16,
         batch_wait_s: float = 0.005,
+        trim_idle_s: float = 0.0,
+        trim_growth_bytes: int = 0,
         trim_every_s: float = 0.0,
     ) -> GenerationEngine:
         model = load_model(tiny_model_dir())
@@ -70,6 +72,8 @@ def make_engine(tokenizer: Any, sharp_state: dict[str, torch.Tensor]) -> Iterato
             max_batch=max_batch,
             batch_wait_s=batch_wait_s,
             prefix_cache=PrefixCache(cache_tokens) if cache_tokens else None,
+            trim_idle_s=trim_idle_s,
+            trim_growth_bytes=trim_growth_bytes,
             trim_every_s=trim_every_s,
         )
         engine.start()

@@ -1,5 +1,6 @@
-"""The engine gives glibc's free heap pages back to the OS: between steps and once idle after work,
-at most every ``trim_every_s``; and :func:`leafe.learner.memory.return_free_memory` really does give
+"""The engine gives glibc's free heap pages back to the OS once idle after work
+(``trim_idle_s``), and between steps only once its resident set grew (``trim_growth_bytes``) or on
+a clock (``trim_every_s``); and :func:`leafe.learner.memory.return_free_memory` really does give
 them back."""
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ ROOT = Path(__file__).resolve().parents[4]
 
 
 class Trims:
-    """The engine's trims: when (``time.monotonic()``) and after how many forward passes and
-    swaps."""
+    """The engine's trims: when (``time.monotonic()``), after how many forward passes and swaps, and
+    how many rows were running and waiting at the time."""
 
     def __init__(self) -> None:
         self.engine: GenerationEngine | None = None
         self.times: list[float] = []
         self.work: list[int] = []
+        self.running: list[int] = []
 
     def done(self) -> int:
         assert self.engine is not None
@@ -41,35 +43,77 @@ def trims(monkeypatch: pytest.MonkeyPatch) -> Trims:
     real, record = engine_module.return_free_memory, Trims()
 
     def spy() -> bool:
+        assert record.engine is not None
         record.times.append(time.monotonic())
         record.work.append(record.done())
+        record.running.append(len(record.engine._batch))  # the worker's own thread: exact
         return real()
 
     monkeypatch.setattr(engine_module, "return_free_memory", spy)
     return record
 
 
-def test_an_engine_trims_after_its_last_step_and_not_while_idle(
+def test_an_idle_engine_trims_once_after_its_last_step(
     make_engine: EngineFactory, trims: Trims
 ) -> None:
-    """However a request's steps fall against ``trim_every_s``, once the engine is idle its last
-    trim came after its last forward pass (nothing it freed stays kept), and an idle engine does not
-    trim again."""
-    trims.engine = engine = make_engine(trim_every_s=0.2)
+    """Once the engine has been idle ``trim_idle_s`` after work it trims once, after its last
+    forward pass (nothing it freed stays kept), and an idle engine does not trim again."""
+    trims.engine = engine = make_engine(trim_idle_s=0.2)
     time.sleep(0.4)
     assert trims.times == []  # no work yet: nothing to give back
     for prompt, tokens in (([1, 2, 3, 4], 4), ([5, 6, 7], 40), ([8, 9], 1)):
-        generate(engine, [prompt], new_tokens=tokens)
-        time.sleep(0.2 + 0.5)
-        assert trims.work and trims.work[-1] == trims.done(), (trims.work, trims.done())
         n = len(trims.times)
+        generate(engine, [prompt], new_tokens=tokens)
+        finished = time.monotonic()
+        time.sleep(0.2 + 0.5)
+        assert len(trims.times) == n + 1, trims.times
+        assert trims.times[-1] - finished >= 0.2 - 0.02  # not before the idle time
+        assert trims.work[-1] == trims.done(), (trims.work, trims.done())
         time.sleep(0.5)
-        assert len(trims.times) == n, "idle without new work: no more trims"
-    assert engine.stats.trims == len(trims.times) and engine.stats.trim_s > 0
-    assert all(b - a >= 0.2 for a, b in itertools.pairwise(trims.times))
+        assert len(trims.times) == n + 1, "idle without new work: no more trims"
+    assert engine.stats.trims == len(trims.times) == 3 and engine.stats.trim_s > 0
+    assert engine.stats.busy_trims == 0 and trims.running == [0, 0, 0]
 
 
-def test_a_busy_engine_trims_between_steps(make_engine: EngineFactory, trims: Trims) -> None:
+def test_an_idle_trim_never_interrupts_a_busy_batch(
+    make_engine: EngineFactory, trims: Trims
+) -> None:
+    """Requests that arrive closer together than ``trim_idle_s`` keep the engine busy: it never
+    trims while rows are running or between them, only once they are all done and it idled."""
+    trims.engine = engine = make_engine(trim_idle_s=0.15)
+    futures = [submit(engine, [1, 2, 3], new_tokens=200)]
+    for k in range(6):  # each joins a running batch, or follows the last within 0.05 s
+        time.sleep(0.05)
+        futures.append(submit(engine, [4 + k, 5, 6], new_tokens=20 + 10 * k))
+    for f in futures:
+        f.result(timeout=120)
+    busy = engine.stats.decode_steps
+    assert trims.times == [], "a trim while requests were running or arriving"
+    time.sleep(0.15 + 0.4)
+    assert len(trims.times) == 1 and trims.running == [0] and trims.work == [trims.done()]
+    assert engine.stats.decode_steps == busy and engine.stats.busy_trims == 0
+
+
+def test_a_busy_engine_trims_between_steps_once_grown(
+    make_engine: EngineFactory, trims: Trims, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``trim_growth_bytes``: a busy engine trims between steps when its resident set has grown by
+    more than that since the last trim, and not before."""
+    resident = [10**9]
+    monkeypatch.setattr(engine_module, "resident_bytes", lambda: resident[0])
+    trims.engine = engine = make_engine(trim_growth_bytes=100 * 2**20)
+    future = submit(engine, [1, 2, 3], new_tokens=400)
+    time.sleep(0.3)
+    assert trims.times == [] and not future.done()  # running, not grown: no trim
+    resident[0] += 101 * 2**20
+    while not trims.times and not future.done():
+        time.sleep(0.01)
+    future.result(timeout=120)
+    assert len(trims.times) == 1 and trims.running[0] >= 1 and engine.stats.busy_trims == 1
+
+
+def test_a_periodic_engine_trims_between_steps(make_engine: EngineFactory, trims: Trims) -> None:
+    """``trim_every_s`` (the periodic policy) trims a busy engine at most that often."""
     trims.engine = engine = make_engine(trim_every_s=0.02)
     start = time.monotonic()
     future = submit(engine, [1, 2, 3], new_tokens=400)
@@ -81,10 +125,15 @@ def test_a_busy_engine_trims_between_steps(make_engine: EngineFactory, trims: Tr
 
 
 def test_trimming_off_never_trims(make_engine: EngineFactory, trims: Trims) -> None:
-    trims.engine = engine = make_engine(trim_every_s=0.0)
+    trims.engine = engine = make_engine()
     generate(engine, [[1, 2, 3, 4]], new_tokens=50)
     time.sleep(0.3)
     assert trims.times == [] and engine.stats.trims == 0
+
+
+def test_negative_trim_settings_are_refused(make_engine: EngineFactory) -> None:
+    with pytest.raises(ValueError, match="trim_idle_s"):
+        make_engine(trim_idle_s=-1.0)
 
 
 _HOLES = """

@@ -28,11 +28,14 @@
 Samples look like agent data: 150-600-token prompts whose first 144 are the same in every sample
 (system prompt and task header, as in effect-hard's GRPO samples), 5-40-token completions, cf/reh
 mixed. Throughput counts real (non-pad) tokens per second of optimizer-step wall time; every row
-trains the same batches, interleaved batch by batch, after one warm-up step; the rows share one
-model and AdamW state (``_variants``). Memory ceiling: ``micro_batch_tokens`` padded tokens per
-micro-batch (packed: tokens per row); the naive micro-batch size is the one that fits it for the
-longest sample. One torch thread (as ``leafe run``'s learner); ``threads_2`` repeats bucketed,
-packed_bf16 and packed_bf16_shared on 2 threads over the first batch.
+trains the same batches after one warm-up step, each row in a process of its own (its own model and
+AdamW state; rows one after another), so that no row's memory stays with the next and the bench's
+own process never holds a model's training state (it reached ~15 GB when the rows shared one
+process). Each row also reports its process's peak resident set. Memory ceiling:
+``micro_batch_tokens`` padded tokens per micro-batch (packed: tokens per row); the naive
+micro-batch size is the one that fits it for the longest sample. One torch thread (as ``leafe
+run``'s learner); ``threads_2`` repeats bucketed, packed_bf16 and packed_bf16_shared on 2 threads
+over the first batch.
 
     .venv/bin/python -m bench.learner           # SmolLM2-135M, both parts (slow on 2 shared cores)
     .venv/bin/python -m bench.learner --quick   # tiny model for throughput, SmolLM2 for the push
@@ -50,9 +53,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -61,14 +66,13 @@ from typing import Any
 
 import torch
 
-from bench.host import host_record
+from bench.host import host_record, peak_rss_kib
 from bench.learner_memory import memory_part
 from bench.learner_samples import MAX_COMPLETION, MAX_PROMPT, SHARED_PREFIX, agent_samples
 from leafe.actors.client import SGLangClient
 from leafe.learner.batching import MicroBatch
 from leafe.learner.config import BatchConfig, OptimConfig, TrainerConfig
 from leafe.learner.distributed import DistEnv, init_distributed
-from leafe.learner.fsdp import resolve_precision
 from leafe.learner.losses import token_logprobs
 from leafe.learner.model_io import resolve_model
 from leafe.learner.trainer import Trainer
@@ -80,6 +84,7 @@ from leafe.services.inference.server import InferenceConfig, InferenceServer
 from leafe.services.logsetup import configure_logging
 from leafe.services.weight_sync.service import WeightSync, WeightSyncConfig
 
+ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results" / "learner.json"
 SMOKE_OUT = Path(tempfile.gettempdir()) / "leafe-bench-smoke" / "learner.json"
 SIZES = {  # mode -> throughput model, samples, global batch, micro-batch token budget, push model
@@ -143,35 +148,61 @@ def _config(name: str, global_batch: int, budget: int) -> TrainerConfig:
     return TrainerConfig(optim=OptimConfig(lr=1e-6), batch=batch, precision=precision)
 
 
-def _variants(model_dir: Path, env: DistEnv, global_batch: int, budget: int) -> dict[str, Trainer]:
-    """One trainer per row, all sharing ONE model and AdamW state (six SmolLM2 trainers with their
-    own AdamW state, ~2.2 GB each, got the bench OOM-killed on the shared 23 GB machine). Each row's
-    step is still its own full forward, backward and AdamW step; only the weights it starts from
-    differ, which does not change the work."""
-    base = Trainer(_config(BASE, global_batch, budget), model_dir, env)
-    out = {}
-    for name in ROWS:
-        v = copy.copy(base)
-        v.config = _config(name, global_batch, budget)
-        v.precision = resolve_precision(v.config.precision, env)
-        if name == "naive_full_logits":
-            v.__class__ = FullLogitsTrainer
-        out[name] = v
-    return out
+def _batches(mode: str, n: int) -> tuple[Path, list[list[Sample]], int]:
+    """The throughput model, the batches every row trains (the same in every process) and the
+    micro-batch token budget."""
+    tp_name, _, gb, budget, _ = SIZES[mode]
+    model_dir = resolve_model(tp_name)
+    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    # --smoke: short prompts too (the full-logits row's every-position logits would take most
+    # of its time)
+    samples = agent_samples(
+        n, vocab, **({"prompt": (40, 90), "shared": 34} if mode == "smoke" else SAMPLES)
+    )
+    return model_dir, [samples[i : i + gb] for i in range(0, n, gb)], budget
 
 
-def _throughput(trainers: dict[str, Trainer], batches: list[list[Sample]]) -> dict[str, dict]:
-    """The rows train the same batches, interleaved batch by batch so that a noisy neighbour on the
-    shared CPU slows all of them alike; tokens/s = real tokens / summed step time."""
-    for t in trainers.values():  # warm-up (allocator, first-call overheads)
-        t.train_step(batches[0][:2])
-    acc = {k: Acc() for k in trainers}
-    for b in batches:
-        for k, t in trainers.items():
-            stats = t.train_step(b)
-            acc[k].real += stats.real_tokens
-            acc[k].padded += stats.padded_tokens
-            acc[k].step_s.append(stats.seconds)
+def _row_child(name: str, mode: str, n: int, threads: int, batches_kept: int) -> dict[str, Any]:
+    """One row in this (child) process: a fresh trainer, a warm-up step, then the batches."""
+    torch.set_num_threads(threads)
+    env = init_distributed("gloo")
+    model_dir, batches, budget = _batches(mode, n)
+    batches = batches[:batches_kept]
+    cls = FullLogitsTrainer if name == "naive_full_logits" else Trainer
+    trainer = cls(_config(name, len(batches[0]), budget), model_dir, env)
+    trainer.train_step(batches[0][:2])  # warm-up (allocator, first-call overheads, AdamW state)
+    steps = [trainer.train_step(b) for b in batches]
+    return {
+        "real": [s.real_tokens for s in steps],
+        "padded": [s.padded_tokens for s in steps],
+        "step_s": [s.seconds for s in steps],
+        "peak_rss_gb": peak_rss_kib() / 1e6,
+    }
+
+
+def _throughput(
+    names: tuple[str, ...], mode: str, n: int, threads: int, batches_kept: int
+) -> dict[str, dict]:
+    """Each row in a process of its own, one after another, training the same batches;
+    tokens/s = real tokens / summed step time. ``--smoke`` (the tiny model, whose memory does not
+    matter) runs them in this process: a check that the rows run, without ten interpreter starts."""
+    acc, peaks = {}, {}
+    for name in names:
+        if mode == "smoke":
+            got = _row_child(name, mode, n, threads, batches_kept)
+            torch.set_num_threads(1)
+            acc[name] = Acc(real=sum(got["real"]), padded=sum(got["padded"]), step_s=got["step_s"])
+            peaks[name] = got["peak_rss_gb"]
+            continue
+        cmd = [sys.executable, "-m", "bench.learner", "--row", name, "--row-mode", mode]
+        cmd += ["--samples", str(n), "--threads", str(threads), "--batches", str(batches_kept)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+        run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+        if run.returncode != 0:
+            raise RuntimeError(f"row {name} exited {run.returncode}:\n{run.stderr[-3000:]}")
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        acc[name] = Acc(real=sum(got["real"]), padded=sum(got["padded"]), step_s=got["step_s"])
+        peaks[name] = got["peak_rss_gb"]
     rows = {}
     for k, a in acc.items():
         speedup = [n / m for n, m in zip(acc[BASE].step_s, a.step_s, strict=True)]
@@ -182,26 +213,22 @@ def _throughput(trainers: dict[str, Trainer], batches: list[list[Sample]]) -> di
             "padded_tokens": a.padded,
             "padding_overhead": a.padded / a.real - 1,
             f"median_step_speedup_vs_{BASE}": statistics.median(speedup),
+            "peak_rss_gb": peaks[k],
         }
         print(
             f"  {k:<18} {rows[k]['tokens_per_s']:8.1f} tok/s  padding "
             f"+{rows[k]['padding_overhead']:.0%}  "
-            f"({sum(a.step_s):.1f} s)",
+            f"({sum(a.step_s):.1f} s, peak RSS {peaks[k]:.2f} GB)",
             flush=True,
         )
     return rows
 
 
-def _all_throughput(
-    model_dir: Path, env: DistEnv, batches: list[list[Sample]], budget: int
-) -> dict[str, dict[str, dict]]:
-    trainers = _variants(model_dir, env, len(batches[0]), budget)
+def _all_throughput(mode: str, n: int, batches: int) -> dict[str, dict[str, dict]]:
     print(" 1 thread", flush=True)
-    out = {"throughput": _throughput(trainers, batches)}
-    torch.set_num_threads(2)
+    out = {"throughput": _throughput(tuple(ROWS), mode, n, 1, batches)}
     print(" 2 threads, first batch", flush=True)
-    out["threads_2"] = _throughput({k: trainers[k] for k in TWO_THREADS}, batches[:1])
-    torch.set_num_threads(1)
+    out["threads_2"] = _throughput(TWO_THREADS, mode, n, 2, 1)
     return out
 
 
@@ -394,12 +421,20 @@ def _args() -> argparse.Namespace:
         "--memory-only", action="store_true", help="rerun the memory part; keep the rest"
     )
     p.add_argument("--log-level", default="warning", help="info shows each server's load time")
+    child = p.add_argument_group("one throughput row in this process (what the bench runs)")
+    child.add_argument("--row", choices=tuple(ROWS), default=None, help=argparse.SUPPRESS)
+    child.add_argument("--row-mode", choices=tuple(SIZES), default="full", help=argparse.SUPPRESS)
+    child.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    child.add_argument("--batches", type=int, default=0, help=argparse.SUPPRESS)
     return p.parse_args()
 
 
 def main() -> int:
     a = _args()
     configure_logging(json=True, level=a.log_level)
+    if a.row is not None:
+        print(json.dumps(_row_child(a.row, a.row_mode, a.samples, a.threads, a.batches)))
+        return 0
     torch.set_num_threads(1)  # the learner's setting in `leafe run` (a shared 2-core CPU)
     env = init_distributed("gloo")
     mode = "smoke" if a.smoke else "quick" if a.quick else "full"
@@ -413,18 +448,11 @@ def main() -> int:
         save_result(out, mode, (saved or {}) | {"memory": memory})
         print(f"wrote {out}")
         return 0
-    tp_name, default_n, gb, budget, push_name = SIZES[mode]
+    _, default_n, gb, budget, push_name = SIZES[mode]
     smol = resolve_model(push_name)
-    throughput_model = resolve_model(tp_name)
     n = a.samples or default_n
     repeats = a.repeats or (1 if a.smoke else 3)
-    vocab = int(json.loads((throughput_model / "config.json").read_text())["vocab_size"])
-    # --smoke: short prompts too (the full-logits row's every-position logits would take most
-    # of its time)
-    samples = agent_samples(
-        n, vocab, **({"prompt": (40, 90), "shared": 34} if a.smoke else SAMPLES)
-    )
-    batches = [samples[i : i + gb] for i in range(0, n, gb)]
+    throughput_model, batches, _ = _batches(mode, n)
     print(
         f"throughput: {throughput_model.name}, {n} samples, global batch {gb}, "
         f"budget {budget} tokens"
@@ -433,7 +461,7 @@ def main() -> int:
         tp = {k: saved[k] for k in ("throughput", "threads_2")}
         print("  (saved results)", flush=True)
     else:
-        tp = _all_throughput(throughput_model, env, batches, budget)
+        tp = _all_throughput(mode, n, len(batches))
     if a.throughput_only and saved is not None:
         push, raw = saved["push"], saved["raw_save_load"]
         print("push latency: (saved results)", flush=True)

@@ -14,15 +14,20 @@
 | lean         | ``after`` with ``release_freed_memory = true``                                    |
 |              | (pinned mmap threshold: less RSS, slower)                                         |
 | checkpointed | ``lean`` with ``activation_checkpointing = true`` (and no autocast weight cache)  |
+| ckpt_reuse   | ``after`` with ``activation_checkpointing = true``: freed blocks reused           |
+| mlp          | ``after`` with ``recompute = "mlp"``: each layer's MLP recomputed in the backward |
+| attn         | ``after`` with ``recompute = "self_attn"``: each attention block recomputed       |
 
 Each variant is its own process (peak RSS: its own ``VmHWM``, not ``ru_maxrss``, which an exec'd
 child inherits from its parent; minor page faults a step) training the same two global batches from
 the same weights with the ``cpu`` preset's trainer (what ``leafe run``'s learner uses: global batch
 16, packed 2048-token rows, precision ``auto``), one torch thread. The losses of both steps must
-agree to 1e-5 (the second step runs on weights the first updated).
+agree to 1e-5 (the second step runs on weights the first updated). Step times are also given
+against ``after``, today's default (``step_seconds_X_over_after``).
 
     .venv/bin/python -m bench.learner_memory --child after \\
         --model smollm2-135m-instruct   # one variant
+    .venv/bin/python -m bench.learner_memory --variants before,after,mlp   # some, JSON on stdout
 """
 
 from __future__ import annotations
@@ -41,7 +46,9 @@ import msgspec
 from bench.host import host_record, peak_rss_kib
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("before", "glibc", "after", "lean", "checkpointed")
+VARIANTS = ("before", "glibc", "after", "lean", "checkpointed", "ckpt_reuse", "mlp", "attn")
+DEFAULT_VARIANTS = ("before", "glibc", "after", "lean", "checkpointed", "mlp")
+"""What ``bench/learner.py`` runs (``--variants`` picks others)."""
 KEYS = ("loss", "loss_cf", "loss_reh", "grad_norm")
 """Step figures compared between the variants."""
 TOLERANCE = 1e-5
@@ -73,8 +80,10 @@ def _child(variant: str, model: str, samples: int, prompt: tuple[int, int]) -> d
     else:
         if variant in ("lean", "checkpointed"):
             cfg = msgspec.structs.replace(cfg, release_freed_memory=True)
-        if variant == "checkpointed":
+        if variant in ("checkpointed", "ckpt_reuse"):
             cfg = msgspec.structs.replace(cfg, activation_checkpointing=True)
+        if variant in ("mlp", "attn"):
+            cfg = msgspec.structs.replace(cfg, recompute="mlp" if variant == "mlp" else "self_attn")
         trainer = trainer_module.Trainer(cfg, model_dir, env)
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     batch = cfg.batch.global_batch
@@ -97,11 +106,15 @@ def _child(variant: str, model: str, samples: int, prompt: tuple[int, int]) -> d
     }
 
 
-def memory_part(model: str, samples: int, prompt: tuple[int, int]) -> dict[str, Any]:
-    """Both variants, each in a fresh process; peak RSS, their ratio and the loss check."""
+def memory_part(
+    model: str, samples: int, prompt: tuple[int, int], variants: tuple[str, ...] = DEFAULT_VARIANTS
+) -> dict[str, Any]:
+    """The variants (``before`` and ``after`` always among them), each in a fresh process, one
+    after another; peak RSS, ratios and the loss check."""
     host = host_record()
+    variants = ("before", "after", *(v for v in variants if v not in ("before", "after")))
     rows = {}
-    for variant in VARIANTS:
+    for variant in variants:
         cmd = [sys.executable, "-m", "bench.learner_memory", "--child", variant, "--model", model]
         cmd += ["--samples", str(samples), "--prompt", f"{prompt[0]},{prompt[1]}"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -116,7 +129,7 @@ def memory_part(model: str, samples: int, prompt: tuple[int, int]) -> dict[str, 
     out: dict[str, Any] = {"host": host, "model": model, "variants": rows, "tolerance": TOLERANCE}
     out["peak_rss_gb_before"] = before["peak_rss_gb"]
     equal = True
-    for name in VARIANTS[1:]:
+    for name in variants[1:]:
         row = rows[name]
         pairs = list(zip(before["steps"], row["steps"], strict=True))
         diff = max(
@@ -133,10 +146,15 @@ def memory_part(model: str, samples: int, prompt: tuple[int, int]) -> dict[str, 
         out[f"peak_rss_gb_{name}"] = row["peak_rss_gb"]
         out[f"peak_rss_{name}_over_before"] = ratio
         out[f"step_seconds_{name}_over_before"] = seconds
+        out[f"step_seconds_{name}_over_after"] = sum(s["seconds"] for s in row["steps"]) / sum(
+            s["seconds"] for s in rows["after"]["steps"]
+        )
         out[f"max_loss_abs_diff_{name}"] = diff
         out[f"max_grad_norm_rel_diff_{name}"] = grad
         equal = equal and diff <= TOLERANCE
     out["losses_equal"] = equal
+    if "glibc" not in rows:
+        return out
     glibc, after = (
         rows["glibc"]["steps"][-1],
         rows["after"]["steps"][-1],
@@ -155,8 +173,9 @@ def memory_part(model: str, samples: int, prompt: tuple[int, int]) -> dict[str, 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--child", choices=VARIANTS, help="train one variant, print its JSON")
     p.add_argument(
-        "--child", choices=VARIANTS, required=True, help="train one variant, print its JSON"
+        "--variants", default=None, help="comma-separated: these variants, each in a process"
     )
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument(
@@ -165,6 +184,14 @@ def main() -> int:
     p.add_argument("--prompt", default="150,600", help="prompt length range, tokens")
     a = p.parse_args()
     lo, hi = (int(x) for x in a.prompt.split(","))
+    if a.variants:
+        wanted = tuple(a.variants.split(","))
+        if unknown := set(wanted) - set(VARIANTS):
+            p.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+        print(json.dumps(memory_part(a.model, a.samples, (lo, hi), wanted)))
+        return 0
+    if a.child is None:
+        p.error("--child VARIANT or --variants A,B,...")
     print(json.dumps(_child(a.child, a.model, a.samples, (lo, hi))))
     return 0
 

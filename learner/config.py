@@ -158,6 +158,12 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     memory (``bench/learner_memory.py``; figures in docs/benchmarks.md, section "The learner's
     memory"). Off by default on CPU, where step time is the constraint; turn it on where memory is
     (a 7B policy on GPU)."""
+    recompute: Literal["none", "mlp", "self_attn"] = "none"
+    """Selective recompute (``learner/recompute.py``): keep only the input of every decoder layer's
+    MLP (``"mlp"``) or attention block (``"self_attn"``) from the forward and run that part again in
+    the backward; less memory than keeping everything for less extra compute than
+    ``activation_checkpointing`` (which recomputes whole layers and overrides this). The same
+    arithmetic: losses and gradients do not change."""
     release_freed_memory: bool = False
     """Pin glibc's mmap threshold (``learner/memory.py``) so freed activation blocks go back to the
     OS at once: a lower peak RSS for many more page faults, whose kernel time makes every step

@@ -47,6 +47,7 @@ from leafe.learner.losses import KIND_INDEX, KindTokens, LossOutput, total_loss
 from leafe.learner.memory import pin_mmap_threshold, reuse_freed_memory
 from leafe.learner.model_io import export_weights, load_tokenizer
 from leafe.learner.optim import build_optimizer
+from leafe.learner.recompute import recompute_in_backward
 from leafe.protocol.samples import Sample
 
 __all__ = ["StepStats", "StepSums", "Trainer"]
@@ -180,6 +181,8 @@ class Trainer:
         )
         if config.activation_checkpointing:
             self.model.activation_checkpointing_enable()  # type: ignore[operator]
+        elif config.recompute != "none":
+            recompute_in_backward(self.model, config.recompute)
         if config.release_freed_memory:
             pin_mmap_threshold()  # freed activations go back to the OS (learner/memory.py)
         elif (

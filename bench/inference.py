@@ -387,6 +387,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--peer", metavar="URL", help="only: A/B/A against this OpenAI-compatible peer (vLLM)"
     )
+    p.add_argument(
+        "--peer-kind",
+        choices=("vllm", "llama_cpp"),
+        default="vllm",
+        help="--peer: vLLM CPU (section peer) or llama-cpp-python's server (peer_llama_cpp)",
+    )
+    p.add_argument(
+        "--peer-pid",
+        type=int,
+        default=None,
+        help="--peer: the peer server's process id, for CPU seconds a token (a shared machine)",
+    )
     p.add_argument("--pairs", type=int, default=3, help="--peer: peer runs (ours runs one more)")
     p.add_argument(
         "--limit", type=int, default=None, help="--peer: replay only the first N requests"
@@ -459,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         handle.stop()
     results["loadavg_after"] = os.getloadavg()[0]
-    results = keep_sections(out, results, ("peer",))  # measured by --peer
+    results = keep_sections(out, results, ("peer", "peer_llama_cpp"))  # measured by --peer
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print(f"saved {out}")

@@ -1,10 +1,13 @@
-"""Side by side with a peer engine (vLLM CPU) on the recorded agent workload (for
+"""Side by side with a peer engine (vLLM CPU or llama.cpp) on the recorded agent workload (for
 ``bench/inference.py``).
 
 ``record_workload`` records ``bench/workloads/sokoban_agent.json`` with the project's own actors;
 ``peer_ab`` replays it interleaved A/B/A against our server (started here, pinned to one core with
-one compute thread, or given by URL) and the peer (started by the user, pinned the same way). The
-commands (install, start the peer, run) are in docs/benchmarks.md, "Side by side with vLLM CPU".
+one compute thread, or given by URL) and the peer (started by the user, pinned the same way). Given
+the peer's process id it also reports each side's CPU seconds a completion token (user + system of
+the server process, read from ``/proc``): on a shared machine the wall time also holds the time a
+server waited for its core. The commands (install, start the peer, run) are in docs/benchmarks.md,
+"Side by side with vLLM CPU" and "Side by side with llama.cpp".
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 from bench.host import commit, host_record
 from bench.inference_replay import (
     WORKLOAD,
+    LlamaCppTarget,
     OpenAITarget,
     RecordingClient,
     SGLangTarget,
@@ -41,6 +45,7 @@ from leafe.actors.evaluate import EvalRequest
 
 __all__ = [
     "PAPER_ROOMS",
+    "cpu_seconds",
     "ours_pinned",
     "paper_rollouts",
     "peer_ab",
@@ -141,11 +146,19 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> No
     raise TimeoutError(f"our server at {url} not ready after {timeout_s} s")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads; ``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextmanager
-def ours_pinned(model: str, core: int | None, *, dtype: str = "bfloat16") -> Iterator[str]:
+def ours_pinned(
+    model: str, core: int | None, *, dtype: str = "bfloat16"
+) -> Iterator[tuple[str, int]]:
     """``leafe inference`` in a subprocess, one compute thread, pinned to ``core`` with ``taskset``
     (as the peer is); the benchmark's own process then keeps off that core. Yields the server's
-    URL."""
+    URL and process id (``taskset`` execs the server)."""
     port = _free_port()
     cmd = [
         sys.executable, "-m", "leafe.services.cli", "inference", "--model", model,
@@ -164,7 +177,7 @@ def ours_pinned(model: str, core: int | None, *, dtype: str = "bfloat16") -> Ite
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(url, proc, 300)
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         try:
@@ -174,7 +187,9 @@ def ours_pinned(model: str, core: int | None, *, dtype: str = "bfloat16") -> Ite
             proc.wait()
 
 
-def _warm(target: SGLangTarget | OpenAITarget, reqs: list[Any], limit: int) -> None:
+def _warm(
+    target: SGLangTarget | OpenAITarget | LlamaCppTarget, reqs: list[Any], limit: int
+) -> None:
     """A few requests first: lazy initialisation (ours: torch's first calls) is not the engine's
     speed."""
     asyncio.run(replay(target, reqs, limit=limit))
@@ -190,6 +205,9 @@ def peer_ab(
     pin_core: int | None = 1,
     workload: Path = WORKLOAD,
     pause_s: float = 5.0,
+    peer_kind: str = "vllm",
+    peer_pid: int | None = None,
+    ours_pid: int | None = None,
 ) -> dict[str, Any]:
     """Interleaved A/B/A: ours, peer, ours, peer, ..., ours (``pairs`` peer runs bracketed by
     ``pairs + 1`` runs of ours), each from an empty prefix cache. Ratio ``i`` is ours/peer
@@ -198,7 +216,7 @@ def peer_ab(
     share the pinned core, and vLLM CPU's worker keeps spinning on it for 2-3 s after its burst
     (measured with top), which would bill our next run."""
     if ours_url is None:
-        with ours_pinned(model, pin_core) as url:
+        with ours_pinned(model, pin_core) as (url, pid):
             out = peer_ab(
                 peer_url,
                 pairs=pairs,
@@ -207,6 +225,9 @@ def peer_ab(
                 model=model,
                 workload=workload,
                 pause_s=pause_s,
+                peer_kind=peer_kind,
+                peer_pid=peer_pid,
+                ours_pid=pid,
             )
         return {
             **out,
@@ -215,14 +236,33 @@ def peer_ab(
             "bfloat16 --threads 1 --max-batch 16, started by the bench",
         }
     reqs, meta = load_workload(workload)
-    ours, peer = SGLangTarget(ours_url), OpenAITarget(peer_url)
+    peer: OpenAITarget | LlamaCppTarget = OpenAITarget(peer_url)
+    if peer_kind == "llama_cpp":
+        from leafe.learner.model_io import load_tokenizer, resolve_model
+
+        tokenizer = load_tokenizer(resolve_model(model))
+        peer = LlamaCppTarget(
+            peer_url,
+            decode=lambda ids: tokenizer.decode(
+                ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+            ),
+        )
+    ours = SGLangTarget(ours_url)
+    pids = {"ours": ours_pid, "peer": peer_pid}
     for target in (ours, peer):
         _warm(target, reqs, 16)
     runs: dict[str, list[dict[str, Any]]] = {"ours": [], "peer": []}
     for i in range(2 * pairs + 1):
         target = ours if i % 2 == 0 else peer
         time.sleep(pause_s)  # vLLM CPU's worker spins at 100% of its core for ~2-3 s after a burst
+        pid = pids[target.name]
+        cpu0 = cpu_seconds(pid) if pid else 0.0
         row = asyncio.run(replay(target, reqs, limit=limit))
+        if pid:
+            row["server_cpu_s"] = round(cpu_seconds(pid) - cpu0, 2)
+            row["server_cpu_ms_per_token"] = round(
+                1000 * row["server_cpu_s"] / row["completion_tokens"], 2
+            )
         row["loadavg"] = round(os.getloadavg()[0], 2)
         runs[target.name].append(row)
         print(
@@ -241,12 +281,22 @@ def peer_ab(
               / runs["peer"][i]["latency_mean_s"], 3)
         for i in range(pairs)
     ]  # fmt: skip
+    cpu: dict[str, Any] = {}
+    if ours_pid and peer_pid:  # peer CPU / ours CPU a token: > 1 when ours needs less
+        per = {k: [r["server_cpu_ms_per_token"] for r in v] for k, v in runs.items()}
+        pair_cpu = [
+            round(per["peer"][i] / ((per["ours"][i] + per["ours"][i + 1]) / 2), 3)
+            for i in range(pairs)
+        ]
+        cpu = {"ratio_cpu_per_token_peer_over_ours": {
+            "pairs": pair_cpu, "mean": round(statistics.mean(pair_cpu), 3)}}  # fmt: skip
     return {
         "workload": {"file": str(workload.relative_to(ROOT)), **{k: meta[k] for k in (
             "requests", "episodes", "prompt_tokens_mean", "completion_tokens_mean",
             "ideal_prefix_share")}},
         "requests_replayed": runs["ours"][0]["requests"],
         "peer_url": peer_url,
+        "peer_kind": peer_kind,
         "peer_model": peer.model,
         "ours_pinned_core": None,
         "ours": f"given by URL ({ours_url}): pinned by whoever started it",
@@ -254,6 +304,7 @@ def peer_ab(
         "ratio_tokens_per_s": {"pairs": ratios, "mean": round(statistics.mean(ratios), 3),
                                "min": min(ratios), "max": max(ratios)},
         "ratio_latency": {"pairs": lat, "mean": round(statistics.mean(lat), 3)},
+        **cpu,
     }  # fmt: skip
 
 
@@ -265,9 +316,18 @@ def peer_section(a: argparse.Namespace, out: Path) -> int:
         f"inference bench: ours vs peer {a.peer}, {a.pairs} pairs, ours pinned to core {a.pin_core}"
     )
     host = host_record()
-    row = peer_ab(a.peer, pairs=a.pairs, limit=a.limit, ours_url=a.ours_url, pin_core=a.pin_core)
+    row = peer_ab(
+        a.peer,
+        pairs=a.pairs,
+        limit=a.limit,
+        ours_url=a.ours_url,
+        pin_core=a.pin_core,
+        peer_kind=a.peer_kind,
+        peer_pid=a.peer_pid,
+    )
     when = datetime.now(UTC).isoformat(timespec="seconds")
-    results["peer"] = {"measured_at": when, "host": host, **row}
+    section = "peer" if a.peer_kind == "vllm" else f"peer_{a.peer_kind}"
+    results[section] = {"measured_at": when, "host": host, **row}
     ratio = row["ratio_tokens_per_s"]
     print(f"  ours/peer completion tokens/s: {ratio['mean']:.2f} (pairs {ratio['pairs']})")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,9 +8,11 @@ committed file is ``bench/workloads/sokoban_agent.json``). ``replay`` sends exac
 asks for exactly the recorded completion lengths (EOS ignored) with the same seeds and logprobs on,
 keeps ``in_flight`` episodes going at once and each episode's turns in order (turn t+1 leaves after
 turn t returned, as the actor's loop does), so the multi-turn shared-prefix structure is the one the
-actors produced. Two targets: our server's SGLang ``/generate`` with ``input_ids``
-(``SGLangTarget``) and an OpenAI-compatible peer's ``/v1/completions`` with the prompt as a list of
-token ids (``OpenAITarget``; vLLM).
+actors produced. Three targets: our server's SGLang ``/generate`` with ``input_ids``
+(``SGLangTarget``), an OpenAI-compatible peer's ``/v1/completions`` with the prompt as a list of
+token ids (``OpenAITarget``; vLLM), and llama-cpp-python's server, whose ``/v1/completions`` takes
+text only (``LlamaCppTarget``: the ids decoded, and the server's own prompt token count checked
+against them).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from leafe.actors.engine import Completion, SamplingParams
 
 __all__ = [
     "WORKLOAD",
+    "LlamaCppTarget",
     "OpenAITarget",
     "RecordingClient",
     "SGLangTarget",
@@ -170,7 +173,7 @@ class SGLangTarget:
             "return_logprob": True,
         }
 
-    def parse(self, body: Any) -> tuple[int, int | None, int]:
+    def parse(self, body: Any, r: WorkloadRequest) -> tuple[int, int | None, int]:
         """(completion tokens, cached prompt tokens, logprobs returned)."""
         meta = body["meta_info"]
         return (
@@ -241,7 +244,7 @@ class OpenAITarget:
             body["top_k"] = r.top_k
         return "/v1/completions", body
 
-    def parse(self, body: Any) -> tuple[int, int | None, int]:
+    def parse(self, body: Any, r: WorkloadRequest) -> tuple[int, int | None, int]:
         [choice] = body["choices"]
         tokens = body["usage"]["completion_tokens"]
         ids = choice.get("token_ids")
@@ -274,7 +277,56 @@ class OpenAITarget:
         return found
 
 
-Target = SGLangTarget | OpenAITarget
+@dataclass
+class LlamaCppTarget:
+    """llama-cpp-python's OpenAI-compatible server (``python -m llama_cpp.server``,
+    ``bench/llama_cpp.sh``). Its ``/v1/completions`` takes the prompt as text only, so the recorded
+    ids are decoded (special tokens kept) and the server tokenizes them again: a request whose
+    ``usage.prompt_tokens`` differs from the recorded ids fails the replay. Exact lengths come from
+    ``min_tokens = max_tokens`` (EOS suppressed until then); its sampler's extra stages are set to
+    their no-ops (``min_p`` 0, ``repeat_penalty`` 1, ``top_k`` 0 where the recording had none).
+    It has no route to empty its cache (by default it keeps only the last prompt's KV in its one
+    context) and no prefix-cache counters."""
+
+    url: str
+    decode: Any
+    """``ids -> text``, e.g. an HF tokenizer's ``decode`` with ``skip_special_tokens=False``."""
+    model: str = ""
+    name: str = "peer"
+
+    async def prepare(self, http: aiohttp.ClientSession) -> None:
+        if not self.model:
+            async with http.get(self.url + "/v1/models") as resp:
+                self.model = (await resp.json())["data"][0]["id"]
+
+    def payload(self, r: WorkloadRequest) -> tuple[str, dict[str, Any]]:
+        return "/v1/completions", {
+            "model": self.model, "prompt": self.decode(r.input_ids),
+            "max_tokens": r.completion_tokens, "min_tokens": r.completion_tokens,
+            "temperature": r.temperature, "top_p": r.top_p, "top_k": max(r.top_k, 0),
+            "min_p": 0.0, "repeat_penalty": 1.0, "seed": r.seed, "logprobs": 1,
+        }  # fmt: skip
+
+    def parse(self, body: Any, r: WorkloadRequest) -> tuple[int, int | None, int]:
+        [choice] = body["choices"]
+        prompt = body["usage"]["prompt_tokens"]
+        if prompt != len(r.input_ids):
+            raise RuntimeError(
+                f"{self.url}: request {r.order}'s text became {prompt} prompt tokens, recorded "
+                f"{len(r.input_ids)}: the replay would not be like for like"
+            )
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        return body["usage"]["completion_tokens"], None, len(logprobs)
+
+    async def reset(self, http: aiohttp.ClientSession) -> None:
+        """Nothing to empty: its one context holds the last prompt's KV, which the next run's first
+        request (another prompt) mostly replaces."""
+
+    async def counters(self, http: aiohttp.ClientSession) -> dict[str, float]:
+        return {}
+
+
+Target = SGLangTarget | OpenAITarget | LlamaCppTarget
 
 
 async def _send(
@@ -289,7 +341,7 @@ async def _send(
                 f"{target.name} {path} request {r.order} answered {resp.status}: {text[:500]}"
             )
     latency = time.perf_counter() - t0
-    tokens, cached, logprobs = target.parse(json.loads(text))
+    tokens, cached, logprobs = target.parse(json.loads(text), r)
     if tokens != r.completion_tokens or logprobs != tokens:
         raise RuntimeError(
             f"{target.name} request {r.order}: {tokens} completion tokens and {logprobs} logprobs, "
@@ -344,7 +396,7 @@ async def replay(
     # request (vLLM's server did once: "Server disconnected" mid-run)
     connector = aiohttp.TCPConnector(keepalive_timeout=2.0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
-        if isinstance(target, OpenAITarget):
+        if isinstance(target, OpenAITarget | LlamaCppTarget):
             await target.prepare(http)
         await target.reset(http)
         before = await target.counters(http)

@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from bench.inference_replay import (
+    LlamaCppTarget,
     OpenAITarget,
     SGLangTarget,
     WorkloadRequest,
@@ -139,7 +140,7 @@ class FakeVLLM:
 
 
 @asynccontextmanager
-async def _serve(fake: FakeVLLM) -> AsyncIterator[str]:
+async def _serve(fake: FakeVLLM | FakeLlamaCpp) -> AsyncIterator[str]:
     runner = web.AppRunner(fake.app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -178,3 +179,55 @@ async def test_a_peer_that_cannot_empty_its_prefix_cache_is_refused() -> None:
     async with _serve(FakeVLLM(reset=False)) as url:
         with pytest.raises(RuntimeError, match="VLLM_SERVER_DEV_MODE=1"):
             await replay(OpenAITarget(url), _workload(episodes=2, turns=1))
+
+
+class FakeLlamaCpp:
+    """/v1/models and /v1/completions shaped as llama-cpp-python 0.3.36's server answers them: a
+    text prompt (the fake's "tokenizer" is one token per space-separated word), no token ids back,
+    no cache routes or counters."""
+
+    def __init__(self, *, extra_token: bool = False) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.extra_token = extra_token
+        self.app = web.Application()
+        self.app.router.add_post("/v1/completions", self.complete)
+        self.app.router.add_get("/v1/models", self.models)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "smol-gguf"}]})
+
+    async def complete(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.bodies.append(body)
+        n = body["max_tokens"]
+        prompt = len(body["prompt"].split()) + (1 if self.extra_token else 0)
+        logprobs = {"tokens": ["x"] * n, "token_logprobs": [-0.5] * n, "top_logprobs": [{}] * n}
+        choice = {"index": 0, "text": "x" * n, "logprobs": logprobs, "finish_reason": "length"}
+        usage = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
+        return web.json_response({"id": "cmpl-1", "choices": [choice], "usage": usage})
+
+
+def _words(ids: list[int]) -> str:
+    return " ".join(f"t{i}" for i in ids)
+
+
+async def test_llama_cpp_gets_the_decoded_prompt_exact_lengths_and_no_extra_samplers() -> None:
+    """The prompt goes as the decoded text (its server takes no ids), ``min_tokens = max_tokens``
+    for the recorded length, and llama.cpp's own sampler stages (min-p, repetition penalty, its
+    default top-k of 40) are set to their no-ops so that it samples as the recording did."""
+    fake, reqs = FakeLlamaCpp(), _workload(episodes=3, turns=2)
+    async with _serve(fake) as url:
+        row = await replay(LlamaCppTarget(url, decode=_words), reqs)
+    assert row["requests"] == 6 and row["prefix_cache_share"] is None
+    by_seed = {b["seed"]: b for b in fake.bodies}
+    for r in reqs:
+        b = by_seed[r.seed]
+        assert b["prompt"] == _words(r.input_ids) and b["model"] == "smol-gguf"
+        assert b["max_tokens"] == b["min_tokens"] == r.completion_tokens and b["logprobs"] == 1
+        assert b["top_k"] == 0 and b["min_p"] == 0.0 and b["repeat_penalty"] == 1.0
+
+
+async def test_llama_cpp_tokenizing_the_text_otherwise_fails_the_replay() -> None:
+    async with _serve(FakeLlamaCpp(extra_token=True)) as url:
+        with pytest.raises(RuntimeError, match="prompt tokens"):
+            await replay(LlamaCppTarget(url, decode=_words), _workload(episodes=2, turns=1))

@@ -109,10 +109,12 @@ def _child(variant: str, model: str, samples: int, prompt: tuple[int, int]) -> d
 def memory_part(
     model: str, samples: int, prompt: tuple[int, int], variants: tuple[str, ...] = DEFAULT_VARIANTS
 ) -> dict[str, Any]:
-    """The variants (``before`` and ``after`` always among them), each in a fresh process, one
-    after another; peak RSS, ratios and the loss check."""
+    """The variants (``after`` always among them), each in a fresh process, one after another; peak
+    RSS, ratios and the loss check against the first, ``before`` where it is among them (the
+    reference's figures are named ``..._over_<reference>``)."""
     host = host_record()
-    variants = ("before", "after", *(v for v in variants if v not in ("before", "after")))
+    others = tuple(v for v in variants if v not in ("before", "after"))
+    variants = (*(("before",) if "before" in variants else ()), "after", *others)
     rows = {}
     for variant in variants:
         cmd = [sys.executable, "-m", "bench.learner_memory", "--child", variant, "--model", model]
@@ -125,9 +127,11 @@ def memory_part(
             )
         rows[variant] = json.loads(run.stdout.strip().splitlines()[-1])
         print(f"  {variant:<7} peak RSS {rows[variant]['peak_rss_gb']:.2f} GB", flush=True)
-    before = rows["before"]
+    ref = variants[0]
+    before = rows[ref]
     out: dict[str, Any] = {"host": host, "model": model, "variants": rows, "tolerance": TOLERANCE}
-    out["peak_rss_gb_before"] = before["peak_rss_gb"]
+    out["reference"] = ref
+    out[f"peak_rss_gb_{ref}"] = before["peak_rss_gb"]
     equal = True
     for name in variants[1:]:
         row = rows[name]
@@ -141,11 +145,11 @@ def memory_part(
         )
         ratio = row["peak_rss_gb"] / before["peak_rss_gb"]
         print(
-            f"  {name}/before peak RSS {ratio:.2f}, step time {seconds:.2f}, loss |diff| {diff:.1e}"
+            f"  {name}/{ref} peak RSS {ratio:.2f}, step time {seconds:.2f}, loss |diff| {diff:.1e}"
         )
         out[f"peak_rss_gb_{name}"] = row["peak_rss_gb"]
-        out[f"peak_rss_{name}_over_before"] = ratio
-        out[f"step_seconds_{name}_over_before"] = seconds
+        out[f"peak_rss_{name}_over_{ref}"] = ratio
+        out[f"step_seconds_{name}_over_{ref}"] = seconds
         out[f"step_seconds_{name}_over_after"] = sum(s["seconds"] for s in row["steps"]) / sum(
             s["seconds"] for s in rows["after"]["steps"]
         )

@@ -88,7 +88,8 @@ class LossOutput:
     nll_sum: list[float] = field(default_factory=lambda: [0.0] * len(KINDS))
     """Weighted NLL sums per kind (divide by N_k for the per-kind loss)."""
     grpo_stats: dict[str, float] = field(default_factory=dict)
-    """GRPO sums: ``pg``, ``kl``, ``clipped`` tokens, ``ratio`` (divide by N_grpo)."""
+    """GRPO sums: ``pg``, ``kl``, ``clipped`` tokens (PPO clip or dual clip), ``capped`` tokens
+    (dual clip only), ``ratio`` (divide by N_grpo)."""
 
 
 def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
@@ -162,6 +163,7 @@ def grpo_loss(
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
     surrogate = torch.minimum(unclipped, clipped)
     was_clipped = unclipped != clipped
+    capped = torch.zeros_like(was_clipped)
     if dual_clip:
         capped = (adv < 0) & (surrogate < dual_clip * adv)
         surrogate = torch.where(capped, dual_clip * adv, surrogate)
@@ -178,6 +180,7 @@ def grpo_loss(
         "pg": float(pg_sum.detach()),
         "kl": float(kl_sum.detach()),
         "clipped": float((was_clipped.float() * sel).sum()),
+        "capped": float((capped.float() * sel).sum()),
         "ratio": float((ratio.detach() * sel).sum()),
     }
     return LossOutput(loss=loss, grpo_stats=stats)

@@ -113,10 +113,14 @@ class SampleBuffer(Generic[D]):
         """Seconds the oldest buffered delivery has waited (0 when empty)."""
         return self._clock() - min(self._arrived.values()) if self._arrived else 0.0
 
-    def ready(self, global_batch: int, max_wait_s: float, min_batch: int) -> bool:
-        """A full batch is buffered, or a partial one of >= ``min_batch`` waited ``max_wait_s``."""
+    def ready(
+        self, global_batch: int, max_wait_s: float, min_batch: int, *, flush: bool = False
+    ) -> bool:
+        """A full batch is buffered, or a partial one of >= ``min_batch`` (0: the global batch; 1
+        with ``flush``, the stream's tail) waited ``max_wait_s``."""
         n = len(self._items)
-        return n >= global_batch or (n >= max(1, min_batch) and self.oldest_wait() >= max_wait_s)
+        floor = 1 if flush else (min_batch if min_batch > 0 else global_batch)
+        return n >= global_batch or (n >= floor and self.oldest_wait() >= max_wait_s)
 
     def take(self, global_batch: int, current_index: int) -> Batch[D]:
         """Pop deliveries in sequence order until ``global_batch`` trainable samples (or empty)."""

@@ -76,6 +76,8 @@ class StepStats(msgspec.Struct, frozen=True, kw_only=True):
     """Fraction of GRPO tokens whose ratio was clipped."""
     ratio: float | None = None
     """Mean importance ratio exp(logp - logp_behaviour) over GRPO tokens (1.0 when on-policy)."""
+    dual_clipped: int = 0
+    """GRPO tokens whose objective the dual clip capped (``loss.dual_clip``: ratio > c on A < 0)."""
     samples: int
     """Samples trained."""
     skipped: int
@@ -118,6 +120,8 @@ class StepSums:
     """GRPO tokens whose ratio was clipped."""
     ratio: float = 0.0
     """Importance ratios over GRPO tokens."""
+    capped: float = 0.0
+    """GRPO tokens the dual clip capped."""
     real_tokens: float = 0.0
     """Non-pad tokens processed."""
     padded_tokens: float = 0.0
@@ -137,6 +141,7 @@ class StepSums:
             kl=g.get("kl", 0.0),
             clipped=g.get("clipped", 0.0),
             ratio=g.get("ratio", 0.0),
+            capped=g.get("capped", 0.0),
             real_tokens=float(mb.real_tokens),
             padded_tokens=float(mb.padded_tokens),
         )
@@ -329,6 +334,7 @@ class Trainer:
             kl=_mean(sums.kl, tokens.grpo) if self.reference is not None else None,
             clip_frac=_mean(sums.clipped, tokens.grpo),
             ratio=_mean(sums.ratio, tokens.grpo),
+            dual_clipped=int(sums.capped),
             samples=len(items),
             skipped=len(skipped),
             target_tokens=int(sum(tokens.as_list())),

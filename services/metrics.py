@@ -174,6 +174,16 @@ class ActorMetrics:
             registry=r,
         )
         self.in_flight = Gauge("leafe_actor_episodes_in_flight", "Episodes running now", registry=r)
+        self.gate_wait = Counter(
+            "leafe_actor_gate_wait_seconds_total",
+            "Seconds the staleness gate held new training episodes back (actors/staleness.py)",
+            registry=r,
+        )
+        self.gate_lent = Counter(
+            "leafe_actor_gate_lent_total",
+            "Versions of credit the staleness gate lent after max_wait_s without a push",
+            registry=r,
+        )
 
     def observe_event(self, event: EpisodeEvent) -> None:
         """Count one published event."""
@@ -298,6 +308,20 @@ class LearnerMetrics:
             "leafe_learner_samples_dropped_total",
             "Samples consumed but not trained (stale, ignored_kind, unusable)",
             ["reason"],
+            registry=r,
+        )
+        self.flagged_steps = Counter(
+            "leafe_learner_flagged_steps_total",
+            "Steps taken that were partial (fewer samples than the global batch), had their "
+            "gradient norm clipped (grad_clipped) or a GRPO token capped by the dual clip "
+            "(dual_clipped)",
+            ["why"],
+            registry=r,
+        )
+        self.skipped_batches = Counter(
+            "leafe_learner_skipped_batches_total",
+            "Batches consumed with nothing left to train (all stale, of an untrained kind or "
+            "unusable): no step taken",
             registry=r,
         )
         self.policy_lag = Gauge(

@@ -1,7 +1,7 @@
 """What ``leafe run`` tells its learner while it runs: a small JSON file (``leafe learner --control
 PATH``).
 
-    {"threads": 2, "release_seq": 1234}
+    {"threads": 2, "release_seq": 1234, "flush": false}
 
 - ``threads``: torch threads for the next steps (0 keeps the current count). ``leafe run`` gives the
   learner every free core while the engines idle (the warm start's demonstrations need no engine; a
@@ -13,6 +13,8 @@ PATH``).
   ``null``: train as samples come (continuous runs, and any learner started without the file). A
   phase must hold fewer samples than the consumer's ``max_ack_pending`` (4096 by default): the
   learner holds them all, unacked, until released.
+- ``flush`` (continuous runs): train the tail, a partial batch below ``min_batch``, once it waited
+  ``max_batch_wait_s`` (set while the run waits for everything to be trained).
 
 The supervisor writes the file atomically (:func:`write_control`); the learner re-reads it when it
 changed (:class:`ControlFile`), between steps. One machine only: deploy/ runs learners without it.
@@ -39,6 +41,11 @@ class LearnerControl(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     release_seq: int | None = None
     """Phased: the last ``LEAFE_SAMPLES`` sequence the learner may train (0: nothing yet); ``None``:
     continuous."""
+    flush: bool = False
+    """Continuous: train a partial batch (even of 1 sample) once it waited ``max_batch_wait_s``,
+    whatever ``min_batch`` says: ``leafe run`` sets it while it waits for the learner to train
+    every sample (a warm start's end, the drain), so the stream's tail is trained as ``leafe
+    train`` trains an epoch's last partial batch, and only then."""
 
 
 def write_control(path: Path, control: LearnerControl) -> None:

@@ -13,7 +13,7 @@ pushes.
 |----------|----------------------------------|----------------------------|
 | produces | steps, checkpoints, pushes       | in-progress acks           |
 | consumes | deliveries                       | held + buffered deliveries |
-| waits on | a full batch or max_batch_wait_s | ack_wait_s / 3             |
+| waits on | a full batch (tail: flush)       | ack_wait_s / 3             |
 
 Exactly-once relative to the checkpointed weights: the checkpoint records ``samples_seq`` (every
 sequence <= it was trained or deliberately dropped). On start the durable consumer is re-created to
@@ -250,14 +250,18 @@ class OnlineLearner:
                     buffered=len(self.buffer),
                     held=len(self.held),
                 )
-            release = self.control.read().release_seq
+            control = self.control.read()
+            release = control.release_seq
             if release is not None:
                 await self._train_release(release, pub)
             while (
                 release is None
                 and not self._done(stop)
                 and self.buffer.ready(
-                    tc.batch.global_batch, self.cfg.max_batch_wait_s, self.cfg.min_batch
+                    tc.batch.global_batch,
+                    self.cfg.max_batch_wait_s,
+                    self.cfg.min_batch,
+                    flush=control.flush,
                 )
             ):
                 if await self._train(
@@ -339,7 +343,10 @@ class OnlineLearner:
         )
         self._count(batch, stats)
         if stats is None or stats.samples == 0:
+            if batch.consumed:
+                self.metrics.skipped_batches.inc()
             return False
+        self._flag(stats)
         self.steps_here += 1
         log.info(
             "learner.step", samples_seq=self.progress.samples_seq, **msgspec.to_builtins(stats)
@@ -354,6 +361,19 @@ class OnlineLearner:
         if self.on_step is not None:
             self.on_step(stats, [s.sample_id for s in batch.samples], self.progress)
         return True
+
+    def _flag(self, stats: StepStats) -> None:
+        """Count a step that was partial, had its gradient clipped or a token dual-clipped (the
+        run report's step counts)."""
+        tc = self.cfg.trainer
+        flags = {
+            "partial": stats.samples < tc.batch.global_batch,
+            "grad_clipped": 0 < tc.optim.max_grad_norm < stats.grad_norm,
+            "dual_clipped": stats.dual_clipped > 0,
+        }
+        for why, flagged in flags.items():
+            if flagged:
+                self.metrics.flagged_steps.labels(why=why).inc()
 
     def _count(self, batch: Batch[Delivery[Sample]], stats: StepStats | None) -> None:
         m = self.metrics

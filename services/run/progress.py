@@ -67,6 +67,9 @@ class RunProgress(msgspec.Struct, kw_only=True):
     (``..._bucket{le="k"}``)."""
     stale_dropped: int = 0
     """Samples the learner dropped for exceeding ``max_policy_lag``."""
+    step_counts: dict[str, int] = msgspec.field(default_factory=dict)
+    """The learner process's steps: ``taken``, of them ``partial``, ``grad_clipped`` and
+    ``dual_clipped``, and ``skipped`` batches (nothing left to train)."""
     learner_loss: float | None = None
     learner_samples_seq: int = 0
     policy_version: str = "default"
@@ -137,6 +140,16 @@ class RunProgress(msgspec.Struct, kw_only=True):
         stale = samples.get('leafe_learner_samples_dropped_total{reason="stale"}')
         if stale is not None:
             self.stale_dropped = int(stale)
+        counts = {
+            "taken": samples.get("leafe_learner_steps_total"),
+            **{
+                why: samples.get(f'leafe_learner_flagged_steps_total{{why="{why}"}}')
+                for why in ("partial", "grad_clipped", "dual_clipped")
+            },
+            "skipped": samples.get("leafe_learner_skipped_batches_total"),
+        }
+        if counts["taken"] is not None:
+            self.step_counts = {k: int(v or 0) for k, v in counts.items()}
 
     async def read_learner(self, url: str) -> bool:
         """Refresh the learner's figures from its /metrics at ``url``; False when it does not answer

@@ -123,6 +123,7 @@ def build_report(
         curve=list(ctx.curve),
         policy_lag=lag_histogram(p.lag_buckets),
         stale_dropped=p.stale_dropped,
+        step_counts=dict(p.step_counts),
         parts=part_comparisons(ctx.evals, mode),
         schedule=cfg.explore.schedule,
         budget_minutes=cfg.budget_minutes,

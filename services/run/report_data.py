@@ -98,6 +98,10 @@ class RunReport(msgspec.Struct, frozen=True, kw_only=True):
     """Trained samples per policy lag (versions behind the learner's push at training time)."""
     stale_dropped: int = 0
     """Samples dropped for exceeding ``max_policy_lag``."""
+    step_counts: dict[str, int] = msgspec.field(default_factory=dict)
+    """The learner's last process: steps ``taken``, of them ``partial`` (fewer samples than the
+    global batch), ``grad_clipped`` (gradient norm above ``max_grad_norm``) and ``dual_clipped``
+    (a GRPO token capped), and batches ``skipped`` (nothing left to train: no step)."""
     parts: list[PartComparison] = msgspec.field(default_factory=list)
     """What each part of the run did on the held-out tasks (the warm start, the rounds), paired."""
     schedule: str = "continuous"

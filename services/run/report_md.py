@@ -129,6 +129,15 @@ def _continual_lines(r: RunReport) -> list[str]:
             f"dropped as stale (past max_policy_lag): {r.stale_dropped}.",
             "",
         ]
+    if r.step_counts:
+        c = r.step_counts
+        lines += [
+            f"Learner steps (its last process): {c.get('taken', 0)} taken, of them "
+            f"{c.get('partial', 0)} on a partial batch, {c.get('grad_clipped', 0)} with the "
+            f"gradient norm clipped, {c.get('dual_clipped', 0)} with a GRPO token dual-clipped; "
+            f"{c.get('skipped', 0)} batches skipped (nothing left to train).",
+            "",
+        ]
     return lines
 
 

@@ -156,9 +156,13 @@ async def wait_trained(ctx: RunContext, read_learner: Callable[[], Awaitable[Non
     def moved() -> object:
         return progress.learner_step, progress.learner_samples_seq
 
-    trained = await wait_until(
-        ctx, "the learner to train every sample", learner_done, STALL_S, moved
-    )
+    ctx.tell_learner(flush=True)  # the tail: a partial batch below min_batch is trained too
+    try:
+        trained = await wait_until(
+            ctx, "the learner to train every sample", learner_done, STALL_S, moved
+        )
+    finally:
+        ctx.tell_learner(flush=False)
     return folded and trained
 
 

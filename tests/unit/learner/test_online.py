@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from leafe.learner.config import LearnerConfig
 from leafe.learner.online import SampleBuffer, policy_lag
 from leafe.protocol.samples import Sample
 from tests.support.learner import make_sample
@@ -99,6 +100,23 @@ def test_ready_on_full_batch_or_after_waiting() -> None:
     assert not buf.ready(4, 10.0, 3)
     buf.add([_d(3), _d(4)])
     assert buf.ready(4, 100.0, 1)
+
+
+def test_by_default_a_partial_batch_waits_for_the_flush() -> None:
+    """Issue 62: ``min_batch`` 0 (the default) is the global batch, so 1-4 samples are never a step
+    however long they waited (an online LEAFE run took 38 of its 53 steps on 1-4 samples); only
+    ``flush`` (``leafe run`` waiting for the stream's tail) trains them, after the same wait."""
+    clock = Clock()
+    buf: SampleBuffer[FakeDelivery] = SampleBuffer(kinds=["cf"], max_policy_lag=None, clock=clock)
+    buf.add([_d(i) for i in range(1, 5)])
+    clock.t = 1000.0
+    assert not buf.ready(16, 10.0, LearnerConfig().min_batch)
+    assert buf.ready(16, 10.0, LearnerConfig().min_batch, flush=True)
+    clock.t = 0.0
+    buf.add([_d(5)])
+    assert not buf.ready(16, 10.0, 0, flush=True)  # the flush waits max_batch_wait_s too
+    buf.add([_d(i) for i in range(6, 17)])
+    assert buf.ready(16, 10.0, 0)
 
 
 def test_a_release_trains_the_same_batches_whatever_the_arrival_order() -> None:

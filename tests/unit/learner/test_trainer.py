@@ -328,3 +328,30 @@ def test_the_allocator_reuses_freed_memory_unless_asked_to_release_it(
         calls.clear()
         Trainer(TrainerConfig(**{**base, **overrides}), tiny_dir, dist_env)
         assert calls == want, overrides
+
+
+def test_a_default_trainer_bounds_a_step_on_a_huge_ratio_with_a_negative_advantage(
+    dist_env, tiny_dir: Path
+) -> None:
+    """Issue 62: a GRPO sample whose completion the behaviour policy sampled at probability e^-30
+    a token (an importance ratio far past the rebuilt round's 57) on a negative advantage: the PPO
+    clip does not bound -r * A there, so the plain objective's loss is huge; the default trainer's
+    dual clip (c = 3) caps it at c * |A| a token and counts the capped tokens, and an on-policy step
+    (ratio 1) is bit for bit the plain objective's."""
+    far = make_sample(1, kind="grpo", advantage=-1.0, completion_len=4)
+    far = msgspec.structs.replace(far, behaviour_logprobs=[-30.0] * 4)
+    losses = {}
+    for name, loss in (("default", LossConfig()), ("off", LossConfig(dual_clip=0.0))):
+        trainer = Trainer(msgspec.structs.replace(_cfg(), loss=loss), tiny_dir, dist_env)
+        stats = trainer.train_step([far])
+        losses[name] = stats.loss
+        assert stats.dual_clipped == (4 if name == "default" else 0)
+    assert losses["off"] > 100
+    assert losses["default"] == pytest.approx(3.0, rel=1e-6)
+    near = make_sample(2, kind="grpo", advantage=-1.0, completion_len=4)
+    steps = []
+    for loss in (LossConfig(), LossConfig(dual_clip=0.0)):
+        trainer = Trainer(msgspec.structs.replace(_cfg(), loss=loss), tiny_dir, dist_env)
+        steps.append((trainer.train_step([near]).loss, _params(trainer)))
+    assert steps[0][0] == steps[1][0]
+    assert all(torch.equal(steps[0][1][k], steps[1][1][k]) for k in steps[0][1])

@@ -126,3 +126,28 @@ async def test_non_terminal_output_is_one_line_per_change(
     assert [line.split(" ")[0] for line in got[:3]] == ["[exploring", "[exploring", "[draining"]
     assert "steps 215" in got[1] and "learner step 4 loss 1.92 weights v000004" in got[2]
     assert not any(ch in out.getvalue() for ch in "┃━│─┏┗")
+
+
+async def test_the_learners_clipped_partial_and_skipped_steps_are_counted() -> None:
+    """Issue 62: the run reads from the learner's /metrics how many steps it took, how many of them
+    were partial, gradient-clipped or dual-clipped, and how many batches it skipped."""
+    metrics = LearnerMetrics()
+    metrics.steps.inc(5)
+    metrics.flagged_steps.labels(why="grad_clipped").inc(2)
+    metrics.flagged_steps.labels(why="dual_clipped").inc()
+    metrics.skipped_batches.inc(3)
+    port = free_port()
+    server = serve_metrics(port, metrics.registry, "127.0.0.1")
+    assert server is not None
+    p = RunProgress(run_id="r1")
+    try:
+        assert await p.read_learner(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        server.close()
+    assert p.step_counts == {
+        "taken": 5,
+        "partial": 0,
+        "grad_clipped": 2,
+        "dual_clipped": 1,
+        "skipped": 3,
+    }

@@ -120,3 +120,14 @@ def test_the_report_says_what_bounded_the_run_and_what_a_budget_cut() -> None:
     text = render_report(cut, cfg)
     assert "| wall-clock budget | 12 min; it cut round 0: 2 of 8 tasks finished |" in text
     assert "| schedule | phased |" in text
+
+
+def test_the_report_counts_the_learners_clipped_and_skipped_steps() -> None:
+    """Issue 62: the learner's step counts are a line of report.md."""
+    counts = {"taken": 9, "partial": 1, "grad_clipped": 2, "dual_clipped": 3, "skipped": 4}
+    text = render_report(_report([], step_counts=counts), resolve_run_config("tiny").eval)
+    assert (
+        "Learner steps (its last process): 9 taken, of them 1 on a partial batch, 2 with the "
+        "gradient norm clipped, 3 with a GRPO token dual-clipped; 4 batches skipped (nothing "
+        "left to train)."
+    ) in text

@@ -58,6 +58,7 @@ import msgspec
 from leafe.actors.client import SGLangClientConfig
 from leafe.actors.demo_config import DemoConfig
 from leafe.actors.engine import SamplingParams
+from leafe.actors.staleness import StalenessConfig
 from leafe.envs.registry import ORACLE_ENVS
 from leafe.protocol.config import ConfigError, convert_config, merge_tables
 
@@ -368,6 +369,10 @@ class ActorServiceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     demo: dict[str, Override] = msgspec.field(default_factory=dict)
     """Per-env overrides of ``leafe.actors.demo_config.DemoConfig`` fields (demonstrations, Early
     Experience; key ``"*"`` applies to every env)."""
+    staleness: StalenessConfig = msgspec.field(default_factory=StalenessConfig)
+    """The staleness gate (``[actor.staleness]``, ``actors/staleness.py``): no new training episode
+    while this actor's samples would lag the learner past ``max_policy_lag``; off unless set
+    (``leafe run`` sets it for a continuous run)."""
 
     def __post_init__(self) -> None:
         _check(self.concurrency >= 1, "concurrency", self.concurrency, "must be >= 1")

@@ -36,7 +36,9 @@ from nats.js.errors import NotFoundError
 from leafe.actors.config import ActorServiceConfig
 from leafe.actors.engine import Engine
 from leafe.actors.env_pool import EnvFactory, EnvPool
+from leafe.actors.staleness import StalenessGate
 from leafe.envs.registry import make_env
+from leafe.learner.weight_store import version_index
 from leafe.protocol.codec import CODEC_HEADER, ProtocolError, decode_task, decode_weights
 from leafe.protocol.prompt import ChatTokenizer
 from leafe.protocol.subjects import (
@@ -126,6 +128,9 @@ class ActorService:
         """True while the fetch loop holds back because the engine is not ready."""
         self._ready_checked = -math.inf
         self._weights_checked = -math.inf
+        self.gate = StalenessGate(config.staleness)
+        """The staleness gate (``actors/staleness.py``): no new training episode while this
+        actor's samples would lag the learner past its ``max_policy_lag``."""
 
     async def run(self, stop: asyncio.Event | None = None) -> ActorStats:
         """Serve tasks until ``stop`` is set (or ``max_tasks`` were taken), then drain; returns
@@ -183,6 +188,8 @@ class ActorService:
                 if not await self._engine_ready(stop):
                     break
                 await self._refresh_weights()
+                if not await self._gate_open(stop):
+                    break
                 deliveries = await consumer.fetch(self.config.fetch_timeout_s)
                 self.probe.progress()
                 for delivery in deliveries:
@@ -227,8 +234,51 @@ class ActorService:
         self._ready_checked = time.monotonic()
         return True
 
+    @property
+    def learner_version(self) -> int:
+        """The index of the learner's latest push (0 before any)."""
+        return (version_index(self.latest_weights) or 0) if self.latest_weights else 0
+
+    async def _gate_open(self, stop: asyncio.Event) -> bool:
+        """Hold new tasks back while the staleness gate is closed: re-read the learner's latest
+        push every second until the gate opens (or, after ``max_wait_s`` without a push, lend one
+        version's credit). False when ``stop`` came first."""
+        if self.gate.may_start(self.learner_version):
+            return True
+        cfg = self.config.staleness
+        version, since, t0 = self.learner_version, time.monotonic(), time.monotonic()
+        log.info(
+            "actor.gate.closed",
+            version=version,
+            started=self.gate.started,
+            running=len(self._running),
+        )
+        try:
+            while not self.gate.may_start(self.learner_version):
+                self.probe.progress()  # waiting for the learner is this loop's work, not a hang
+                try:
+                    async with asyncio.timeout(1.0):
+                        await stop.wait()
+                    return False
+                except TimeoutError:
+                    pass
+                self._weights_checked = -math.inf
+                await self._refresh_weights()
+                if self.learner_version != version:
+                    version, since = self.learner_version, time.monotonic()
+                elif time.monotonic() - since >= cfg.max_wait_s:
+                    self.gate.lend()
+                    self.metrics.gate_lent.inc()
+                    since = time.monotonic()
+                    log.warning("actor.gate.lent", version=version, waited_s=cfg.max_wait_s, lent=1)
+        finally:
+            self.metrics.gate_wait.inc(time.monotonic() - t0)
+        log.info("actor.gate.open", version=version, waited_s=round(time.monotonic() - t0, 1))
+        return True
+
     def _spawn(self, delivery: Delivery[TaskAssignment]) -> None:
         self.stats.taken += 1
+        self.gate.on_start(delivery.value.mode, self.learner_version)
         task = asyncio.create_task(
             self.runner.serve(delivery), name=f"episode:{delivery.value.task_key}"
         )

@@ -105,7 +105,7 @@ def prepare_run_dir(ctx: RunContext) -> None:
     # differ.
     replay = {"materializer": cfg.materializer, "model": cfg.model, "options": cfg.replayer.options}
     tables: dict[str, Any] = {
-        "actor": dump_config(cfg.actor),
+        "actor": dump_config(cfg.actor_config()),  # with the staleness gate filled in
         "replayer": dump_config(cfg.replayer),
         "learner": dump_config(cfg.learner),
         "replay": replay,

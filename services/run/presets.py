@@ -88,6 +88,15 @@ class ExploreSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Passes over the demonstrations in the warm start: each pass is submitted again under its own
     keys (``demo-e<k>``), so the learner trains every demonstration this many times (the offline
     warm start's epochs)."""
+    backpressure: bool = True
+    """A continuous run with a learner gates its actors (``actors/staleness.py``): no new training
+    episode while the samples in flight would lag the learner past ``learner.max_policy_lag``, so
+    that samples are not made only to be dropped as stale (issue 62). False: actors run ahead
+    freely (the behaviour before)."""
+    samples_per_episode: float = 0.0
+    """Samples an episode gives, for the gate's episodes per learner version (``global_batch x
+    push_every / samples_per_episode / actors``); 0 = by mode, as the shipped online records gave:
+    :data:`SAMPLES_PER_EPISODE`."""
     schedule: Literal["phased", "continuous"] = "phased"
     """``phased``: each phase (a warm-start pass, a round) runs to its end, then the learner trains
     exactly its samples (every free core, batches in sample-id order) and pushes, and the next phase
@@ -279,6 +288,31 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                 f"{self.materializer!r} makes ({', '.join(kinds)}): set [learner] kinds"
             )
 
+    def actor_config(self) -> ActorServiceConfig:
+        """``[actor]`` as the actors get it: with the staleness gate filled in for a continuous run
+        with a learner (``explore.backpressure``), unless ``[actor.staleness]`` sets it."""
+        actor, ex, learner = self.actor, self.explore, self.learner
+        per = ex.samples_per_episode or SAMPLES_PER_EPISODE.get(ex.mode, 0.0)
+        if (
+            actor.staleness.episodes_per_version
+            or not ex.backpressure
+            or ex.schedule != "continuous"
+            or not self.services.learner
+            or learner.max_policy_lag is None
+            or not per
+        ):
+            return actor
+        tc = learner.trainer
+        samples = tc.batch.global_batch * max(1, tc.push_every)
+        # at least one GRPO group a version: a group's samples come only once all its members end
+        episodes = max(samples / per / max(1, self.services.actors), float(ex.samples))
+        gate = replace(
+            actor.staleness,
+            episodes_per_version=episodes,
+            max_policy_lag=learner.max_policy_lag,
+        )
+        return replace(actor, staleness=gate)
+
     def validation_slice(self) -> tuple[int, int]:
         """``(offset, count)`` of the online evaluator's train-split slice (checked disjoint from
         the pool)."""
@@ -295,6 +329,11 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             "replayer_options": self.replayer.options,
         }
 
+
+SAMPLES_PER_EPISODE: dict[str, float] = {"rollout": 7.5, "explore": 2.5}
+"""Samples an episode of each mode gave in the shipped online records
+(experiments/results/online_effect_hard: GRPO 5,718 samples of 758 rollouts, LEAFE 332 of 133
+trees): the staleness gate's default estimate (``explore.samples_per_episode``)."""
 
 SMALL_SOKOBAN: dict[str, Any] = {
     "height": 5,
@@ -350,15 +389,11 @@ def _learner(
 
 
 def _warm_learner(base: LearnerConfig, kinds: list[str]) -> LearnerConfig:
-    """The online learner of the warm-start presets (the ``warmstart`` preset's settings)."""
+    """The online learner of the warm-start presets (the ``warmstart`` preset's settings). No
+    ``scale_partial_batches``: with the learner's batch floor only the stream's tail is a partial
+    batch, and ``leafe train`` trains an epoch's last batch at the full lr too (issue 62)."""
     return _learner(
-        base,
-        kinds=kinds,
-        max_batch_wait_s=10.0,
-        lr=5e-5,
-        scale_partial_batches=True,
-        push_every=4,
-        global_batch=16,
+        base, kinds=kinds, max_batch_wait_s=10.0, lr=5e-5, push_every=4, global_batch=16
     )
 
 

@@ -121,3 +121,33 @@ def test_presets_are_typed_run_configs_built_over_the_chosen_learner_preset(name
     if name == "default":
         assert paper.trainer.batch.global_batch == 128
         assert cfg.learner.trainer.batch.global_batch == 16
+
+
+@pytest.mark.parametrize("preset", ["default", "leafe", "grpo", "warmstart", "explore-only"])
+def test_the_presets_learner_steps_as_leafe_train_does(preset: str) -> None:
+    """Issue 62: no preset's learner steps on a partial batch before the stream's tail
+    (``min_batch`` 0, the global batch), and the tail is trained at the full lr, as ``leafe
+    train`` trains an epoch's last batch (the warm-start presets scaled a partial step's lr down;
+    with the floor that made only the tail differ from offline)."""
+    cfg = resolve_run_config(preset)
+    assert cfg.learner.min_batch == 0
+    assert not cfg.learner.trainer.optim.scale_partial_batches
+
+
+def test_a_continuous_run_gates_its_actors_by_the_learners_staleness_bound() -> None:
+    """The grpo preset's actors get the staleness gate: a version is 16 x 4 samples, a rollout
+    gives ~7.5 (the shipped record), so ~8.5 episodes a version, and at least one group of 4; the
+    learner's ``max_policy_lag``; off with ``explore.backpressure = false`` and in phased runs;
+    kept when set by hand."""
+    gate = resolve_run_config("grpo").actor_config().staleness
+    assert gate.episodes_per_version == pytest.approx(16 * 4 / 7.5)
+    assert gate.max_policy_lag == 4
+    small = resolve_run_config(
+        "grpo", overrides={"learner.trainer.push_every": 1, "services.actors": 2}
+    )
+    assert small.actor_config().staleness.episodes_per_version == 4.0  # one group of 4
+    off = resolve_run_config("grpo", overrides={"explore.backpressure": False})
+    assert off.actor_config().staleness.episodes_per_version == 0.0
+    assert resolve_run_config("default").actor_config().staleness.episodes_per_version == 0.0
+    mine = resolve_run_config("leafe", overrides={"actor.staleness.episodes_per_version": 3.0})
+    assert mine.actor_config().staleness.episodes_per_version == 3.0

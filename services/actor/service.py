@@ -6,7 +6,7 @@
       │                                                     │ flush (every event acked by JetStream)
       └────────── ack ◄─────────────────────────────────────┘ then ack the task
  LEAFE_WEIGHTS ──(last message, re-read at most every 10 s)──► latest announced version
-                                                               (logs; events carry the engine's own)
+                        (the staleness gate, actors/staleness.py; events carry the engine's own)
 ```
 
 :class:`ActorService` owns fetching, concurrency and shutdown; :class:`EpisodeRunner`
@@ -120,8 +120,8 @@ class ActorService:
         self.durable = actors_durable(self.run_id, config.durable)
         """Consumer name: unique per run, because every run's tasks share the LEAFE_TASKS stream."""
         self.latest_weights: str | None = None
-        """Latest ``WeightsPublished.version`` seen (informational: events carry the engine's
-        version)."""
+        """Latest ``WeightsPublished.version`` seen: the learner's version the staleness gate counts
+        (events carry the engine's own version)."""
         self._running: set[asyncio.Task[None]] = set()
         self.engine = engine
         self.engine_waiting = False

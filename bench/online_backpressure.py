@@ -58,7 +58,7 @@ def _config(args: argparse.Namespace, backpressure: bool) -> dict[str, Any]:
         cfg["model"] = "tiny"
         explore.update(tasks=2, samples=4, rounds=0)
         cfg["services"] = {"actor_concurrency": 4, "inference_max_batch": 4, "inference_servers": 1}
-        cfg["learner"]["trainer"]["batch"] = {"global_batch": 8}
+        cfg["learner"]["trainer"]["batch"] = {"global_batch": 16}  # a version >= one group
         # the random model never solves a room: keep zero-variance groups (advantage 0) as samples
         cfg["replayer"] = {"options": {"min_std": 0.0}}
     return cfg

@@ -394,3 +394,56 @@ async def test_actor_follows_weights_announcements(nats_url: str, run_id: str) -
 
 # -- the real stack: CPU inference server (tiny model), SmolLM2's chat template, Sokoban
 # ---------------
+
+
+async def test_the_staleness_gate_holds_new_episodes_until_the_learner_pushes(
+    nats_url: str, run_id: str
+) -> None:
+    """Issue 62's backpressure: with 2 episodes a version and lag 0, the actor takes 2 rollouts
+    while the learner is at v000001, then no more (the tasks wait in the queue, counted as gate
+    wait) until v000002 is announced, then 2 more; a demonstration would not count."""
+    from leafe.actors.staleness import StalenessConfig
+
+    nc = await connect(nats_url)
+    js = nc.jetstream()
+    await ensure_streams(js)
+
+    def weights(version: str) -> WeightsPublished:
+        return WeightsPublished(
+            event_id=f"weights.{run_id}.{version}",
+            run_id=run_id,
+            version=version,
+            uri="/w",
+            manifest_sha256="0" * 64,
+            learner_step=1,
+            base_model="tiny",
+        )
+
+    async with Publisher(js) as pub:
+        await pub.publish(weights_subject(run_id), weights("v000001"))
+    await submit(js, run_id, corridor_tasks(run_id, 6, "rollout"))
+    stop = asyncio.Event()
+    gate = StalenessConfig(episodes_per_version=2.0, max_policy_lag=0, max_wait_s=600.0)
+    service = ActorService(
+        nc=nc,
+        run_id=run_id,
+        engine=ScriptedEngine(script=left_first_then_learn),
+        tokenizer=ByteChatTokenizer(),
+        config=ActorServiceConfig(concurrency=3, staleness=gate),
+        actor_id="actor-a",
+        env_factory=corridor_factory,
+    )
+    task = asyncio.create_task(service.run(stop))
+    await until(lambda: service.stats.done == 2, "the first two episodes")
+    await asyncio.sleep(2.5)  # the gate re-reads the weights every second: still v000001
+    assert (service.stats.taken, service.stats.done) == (2, 2)
+    assert await tasks_left(js, run_id) == 4
+    async with Publisher(js) as pub:
+        await pub.publish(weights_subject(run_id), weights("v000002"))
+    await until(lambda: service.stats.done == 4, "two more episodes after the push")
+    await asyncio.sleep(2.5)
+    assert service.stats.taken == 4 and service.gate.lent == 0
+    assert service.metrics.gate_wait._value.get() >= 2.5  # the first wait, ended by the push
+    stop.set()
+    await asyncio.wait_for(task, 30)
+    await nc.close()

@@ -122,6 +122,46 @@ class SampleBuffer(Generic[D]):
         floor = 1 if flush else (min_batch if min_batch > 0 else global_batch)
         return n >= global_batch or (n >= floor and self.oldest_wait() >= max_wait_s)
 
+    def trainable(self, d: D, current_index: int) -> bool:
+        """Whether ``d`` would be trained at learner version ``current_index`` (its kind is trained
+        here and it is not stale; an unknown version counts as trainable)."""
+        sample = d.value
+        if sample.kind not in self.kinds:
+            return False
+        lag = policy_lag(sample.policy_version, current_index)
+        return lag is None or self.max_policy_lag is None or lag <= self.max_policy_lag
+
+    def next_batch(
+        self,
+        global_batch: int,
+        current_index: int,
+        *,
+        max_wait_s: float,
+        min_batch: int,
+        flush: bool = False,
+    ) -> Batch[D] | None:
+        """The next batch to train, or None to wait. Counts only samples that would be trained, so
+        stale or untrained-kind deliveries never turn a step into a partial one: a full batch of
+        ``global_batch`` trainable samples; a partial one of >= ``min_batch`` (0: the global batch;
+        1 with ``flush``) once the oldest delivery waited ``max_wait_s``; else the deliveries at the
+        head of the sequence that nothing will train, consumed without a step (a batch with no
+        samples), so they never hold the stream's pending window."""
+        seqs = sorted(self._items)
+        n = sum(self.trainable(self._items[s], current_index) for s in seqs)
+        floor = 1 if flush else (min_batch if min_batch > 0 else global_batch)
+        if n >= global_batch or (n >= floor and self.oldest_wait() >= max_wait_s):
+            return self.take(global_batch, current_index)
+        out: Batch[D] = Batch()
+        for seq in seqs:
+            if self.trainable(self._items[seq], current_index):
+                break
+            self._consume(out, seq, current_index)
+            out.max_seq = seq
+        if not out.consumed:
+            return None
+        self.floor = max(self.floor, out.max_seq)
+        return out
+
     def take(self, global_batch: int, current_index: int) -> Batch[D]:
         """Pop deliveries in sequence order until ``global_batch`` trainable samples (or empty)."""
         out: Batch[D] = Batch()

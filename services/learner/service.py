@@ -254,19 +254,17 @@ class OnlineLearner:
             release = control.release_seq
             if release is not None:
                 await self._train_release(release, pub)
-            while (
-                release is None
-                and not self._done(stop)
-                and self.buffer.ready(
+            while release is None and not self._done(stop):
+                batch = self.buffer.next_batch(
                     tc.batch.global_batch,
-                    self.cfg.max_batch_wait_s,
-                    self.cfg.min_batch,
+                    self.progress.version_index,
+                    max_wait_s=self.cfg.max_batch_wait_s,
+                    min_batch=self.cfg.min_batch,
                     flush=control.flush,
                 )
-            ):
-                if await self._train(
-                    self.buffer.take(tc.batch.global_batch, self.progress.version_index)
-                ):
+                if batch is None:
+                    break
+                if await self._train(batch):
                     await self._after_step(pub)
                 self.probe.progress()
             if (

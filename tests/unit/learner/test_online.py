@@ -147,3 +147,26 @@ def test_an_empty_release_still_moves_the_floor() -> None:
     (batch,) = buf.take_release(6, 4, current_index=0)
     assert batch.samples == [] and batch.ignored == 1 and batch.max_seq == 6 and buf.floor == 6
     assert buf.holds_through(6)
+
+
+def test_stale_deliveries_never_make_a_step_partial() -> None:
+    """Issue 62: the floor counts samples that would be trained. 16 deliveries of which 12 are
+    stale are no batch of 16 (before, ``ready`` counted deliveries and the step trained 4); the
+    stale head is consumed without a step (no samples), so it never holds the pending window, and
+    the 4 fresh ones wait for 12 more."""
+    clock = Clock()
+    buf: SampleBuffer[FakeDelivery] = SampleBuffer(kinds=["cf"], max_policy_lag=1, clock=clock)
+    buf.add([_d(i, policy_version="v000001") for i in range(1, 13)])
+    buf.add([_d(i, policy_version="v000005") for i in range(13, 17)])
+    clock.t = 100.0
+    head = buf.next_batch(16, 5, max_wait_s=10.0, min_batch=0)
+    assert head is not None and head.samples == [] and head.stale == 12 and head.max_seq == 12
+    assert buf.next_batch(16, 5, max_wait_s=10.0, min_batch=0) is None
+    buf.add([_d(i, policy_version="v000005") for i in range(17, 29)])
+    full = buf.next_batch(16, 5, max_wait_s=10.0, min_batch=0)
+    assert full is not None and len(full.samples) == 16 and full.max_seq == 28
+    buf.add([_d(29, policy_version="v000005")])
+    assert buf.next_batch(16, 5, max_wait_s=10.0, min_batch=0) is None
+    clock.t = 200.0
+    tail = buf.next_batch(16, 5, max_wait_s=10.0, min_batch=0, flush=True)
+    assert tail is not None and len(tail.samples) == 1

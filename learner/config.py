@@ -217,12 +217,13 @@ class LearnerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """A partial global batch of at least ``min_batch`` samples is trained once its oldest sample
     waited this long."""
     min_batch: int = 0
-    """Smallest partial batch trained after ``max_batch_wait_s``; 0 = the global batch: no step on
-    a handful of samples, because AdamW's normalised step moves the weights as far on 1 sample as on
-    a full batch (an online LEAFE run took 38 of its 53 steps on 1-4 samples, one at loss 1.04 and
-    gradient norm 27.8). The stream's tail is trained when ``leafe run`` asks for it (the control
-    file's ``flush``: a continuous warm start's end, the drain), as ``leafe train`` trains an
-    epoch's last partial batch. Set 1 for the old behaviour (any partial batch after the wait)."""
+    """Smallest partial batch trained after ``max_batch_wait_s``, counting only samples that would
+    be trained (not stale, of a trained kind); 0 = the global batch: no step on a handful of
+    samples, because AdamW's normalised step moves the weights as far on 1 sample as on a full batch
+    (an online LEAFE run took 38 of its 53 steps on 1-4 samples, one at loss 1.04 and gradient norm
+    27.8). The stream's tail is trained when ``leafe run`` asks for it (the control file's
+    ``flush``: a continuous warm start's end, the drain), as ``leafe train`` trains an epoch's last
+    partial batch. Set 1 for the old behaviour (any partial batch after the wait)."""
     max_policy_lag: int | None = 4
     """Drop samples whose ``policy_version`` is more than this many versions behind the learner's
     (counted and logged); None keeps every sample."""

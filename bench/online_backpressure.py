@@ -9,12 +9,12 @@ minute of the explore stage.
 Full mode is the ``grpo`` preset at its concurrency (1 actor x 8 episodes, groups of 4 rollouts)
 without its warm start and evaluations, for ``--minutes`` of exploring each; the learner's staleness
 bound is scaled down (``--push-every``, ``--max-policy-lag``) so a short run reaches the steady
-state a 35-minute run reaches after its first versions: the share dropped depends on how much
-faster the actors make samples than the learner trains them, not on the bound, which only delays
-when dropping starts. The learner is run ``--slow`` (5) times slower by stopping it (SIGSTOP) 4 s
-of every 5: the shipped GRPO run's learner on one core trained 41% of what its actors made, and on
-this shared machine the actors alone are slower than they were there. ``--quick`` (the test) runs
-the tiny model on 2 rollouts x 4 samples; its figures are not measurements. Saves
+state a 35-minute run reaches after its first versions: the share dropped depends on how much faster
+the actors make samples than the learner trains them, not on the bound, which only delays when
+dropping starts. The learner is run ``--slow`` (5) times slower by stopping it (SIGSTOP) 4 s of
+every 5: the shipped GRPO run's learner on one core trained 41% of what its actors made, and on this
+shared machine the actors alone are slower than they were there. ``--quick`` (the test) runs the
+tiny model on the same pool; its figures are not SmolLM2 measurements. Saves
 ``bench/results/online_backpressure.json`` (``--out``) with the host's CPU; timings on a shared
 machine are noisy, so both arms run in one invocation.
 """
@@ -56,7 +56,7 @@ def _config(args: argparse.Namespace, backpressure: bool) -> dict[str, Any]:
     }
     if args.quick:
         cfg["model"] = "tiny"
-        explore.update(tasks=2, samples=4, rounds=0)
+        explore.update(samples=4, rounds=0)  # the preset's pool: 16 tasks x 4 a round
         cfg["services"] = {"actor_concurrency": 4, "inference_max_batch": 4, "inference_servers": 1}
         cfg["learner"]["trainer"]["batch"] = {"global_batch": 16}  # a version >= one group
         # the random model never solves a room: keep zero-variance groups (advantage 0) as samples

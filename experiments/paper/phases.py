@@ -152,6 +152,7 @@ def grpo_phases(
                 lr=lr,
                 epochs=g.epochs,
                 share_prefix=g.share_prefix,
+                dual_clip=g.dual_clip,
             )
         )
         vals.append(f"grpo-r1-val-lr{i}")
@@ -183,6 +184,7 @@ def grpo_phases(
                 lr="grpo",
                 epochs=g.epochs,
                 share_prefix=g.share_prefix,
+                dual_clip=g.dual_clip,
             )
         )
         rounds.append(f"grpo-r{r}-val")

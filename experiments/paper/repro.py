@@ -33,6 +33,15 @@ def _toml(table: dict[str, Any]) -> str:
     return tomli_w.dumps(table)
 
 
+def pinned_trainer(config: dict[str, Any]) -> dict[str, Any]:
+    """A recorded training's config with ``[trainer.loss] dual_clip`` pinned: a record without it
+    was trained before the learner's default became 3, with the dual clip off (0)."""
+    trainer = dict(config.get("trainer", {}))
+    loss = dict(trainer.get("loss", {}))
+    loss.setdefault("dual_clip", 0.0)
+    return {**config, "trainer": {**trainer, "loss": loss}}
+
+
 BASE_EXPORT = "base-weights"
 """The base model exported under the work dir (``runner._base_export``): the same weights as
 ``$MODEL``."""
@@ -112,7 +121,7 @@ def _train_lines(
     start = _path(r.get("start_weights", spec.start), work, base)
     beta = f" --beta {spec.beta}" if spec.beta is not None else ""
     lines += [
-        f"cat > $OUT/{name}/train/train.toml <<'EOF'\n{_toml(r['config'])}EOF",
+        f"cat > $OUT/{name}/train/train.toml <<'EOF'\n{_toml(pinned_trainer(r['config']))}EOF",
         f"leafe train --data {data} --model {start} --out $OUT/{name}/train --preset "
         f"{cfg.training.preset} "
         f"--config $OUT/{name}/train/train.toml --lr {r['lr']} --epochs {r['epochs']}{beta} "

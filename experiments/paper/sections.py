@@ -100,6 +100,10 @@ class GrpoConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     the same system prompt and task header, computed once a packed row instead of once a sample (the
     same step up to bf16 rounding; ~1.5x faster steps). Off by default so that phases recorded
     without it rebuild exactly."""
+    dual_clip: float = 0.0
+    """The rounds' ``loss.dual_clip`` (dual-clip PPO's c, e.g. 3): a bound on a negative-advantage
+    token's objective. 0 (off) by default, pinned in every training's trainer table, so that phases
+    recorded before the learner's default became 3 rebuild exactly; new protocols set it."""
 
     def __post_init__(self) -> None:
         require(self.rounds >= 1, "grpo.rounds", self.rounds, "must be >= 1")
@@ -108,6 +112,12 @@ class GrpoConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         )
         require(bool(self.lrs) and min(self.lrs) > 0, "grpo.lrs", self.lrs, "need >= 1 lr, all > 0")
         require(self.epochs >= 1, "grpo.epochs", self.epochs, "must be >= 1")
+        require(
+            self.dual_clip == 0.0 or self.dual_clip > 1.0,
+            "grpo.dual_clip",
+            self.dual_clip,
+            "must be 0 (off) or > 1",
+        )
 
 
 class EarlyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -101,6 +101,9 @@ class TrainSpec(msgspec.Struct, frozen=True, kw_only=True, tag="train"):
     share_prefix: bool = False
     """Pack with the learner's ``share_prefix`` (the common prompt prefix once a row: the same step
     up to float rounding, fewer tokens through the model)."""
+    dual_clip: float = 0.0
+    """``loss.dual_clip`` of this training, pinned in its trainer table (0 = off, what every record
+    before the learner's default became 3 was trained with)."""
 
 
 class EvalSpec(msgspec.Struct, frozen=True, kw_only=True, tag="eval"):

@@ -178,7 +178,7 @@ class Steps(Choices):
             epochs=epochs,
             beta=spec.beta,
             samples=n,
-            trainer=self.trainer_table(share_prefix=spec.share_prefix),
+            trainer=self.trainer_table(share_prefix=spec.share_prefix, dual_clip=spec.dual_clip),
             export_epochs=spec.export_epochs,
             threads=tr.threads,
             keep_checkpoints=tr.keep_checkpoints,
@@ -187,13 +187,21 @@ class Steps(Choices):
         )
         return {**head, **out}
 
-    def trainer_table(self, *, share_prefix: bool = False) -> dict[str, Any]:
-        """``[trainer]`` overrides of every training (precision, layout, batch)."""
+    def trainer_table(
+        self, *, share_prefix: bool = False, dual_clip: float = 0.0
+    ) -> dict[str, Any]:
+        """``[trainer]`` overrides of every training (precision, layout, batch, and the GRPO dual
+        clip, pinned so that a change of the learner's default never changes a recorded phase)."""
         tr = self.cfg.training
         batch: dict[str, Any] = {"bucketing": tr.bucketing}
         batch.update({"share_prefix": True} if share_prefix else {})
         batch.update({"global_batch": tr.global_batch} if tr.global_batch else {})
-        return {"precision": tr.precision, "batch": batch, "export_dtype": tr.export_dtype}
+        return {
+            "precision": tr.precision,
+            "batch": batch,
+            "export_dtype": tr.export_dtype,
+            "loss": {"dual_clip": dual_clip},
+        }
 
     def check_token_budget(self, spec: EvalSpec) -> None:
         """Refuse, before any episode runs, an evaluation whose generation cap is shorter than the

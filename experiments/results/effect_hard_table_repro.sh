@@ -25,6 +25,9 @@ retain_versions = 2
 [trainer.batch]
 bucketing = "pack"
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/sft-6x6-l8-w0-n128/dataset-filtered --model $MODEL --out $OUT/sft-6x6-l8-w0-n128/train --preset cpu --config $OUT/sft-6x6-l8-w0-n128/train/train.toml --lr 5e-05 --epochs 1 --threads 2
 
@@ -46,6 +49,9 @@ retain_versions = 2
 [trainer.batch]
 bucketing = "pack"
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/sft-6x6-l8-w2-n128/dataset-filtered --model $MODEL --out $OUT/sft-6x6-l8-w2-n128/train --preset cpu --config $OUT/sft-6x6-l8-w2-n128/train/train.toml --lr 5e-05 --epochs 1 --threads 2
 
@@ -76,6 +82,9 @@ retain_versions = 3
 [trainer.batch]
 bucketing = "pack"
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/warm-train/dataset-mixed --model $MODEL --out $OUT/warm-train/train --preset cpu --config $OUT/warm-train/train/train.toml --lr 5e-05 --epochs 2 --threads 2
 
@@ -100,6 +109,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/train-leafe/dataset --model $OUT/warm-train/train/final --out $OUT/train-leafe/train --preset cpu --config $OUT/train-leafe/train/train.toml --lr 3e-05 --epochs 1 --beta 1.0 --threads 2
 
@@ -125,6 +137,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/train-reh/dataset-filtered --model $OUT/warm-train/train/final --out $OUT/train-reh/train --preset cpu --config $OUT/train-reh/train/train.toml --lr 3e-05 --epochs 2 --threads 2
 
@@ -149,6 +164,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/train-leafe-oracle/dataset --model $OUT/warm-train/train/final --out $OUT/train-leafe-oracle/train --preset cpu --config $OUT/train-leafe-oracle/train/train.toml --lr 3e-05 --epochs 1 --beta 1.0 --threads 2
 
@@ -174,6 +192,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/train-reh-oracle/dataset-filtered --model $OUT/warm-train/train/final --out $OUT/train-reh-oracle/train --preset cpu --config $OUT/train-reh-oracle/train/train.toml --lr 3e-05 --epochs 1 --threads 2
 
@@ -195,6 +216,9 @@ push_every = 0
 bucketing = "pack"
 share_prefix = true
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/grpo-r1-train-lr0/dataset --model $OUT/warm-train/train/final --out $OUT/grpo-r1-train-lr0/train --preset cpu --config $OUT/grpo-r1-train-lr0/train/train.toml --lr 1e-05 --epochs 1 --threads 2
 
@@ -216,6 +240,9 @@ push_every = 0
 bucketing = "pack"
 share_prefix = true
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/grpo-r2-train/dataset --model $OUT/grpo-r1-train-lr0/train/final --out $OUT/grpo-r2-train/train --preset cpu --config $OUT/grpo-r2-train/train/train.toml --lr 1e-05 --epochs 1 --threads 2
 

@@ -25,6 +25,9 @@ retain_versions = 3
 [trainer.batch]
 bucketing = "pack"
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/sft-5x5-l3-n96/dataset-filtered --model $OUT/base-weights --out $OUT/sft-5x5-l3-n96/train --preset cpu --config $OUT/sft-5x5-l3-n96/train/train.toml --lr 5e-05 --epochs 2
 
@@ -46,6 +49,9 @@ retain_versions = 3
 [trainer.batch]
 bucketing = "pack"
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/sft-6x6-l5-n96/dataset-filtered --model $OUT/base-weights --out $OUT/sft-6x6-l5-n96/train --preset cpu --config $OUT/sft-6x6-l5-n96/train/train.toml --lr 5e-05 --epochs 2
 
@@ -65,6 +71,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/grpo-r1-train-lr0/dataset --model $OUT/sft-5x5-l3-n96/train/final --out $OUT/grpo-r1-train-lr0/train --preset cpu --config $OUT/grpo-r1-train-lr0/train/train.toml --lr 1e-05 --epochs 1
 
@@ -84,6 +93,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/grpo-r1-train-lr1/dataset --model $OUT/sft-5x5-l3-n96/train/final --out $OUT/grpo-r1-train-lr1/train --preset cpu --config $OUT/grpo-r1-train-lr1/train/train.toml --lr 3e-05 --epochs 1
 
@@ -103,6 +115,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/grpo-r2-train/dataset --model $OUT/grpo-r1-train-lr0/train/final --out $OUT/grpo-r2-train/train --preset cpu --config $OUT/grpo-r2-train/train/train.toml --lr 1e-05 --epochs 1
 
@@ -122,6 +137,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/grpo-r3-train/dataset --model $OUT/grpo-r2-train/train/final --out $OUT/grpo-r3-train/train --preset cpu --config $OUT/grpo-r3-train/train/train.toml --lr 1e-05 --epochs 1
 
@@ -143,6 +161,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/train-leafe/dataset --model $OUT/grpo-r1-train-lr0/train/final --out $OUT/train-leafe/train --preset cpu --config $OUT/train-leafe/train/train.toml --lr 3e-05 --epochs 2 --beta 1.0
 
@@ -164,6 +185,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/train-leafe-oracle/dataset --model $OUT/grpo-r1-train-lr0/train/final --out $OUT/train-leafe-oracle/train --preset cpu --config $OUT/train-leafe-oracle/train/train.toml --lr 3e-05 --epochs 2 --beta 1.0
 
@@ -186,6 +210,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/train-reh/dataset-filtered --model $OUT/grpo-r1-train-lr0/train/final --out $OUT/train-reh/train --preset cpu --config $OUT/train-reh/train/train.toml --lr 3e-05 --epochs 2
 
@@ -205,6 +232,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/train-rft/dataset --model $OUT/sft-5x5-l3-n96/train/final --out $OUT/train-rft/train --preset cpu --config $OUT/train-rft/train/train.toml --lr 3e-05 --epochs 2
 
@@ -224,6 +254,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/train-iwm/dataset --model $OUT/base-weights --out $OUT/train-iwm/train --preset cpu --config $OUT/train-iwm/train/train.toml --lr 5e-05 --epochs 2
 
@@ -243,6 +276,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 16
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/train-sr/dataset --model $OUT/base-weights --out $OUT/train-sr/train --preset cpu --config $OUT/train-sr/train/train.toml --lr 5e-05 --epochs 2
 

@@ -25,6 +25,9 @@ retain_versions = 3
 [trainer.batch]
 bucketing = "pack"
 global_batch = 8
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/sft-5x5-l3-n8/dataset-filtered --model $MODEL --out $OUT/sft-5x5-l3-n8/train --preset cpu --config $OUT/sft-5x5-l3-n8/train/train.toml --lr 0.0001 --epochs 2
 
@@ -46,6 +49,9 @@ retain_versions = 3
 [trainer.batch]
 bucketing = "pack"
 global_batch = 8
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/sft-6x6-l5-n8/dataset-filtered --model $MODEL --out $OUT/sft-6x6-l5-n8/train --preset cpu --config $OUT/sft-6x6-l5-n8/train/train.toml --lr 0.0001 --epochs 2
 
@@ -67,6 +73,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 8
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/grpo-r1-train-lr0/dataset --model $OUT/sft-6x6-l5-n8/train/weights/v000004 --out $OUT/grpo-r1-train-lr0/train --preset cpu --config $OUT/grpo-r1-train-lr0/train/train.toml --lr 0.0001 --epochs 1
 
@@ -88,6 +97,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 8
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/grpo-r2-train/dataset --model $OUT/grpo-r1-train-lr0/train/final --out $OUT/grpo-r2-train/train --preset cpu --config $OUT/grpo-r2-train/train/train.toml --lr 0.0001 --epochs 1
 
@@ -111,6 +123,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 8
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/train-leafe/dataset --model $OUT/grpo-r1-train-lr0/train/final --out $OUT/train-leafe/train --preset cpu --config $OUT/train-leafe/train/train.toml --lr 0.0001 --epochs 2 --beta 1.0
 
@@ -132,6 +147,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 8
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/train-iwm/dataset --model $MODEL --out $OUT/train-iwm/train --preset cpu --config $OUT/train-iwm/train/train.toml --lr 0.0001 --epochs 1
 
@@ -153,6 +171,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 8
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/train-sr/dataset --model $MODEL --out $OUT/train-sr/train --preset cpu --config $OUT/train-sr/train/train.toml --lr 0.0001 --epochs 1
 
@@ -174,6 +195,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 8
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/train-rft/dataset --model $OUT/sft-6x6-l5-n8/train/weights/v000004 --out $OUT/train-rft/train --preset cpu --config $OUT/train-rft/train/train.toml --lr 0.0001 --epochs 2
 
@@ -197,6 +221,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 8
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/train-leafe-oracle/dataset --model $OUT/grpo-r1-train-lr0/train/final --out $OUT/train-leafe-oracle/train --preset cpu --config $OUT/train-leafe-oracle/train/train.toml --lr 0.0001 --epochs 2 --beta 1.0
 
@@ -221,6 +248,9 @@ push_every = 0
 [trainer.batch]
 bucketing = "pack"
 global_batch = 8
+
+[trainer.loss]
+dual_clip = 0.0
 EOF
 leafe train --data $OUT/train-reh/dataset-filtered --model $OUT/grpo-r1-train-lr0/train/final --out $OUT/train-reh/train --preset cpu --config $OUT/train-reh/train/train.toml --lr 0.0001 --epochs 2
 

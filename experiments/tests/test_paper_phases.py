@@ -209,3 +209,30 @@ def test_grpo_share_prefix_reaches_only_grpo_trainings(small_cfg: PaperConfig) -
     assert steps.trainer_table(share_prefix=True)["batch"]["share_prefix"] is True
     assert "share_prefix" not in steps.trainer_table()["batch"]
     assert load_paper_config(scale_path("effect-hard")).grpo.share_prefix
+
+
+def test_dual_clip_is_pinned_in_every_trainer_table(small_cfg: PaperConfig) -> None:
+    """The learner's dual clip became 3 by default (issue 62); every recorded phase was trained
+    with it off. The harness pins the protocol's ``grpo.dual_clip`` (0 unless set) in each
+    training's trainer table, and a reproduction script pins 0 for a record without it, so
+    neither a rebuild nor a repro script follows the learner's default."""
+    from experiments.paper.config import load_paper_config, scale_path
+    from experiments.paper.repro import pinned_trainer
+    from experiments.paper.steps import Steps
+
+    steps = Steps.__new__(Steps)
+    steps.cfg = small_cfg
+    assert steps.trainer_table()["loss"] == {"dual_clip": 0.0}
+    assert steps.trainer_table(dual_clip=3.0)["loss"] == {"dual_clip": 3.0}
+    trains = [p.spec for p in plan(small_cfg) if isinstance(p.spec, TrainSpec)]
+    assert trains and all(s.dual_clip == 0.0 for s in trains)
+    fair = load_paper_config(scale_path("effect-fair"))
+    clipped = {p.name for p in plan(fair) if isinstance(p.spec, TrainSpec) and p.spec.dual_clip}
+    assert clipped and all(n.startswith("grpo-") for n in clipped)
+    for scale in ("effect", "effect-hard"):
+        assert load_paper_config(scale_path(scale)).grpo.dual_clip == 0.0
+    record = {"trainer": {"precision": "bf16", "batch": {"bucketing": "pack"}}}
+    assert pinned_trainer(record)["trainer"]["loss"] == {"dual_clip": 0.0}
+    assert pinned_trainer(record)["trainer"]["batch"] == {"bucketing": "pack"}
+    kept = {"trainer": {"loss": {"dual_clip": 3.0, "kl_coef": 0.1}}}
+    assert pinned_trainer(kept) == kept

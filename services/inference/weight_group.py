@@ -22,13 +22,15 @@ does). Then, as SGLang: ``abort_all_requests`` aborts every request; otherwise r
 finish on the old weights and new ones wait for the swap; the prefix cache is emptied with the old
 weights (``flush_cache=false`` cannot keep KV computed by weights that are gone).
 
-What arrives is checked before it serves: the tensors must be exactly those of the version's export
-``<weights root>/<weight_version>/`` (names, dtypes, shapes from its safetensors header) and the
-sha256 of that header followed by the received bytes must equal the file's sha256 in the export's
-``manifest.json``. So the disk record stays the truth and a broadcast can only install a version
-that is on disk; a mismatch is refused (HTTP 400) and the old weights keep serving. An announcement
-that is malformed or larger than the bound is refused without receiving: the group is then out of
-step, so this side leaves it (the sender's broadcast fails and it forms a new group).
+The announcement is checked before a byte is received: well formed, within the size bound, and
+exactly the tensors of the version's export ``<weights root>/<weight_version>/`` (names, dtypes,
+shapes from its safetensors header). A refused announcement leaves the group out of step, so this
+side leaves it (the sender's broadcast fails and it forms a new group); every member judges the
+same announcement alike, so none is still receiving when another's refusal stops the sender. What
+arrives is checked before it serves: the sha256 of the export's header followed by the received
+bytes must equal the file's sha256 in the export's ``manifest.json``. So the disk record stays the
+truth and a broadcast can only install a version that is on disk; a mismatch is refused (HTTP 400)
+and the old weights keep serving.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from aiohttp import web
 
 from leafe.services.inference.api import RequestError, decode_json
 from leafe.services.inference.weights import (
+    ExportIndex,
     WeightLoadError,
     check_announced,
     export_index,
@@ -271,6 +274,13 @@ class WeightGroups:
             message = f"{e}. Left the group (the sender must form a new one)."
             log.warning("inference.group.update_refused", group=req.group_name, reason=message)
             return web.json_response(_body(False, message), status=400)
+        try:  # judged before a byte is received: every member refuses alike, none mid-broadcast
+            index = await asyncio.to_thread(self._export_of, req, specs)
+        except WeightLoadError as e:
+            self._leave(req.group_name)
+            message = f"{e} Left the group (the sender must form a new one)."
+            log.warning("inference.group.update_refused", group=req.group_name, reason=message)
+            return web.json_response(_body(False, message), status=400)
         if not group.busy.acquire(blocking=False):
             message = f"Group {req.group_name!r} is already receiving an update."
             return web.json_response(_body(False, message), status=400)
@@ -291,7 +301,7 @@ class WeightGroups:
         receive_s = time.perf_counter() - t0
         async with self._reload_lock:
             try:
-                state, export = await asyncio.to_thread(self._checked, req, state, engine.model)
+                state, export = await asyncio.to_thread(self._checked, index, state, engine.model)
             except WeightLoadError as e:
                 log.warning(
                     "inference.weights.rejected",
@@ -397,23 +407,30 @@ class WeightGroups:
             )
         return specs
 
-    def _checked(
-        self,
-        req: DistributedUpdateRequest,
-        state: dict[str, torch.Tensor],
-        model: torch.nn.Module,
-    ) -> tuple[dict[str, torch.Tensor], Path]:
-        """What arrived is the version's export, byte for byte, and fits the serving model."""
+    def _export_of(
+        self, req: DistributedUpdateRequest, specs: list[tuple[torch.dtype, tuple[int, ...]]]
+    ) -> ExportIndex:
+        """The version's export (its manifest and safetensors header only), which the announcement
+        must match name for name, dtype and shape."""
         version = req.weight_version or ""
         if "/" in version or version in (".", ".."):
             raise WeightLoadError(f"Failed to update weights: bad weight_version {version!r}.")
-        path = Path(self._root or ".") / version
         if self._root is None:
             raise WeightLoadError(
                 "Failed to update weights: this server has no weights root, so a broadcast "
                 "cannot be checked against its export (start it with --weights-root DIR)."
             )
-        index = export_index(path, root=self._root)
+        index = export_index(Path(self._root) / version, root=self._root)
+        check_announced(index, dict(zip(req.names, specs, strict=True)))
+        return index
+
+    def _checked(
+        self,
+        index: ExportIndex,
+        state: dict[str, torch.Tensor],
+        model: torch.nn.Module,
+    ) -> tuple[dict[str, torch.Tensor], Path]:
+        """What arrived is the version's export, byte for byte, and fits the serving model."""
         check_announced(index, {n: (t.dtype, tuple(t.shape)) for n, t in state.items()})
         digest = received_digest(index, state)
         if digest != index.sha256:
@@ -422,7 +439,7 @@ class WeightGroups:
                 f"{index.path}/{index.file} is {index.sha256} in its manifest. "
                 "Rolling back to original weights."
             )
-        return fit_state(state, model, where="the broadcast"), path
+        return fit_state(state, model, where="the broadcast"), Path(index.path)
 
     def _leave(self, name: str) -> None:
         group = self._groups.pop(name, None)

@@ -194,3 +194,50 @@ async def test_a_wrong_shape_or_dtype_is_refused_and_the_old_weights_serve(
         assert [await engines.version(e) for e in engines.engines] == ["v000001"] * 2
         after = await served_weights(engines, engines.engines[1], [name])
         assert torch.equal(torch.tensor(after[name]), right[name])
+
+
+async def test_an_announcement_unlike_the_export_is_refused_before_any_byte(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """An engine compares the announced names, dtypes and shapes with the version's export before
+    it receives anything: a wrong dtype is answered at once, naming the tensor, with no tensor
+    ever sent (before, it waited for the whole broadcast and judged after; with two engines the
+    first refusal killed the sender while the other was still receiving, so that one answered
+    "broadcast failed" instead of naming the tensor)."""
+    store = tmp_path / "store"
+    v1 = _export(tiny_dir, store, 1, 1.02)
+    right = _file_tensors(v1)
+    name = "model.layers.0.mlp.down_proj.weight"
+    async with EngineSet(model=tiny_dir, root=store, workdir=tmp_path / "engines", n=1) as engines:
+        client = SGLangClient(engines.urls, retries=1, admin_key_file=engines.admin_key_file)
+        sender = WeightSender(
+            {engines.urls[0]: client},
+            master_address="127.0.0.1",
+            port=0,
+            backend="gloo",
+            timeout_s=60.0,
+            bucket_bytes=1 << 20,
+            run_id="r1",
+        )
+        try:
+            await sender.form(engines.urls)
+            formed = sender._formed
+            assert formed is not None
+            names = list(right)
+            payload = {
+                "names": names,
+                "dtypes": ["bfloat16" if n == name else "float32" for n in names],
+                "shapes": [list(right[n].shape) for n in names],
+                "group_name": formed.name,
+                "weight_version": "v000001",
+            }
+            # no tensor is sent: an engine that waits for the broadcast does not answer in time
+            [result] = await asyncio.wait_for(
+                client.weight_route("/update_weights_from_distributed", payload), 20.0
+            )
+        finally:
+            await sender.disband()
+            await client.close()
+        assert not result.success
+        assert name in result.message and "bfloat16" in result.message, result.message
+        assert await engines.version(engines.engines[0]) == "default"

@@ -12,6 +12,8 @@
     leafe weight-sync ... --engine-lock /run/leafe/engine/reload.lock
     # broadcast each version to a group of the servers (this process is rank 0)
     leafe weight-sync ... --transport distributed --master-address 10.0.0.5 --rendezvous-port 29600
+    # the servers are the addresses of a (headless Service's) name, looked up before every round
+    leafe weight-sync ... --engines-dns sglang-engines:30000
 
 How it reconciles is described in ``services/weight_sync/service.py``. It reads the engines' API key
 from ``$LEAFE_ENGINE_API_KEY_FILE`` (``/model_info``) and their admin key, which the weight routes
@@ -76,6 +78,19 @@ def _parser() -> argparse.ArgumentParser:
         help="distributed: the rendezvous store's port (0: a free one)",
     )
     p.add_argument(
+        "--engines-dns",
+        default=None,
+        metavar="NAME:PORT",
+        help="find the servers by resolving NAME before every round (each address a server "
+        "http://ADDR:PORT; a Kubernetes headless Service of the engine pods)",
+    )
+    p.add_argument(
+        "--group-backend",
+        choices=["gloo", "nccl"],
+        default=None,
+        help="distributed: gloo (CPU, TCP; default) or nccl (this process and the servers on GPUs)",
+    )
+    p.add_argument(
         "--engine-lock",
         default=None,
         help="file held locked while the server loads, read by the engine's liveness probe "
@@ -102,6 +117,8 @@ def main(argv: list[str]) -> int:
         "transport": a.transport,
         "master_address": a.master_address,
         "rendezvous_port": a.rendezvous_port,
+        "engines_dns": a.engines_dns,
+        "group_backend": a.group_backend,
     }
     try:
         nats = nats_options(a)
@@ -110,8 +127,11 @@ def main(argv: list[str]) -> int:
         p.error(str(e))
     if not nats.url:
         p.error("give --nats URL or set LEAFE_NATS_URL")
-    if not cfg.servers:
-        p.error("no inference server: give --server URL (or `servers` in --config)")
+    if not cfg.servers and not cfg.engines_dns:
+        p.error(
+            "no inference server: give --server URL or --engines-dns NAME:PORT "
+            "(or `servers` / `engines_dns` in --config)"
+        )
     structlog.contextvars.bind_contextvars(run_id=a.run)
     log.info("weight_sync.config", config=dump_config(cfg))
     metrics = WeightSyncMetrics()

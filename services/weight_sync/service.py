@@ -16,9 +16,11 @@ verified against the announced sha256 first and each server's version is recorde
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import socket
 import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -42,7 +44,7 @@ from leafe.services.weight_sync.lease import LoadSlots
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SyncResult", "WeightSync", "WeightSyncConfig"]
+__all__ = ["SyncResult", "WeightSync", "WeightSyncConfig", "resolve_addresses"]
 
 log = structlog.get_logger(__name__)
 STREAMS_USED = (WEIGHTS.name,)
@@ -54,6 +56,12 @@ class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
     servers: list[str] = msgspec.field(default_factory=list)
     """Base URLs of the inference servers (SGLang or ``leafe inference``)."""
+    engines_dns: str = ""
+    """``NAME:PORT``: find servers by resolving ``NAME``'s addresses (A/AAAA records) before every
+    round, each address a server ``http://ADDR:PORT`` besides ``servers``. For Kubernetes: a
+    headless Service of the engine pods (one record per Ready pod). A server that appears is
+    brought to the desired version like a restarted one; one that disappears is dropped, and the
+    weight group forms anew without it. A failed lookup keeps the servers found last."""
     reconcile_interval_s: float = 10.0
     """Re-read every server's ``weight_version`` this often (catches restarted servers)."""
     update_timeout_s: float = 600.0
@@ -119,6 +127,26 @@ class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             raise ValueError(f"bucket_mb must be >= 1, got {self.bucket_mb!r}")
         if self.transport == "distributed" and not self.master_address:
             raise ValueError("transport = 'distributed' needs master_address (empty)")
+        if self.engines_dns:
+            _split_name(self.engines_dns)  # raises naming the bad value
+
+
+def _split_name(value: str) -> tuple[str, int]:
+    """``NAME:PORT`` of ``engines_dns`` as ``(name, port)``; a clear error otherwise."""
+    name, _, port = value.rpartition(":")
+    if not name or not port.isdigit() or not 0 < int(port) < 65536 or "/" in name:
+        raise ValueError(f"engines_dns must be NAME:PORT (a port in 1..65535), got {value!r}")
+    return name, int(port)
+
+
+def resolve_addresses(name: str, port: int) -> list[str]:
+    """Every address ``name`` resolves to (IPv4 and IPv6, as strings); ``OSError`` when none."""
+    infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    return [str(info[4][0]) for info in infos]
+
+
+def _server_url(address: str, port: int) -> str:
+    return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
 
 
 class SyncResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -154,13 +182,22 @@ class WeightSync:
     """Reconciles servers to the newest announced version (see the module docstring)."""
 
     def __init__(
-        self, cfg: WeightSyncConfig, *, run_id: str, metrics: WeightSyncMetrics | None = None
+        self,
+        cfg: WeightSyncConfig,
+        *,
+        run_id: str,
+        metrics: WeightSyncMetrics | None = None,
+        resolve: Callable[[str, int], list[str]] = resolve_addresses,
     ) -> None:
-        if not cfg.servers:
-            raise ValueError("weight-sync needs at least one --server URL")
+        if not cfg.servers and not cfg.engines_dns:
+            raise ValueError("weight-sync needs at least one --server URL or --engines-dns")
         self.cfg = cfg
         self.run_id = run_id
         self.clients = {u.rstrip("/"): SGLangClient([u], retries=1) for u in cfg.servers}
+        """The servers, by base URL: ``servers``, then those ``engines_dns`` finds (the sender
+        shares this dict)."""
+        self._static = frozenset(self.clients)
+        self._resolve = resolve
         self.desired: WeightsPublished | None = None
         self.served: dict[str, str] = {}
         self.retry_at: dict[str, float] = {}
@@ -175,7 +212,7 @@ class WeightSync:
         self._checked: dict[tuple[str, str, str], bool] = {}
         """The verdict of ``_verified`` on the desired export (version, uri, manifest sha256)."""
         self.slots = LoadSlots(
-            holder=f"{self.host}|{','.join(self.clients)}",
+            holder=f"{self.host}|{','.join(self.clients) or cfg.engines_dns}",
             lease=cfg.reload_lease,
             engine_lock=cfg.engine_lock,
             load_deadline_s=cfg.update_timeout_s + 60.0,
@@ -340,6 +377,7 @@ class WeightSync:
     async def sync(self, *, refresh: bool = False) -> dict[str, SyncResult]:
         """Bring every server to the desired version now, one load at a time; returns this round's
         per-server results (a server waiting for the store's reload lease has none yet)."""
+        await self._discover()
         event = self.desired
         if event is None or not await self._verified(event):
             return {}
@@ -357,6 +395,49 @@ class WeightSync:
                     break
                 done[url] = await self._update(url, event)  # the others keep serving meanwhile
         return done
+
+    async def _discover(self) -> None:
+        """With ``engines_dns``: make the servers the addresses it resolves to now (plus the static
+        ``servers``). A server that left is dropped; if it was in the weight group, the group is
+        disbanded first (the next push forms it with the servers there are)."""
+        if not self.cfg.engines_dns:
+            return
+        name, port = _split_name(self.cfg.engines_dns)
+        try:
+            addresses = await asyncio.to_thread(self._resolve, name, port)
+        except OSError as e:
+            log.warning(
+                "weight_sync.discovery.failed",
+                name=self.cfg.engines_dns,
+                error=f"{type(e).__name__}: {e}",
+                keeping=sorted(self.clients),
+            )
+            return
+        found = {_server_url(a, port) for a in addresses}
+        added = sorted(found - set(self.clients))
+        gone = sorted(set(self.clients) - found - self._static)
+        if not added and not gone:
+            return
+        if self.sender is not None and set(gone) & set(self.sender.members):
+            await self.sender.disband()
+        for url in gone:
+            client = self.clients.pop(url)
+            await client.close()
+            self.served.pop(url, None)
+            self.retry_at.pop(url, None)
+            self.failures.pop(url, None)
+            self.results.pop(url, None)
+            with contextlib.suppress(KeyError):  # never served a version we could show
+                self.metrics.version.remove(url)
+        for url in added:
+            self.clients[url] = SGLangClient([url], retries=1)
+        log.info(
+            "weight_sync.discovery.changed",
+            name=self.cfg.engines_dns,
+            added=added,
+            gone=gone,
+            servers=len(self.clients),
+        )
 
     def _by_wire(self, event: WeightsPublished, behind: list[str]) -> list[str]:
         """The servers ``event`` goes to by broadcast: those behind that already serve a version of
@@ -450,7 +531,11 @@ class WeightSync:
     def converged(self) -> bool:
         """Every server is known to serve the desired version."""
         d = self.desired
-        return d is not None and all(self.served.get(u) == d.version for u in self.clients)
+        return (
+            d is not None
+            and bool(self.clients)
+            and all(self.served.get(u) == d.version for u in self.clients)
+        )
 
     async def run(
         self, nats: NatsOptions | str, stop: asyncio.Event, *, once: bool = False

@@ -16,6 +16,7 @@ from typing import Any
 
 __all__ = [
     "ALLOWED_VOLUME_TYPES",
+    "SAFE_SYSCTLS",
     "Peer",
     "egress_peers",
     "ingress_peers",
@@ -67,7 +68,8 @@ class Peer:
     """Selects namespaces; None: the policy's own namespace."""
     ip_block: dict[str, Any] | None
     ports: frozenset[tuple[int | str, str]] | None
-    """``(port, protocol)`` pairs; None when the rule lists no ports (all ports)."""
+    """``(port, protocol)`` pairs (a range as ``"FIRST-LAST"``); None when the rule lists no ports
+    (all ports)."""
 
 
 def _rules(
@@ -81,13 +83,20 @@ def _rules(
                 yield policy["metadata"]["name"], rule
 
 
+def _port(rule_port: dict[str, Any]) -> int | str:
+    """A rule's port: the number (or name), or ``"FIRST-LAST"`` for a range (``endPort``)."""
+    if "endPort" in rule_port:
+        return f"{rule_port['port']}-{rule_port['endPort']}"
+    return rule_port["port"]  # type: ignore[no-any-return]
+
+
 def _peers(policies: list[Doc], labels: dict[str, str], direction: str) -> list[Peer]:
     side = "to" if direction == "Egress" else "from"
     out = []
     for name, rule in _rules(policies, labels, direction):
         ports = rule.get("ports")
         port_set = (
-            None if not ports else frozenset((p["port"], p.get("protocol", "TCP")) for p in ports)
+            None if not ports else frozenset((_port(p), p.get("protocol", "TCP")) for p in ports)
         )
         peers = rule.get(side)
         if not peers:  # an empty `to`/`from` means everywhere
@@ -141,6 +150,21 @@ ALLOWED_VOLUME_TYPES = frozenset(
 )
 """Volume types the "restricted" Pod Security Standard allows."""
 _ALLOWED_CAPS = frozenset({"NET_BIND_SERVICE"})
+SAFE_SYSCTLS = frozenset(
+    {
+        "kernel.shm_rmid_forced",
+        "net.ipv4.ip_local_port_range",
+        "net.ipv4.ip_unprivileged_port_start",
+        "net.ipv4.tcp_syncookies",
+        "net.ipv4.ping_group_range",
+        "net.ipv4.ip_local_reserved_ports",
+        "net.ipv4.tcp_keepalive_time",
+        "net.ipv4.tcp_fin_timeout",
+        "net.ipv4.tcp_keepalive_intvl",
+        "net.ipv4.tcp_keepalive_probes",
+    }
+)
+"""Sysctls the "baseline" (and so "restricted") Pod Security Standard allows (Kubernetes 1.32)."""
 
 
 def _seccomp_ok(context: dict[str, Any] | None) -> bool | None:
@@ -162,6 +186,9 @@ def restricted_violations(pod: Doc) -> list[str]:
             problems.append(f"volume {volume['name']} has type {kind}")
     if pod_ctx.get("runAsUser") == 0:
         problems.append("pod runs as uid 0")
+    for sysctl in pod_ctx.get("sysctls") or []:
+        if sysctl["name"] not in SAFE_SYSCTLS:
+            problems.append(f"sysctl {sysctl['name']} is not allowed")
     for c in (pod.get("initContainers") or []) + pod["containers"]:
         ctx = c.get("securityContext") or {}
         where = c["name"]

@@ -80,8 +80,8 @@ def test_every_pod_of_every_combination_meets_restricted(
 
 
 def test_restricted_check_catches_what_it_should() -> None:
-    """The checker flags root, escalation, kept capabilities, unconfined seccomp and hostPath
-    volumes."""
+    """The checker flags root, escalation, kept capabilities, unconfined seccomp, hostPath
+    volumes and sysctls outside the safe set."""
     good = {
         "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [
@@ -97,11 +97,20 @@ def test_restricted_check_catches_what_it_should() -> None:
     }
     assert restricted_violations(good) == []
     bad = {
-        "securityContext": {"seccompProfile": {"type": "Unconfined"}},
+        "securityContext": {
+            "seccompProfile": {"type": "Unconfined"},
+            "sysctls": [{"name": "net.core.somaxconn", "value": "1024"}],
+        },
         "containers": [{"name": "c", "securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}],
         "volumes": [{"name": "v", "hostPath": {"path": "/"}}],
         "hostNetwork": True,
     }
+    pinned = {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "sysctls": [{"name": "net.ipv4.ip_local_port_range", "value": "40000 40999"}],
+    }
+    assert restricted_violations({**good, "securityContext": pinned}) == []
     text = " ".join(restricted_violations(bad))
     for expected in (
         "hostNetwork",
@@ -111,6 +120,7 @@ def test_restricted_check_catches_what_it_should() -> None:
         "SYS_ADMIN",
         "runAsNonRoot",
         "seccomp",
+        "net.core.somaxconn",
     ):
         assert expected in text
 

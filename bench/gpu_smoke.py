@@ -15,6 +15,11 @@ events with the ``leafe`` materializer into a dataset and runs ``torchrun --npro
 leafe.services.learner.train`` in bf16 over NCCL (trained tokens/s after the first step; MFU = 6 *
 params * tokens/s / (N * peak bf16 FLOP/s), attention FLOPs left out, so a slight underestimate);
 *push* calls ``/update_weights_from_disk`` with a new ``weight_version`` and checks the served one;
+*wire* pushes the base weights back over the wire as weight sync's distributed transport does
+(``WeightSender``: this process's child is rank 0, SGLang rank 1; NCCL with the sender on the last
+GPU when there are two or more, gloo with one, noted) and checks the served version and that the
+served logprobs match the base weights again (the NCCL versions of both sides are recorded: NCCL
+refuses ranks of different versions, and the gpu overlay pairs the leafe image with SGLang's);
 *keyed start* (``bench/gpu_smoke_keys.py``, once the others have stopped) starts SGLang again as
 deploy/ does (API and admin keys, caches under a temporary ``HOME``, this uid) and checks ``/ready``
 through the load, that the API key cannot reload weights and the admin key can, and a non-root uid;
@@ -55,17 +60,27 @@ from bench.gpu_smoke_lib import (
     SmokeError,
     logprob_gap,
     mfu,
+    nccl_version,
     peak_tflops,
     preflight,
     sglang_command,
     sglang_server,
     train_command,
+    wire_backend,
 )
 from bench.gpu_smoke_router import reload_under_load, routed, router_metrics
 from bench.host import host_record
 from leafe.actors.engine import Completion, SamplingParams
 
-__all__ = ["Report", "build_dataset", "explore", "main", "parameter_count", "push_and_verify"]
+__all__ = [
+    "Report",
+    "build_dataset",
+    "explore",
+    "main",
+    "parameter_count",
+    "push_and_verify",
+    "wire_push",
+]
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "gpu_smoke.json"
@@ -286,6 +301,98 @@ async def push_and_verify(
         )
 
 
+async def wire_push(
+    url: str,
+    source: Path,
+    version: str,
+    backend: str,
+    tol: float,
+    report: Report,
+    *,
+    tokenizer_dir: Path,
+    device: str = "cuda",
+    sender_gpu: int | None = None,
+) -> None:
+    """Push the safetensors of ``source`` to the engine at ``url`` as ``version`` over a weight
+    group (weight sync's ``WeightSender``, rank 0 in a child process, on ``sender_gpu`` for NCCL),
+    then check the served version and that a greedy completion's logprobs match a forward pass of
+    ``source`` (``device``: where that forward pass runs)."""
+    from leafe.actors.client import SGLangClient
+    from leafe.learner.model_io import HFChatTokenizer
+    from leafe.protocol.samples import ChatMessage
+    from leafe.services.weight_sync.broadcast import GroupError, WeightSender
+
+    state = await asyncio.to_thread(_safetensors_state, source)
+    prompt = HFChatTokenizer.from_dir(tokenizer_dir).encode_chat(
+        [ChatMessage(role="user", content=PROBE_PROMPT)]
+    )
+    client = SGLangClient(url, timeout_s=600.0)
+    sender = WeightSender(
+        {url: client},
+        master_address="127.0.0.1",
+        port=0,
+        backend=backend,
+        timeout_s=300.0,
+        bucket_bytes=512 << 20,
+        run_id="smoke",
+    )
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        if sender_gpu is not None:  # the spawned rank 0 sees only its own GPU
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(sender_gpu)
+        t0 = time.perf_counter()
+        try:
+            await sender.form([url])
+        except GroupError as e:
+            raise SmokeError(f"wire push ({backend}): {e}") from e
+        finally:
+            if sender_gpu is not None:
+                _restore_env("CUDA_VISIBLE_DEVICES", saved)
+        formed = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        [result] = await sender.push(state, version)
+        pushed = time.perf_counter() - t1
+        size = sum(t.numel() * t.element_size() for t in state.values())
+        report.figures["wire_push"] = {
+            "backend": backend,
+            "formation_s": round(formed, 2),
+            "push_s": round(pushed, 2),
+            "bytes": size,
+            "gb_per_s": round(size / pushed / 1e9, 3) if pushed else None,
+        }
+        report.checks["wire_push_succeeded"] = result.success
+        if not result.success:
+            raise SmokeError(f"/update_weights_from_distributed failed: {result.message}")
+        report.checks["wire_served_weight_version"] = await client.weight_version() == version
+        params = SamplingParams(max_new_tokens=24, temperature=0.0)
+        [c] = await client.generate(prompt, params, return_logprob=True)
+    finally:
+        await sender.disband()
+        await client.close()
+    reference = await asyncio.to_thread(forward_logprobs, source, prompt, c.output_ids, device)
+    gap = logprob_gap(c.logprobs or [], reference)
+    report.figures["wire_push"]["logprob_gap_mean_max"] = gap
+    report.checks["wire_logprobs_match_pushed_weights"] = gap[0] <= tol
+
+
+def _safetensors_state(source: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    state: dict[str, Any] = {}
+    for f in sorted(source.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    if not state:
+        raise SmokeError(f"{source}: no safetensors file to push")
+    return state
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 def forward_logprobs(
     model_dir: Path, prompt: list[int], output: list[int], device: str = "cuda"
 ) -> list[float]:
@@ -363,6 +470,22 @@ def run(args: argparse.Namespace, report: Report) -> None:
         )
         if router is not None:
             report.checks["router_metrics"] = router_metrics(args.port + 2)
+        backend, sender_gpu, note = wire_backend(torch.cuda.device_count())
+        report.notes += [note] if note else []
+        report.figures["nccl"] = {"here": nccl_version(sys.executable)}
+        report.figures["nccl"]["sglang"] = nccl_version(args.sglang_python)
+        asyncio.run(
+            wire_push(
+                url,
+                model_dir,
+                "smoke-base-wire",
+                backend,
+                args.logprob_tol,
+                report,
+                tokenizer_dir=model_dir,
+                sender_gpu=sender_gpu,
+            )
+        )
     api_key, admin_key = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
     keyed = asyncio.run(
         keyed_start(

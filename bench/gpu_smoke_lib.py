@@ -29,6 +29,7 @@ __all__ = [
     "load_loop",
     "logprob_gap",
     "mfu",
+    "nccl_version",
     "peak_tflops",
     "preflight",
     "probe_loop",
@@ -37,6 +38,7 @@ __all__ = [
     "sglang_command",
     "sglang_server",
     "train_command",
+    "wire_backend",
 ]
 
 SGLANG_VERSION = "0.5.23"
@@ -312,3 +314,33 @@ async def load_loop(
             await asyncio.sleep(0.1)
         else:
             log.record(None)
+
+
+def wire_backend(gpu_count: int) -> tuple[str, int | None, str]:
+    """How the *wire* stage pushes, given the GPUs here: ``(backend, the sender's GPU, a note)``.
+    NCCL (the gpu overlay's backend) needs the sender on a GPU of its own: NCCL refuses two ranks
+    of one communicator on one device, and SGLang holds GPU 0. With a single GPU the push goes over
+    gloo (SGLang receives into its GPU tensors through gloo), and the note says NCCL was not
+    exercised."""
+    if gpu_count >= 2:
+        return "nccl", gpu_count - 1, ""
+    return (
+        "gloo",
+        None,
+        "wire push over gloo, not NCCL: one GPU here, and NCCL refuses a second rank on the GPU "
+        "SGLang holds; run with 2 GPUs to check the gpu overlay's NCCL path",
+    )
+
+
+def nccl_version(python: str) -> str | None:
+    """The NCCL version torch carries under ``python`` (``"2.27.5"``), or None when it has none or
+    cannot say. NCCL refuses ranks of different versions in one group."""
+    code = "import torch; v = torch.cuda.nccl.version(); print('.'.join(map(str, v)))"
+    try:
+        done = subprocess.run(
+            [python, "-c", code], capture_output=True, text=True, timeout=120, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    out = done.stdout.strip()
+    return out if done.returncode == 0 and out else None

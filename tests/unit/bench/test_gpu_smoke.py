@@ -21,6 +21,7 @@ from bench.gpu_smoke_lib import (
     load_loop,
     logprob_gap,
     mfu,
+    nccl_version,
     peak_tflops,
     preflight,
     probe_loop,
@@ -28,6 +29,7 @@ from bench.gpu_smoke_lib import (
     router_version,
     sglang_command,
     train_command,
+    wire_backend,
 )
 
 
@@ -234,3 +236,18 @@ def test_router_command_parses_under_sglang_router() -> None:
     parser = argparse.ArgumentParser()
     router_args.RouterArgs.add_cli_args(parser)
     router_args.RouterArgs.from_cli_args(parser.parse_args(cmd[3:]))
+
+
+def test_the_wire_stage_uses_nccl_only_with_a_gpu_of_its_own() -> None:
+    """NCCL refuses two ranks on one GPU and SGLang holds GPU 0: the sender takes the last GPU, and
+    with one GPU the push goes over gloo with a note saying NCCL was not checked."""
+    assert wire_backend(4) == ("nccl", 3, "")
+    assert wire_backend(2) == ("nccl", 1, "")
+    backend, gpu, note = wire_backend(1)
+    assert (backend, gpu) == ("gloo", None) and "NCCL" in note and "2 GPUs" in note
+
+
+def test_nccl_version_is_none_without_cuda_or_python(tmp_path: Path) -> None:
+    """This machine's torch is a CPU build (no NCCL); a python that does not exist says nothing."""
+    assert nccl_version(sys.executable) is None
+    assert nccl_version(str(tmp_path / "no-python")) is None

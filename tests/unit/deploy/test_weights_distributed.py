@@ -7,6 +7,7 @@ gpu overlay is what it was. Run: ``.venv/bin/python -m pytest tests/unit/deploy 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -224,3 +225,42 @@ def test_the_policies_admit_exactly_the_group(wired: Docs, rendered: dict[str, D
             for p in rule.get("ports", []):
                 if "endPort" in p:
                     assert f"{p['port']}-{p['endPort']}" == DATA_PORTS[0], policy["metadata"]
+
+
+def test_on_cilium_the_data_range_is_opened_by_cilium_policies_between_the_same_pods(
+    kubectl: str, tmp_path: Path, wired: Docs
+) -> None:
+    """Cilium opens only a NetworkPolicy's first port (no ``endPort``): the Cilium component allows
+    the range with CiliumNetworkPolicies, between exactly the pods the NetworkPolicies name, and
+    changes nothing else."""
+    docs = render_stack(
+        "gpu", ["weights-distributed", "weights-distributed-cilium"], tmp_path / "c", kubectl
+    )
+    cilium = [d for d in docs if d["kind"] == "CiliumNetworkPolicy"]
+    assert [d for d in docs if d["kind"] != "CiliumNetworkPolicy"] == wired
+    pods = {
+        w["metadata"]["name"]: pod_labels(w)
+        for w, _ in pod_templates(docs)
+        if w["metadata"]["name"] in ("weight-sync", "sglang")
+    }
+
+    def names(selectors: list[dict[str, Any]]) -> set[str]:
+        return {n for s in selectors for n, labels in pods.items() if selects(s, labels)}
+
+    reach: dict[tuple[str, str], set[str]] = {}
+    for policy in cilium:
+        assert policy["apiVersion"] == "cilium.io/v2" and policy["metadata"]["namespace"] == "leafe"
+        [own] = names([policy["spec"]["endpointSelector"]])
+        for direction, key in (("ingress", "fromEndpoints"), ("egress", "toEndpoints")):
+            for rule in policy["spec"][direction]:
+                assert set(rule) == {key, "toPorts"}
+                [ports] = rule["toPorts"]
+                assert ports == {"ports": [{"port": "40000", "endPort": 40999, "protocol": "TCP"}]}
+                reach.setdefault((own, direction), set()).update(names(rule[key]))
+    assert reach == {
+        ("weight-sync", "ingress"): {"sglang"},
+        ("weight-sync", "egress"): {"sglang"},
+        ("sglang", "ingress"): {"weight-sync", "sglang"},
+        ("sglang", "egress"): {"weight-sync", "sglang"},
+    }
+    assert DATA_PORTS[0] == "40000-40999"
